@@ -1,0 +1,1 @@
+"""omni_cache: multi-stage omni serving on vLLM with a hidden-state prefix cache."""
