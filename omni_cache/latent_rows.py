@@ -1,0 +1,82 @@
+"""Per-request latent rows, assembled in token-position order.
+
+A stage emits latents as chunks: `LatentChunk(start, tensors)` holds rows for token positions
+`start .. start + n - 1`, one tensor per latent name. Row `i` is the latent of the token at position
+`i` (the model's output when that token was its input), so a request of P prompt tokens that
+generated G tokens has P + G - 1 rows once it finishes: its last sampled token was never fed back.
+
+Chunks can overlap (a request resumed after preemption is re-admitted with a prefix hit and gets its
+prefix gathered again) or arrive past the end (async scheduling runs one step for a request that has
+just finished). `LatentRows` keeps the first copy of every position and drops the rest, and a gap
+is a bug upstream, so it raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LatentChunk:
+    start: int
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def num_rows(self) -> int:
+        return next(iter(self.tensors.values())).shape[0] if self.tensors else 0
+
+
+@dataclass
+class LatentRows:
+    """Rows of one request, appended chunk by chunk; `take_new()` hands out what is new since the
+    last call (for streaming downstream), `all()` the whole sequence (concatenated once)."""
+
+    names: tuple[str, ...]
+    chunks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    num_rows: int = 0
+    _taken: int = 0  # rows already handed out by take_new()
+
+    def add(self, chunk: LatentChunk) -> None:
+        end = chunk.start + chunk.num_rows
+        if chunk.start > self.num_rows:
+            raise RuntimeError(
+                f"latent rows {self.num_rows}..{chunk.start - 1} are missing "
+                f"(chunk starts at {chunk.start})"
+            )
+        if end <= self.num_rows:
+            return
+        skip = self.num_rows - chunk.start
+        self.chunks.append({n: chunk.tensors[n][skip:] for n in self.names})
+        self.num_rows = end
+
+    def truncate(self, num_rows: int) -> None:
+        """Drop rows past `num_rows` (positions computed for tokens the request never kept)."""
+        if num_rows >= self.num_rows:
+            return
+        merged = self.all()
+        self.chunks = [{n: t[:num_rows] for n, t in merged.items()}]
+        self.num_rows = num_rows
+        self._taken = min(self._taken, num_rows)
+
+    def all(self) -> dict[str, torch.Tensor]:
+        if len(self.chunks) != 1:
+            self.chunks = [self._concat(self.chunks)]
+        return dict(self.chunks[0])
+
+    def take_new(self, upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """(start, rows) for positions [last taken, upto) (default: everything held)."""
+        upto = self.num_rows if upto is None else min(upto, self.num_rows)
+        start = self._taken
+        if upto <= start:
+            return start, {}
+        merged = self.all()
+        self._taken = upto
+        return start, {n: t[start:upto] for n, t in merged.items()}
+
+    def _concat(self, chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if not chunks:
+            return {}
+        return {n: torch.cat([c[n] for c in chunks]) if len(chunks) > 1 else chunks[0][n]
+                for n in self.names}

@@ -1,0 +1,48 @@
+"""vLLM Scheduler subclasses (loaded through the engine argument `scheduler_cls`).
+
+The scheduler is where prefix-cache hits are decided, so it is where they are counted: every newly
+admitted request records its prompt length (queried tokens) and the tokens vLLM's prefix cache let
+it skip (hit tokens). The counters are cumulative and read in-process by the stage (they feed
+`/metrics`). `OmniScheduler` extends the synchronous scheduler, `AsyncOmniScheduler` the one vLLM
+uses with async scheduling; the stage picks the one matching `async_scheduling`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+@dataclass
+class PrefixCacheCounters:
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.requests += 1
+        self.queried_tokens += num_prompt_tokens
+        self.hit_tokens += num_hit_tokens
+
+
+class PrefixCounterMixin:
+    prefix_counters: PrefixCacheCounters
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        counters = self.__dict__.setdefault("prefix_counters", PrefixCacheCounters())
+        for new in output.scheduled_new_reqs:
+            request = self.requests[new.req_id]  # type: ignore[attr-defined]
+            counters.record(request.num_prompt_tokens, new.num_computed_tokens)
+        return output
+
+
+class OmniScheduler(PrefixCounterMixin, Scheduler):
+    pass
+
+
+class AsyncOmniScheduler(PrefixCounterMixin, AsyncScheduler):
+    pass

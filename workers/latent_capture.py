@@ -1,0 +1,184 @@
+"""What the worker does with a step's latents: write them to the mirror, gather prefix hits, hand
+them to the stage.
+
+The stage runs vLLM's engine core in its own process (no engine-core subprocess), so the worker,
+the scheduler and the stage loop share one process and latents reach the stage through this object
+without any serialization. Per step and request, `pending` gets up to two `LatentChunk`s: the rows
+gathered from the mirror for a prefix vLLM skipped, then the rows this step computed.
+
+Copies, per step: on CPU the computed rows are views of the model's fresh output tensor (no copy);
+one `index_copy_` per latent name writes them into the mirror; a hit costs one `index_select` per
+latent name. On CUDA the computed rows are also copied to host once, because they leave the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.latent_rows import LatentChunk
+
+logger = logging.getLogger("omni_cache.latents")
+
+HIDDEN = "hidden"
+
+
+def layer_name(index: int) -> str:
+    return f"layer_{index}"
+
+
+@dataclass(frozen=True)
+class LatentOptions:
+    """The `additional_config["omni_cache"]` block the stage passes to vLLM (see llm_stage.py)."""
+
+    hidden: bool = True
+    layers: tuple[int, ...] = ()
+    cache: bool = False  # mirror vLLM's prefix cache (only meaningful with enable_prefix_caching)
+    storage: str = "host"  # "host" | "device"
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "LatentOptions | None":
+        raw = (vllm_config.additional_config or {}).get("omni_cache")
+        if raw is None:
+            return None
+        return cls(
+            hidden=bool(raw.get("hidden", True)),
+            layers=tuple(int(i) for i in raw.get("layers", ())),
+            cache=bool(raw.get("cache", False)) and bool(vllm_config.cache_config.enable_prefix_caching),
+            storage=str(raw.get("storage", "host")),
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ((HIDDEN,) if self.hidden else ()) + tuple(layer_name(i) for i in self.layers)
+
+
+@dataclass
+class LatentCounters:
+    rows_served: int = 0  # latent rows gathered from the mirror instead of recomputed
+    rows_computed: int = 0
+    steps: int = 0
+
+
+@dataclass
+class LatentCapture:
+    options: LatentOptions
+    dims: dict[str, tuple[int, torch.dtype]]
+    device: torch.device
+    counters: LatentCounters = field(default_factory=LatentCounters)
+    pending: dict[str, list[LatentChunk]] = field(default_factory=lambda: defaultdict(list))
+    store: Any = None  # omni_cache.latent_store.LatentStore when the mirror is on
+    group_id: int = -1  # the mirrored full-attention KV-cache group
+    layer_name: str = ""  # one attention layer of that group: its slot mapping is the group's
+    block_size: int = 0
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def bind_kv_cache(self, kv_cache_config: Any) -> None:
+        """Allocate the mirror of the full-attention KV-cache group, if the cache is on."""
+        if not self.options.cache:
+            return
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from omni_cache.latent_store import LatentStore
+
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            if isinstance(group.kv_cache_spec, FullAttentionSpec):
+                self.group_id, self.layer_name = gid, group.layer_names[0]
+                self.block_size = group.kv_cache_spec.block_size
+                break
+        else:
+            raise RuntimeError("hidden-state cache: the model has no full-attention KV-cache group")
+        self.store = LatentStore(
+            self.dims, kv_cache_config.num_blocks, self.block_size,
+            storage=self.options.storage, device=self.device,
+        )
+        logger.info(
+            "hidden-state cache: mirroring KV group %d (%d blocks x %d slots), latents %s, "
+            "%.1f MiB in %s memory", self.group_id, kv_cache_config.num_blocks, self.block_size,
+            ", ".join(f"{n}[{d}]" for n, (d, _) in self.dims.items()), self.store.nbytes / 2**20,
+            self.options.storage,
+        )
+
+    # ---- per step --------------------------------------------------------------------------
+    def on_step(self, sched: Any, state: Any, req_ids: list[str]) -> None:
+        """Called after the forward pass, before sampling. `state` is the runner's
+        ExecuteModelState; `req_ids` the batch order its token rows follow."""
+        num_tokens = sched.total_num_scheduled_tokens
+        if num_tokens == 0:
+            return
+        computed = self._step_latents(state, num_tokens)
+        if self.store is not None:
+            # All of the step's writes go before any gather: a request admitted in this step may
+            # hit blocks that another request of the same step is computing right now.
+            self.store.write(state.slot_mappings[self.layer_name][:num_tokens], computed)
+            hits = self._admitted_with_hits(sched)
+        else:
+            hits = {}
+        if computed and computed[next(iter(computed))].device.type != "cpu":
+            computed = {n: t.to("cpu") for n, t in computed.items()}
+        start_of = self._start_positions(sched)
+        offset = 0
+        for req_id in req_ids:
+            n = sched.num_scheduled_tokens.get(req_id, 0)
+            if n == 0:
+                continue
+            if req_id in hits:
+                self.pending[req_id].append(self._gather(*hits[req_id]))
+            rows = {name: t[offset:offset + n] for name, t in computed.items()}
+            self.pending[req_id].append(LatentChunk(start_of[req_id], rows))
+            offset += n
+        self.counters.rows_computed += num_tokens
+        self.counters.steps += 1
+
+    def drain(self, req_id: str) -> list[LatentChunk]:
+        return self.pending.pop(req_id, [])
+
+    def discard(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _step_latents(self, state: Any, num_tokens: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        if self.options.hidden:
+            out[HIDDEN] = state.hidden_states[:num_tokens]
+        if self.options.layers:
+            # vLLM returns aux hidden states in ascending layer order.
+            for idx, tensor in zip(sorted(self.options.layers), state.aux_hidden_states):
+                out[layer_name(idx)] = tensor[:num_tokens]
+        return out
+
+    def _admitted_with_hits(self, sched: Any) -> dict[str, tuple[list[int], int]]:
+        """Requests that got (new) block tables with num_computed_tokens > 0: vLLM skipped their
+        first num_computed_tokens tokens, so their latents come from the mirror."""
+        hits = {}
+        for req in sched.scheduled_new_reqs:
+            if req.num_computed_tokens > 0:
+                hits[req.req_id] = (req.block_ids[self.group_id], req.num_computed_tokens)
+        cached = sched.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids and cached.num_computed_tokens[i] > 0:
+                block_ids = cached.new_block_ids[i]
+                if block_ids is not None:
+                    hits[req_id] = (block_ids[self.group_id], cached.num_computed_tokens[i])
+        return hits
+
+    def _gather(self, block_ids: list[int], num_tokens: int) -> LatentChunk:
+        from omni_cache.latent_store import LatentStore
+
+        slots = LatentStore.prefix_slots(block_ids, self.block_size, num_tokens)
+        rows = self.store.gather(slots)
+        if self.device.type != "cpu":
+            rows = {n: t.to("cpu") for n, t in rows.items()}
+        self.counters.rows_served += num_tokens
+        return LatentChunk(0, rows)
+
+    @staticmethod
+    def _start_positions(sched: Any) -> dict[str, int]:
+        start = {r.req_id: r.num_computed_tokens for r in sched.scheduled_new_reqs}
+        cached = sched.scheduled_cached_reqs
+        start.update(zip(cached.req_ids, cached.num_computed_tokens))
+        return start

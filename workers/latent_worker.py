@@ -1,0 +1,83 @@
+"""vLLM Worker extensions (loaded through the engine argument `worker_cls`) that return latents.
+
+The mixin adds three things to vLLM's own worker and leaves its model runner untouched:
+- after `load_model`: turn on the layer taps through the EAGLE-3 aux-hidden-state interface
+  (`set_aux_hidden_state_layers`; the model then returns `(hidden, aux_hidden)`), no forward hooks;
+- after `initialize_from_config`: size the hidden-state mirror from the KV-cache config;
+- after `execute_model`: the runner has left `hidden_states`, `aux_hidden_states` and the step's
+  `slot_mappings` in `execute_model_state` (sampling has not run yet); hand them to LatentCapture.
+
+Written against vLLM 0.32's V1 model runner (`GPUModelRunner`, which `CPUModelRunner` subclasses);
+the stage sets VLLM_USE_V2_MODEL_RUNNER=0 so GPU hosts use it too. Speculative decoding is not
+supported (its rejected draft tokens would need their rows dropped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workers.latent_capture import HIDDEN, LatentCapture, LatentOptions, layer_name
+
+
+class LatentWorkerMixin:
+    latents: LatentCapture | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        options = LatentOptions.from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
+        if options is None:
+            return
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        if options.layers:
+            if not hasattr(model, "set_aux_hidden_state_layers"):
+                raise RuntimeError(
+                    f"{type(model).__name__} has no aux-hidden-state interface: layer taps "
+                    f"{list(options.layers)} are not available for this model"
+                )
+            num_layers = self.vllm_config.model_config.get_num_layers(  # type: ignore[attr-defined]
+                self.vllm_config.parallel_config)  # type: ignore[attr-defined]
+            bad = [i for i in options.layers if not 0 <= i < num_layers]
+            if bad:
+                raise ValueError(f"layer taps {bad} out of range: the model has {num_layers} layers")
+            model.set_aux_hidden_state_layers(tuple(options.layers))
+            runner.use_aux_hidden_state_outputs = True
+        hidden_size = self.vllm_config.model_config.get_hidden_size()  # type: ignore[attr-defined]
+        dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
+        dims = {name: (hidden_size, dtype) for name in options.names}
+        self.latents = LatentCapture(options, dims, torch.device(runner.device))
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+        if self.latents is not None:
+            self.latents.bind_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        output = super().execute_model(scheduler_output)  # type: ignore[misc]
+        state = self.model_runner.execute_model_state  # type: ignore[attr-defined]
+        if self.latents is not None and state is not None:
+            self.latents.on_step(scheduler_output, state,
+                                 self.model_runner.input_batch.req_ids)  # type: ignore[attr-defined]
+        return output
+
+
+def __getattr__(name: str) -> type:
+    # Built on first use so that importing this module on a GPU host does not import the CPU
+    # worker (and vice versa).
+    if name == "CPULatentWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        cls = type("CPULatentWorker", (LatentWorkerMixin, CPUWorker), {"__module__": __name__})
+    elif name == "GPULatentWorker":
+        from vllm.v1.worker.gpu_worker import Worker
+
+        cls = type("GPULatentWorker", (LatentWorkerMixin, Worker), {"__module__": __name__})
+    else:
+        raise AttributeError(name)
+    globals()[name] = cls
+    return cls
+
+
+__all__ = ["LatentWorkerMixin", "CPULatentWorker", "GPULatentWorker", "HIDDEN", "layer_name"]

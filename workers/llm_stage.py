@@ -1,0 +1,144 @@
+"""An autoregressive stage: one vLLM engine, run in this process, that also returns latents.
+
+vLLM's engine core, scheduler and worker all run inside the stage process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one worker through UniProcExecutor). That is what lets the
+worker's LatentCapture hand latents to this loop without serializing them: the stage reads them
+after each `engine.step()`. Stages are separate processes anyway, so nothing is lost by not having
+vLLM's own front-end/engine-core split inside a stage.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.latent_rows import LatentRows
+from workers.latent_capture import LatentOptions
+
+# Must be set before vLLM is imported in this process.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# The worker extension is written against the V1 model runner (see latent_worker.py).
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens of this step
+    text: str  # new text of this step ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens vLLM's prefix cache let this request skip
+    latent_start: int = 0  # position of the first row in `latents`
+    latents: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Tracked:
+    internal_id: str
+    rows: LatentRows
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+
+
+class LLMStage:
+    def __init__(self, model: str, engine_args: dict[str, Any], *, prefix_cache: bool = True,
+                 latents: LatentOptions | None = None, async_scheduling: bool = False) -> None:
+        from vllm import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        worker = "CPULatentWorker" if current_platform.is_cpu() else "GPULatentWorker"
+        scheduler = "AsyncOmniScheduler" if async_scheduling else "OmniScheduler"
+        kwargs = dict(engine_args)
+        if latents is not None:
+            kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache": {
+                "hidden": latents.hidden, "layers": list(latents.layers),
+                "cache": latents.cache and prefix_cache, "storage": latents.storage}}
+        args = EngineArgs(
+            model=model, enable_prefix_caching=prefix_cache, async_scheduling=async_scheduling,
+            worker_cls=f"workers.latent_worker.{worker}",
+            scheduler_cls=f"scheduler.omni_scheduler.{scheduler}", **kwargs)
+        self.engine = LLMEngine.from_engine_args(args)
+        self.latent_options = latents
+        self._names = latents.names if latents is not None else ()
+        self._tracked: dict[str, _Tracked] = {}
+        core = self.engine.engine_core.engine_core  # in-process EngineCore
+        self.scheduler = core.scheduler
+        self.capture = core.model_executor.driver_worker.worker.latents
+        self.max_model_len = self.engine.vllm_config.model_config.max_model_len
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+        """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params = params.clone()
+        params.output_kind = RequestOutputKind.DELTA
+        internal = self.engine.add_request(request_id, prompt, params)
+        self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
+
+    def abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            self.engine.abort_request([request_id])
+            if self.capture is not None:
+                self.capture.discard(tracked.internal_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[StepOutput]:
+        results = []
+        for out in self.engine.step():
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            completion = out.outputs[0]
+            tracked.num_prompt_tokens = len(out.prompt_token_ids or ()) or tracked.num_prompt_tokens
+            if out.prompt_token_ids is None and out.prompt_embeds is not None:
+                tracked.num_prompt_tokens = out.prompt_embeds.shape[0]
+            tracked.num_generated += len(completion.token_ids)
+            result = StepOutput(
+                request_id=out.request_id, token_ids=list(completion.token_ids),
+                text=completion.text or "", finished=out.finished,
+                finish_reason=completion.finish_reason,
+                num_prompt_tokens=tracked.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens or 0)
+            if self.capture is not None:
+                self._attach_latents(tracked, result)
+            if out.finished:
+                del self._tracked[out.request_id]
+                if self.capture is not None:
+                    self.capture.discard(tracked.internal_id)
+            results.append(result)
+        return results
+
+    def _attach_latents(self, tracked: _Tracked, result: StepOutput) -> None:
+        for chunk in self.capture.drain(tracked.internal_id):
+            tracked.rows.add(chunk)
+        # Every token but the last sampled one has been fed through the model.
+        processed = tracked.num_prompt_tokens + tracked.num_generated - 1
+        result.latent_start, result.latents = tracked.rows.take_new(upto=processed)
+
+    # ---- counters --------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        prefix = getattr(self.scheduler, "prefix_counters", None)
+        out = {
+            "prefix_cache_requests": prefix.requests if prefix else 0,
+            "prefix_cache_queried_tokens": prefix.queried_tokens if prefix else 0,
+            "prefix_cache_hit_tokens": prefix.hit_tokens if prefix else 0,
+            "latent_rows_served": 0, "latent_rows_computed": 0,
+        }
+        if self.capture is not None:
+            out["latent_rows_served"] = self.capture.counters.rows_served
+            out["latent_rows_computed"] = self.capture.counters.rows_computed
+        return out
