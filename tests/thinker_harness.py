@@ -1,0 +1,69 @@
+"""Drive an in-process LLMStage to completion and collect whole latent sequences (test helper)."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_cache.checkpoints import ensure_checkpoint
+from workers.latent_capture import LatentOptions
+from workers.llm_stage import LLMStage
+
+TAP = 2  # the layer tap the tests request besides the final hidden state
+NAMES = ("hidden", f"layer_{TAP}")
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    chunks: list[tuple[int, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+    @property
+    def latents(self) -> dict[str, torch.Tensor]:
+        # Chunks must tile positions 0.. contiguously: that is part of what is tested.
+        pos = 0
+        for start, rows in self.chunks:
+            assert start == pos, f"latent chunk starts at {start}, expected {pos}"
+            pos += next(iter(rows.values())).shape[0]
+        return {n: torch.cat([rows[n] for _, rows in self.chunks]) for n in NAMES}
+
+
+def make_stage(model: str, *, cache: bool, **engine_args) -> LLMStage:
+    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16",
+                max_model_len=8192, kv_cache_memory_bytes=256 * 2**20)
+    args.update(engine_args)
+    return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=cache,
+                    latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
+
+
+def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4) -> dict[str, Result]:
+    """Submit all prompts together (so they can share steps) and run until all finish."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        stage.add(rid, {"prompt_token_ids": prompt}, params)
+    results = {rid: Result() for rid in prompts}
+    while stage.has_work():
+        for out in stage.step():
+            r = results[out.request_id]
+            r.token_ids += out.token_ids
+            r.num_cached_tokens = out.num_cached_tokens
+            r.num_prompt_tokens = out.num_prompt_tokens
+            if out.latents:
+                r.chunks.append((out.latent_start, out.latents))
+    for rid, r in results.items():
+        expected = len(prompts[rid]) + len(r.token_ids) - 1
+        rows = r.latents["hidden"].shape[0]
+        assert rows == expected, f"{rid}: {rows} latent rows, expected {expected}"
+    return results
+
+
+def close(stage: LLMStage) -> None:
+    stage.engine.engine_core.shutdown()
+    del stage
+    gc.collect()
