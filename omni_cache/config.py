@@ -100,6 +100,10 @@ class ServerConfig(_Base, kw_only=True):
     request_timeout_s: PositiveFloat = 300.0
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
     served_model_name: str | None = None
+    #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
+    #: "tcp://host:port"); ``None`` -> ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock.
+    #: Stages on other hosts need a tcp address here.
+    control_address: str | None = None
 
 
 class LatentSpec(_Base, kw_only=True):
@@ -991,6 +995,16 @@ def _check_addresses(config: PipelineConfig, issues: _Issues) -> None:
         elif config.server.port and _same_endpoint(result, server):
             issues.add(key, f"{s.address!r} is the HTTP server's port (server.port)")
         parsed.append((i, result))
+    if config.server.control_address is not None:
+        key = ("server", "control_address")
+        result = _parse_address(config.server.control_address)
+        if isinstance(result, str):
+            issues.add(key, result)
+        else:
+            clash = next((j for j, other in parsed if _same_endpoint(result, other)), None)
+            if clash is not None:
+                issues.add(key, f"{config.server.control_address!r} is also the address of "
+                                f"stages[{clash}] ({config.stages[clash].name!r})")
 
 
 def _find_cycle(stages: Sequence[StageConfig]) -> list[str] | None:

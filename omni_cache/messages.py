@@ -1,0 +1,97 @@
+"""The messages stages and the orchestrator exchange (frame 0 of every ZMQ message).
+
+Topology: every stage binds a PULL socket at its `address` (its inbox); the orchestrator binds one
+PULL socket at `control_address(config)` (its inbox). A stage PUSHes its output to the inboxes of
+its downstream stages and, when its output is final (or the request asked for latents), to the
+orchestrator. The orchestrator PUSHes `Submit` to the entry stage and `Abort`/`StatsQuery` to every
+stage.
+
+Tensors never go in these headers; they travel as frames next to them (see transport.py):
+- `StageOutput` from an autoregressive stage: its latents by name ("hidden", "layer_<k>", ...),
+  rows for token positions `latent_start ..`;
+- `StageOutput` from the decoder: "audio", float32 mono samples at `sample_rate`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Sampling(msgspec.Struct, kw_only=True):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    seed: int | None = None
+
+
+class Submit(msgspec.Struct, tag="submit", kw_only=True):
+    """Orchestrator -> entry stage: a new client request, already tokenized."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])  # "audio": run downstream
+    return_latents: bool = False  # also send the entry stage's latents to the orchestrator
+    deadline: float = 0.0  # unix time after which stages drop the request (0 = none)
+
+
+class StageOutput(msgspec.Struct, tag="output", kw_only=True):
+    """A stage's streamed output for one request: what is new since its previous StageOutput."""
+
+    request_id: str
+    stage: str
+    seq: int  # 0, 1, 2, ... per (request, stage): receivers can check order
+    token_ids: list[int] = []
+    text: str = ""
+    latent_start: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens this stage's prefix cache let it skip (so far)
+    sample_rate: int = 0  # decoder output only
+    # carried along so downstream stages know what to produce
+    modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    sampling: Sampling | None = None  # the client's sampling, forwarded with the first output
+
+
+class StageError(msgspec.Struct, tag="error", kw_only=True):
+    """Any process -> orchestrator: request `request_id` failed in `stage`."""
+
+    request_id: str
+    stage: str
+    message: str
+    status: int = 500  # the HTTP status the client should see
+
+
+class Abort(msgspec.Struct, tag="abort", kw_only=True):
+    """Orchestrator -> stages: forget this request (client went away, deadline, another stage
+    failed)."""
+
+    request_id: str
+
+
+class StageReady(msgspec.Struct, tag="ready", kw_only=True):
+    """Stage -> orchestrator, once its model is loaded and it serves (and again after restart)."""
+
+    stage: str
+    pid: int
+    max_model_len: int = 0
+
+
+class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
+    reply_to: str = ""  # unused for now: replies go to the orchestrator inbox
+
+
+class StageStats(msgspec.Struct, tag="stats", kw_only=True):
+    """Stage -> orchestrator: cumulative counters (prefix_cache_*_tokens, latent_rows_*, ...)."""
+
+    stage: str
+    counters: dict[str, float]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
+    reason: str = ""
+
+
+Message = Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats | Shutdown
+MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown)

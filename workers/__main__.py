@@ -1,0 +1,71 @@
+"""Start one stage process by hand (possibly on another host):
+
+    .venv/bin/python -m workers --stage-config x.yaml --stage NAME [--orchestrator ADDR]
+
+It binds the stage's address from the config and connects to its downstream stages' addresses,
+so a pipeline can span machines when the config uses tcp:// addresses. `omni-serve` starts
+stages the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage-config", required=True, help="pipeline YAML")
+    parser.add_argument("--stage", required=True, help="name of the stage to run")
+    parser.add_argument("--orchestrator", default=None,
+                        help="orchestrator inbox address (default: the config's control address)")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is no longer our parent")
+    parser.add_argument("--checkpoint-dir", default=None, help="where tiny:* checkpoints live")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="turn off vLLM prefix caching and the hidden-state cache")
+    parser.add_argument("--log-level", default=os.environ.get("OMNI_CACHE_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s [{args.stage}] %(levelname)s %(name)s: %(message)s")
+
+    from omni_cache.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.stage_config)
+        if args.checkpoint_dir:
+            config.checkpoint_dir = args.checkpoint_dir
+        config.stage(args.stage)
+    except (ConfigError, KeyError) as exc:
+        print(f"python -m workers: {exc}", file=sys.stderr)
+        return 2
+    if args.orchestrator is None:
+        from omni_cache.orchestrator import control_address
+
+        args.orchestrator = control_address(config)
+    _die_with_parent(args.parent_pid)
+
+    from workers.stage_process import serve_stage
+
+    return serve_stage(config, args.stage, orchestrator=args.orchestrator,
+                       parent_pid=args.parent_pid,
+                       prefix_cache=False if args.no_prefix_cache else None)
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGTERM us when the parent exits, so a crashed server leaves no orphans."""
+    if not parent_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

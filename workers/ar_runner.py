@@ -1,0 +1,192 @@
+"""Runner of an autoregressive (vLLM) stage: thinker or talker.
+
+The entry stage (thinker) turns each `Submit` into one vLLM request. A downstream stage (talker)
+turns its upstream's streamed outputs into jobs through the configured hand-off function and runs a
+request's jobs one after the other (`<request_id>/<k>` in vLLM), so their outputs stay in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
+from omni_cache.handoff import HandoffContext, Job, Upstream
+from omni_cache.latent_rows import LatentChunk, LatentRows
+from omni_cache.messages import Sampling, StageOutput, Submit
+from workers.latent_capture import LatentOptions
+from workers.llm_stage import LLMStage, StepOutput
+
+logger = logging.getLogger("omni_cache.stage")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    modalities: list[str]
+    sampling: Sampling | None
+    return_latents: bool = False
+    seq: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    upstream: Upstream | None = None
+    upstream_rows: LatentRows | None = None
+    handoff_state: dict = field(default_factory=dict)
+    jobs: deque[Job] = field(default_factory=deque)
+    active: str | None = None  # vLLM request id of the job running now
+    active_job: Job | None = None
+    num_jobs: int = 0
+
+
+class ARRunner:
+    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
+                 prefix_cache: bool) -> None:
+        self.stage, self.outbox = stage, outbox
+        self.downstream = bool(config.downstream(stage.name))
+        spec = stage.latents
+        latents = None
+        if spec.hidden or spec.layers:
+            latents = LatentOptions(hidden=spec.hidden, layers=tuple(spec.layers),
+                                    cache=prefix_cache, storage=stage.latent_cache_device)
+        engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
+        async_scheduling = bool(engine_args.pop("async_scheduling", False))
+        self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
+                            async_scheduling=async_scheduling)
+        self.max_model_len = self.llm.max_model_len
+        self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
+        self.handoff_ctx = HandoffContext(Path(model))
+        self.requests: dict[str, _Request] = {}
+        self.by_job: dict[str, str] = {}
+        self.errors = 0
+        self.total_requests = 0
+
+    # ---- input -----------------------------------------------------------------------------
+    def accept(self, msg: Submit | StageOutput, tensors: dict[str, torch.Tensor]) -> None:
+        if isinstance(msg, Submit):
+            self._submit(msg)
+        else:
+            self._from_upstream(msg, tensors)
+
+    def _submit(self, msg: Submit) -> None:
+        if msg.request_id in self.requests:
+            raise ValueError(f"request id {msg.request_id!r} is already running")
+        req = _Request(msg.request_id, list(msg.modalities), msg.sampling,
+                       return_latents=msg.return_latents)
+        self.requests[msg.request_id] = req
+        self.total_requests += 1
+        self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids),
+                             max_tokens=msg.sampling.max_tokens, last=True))
+
+    def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            if msg.seq != 0:
+                return  # the rest of a request this stage already failed or aborted
+            req = _Request(msg.request_id, list(msg.modalities), msg.sampling)
+            req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
+            req.upstream_rows = LatentRows(tuple(tensors))
+            self.requests[msg.request_id] = req
+            self.total_requests += 1
+        up, rows = req.upstream, req.upstream_rows
+        up.token_ids.extend(msg.token_ids)
+        up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
+        if tensors:
+            rows.add(LatentChunk(msg.latent_start, dict(tensors)))
+        up.latents = rows.all() if rows.num_rows else {}
+        up.finished = msg.finished
+        req.jobs.extend(self.handoff(self.handoff_ctx, up, req.handoff_state))
+        if req.active is None and req.jobs:
+            self._start(req, req.jobs.popleft())
+
+    def _start(self, req: _Request, job: Job) -> None:
+        from vllm import SamplingParams
+
+        defaults = self.stage.sampling
+        client = req.sampling if self.handoff is None else None  # clients sample the entry stage
+        params = SamplingParams(
+            max_tokens=job.max_tokens or defaults.max_tokens,
+            temperature=client.temperature if client else defaults.temperature,
+            top_p=client.top_p if client else defaults.top_p,
+            seed=client.seed if client and client.seed is not None else defaults.seed,
+        )
+        if job.prompt_embeds is not None:
+            prompt = {"prompt_embeds": job.prompt_embeds}
+        else:
+            prompt = {"prompt_token_ids": job.prompt_token_ids}
+        vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
+        req.num_jobs += 1
+        self.llm.add(vllm_id, prompt, params)
+        req.active, req.active_job = vllm_id, job
+        self.by_job[vllm_id] = req.request_id
+
+    # ---- stepping --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.llm.has_work()
+
+    def step(self) -> None:
+        for out in self.llm.step():
+            request_id = self.by_job.get(out.request_id)
+            req = self.requests.get(request_id) if request_id else None
+            if req is None:
+                continue
+            self._emit(req, out)
+
+    def _emit(self, req: _Request, out: StepOutput) -> None:
+        job_done = out.finished
+        finished = False
+        if job_done:
+            finished = req.active_job.last
+            self.by_job.pop(out.request_id, None)
+            req.num_cached_tokens += out.num_cached_tokens
+            req.active, req.active_job = None, None  # until the next job (or more upstream input)
+            if req.jobs:
+                self._start(req, req.jobs.popleft())
+        req.num_prompt_tokens = req.num_prompt_tokens or out.num_prompt_tokens
+        msg = StageOutput(
+            request_id=req.request_id, stage=self.stage.name, seq=req.seq,
+            token_ids=out.token_ids, text=out.text, latent_start=out.latent_start,
+            finished=finished, finish_reason=out.finish_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
+            modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None)
+        req.seq += 1
+        # The orchestrator hears first: when the downstream's final output reaches it, it has
+        # already seen this stage's (so per-stage cached-token counts are complete).
+        if self.stage.final_output == "text" or req.return_latents:
+            self.outbox.to_orchestrator(msg, out.latents if req.return_latents else None)
+        elif finished:
+            # Non-final stages tell the orchestrator they are done with the request (and how much
+            # their prefix cache saved), without the payload.
+            self.outbox.to_orchestrator(StageOutput(
+                request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+        if self.downstream and "audio" in req.modalities:
+            self.outbox.to_downstream(msg, out.latents)
+        if finished:
+            del self.requests[req.request_id]
+
+    # ---- control ---------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.active is not None:
+            self.by_job.pop(req.active, None)
+            self.llm.abort(req.active)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        from workers.stage_process import error_message
+
+        self.errors += 1
+        self.abort(request_id)
+        self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
+
+    def counters(self) -> dict[str, float]:
+        return {"requests": self.total_requests, "errors": self.errors,
+                "queue_depth": len(self.requests), **self.llm.counters()}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,154 @@
+"""The stage process: one inbox, a model runner, and the sockets to downstream stages.
+
+Loop: take every message waiting in the inbox (without blocking while the model has work), hand it
+to the runner, run one model step, send what the step produced. The runner (`ARRunner` for vLLM
+stages, `DecoderRunner` for the codec decoder) decides what a message means for its model; this
+module only moves messages and keeps the process honest: a request that fails gets a StageError,
+not silence, and the process exits when told to, on SIGTERM/SIGINT, or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from omni_cache.config import PipelineConfig, StageConfig
+from omni_cache.messages import (
+    MESSAGE_TYPES, Abort, Shutdown, StageError, StageOutput, StageReady, StageStats, StatsQuery,
+    Submit,
+)
+from omni_cache.transport import Codec, Receiver, Sender
+
+logger = logging.getLogger("omni_cache.stage")
+
+
+class Outbox:
+    """Where a stage's messages go: downstream inboxes and the orchestrator."""
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, str],
+                 orchestrator: str | None) -> None:
+        self.downstream = {name: Sender(ctx, addr, codec) for name, addr in downstream.items()}
+        self.orchestrator = Sender(ctx, orchestrator, codec) if orchestrator else None
+
+    def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.send(msg, tensors)
+
+    def to_downstream(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        for sender in self.downstream.values():
+            sender.send(msg, tensors)
+
+    def close(self) -> None:
+        for sender in [*self.downstream.values(), self.orchestrator]:
+            if sender is not None:
+                sender.close()
+
+
+class StageProcess:
+    def __init__(self, config: PipelineConfig, stage: StageConfig, *, orchestrator: str | None,
+                 parent_pid: int | None = None, prefix_cache: bool | None = None) -> None:
+        self.config, self.stage = config, stage
+        self.parent_pid = parent_pid
+        self.prefix_cache = stage.prefix_cache if prefix_cache is None else prefix_cache
+        self.ctx = zmq.Context()
+        self.codec = Codec(MESSAGE_TYPES, config.server.max_message_bytes)
+        self.inbox = Receiver(self.ctx, stage.address, self.codec, bind=True)
+        self.outbox = Outbox(self.ctx, self.codec,
+                             {s.name: s.address for s in config.downstream(stage.name)}, orchestrator)
+        self.stopping = False
+        self.runner: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache)
+        self.outbox.to_orchestrator(StageReady(stage=self.stage.name, pid=os.getpid(),
+                                               max_model_len=self.runner.max_model_len))
+        logger.info("stage %s ready (pid %d) at %s", self.stage.name, os.getpid(), self.stage.address)
+        try:
+            while not self.stopping:
+                self._drain_inbox(block_ms=0 if self.runner.has_work() else 50)
+                if self.runner.has_work():
+                    self.runner.step()
+                self._check_parent()
+        finally:
+            self.runner.close()
+            self.outbox.close()
+            self.inbox.close()
+            self.ctx.term()
+        return 0
+
+    def _stop(self, *_: Any) -> None:
+        self.stopping = True
+
+    def _check_parent(self) -> None:
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            logger.warning("stage %s: parent %d is gone, exiting", self.stage.name, self.parent_pid)
+            self.stopping = True
+
+    # ---- messages --------------------------------------------------------------------------
+    def _drain_inbox(self, block_ms: int) -> None:
+        timeout = block_ms
+        while True:
+            got = self.inbox.recv(timeout_ms=timeout)
+            if got is None:
+                return
+            timeout = 0
+            self._handle(*got)
+
+    def _handle(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        if isinstance(msg, Shutdown):
+            self.stopping = True
+        elif isinstance(msg, StatsQuery):
+            self.outbox.to_orchestrator(StageStats(stage=self.stage.name,
+                                                   counters=self.runner.counters()))
+        elif isinstance(msg, Abort):
+            self.runner.abort(msg.request_id)
+        elif isinstance(msg, (Submit, StageOutput)):
+            request_id = msg.request_id
+            try:
+                self.runner.accept(msg, tensors)
+            except Exception as exc:  # a bad request must not take the stage down
+                logger.exception("stage %s: request %s failed", self.stage.name, request_id)
+                self.runner.fail(request_id, exc)
+        else:
+            logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
+
+
+def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:
+    status = 400 if isinstance(exc, ValueError) else 500
+    return StageError(request_id=request_id, stage=stage, message=f"{type(exc).__name__}: {exc}",
+                      status=status)
+
+
+def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool) -> Any:
+    from omni_cache.config import resolve_model
+
+    model = resolve_model(stage, config)
+    if stage.kind == "generation":
+        from workers.decoder_runner import DecoderRunner
+
+        return DecoderRunner(config, stage, model, outbox)
+    from workers.ar_runner import ARRunner
+
+    return ARRunner(config, stage, model, outbox, prefix_cache)
+
+
+def serve_stage(config: PipelineConfig, stage_name: str, *, orchestrator: str | None,
+                parent_pid: int | None, prefix_cache: bool | None) -> int:
+    stage = config.stage(stage_name)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return StageProcess(config, stage, orchestrator=orchestrator, parent_pid=parent_pid,
+                        prefix_cache=prefix_cache).run()
+
+
+def wait_forever_guard() -> None:  # pragma: no cover - debugging aid
+    while True:
+        time.sleep(3600)
