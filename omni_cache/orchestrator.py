@@ -1,0 +1,1131 @@
+"""The orchestrator: stage processes, request routing, deadlines and failure handling.
+
+One :class:`Orchestrator` runs inside one asyncio event loop (uvicorn's for ``omni-serve``, a
+background thread's for :class:`omni_cache.pipeline.Pipeline`). It
+
+* starts one OS process per stage (``python -m workers --stage-config ... --stage NAME
+  --orchestrator ADDR --parent-pid PID``, each in its own process group), waits until every stage
+  sent ``StageReady``, polls them every 200 ms, restarts a stage that died, and on close sends
+  ``Shutdown``, then SIGTERM, then SIGKILL to each process group;
+* binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
+  one background task receives and dispatches everything the stages send;
+* owns request ids, deadlines and the only copy of each accepted request: every request ends in
+  exactly one terminal event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage
+  died -> 503, stage error -> the stage's status, deadline -> 504, shutdown -> 503);
+* tokenizes chat messages with the entry (thinker) stage's tokenizer and rejects prompts that do
+  not fit the thinker's context (400);
+* answers stats queries (:meth:`Orchestrator.stage_stats`) and renders ``/metrics``.
+
+Which stages a request needs ("participants"): the entry stage always; every stage downstream of
+it as well when "audio" is among the request's modalities (the entry stage forwards to its
+downstream stages only then). The request completes when every participant sent its
+``StageOutput(finished=True)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from omni_cache.config import PipelineConfig, StageConfig, resolve_model
+from omni_cache.messages import (
+    MESSAGE_TYPES,
+    Abort,
+    Sampling,
+    Shutdown,
+    StageError,
+    StageOutput,
+    StageReady,
+    StageStats,
+    StatsQuery,
+    Submit,
+)
+from omni_cache.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
+
+logger = logging.getLogger("omni_cache.orchestrator")
+
+__all__ = [
+    "AudioDelta",
+    "Completed",
+    "Failed",
+    "GenerationResult",
+    "Orchestrator",
+    "RequestError",
+    "RequestHandle",
+    "StageStartError",
+    "TextDelta",
+    "control_address",
+    "default_stage_argv",
+]
+
+#: How often stage processes are polled and deadlines checked.
+POLL_INTERVAL_S = 0.2
+#: How long start() waits for every StageReady (vLLM start-up plus tiny checkpoint generation).
+DEFAULT_START_TIMEOUT_S = 600.0
+#: Grace after Shutdown before SIGTERM, and after SIGTERM before SIGKILL.
+SHUTDOWN_GRACE_S = 5.0
+#: How long a /metrics scrape waits for the stages' StageStats.
+STATS_TIMEOUT_S = 1.0
+#: Lines of each stage's output kept for error messages.
+LOG_TAIL_LINES = 40
+#: A stage that ran at least this long before dying is restarted at once; faster crashes back off.
+STABLE_UPTIME_S = 60.0
+MAX_RESTART_DELAY_S = 30.0
+#: Status of a request the client abandoned (nginx's "client closed request").
+STATUS_CLIENT_CLOSED = 499
+
+
+def control_address(config: PipelineConfig) -> str:
+    """The orchestrator's inbox: ``config.server.control_address`` if the schema has it, else
+    ``ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock``."""
+    addr = getattr(config.server, "control_address", None)
+    if addr:
+        return str(addr)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", config.name)[:60] or "pipeline"
+    return f"ipc:///tmp/omni_cache/{name}/orchestrator.sock"
+
+
+def default_stage_argv() -> list[str]:
+    """The command a stage process runs, before its ``--stage-config ...`` arguments."""
+    return [sys.executable, "-m", "workers"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors, events, results
+# --------------------------------------------------------------------------------------------------
+
+
+class RequestError(Exception):
+    """A request that ended in an error; ``status`` is the HTTP status the client should see."""
+
+    def __init__(self, status: int, message: str, *, stage: str | None = None,
+                 request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.stage = stage
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.status}, {self.message!r}, stage={self.stage!r})"
+
+
+class StageStartError(RuntimeError):
+    """A stage process did not come up (exited, or no StageReady in time)."""
+
+
+@dataclass
+class TextDelta:
+    """New text of the text stage (``text`` may be empty while a UTF-8 sequence is incomplete)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class AudioDelta:
+    """New audio of the audio stage: float32 mono samples."""
+
+    audio: np.ndarray
+    sample_rate: int
+
+
+@dataclass
+class Completed:
+    """Terminal event: every stage the request needed finished."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    #: stage -> prompt tokens its prefix cache let it skip (``StageOutput.num_cached_tokens``).
+    cached_tokens: dict[str, int]
+    #: The entry stage's latents (only when asked for), name -> [tokens, dim] tensor.
+    latents: dict[str, Any]
+
+
+@dataclass
+class Failed:
+    """Terminal event: the request failed."""
+
+    error: RequestError
+
+
+Event = TextDelta | AudioDelta | Completed | Failed
+
+
+@dataclass
+class GenerationResult:
+    """One finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    #: float32 mono samples, or None when no audio was asked for.
+    audio: np.ndarray | None
+    sample_rate: int
+    #: stage -> prompt tokens served from that stage's prefix cache.
+    cached_tokens: dict[str, int]
+    #: The thinker's latents (name -> torch tensor, one row per token), when asked for.
+    latents: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    num_prompt_tokens: int = 0
+
+
+class RequestHandle:
+    """The client side of one accepted request: its events (streaming) or its result."""
+
+    def __init__(self, orchestrator: Orchestrator, request: _Request) -> None:
+        self._orch = orchestrator
+        self._req = request
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.modalities = request.modalities
+        self._terminal = False
+
+    @property
+    def done(self) -> bool:
+        """Whether the terminal event was consumed."""
+        return self._terminal
+
+    async def events(self) -> AsyncIterator[Event]:
+        """TextDelta/AudioDelta events, then exactly one Completed or Failed."""
+        while not self._terminal:
+            event = await self._req.queue.get()
+            if isinstance(event, (Completed, Failed)):
+                self._terminal = True
+            yield event
+
+    async def result(self) -> GenerationResult:
+        """Wait for the whole answer; raises :class:`RequestError` if the request failed."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        audio: list[np.ndarray] = []
+        sample_rate = 0
+        try:
+            async for event in self.events():
+                if isinstance(event, TextDelta):
+                    text.append(event.text)
+                    token_ids.extend(event.token_ids)
+                elif isinstance(event, AudioDelta):
+                    audio.append(event.audio)
+                    sample_rate = event.sample_rate
+                elif isinstance(event, Failed):
+                    raise event.error
+                else:
+                    assert isinstance(event, Completed)
+                    joined = "".join(text)
+                    if not joined and token_ids:
+                        joined = self._orch.detokenize(token_ids)
+                    wants_audio = "audio" in self.modalities
+                    return GenerationResult(
+                        request_id=self.request_id,
+                        text=joined,
+                        token_ids=token_ids,
+                        audio=(np.concatenate(audio) if audio else np.zeros(0, np.float32))
+                        if wants_audio else None,
+                        sample_rate=sample_rate or (self._orch.audio_sample_rate if wants_audio else 0),
+                        cached_tokens=event.cached_tokens,
+                        latents=event.latents,
+                        finish_reason=event.finish_reason,
+                        num_prompt_tokens=event.num_prompt_tokens,
+                    )
+        finally:
+            if not self._terminal:
+                self.abort("the caller stopped waiting")
+        raise RequestError(500, "request ended without a result", request_id=self.request_id)
+
+    def abort(self, reason: str = "aborted by the client") -> None:
+        """Forget the request and tell the stages to drop it (idempotent; loop thread only)."""
+        self._orch.abort(self.request_id, reason)
+
+
+# --------------------------------------------------------------------------------------------------
+# Internal state
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    modalities: tuple[str, ...]
+    participants: tuple[str, ...]
+    t0: float
+    deadline: float
+    timeout_s: float
+    return_latents: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: dict[str, StageOutput] = field(default_factory=dict)
+    latents: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+    got_token: bool = False
+    got_audio: bool = False
+    done: bool = False
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _StageProcess:
+    """One stage's OS process (or, for an external stage, just its readiness)."""
+
+    def __init__(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str],
+                 echo: bool) -> None:
+        self.name = stage.name
+        self.argv = argv  # None: started elsewhere (external)
+        self.env = env
+        self.echo = echo
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.up = False
+        self.ever_ready = False
+        self.pid: int | None = None
+        self.max_model_len: int | None = None
+        self.restarts = 0
+        self.crashes_in_a_row = 0
+        self.started_at = 0.0
+        self.last_exit: int | None = None
+        self.restart_at: float | None = None
+        self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
+        self._reader: threading.Thread | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.argv is None
+
+    def launch(self) -> None:
+        assert self.argv is not None
+        self.up = False
+        self.last_exit = None
+        self.restart_at = None
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: signals reach vLLM's helpers too
+        )
+        self.pid = self.proc.pid
+        logger.info("stage %s: started pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
+        self._reader = threading.Thread(
+            target=self._read_output, args=(self.proc,), name=f"omni-cache-log-{self.name}",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def _read_output(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        prefix = f"({self.name} pid={proc.pid}) "
+        with contextlib.suppress(Exception):
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self.tail.append(line)
+                if self.echo:
+                    with contextlib.suppress(Exception):
+                        sys.stderr.write(prefix + line + "\n")
+                        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            proc.stdout.close()
+
+    def log_tail(self, n: int = 20) -> str:
+        lines = list(self.tail)[-n:]
+        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The orchestrator
+# --------------------------------------------------------------------------------------------------
+
+
+class Orchestrator:
+    """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
+
+    ``config_path``: the YAML the stage processes read (``None``: the in-memory ``config`` is
+    written to a temporary file). ``checkpoint_dir`` / ``prefix_cache=False`` are forwarded to the
+    stages as ``--checkpoint-dir`` / ``--no-prefix-cache``. ``tokenizer``: anything with
+    ``apply_chat_template`` (default: the entry stage's, loaded with ``AutoTokenizer``).
+    ``stage_argv``: the command of a stage process before its arguments (default
+    ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere (not
+    spawned or supervised; the orchestrator only waits for their StageReady).
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        prefix_cache: bool = True,
+        tokenizer: Any = None,
+        stage_argv: Sequence[str] | None = None,
+        external_stages: Iterable[str] = (),
+        start_timeout_s: float | None = None,
+        echo_stage_logs: bool = True,
+        control_addr: str | None = None,
+        shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+    ) -> None:
+        self.config = config
+        if checkpoint_dir is not None:
+            config.checkpoint_dir = str(checkpoint_dir)
+        if not prefix_cache:
+            for s in config.stages:
+                s.prefix_cache = False
+        self._config_path = str(Path(config_path).absolute()) if config_path else None
+        self._tmp_config: str | None = None
+        self._checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
+        self._prefix_cache = prefix_cache
+        self._tokenizer = tokenizer
+        self._tok_lock = threading.Lock()
+        self._stage_argv = list(stage_argv) if stage_argv is not None else default_stage_argv()
+        self._start_timeout_s = float(
+            start_timeout_s if start_timeout_s is not None
+            else getattr(config.server, "stage_start_timeout_s", None) or DEFAULT_START_TIMEOUT_S
+        )
+        self._echo = echo_stage_logs
+        self._grace = shutdown_grace_s
+        self.control_address = control_addr or control_address(config)
+        self.served_model_name = config.server.served_model_name or config.name
+
+        self._stage_cfg: dict[str, StageConfig] = {s.name: s for s in config.stages}
+        self.stage_names = [s.name for s in config.topological_order()]
+        self.entry = config.entry_stage()
+        text = [s for s in config.stages if s.final_output == "text"]
+        audio = [s for s in config.stages if s.final_output == "audio"]
+        self.text_stage: StageConfig = text[0] if text else self.entry
+        self.audio_stage: StageConfig | None = audio[0] if audio else None
+        self.audio_sample_rate = 24000
+        self._downstream_of_entry = self._reachable_from(self.entry.name)
+        unknown = set(external_stages) - set(self._stage_cfg)
+        if unknown:
+            raise ValueError(f"external_stages: unknown stage(s) {sorted(unknown)}")
+        self._external = set(external_stages)
+
+        self._stages: dict[str, _StageProcess] = {}
+        self._requests: dict[str, _Request] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()  # answered request ids (late outputs)
+        self._stats: dict[str, dict[str, float]] = {}
+        self._stats_time: dict[str, float] = {}
+        self._stats_waiters: set[asyncio.Event] = set()
+        self.metrics = OrchestratorMetrics(self.stage_names)
+
+        self._ctx: zmq.asyncio.Context | None = None
+        self._inbox: Any = None
+        self._senders: dict[str, Any] = {}
+        self._codec: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
+        self._closing = False
+        self._closed = False
+        self._ready_event: asyncio.Event | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        """Whether start() completed (every stage was ready once)."""
+        return self._started
+
+    async def start(self) -> None:
+        """Bind the inbox, start the stage processes and wait until every stage is ready.
+
+        Raises :class:`StageStartError` naming the stage that did not come up (its exit code and
+        the end of its output); everything started is stopped again in that case.
+        """
+        from omni_cache.transport import AsyncReceiver, Codec
+
+        if self._loop is not None:
+            raise RuntimeError("Orchestrator.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        self._ready_event = asyncio.Event()
+        try:
+            self._codec = Codec(MESSAGE_TYPES, max_message_bytes=self.config.server.max_message_bytes)
+            self._ctx = zmq.asyncio.Context()
+            self._inbox = AsyncReceiver(self._ctx, self.control_address, self._codec, bind=True)
+            for name in self.stage_names:
+                self._senders[name] = self._new_sender(name)
+            self._tasks.append(asyncio.create_task(self._recv_loop(), name="omni-cache-recv"))
+            self._tasks.append(asyncio.create_task(self._supervise_loop(), name="omni-cache-supervise"))
+
+            await asyncio.to_thread(self._write_stage_config)
+            for name in self.stage_names:
+                stage = self._stage_cfg[name]
+                argv = None if name in self._external else self._stage_command(stage)
+                env = {**os.environ, **stage.env, "PYTHONUNBUFFERED": "1"}
+                self._stages[name] = _StageProcess(stage, argv, env, self._echo)
+            # The other stages start while the entry model is resolved (a tiny checkpoint is
+            # generated here, once) and its tokenizer loaded; the entry stage starts after that.
+            for sp in self._stages.values():
+                if not sp.external and sp.name != self.entry.name:
+                    sp.launch()
+            await asyncio.to_thread(self._load_tokenizer)
+            entry_sp = self._stages[self.entry.name]
+            if not entry_sp.external:
+                entry_sp.launch()
+            await self._wait_ready(self._start_timeout_s)
+            self._started = True
+            self._ready_event.set()
+            logger.info("pipeline %s: all stages ready (%s)", self.config.name, ", ".join(self.stage_names))
+        except BaseException:
+            await self.close()
+            raise
+
+    def _write_stage_config(self) -> None:
+        """The YAML the stage processes read: the given file, or the in-memory config dumped."""
+        if self._config_path is None:
+            root = Path(tempfile.gettempdir()) / "omni_cache"
+            root.mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix=f"{self.config.name}-", suffix=".yaml", dir=root)
+            import yaml
+
+            with os.fdopen(fd, "w") as f:
+                yaml.safe_dump(msgspec.to_builtins(self.config), f, sort_keys=False)
+            self._config_path = self._tmp_config = path
+
+    def _load_tokenizer(self) -> None:
+        if self._tokenizer is None:
+            # Resolving the entry model first also generates a tiny checkpoint before the stage
+            # process needs it (ensure_checkpoint is concurrency-safe either way).
+            path = resolve_model(self.entry, self.config)
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def _stage_command(self, stage: StageConfig) -> list[str]:
+        assert self._config_path is not None
+        argv = [
+            *self._stage_argv,
+            "--stage-config", self._config_path,
+            "--stage", stage.name,
+            "--orchestrator", self._inbox.address,
+            "--parent-pid", str(os.getpid()),
+        ]
+        if self._checkpoint_dir:
+            argv += ["--checkpoint-dir", self._checkpoint_dir]
+        if not self._prefix_cache:
+            argv.append("--no-prefix-cache")
+        return argv
+
+    async def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = [sp for sp in self._stages.values() if not sp.up]
+            if not pending:
+                return
+            for sp in pending:
+                if not sp.ever_ready and not sp.external and sp.last_exit is not None:
+                    raise StageStartError(
+                        f"stage {sp.name!r} exited before it was ready ({_exit_words(sp.last_exit)}); "
+                        f"command: {' '.join(sp.argv or [])}\nlast lines of its output:\n"
+                        + sp.log_tail()
+                    )
+            if time.monotonic() >= deadline:
+                parts = []
+                for sp in pending:
+                    state = "started elsewhere, never said ready" if sp.external else (
+                        f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}")
+                    parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n"
+                                 + sp.log_tail())
+                raise StageStartError(
+                    f"stage(s) {', '.join(repr(sp.name) for sp in pending)} not ready after "
+                    f"{timeout:g} s:\n" + "\n".join(parts)
+                )
+            await asyncio.sleep(0.05)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until start() completed (for callers that run start() in the background)."""
+        assert self._ready_event is not None, "start() was not called"
+        await asyncio.wait_for(self._ready_event.wait(), timeout)
+
+    async def close(self) -> None:
+        """Fail what is in flight, stop every stage process (Shutdown, SIGTERM, SIGKILL), close
+        the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closing = True
+        for req in list(self._requests.values()):
+            self._fail(req, 503, "the server is shutting down", abort=False)
+        alive = [sp for sp in self._stages.values() if sp.alive()]
+        if alive and self._codec is not None:
+            await asyncio.gather(
+                *(self._send(sp.name, Shutdown(reason="orchestrator closing"), timeout=0.5)
+                  for sp in alive),
+                return_exceptions=True,
+            )
+        await asyncio.to_thread(self._stop_processes, self._grace)
+        for task in self._tasks + list(self._background):
+            task.cancel()
+        for task in self._tasks + list(self._background):
+            with contextlib.suppress(BaseException):
+                await task
+        self._tasks.clear()
+        for sender in self._senders.values():
+            with contextlib.suppress(Exception):
+                sender.close()
+        if self._inbox is not None:
+            with contextlib.suppress(Exception):
+                self._inbox.close()
+        if self._ctx is not None:
+            with contextlib.suppress(Exception):
+                self._ctx.destroy(linger=0)
+        if self._tmp_config:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp_config)
+        self._closed = True
+
+    def _stop_processes(self, grace: float) -> None:
+        """Blocking: wait ``grace`` for the stages to exit, then SIGTERM, then SIGKILL."""
+        procs = [sp for sp in self._stages.values() if sp.proc is not None]
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(sp.proc.poll() is None for sp in procs):  # type: ignore[union-attr]
+            time.sleep(0.05)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            running = [sp for sp in procs if sp.proc.poll() is None]  # type: ignore[union-attr]
+            if not running:
+                break
+            logger.info("stopping stage(s) %s with %s", ", ".join(sp.name for sp in running), sig.name)
+            for sp in running:
+                sp.signal_group(sig)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and any(sp.proc.poll() is None for sp in running):  # type: ignore[union-attr]
+                time.sleep(0.05)
+        for sp in procs:
+            # Leftovers in the stage's process group (helpers of a stage that already exited).
+            sp.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+            sp.up = False
+
+    def kill_all_sync(self, grace: float = 3.0) -> None:
+        """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage
+        process group, then SIGKILL after ``grace``."""
+        procs = [sp for sp in self._stages.values() if sp.alive()]
+        for sp in procs:
+            sp.signal_group(signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(sp.alive() for sp in procs):
+            time.sleep(0.05)
+        for sp in procs:
+            sp.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+
+    # ---- sockets ---------------------------------------------------------------------------------
+
+    def _new_sender(self, name: str) -> Any:
+        from omni_cache.transport import AsyncSender
+
+        assert self._ctx is not None
+        return AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec)
+
+    def _reset_sender(self, name: str) -> None:
+        """Drop whatever is queued for a dead stage (linger 0), so its next incarnation does not
+        receive stale requests."""
+        old = self._senders.get(name)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.close()
+        if not self._closing:
+            self._senders[name] = self._new_sender(name)
+
+    async def _send(self, stage: str, msg: msgspec.Struct, tensors: Mapping[str, Any] | None = None,
+                    *, timeout: float | None = 5.0) -> bool:
+        sender = self._senders.get(stage)
+        if sender is None:
+            return False
+        try:
+            await asyncio.wait_for(sender.send(msg, tensors), timeout)
+            return True
+        except (asyncio.TimeoutError, zmq.ZMQError) as e:
+            logger.warning("could not send %s to stage %s: %s", type(msg).__name__, stage, e or "timeout")
+            return False
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- tokenization ----------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Chat messages -> prompt token ids through the thinker's chat template (thread-safe)."""
+        if self._tokenizer is None:
+            raise RuntimeError("the tokenizer is not loaded yet (start() has not run)")
+        with self._tok_lock:
+            out = self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+            )
+        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        if hasattr(out, "tolist"):
+            out = out.tolist()
+        if out and isinstance(out[0], (list, tuple)):
+            out = out[0]
+        return [int(t) for t in out]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        if self._tokenizer is None or not hasattr(self._tokenizer, "decode"):
+            return ""
+        with self._tok_lock:
+            return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The entry stage's context length: from its StageReady, else its engine_args."""
+        sp = self._stages.get(self.entry.name)
+        if sp is not None and sp.max_model_len:
+            return sp.max_model_len
+        ea = self.entry.engine_args
+        return ea.max_model_len if ea is not None else None
+
+    def default_sampling(self) -> Sampling:
+        d = self.entry.sampling
+        return Sampling(temperature=d.temperature, top_p=d.top_p, max_tokens=d.max_tokens, seed=d.seed)
+
+    def participants(self, modalities: Iterable[str]) -> tuple[str, ...]:
+        names = {self.entry.name}
+        if "audio" in modalities:
+            names |= self._downstream_of_entry
+        return tuple(n for n in self.stage_names if n in names)
+
+    def _reachable_from(self, name: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [name]
+        while todo:
+            for d in self.config.downstream(todo.pop()):
+                if d.name not in seen:
+                    seen.add(d.name)
+                    todo.append(d.name)
+        return seen
+
+    async def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        modalities: Iterable[str] = ("text",),
+        return_latents: bool = False,
+        timeout_s: float | None = None,
+        received_at: float | None = None,
+    ) -> RequestHandle:
+        """Accept a request and send it to the entry stage.
+
+        ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
+        histograms (default: now); the deadline counts from it too.
+
+        Raises :class:`RequestError` when it is refused up front: 400 (empty or over-long prompt,
+        audio from a pipeline without an audio stage), 503 (a stage it needs is not up, shutting
+        down). Otherwise the returned handle gets exactly one terminal event.
+        """
+        if self._closing or self._closed:
+            raise RequestError(503, "the server is shutting down")
+        mods = tuple(dict.fromkeys(["text", *[str(m) for m in modalities]]))
+        bad = [m for m in mods if m not in ("text", "audio")]
+        if bad:
+            raise RequestError(400, f"unknown modality {bad[0]!r} (supported: 'text', 'audio')")
+        if "audio" in mods and self.audio_stage is None:
+            raise RequestError(400, f"pipeline {self.config.name!r} has no audio output stage")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError(400, "the prompt is empty")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise RequestError(400, "prompt token ids must be non-negative integers")
+        ids = [int(t) for t in ids]
+        sampling = self.default_sampling()
+        if max_tokens is not None:
+            sampling.max_tokens = int(max_tokens)
+        if temperature is not None:
+            sampling.temperature = float(temperature)
+        if top_p is not None:
+            sampling.top_p = float(top_p)
+        if seed is not None:
+            sampling.seed = int(seed)
+        if sampling.max_tokens < 1:
+            raise RequestError(400, f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        limit = self.max_model_len
+        if limit and len(ids) + sampling.max_tokens > limit:
+            raise RequestError(
+                400,
+                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                f"tokens and max_tokens is {sampling.max_tokens} ({len(ids) + sampling.max_tokens} "
+                "in total): shorten the prompt or lower max_tokens",
+            )
+        participants = self.participants(mods)
+        if not self._started:
+            raise RequestError(503, "the pipeline is still starting: "
+                               + ", ".join(f"{n} ({r})" for n, r in self.not_ready().items()))
+        down = [n for n in participants if not self._stages[n].up]
+        if down:
+            reasons = self.not_ready()
+            raise RequestError(
+                503, "stage(s) not available: " + ", ".join(f"{n} ({reasons.get(n, 'down')})" for n in down)
+                + "; retry shortly", stage=down[0]
+            )
+        timeout = float(timeout_s or self.config.server.request_timeout_s)
+        now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
+        req = _Request(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            modalities=mods,
+            participants=participants,
+            t0=now,
+            deadline=now + timeout,
+            timeout_s=timeout,
+            return_latents=return_latents,
+        )
+        self._requests[req.request_id] = req
+        msg = Submit(
+            request_id=req.request_id,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            modalities=list(mods),
+            return_latents=return_latents,
+            deadline=time.time() + timeout,
+        )
+        try:
+            sent = await self._send(self.entry.name, msg, timeout=min(timeout, 10.0))
+        except Exception as e:  # noqa: BLE001 -- e.g. MessageTooLarge
+            sent = False
+            logger.warning("request %s: could not submit: %s", req.request_id, e)
+        if not sent:
+            self._fail(req, 503, f"could not hand the request to stage {self.entry.name!r}",
+                       stage=self.entry.name)
+        return RequestHandle(self, req)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Drop a request (client went away): fail its handle (499) and tell its stages."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def _remember(self, request_id: str) -> None:
+        self._recent[request_id] = None
+        while len(self._recent) > 10000:
+            self._recent.popitem(last=False)
+
+    def _fail(self, req: _Request, status: int, message: str, *, stage: str | None = None,
+              abort: bool = True, count: bool = True) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._requests.pop(req.request_id, None)
+        self._remember(req.request_id)
+        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
+        if count:
+            self.metrics.request_done(status)
+            if stage is not None:
+                self.metrics.stage_failed_request(stage)
+        if abort and not self._closing:
+            for name in req.participants:
+                sp = self._stages.get(name)
+                if name != stage and name not in req.finished and sp is not None and sp.up:
+                    self._spawn(self._send(name, Abort(request_id=req.request_id), timeout=1.0))
+        logger.info("request %s failed (%d): %s", req.request_id, status, message)
+
+    def _complete(self, req: _Request) -> None:
+        req.done = True
+        self._requests.pop(req.request_id, None)
+        self._remember(req.request_id)
+        text_out = req.finished.get(self.text_stage.name) or req.finished.get(self.entry.name)
+        entry_out = req.finished.get(self.entry.name)
+        latents: dict[str, Any] = {}
+        if req.latents:
+            import torch
+
+            for name, parts in req.latents.items():
+                parts.sort(key=lambda p: p[0])
+                latents[name] = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        req.queue.put_nowait(Completed(
+            finish_reason=(text_out.finish_reason if text_out else None) or "stop",
+            num_prompt_tokens=(entry_out.num_prompt_tokens if entry_out else 0) or len(req.prompt_token_ids),
+            cached_tokens={n: m.num_cached_tokens for n, m in req.finished.items()},
+            latents=latents,
+        ))
+        self.metrics.request_done(None)
+
+    # ---- receiving -------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                item = await self._inbox.recv()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if self._closing:
+                    return
+                logger.warning("orchestrator inbox: %s", e)
+                await asyncio.sleep(0.05)
+                continue
+            if item is None:
+                continue
+            msg, tensors = item
+            try:
+                self._dispatch(msg, tensors)
+            except Exception:  # noqa: BLE001 -- one bad message must not stop the loop
+                logger.exception("orchestrator: error handling %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Any, tensors: dict[str, Any]) -> None:
+        if isinstance(msg, StageOutput):
+            self._on_output(msg, tensors)
+        elif isinstance(msg, StageError):
+            self._on_error(msg)
+        elif isinstance(msg, StageReady):
+            self._on_ready(msg)
+        elif isinstance(msg, StageStats):
+            self._stats[msg.stage] = dict(msg.counters)
+            self._stats_time[msg.stage] = time.monotonic()
+            for ev in self._stats_waiters:
+                ev.set()
+        else:
+            logger.warning("orchestrator: unexpected %s message, ignored", type(msg).__name__)
+
+    def _on_ready(self, msg: StageReady) -> None:
+        sp = self._stages.get(msg.stage)
+        if sp is None:
+            logger.warning("StageReady from unknown stage %r (pid %d), ignored", msg.stage, msg.pid)
+            return
+        if msg.pid in sp.old_pids:
+            logger.info("stage %s: stale StageReady from its previous process %d, ignored", sp.name, msg.pid)
+            return
+        if sp.proc is not None and msg.pid != sp.proc.pid:
+            logger.warning("stage %s: StageReady from pid %d, started pid %d", sp.name, msg.pid, sp.proc.pid)
+        if not sp.external and sp.proc is None:
+            logger.warning("stage %s: StageReady (pid %d) while its process is down, ignored", sp.name, msg.pid)
+            return
+        sp.up = True
+        sp.ever_ready = True
+        if sp.external:
+            sp.pid = msg.pid
+        if msg.max_model_len:
+            sp.max_model_len = msg.max_model_len
+        logger.info("stage %s: ready (pid %d%s)", sp.name, msg.pid,
+                    f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
+
+    def _on_output(self, msg: StageOutput, tensors: dict[str, Any]) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None:
+            if msg.request_id not in self._recent and msg.stage in self._stages:
+                # A request this orchestrator does not know (e.g. queued before a restart).
+                self._remember(msg.request_id)
+                self._spawn(self._send(msg.stage, Abort(request_id=msg.request_id), timeout=1.0))
+            return
+        stage = self._stage_cfg.get(msg.stage)
+        if stage is None:
+            logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
+            return
+        now = time.monotonic()
+        if stage.final_output == "text" and (msg.token_ids or msg.text):
+            if not req.got_token:
+                req.got_token = True
+                self.metrics.observe(TTFT, stage.name, now - req.t0)
+            req.queue.put_nowait(TextDelta(msg.text, list(msg.token_ids)))
+        if stage.final_output == "audio":
+            audio = tensors.get("audio")
+            if audio is not None and audio.numel() > 0:
+                if not req.got_audio:
+                    req.got_audio = True
+                    self.metrics.observe(TTFA, stage.name, now - req.t0)
+                import torch
+
+                samples = np.array(audio.detach().to(torch.float32).reshape(-1).numpy(), copy=True)
+                rate = msg.sample_rate or self.audio_sample_rate
+                self.audio_sample_rate = rate
+                req.queue.put_nowait(AudioDelta(samples, rate))
+        if req.return_latents and stage.name == self.entry.name:
+            for name, t in tensors.items():
+                if name != "audio":
+                    req.latents.setdefault(name, []).append((msg.latent_start, t.clone()))
+        if msg.finished:
+            if stage.name not in req.finished:
+                self.metrics.observe(STAGE_DONE, stage.name, now - req.t0)
+            req.finished[stage.name] = msg
+            if all(p in req.finished for p in req.participants):
+                self._complete(req)
+
+    def _on_error(self, msg: StageError) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None:
+            logger.info("stage %s: error for unknown request %s: %s", msg.stage, msg.request_id, msg.message)
+            return
+        status = msg.status if 400 <= msg.status <= 599 else 500
+        self._fail(req, status, f"stage {msg.stage!r}: {msg.message}", stage=msg.stage)
+
+    # ---- supervision -----------------------------------------------------------------------------
+
+    async def _supervise_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            try:
+                self._supervise_once()
+            except Exception:  # noqa: BLE001
+                logger.exception("orchestrator: supervision step failed")
+
+    def _supervise_once(self) -> None:
+        now = time.monotonic()
+        for sp in self._stages.values():
+            if sp.proc is not None:
+                code = sp.proc.poll()
+                if code is not None and not self._closing:
+                    self._on_stage_exit(sp, code)
+            elif (sp.restart_at is not None and now >= sp.restart_at and self._started
+                  and not self._closing):
+                sp.restarts += 1
+                sp.tail.append(f"--- restart {sp.restarts} ---")
+                try:
+                    sp.launch()
+                except OSError as e:
+                    logger.error("stage %s: restart failed: %s", sp.name, e)
+                    sp.restart_at = now + MAX_RESTART_DELAY_S
+        for req in list(self._requests.values()):
+            if now >= req.deadline:
+                waiting = [p for p in req.participants if p not in req.finished]
+                self._fail(
+                    req, 504,
+                    f"request timed out after {req.timeout_s:g} s (server.request_timeout_s); "
+                    f"still waiting for stage(s): {', '.join(waiting)}",
+                    stage=waiting[0] if waiting else None,
+                )
+
+    def _on_stage_exit(self, sp: _StageProcess, code: int) -> None:
+        now = time.monotonic()
+        uptime = now - sp.started_at
+        if sp.proc is not None:
+            sp.old_pids.add(sp.proc.pid)
+        sp.proc = None
+        sp.up = False
+        sp.last_exit = code
+        what = _exit_words(code)
+        logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
+                     sp.name, sp.pid, what, uptime, sp.log_tail(10))
+        sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
+        self._reset_sender(sp.name)
+        for req in list(self._requests.values()):
+            if sp.name in req.participants and sp.name not in req.finished:
+                self._fail(
+                    req, 503,
+                    f"stage {sp.name!r} died ({what}) while serving this request; it is being "
+                    "restarted, retry shortly",
+                    stage=sp.name,
+                )
+        if not self._started:
+            return  # start() reports it
+        if uptime >= STABLE_UPTIME_S and sp.ever_ready:
+            sp.crashes_in_a_row = 0
+        delay = 0.0 if sp.crashes_in_a_row == 0 else min(MAX_RESTART_DELAY_S, 2.0 ** (sp.crashes_in_a_row - 1))
+        sp.crashes_in_a_row += 1
+        sp.restart_at = now + delay
+        logger.warning("stage %s: restarting%s", sp.name, f" in {delay:g} s" if delay else "")
+
+    # ---- status ----------------------------------------------------------------------------------
+
+    def not_ready(self) -> dict[str, str]:
+        """stage -> why it is not serving, for every stage that is not up."""
+        out: dict[str, str] = {}
+        for name in self.stage_names:
+            sp = self._stages.get(name)
+            if sp is None:
+                out[name] = "not started"
+            elif sp.up:
+                continue
+            elif sp.external:
+                out[name] = "waiting for it to say ready (started elsewhere)"
+            elif sp.proc is not None:
+                out[name] = "restarting" if sp.restarts else "starting"
+            elif sp.last_exit is not None:
+                when = ""
+                if sp.restart_at is not None:
+                    when = f"; restart in {max(0.0, sp.restart_at - time.monotonic()):.1f} s"
+                out[name] = f"down ({_exit_words(sp.last_exit)}{when})"
+            else:
+                out[name] = "down"
+        return out
+
+    def stage_pids(self) -> dict[str, int | None]:
+        """stage -> pid of its running process (None while it is down)."""
+        return {n: (sp.proc.pid if sp.proc is not None else None) for n, sp in self._stages.items()}
+
+    async def stage_stats(self, timeout: float = STATS_TIMEOUT_S) -> dict[str, StageSnapshot]:
+        """Ask every up stage for its counters; stages that do not answer within ``timeout`` keep
+        their last known values (``fresh=False``)."""
+        t0 = time.monotonic()
+        targets = [n for n in self.stage_names if n in self._stages and self._stages[n].up]
+        ev = asyncio.Event()
+        self._stats_waiters.add(ev)
+        try:
+            await asyncio.gather(*(self._send(n, StatsQuery(), timeout=0.2) for n in targets))
+            deadline = t0 + timeout
+            while any(self._stats_time.get(n, -1.0) < t0 for n in targets):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                ev.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ev.wait(), remaining)
+        finally:
+            self._stats_waiters.discard(ev)
+        snap = {}
+        for n in self.stage_names:
+            sp = self._stages.get(n)
+            snap[n] = StageSnapshot(
+                up=bool(sp and sp.up),
+                restarts=sp.restarts if sp else 0,
+                counters=dict(self._stats.get(n, {})),
+                fresh=self._stats_time.get(n, -1.0) >= t0,
+            )
+        return snap
+
+    async def render_metrics(self) -> str:
+        """The Prometheus text of ``GET /metrics``."""
+        return self.metrics.render(await self.stage_stats(), self.in_flight)

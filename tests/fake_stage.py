@@ -1,0 +1,211 @@
+"""A fake stage process that speaks the stage protocol over real ZMQ (no vLLM, no model).
+
+Started by the orchestrator exactly like ``python -m workers`` (same arguments), for
+tests/test_server_unit.py:
+
+* entry stage (an "echo thinker"): answers a Submit with the prompt's byte tokens (ids < 256),
+  one StageOutput per token (``FAKE_TOKEN_DELAY`` seconds apart), the last one with
+  ``finished=True``; "prefix cache": the longest common prefix with any earlier prompt, rounded
+  down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for.
+  Prompts containing ``HANG`` never finish; ``FAIL`` answers a StageError (status 500).
+  With ``return_latents`` it sends a "hidden" tensor [prompt + output tokens, 4].
+* ``FAKE_START_DELAY`` (s) delays StageReady; ``FAKE_EXIT_AT_START=N`` exits with N at start.
+* other stages (a "decoder"): 240 samples (10 ms at 24 kHz) of a sine per upstream token, sent to
+  the orchestrator as an "audio" frame; a finished header once upstream finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from omni_cache.config import load_config
+from omni_cache.messages import (
+    MESSAGE_TYPES,
+    Abort,
+    Shutdown,
+    StageError,
+    StageOutput,
+    StageReady,
+    StageStats,
+    StatsQuery,
+    Submit,
+)
+from omni_cache.transport import AsyncReceiver, AsyncSender, Codec
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_TOKEN = 240
+BLOCK = 4
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(0.25)
+
+
+class FakeStage:
+    def __init__(self, config, stage, orchestrator: str) -> None:
+        self.config = config
+        self.stage = stage
+        self.name = stage.name
+        self.ctx = zmq.asyncio.Context()
+        codec = Codec(MESSAGE_TYPES, max_message_bytes=config.server.max_message_bytes)
+        self.inbox = AsyncReceiver(self.ctx, stage.address, codec, bind=True)
+        self.orch = AsyncSender(self.ctx, orchestrator, codec)
+        self.down = [AsyncSender(self.ctx, d.address, codec) for d in config.downstream(stage.name)]
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.decoding: dict[str, int] = {}  # decoder: request -> seq
+        self.aborted: set[str] = set()
+        self.seen: list[list[int]] = []
+        self.delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.01"))
+        self.counters = {k: 0.0 for k in ("requests", "errors", "queue_depth",
+                                          "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+                                          "latent_rows_served")}
+
+    async def run(self) -> None:
+        await asyncio.sleep(float(os.environ.get("FAKE_START_DELAY", "0")))
+        max_len = self.stage.engine_args.max_model_len if self.stage.engine_args else 0
+        await self.orch.send(StageReady(stage=self.name, pid=os.getpid(), max_model_len=max_len or 0))
+        while True:
+            item = await self.inbox.recv()
+            if item is None:
+                continue
+            msg, tensors = item
+            if isinstance(msg, Submit):
+                self.counters["requests"] += 1
+                task = asyncio.create_task(self.think(msg))
+                self.tasks[msg.request_id] = task
+                task.add_done_callback(lambda _t, rid=msg.request_id: self.tasks.pop(rid, None))
+            elif isinstance(msg, StageOutput):
+                await self.decode(msg)
+            elif isinstance(msg, Abort):
+                self.aborted.add(msg.request_id)
+                task = self.tasks.pop(msg.request_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(msg, StatsQuery):
+                self.counters["queue_depth"] = float(len(self.tasks) + len(self.decoding))
+                await self.orch.send(StageStats(stage=self.name, counters=dict(self.counters)))
+            elif isinstance(msg, Shutdown):
+                return
+
+    def _cached(self, prompt: list[int]) -> int:
+        best = 0
+        for old in self.seen:
+            n = 0
+            for a, b in zip(old, prompt):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self.seen.append(prompt)
+        return min(best // BLOCK * BLOCK, max(0, len(prompt) - 1))
+
+    async def think(self, sub: Submit) -> None:
+        rid = sub.request_id
+        prompt = list(sub.prompt_token_ids)
+        raw = bytes(t for t in prompt if t < 256)
+        cached = self._cached(prompt)
+        self.counters["prefix_cache_queried_tokens"] += len(prompt)
+        self.counters["prefix_cache_hit_tokens"] += cached
+        self.counters["latent_rows_served"] += cached
+        if b"FAIL" in raw:
+            self.counters["errors"] += 1
+            await self.orch.send(StageError(request_id=rid, stage=self.name,
+                                            message="fake failure requested", status=500))
+            return
+        if b"HANG" in raw:
+            await asyncio.sleep(3600)
+        out = list(raw[: sub.sampling.max_tokens])
+        audio = "audio" in sub.modalities
+        seq = 0
+        if sub.return_latents:
+            rows = torch.arange(len(prompt) * 4, dtype=torch.float32).reshape(-1, 4)
+            await self.orch.send(StageOutput(request_id=rid, stage=self.name, seq=seq, latent_start=0),
+                                 {"hidden": rows})
+            seq += 1
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        reason = "length" if len(out) >= sub.sampling.max_tokens else "stop"
+        if not out:
+            out_msgs = [([], True)]
+        else:
+            out_msgs = [([t], i == len(out) - 1) for i, t in enumerate(out)]
+        for i, (toks, last) in enumerate(out_msgs):
+            await asyncio.sleep(self.delay)
+            text = decoder.decode(bytes(toks), final=last)
+            msg = StageOutput(
+                request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text,
+                finished=last, finish_reason=reason if last else None,
+                num_prompt_tokens=len(prompt), num_cached_tokens=cached,
+                modalities=list(sub.modalities),
+            )
+            tensors = None
+            if sub.return_latents and toks:
+                pos = len(prompt) + i
+                tensors = {"hidden": torch.full((1, 4), float(pos))}
+                msg.latent_start = pos
+            await self.orch.send(msg, tensors)
+            if audio:
+                fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks,
+                                  finished=last, modalities=list(sub.modalities),
+                                  sampling=sub.sampling if seq == 0 else None)
+                for d in self.down:
+                    await d.send(fwd)
+            seq += 1
+
+    async def decode(self, up: StageOutput) -> None:
+        rid = up.request_id
+        if rid in self.aborted:
+            return
+        seq = self.decoding.setdefault(rid, 0)
+        for tok in up.token_ids:
+            t = np.arange(SAMPLES_PER_TOKEN, dtype=np.float32) / SAMPLE_RATE
+            wave = 0.5 * np.sin(2 * np.pi * (200 + 4 * tok) * t).astype(np.float32)
+            await self.orch.send(
+                StageOutput(request_id=rid, stage=self.name, seq=seq, sample_rate=SAMPLE_RATE),
+                {"audio": torch.from_numpy(wave)},
+            )
+            seq += 1
+        self.decoding[rid] = seq
+        if up.finished:
+            self.decoding.pop(rid, None)
+            self.counters["requests"] += 1
+            await self.orch.send(StageOutput(request_id=rid, stage=self.name, seq=seq, finished=True,
+                                             sample_rate=SAMPLE_RATE))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage-config", required=True)
+    p.add_argument("--stage", required=True)
+    p.add_argument("--orchestrator", required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--no-prefix-cache", action="store_true")
+    args = p.parse_args()
+    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    config = load_config(args.stage_config, check_paths=False)
+    stage = config.stage(args.stage)
+    print(f"fake stage {stage.name} up (pid {os.getpid()})", flush=True)
+    if os.environ.get("FAKE_EXIT_AT_START"):
+        print("fake stage: cannot load the model", flush=True)
+        return int(os.environ["FAKE_EXIT_AT_START"])
+    asyncio.run(FakeStage(config, stage, args.orchestrator).run())
+    print(f"fake stage {stage.name} shut down", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""The HTTP API, orchestrator and Python API against fake stage processes (no vLLM; fast).
+
+The fake stages (tests/fake_stage.py) are real OS processes started by the orchestrator with the
+stage command line, talking the stage protocol over real ZMQ sockets: an echo "thinker" (answers
+with the prompt's bytes) and a "decoder" (a sine per token, 24 kHz float32).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+import wave
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from omni_cache.config import load_config
+from omni_cache.metrics import parse_metrics
+from omni_cache.orchestrator import Orchestrator, StageStartError, control_address
+from omni_cache.server import ServerThread
+from omni_cache.wav import decode_wav, encode_wav, to_pcm16
+
+FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
+API_KEY = "unit-test-key"
+MAX_MODEL_LEN = 512
+TIMEOUT_S = 4.0
+TOKEN_DELAY_S = 0.02
+SAMPLES_PER_TOKEN = 240  # fake decoder: 10 ms of audio per token
+
+
+class ByteTokenizer:
+    """Chat template "role: content\\n" per message, one token per byte."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return {"input_ids": list(text.encode())}  # like transformers 5's BatchEncoding
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+def echo(content: str, max_tokens: int) -> str:
+    """What the fake thinker answers to one user message."""
+    return f"user: {content}\n".encode()[:max_tokens].decode(errors="replace")
+
+
+def write_config(name: str, decoder_env: str = "{}") -> Path:
+    d = tempfile.mkdtemp(prefix="ocu")  # short: ipc paths are limited to 107 bytes
+    path = Path(d) / "pipeline.yaml"
+    path.write_text(f"""
+name: {name}
+server: {{host: 127.0.0.1, port: 0, request_timeout_s: {TIMEOUT_S}}}
+stages:
+  - name: thinker
+    kind: autoregressive
+    model: tiny:thinker
+    address: ipc://{d}/thinker.sock
+    final_output: text
+    engine_args: {{max_model_len: {MAX_MODEL_LEN}}}
+    sampling: {{max_tokens: 16}}
+    env: {{FAKE_TOKEN_DELAY: "{TOKEN_DELAY_S}"}}
+  - name: decoder
+    kind: generation
+    model: tiny:decoder
+    inputs: [thinker]
+    handoff: omni_cache.handoff.talker_to_decoder
+    address: ipc://{d}/decoder.sock
+    final_output: audio
+    env: {decoder_env}
+""")
+    return path
+
+
+def make_orchestrator(path: Path) -> Orchestrator:
+    return Orchestrator(
+        load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
+        echo_stage_logs=False,
+    )
+
+
+def assert_gone(pids) -> None:
+    for pid in pids:
+        if pid is None:
+            continue
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    name = f"unit_{uuid.uuid4().hex[:8]}"
+    orch = make_orchestrator(write_config(name))
+    server = ServerThread(orch, api_key=API_KEY).start()
+    pids = []
+    try:
+        server.wait_ready(60)
+        pids = list(orch.stage_pids().values())
+        yield server
+        pids += list(orch.stage_pids().values())  # after restarts
+    finally:
+        server.stop()
+    assert_gone(pids)  # no orphans
+
+
+@pytest.fixture
+def http(srv):
+    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def oai(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+def model(srv) -> str:
+    return srv.orchestrator.served_model_name
+
+
+def chat(srv, content="hello", **extra):
+    return {"model": model(srv), "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(lines):
+    events = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def wait_healthy(srv, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if httpx.get(srv.url + "/health").status_code == 200:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not healthy after {timeout} s: {httpx.get(srv.url + '/health').json()}")
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def test_control_address_default():
+    config = load_config(write_config("addr_test"))
+    assert control_address(config) == "ipc:///tmp/omni_cache/addr_test/orchestrator.sock"
+
+
+def test_wav_roundtrip():
+    t = np.arange(2400) / 24000
+    x = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    data = encode_wav(x, 24000)
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (24000, 1, 2, 2400)
+    y, rate = decode_wav(data)
+    assert rate == 24000 and np.max(np.abs(x - y)) < 1e-4
+    assert len(to_pcm16(x[:1200], 12000)) == 2 * 2400  # resampled to 24 kHz
+
+
+def test_health_is_open_and_api_key_protects_the_rest(srv):
+    r = httpx.get(srv.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.get(srv.url + "/v1/models", headers=headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(srv.url + "/metrics", headers=headers).status_code == 401
+        assert httpx.post(srv.url + "/v1/chat/completions", json=chat(srv), headers=headers).status_code == 401
+    r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == model(srv)
+
+
+def test_text_answer_with_openai_client(srv, oai):
+    content = f"text {uuid.uuid4().hex[:6]}"
+    r = oai.chat.completions.create(model=model(srv), messages=[{"role": "user", "content": content}],
+                                    max_tokens=8)
+    assert r.choices[0].message.content == echo(content, 8)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.audio is None
+    assert r.usage.prompt_tokens == len(f"user: {content}\n")
+    assert r.usage.completion_tokens == 8
+
+
+def test_shared_prefix_reports_cached_tokens(srv, oai):
+    prefix = "a long shared system prompt " * 3 + uuid.uuid4().hex
+    cached = []
+    for q in ("first question", "second question"):
+        r = oai.chat.completions.create(
+            model=model(srv), max_tokens=4,
+            messages=[{"role": "system", "content": prefix}, {"role": "user", "content": q}])
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0 and cached[1] >= len(prefix) // 4 * 4
+
+
+def test_audio_answer_is_a_24khz_mono_16bit_wav(srv, oai):
+    r = oai.chat.completions.create(
+        model=model(srv), messages=[{"role": "user", "content": "sing"}], max_tokens=6,
+        modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+    msg = r.choices[0].message
+    assert msg.content == echo("sing", 6)
+    assert msg.audio.transcript == msg.content and msg.audio.id and msg.audio.expires_at > time.time()
+    with wave.open(io.BytesIO(base64.b64decode(msg.audio.data))) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        assert w.getnframes() == 6 * SAMPLES_PER_TOKEN
+
+
+def test_stream_text_and_audio_ends_with_done(srv, http):
+    body = chat(srv, "stream me", max_tokens=10, stream=True, modalities=["text", "audio"],
+                stream_options={"include_usage": True})
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == echo("stream me", 10)
+    pcm = b"".join(base64.b64decode(c["choices"][0]["delta"]["audio"]["data"])
+                   for c in chunks if c["choices"] and "audio" in c["choices"][0]["delta"])
+    assert len(pcm) == 2 * 10 * SAMPLES_PER_TOKEN
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_stream_with_openai_client(srv, oai):
+    stream = oai.chat.completions.create(model=model(srv), messages=[{"role": "user", "content": "hey"}],
+                                         max_tokens=5, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == echo("hey", 5)
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "invalid JSON"),
+    (b"", 400, "invalid JSON"),
+    (b"[1, 2]", 400, "request body"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+    (json.dumps({"model": "M", "messages": "hello"}).encode(), 400, "messages"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
+    (json.dumps({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}).encode(),
+     400, "max_tokens"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(),
+     400, "max_tokens"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
+     400, "temperature"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+     400, "stream"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}).encode(),
+     400, "modalities"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
+                 "audio": {"voice": "alloy", "format": "mp3"}}).encode(), 400, "wav"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}).encode(), 400, "image_url"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}).encode(),
+     400, str(MAX_MODEL_LEN)),
+    (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(),
+     404, "no-such-model"),
+])
+def test_bad_requests_get_clear_errors(srv, http, body, status, needle):
+    body = body.replace(b'"M"', json.dumps(model(srv)).encode())
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"], err
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_over_long_prompt_message_names_the_lengths(srv, http):
+    content = "y" * 400
+    r = http.post("/v1/chat/completions", json=chat(srv, content, max_tokens=200))
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    prompt_len = len(f"user: {content}\n")
+    assert str(MAX_MODEL_LEN) in msg and str(prompt_len) in msg and "200" in msg
+
+
+def test_still_serves_after_bad_input(srv, http):
+    assert http.post("/v1/chat/completions", content=b"\xff\xfe garbage").status_code == 400
+    r = http.post("/v1/chat/completions", json=chat(srv, "after", max_tokens=3))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == echo("after", 3)
+
+
+def test_stage_error_is_reported(srv, http):
+    r = http.post("/v1/chat/completions", json=chat(srv, "please FAIL"))
+    assert r.status_code == 500
+    assert "thinker" in r.json()["error"]["message"] and "fake failure" in r.json()["error"]["message"]
+
+
+def test_deadline_gives_504(srv, http):
+    t0 = time.monotonic()
+    r = http.post("/v1/chat/completions", json=chat(srv, "HANG forever"))
+    assert r.status_code == 504, r.text
+    assert "timed out" in r.json()["error"]["message"]
+    assert TIMEOUT_S - 0.1 <= time.monotonic() - t0 < TIMEOUT_S + 2
+
+
+def test_metrics_text_format(srv, http):
+    http.post("/v1/chat/completions", json=chat(srv, "metrics", max_tokens=3, modalities=["text", "audio"]))
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = parse_metrics(r.text)
+    by = {(n, lab.get("stage"), lab.get("le")): v for n, lab, v in samples}
+    for stage in ("thinker", "decoder"):
+        for metric in ("omni_cache_stage_requests_total", "omni_cache_stage_errors_total",
+                       "omni_cache_stage_queue_depth", "omni_cache_prefix_cache_queried_tokens_total",
+                       "omni_cache_prefix_cache_hit_tokens_total", "omni_cache_latent_rows_served_total",
+                       "omni_cache_stage_up"):
+            assert (metric, stage, None) in by, (metric, stage)
+    assert by[("omni_cache_stage_requests_total", "thinker", None)] >= 1
+    assert by[("omni_cache_prefix_cache_queried_tokens_total", "thinker", None)] > 0
+    assert by[("omni_cache_time_to_first_token_seconds_count", "thinker", None)] >= 1
+    assert by[("omni_cache_time_to_first_audio_seconds_count", "decoder", None)] >= 1
+    assert by[("omni_cache_time_to_first_token_seconds_bucket", "thinker", "+Inf")] >= 1
+    for line in r.text.splitlines():
+        if 'stage="' in line:
+            name, rest = line.split("{", 1)
+            assert name and rest.split("} ")[1]
+
+
+def test_killed_stage_fails_in_flight_request_fast_and_comes_back(srv, http):
+    orch = srv.orchestrator
+    old_pid = orch.stage_pids()["thinker"]
+    content = "k" * 120
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(http.post, "/v1/chat/completions", json=chat(srv, content, max_tokens=100))
+        end = time.monotonic() + 5
+        while orch.in_flight == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a few tokens in
+        t_kill = time.monotonic()
+        os.kill(old_pid, signal.SIGKILL)
+        r = fut.result(timeout=10)
+        elapsed = time.monotonic() - t_kill
+    assert r.status_code == 503, r.text
+    assert elapsed < 2.0
+    assert "thinker" in r.json()["error"]["message"]
+    health = httpx.get(srv.url + "/health")
+    if health.status_code == 503:
+        assert "thinker" in health.json()["message"]
+    wait_healthy(srv)
+    assert orch.stage_pids()["thinker"] not in (None, old_pid)
+    r = http.post("/v1/chat/completions", json=chat(srv, "back again", max_tokens=4))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == echo("back again", 4)
+    metrics = {(n, lab.get("stage")): v for n, lab, v in parse_metrics(http.get("/metrics").text)}
+    assert metrics[("omni_cache_stage_restarts_total", "thinker")] >= 1
+
+
+def test_killed_stage_mid_stream_gives_sse_error_event(srv, http):
+    orch = srv.orchestrator
+    old_pid = orch.stage_pids()["decoder"]
+    body = chat(srv, "d" * 120, max_tokens=100, stream=True, modalities=["text", "audio"])
+    events, t_kill = [], None
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if t_kill is None and isinstance(events[-1], dict) and events[-1].get("choices") \
+                    and "audio" in events[-1]["choices"][0]["delta"]:
+                t_kill = time.monotonic()
+                os.kill(old_pid, signal.SIGKILL)
+            if isinstance(events[-1], dict) and "error" in events[-1]:
+                elapsed = time.monotonic() - t_kill
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["code"] == "stage_unavailable" and "decoder" in err["message"]
+    assert elapsed < 2.0
+    # Text-only requests never needed the decoder; audio ones work again after the restart.
+    wait_healthy(srv)
+    r = http.post("/v1/chat/completions", json=chat(srv, "audio again", max_tokens=3,
+                                                        modalities=["text", "audio"]))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["audio"]["data"]
+
+
+def _thinker_queue_depth(http) -> float:
+    samples = parse_metrics(http.get("/metrics").text)
+    return next(v for n, lab, v in samples
+                if n == "omni_cache_stage_queue_depth" and lab["stage"] == "thinker")
+
+
+def _wait_idle(srv, http, timeout=3.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if srv.orchestrator.in_flight == 0 and _thinker_queue_depth(http) == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"still busy: in_flight={srv.orchestrator.in_flight}, "
+                         f"thinker queue depth={_thinker_queue_depth(http)}")
+
+
+def test_client_that_goes_away_aborts_its_request(srv, http):
+    _wait_idle(srv, http)
+    body = chat(srv, "g" * 120, max_tokens=100, stream=True)
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        next(r.iter_lines())  # the first chunk, then hang up
+    # The answer would take 2 s: idle within 1 s means the orchestrator forgot the request and
+    # the thinker dropped it.
+    _wait_idle(srv, http, timeout=1.0)
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=chat(srv, "h" * 120, max_tokens=100), timeout=0.3)
+    _wait_idle(srv, http, timeout=1.2)  # disconnects of non-streamed requests are polled (0.5 s)
+
+
+def test_python_pipeline_api():
+    from omni_cache import Pipeline
+
+    path = write_config(f"pipe_{uuid.uuid4().hex[:8]}")
+    with Pipeline.from_config(path, tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
+                              start_timeout_s=60, shutdown_grace_s=2, echo_stage_logs=False) as pipe:
+        pids = list(pipe.orchestrator.stage_pids().values())
+        prompts = ["hello there", [{"role": "user", "content": "chat form"}], list(b"raw ids")]
+        results = pipe.generate(prompts, max_tokens=6, return_latents=True)
+        assert [r.text for r in results] == [echo("hello there", 6), echo("chat form", 6), "raw id"]
+        for r, n_prompt in zip(results, (len("user: hello there\n"), len("user: chat form\n"), 7)):
+            assert r.audio.dtype == np.float32 and r.audio.shape == (6 * SAMPLES_PER_TOKEN,)
+            assert r.sample_rate == 24000
+            assert set(r.cached_tokens) == {"thinker", "decoder"}
+            assert r.latents["hidden"].shape == (n_prompt + 6, 4)
+        again = pipe.generate("hello there", max_tokens=2, modalities=("text",))
+        assert again[0].audio is None and again[0].latents == {}
+        assert again[0].cached_tokens["thinker"] > 0
+        stats = pipe.stats()
+        assert stats["thinker"]["requests"] == 4 and stats["thinker"]["prefix_cache_hit_tokens"] > 0
+    assert_gone(pids)
+
+
+@pytest.mark.parametrize("env, timeout, needle", [
+    # fails fast: start() does not wait for the 60 s timeout when a stage exits
+    ('{FAKE_EXIT_AT_START: "3"}', 60, "exited before it was ready (exit code 3)"),
+    ('{FAKE_START_DELAY: "60"}', 4, "not ready after 4 s"),
+])
+def test_stage_that_does_not_come_up_is_named(env, timeout, needle):
+    from omni_cache import Pipeline
+
+    path = write_config(f"bad_{uuid.uuid4().hex[:8]}", decoder_env=env)
+    t0 = time.monotonic()
+    with pytest.raises(StageStartError) as info:
+        Pipeline.from_config(path, tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
+                             start_timeout_s=timeout, shutdown_grace_s=1, echo_stage_logs=False)
+    assert time.monotonic() - t0 < 15
+    msg = str(info.value)
+    assert "stage 'decoder'" in msg and needle in msg
+    if "exit code" in needle:
+        assert "fake stage: cannot load the model" in msg  # the end of its output
+        assert "'thinker'" not in msg
