@@ -23,14 +23,17 @@ Three paths, chosen at construction:
   `cudaHostRegister` (exact size, no rounding by the caching host allocator). A write must not stall
   the forward pass, so it is a pipeline:
 
-    1. compute stream: one Triton launch packs the step's rows and its slot mapping into a device
-       staging buffer of a ring entry (a snapshot: vLLM reuses its output buffers next step);
-       an event marks it;
-    2. copy stream (waits on that event, never the other way round): the slots, then the rows, go
-       device->host into the entry's pinned host buffer (two `cudaMemcpyAsync`); events mark each;
-    3. a daemon "drain" thread waits on the rows event (blocking-sync event: it sleeps, the GIL is
+    1. compute stream: the step's slot mapping and rows are copied (k + 1 contiguous D2D copies)
+       into the device staging buffer of a ring entry, laid out [slots | rows of name 0 | ...]
+       (a snapshot: vLLM reuses its output buffers next step); an event marks it. No compaction
+       of the -1 rows (that would need a host sync); they go to the trash row in step 3;
+    2. copy stream (waits on that event, never the other way round): the used part of the staging
+       buffer goes device->host into the entry's pinned host buffer (`cudaMemcpyAsync`; entries over
+       1 MiB copy their slots first, with their own event); an event marks the end;
+    3. a daemon "drain" thread waits on that event (blocking-sync event: it sleeps, the GIL is
        released) and scatters the rows into the host mirror (`index_copy_` by slot, -1 to the trash
-       row), then frees the ring entry.
+       row; OpenMP team of `drain_threads` threads, 4 by default, so it leaves the cores to the
+       serving loop), then frees the ring entry.
 
   Nothing on the compute stream ever waits for the copy stream, and the calling thread only waits
   when the ring is full (back-pressure). Bound: `staging_depth` entries of `staging_tokens` rows
@@ -76,10 +79,11 @@ except Exception:  # pragma: no cover - depends on the environment
 __all__ = ["LatentStore"]
 
 _ALIGN = 16  # byte alignment of each section of a staging buffer
-_MAX_NAMES_PER_LAUNCH = 4  # the Triton kernel takes up to four (src, dst) pairs per launch
+_MAX_NAMES_PER_LAUNCH = 4
+_SPLIT_SLOTS_BYTES = 1 << 20  # host pipeline: entries above this copy their slots separately  # the Triton kernel takes up to four (src, dst) pairs per launch
 _WORDS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
-MODE_WRITE, MODE_GATHER, MODE_PACK = 0, 1, 2
+MODE_WRITE, MODE_GATHER = 0, 1
 
 
 def _align(n: int) -> int:
@@ -131,7 +135,7 @@ if _HAS_TRITON:
 
     @triton.jit
     def _latent_rows_kernel(
-        idx_ptr, n_rows, slot_out_ptr,
+        idx_ptr, n_rows,
         src0, ss0, dst0, ds0,
         src1, ss1, dst1, ds1,
         src2, ss2, dst2, ds2,
@@ -145,7 +149,6 @@ if _HAS_TRITON:
         Axis 1 enumerates (name, chunk) pairs: name i owns chunks [E_{i-1}, E_i).
         MODE_WRITE:  dst[idx[t]] = src[t], rows with idx < 0 skipped (padding).
         MODE_GATHER: dst[t] = src[idx[t]].
-        MODE_PACK:   dst[t] = src[t] and slot_out[t] = idx[t] (the host pipeline's snapshot).
         """
         pid_t = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -157,16 +160,10 @@ if _HAS_TRITON:
             src_rows = toks64
             dst_rows = idx
             rmask = tmask & (idx >= 0)
-        elif MODE == 1:
+        else:
             src_rows = idx
             dst_rows = toks64
             rmask = tmask
-        else:
-            src_rows = toks64
-            dst_rows = toks64
-            rmask = tmask
-            if pid_c == 0:
-                tl.store(slot_out_ptr + toks64, idx, mask=tmask)
         if pid_c < E0:
             _copy_tile(src0, ss0, dst0, ds0, src_rows, dst_rows, rmask, pid_c, D0, BLOCK_D)
         if NUM > 1:
@@ -188,8 +185,7 @@ def _launch_config(n_rows: int, max_dim: int) -> tuple[int, int, int]:
 
 
 def _launch_rows(mode: int, idx: torch.Tensor, n_rows: int,
-                 pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 slot_out: torch.Tensor | None = None) -> None:
+                 pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """One Triton launch per group of four (src, dst) pairs; tensors are [rows, dim], stride(1)=1."""
     if n_rows == 0:
         return
@@ -209,12 +205,11 @@ def _launch_rows(mode: int, idx: torch.Tensor, n_rows: int,
             args += [src, src.stride(0), dst, dst.stride(0)]
         grid = (triton.cdiv(n_rows, block_t), ends[num - 1])
         _latent_rows_kernel[grid](
-            idx, n_rows, slot_out if slot_out is not None else idx, *args,
+            idx, n_rows, *args,
             D0=dims[0], D1=dims[1], D2=dims[2], D3=dims[3],
             E0=ends[0], E1=ends[1], E2=ends[2],
             NUM=num, MODE=mode, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )
-        slot_out = None  # the slots are packed once, by the first group
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,7 +229,7 @@ class _NullEvent:
 
 
 class _Entry:
-    __slots__ = ("index", "dev_buf", "host_buf", "packed", "slots_done", "data_done",
+    __slots__ = ("index", "dev_buf", "host_buf", "packed", "slots_done", "data_done", "slots_ev",
                  "seq", "n", "registered")
 
     def __init__(self, index: int, dev_buf: torch.Tensor, host_buf: torch.Tensor, events: tuple):
@@ -242,6 +237,7 @@ class _Entry:
         self.dev_buf = dev_buf
         self.host_buf = host_buf
         self.packed, self.slots_done, self.data_done = events
+        self.slots_ev = self.slots_done  # the event after which its slots are on the host
         self.seq = 0  # sequence number of the write chunk it carries (0: free, never used)
         self.n = 0
         self.registered = False  # its slots were recorded in `slot_seq` by a gather
@@ -312,6 +308,8 @@ class LatentStore:
         host_gather: CUDA + host only: "zero_copy" (a Triton kernel reads the page-locked mirror
             over PCIe) or "staging" (CPU index_select into a pinned buffer, one H2D copy).
         use_triton: None = use Triton on CUDA when importable; False forces the torch fallback.
+        drain_threads: CUDA + host only: intra-op threads of the drain thread's host scatter
+            (None: torch's default, all cores).
     """
 
     def __init__(
@@ -326,10 +324,8 @@ class LatentStore:
         staging_depth: int = 3,
         host_gather: Literal["zero_copy", "staging"] = "zero_copy",
         use_triton: bool | None = None,
-        drain_threads: int | None = None,
+        drain_threads: int | None = 4,
         _emulate_pipeline: bool = False,
-        _drain_impl: str = "torch",
-        _pack: str = "triton",
     ) -> None:
         if not specs:
             raise ValueError("LatentStore needs at least one latent name")
@@ -378,7 +374,7 @@ class LatentStore:
         self.staging_nbytes = 0
         self.stats = {"writes": 0, "chunks": 0, "ring_waits": 0, "gather_waits": 0}
         self._closed = False
-        self._drain_threads, self._drain_impl, self._pack = drain_threads, _drain_impl, _pack
+        self._drain_threads = min(drain_threads, torch.get_num_threads()) if drain_threads else None
         if self._pipelined:
             self._init_pipeline(staging_tokens, staging_depth)
         else:
@@ -560,23 +556,6 @@ class LatentStore:
                 rows = buf[off: off + entry.n * w.shape[1] * w.element_size()].view(word[nm])
                 w.index_copy_(0, idx, rows.view(entry.n, -1))
 
-        if self._drain_impl == "numpy":
-            flat_np = {nm: t.numpy() for nm, t in flat_w.items()}
-
-            def scatter(entry: _Entry) -> None:  # noqa: F811
-                offsets, _ = _staging_layout(entry.n, row_bytes)
-                buf = entry.host_buf
-                slots = buf[: entry.n * 8].view(torch.int64).numpy()
-                idx = slots.copy()
-                idx[idx < 0] = trash
-                for nm, off in zip(names, offsets):
-                    w = flat_np[nm]
-                    rows = buf[off: off + entry.n * w.shape[1] * w.itemsize].numpy().view(w.dtype)
-                    w[idx] = rows.reshape(entry.n, -1)
-        elif self._drain_impl == "none":  # diagnostics: copies only
-            def scatter(entry: _Entry) -> None:  # noqa: F811
-                pass
-
         ready = threading.Event()
         self._thread = threading.Thread(
             target=_drain_loop, args=(self._state, scatter, self._drain_threads, ready),
@@ -629,26 +608,35 @@ class LatentStore:
         dev_slots = entry.dev_buf[: n * 8].view(torch.int64)
         dev_rows = {nm: entry.dev_buf[off: off + n * self._row_bytes[nm]].view(self.specs[nm][1]).view(n, -1)
                     for nm, off in zip(self.names, offsets)}
-        # 1. snapshot on the compute stream
-        if self._use_triton and self._pack == "triton":
-            _launch_rows(MODE_PACK, slot_mapping, n, [(srcs[nm], dev_rows[nm]) for nm in self.names],
-                         slot_out=dev_slots)
-        else:
-            dev_slots.copy_(slot_mapping)
-            for nm in self.names:
-                dev_rows[nm].copy_(srcs[nm])
-        # 2. device -> host on the copy stream, which waits for the snapshot (never the reverse)
+        # 1. snapshot on the compute stream: k + 1 contiguous device copies (cheaper to launch than
+        #    one Triton kernel, and as fast on the GPU)
+        dev_slots.copy_(slot_mapping)
+        for nm in self.names:
+            dev_rows[nm].copy_(srcs[nm])
+        # 2. device -> host on the copy stream, which waits for the snapshot (never the reverse).
+        #    Large entries copy their slots first (own event: lets a gather that needs none of
+        #    these rows skip waiting for them); small ones go in one copy.
         if self._emulated:
             entry.host_buf[:total].copy_(entry.dev_buf[:total])
         else:
             compute = torch.cuda.current_stream(self.device)
             entry.packed.record(compute)
-            self._copy_stream.wait_event(entry.packed)
-            with torch.cuda.stream(self._copy_stream):
-                entry.host_buf[: n * 8].copy_(entry.dev_buf[: n * 8], non_blocking=True)
-                entry.slots_done.record(self._copy_stream)
-                entry.host_buf[offsets[0]:total].copy_(entry.dev_buf[offsets[0]:total], non_blocking=True)
-                entry.data_done.record(self._copy_stream)
+            cs = self._copy_stream
+            cs.wait_event(entry.packed)
+            torch.cuda.set_stream(cs)
+            try:
+                if total > _SPLIT_SLOTS_BYTES:
+                    entry.host_buf[: n * 8].copy_(entry.dev_buf[: n * 8], non_blocking=True)
+                    entry.slots_done.record(cs)
+                    entry.slots_ev = entry.slots_done
+                    lo = offsets[0]
+                else:
+                    entry.slots_ev = entry.data_done
+                    lo = 0
+                entry.host_buf[lo:total].copy_(entry.dev_buf[lo:total], non_blocking=True)
+                entry.data_done.record(cs)
+            finally:
+                torch.cuda.set_stream(compute)
         # 3. the drain thread scatters it into the mirror once the copy is done
         self._inflight.append(entry)
         st = self._state
@@ -666,7 +654,7 @@ class LatentStore:
         for entry in list(self._inflight):
             if entry.registered:
                 continue
-            entry.slots_done.synchronize()  # tiny copy; FIFO: every earlier entry's rows are in too
+            entry.slots_ev.synchronize()  # small copy; FIFO: every earlier entry's rows are in too
             hs = entry.host_buf[: entry.n * 8].view(torch.int64)
             self._slot_seq.index_fill_(0, torch.where(hs < 0, self._trash, hs), entry.seq)
             entry.registered = True
