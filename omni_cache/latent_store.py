@@ -310,6 +310,11 @@ class LatentStore:
         use_triton: None = use Triton on CUDA when importable; False forces the torch fallback.
         drain_threads: CUDA + host only: intra-op threads of the drain thread's host scatter
             (None: torch's default, all cores).
+
+    `write` on a device mirror can be captured in a CUDA graph; on a host mirror it cannot (it
+    records events and switches streams): call it eagerly after the graph replay. `stats` counts
+    writes, ring entries used, writes that waited for a free ring entry and gathers that waited
+    for an in-flight copy. `close()` (or garbage collection) stops the drain thread.
     """
 
     def __init__(

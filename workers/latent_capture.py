@@ -77,7 +77,7 @@ class LatentCapture:
     block_size: int = 0
 
     # ---- set-up ----------------------------------------------------------------------------
-    def bind_kv_cache(self, kv_cache_config: Any) -> None:
+    def bind_kv_cache(self, kv_cache_config: Any, max_step_tokens: int | None = None) -> None:
         """Allocate the mirror of the full-attention KV-cache group, if the cache is on."""
         if not self.options.cache:
             return
@@ -92,9 +92,11 @@ class LatentCapture:
                 break
         else:
             raise RuntimeError("hidden-state cache: the model has no full-attention KV-cache group")
+        # On CUDA with host storage, one step's rows must fit one entry of the copy ring.
+        staging = max_step_tokens if self.device.type == "cuda" else None
         self.store = LatentStore(
             self.dims, kv_cache_config.num_blocks, self.block_size,
-            storage=self.options.storage, device=self.device,
+            storage=self.options.storage, device=self.device, staging_tokens=staging,
         )
         logger.info(
             "hidden-state cache: mirroring KV group %d (%d blocks x %d slots), latents %s, "
@@ -170,9 +172,8 @@ class LatentCapture:
         from omni_cache.latent_store import LatentStore
 
         slots = LatentStore.prefix_slots(block_ids, self.block_size, num_tokens)
-        rows = self.store.gather(slots)
-        if self.device.type != "cpu":
-            rows = {n: t.to("cpu") for n, t in rows.items()}
+        # The rows leave the process, so gather them straight to host memory.
+        rows = self.store.gather(slots, device="cpu")
         self.counters.rows_served += num_tokens
         return LatentChunk(0, rows)
 

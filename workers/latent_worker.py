@@ -52,7 +52,9 @@ class LatentWorkerMixin:
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         if self.latents is not None:
-            self.latents.bind_kv_cache(kv_cache_config)
+            self.latents.bind_kv_cache(
+                kv_cache_config,
+                self.vllm_config.scheduler_config.max_num_batched_tokens)  # type: ignore[attr-defined]
 
     def execute_model(self, scheduler_output: Any) -> Any:
         output = super().execute_model(scheduler_output)  # type: ignore[misc]
