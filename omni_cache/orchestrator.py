@@ -5,7 +5,7 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
 
 * starts one OS process per stage (``python -m workers --stage-config ... --stage NAME
   --orchestrator ADDR --parent-pid PID``, each in its own process group), waits until every stage
-  sent ``StageReady``, polls them every 200 ms, restarts a stage that died, and on close sends
+  sent ``StageReady``, polls them every 100 ms, restarts a stage that died, and on close sends
   ``Shutdown``, then SIGTERM, then SIGKILL to each process group;
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 #: How often stage processes are polled and deadlines checked.
-POLL_INTERVAL_S = 0.2
+POLL_INTERVAL_S = 0.1
 #: How long start() waits for every StageReady (vLLM start-up plus tiny checkpoint generation).
 DEFAULT_START_TIMEOUT_S = 600.0
 #: Grace after Shutdown before SIGTERM, and after SIGTERM before SIGKILL.

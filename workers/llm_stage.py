@@ -57,6 +57,10 @@ class LLMStage:
         worker = "CPULatentWorker" if current_platform.is_cpu() else "GPULatentWorker"
         scheduler = "AsyncOmniScheduler" if async_scheduling else "OmniScheduler"
         kwargs = dict(engine_args)
+        if not prefix_cache:
+            # A prefix-cache setting; without prefix caching vLLM validates it against another
+            # block size and refuses it, so the same config works with the cache on and off.
+            kwargs.pop("prefix_cache_retention_interval", None)
         if latents is not None:
             kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache": {
                 "hidden": latents.hidden, "layers": list(latents.layers),
