@@ -1,0 +1,201 @@
+"""End-to-end benchmark of the serving pipeline, prefix cache on vs off, through the HTTP API.
+
+    .venv/bin/python -m benchmarks --stage-config stage_configs/tiny_omni.yaml \\
+        --workload shared-prefix --json OUT.json --plot OUT.png [--quick]
+
+By default it starts the pipeline of ``--stage-config`` twice, one after the other (start, drive,
+stop): prefix cache on, then off (``--sides``), each on a private copy of the config (own socket
+paths, HTTP port 0), and sends both the same request stream: a warm-up (not measured), then the
+workload's requests, streamed (``"stream": true``, text + audio). ``--url`` measures an already
+running server instead (one side, whatever its cache setting).
+
+Per side: time to first text / first audio / end of stream (p50, p90, p99), throughput (requests/s,
+audio seconds/s), the thinker's prefix-cache hit rate and hidden-state rows served from the cache
+(``/metrics`` deltas over the measured phase), stage CPU time per request; on/off ratios: speedup =
+off / on (latencies), throughput change = on / off - 1. Prints a table, writes ``--json`` (every
+sample, the machine, the command, the config) and ``--plot`` (latency CDFs of both sides).
+See benchmarks/README.md for results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# Quiet: vLLM in the stage processes (they inherit the environment) and transformers here.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from benchmarks.workloads import WORKLOADS, Sizes, arrival_times, build_workload, parse_mix  # noqa: E402
+
+DEFAULTS = dict(num_requests=32, shared_tokens=4000, unique_tokens=100, turns=3, max_tokens=32)
+QUICK = dict(num_requests=8, shared_tokens=2000, unique_tokens=100, turns=2, max_tokens=24)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("what to measure")
+    target.add_argument("--stage-config", default="stage_configs/tiny_omni.yaml",
+                        help="pipeline to start (default: %(default)s)")
+    target.add_argument("--url", help="measure this running server instead (e.g. http://127.0.0.1:8091)")
+    target.add_argument("--api-key", default=os.environ.get("OMNI_CACHE_API_KEY"),
+                        help="API key of --url (default: $OMNI_CACHE_API_KEY)")
+    target.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
+    target.add_argument("--sides", default="on,off",
+                        help="which pipelines to start, in order: on, off or both (default: %(default)s)")
+    target.add_argument("--repeat", type=int, default=1,
+                        help="run the sides this many times, alternating the order (on,off,off,on,...); "
+                             "samples are pooled and per-repeat ratios reported (default: 1)")
+    target.add_argument("--checkpoint-dir", help="where tiny checkpoints live (default: the config's)")
+    target.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="add KEY=VALUE to every stage's env in the private config copy (repeatable; "
+                             "e.g. OMP_NUM_THREADS=1)")
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    wl.add_argument("--num-requests", type=int, help=f"measured requests per side (default {DEFAULTS['num_requests']}, "
+                    f"--quick {QUICK['num_requests']})")
+    wl.add_argument("--shared-tokens", type=int, help="S: shared system-prompt tokens (shared-prefix), opening "
+                    f"tokens (multi-turn, zero-reuse) (default {DEFAULTS['shared_tokens']}, --quick {QUICK['shared_tokens']})")
+    wl.add_argument("--unique-tokens", type=int, help=f"U: unique tokens per request / turn (default "
+                    f"{DEFAULTS['unique_tokens']}, --quick {QUICK['unique_tokens']})")
+    wl.add_argument("--turns", type=int, help=f"turns per conversation (multi-turn) (default {DEFAULTS['turns']}, "
+                    f"--quick {QUICK['turns']})")
+    wl.add_argument("--max-tokens", type=int, help=f"text tokens per answer (default {DEFAULTS['max_tokens']}, "
+                    f"--quick {QUICK['max_tokens']})")
+    wl.add_argument("--mix", default="shared-prefix=2,multi-turn=1,zero-reuse=1",
+                    help="weights of the mixed workload (default: %(default)s)")
+    load = wl.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="requests in flight (closed loop; default 1)")
+    load.add_argument("--rate", type=float, help="Poisson arrivals: new sessions (requests, or "
+                      "conversations for multi-turn) per second")
+    wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--quick", action="store_true",
+                    help="small sizes (whole run incl. both start-ups well under 10 minutes on 2 cores)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", help="write every number and sample here")
+    out.add_argument("--plot", help="write the latency plot (PNG) here")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else DEFAULTS
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.rate is None and args.concurrency is None:
+        args.concurrency = 1
+    if args.concurrency is not None and args.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    if args.rate is not None and not (args.rate > 0 and math.isfinite(args.rate)):
+        p.error("--rate must be > 0")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not sides or any(s not in ("on", "off") for s in sides) or len(set(sides)) != len(sides):
+        p.error("--sides: a comma-separated list of 'on' and 'off'")
+    args.sides = sides
+    env = {}
+    for item in args.stage_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--stage-env: expected KEY=VALUE, got {item!r}")
+        env[key] = value
+    args.stage_env = env
+    if env and args.url:
+        p.error("--stage-env applies to the pipelines this command starts, not to --url")
+    try:
+        args.mix = parse_mix(args.mix)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.url and not Path(args.stage_config).is_file():
+        p.error(f"--stage-config {args.stage_config}: no such file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("omni_cache", "uvicorn", "httpx", "vllm"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    from benchmarks import harness, report
+
+    sizes = Sizes(num_requests=args.num_requests, shared_tokens=args.shared_tokens,
+                  unique_tokens=args.unique_tokens, turns=args.turns, max_tokens=args.max_tokens,
+                  mix=args.mix)
+    try:
+        warmup, sessions = build_workload(args.workload, sizes, args.seed)
+    except ValueError as e:
+        print(f"benchmarks: {e}", file=sys.stderr)
+        return 2
+    if args.rate is not None:
+        for s, t in zip(sessions, arrival_times(len(sessions), args.rate, args.seed)):
+            s.arrival_s = t
+    config: dict[str, Any] = {
+        "workload": args.workload,
+        "sizes": {k: getattr(sizes, k) for k in ("num_requests", "shared_tokens", "unique_tokens", "turns",
+                                                  "max_tokens")},
+        "mix": args.mix if args.workload == "mixed" else None,
+        "concurrency": args.concurrency, "rate": args.rate, "seed": args.seed, "quick": args.quick,
+        "sessions": len(sessions), "warmup_requests": sum(s.turns for s in warmup),
+        "sides": ["server"] if args.url else args.sides, "repeat": 1 if args.url else args.repeat,
+        "url": args.url, "stage_config": None if args.url else os.path.abspath(args.stage_config),
+        "stage_config_yaml": None if args.url else Path(args.stage_config).read_text(encoding="utf-8"),
+        "private_copy": None if args.url else "name bench-<pid>-<side>, ipc sockets under "
+                        "/tmp/omni_cache/bench-<pid>-<side>/, server.port 0",
+        "stage_env": args.stage_env or None,
+    }
+    machine = harness.machine_info()
+    runs: list[dict[str, Any]] = []
+    progress = not args.no_progress
+    with harness.Monitor() as monitor:
+        try:
+            if args.url:
+                harness.log(f"measuring {args.url}: warm-up, then {sum(s.turns for s in sessions)} request(s)")
+                r = harness.drive(args.url, args.model, warmup, sessions, api_key=args.api_key,
+                                  concurrency=args.concurrency, rate=args.rate, label="server", progress=progress)
+                runs.append({"side": "server", "repeat": 0, **r})
+            else:
+                for rep in range(args.repeat):
+                    order = args.sides if rep % 2 == 0 else list(reversed(args.sides))
+                    for side in order:
+                        r = harness.run_side(args.stage_config, side, warmup, sessions,
+                                             concurrency=args.concurrency, rate=args.rate, progress=progress,
+                                             monitor=monitor, checkpoint_dir=args.checkpoint_dir,
+                                             stage_env=args.stage_env or None)
+                        for s in r["samples"]:
+                            s["repeat"] = rep
+                        runs.append({"side": side, "repeat": rep, **r})
+        except KeyboardInterrupt:
+            print("benchmarks: interrupted", file=sys.stderr)
+            if not runs:
+                return 130
+        except Exception as e:  # noqa: BLE001 -- start-up failures etc.: say what, keep what was measured
+            print(f"benchmarks: {type(e).__name__}: {e}", file=sys.stderr)
+            if not runs:
+                return 1
+    result = harness.assemble(config, machine, runs, monitor)
+    print()
+    print(f"omni_cache end to end: {args.workload}, {config['sizes']}, "
+          + (f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}")
+          + f"; {machine['cpu_model']}, {machine['nproc']} CPUs")
+    print(report.format_table(result))
+    if "answers_identical" in result:
+        a = result["answers_identical"]
+        print(f"answers identical on/off: {a['identical']} of {a['compared']}")
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(args.plot, result)
+        print(f"wrote {args.plot}")
+    failed = any(r["samples"] and not any(s["ok"] for s in r["samples"]) for r in runs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

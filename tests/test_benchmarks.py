@@ -1,0 +1,367 @@
+"""The end-to-end benchmark harness without engines: workloads, SSE timing against a fake server,
+statistics, the table, the JSON and the PNG (python -m benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import os
+import random
+
+import httpx
+import pytest
+import yaml
+
+from benchmarks import report
+from benchmarks.client import Driver, Sample, audio_bytes_of_b64, counter_deltas, metric_counters
+from benchmarks.harness import assemble, pool_runs, private_config
+from benchmarks.workloads import (
+    TEMPLATE,
+    Sizes,
+    arrival_times,
+    build_workload,
+    messages_for,
+    parse_mix,
+    prompt_tokens_expected,
+)
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+def _tiny_template_tokens(messages: list[dict[str, str]]) -> int:
+    """What omni_cache.checkpoints.CHAT_TEMPLATE + the byte-level tokenizer give: one token per
+    ASCII character, one per special token."""
+    n = 0
+    for m in messages:
+        n += 1 + len(m["role"] + "\n") + len(m["content"]) + 1 + 1  # <|im_start|>role\n ... <|im_end|>\n
+    return n + 1 + len("assistant\n")
+
+
+def test_shared_prefix_sizes_are_exact_in_tokens():
+    warm, sessions = build_workload("shared-prefix", Sizes(num_requests=5, shared_tokens=4000,
+                                                           unique_tokens=100), seed=1)
+    assert len(sessions) == 5 and len(warm) == 1
+    prompts = []
+    for s in [*warm, *sessions]:
+        msgs = messages_for(s, 0, [])
+        n = _tiny_template_tokens(msgs)
+        assert n == 4100 == prompt_tokens_expected(s, 0, [])
+        prompts.append(f"<s>system\n{msgs[0]['content']}</s>\n<s>user\n{msgs[1]['content']}")
+    # The first S tokens (system message + the user message header) are shared, then they differ.
+    head = 4000 - (TEMPLATE["system"] + TEMPLATE["user_head"])
+    assert len({s.system for s in [*warm, *sessions]}) == 1 and len(sessions[0].system) == head
+    assert len({s.users[0] for s in sessions}) == 5
+    assert all(p.isascii() for p in prompts)
+
+
+def test_zero_reuse_shares_nothing_and_is_seeded():
+    sizes = Sizes(num_requests=6, shared_tokens=300, unique_tokens=50)
+    _, a = build_workload("zero-reuse", sizes, seed=3)
+    _, b = build_workload("zero-reuse", sizes, seed=3)
+    _, c = build_workload("zero-reuse", sizes, seed=4)
+    assert [(s.system, s.users) for s in a] == [(s.system, s.users) for s in b]
+    assert [s.system for s in a] != [s.system for s in c]
+    firsts = {s.system[:32] for s in a}  # no shared first KV block (32 tokens)
+    assert len(firsts) == len(a)
+    assert all(prompt_tokens_expected(s, 0, []) == 350 for s in a)
+
+
+def test_multi_turn_resends_history_with_answers():
+    _, sessions = build_workload("multi-turn", Sizes(num_requests=7, shared_tokens=200, unique_tokens=40,
+                                                     turns=3), seed=0)
+    assert [s.turns for s in sessions] == [3, 3, 1]
+    s = sessions[0]
+    answers = ["first answer", "second"]
+    m2 = messages_for(s, 2, answers)
+    assert [m["role"] for m in m2] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert m2[2]["content"] == "first answer" and m2[4]["content"] == "second"
+    # Turn k's prompt starts with turn k-1's prompt (minus its generation prompt) and answer.
+    m1 = messages_for(s, 1, answers[:1])
+    assert m2[: len(m1)] == m1
+    assert prompt_tokens_expected(s, 2, answers) == _tiny_template_tokens(m2)
+    # Answers are counted in UTF-8 bytes (the tokenizer is byte-level): U+FFFD is 3 tokens.
+    assert prompt_tokens_expected(s, 1, ["\ufffd"]) == prompt_tokens_expected(s, 1, ["abc"])
+    with pytest.raises(ValueError):
+        messages_for(s, 2, answers[:1])
+    assert len({x.system for x in sessions}) == 3  # no sharing across conversations
+
+
+def test_mixed_follows_weights_and_counts_requests():
+    sizes = Sizes(num_requests=200, shared_tokens=100, unique_tokens=30, turns=2,
+                  mix=parse_mix("shared-prefix=3,zero-reuse=1"))
+    warm, sessions = build_workload("mixed", sizes, seed=0)
+    assert sum(s.turns for s in sessions) == 200
+    kinds = [s.kind for s in sessions]
+    assert set(kinds) == {"shared-prefix", "zero-reuse"}
+    assert 0.6 < kinds.count("shared-prefix") / len(kinds) < 0.9
+    shared = {s.system for s in sessions if s.kind == "shared-prefix"}
+    assert len(shared) == 1 and warm[0].system in shared
+    sizes.mix = parse_mix("multi-turn=1")
+    _, sessions = build_workload("mixed", sizes, seed=0)
+    assert sum(s.turns for s in sessions) == 200 and {s.kind for s in sessions} == {"multi-turn"}
+
+
+@pytest.mark.parametrize("bad", ["", "shared-prefix", "nope=1", "zero-reuse=x", "zero-reuse=-1",
+                                 "zero-reuse=0"])
+def test_parse_mix_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_mix(bad)
+
+
+def test_sizes_too_small_for_the_template():
+    with pytest.raises(ValueError, match="shared-tokens"):
+        build_workload("shared-prefix", Sizes(num_requests=1, shared_tokens=10, unique_tokens=100), 0)
+    with pytest.raises(ValueError, match="unique-tokens"):
+        build_workload("shared-prefix", Sizes(num_requests=1, shared_tokens=100, unique_tokens=5), 0)
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("nope", Sizes(), 0)
+
+
+def test_poisson_arrivals():
+    ts = arrival_times(4000, rate=2.0, seed=0)
+    assert ts[0] == 0.0 and all(b >= a for a, b in zip(ts, ts[1:]))
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert 0.45 < mean < 0.55  # 1 / rate
+    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    assert 0.9 < cv < 1.1  # exponential gaps: coefficient of variation 1
+    assert arrival_times(10, 2.0, 0) == ts[:10]
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0, 0)
+
+
+# ---- the client against a fake server -----------------------------------------------------------
+
+def _fake_server(delay_s: float = 0.0, fail_turn: int | None = None):
+    """An httpx MockTransport answering streamed chat completions like omni_cache's server."""
+    seen: list[dict] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        body = json.loads(request.content)
+        seen.append(body)
+        turn = sum(1 for m in body["messages"] if m["role"] == "user") - 1
+        if fail_turn is not None and turn == fail_turn:
+            return httpx.Response(503, json={"error": {"message": "stage 'talker' died"}})
+        pcm = base64.b64encode(b"\x00\x01" * 2400).decode()  # 0.1 s at 24 kHz
+
+        async def stream():
+            def chunk(delta, finish=None):
+                return ("data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
+                                                            "finish_reason": finish}]}) + "\n\n").encode()
+            yield chunk({"role": "assistant", "content": ""})
+            await asyncio.sleep(delay_s)
+            yield chunk({"content": f"answer{turn}"})
+            await asyncio.sleep(delay_s)
+            yield chunk({"audio": {"id": "a", "data": pcm, "transcript": ""}})
+            yield chunk({"audio": {"id": "a", "data": pcm, "transcript": ""}})
+            yield chunk({}, "length")
+            usage = {"prompt_tokens": 120, "completion_tokens": 8,
+                     "prompt_tokens_details": {"cached_tokens": 96}}
+            yield ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+    return httpx.MockTransport(handler), seen
+
+
+def _run_driver(transport, sessions, **kw):
+    driver = Driver("http://fake", "tiny", **kw)
+    driver._client = lambda: httpx.AsyncClient(transport=transport)  # type: ignore[method-assign]
+    return driver, asyncio.run(driver.run(sessions))
+
+
+def test_driver_times_text_and_audio_and_resends_answers():
+    transport, seen = _fake_server(delay_s=0.02)
+    _, sessions = build_workload("multi-turn", Sizes(num_requests=4, shared_tokens=100, unique_tokens=30,
+                                                     turns=2), seed=0)
+    done = []
+    driver, samples = _run_driver(transport, sessions, concurrency=2, on_done=done.append)
+    assert len(samples) == 4 == len(done) and all(s.ok for s in samples)
+    for s in samples:
+        assert 0.015 < s.ttft_s < s.ttfa_s < s.e2e_s
+        assert s.audio_chunks == 2 and s.audio_bytes == 9600 and s.audio_s == pytest.approx(0.2)
+        assert (s.prompt_tokens, s.completion_tokens, s.cached_tokens) == (120, 8, 96)
+        assert s.finish_reason == "length" and s.answer_head == f"answer{s.turn}"
+    second_turns = [b for b in seen if len(b["messages"]) == 4]
+    assert len(second_turns) == 2 and all(b["messages"][2] == {"role": "assistant", "content": "answer0"}
+                                          for b in second_turns)
+    body = seen[0]
+    assert body["stream"] is True and body["modalities"] == ["text", "audio"]
+    assert body["stream_options"] == {"include_usage": True}
+    assert driver.t_end > driver.t_base
+
+
+def test_driver_records_errors_and_skips_the_rest_of_a_conversation():
+    transport, _ = _fake_server(fail_turn=0)
+    _, sessions = build_workload("multi-turn", Sizes(num_requests=3, shared_tokens=100, unique_tokens=30,
+                                                     turns=3), seed=0)
+    _, samples = _run_driver(transport, sessions, concurrency=1)
+    assert len(samples) == 3 and not any(s.ok for s in samples)
+    assert samples[0].status == 503 and "talker" in samples[0].error
+    assert all("not sent" in s.error for s in samples[1:])
+
+
+def test_driver_rate_mode_follows_arrival_times():
+    transport, _ = _fake_server()
+    _, sessions = build_workload("zero-reuse", Sizes(num_requests=3, shared_tokens=100, unique_tokens=30), 0)
+    for s, t in zip(sessions, (0.0, 0.1, 0.2)):
+        s.arrival_s = t
+    _, samples = _run_driver(transport, sessions, rate=10.0)
+    starts = sorted(s.start_s for s in samples)
+    assert starts[0] < 0.05 and 0.09 < starts[1] < 0.2 and 0.19 < starts[2] < 0.3
+
+
+def test_audio_bytes_of_b64():
+    for n in range(0, 20):
+        data = base64.b64encode(bytes(range(n))).decode()
+        assert audio_bytes_of_b64(data) == n
+
+
+def test_metric_counters_and_deltas():
+    text = "\n".join([
+        "# TYPE omni_cache_prefix_cache_queried_tokens_total counter",
+        'omni_cache_prefix_cache_queried_tokens_total{stage="thinker"} 8200',
+        'omni_cache_prefix_cache_hit_tokens_total{stage="thinker"} 4000',
+        'omni_cache_latent_rows_served_total{stage="thinker"} 4000',
+        'omni_cache_stage_stats_fresh{stage="thinker"} 1',
+        'omni_cache_prefix_cache_hit_tokens_total{stage="talker"} 10',
+        'omni_cache_requests_total{outcome="ok"} 3',
+    ]) + "\n"
+    before = metric_counters(text)
+    assert before["thinker"] == {"queried": 8200, "hit": 4000, "latent_rows": 4000, "fresh": 1}
+    after = {"thinker": {"queried": 12300, "hit": 8000, "latent_rows": 8000, "fresh": 1},
+             "talker": {"hit": 20}}
+    d = counter_deltas(before, after)
+    assert d["thinker"]["hit"] == 4000 and d["thinker"]["queried"] == 4100 and d["talker"]["hit"] == 10
+    assert counter_deltas(None, after) is None
+
+
+# ---- statistics, ratios, table, files -----------------------------------------------------------
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for n in (1, 2, 3, 10, 101):
+        xs = [rng.random() for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert report.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert math.isnan(report.percentile([], 50))
+
+
+def _samples(side: str, n: int, ttfa: float, e2e: float, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        f = 1 + 0.1 * rng.random()
+        s = Sample(id=f"{i}.0", session=i, kind="shared-prefix", turn=0, ok=True, start_s=i * e2e,
+                   ttft_s=ttfa / 3 * f, ttfa_s=ttfa * f, e2e_s=e2e * f, prompt_tokens=4100,
+                   prompt_tokens_expected=4100, completion_tokens=32,
+                   cached_tokens=4000 if side == "on" else 0, audio_bytes=96000, audio_s=2.0,
+                   answer_sha1=f"a{i}")
+        out.append(s.to_dict())
+    return out
+
+
+def _fake_result(duration_on: float = 10.0, duration_off: float = 10.0) -> dict:
+    runs = []
+    for side, ttfa, dur in (("on", 0.5, duration_on), ("off", 5.0, duration_off)):
+        counters = {"thinker": {"queried": 41000.0, "hit": 40000.0 if side == "on" else 0.0,
+                                "latent_rows": 40000.0 if side == "on" else 0.0, "restarts": 0.0, "fresh": 1.0}}
+        runs.append({"side": side, "repeat": 0, "samples": _samples(side, 10, ttfa, 1.0),
+                     "duration_s": dur, "counters": counters,
+                     "resources": {"stage_cpu_s": 20.0, "loadavg_mean": 1.5}, "warmup": []})
+    config = {"workload": "shared-prefix", "sizes": {"num_requests": 10, "shared_tokens": 4000,
+                                                     "unique_tokens": 100, "max_tokens": 32},
+              "concurrency": 1, "rate": None}
+    machine = {"cpu_model": "Test CPU", "nproc": 2}
+    return assemble(config, machine, runs, None)
+
+
+def test_summary_ratios_and_targets():
+    result = _fake_result(duration_on=10.0, duration_off=12.5)
+    on, off = result["sides"]["on"], result["sides"]["off"]
+    assert on["ok"] == 10 and on["errors"] == 0
+    assert on["throughput"]["requests_per_s"] == pytest.approx(1.0)
+    assert on["throughput"]["audio_s_per_s"] == pytest.approx(2.0)
+    assert on["cache"]["thinker_hit_rate"] == pytest.approx(40000 / 41000)
+    assert on["cache"]["latent_rows_served"] == 40000 and off["cache"]["latent_rows_served"] == 0
+    assert on["cache"]["usage_hit_rate"] == pytest.approx(4000 / 4100)
+    assert on["resources"]["stage_cpu_s_per_request"] == pytest.approx(2.0)
+    rat = result["ratios"]
+    assert rat["speedup"]["ttfa_s"]["p50"] == pytest.approx(10.0)
+    assert rat["throughput_change"]["requests_per_s"] == pytest.approx(12.5 / 10 - 1)
+    [t] = result["targets"]
+    assert t["met"] and t["value"] == pytest.approx(10.0)
+    assert result["answers_identical"] == {"compared": 10, "identical": 10}
+    table = report.format_table(result)
+    assert "time to first audio p50" in table and "10.00x" in table and "MET" in table
+    zr = report.evaluate_targets("zero-reuse", {"throughput_change": {"requests_per_s": -0.03}})
+    assert zr[0]["met"] is False
+    assert report.evaluate_targets("multi-turn", rat) == []
+
+
+def test_errors_and_missing_values_are_counted_not_averaged():
+    samples = _samples("on", 4, 0.5, 1.0)
+    samples[0]["ttft_s"] = None  # an answer with no printable text
+    samples.append(Sample(id="9.0", session=9, kind="zero-reuse", turn=0, error="HTTP 503: down").to_dict())
+    s = report.summarize_side(samples, 4.0)
+    assert (s["requests"], s["ok"], s["errors"]) == (5, 4, 1)
+    assert s["ttft_s"]["n"] == 3 and s["missing_ttft"] == 1 and s["ttfa_s"]["n"] == 4
+    assert s["error_examples"] == ["HTTP 503: down"]
+    assert s["throughput"]["requests_per_s"] == pytest.approx(1.0)
+    assert math.isnan(s["cache"]["latent_rows_served"])  # no /metrics
+
+
+def test_pool_runs_sums_durations_and_counters():
+    a = {"samples": [{"id": "0.0"}], "duration_s": 2.0, "counters": {"thinker": {"hit": 1.0, "fresh": 1.0}},
+         "resources": {"stage_cpu_s": 3.0, "loadavg_mean": 1.0}}
+    b = {"samples": [{"id": "0.0"}], "duration_s": 3.0, "counters": {"thinker": {"hit": 2.0, "fresh": 0.0}},
+         "resources": {"stage_cpu_s": 4.0, "loadavg_mean": 3.0}}
+    p = pool_runs([a, b])
+    assert p["duration_s"] == 5.0 and len(p["samples"]) == 2
+    assert p["counters"]["thinker"] == {"hit": 3.0, "fresh": 0.0}
+    assert p["resources"] == {"stage_cpu_s": 7.0, "loadavg_mean": 2.0}
+
+
+def test_json_is_strict_and_png_is_written(tmp_path):
+    result = _fake_result()
+    result["sides"]["on"]["ttft_s"]["p99"] = math.nan  # NaN must become null, not invalid JSON
+    path = tmp_path / "out.json"
+    report.write_json(path, result)
+    data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert data["sides"]["on"]["ttft_s"]["p99"] is None
+    assert len(data["samples"]["on"]) == 10 and data["machine"]["cpu_model"] == "Test CPU"
+    png = tmp_path / "out.png"
+    report.plot(png, result)
+    head = png.read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
+
+
+def test_plot_with_one_side_and_no_data(tmp_path):
+    result = _fake_result()
+    result["samples"] = {"server": result["samples"]["on"][:3], "empty": []}
+    result.pop("ratios")
+    report.plot(tmp_path / "one.png", result)
+    assert (tmp_path / "one.png").stat().st_size > 10000
+
+
+def test_private_config_isolates_sockets_and_port(tmp_path):
+    src = os.path.join(os.path.dirname(__file__), "..", "stage_configs", "tiny_omni.yaml")
+    path = private_config(src, tmp_path, "on")
+    data = yaml.safe_load(path.read_text())
+    assert data["server"]["port"] == 0 and data["name"].startswith("bench-") and data["name"].endswith("-on")
+    addrs = [s["address"] for s in data["stages"]] + [data["server"]["control_address"]]
+    assert len(set(addrs)) == len(addrs) and all(a.startswith(f"ipc:///tmp/omni_cache/{data['name']}/")
+                                                 for a in addrs)
+    from omni_cache.config import load_config
+
+    load_config(path)  # still a valid config
+    env = yaml.safe_load(private_config(src, tmp_path, "off", {"OMP_NUM_THREADS": "1"}).read_text())
+    assert all(s["env"].get("OMP_NUM_THREADS") == "1" for s in env["stages"])
+    thinker = next(s for s in env["stages"] if s["name"] == "thinker")
+    assert thinker["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"  # kept
