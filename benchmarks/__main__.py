@@ -34,7 +34,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from benchmarks.workloads import WORKLOADS, Sizes, arrival_times, build_workload, parse_mix  # noqa: E402
 
 DEFAULTS = dict(num_requests=32, shared_tokens=4000, unique_tokens=100, turns=3, max_tokens=32)
-QUICK = dict(num_requests=8, shared_tokens=2000, unique_tokens=100, turns=2, max_tokens=24)
+QUICK = dict(num_requests=6, shared_tokens=2000, unique_tokens=100, turns=2, max_tokens=24)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
