@@ -35,6 +35,11 @@ __all__ = ["ManagedServer", "Monitor", "machine_info", "private_config", "run_si
 
 # ---- the pipeline of one side -------------------------------------------------------------------
 
+def socket_dir(tag: str) -> str:
+    """Where the private copy's ipc sockets live (removed again when its pipeline stops)."""
+    return f"/tmp/omni_cache/bench-{os.getpid()}-{tag}"
+
+
 def private_config(src: str | os.PathLike[str], dst_dir: str | os.PathLike[str], tag: str,
                    stage_env: dict[str, str] | None = None) -> Path:
     """A copy of the stage config ``src`` in ``dst_dir`` with its own name, ipc socket paths and
@@ -43,7 +48,7 @@ def private_config(src: str | os.PathLike[str], dst_dir: str | os.PathLike[str],
     have been read)."""
     data = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
     name = f"bench-{os.getpid()}-{tag}"
-    sock_dir = f"/tmp/omni_cache/{name}"
+    sock_dir = socket_dir(tag)
     data["name"] = name
     server = data.setdefault("server", {}) or {}
     data["server"] = server
@@ -112,6 +117,7 @@ class ManagedServer:
             self.server = None
             if self._tmp:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+                shutil.rmtree(socket_dir(self.tag), ignore_errors=True)
                 self._tmp = None
 
 

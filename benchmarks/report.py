@@ -210,8 +210,8 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"{_f(summ[s]['resources'].get('loadavg_mean', math.nan), '.1f'):>18}" for s in sides))
     lines.append(f"{'ok requests without text/audio':<{w0}}" + "".join(
         f"{str(summ[s]['missing_ttft']) + ' / ' + str(summ[s]['missing_ttfa']):>18}" for s in sides))
-    lines.append(f"{'requests ok / errors':<{w0}}" + "".join(f"{str(summ[s]['ok']) + ' / ' + str(summ[s]['errors']):>18}"
-                                                         for s in sides))
+    lines.append(f"{'requests ok / errors':<{w0}}" + "".join(
+        f"{str(summ[s]['ok']) + ' / ' + str(summ[s]['errors']):>18}" for s in sides))
     for t in result.get("targets", []):
         lines.append(f"target {t['name']}: {_f(t['value'], '.3f')} (want {t['target']}): "
                      f"{'MET' if t['met'] else 'NOT MET'}")
