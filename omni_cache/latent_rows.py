@@ -66,14 +66,27 @@ class LatentRows:
         return dict(self.chunks[0])
 
     def take_new(self, upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        """(start, rows) for positions [last taken, upto) (default: everything held)."""
+        """(start, rows) for positions [last taken, upto) (default: everything held).
+
+        Only the chunks that overlap the range are touched: a decode step hands out one row, and
+        re-concatenating a long prompt's rows every step would copy megabytes per token."""
         upto = self.num_rows if upto is None else min(upto, self.num_rows)
         start = self._taken
         if upto <= start:
             return start, {}
-        merged = self.all()
+        pieces: list[dict[str, torch.Tensor]] = []
+        chunk_end = self.num_rows
+        for chunk in reversed(self.chunks):  # new rows sit in the last chunks
+            rows = next(iter(chunk.values())).shape[0]
+            chunk_start = chunk_end - rows
+            lo, hi = max(start, chunk_start), min(upto, chunk_end)
+            if lo < hi:
+                pieces.append({n: t[lo - chunk_start:hi - chunk_start] for n, t in chunk.items()})
+            if chunk_start <= start:
+                break
+            chunk_end = chunk_start
         self._taken = upto
-        return start, {n: t[start:upto] for n, t in merged.items()}
+        return start, self._concat(pieces[::-1])
 
     def _concat(self, chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if not chunks:

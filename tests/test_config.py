@@ -69,7 +69,8 @@ def test_tiny_configs_load(path: Path) -> None:
     assert talker.handoff == "omni_cache.handoff.thinker_to_talker"
     assert decoder.handoff == "omni_cache.handoff.talker_to_decoder"
     assert talker.engine_args is not None and talker.engine_args.enable_prompt_embeds is True
-    assert thinker.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert thinker.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "1"}
+    assert all(s.env.get("OMP_NUM_THREADS") == "1" for s in config.stages)
     assert thinker.sampling.max_tokens == 32 and talker.sampling.max_tokens == 64
     assert decoder.engine_args is None
     assert decoder.generation is not None

@@ -1,0 +1,61 @@
+"""LatentRows: overlapping and late chunks, take_new ranges, truncate (pure tensor code, no vLLM)."""
+
+import pytest
+import torch
+
+from omni_cache.latent_rows import LatentChunk, LatentRows
+
+
+def chunk(start: int, n: int) -> LatentChunk:
+    # Row value = position, so any misplaced row is visible.
+    pos = torch.arange(start, start + n, dtype=torch.float32)
+    return LatentChunk(start, {"hidden": pos[:, None].repeat(1, 4), "tap": -pos[:, None]})
+
+
+def positions(rows: dict[str, torch.Tensor]) -> list[int]:
+    assert rows["hidden"].shape[0] == rows["tap"].shape[0]
+    assert torch.equal(rows["tap"][:, 0], -rows["hidden"][:, 0])
+    return rows["hidden"][:, 0].int().tolist()
+
+
+def test_take_new_hands_out_each_position_once_across_chunks():
+    rows = LatentRows(("hidden", "tap"))
+    rows.add(chunk(0, 5))
+    assert positions(rows.take_new(upto=3)[1]) == [0, 1, 2]
+    rows.add(chunk(5, 1))
+    rows.add(chunk(6, 2))
+    start, new = rows.take_new()
+    assert start == 3 and positions(new) == [3, 4, 5, 6, 7]
+    assert rows.take_new() == (8, {})
+    rows.add(chunk(8, 1))
+    assert positions(rows.take_new(upto=100)[1]) == [8]
+    assert positions(rows.all()) == list(range(9))
+
+
+def test_overlapping_and_stale_chunks_keep_the_first_copy():
+    rows = LatentRows(("hidden", "tap"))
+    rows.add(chunk(0, 4))
+    stale = chunk(2, 4)
+    stale.tensors = {n: t + 1000 for n, t in stale.tensors.items()}  # must not win for 2, 3
+    rows.add(stale)
+    rows.add(chunk(1, 2))  # entirely old: ignored
+    got = rows.all()["hidden"][:, 0].int().tolist()
+    assert got == [0, 1, 2, 3, 1004, 1005]
+
+
+def test_gap_raises():
+    rows = LatentRows(("hidden", "tap"))
+    rows.add(chunk(0, 2))
+    with pytest.raises(RuntimeError, match="rows 2..3 are missing"):
+        rows.add(chunk(4, 1))
+
+
+def test_truncate_then_take_new():
+    rows = LatentRows(("hidden", "tap"))
+    for s in range(6):
+        rows.add(chunk(s, 1))
+    assert positions(rows.take_new()[1]) == list(range(6))
+    rows.truncate(4)
+    assert rows.num_rows == 4 and positions(rows.all()) == [0, 1, 2, 3]
+    rows.add(chunk(4, 2))
+    assert positions(rows.take_new()[1]) == [4, 5]
