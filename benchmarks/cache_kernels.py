@@ -15,6 +15,10 @@
    [T,4h]x[4h,h]; its last k layer outputs are the latents), run like a serving loop (one host sync
    per step, as vLLM's sampling does), per-step wall time with and without `store.write(...)` of its
    outputs into a host mirror; slowdown = median(with) / median(without) - 1, rounds interleaved.
+   Two knobs shape the stand-in: `--layers` (default 4: a short step, the stress case) and
+   `--graph-max-tokens N` (steps of <= N tokens run as one CUDA-graph replay, as vLLM runs decode
+   batches up to its capture size, 512 by default; default 0: every step eager, launch-bound for
+   small T). `--layers 28 --graph-max-tokens 512` is how vLLM runs a 2048/4096-hidden model.
 """
 
 from __future__ import annotations
@@ -271,18 +275,34 @@ def _stand_in(dev, h, layers):
              (torch.randn(4 * h, h, device=dev) / (4 * h) ** 0.5).to(dt)) for _ in range(layers)]
 
 
-def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None):
+def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None, graph_max_tokens=0):
     """Median step time of the stand-in with and without a host-mirror write of its outputs."""
     cuda = dev.type == "cuda"
     dt = torch.bfloat16
     x0 = torch.randn(T, h, device=dev).to(dt)
 
-    def step():
+    def eager_step():
         x, outs = x0, []
         for w1, w2 in ws:
             x = torch.nn.functional.gelu(x @ w1) @ w2
             outs.append(x)
         return outs
+
+    step = eager_step
+    graphed = cuda and T <= graph_max_tokens
+    if graphed:  # one replay per step; its outputs are static buffers (as in vLLM's graphs)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            eager_step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_outs = eager_step()
+
+        def step():
+            graph.replay()
+            return static_outs
 
     specs = {f"l{i}": (h, dt) for i in range(k)}
     num_slots = max(4 * T, 4096) // BLOCK * BLOCK
@@ -322,7 +342,7 @@ def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None):
             run(mode, steps)
     store.synchronize()
     t0, t1 = _median(times[False]), _median(times[True])
-    row = dict(hidden=h, names=k, tokens=T, layers=len(ws), step_us=t0 * 1e6,
+    row = dict(hidden=h, names=k, tokens=T, layers=len(ws), graphed=graphed, step_us=t0 * 1e6,
                step_with_write_us=t1 * 1e6, added_us=(t1 - t0) * 1e6, slowdown=t1 / t0 - 1,
                write_call_us=_median(calls) * 1e6, latent_bytes=T * k * h * 2,
                # minima: a steadier estimate where other processes share the cores (CPU runs)
@@ -334,13 +354,13 @@ def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None):
     return row
 
 
-def bench_slowdown(dev, hiddens, names_list, tokens_list, layers, quick, gen, log):
+def bench_slowdown(dev, hiddens, names_list, tokens_list, layers, quick, gen, log, graph_max_tokens=0):
     rows = []
     for h in hiddens:
         ws = _stand_in(dev, h, layers)
         for T in tokens_list:
             for k in names_list:
-                row = slowdown_point(dev, ws, h, k, T, quick, gen)
+                row = slowdown_point(dev, ws, h, k, T, quick, gen, graph_max_tokens=graph_max_tokens)
                 rows.append(row)
                 log(f"slowdown h={h} k={k} T={T:6d}: step {row['step_us']:10.1f} us, with write "
                     f"{row['step_with_write_us']:10.1f} us -> {100*row['slowdown']:+6.2f}%  "
@@ -352,14 +372,15 @@ def bench_slowdown(dev, hiddens, names_list, tokens_list, layers, quick, gen, lo
     return rows
 
 
-DIAG_VARIANTS = {  # host-write variants: the drain thread's intra-op threads
-    "drain-4-threads (default)": {},
-    "drain-all-threads": {"drain_threads": None},
-    "drain-1-thread": {"drain_threads": 1},
+DIAG_VARIANTS = {  # host-write variants: how the caller issues the copies, the drain's threads
+    "driver calls, drain 4 threads (default)": {},
+    "torch calls, drain 4 threads": {"use_driver": False},
+    "driver calls, drain 8 threads": {"drain_threads": 8},
+    "driver calls, drain all threads": {"drain_threads": None},
 }
 
 
-def bench_diag(dev, layers, quick, gen, log):
+def bench_diag(dev, layers, quick, gen, log, graph_max_tokens=0):
     rows = []
     points = [(2048, 1, 1), (4096, 3, 64), (2048, 3, 4096), (4096, 1, 16384), (2048, 3, 32768),
               (4096, 3, 32768)]
@@ -367,7 +388,8 @@ def bench_diag(dev, layers, quick, gen, log):
     for h, k, T in points:
         ws = cache.setdefault(h, _stand_in(dev, h, layers))
         for name, kw in DIAG_VARIANTS.items():
-            row = slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=kw)
+            row = slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=kw,
+                                 graph_max_tokens=graph_max_tokens)
             row["variant"] = name
             rows.append(row)
             log(f"diag h={h} k={k} T={T:6d} {name:38s}: {100*row['slowdown']:+7.2f}% "
@@ -412,6 +434,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--layers", type=int, default=None, help="stand-in layers (default 4 GPU, 1 CPU)")
+    ap.add_argument("--graph-max-tokens", type=int, default=0,
+                    help="slowdown: steps of <= N tokens run as a CUDA-graph replay (default 0: eager)")
     ap.add_argument("--diag", action="store_true", help="also compare host-write variants")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: kernels,tiles,host,slowdown")
     args = ap.parse_args(argv)
@@ -432,7 +456,8 @@ def main(argv=None):
     else:
         device_name = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
     res = {"device": device_name, "device_type": dev.type, "torch": torch.__version__,
-           "triton": getattr(ls.triton, "__version__", None), "quick": args.quick}
+           "triton": getattr(ls.triton, "__version__", None), "quick": args.quick,
+           "layers": args.layers, "graph_max_tokens": args.graph_max_tokens}
     log(f"device: {device_name}; torch {torch.__version__}; triton {res['triton']}")
 
     hiddens = [2048, 4096]
@@ -466,7 +491,8 @@ def main(argv=None):
         res["host"] = bench_host(dev, timer, gen, log, args.quick)
         dump()
     if args.diag:
-        res["diag"] = bench_diag(dev, args.layers or (4 if cuda else 1), args.quick, gen, log)
+        res["diag"] = bench_diag(dev, args.layers or (4 if cuda else 1), args.quick, gen, log,
+                                 args.graph_max_tokens)
         dump()
     if "slowdown" not in skip:
         layers = args.layers or (4 if cuda else 1)
@@ -474,7 +500,8 @@ def main(argv=None):
             st = [1, 256, 4096, 16384] if args.quick else [1, 64, 1024, 4096, 16384, 32768]
         else:
             st = [16, 256] if args.quick else [16, 256, 1024]
-        res["slowdown"] = bench_slowdown(dev, hiddens, [1, 3], st, layers, args.quick, gen, log)
+        res["slowdown"] = bench_slowdown(dev, hiddens, [1, 3], st, layers, args.quick, gen, log,
+                                         args.graph_max_tokens)
     res.setdefault("kernels", [])
     print_tables(res, log)
     dump()

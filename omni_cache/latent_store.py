@@ -26,7 +26,9 @@ Three paths, chosen at construction:
     1. compute stream: the step's slot mapping and rows are copied (k + 1 contiguous D2D copies)
        into the device staging buffer of a ring entry, laid out [slots | rows of name 0 | ...]
        (a snapshot: vLLM reuses its output buffers next step); an event marks it. No compaction
-       of the -1 rows (that would need a host sync); they go to the trash row in step 3;
+       of the -1 rows (that would need a host sync); they go to the trash row in step 3.
+       Steps 1 and 2 are issued as raw CUDA driver calls (`omni_cache.cuda_driver`, ~1 us each
+       against ~5 us per torch call): on a decode step `write` is pure serving-loop overhead;
     2. copy stream (waits on that event, never the other way round): the used part of the staging
        buffer goes device->host into the entry's pinned host buffer (`cudaMemcpyAsync`; entries over
        1 MiB copy their slots first, with their own event); an event marks the end;
@@ -36,7 +38,8 @@ Three paths, chosen at construction:
        serving loop), then frees the ring entry.
 
   Nothing on the compute stream ever waits for the copy stream, and the calling thread only waits
-  when the ring is full (back-pressure). Bound: `staging_depth` entries of `staging_tokens` rows
+  when the ring is full (back-pressure). Entries reach the drain thread through a SimpleQueue (no
+  lock shared with it on the caller's path). Bound: `staging_depth` entries of `staging_tokens` rows
   each, i.e. at most `staging_nbytes` = depth * tokens * (8 + sum of row bytes) of device memory and
   the same of pinned host memory are in flight; a step with more tokens is split over several
   entries. Defaults: depth 3, tokens = 8192 (vLLM's usual max_num_batched_tokens) capped so that one
@@ -59,12 +62,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import queue
 import threading
 import warnings
 import weakref
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
+
+from omni_cache import cuda_driver
 
 try:  # Triton is optional: only the CUDA paths launch its kernel (CPU runs plain torch ops).
     import triton
@@ -230,7 +236,7 @@ class _NullEvent:
 
 class _Entry:
     __slots__ = ("index", "dev_buf", "host_buf", "packed", "slots_done", "data_done", "slots_ev",
-                 "seq", "n", "registered")
+                 "seq", "n", "registered", "handles")
 
     def __init__(self, index: int, dev_buf: torch.Tensor, host_buf: torch.Tensor, events: tuple):
         self.index = index
@@ -241,17 +247,19 @@ class _Entry:
         self.seq = 0  # sequence number of the write chunk it carries (0: free, never used)
         self.n = 0
         self.registered = False  # its slots were recorded in `slot_seq` by a gather
+        self.handles: tuple[int, ...] = ()  # driver path: dev ptr, host ptr, the three events
 
 
 class _DrainState:
-    """What the drain thread shares with the store (the thread holds no reference to the store)."""
+    """What the drain thread shares with the store (the thread holds no reference to the store).
+    Entries reach it through a SimpleQueue (a put costs ~0.1 us and takes no lock the thread may
+    hold); `cond` only guards `drained`/`error` for callers that must wait."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.drained = 0  # every write chunk with seq <= drained is in the host mirror
         self.error: BaseException | None = None
-        self.queue: collections.deque = collections.deque()
-        self.stop = False
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # entries; None = stop
 
 
 def _drain_loop(state: _DrainState, scatter, num_threads: int | None = None,
@@ -260,32 +268,22 @@ def _drain_loop(state: _DrainState, scatter, num_threads: int | None = None,
         torch.set_num_threads(num_threads)  # this thread's OpenMP team only (ICV is per thread)
     if ready is not None:
         ready.set()
-    while True:
-        with state.cond:
-            while not state.queue and not state.stop:
-                state.cond.wait()
-            if not state.queue:
-                return
-            entry = state.queue[0]
+    while (entry := state.queue.get()) is not None:  # blocks with the GIL released
         try:
             entry.data_done.synchronize()  # sleeps (blocking-sync event), GIL released
             scatter(entry)
         except BaseException as exc:  # surfaced to the caller at its next call
             with state.cond:
                 state.error = exc
-                state.queue.clear()
                 state.cond.notify_all()
             return
         with state.cond:
-            state.queue.popleft()
             state.drained = entry.seq
             state.cond.notify_all()
 
 
 def _stop_drain(state: _DrainState, thread: threading.Thread, registered: list) -> None:
-    with state.cond:
-        state.stop = True
-        state.cond.notify_all()
+    state.queue.put(None)
     if thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout=30)
     for ptr in registered:
@@ -310,6 +308,8 @@ class LatentStore:
         use_triton: None = use Triton on CUDA when importable; False forces the torch fallback.
         drain_threads: CUDA + host only: intra-op threads of the drain thread's host scatter
             (None: torch's default, all cores).
+        use_driver: CUDA + host only: issue a write's copies and events through the CUDA driver
+            (ctypes, ~1 us a call) rather than torch (~5 us a call); False forces torch.
 
     `write` on a device mirror can be captured in a CUDA graph; on a host mirror it cannot (it
     records events and switches streams): call it eagerly after the graph replay. `stats` counts
@@ -330,6 +330,7 @@ class LatentStore:
         host_gather: Literal["zero_copy", "staging"] = "zero_copy",
         use_triton: bool | None = None,
         drain_threads: int | None = 4,
+        use_driver: bool = True,
         _emulate_pipeline: bool = False,
     ) -> None:
         if not specs:
@@ -381,7 +382,7 @@ class LatentStore:
         self._closed = False
         self._drain_threads = min(drain_threads, torch.get_num_threads()) if drain_threads else None
         if self._pipelined:
-            self._init_pipeline(staging_tokens, staging_depth)
+            self._init_pipeline(staging_tokens, staging_depth, use_driver)
         else:
             self.staging_tokens, self.staging_depth = 0, 0
 
@@ -521,7 +522,7 @@ class LatentStore:
             return t
         return t.pin_memory()
 
-    def _init_pipeline(self, staging_tokens: int | None, staging_depth: int) -> None:
+    def _init_pipeline(self, staging_tokens: int | None, staging_depth: int, use_driver: bool) -> None:
         row = 8 + sum(self._row_bytes.values())  # slot + the rows of every name
         if staging_tokens is None:  # vLLM's usual max_num_batched_tokens, <= 128 MiB per entry
             staging_tokens = max(256, min(8192, (128 << 20) // row))
@@ -547,6 +548,16 @@ class LatentStore:
         self._inflight: collections.deque[_Entry] = collections.deque()  # main thread's view
         self._slot_seq = torch.zeros(self.num_slots + 1, dtype=torch.int64)  # last writer (registered)
         self._copy_stream = None if self._emulated else torch.cuda.Stream(self.device)
+        # The caller's share of a write through the CUDA driver (a few us) where it loads, else
+        # through torch (~4-6 us per operation); same copies, same streams, same events.
+        self._drv = None if (self._emulated or not use_driver) else cuda_driver.driver()
+        if self._drv is not None:
+            self._cs_handle = self._copy_stream.cuda_stream
+            self._compute_handle = cuda_driver.current_stream_handle(self.device.index)
+            for e in self._entries:
+                e.handles = (e.dev_buf.data_ptr(), e.host_buf.data_ptr(),
+                             *(cuda_driver.event_handle(ev, self._copy_stream)
+                               for ev in (e.packed, e.slots_done, e.data_done)))
         self._state = _DrainState()
         flat_w, word, trash = self._flat_w, self._word, self._trash
         names, row_bytes = self.names, self._row_bytes_seq
@@ -594,6 +605,8 @@ class LatentStore:
         if self._closed:
             raise RuntimeError("write() on a closed LatentStore")
         self.stats["writes"] += 1
+        if slot_mapping.dtype != torch.int64:  # the staging buffer holds int64 slots
+            slot_mapping = slot_mapping.long()
         for lo in range(0, n, self.staging_tokens):
             hi = min(n, lo + self.staging_tokens)
             self._write_chunk(slot_mapping[lo:hi], {nm: t[lo:hi] for nm, t in srcs.items()}, hi - lo)
@@ -610,6 +623,11 @@ class LatentStore:
         entry.seq, entry.n, entry.registered = self._seq, n, False
         self.stats["chunks"] += 1
         offsets, total = self._layout(n)
+        if self._drv is not None:
+            self._issue_driver(entry, slot_mapping, srcs, n, offsets, total)
+            self._inflight.append(entry)
+            self._state.queue.put(entry)
+            return
         dev_slots = entry.dev_buf[: n * 8].view(torch.int64)
         dev_rows = {nm: entry.dev_buf[off: off + n * self._row_bytes[nm]].view(self.specs[nm][1]).view(n, -1)
                     for nm, off in zip(self.names, offsets)}
@@ -644,10 +662,33 @@ class LatentStore:
                 torch.cuda.set_stream(compute)
         # 3. the drain thread scatters it into the mirror once the copy is done
         self._inflight.append(entry)
-        st = self._state
-        with st.cond:
-            st.queue.append(entry)
-            st.cond.notify_all()
+        self._state.queue.put(entry)
+
+    def _issue_driver(self, entry: _Entry, slot_mapping: torch.Tensor, srcs: dict[str, torch.Tensor],
+                      n: int, offsets: list[int], total: int) -> None:
+        """Steps 1 and 2 of the pipeline (see the module docstring) as raw driver calls."""
+        drv, compute, cs = self._drv, self._compute_handle(), self._cs_handle
+        dev, host, packed, slots_done, data_done = entry.handles
+        if not slot_mapping.is_contiguous():
+            slot_mapping = slot_mapping.contiguous()
+        drv.copy_d2d(dev, slot_mapping.data_ptr(), n * 8, compute)
+        for nm, off in zip(self.names, offsets):
+            src = srcs[nm]
+            if not src.is_contiguous():  # a temporary on the compute stream: freed in order
+                src = src.contiguous()
+            drv.copy_d2d(dev + off, src.data_ptr(), n * self._row_bytes[nm], compute)
+        drv.record(packed, compute)
+        drv.wait(cs, packed)
+        lo = 0
+        if total > _SPLIT_SLOTS_BYTES:
+            drv.copy_d2h(host, dev, n * 8, cs)
+            drv.record(slots_done, cs)
+            entry.slots_ev = entry.slots_done
+            lo = offsets[0]
+        else:
+            entry.slots_ev = entry.data_done
+        drv.copy_d2h(host + lo, dev + lo, total - lo, cs)
+        drv.record(data_done, cs)
 
     def _needed_seq(self, slots: torch.Tensor) -> int:
         """Sequence number of the newest in-flight write chunk that wrote one of `slots` (0: none)."""

@@ -47,6 +47,7 @@ if CUDA:
     CONFIGS += [
         pytest.param("cuda", "device", {"use_triton": False}, id="cuda-device-torch"),
         pytest.param("cuda", "host", {"use_triton": False}, id="cuda-host-torch"),
+        pytest.param("cuda", "host", {"use_driver": False}, id="cuda-host-torch-issue"),
         pytest.param("cuda", "host", {"drain_threads": None, "staging_tokens": 8, "staging_depth": 3},
                      id="cuda-host-all-threads-tiny-ring"),
     ]
@@ -365,6 +366,7 @@ CUDA_WRITE_CONFIGS = [
     pytest.param("device", {"use_triton": False}, id="device-torch"),
     pytest.param("host", {}, id="host-pipeline"),
     pytest.param("host", {"use_triton": False}, id="host-pipeline-torch"),
+    pytest.param("host", {"use_driver": False}, id="host-pipeline-torch-issue"),
 ]
 
 
