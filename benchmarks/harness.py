@@ -387,7 +387,8 @@ def assemble(config: dict[str, Any], machine: dict[str, Any], runs: list[dict[st
         if len(per_repeat) > 1:
             result["ratios_per_repeat"] = per_repeat
         result["answers_identical"] = answers_identical(samples["on"], samples["off"])
-        result["targets"] = evaluate_targets(config.get("workload", ""), result["ratios"])
+        result["targets"] = evaluate_targets(config.get("workload", ""), result["ratios"],
+                                             config.get("sizes"))
     result["runs"] = [{k: v for k, v in r.items() if k != "samples"} for r in runs]
     result["samples"] = samples
     if monitor is not None:

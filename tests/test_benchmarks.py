@@ -303,6 +303,8 @@ def test_summary_ratios_and_targets():
     zr = report.evaluate_targets("zero-reuse", {"throughput_change": {"requests_per_s": -0.03}})
     assert zr[0]["met"] is False
     assert report.evaluate_targets("multi-turn", rat) == []
+    [quick] = report.evaluate_targets("shared-prefix", rat, {"shared_tokens": 2000, "unique_tokens": 100})
+    assert quick["met"] is None and quick["value"] == pytest.approx(10.0)
 
 
 def test_errors_and_missing_values_are_counted_not_averaged():

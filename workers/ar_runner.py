@@ -21,6 +21,7 @@ from omni_cache.latent_rows import LatentChunk, LatentRows
 from omni_cache.messages import Sampling, StageOutput, Submit
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
+from workers.runner import StageRunner
 
 logger = logging.getLogger("omni_cache.stage")
 
@@ -43,10 +44,10 @@ class _Request:
     num_jobs: int = 0
 
 
-class ARRunner:
+class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
                  prefix_cache: bool) -> None:
-        self.stage, self.outbox = stage, outbox
+        super().__init__(stage, outbox)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
         latents = None
@@ -62,8 +63,6 @@ class ARRunner:
         self.handoff_ctx = HandoffContext(Path(model))
         self.requests: dict[str, _Request] = {}
         self.by_job: dict[str, str] = {}
-        self.errors = 0
-        self.total_requests = 0
 
     # ---- input -----------------------------------------------------------------------------
     def accept(self, msg: Submit | StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -177,16 +176,5 @@ class ARRunner:
             self.by_job.pop(req.active, None)
             self.llm.abort(req.active)
 
-    def fail(self, request_id: str, exc: BaseException) -> None:
-        from workers.stage_process import error_message
-
-        self.errors += 1
-        self.abort(request_id)
-        self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
-
     def counters(self) -> dict[str, float]:
-        return {"requests": self.total_requests, "errors": self.errors,
-                "queue_depth": len(self.requests), **self.llm.counters()}
-
-    def close(self) -> None:
-        pass
+        return {**super().counters(), **self.llm.counters()}

@@ -19,6 +19,7 @@ from omni_cache.codec_decoder import CodecDecoder
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import HandoffContext, Job, Upstream
 from omni_cache.messages import StageOutput
+from workers.runner import StageRunner
 
 
 @dataclass
@@ -29,9 +30,9 @@ class _Request:
     seq: int = 0
 
 
-class DecoderRunner:
+class DecoderRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any) -> None:
-        self.stage, self.outbox = stage, outbox
+        super().__init__(stage, outbox)
         self.args = stage.generation
         self.decoder = CodecDecoder.from_pretrained(model, device=self.args.device)
         self.handoff = resolve_handoff(stage.handoff)
@@ -40,8 +41,6 @@ class DecoderRunner:
             "context": self.decoder.context})
         self.requests: OrderedDict[str, _Request] = OrderedDict()
         self.max_model_len = 0
-        self.errors = 0
-        self.total_requests = 0
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):
@@ -89,17 +88,3 @@ class DecoderRunner:
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
-
-    def fail(self, request_id: str, exc: BaseException) -> None:
-        from workers.stage_process import error_message
-
-        self.errors += 1
-        self.abort(request_id)
-        self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
-
-    def counters(self) -> dict[str, float]:
-        return {"requests": self.total_requests, "errors": self.errors,
-                "queue_depth": len(self.requests)}
-
-    def close(self) -> None:
-        pass

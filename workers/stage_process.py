@@ -20,7 +20,7 @@ import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
 from omni_cache.messages import (
-    MESSAGE_TYPES, Abort, Shutdown, StageError, StageOutput, StageReady, StageStats, StatsQuery,
+    MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageReady, StageStats, StatsQuery,
     Submit,
 )
 from omni_cache.transport import Codec, Receiver, Sender
@@ -120,12 +120,6 @@ class StageProcess:
                 self.runner.fail(request_id, exc)
         else:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
-
-
-def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:
-    status = 400 if isinstance(exc, ValueError) else 500
-    return StageError(request_id=request_id, stage=stage, message=f"{type(exc).__name__}: {exc}",
-                      status=status)
 
 
 def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool) -> Any:
