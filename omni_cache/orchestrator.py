@@ -48,6 +48,7 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_model
+from omni_cache.ipc_claims import IpcClaims
 from omni_cache.messages import (
     MESSAGE_TYPES,
     Abort,
@@ -456,6 +457,7 @@ class Orchestrator:
         self._closing = False
         self._closed = False
         self._ready_event: asyncio.Event | None = None
+        self._claims = IpcClaims([self.control_address, *(s.address for s in config.stages)])
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -477,6 +479,8 @@ class Orchestrator:
         self._loop = asyncio.get_running_loop()
         self._ready_event = asyncio.Event()
         try:
+            # before any bind: a second pipeline on the same ipc paths would take them over
+            self._claims.acquire()
             self._codec = Codec(MESSAGE_TYPES, max_message_bytes=self.config.server.max_message_bytes)
             self._ctx = zmq.asyncio.Context()
             self._inbox = AsyncReceiver(self._ctx, self.control_address, self._codec, bind=True)
@@ -609,6 +613,7 @@ class Orchestrator:
         if self._tmp_config:
             with contextlib.suppress(OSError):
                 os.unlink(self._tmp_config)
+        self._claims.release()
         self._closed = True
 
     def _stop_processes(self, grace: float) -> None:

@@ -465,3 +465,20 @@ def test_stage_that_does_not_come_up_is_named(env, timeout, needle):
     if "exit code" in needle:
         assert "fake stage: cannot load the model" in msg  # the end of its output
         assert "'thinker'" not in msg
+
+
+def test_second_pipeline_on_the_same_addresses_is_refused_and_the_first_keeps_serving():
+    from omni_cache import Pipeline
+    from omni_cache.ipc_claims import AddressInUseError
+
+    path = write_config(f"dup_{uuid.uuid4().hex[:8]}")
+    kw = dict(tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
+              start_timeout_s=60, shutdown_grace_s=2, echo_stage_logs=False)
+    with Pipeline.from_config(path, **kw) as first:
+        with pytest.raises(AddressInUseError) as info:
+            Pipeline.from_config(path, **kw)
+        assert f"(pid {os.getpid()})" in str(info.value) and ".sock" in str(info.value)
+        [r] = first.generate("still mine", max_tokens=4)
+        assert r.text == echo("still mine", 4)
+    with Pipeline.from_config(path, **kw) as again:  # released at close
+        assert again.generate("next", max_tokens=2)[0].text == echo("next", 2)
