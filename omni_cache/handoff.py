@@ -19,11 +19,16 @@ from typing import Any
 
 import torch
 
-# Thinker -> talker segmentation: the talker starts once the thinker has generated this many
-# tokens, then takes a new segment every this many tokens (and the rest when the thinker stops).
+# Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
+# new rows (a short first segment: time to first audio), then a new segment every SEGMENT_TOKENS
+# rows (fewer, larger talker requests), and the rest when the thinker stops.
+FIRST_SEGMENT_TOKENS = 3
 SEGMENT_TOKENS = 8
 # Codec codes the talker writes per thinker token of a segment (12.5 codes/s of audio).
 CODES_PER_TOKEN = 2
+# Talker -> decoder: the first decode chunk holds this many codes (the stage's `chunk_size` after
+# it), so the first audio needs FIRST_CHUNK_CODES + context codes instead of chunk_size + context.
+FIRST_CHUNK_CODES = 4
 
 
 @dataclass
@@ -76,7 +81,8 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     Segment k is a talker request whose prompt embeddings are the projected thinker rows of every
     token up to the segment's end; it writes CODES_PER_TOKEN codes per thinker token new in that
     segment. Each segment's prompt extends the previous one, so the talker's prefix cache skips
-    the part it has already seen.
+    the part it has already seen. The first segment is short (FIRST_SEGMENT_TOKENS rows), the
+    others SEGMENT_TOKENS rows.
     """
     hidden = up.latents.get("hidden")
     if hidden is None:
@@ -86,28 +92,38 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     if state.get("finished"):
         return []
     new = rows - done
-    if not up.finished and new < SEGMENT_TOKENS:
+    need = FIRST_SEGMENT_TOKENS if done == up.num_prompt_tokens else SEGMENT_TOKENS
+    if not up.finished and new < need:
         return []
     if up.finished:
         state["finished"] = True
     weight, bias, _ = _talker_projection(ctx)
-    embeds = (hidden[:rows].double() @ weight.T + bias).to(torch.bfloat16)
+    # Project only the rows no earlier segment projected: re-projecting a 4,000-row prompt for
+    # every segment cost ~0.1 s of float64 matmul each. Row-by-row float64 makes the pieces
+    # bitwise equal to projecting all rows at once.
+    prev = state.get("embeds")
+    start = 0 if prev is None else prev.shape[0]
+    fresh = (hidden[start:rows].double() @ weight.T + bias).to(torch.bfloat16)
+    embeds = fresh if prev is None else torch.cat([prev, fresh])
+    state["embeds"] = embeds
     state["rows_done"] = rows
     return [Job(prompt_embeds=embeds, max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished)]
 
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
-    """Decoder chunks over the talker's codes: `chunk_size` codes at a time, each with the
-    decoder's receptive field of context on both sides so chunked audio equals whole-sequence
-    audio bitwise. Special tokens (ids >= codebook size) are not audio and are dropped."""
+    """Decoder chunks over the talker's codes: FIRST_CHUNK_CODES codes first (early audio), then
+    `chunk_size` codes at a time, each with the decoder's receptive field of context on both sides
+    so chunked audio equals whole-sequence audio bitwise. Special tokens (ids >= codebook size)
+    are not audio and are dropped."""
     codebook, chunk, context = ctx.resources["codebook_size"], ctx.resources["chunk_size"], \
         ctx.resources["context"]
     codes = [c for c in up.token_ids if c < codebook]
     start = state.setdefault("next", 0)
     jobs = []
     while True:
-        end = min(start + chunk, len(codes))
-        ready = len(codes) >= start + chunk + context or up.finished
+        size = min(FIRST_CHUNK_CODES, chunk) if start == 0 else chunk
+        end = min(start + size, len(codes))
+        ready = len(codes) >= start + size + context or up.finished
         if not ready or (end <= start and not up.finished):
             break
         lo, hi = max(0, start - context), min(len(codes), end + context)
