@@ -85,8 +85,8 @@ except Exception:  # pragma: no cover - depends on the environment
 __all__ = ["LatentStore"]
 
 _ALIGN = 16  # byte alignment of each section of a staging buffer
-_MAX_NAMES_PER_LAUNCH = 4
-_SPLIT_SLOTS_BYTES = 1 << 20  # host pipeline: entries above this copy their slots separately  # the Triton kernel takes up to four (src, dst) pairs per launch
+_MAX_NAMES_PER_LAUNCH = 4  # the Triton kernel takes up to four (src, dst) pairs per launch
+_SPLIT_SLOTS_BYTES = 1 << 20  # host pipeline: entries above this copy their slots separately
 _WORDS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 MODE_WRITE, MODE_GATHER = 0, 1
@@ -597,7 +597,12 @@ class LatentStore:
             while st.drained < seq and st.error is None:
                 st.cond.wait()
         self._check_error()
-        while self._inflight and self._inflight[0].seq <= st.drained:
+        self._retire()
+
+    def _retire(self) -> None:
+        """Forget the in-flight entries the drain thread has finished."""
+        drained = self._state.drained
+        while self._inflight and self._inflight[0].seq <= drained:
             self._inflight.popleft()
 
     def _pipeline_write(self, slot_mapping: torch.Tensor, srcs: dict[str, torch.Tensor], n: int) -> None:
@@ -617,55 +622,49 @@ class LatentStore:
         if entry.seq > self._state.drained:  # ring full: back-pressure, wait for its drain
             self.stats["ring_waits"] += 1
             self._wait_drained(entry.seq)
-        while self._inflight and self._inflight[0].seq <= self._state.drained:
-            self._inflight.popleft()
+        self._retire()
         self._seq += 1
         entry.seq, entry.n, entry.registered = self._seq, n, False
         self.stats["chunks"] += 1
         offsets, total = self._layout(n)
+        # Large entries copy their slots first, with their own event: a gather that needs none of
+        # these rows then does not wait for them. Small ones go in one copy (lo = 0).
+        lo = offsets[0] if total > _SPLIT_SLOTS_BYTES else 0
+        if not self._emulated:  # emulated copies are synchronous: the slots are on the host at once
+            entry.slots_ev = entry.slots_done if lo else entry.data_done
         if self._drv is not None:
-            self._issue_driver(entry, slot_mapping, srcs, n, offsets, total)
-            self._inflight.append(entry)
-            self._state.queue.put(entry)
-            return
-        dev_slots = entry.dev_buf[: n * 8].view(torch.int64)
-        dev_rows = {nm: entry.dev_buf[off: off + n * self._row_bytes[nm]].view(self.specs[nm][1]).view(n, -1)
-                    for nm, off in zip(self.names, offsets)}
-        # 1. snapshot on the compute stream: k + 1 contiguous device copies (cheaper to launch than
-        #    one Triton kernel, and as fast on the GPU)
-        dev_slots.copy_(slot_mapping)
-        for nm in self.names:
-            dev_rows[nm].copy_(srcs[nm])
-        # 2. device -> host on the copy stream, which waits for the snapshot (never the reverse).
-        #    Large entries copy their slots first (own event: lets a gather that needs none of
-        #    these rows skip waiting for them); small ones go in one copy.
-        if self._emulated:
-            entry.host_buf[:total].copy_(entry.dev_buf[:total])
+            self._issue_driver(entry, slot_mapping, srcs, n, offsets, total, lo)
         else:
-            compute = torch.cuda.current_stream(self.device)
-            entry.packed.record(compute)
-            cs = self._copy_stream
-            cs.wait_event(entry.packed)
-            torch.cuda.set_stream(cs)
-            try:
-                if total > _SPLIT_SLOTS_BYTES:
-                    entry.host_buf[: n * 8].copy_(entry.dev_buf[: n * 8], non_blocking=True)
-                    entry.slots_done.record(cs)
-                    entry.slots_ev = entry.slots_done
-                    lo = offsets[0]
-                else:
-                    entry.slots_ev = entry.data_done
-                    lo = 0
-                entry.host_buf[lo:total].copy_(entry.dev_buf[lo:total], non_blocking=True)
-                entry.data_done.record(cs)
-            finally:
-                torch.cuda.set_stream(compute)
+            self._issue_torch(entry, slot_mapping, srcs, n, offsets, total, lo)
         # 3. the drain thread scatters it into the mirror once the copy is done
         self._inflight.append(entry)
         self._state.queue.put(entry)
 
+    def _issue_torch(self, entry: _Entry, slot_mapping: torch.Tensor, srcs: dict[str, torch.Tensor],
+                     n: int, offsets: list[int], total: int, lo: int) -> None:
+        """Steps 1 and 2 of the pipeline through torch (also the CPU emulation's "copies")."""
+        buf = entry.dev_buf
+        # 1. snapshot on the compute stream: k + 1 contiguous device copies (cheaper to launch than
+        #    one Triton kernel, and as fast on the GPU)
+        buf[: n * 8].view(torch.int64).copy_(slot_mapping)
+        for nm, off in zip(self.names, offsets):
+            buf[off: off + n * self._row_bytes[nm]].view(self.specs[nm][1]).view(n, -1).copy_(srcs[nm])
+        if self._emulated:
+            entry.host_buf[:total].copy_(buf[:total])
+            return
+        # 2. device -> host on the copy stream, which waits for the snapshot (never the reverse)
+        entry.packed.record(torch.cuda.current_stream(self.device))
+        cs = self._copy_stream
+        cs.wait_event(entry.packed)
+        with torch.cuda.stream(cs):
+            if lo:
+                entry.host_buf[: n * 8].copy_(buf[: n * 8], non_blocking=True)
+                entry.slots_done.record(cs)
+            entry.host_buf[lo:total].copy_(buf[lo:total], non_blocking=True)
+            entry.data_done.record(cs)
+
     def _issue_driver(self, entry: _Entry, slot_mapping: torch.Tensor, srcs: dict[str, torch.Tensor],
-                      n: int, offsets: list[int], total: int) -> None:
+                      n: int, offsets: list[int], total: int, lo: int) -> None:
         """Steps 1 and 2 of the pipeline (see the module docstring) as raw driver calls."""
         drv, compute, cs = self._drv, self._compute_handle(), self._cs_handle
         dev, host, packed, slots_done, data_done = entry.handles
@@ -679,22 +678,15 @@ class LatentStore:
             drv.copy_d2d(dev + off, src.data_ptr(), n * self._row_bytes[nm], compute)
         drv.record(packed, compute)
         drv.wait(cs, packed)
-        lo = 0
-        if total > _SPLIT_SLOTS_BYTES:
+        if lo:
             drv.copy_d2h(host, dev, n * 8, cs)
             drv.record(slots_done, cs)
-            entry.slots_ev = entry.slots_done
-            lo = offsets[0]
-        else:
-            entry.slots_ev = entry.data_done
         drv.copy_d2h(host + lo, dev + lo, total - lo, cs)
         drv.record(data_done, cs)
 
     def _needed_seq(self, slots: torch.Tensor) -> int:
         """Sequence number of the newest in-flight write chunk that wrote one of `slots` (0: none)."""
-        drained = self._state.drained
-        while self._inflight and self._inflight[0].seq <= drained:
-            self._inflight.popleft()
+        self._retire()
         if not self._inflight or slots.numel() == 0:
             return 0
         for entry in list(self._inflight):
