@@ -5,10 +5,9 @@ Every request is ``POST /v1/chat/completions`` with ``"stream": true, "modalitie
 "audio"], "stream_options": {"include_usage": true}``. Times are ``time.perf_counter()`` from just
 before the request is sent:
 
-* ``ttft_s``: the first SSE chunk whose ``delta.content`` is non-empty (the server's opening
-  ``{"role": "assistant", "content": ""}`` chunk does not count; a tiny model that writes invalid
-  UTF-8 may have its first bytes held back by vLLM's detokenizer, and an answer with no printable
-  text has no TTFT);
+* ``ttft_s``: the first SSE chunk whose ``delta.content`` is non-empty (a tiny model that writes
+  invalid UTF-8 may have its first bytes held back by vLLM's detokenizer, and an answer with no
+  printable text has no TTFT; the server sends no chunk without content);
 * ``ttfa_s``: the first chunk carrying ``delta.audio.data``;
 * ``e2e_s``: ``data: [DONE]``.
 """
@@ -83,7 +82,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
     """Send one streamed request, fill ``sample`` and return the answer text."""
     body = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "wav"},
+        "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
         "stream_options": {"include_usage": True},
     }
     text: list[str] = []
@@ -240,8 +239,8 @@ class Driver:
 
 #: Counters read from /metrics, per stage (names in omni_cache/metrics.py).
 COUNTERS = {
-    "queried": "omni_cache_prefix_cache_queried_tokens_total",
-    "hit": "omni_cache_prefix_cache_hit_tokens_total",
+    "queried": "vllm:prefix_cache_queries_total",
+    "hit": "vllm:prefix_cache_hits_total",
     "latent_rows": "omni_cache_latent_rows_served_total",
     "requests": "omni_cache_stage_requests_total",
     "restarts": "omni_cache_stage_restarts_total",

@@ -1,88 +1,143 @@
-"""Prometheus text exposition (format 0.0.4) of the pipeline's per-stage metrics.
+"""``GET /metrics``: the pipeline's per-stage metrics, exposed with ``prometheus_client``.
 
-Two sources feed ``GET /metrics``:
+Names follow vLLM's wherever a metric means what vLLM's means, so dashboards and alerts written for
+a vLLM server work per stage (every per-stage sample has a ``stage`` label; vLLM-named ones also
+carry vLLM's ``model_name`` label when the server knows the served model name):
 
-* the stages' own cumulative counters, fetched on every scrape with ``StatsQuery`` ->
-  ``StageStats`` (requests, errors, queue depth, prefix-cache queried/hit tokens, latent rows
-  served from the hidden-state cache; anything else a stage reports is exposed too, as
-  ``omni_cache_stage_<key>``), and
-* what the orchestrator measures itself: latency histograms per request (time to first text
-  token, time to first audio, time until each stage finished its part), stage up/restarts, and
-  requests it failed because of a stage.
+* ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt tokens looked up
+  in / served from the stage's prefix cache (vLLM stages only),
+* ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``: the stage's vLLM scheduler,
+* ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``: the stage's engine requests,
+* ``vllm:time_to_first_token_seconds``: request arrival -> first text token (the text stage),
+* ``vllm:e2e_request_latency_seconds``: request arrival -> the stage finished its part.
 
-Every per-stage sample carries the label ``stage="<name>"``. The exposition is written here
-(a few dozen lines) rather than with ``prometheus_client``, whose process-global registry does
-not fit several orchestrators in one process (tests, notebooks).
+Our own names (``omni_cache_*``) only for what vLLM has no metric for: time to first audio, latent
+rows served from the hidden-state cache, stage up/restarts, requests a stage accepted or failed,
+requests in flight and answered.
+
+Two sources feed a scrape: the stages' cumulative counters (``StatsQuery`` -> ``StageStats``, passed
+to :meth:`OrchestratorMetrics.render` as :class:`StageSnapshot`) and what the orchestrator measures
+itself (histograms, failures). Each orchestrator has its own ``CollectorRegistry`` (several
+orchestrators can live in one process: tests, notebooks), so nothing goes into the
+process-global default registry.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "CONTENT_TYPE",
-    "DEFAULT_BUCKETS",
-    "STAGE_COUNTERS",
+    "STAGE_DONE",
+    "STAGE_METRICS",
+    "TTFA",
+    "TTFT",
     "Histogram",
+    "LatencyMetric",
     "OrchestratorMetrics",
     "StageSnapshot",
     "parse_metrics",
 ]
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-#: Latency buckets in seconds (upper bounds; +Inf is implicit).
-DEFAULT_BUCKETS: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+# vLLM 0.32's bucket bounds (vllm/v1/metrics/buckets.py), so quantiles compare with a vLLM server's.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 )
 
-#: Stage counter key (``StageStats.counters``) -> (metric name, type, help).
-STAGE_COUNTERS: dict[str, tuple[str, str, str]] = {
-    "requests": ("omni_cache_stage_requests_total", "counter",
-                 "Requests the stage accepted (since its last start)."),
-    "errors": ("omni_cache_stage_errors_total", "counter",
-               "Requests that failed inside the stage (since its last start)."),
-    "queue_depth": ("omni_cache_stage_queue_depth", "gauge",
-                    "Requests waiting or running in the stage."),
-    "prefix_cache_queried_tokens": ("omni_cache_prefix_cache_queried_tokens_total", "counter",
-                                    "Prompt tokens looked up in the stage's prefix cache."),
-    "prefix_cache_hit_tokens": ("omni_cache_prefix_cache_hit_tokens_total", "counter",
-                                "Prompt tokens served from the stage's prefix cache."),
-    "latent_rows_served": ("omni_cache_latent_rows_served_total", "counter",
-                           "Latent rows served from the hidden-state prefix cache."),
+
+class LatencyMetric(NamedTuple):
+    """A latency histogram the orchestrator observes: name, help text, bucket bounds (s)."""
+
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+    #: Whether vLLM has this metric (then it also gets the model_name label).
+    vllm: bool
+
+
+TTFT = LatencyMetric("vllm:time_to_first_token_seconds",
+                     "Histogram of time to first token in seconds (request arrival to the first text "
+                     "token, per text stage).", TTFT_BUCKETS, True)
+TTFA = LatencyMetric("omni_cache_time_to_first_audio_seconds",
+                     "Time from request arrival to the first audio samples, per audio stage.",
+                     TTFT_BUCKETS, False)
+STAGE_DONE = LatencyMetric("vllm:e2e_request_latency_seconds",
+                           "Histogram of e2e request latency in seconds (request arrival until the "
+                           "stage finished its part of the request).", REQUEST_LATENCY_BUCKETS, True)
+
+
+class StageMetric(NamedTuple):
+    name: str
+    kind: str  # "counter" or "gauge"
+    help: str
+    vllm: bool
+
+
+#: Stage counter key (``StageStats.counters``) -> the metric it is exposed as.
+STAGE_METRICS: dict[str, StageMetric] = {
+    "prefix_cache_queried_tokens": StageMetric(
+        "vllm:prefix_cache_queries", "counter",
+        "Prefix cache queries, in terms of number of queried tokens.", True),
+    "prefix_cache_hit_tokens": StageMetric(
+        "vllm:prefix_cache_hits", "counter",
+        "Prefix cache hits, in terms of number of cached tokens.", True),
+    "num_requests_running": StageMetric(
+        "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", True),
+    "num_requests_waiting": StageMetric(
+        "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", True),
+    "prompt_tokens": StageMetric(
+        "vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", True),
+    "generation_tokens": StageMetric(
+        "vllm:generation_tokens", "counter", "Number of generation tokens processed.", True),
+    "requests": StageMetric(
+        "omni_cache_stage_requests", "counter",
+        "Requests the stage accepted (since its last start).", False),
+    "errors": StageMetric(
+        "omni_cache_stage_errors", "counter",
+        "Requests that failed inside the stage (since its last start).", False),
+    "queue_depth": StageMetric(
+        "omni_cache_stage_queue_depth", "gauge",
+        "Requests the stage holds: running, waiting, or waiting for upstream input.", False),
+    "latent_rows_served": StageMetric(
+        "omni_cache_latent_rows_served", "counter",
+        "Latent rows served from the hidden-state prefix cache.", False),
+    "latent_rows_computed": StageMetric(
+        "omni_cache_latent_rows_computed", "counter",
+        "Latent rows the stage's model computed.", False),
 }
 
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
-
-
-def _num(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+def _le(bound: float) -> str:
+    return repr(float(bound))
 
 
 class Histogram:
     """A cumulative latency histogram (seconds)."""
 
-    def __init__(self, buckets: Sequence[float] = DEFAULT_BUCKETS) -> None:
+    def __init__(self, buckets: Sequence[float]) -> None:
         self.buckets = tuple(sorted(buckets))
         self.counts = [0] * (len(self.buckets) + 1)  # last: above every bucket
         self.sum = 0.0
@@ -93,29 +148,14 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def samples(self, name: str, labels: Mapping[str, str]) -> Iterable[str]:
-        cumulative = 0
+    def cumulative(self) -> list[tuple[str, float]]:
+        """``[(le, count of observations <= le), ..., ("+Inf", count)]``."""
+        out, running = [], 0
         for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            yield f"{name}_bucket{_labels({**labels, 'le': _num(bound)})} {cumulative}"
-        yield f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {self.count}"
-        yield f"{name}_sum{_labels(labels)} {_num(self.sum)}"
-        yield f"{name}_count{_labels(labels)} {self.count}"
-
-
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_text: str) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-
-    def sample(self, name: str, labels: Mapping[str, str], value: float) -> None:
-        self.lines.append(f"{name}{_labels(labels)} {_num(value)}")
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+            running += n
+            out.append((_le(bound), running))
+        out.append(("+Inf", self.count))
+        return out
 
 
 @dataclass
@@ -130,31 +170,29 @@ class StageSnapshot:
     fresh: bool = False
 
 
-# Orchestrator-side histograms: (metric name, help).
-TTFT = ("omni_cache_time_to_first_token_seconds",
-        "Time from request receipt to the first text token, per text stage.")
-TTFA = ("omni_cache_time_to_first_audio_seconds",
-        "Time from request receipt to the first audio samples, per audio stage.")
-STAGE_DONE = ("omni_cache_time_to_stage_finish_seconds",
-              "Time from request receipt until the stage finished its part of the request.")
-
-
 class OrchestratorMetrics:
-    """Latency histograms and failure counters the orchestrator measures itself."""
+    """Latency histograms and failure counters the orchestrator measures, and the exposition."""
 
-    def __init__(self, stage_names: Sequence[str], buckets: Sequence[float] = DEFAULT_BUCKETS) -> None:
+    def __init__(self, stage_names: Sequence[str]) -> None:
         self.stage_names = list(stage_names)
-        self._buckets = buckets
+        #: The served model name, for vLLM's ``model_name`` label (the HTTP server sets it).
+        self.model_name: str | None = None
         self.histograms: dict[tuple[str, str], Histogram] = {}
+        self._latency: dict[str, LatencyMetric] = {}
         self.failed_requests: dict[str, int] = {s: 0 for s in stage_names}
         self.requests_ok = 0
         self.requests_failed: dict[int, int] = {}
+        # Set by render() for the collector to read: a scrape is one synchronous call.
+        self._scrape: tuple[Mapping[str, StageSnapshot], int] | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
 
-    def observe(self, metric: tuple[str, str], stage: str, seconds: float) -> None:
-        key = (metric[0], stage)
+    def observe(self, metric: LatencyMetric, stage: str, seconds: float) -> None:
+        key = (metric.name, stage)
         hist = self.histograms.get(key)
         if hist is None:
-            hist = self.histograms[key] = Histogram(self._buckets)
+            hist = self.histograms[key] = Histogram(metric.buckets)
+            self._latency[metric.name] = metric
         hist.observe(seconds)
 
     def stage_failed_request(self, stage: str) -> None:
@@ -167,75 +205,90 @@ class OrchestratorMetrics:
             self.requests_failed[status] = self.requests_failed.get(status, 0) + 1
 
     def render(self, stages: Mapping[str, StageSnapshot], in_flight: int) -> str:
-        w = _Writer()
+        """The exposition text of one scrape."""
+        self._scrape = (stages, in_flight)
+        try:
+            return generate_latest(self.registry).decode("utf-8")
+        finally:
+            self._scrape = None
+
+    # ---- prometheus_client collector -----------------------------------------------------------
+
+    def _labels(self, vllm: bool) -> list[str]:
+        return ["stage", "model_name"] if vllm and self.model_name else ["stage"]
+
+    def _values(self, stage: str, vllm: bool) -> list[str]:
+        return [stage, self.model_name] if vllm and self.model_name else [stage]
+
+    def collect(self) -> Iterator[Metric]:
+        if self._scrape is None:  # registered, but not inside render()
+            return
+        stages, in_flight = self._scrape
         names = list(stages)
+        yield from self._stage_state(stages, names)
+        yield from self._stage_counters(stages, names)
+        for metric_name in sorted(self._latency):
+            metric = self._latency[metric_name]
+            fam = HistogramMetricFamily(metric.name, metric.help, labels=self._labels(metric.vllm))
+            for (name, stage), hist in sorted(self.histograms.items()):
+                if name == metric.name:
+                    fam.add_metric(self._values(stage, metric.vllm), hist.cumulative(), hist.sum)
+            yield fam
+        failed = CounterMetricFamily(
+            "omni_cache_stage_failed_requests",
+            "Requests the orchestrator failed because of this stage (died, error, timeout).",
+            labels=["stage"])
+        for s in names:
+            failed.add_metric([s], self.failed_requests.get(s, 0))
+        yield failed
+        yield GaugeMetricFamily("omni_cache_requests_in_flight", "Requests accepted and not yet answered.",
+                                value=in_flight)
+        answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.",
+                                       labels=["outcome"])
+        answered.add_metric(["ok"], self.requests_ok)
+        for status, n in sorted(self.requests_failed.items()):
+            answered.add_metric([f"error_{status}"], n)
+        yield answered
 
-        w.family("omni_cache_stage_up", "gauge", "1 when the stage process is up and ready.")
+    def _stage_state(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
+        up = GaugeMetricFamily("omni_cache_stage_up", "1 when the stage process is up and ready.",
+                               labels=["stage"])
+        restarts = CounterMetricFamily("omni_cache_stage_restarts",
+                                       "Times the orchestrator restarted the stage process.", labels=["stage"])
+        fresh = GaugeMetricFamily(
+            "omni_cache_stage_stats_fresh",
+            "1 when the stage answered this scrape's stats query (else its last known counters).",
+            labels=["stage"])
         for s in names:
-            w.sample("omni_cache_stage_up", {"stage": s}, 1 if stages[s].up else 0)
-        w.family("omni_cache_stage_restarts_total", "counter",
-                 "Times the orchestrator restarted the stage process.")
-        for s in names:
-            w.sample("omni_cache_stage_restarts_total", {"stage": s}, stages[s].restarts)
-        w.family("omni_cache_stage_stats_fresh", "gauge",
-                 "1 when the stage answered this scrape's stats query (else its last known counters).")
-        for s in names:
-            w.sample("omni_cache_stage_stats_fresh", {"stage": s}, 1 if stages[s].fresh else 0)
+            up.add_metric([s], 1 if stages[s].up else 0)
+            restarts.add_metric([s], stages[s].restarts)
+            fresh.add_metric([s], 1 if stages[s].fresh else 0)
+        yield from (up, restarts, fresh)
 
-        for key, (metric, kind, help_text) in STAGE_COUNTERS.items():
-            w.family(metric, kind, help_text)
+    def _stage_counters(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
+        for key, metric in STAGE_METRICS.items():
+            family = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            fam = family(metric.name, metric.help, labels=self._labels(metric.vllm))
             for s in names:
-                w.sample(metric, {"stage": s}, float(stages[s].counters.get(key, 0.0)))
-        extra = sorted({k for s in names for k in stages[s].counters} - set(STAGE_COUNTERS))
+                counters = stages[s].counters
+                # vLLM's metrics only for stages that report them (a stage without a vLLM engine
+                # has no prefix cache: a 0 would claim one); ours for every stage.
+                if key in counters or not metric.vllm:
+                    fam.add_metric(self._values(s, metric.vllm), float(counters.get(key, 0.0)))
+            if fam.samples:
+                yield fam
+        extra = sorted({k for s in names for k in stages[s].counters} - set(STAGE_METRICS))
         for key in extra:
-            metric = "omni_cache_stage_" + _NAME_RE.sub("_", key)
-            w.family(metric, "untyped", f"Stage counter {key!r} as the stage reports it.")
+            fam = UnknownMetricFamily("omni_cache_stage_" + _NAME_RE.sub("_", key),
+                                      f"Stage counter {key!r} as the stage reports it.", labels=["stage"])
             for s in names:
                 if key in stages[s].counters:
-                    w.sample(metric, {"stage": s}, float(stages[s].counters[key]))
-
-        w.family("omni_cache_stage_failed_requests_total", "counter",
-                 "Requests the orchestrator failed because of this stage (died, error, timeout).")
-        for s in names:
-            w.sample("omni_cache_stage_failed_requests_total", {"stage": s},
-                     self.failed_requests.get(s, 0))
-
-        for metric, help_text in (TTFT, TTFA, STAGE_DONE):
-            keys = sorted(k for k in self.histograms if k[0] == metric)
-            if not keys:
-                continue
-            w.family(metric, "histogram", help_text)
-            for _, s in keys:
-                w.lines.extend(self.histograms[(metric, s)].samples(metric, {"stage": s}))
-
-        w.family("omni_cache_requests_in_flight", "gauge", "Requests accepted and not yet answered.")
-        w.sample("omni_cache_requests_in_flight", {}, in_flight)
-        w.family("omni_cache_requests_total", "counter", "Requests answered, by outcome.")
-        w.sample("omni_cache_requests_total", {"outcome": "ok"}, self.requests_ok)
-        for status, n in sorted(self.requests_failed.items()):
-            w.sample("omni_cache_requests_total", {"outcome": f"error_{status}"}, n)
-        return w.text()
-
-
-_SAMPLE_RE = re.compile(
-    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '
-    r"(-?[0-9.eE+-]+|[+-]Inf|NaN)$"
-)
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+                    fam.add_metric([s], float(stages[s].counters[key]))
+            yield fam
 
 
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Parse exposition text into ``(name, labels, value)``; ValueError on a malformed line.
-
-    Strict enough to test the output of :meth:`OrchestratorMetrics.render`; not a full parser.
-    """
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if not m:
-            raise ValueError(f"line {n} is not a metric sample: {line!r}")
-        labels = {k: v for k, v in _LABEL_RE.findall(m.group(2) or "")}
-        out.append((m.group(1), labels, float(m.group(3))))
-    return out
+    """``(sample name, labels, value)`` of every sample, parsed by ``prometheus_client``'s parser
+    (ValueError on malformed text)."""
+    return [(s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text) for s in fam.samples]

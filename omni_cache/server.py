@@ -6,9 +6,12 @@ Routes (FastAPI, served by uvicorn on ``server.host:server.port``, 127.0.0.1:809
     OpenAI chat completions: ``model`` (the served model name), ``messages``, ``max_tokens`` /
     ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream``
     (+ ``stream_options.include_usage``), ``modalities`` (``["text"]`` default, ``["text",
-    "audio"]`` adds audio), ``audio: {voice, format: "wav"}``. With audio the message carries
-    ``audio: {id, data: base64 WAV (24 kHz mono 16-bit), expires_at, transcript}``; streamed,
-    ``delta.audio.data`` holds base64 raw 16-bit PCM chunks. Unknown fields are ignored.
+    "audio"]`` adds audio), ``audio: {voice, format}``. With audio the message carries
+    ``audio: {id, data, expires_at, transcript}``, ``data`` base64 24 kHz mono audio in
+    ``audio.format``: ``wav`` (default), ``flac``, ``mp3``, ``opus`` or ``pcm16``
+    (:mod:`omni_cache.audio_formats`). Streamed (:mod:`omni_cache.chat_stream`), the first chunk
+    carries the first text or audio together with the role, and ``delta.audio.data`` holds base64
+    ``pcm16`` chunks (the only format a stream takes). Unknown fields are ignored.
 ``GET /health``   200 ``{"status": "ok"}`` when every stage is up, else 503 naming the others.
 ``GET /v1/models``, ``GET /metrics`` (Prometheus text).
 
@@ -24,7 +27,6 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import json
 import logging
 import os
 import sys
@@ -40,17 +42,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omni_cache.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format, encode_audio
+from omni_cache.chat_stream import collect_unless_disconnected, stream_chunks, usage
 from omni_cache.metrics import CONTENT_TYPE
-from omni_cache.orchestrator import (
-    AudioDelta,
-    Completed,
-    Failed,
-    Orchestrator,
-    RequestError,
-    RequestHandle,
-    TextDelta,
-)
-from omni_cache.wav import encode_wav, to_pcm16
+from omni_cache.orchestrator import Orchestrator, RequestError
 
 logger = logging.getLogger("omni_cache.server")
 
@@ -85,7 +80,8 @@ class ChatMessage(_Model):
 
 class AudioOptions(_Model):
     voice: str | None = None
-    format: str = "wav"
+    # Default: "wav", or "pcm16" when streaming (the only format a stream can carry).
+    format: str | None = None
 
 
 class StreamOptions(_Model):
@@ -193,36 +189,6 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-async def _result_unless_disconnected(handle: RequestHandle, request: Request):
-    """The request's result; aborts it if the HTTP client goes away first."""
-    task = asyncio.ensure_future(handle.result())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                handle.abort("the client disconnected")
-                return await task  # raises the 499 RequestError
-    finally:
-        if not task.done():
-            task.cancel()
-            handle.abort("the request handler was cancelled")
-
-
 # --------------------------------------------------------------------------------------------------
 # The app
 # --------------------------------------------------------------------------------------------------
@@ -244,6 +210,8 @@ def create_app(
     """
     served = orch.served_model_name
     entry = orch.entry.name
+    # vLLM's metrics carry the served model name as their model_name label.
+    orch.metrics.model_name = served
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -349,9 +317,12 @@ def create_app(
             raise APIError(400, "only n=1 is supported", param="n")
         modalities = tuple(dict.fromkeys(req.modalities or ["text"]))
         wants_audio = "audio" in modalities
-        if wants_audio and req.audio is not None and req.audio.format != "wav":
-            raise APIError(400, f"audio.format {req.audio.format!r} is not supported (only 'wav')",
-                           param="audio.format")
+        audio_format = (req.audio.format if req.audio else None) or (STREAM_FORMAT if req.stream else "wav")
+        if wants_audio:
+            try:
+                check_format(audio_format, stream=req.stream)
+            except UnsupportedFormat as e:
+                raise APIError(400, str(e), param="audio.format") from None
         messages = _message_dicts(req.messages)
         if orch.tokenizer is None:
             raise APIError(503, "the pipeline is still starting: "
@@ -373,66 +344,34 @@ def create_app(
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": served}
             return StreamingResponse(
-                _stream(handle, chat_id, created, include_usage),
+                stream_chunks(handle, base, entry_stage=entry, include_usage=include_usage,
+                              error_body=lambda e: APIError.from_request_error(e).body()),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        result = await _result_unless_disconnected(handle, request)
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        answer = await collect_unless_disconnected(handle, request)
+        done = answer.completed
+        message: dict[str, Any] = {"role": "assistant", "content": answer.text}
         if wants_audio:
-            wav = encode_wav(result.audio if result.audio is not None else [], result.sample_rate or 24000)
+            data = await asyncio.to_thread(encode_audio, answer.samples(),
+                                           answer.sample_rate or orch.audio_sample_rate, audio_format)
             message["audio"] = {
                 "id": f"audio_{handle.request_id}",
-                "data": base64.b64encode(wav).decode("ascii"),
+                "data": base64.b64encode(data).decode("ascii"),
                 "expires_at": created + AUDIO_TTL_S,
-                "transcript": result.text,
+                "transcript": answer.text,
             }
         return JSONResponse({
             "id": chat_id,
             "object": "chat.completion",
             "created": created,
             "model": served,
-            "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason,
+            "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
                          "logprobs": None}],
-            "usage": _usage(result.num_prompt_tokens, len(result.token_ids),
-                            result.cached_tokens.get(entry, 0)),
+            "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(entry, 0)),
         })
-
-    async def _stream(handle: RequestHandle, chat_id: str, created: int,
-                      include_usage: bool) -> AsyncIterator[str]:
-        base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": served}
-        audio_id = f"audio_{handle.request_id}"
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-            return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                               "finish_reason": finish_reason}]})
-
-        completion_tokens = 0
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for event in handle.events():
-                if isinstance(event, TextDelta):
-                    completion_tokens += len(event.token_ids)
-                    if event.text:
-                        yield chunk({"content": event.text})
-                elif isinstance(event, AudioDelta):
-                    pcm = to_pcm16(event.audio, event.sample_rate)
-                    yield chunk({"audio": {"id": audio_id,
-                                           "data": base64.b64encode(pcm).decode("ascii"),
-                                           "transcript": ""}})
-                elif isinstance(event, Completed):
-                    yield chunk({}, event.finish_reason)
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(
-                            event.num_prompt_tokens, completion_tokens,
-                            event.cached_tokens.get(entry, 0))})
-                elif isinstance(event, Failed):
-                    yield _sse(APIError.from_request_error(event.error).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            if not handle.done:
-                handle.abort("the client disconnected from the stream")
 
     return app
 

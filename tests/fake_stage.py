@@ -7,7 +7,11 @@ tests/test_server_unit.py:
   one StageOutput per token (``FAKE_TOKEN_DELAY`` seconds apart), the last one with
   ``finished=True``; "prefix cache": the longest common prefix with any earlier prompt, rounded
   down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for.
-  Prompts containing ``HANG`` never finish; ``FAIL`` answers a StageError (status 500).
+  Prompts containing ``HANG`` never finish; ``FAIL`` answers a StageError (status 500);
+  ``SLOWSTART`` delays the first token by ``SLOW_FIRST_TOKEN_S``; ``UTF8BAD`` answers with
+  ``UTF8BAD_ANSWER`` (invalid and incomplete UTF-8), decoded like vLLM's incremental detokenizer:
+  bytes held back while incomplete (empty text), U+FFFD for invalid ones, and a sequence still
+  incomplete at the end is never written.
   With ``return_latents`` it sends a "hidden" tensor [prompt + output tokens, 4].
 * ``FAKE_START_DELAY`` (s) delays StageReady; ``FAKE_EXIT_AT_START=N`` exits with N at start.
 * other stages (a "decoder"): 240 samples (10 ms at 24 kHz) of a sine per upstream token, sent to
@@ -46,6 +50,8 @@ from omni_cache.transport import AsyncReceiver, AsyncSender, Codec
 SAMPLE_RATE = 24000
 SAMPLES_PER_TOKEN = 240
 BLOCK = 4
+SLOW_FIRST_TOKEN_S = 0.5
+UTF8BAD_ANSWER = b"\xe2\x82 ok \xff\xfe end \xf0\x9f\x98"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -128,7 +134,9 @@ class FakeStage:
             return
         if b"HANG" in raw:
             await asyncio.sleep(3600)
-        out = list(raw[: sub.sampling.max_tokens])
+        answer = UTF8BAD_ANSWER if b"UTF8BAD" in raw else raw
+        out = list(answer[: sub.sampling.max_tokens])
+        flush_at_end = b"UTF8BAD" not in raw
         audio = "audio" in sub.modalities
         seq = 0
         if sub.return_latents:
@@ -143,8 +151,8 @@ class FakeStage:
         else:
             out_msgs = [([t], i == len(out) - 1) for i, t in enumerate(out)]
         for i, (toks, last) in enumerate(out_msgs):
-            await asyncio.sleep(self.delay)
-            text = decoder.decode(bytes(toks), final=last)
+            await asyncio.sleep(SLOW_FIRST_TOKEN_S if i == 0 and b"SLOWSTART" in raw else self.delay)
+            text = decoder.decode(bytes(toks), final=last and flush_at_end)
             msg = StageOutput(
                 request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text,
                 finished=last, finish_reason=reason if last else None,

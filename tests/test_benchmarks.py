@@ -224,12 +224,12 @@ def test_audio_bytes_of_b64():
 
 def test_metric_counters_and_deltas():
     text = "\n".join([
-        "# TYPE omni_cache_prefix_cache_queried_tokens_total counter",
-        'omni_cache_prefix_cache_queried_tokens_total{stage="thinker"} 8200',
-        'omni_cache_prefix_cache_hit_tokens_total{stage="thinker"} 4000',
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        'vllm:prefix_cache_queries_total{model_name="tiny",stage="thinker"} 8200',
+        'vllm:prefix_cache_hits_total{model_name="tiny",stage="thinker"} 4000',
         'omni_cache_latent_rows_served_total{stage="thinker"} 4000',
         'omni_cache_stage_stats_fresh{stage="thinker"} 1',
-        'omni_cache_prefix_cache_hit_tokens_total{stage="talker"} 10',
+        'vllm:prefix_cache_hits_total{model_name="tiny",stage="talker"} 10',
         'omni_cache_requests_total{outcome="ok"} 3',
     ]) + "\n"
     before = metric_counters(text)

@@ -99,7 +99,7 @@ def test_audio_answer_is_a_wav(client):
 def test_streaming_text_and_audio(client):
     stream = client.chat.completions.create(
         model="e2e", messages=[{"role": "user", "content": "stream please"}], max_tokens=16,
-        modalities=["text", "audio"], audio={"voice": "default", "format": "wav"}, stream=True,
+        modalities=["text", "audio"], audio={"voice": "default", "format": "pcm16"}, stream=True,
         stream_options={"include_usage": True})
     text_deltas, audio_bytes, finish, usage = 0, 0, None, None
     for chunk in stream:
@@ -139,11 +139,11 @@ def test_shared_prefix_hits_thinker_and_talker(client, server):
     def metric(prefix: str, stage: str) -> float:
         return sum(v for k, v in values.items() if k.startswith(prefix) and f'stage="{stage}"' in k)
 
-    assert metric("omni_cache_prefix_cache_hit_tokens", "thinker") >= 1024
+    assert metric("vllm:prefix_cache_hits_total", "thinker") >= 1024
     assert metric("omni_cache_latent_rows_served", "thinker") >= 1024
     # The thinker's cached latents are bitwise the first computation, so the talker's prompt
     # embeddings repeat exactly and its own prefix cache hits too.
-    assert metric("omni_cache_prefix_cache_hit_tokens", "talker") >= 1024
+    assert metric("vllm:prefix_cache_hits_total", "talker") >= 1024
 
 
 def test_bad_input_gets_clear_errors(server):

@@ -63,6 +63,9 @@ class ARRunner(StageRunner):
         self.handoff_ctx = HandoffContext(Path(model))
         self.requests: dict[str, _Request] = {}
         self.by_job: dict[str, str] = {}
+        # vLLM's vllm:prompt_tokens / vllm:generation_tokens, summed over this stage's engine requests.
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
 
     # ---- input -----------------------------------------------------------------------------
     def accept(self, msg: Submit | StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -138,7 +141,9 @@ class ARRunner(StageRunner):
     def _emit(self, req: _Request, out: StepOutput) -> None:
         job_done = out.finished
         finished = False
+        self.generation_tokens += len(out.token_ids)
         if job_done:
+            self.prompt_tokens += out.num_prompt_tokens
             finished = req.active_job.last
             self.by_job.pop(out.request_id, None)
             req.num_cached_tokens += out.num_cached_tokens
@@ -177,4 +182,7 @@ class ARRunner(StageRunner):
             self.llm.abort(req.active)
 
     def counters(self) -> dict[str, float]:
-        return {**super().counters(), **self.llm.counters()}
+        running, waiting = self.llm.scheduler.get_request_counts()
+        return {**super().counters(), **self.llm.counters(),
+                "num_requests_running": running, "num_requests_waiting": waiting,
+                "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens}
