@@ -1,0 +1,322 @@
+"""The stage-config schema: the typed structs one pipeline YAML converts into (msgspec; unknown keys
+are errors), their defaults, and the lookups on a pipeline (stages, inputs, topological order).
+
+Nothing here imports vLLM or torch: loading a config is cheap and safe in any process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct, field
+
+#: Environment variable naming where ``tiny:*`` checkpoints are generated (when the config has no
+#: ``checkpoint_dir``).
+CHECKPOINTS_ENV = "OMNI_CACHE_CHECKPOINTS"
+DEFAULT_CHECKPOINT_DIR = Path("~/.cache/omni_cache/checkpoints")
+
+#: The tiny checkpoints the project generates itself (omni_cache.checkpoints), with the stage kind
+#: each one can run as.
+TINY_MODELS: dict[str, str] = {
+    "thinker": "autoregressive",
+    "thinker-hybrid": "autoregressive",
+    "talker": "autoregressive",
+    "decoder": "generation",
+}
+TINY_PREFIX = "tiny:"
+
+StageKind = Literal["autoregressive", "generation"]
+FinalOutput = Literal["text", "audio"]
+
+_STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+_DOTTED_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+# Linux's sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+_MAX_IPC_PATH_BYTES = 107
+
+PositiveInt = Annotated[int, Meta(gt=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+class _Base(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Common options: unknown keys are errors, fields are keyword-only."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------------
+
+
+class ServerConfig(_Base, kw_only=True):
+    """The HTTP front end (OpenAI-style API) of the orchestrator."""
+
+    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
+    #: 0 lets the OS pick a free port.
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8091
+    #: Largest ZMQ message (header + tensor frames) a stage accepts.
+    max_message_bytes: PositiveInt = 256 * 1024 * 1024
+    #: Deadline of one client request, end to end.
+    request_timeout_s: PositiveFloat = 300.0
+    #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
+    served_model_name: str | None = None
+    #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
+    #: "tcp://host:port"); ``None`` -> ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock.
+    #: Stages on other hosts need a tcp address here.
+    control_address: str | None = None
+
+
+class LatentSpec(_Base, kw_only=True):
+    """Which per-token latents an autoregressive stage emits (and caches) for the next stage."""
+
+    #: The final hidden states (the input of the LM head).
+    hidden: bool = False
+    #: Layer taps: outputs of these decoder layers (indices >= 0, unique).
+    layers: list[Annotated[int, Meta(ge=0)]] = []
+    #: Names of per-token multimodal tensors the model produces.
+    multimodal: list[Annotated[str, Meta(min_length=1)]] = []
+
+    def any(self) -> bool:
+        """Whether any latent is requested."""
+        return bool(self.hidden or self.layers or self.multimodal)
+
+    def describe(self) -> str:
+        parts = []
+        if self.hidden:
+            parts.append("hidden")
+        if self.layers:
+            parts.append("layers " + ",".join(str(i) for i in self.layers))
+        if self.multimodal:
+            parts.append("multimodal " + ",".join(self.multimodal))
+        return "; ".join(parts) if parts else "none"
+
+
+class EngineArgs(_Base, kw_only=True):
+    """vLLM engine arguments of an autoregressive stage. ``None`` leaves vLLM's default."""
+
+    max_model_len: PositiveInt | None = None
+    #: Tokens per KV-cache block: a positive multiple of 16 (vLLM's GPU backends accept 16; the
+    #: CPU attention backend needs a multiple of 32 -- not enforced here, vLLM reports it). Leave
+    #: it unset for hybrid (Mamba/GatedDeltaNet) models: vLLM picks it from the state size.
+    block_size: Annotated[int, Meta(gt=0, multiple_of=16)] | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    enable_chunked_prefill: bool | None = None
+    enforce_eager: bool | None = None
+    #: On GPU a fraction of the device's memory; on CPU vLLM reads it as a fraction of one NUMA
+    #: node's memory (its default 0.92 fails on small machines: use about 0.3).
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
+    seed: int | None = None
+    tensor_parallel_size: PositiveInt | None = None
+    async_scheduling: bool | None = None
+    #: The talker takes the thinker's hidden states as prompt embeddings.
+    enable_prompt_embeds: bool | None = None
+    trust_remote_code: bool | None = None
+    kv_cache_dtype: str | None = None
+    #: Hybrid models only (vLLM 0.32 knows "none" and "align"; with prefix caching on it picks
+    #: "align" for GatedDeltaNet by itself).
+    mamba_cache_mode: str | None = None
+    #: Anything else, passed verbatim to ``vllm.EngineArgs``.
+    extra: dict[str, Any] = {}
+
+    def to_vllm_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``vllm.EngineArgs``: the fields that are set, plus ``extra``.
+
+        ``enable_prefix_caching`` is not among them: it comes from ``StageConfig.prefix_cache``
+        (see :meth:`StageConfig.vllm_kwargs`).
+        """
+        out: dict[str, Any] = {}
+        for name in self.__struct_fields__:
+            if name == "extra":
+                continue
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        out.update(self.extra)
+        return out
+
+
+class SamplingDefaults(_Base, kw_only=True):
+    """Sampling used when the request does not say otherwise."""
+
+    temperature: Annotated[float, Meta(ge=0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    max_tokens: PositiveInt = 64
+    seed: int | None = None
+
+
+class GenerationArgs(_Base, kw_only=True):
+    """Settings of a non-autoregressive ("generation") stage such as the codec decoder."""
+
+    max_batch_size: PositiveInt = 16
+    #: Codec codes per decode chunk (audio is streamed chunk by chunk).
+    chunk_size: PositiveInt = 16
+    #: torch device string: "cpu", "cuda", "cuda:1", ...
+    device: Annotated[str, Meta(min_length=1)] = "cpu"
+
+
+class StageConfig(_Base, kw_only=True):
+    """One stage of the pipeline, run in its own process."""
+
+    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'.
+    name: Annotated[str, Meta(pattern=_STAGE_NAME_RE)]
+    #: "autoregressive": a vLLM engine; "generation": a non-AR network (the codec decoder).
+    kind: StageKind
+    #: "tiny:<name>" (a checkpoint the project generates) or a filesystem path.
+    model: str
+    #: engine_input_source: the stages this one takes input from; [] = the client's request.
+    inputs: list[str] = []
+    #: "package.module.function" building this stage's inputs from its input stages' outputs.
+    handoff: str | None = None
+    #: Where the stage process listens: "ipc:///abs/path" or "tcp://host:port".
+    address: str
+    #: Whether (and as what) this stage's output goes back to the client.
+    final_output: FinalOutput | None = None
+    #: vLLM automatic prefix caching plus the hidden-state prefix cache (autoregressive only).
+    prefix_cache: bool = True
+    #: Where the hidden-state cache lives: pinned host memory or the accelerator.
+    latent_cache_device: Literal["host", "device"] = "host"
+    latents: LatentSpec = field(default_factory=LatentSpec)
+    #: Required for autoregressive stages, forbidden for generation stages.
+    engine_args: EngineArgs | None = None
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    #: Generation stages only; defaults are filled in when omitted.
+    generation: GenerationArgs | None = None
+    #: Extra environment of the stage process (e.g. VLLM_CPU_KVCACHE_SPACE).
+    env: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        if self.kind == "generation" and self.generation is None:
+            self.generation = GenerationArgs()
+
+    @property
+    def is_autoregressive(self) -> bool:
+        return self.kind == "autoregressive"
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether prefix caching (vLLM APC + the hidden-state cache) is on for this stage."""
+        return self.kind == "autoregressive" and self.prefix_cache
+
+    @property
+    def is_entry(self) -> bool:
+        """Whether this stage takes the client's request."""
+        return not self.inputs
+
+    def vllm_kwargs(self, model: str) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.EngineArgs`` of this (autoregressive) stage.
+
+        ``model`` is the resolved model path (see :func:`resolve_model`).
+        """
+        if self.engine_args is None:
+            raise ValueError(f"stage {self.name!r} ({self.kind}) has no engine_args")
+        kwargs = self.engine_args.to_vllm_kwargs()
+        kwargs["model"] = model
+        kwargs["enable_prefix_caching"] = self.prefix_cache
+        return kwargs
+
+
+class PipelineConfig(_Base, kw_only=True):
+    """A whole pipeline: the server and its stages."""
+
+    name: Annotated[str, Meta(min_length=1)]
+    #: Where tiny:* checkpoints are generated; None -> $OMNI_CACHE_CHECKPOINTS or
+    #: ~/.cache/omni_cache/checkpoints (see :func:`checkpoint_root`).
+    checkpoint_dir: str | None = None
+    server: ServerConfig = field(default_factory=ServerConfig)
+    stages: Annotated[list[StageConfig], Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        if self.server.served_model_name is None:
+            self.server.served_model_name = self.name
+
+    # -- lookups -----------------------------------------------------------------------------------
+
+    def stage(self, name: str) -> StageConfig:
+        """The stage called ``name``; KeyError naming the known stages otherwise."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage {name!r} (stages: {', '.join(self.stage_names())})")
+
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def entry_stage(self) -> StageConfig:
+        """The one stage with no inputs: it takes the client's request."""
+        entries = [s for s in self.stages if not s.inputs]
+        if len(entries) != 1:
+            raise ValueError(
+                f"pipeline {self.name!r} has {len(entries)} entry stages, expected exactly one"
+            )
+        return entries[0]
+
+    def upstream(self, name: str) -> list[StageConfig]:
+        """The stages ``name`` takes input from, in the order of its ``inputs``."""
+        return [self.stage(n) for n in self.stage(name).inputs]
+
+    def downstream(self, name: str) -> list[StageConfig]:
+        """The stages that take input directly from ``name``, in config order."""
+        self.stage(name)  # KeyError for an unknown name
+        return [s for s in self.stages if name in s.inputs]
+
+    def final_stages(self) -> list[StageConfig]:
+        """The stages whose output goes to the client."""
+        return [s for s in self.stages if s.final_output is not None]
+
+    def topological_order(self) -> list[StageConfig]:
+        """All stages, every stage after the stages it takes input from.
+
+        Ties keep config order. ValueError if the input graph has a cycle or an unknown input.
+        """
+        names = set(self.stage_names())
+        for s in self.stages:
+            for i in s.inputs:
+                if i not in names:
+                    raise ValueError(f"stage {s.name!r} takes input from unknown stage {i!r}")
+        done: set[str] = set()
+        order: list[StageConfig] = []
+        remaining = list(self.stages)
+        while remaining:
+            ready = [s for s in remaining if all(i in done for i in s.inputs)]
+            if not ready:
+                cycle = _find_cycle(self.stages)
+                raise ValueError("input cycle: " + " -> ".join(cycle or []))
+            for s in ready:
+                order.append(s)
+                done.add(s.name)
+            remaining = [s for s in remaining if s.name not in done]
+        return order
+
+
+def _find_cycle(stages: Sequence[StageConfig]) -> list[str] | None:
+    """A cycle in the input graph in data-flow order (``a -> b -> a``: b reads a, a reads b)."""
+    by_name = {s.name: s for s in stages}
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        stack.append(name)
+        for inp in by_name[name].inputs:
+            if inp not in by_name:
+                continue
+            if state.get(inp) == 1:
+                cycle = stack[stack.index(inp):] + [inp]
+                return list(reversed(cycle))  # stack follows "reads from"; report data flow
+            if inp not in state:
+                found = visit(inp)
+                if found:
+                    return found
+        stack.pop()
+        state[name] = 2
+        return None
+
+    for s in stages:
+        if s.name not in state:
+            found = visit(s.name)
+            if found:
+                return found
+    return None

@@ -1,0 +1,314 @@
+"""The checks that span fields or stages, run after a config converted into the schema: the input
+graph (unknown inputs, cycles, one entry stage), hand-off functions, kind-specific keys, model
+references and addresses. Every problem is added to an :class:`~omni_cache.config_errors._Issues`
+with its key path."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omni_cache.config_errors import _Issues
+from omni_cache.config_schema import (
+    _DOTTED_RE,
+    _MAX_IPC_PATH_BYTES,
+    TINY_MODELS,
+    TINY_PREFIX,
+    EngineArgs,
+    PipelineConfig,
+    StageConfig,
+    _find_cycle,
+)
+
+
+def validate_config(
+    config: PipelineConfig, *, source: str | None = None, check_paths: bool = True
+) -> PipelineConfig:
+    """Run the cross-field checks on an already-built config (e.g. after CLI overrides).
+
+    Returns ``config``; raises ConfigError listing every problem found.
+    """
+    issues = _Issues(source)
+    _validate(config, issues, check_paths=check_paths)
+    issues.raise_if_any()
+    return config
+
+
+def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: bool) -> None:
+    stages = config.stages
+    names = [s.name for s in stages]
+    known = set(names)
+    name_list = ", ".join(names)
+
+    first_index: dict[str, int] = {}
+    for i, s in enumerate(stages):
+        if s.name in first_index:
+            issues.add(
+                ("stages", i, "name"),
+                f"duplicate stage name {s.name!r} (also stages[{first_index[s.name]}].name)",
+            )
+        else:
+            first_index[s.name] = i
+
+    graph_ok = True
+    for i, s in enumerate(stages):
+        base: tuple[str | int, ...] = ("stages", i)
+        seen_inputs: set[str] = set()
+        for j, inp in enumerate(s.inputs):
+            if inp not in known:
+                graph_ok = False
+                close = difflib.get_close_matches(inp, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                issues.add(
+                    (*base, "inputs", j), f"unknown stage {inp!r} (stages: {name_list}){hint}"
+                )
+            elif inp in seen_inputs:
+                issues.add((*base, "inputs", j), f"stage {inp!r} is listed twice")
+            seen_inputs.add(inp)
+
+        _check_handoff(s, base, issues)
+        _check_kind_specific(s, base, issues)
+        _check_model(s, base, issues, check_paths=check_paths)
+
+    _check_addresses(config, issues)
+
+    if graph_ok and len(first_index) == len(stages):
+        cycle = _find_cycle(stages)
+        if cycle:
+            i = first_index[cycle[0]]
+            issues.add(
+                ("stages", i, "inputs"),
+                "input cycle: " + " -> ".join(cycle) + " (each stage takes input from the one before)",
+            )
+        entries = [i for i, s in enumerate(stages) if not s.inputs]
+        if not entries and not cycle:
+            issues.add(("stages",), "no entry stage: exactly one stage must have no inputs")
+        elif len(entries) > 1:
+            entry_names = ", ".join(repr(stages[i].name) for i in entries)
+            for i in entries[1:]:
+                issues.add(
+                    ("stages", i, "inputs"),
+                    f"more than one entry stage ({entry_names} have no inputs): exactly one stage "
+                    "takes the client's request; give the others the stages they read from",
+                )
+
+    finals = [(i, s) for i, s in enumerate(stages) if s.final_output is not None]
+    if not finals:
+        issues.add(
+            ("stages",),
+            "no stage has a final_output: at least one stage must return 'text' or 'audio' "
+            "to the client",
+        )
+    seen_outputs: dict[str, int] = {}
+    for i, s in finals:
+        assert s.final_output is not None
+        if s.final_output in seen_outputs:
+            issues.add(
+                ("stages", i, "final_output"),
+                f"{s.final_output!r} is already the final output of "
+                f"stages[{seen_outputs[s.final_output]}] "
+                f"({stages[seen_outputs[s.final_output]].name!r}); each kind may come from one stage",
+            )
+        else:
+            seen_outputs[s.final_output] = i
+
+
+def _check_handoff(s: StageConfig, base: tuple[str | int, ...], issues: _Issues) -> None:
+    if s.inputs and s.handoff is None:
+        issues.add(
+            (*base, "handoff"),
+            "missing: a stage with inputs needs a hand-off function "
+            "(dotted path 'package.module.function')",
+        )
+    elif not s.inputs and s.handoff is not None:
+        issues.add(
+            (*base, "handoff"),
+            "only meaningful for a stage with inputs (this stage takes the client's request)",
+        )
+    elif s.handoff is not None:
+        try:
+            _import_handoff(s.handoff)
+        except ValueError as e:
+            issues.add((*base, "handoff"), str(e))
+
+
+def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: _Issues) -> None:
+    if s.kind == "autoregressive":
+        if s.engine_args is None:
+            issues.add(
+                (*base, "engine_args"),
+                "missing: required for an autoregressive stage (vLLM engine arguments)",
+            )
+        if s.generation is not None:
+            issues.add(
+                (*base, "generation"),
+                "only for kind 'generation' stages (this one is autoregressive)",
+            )
+        layers = s.latents.layers
+        dupes = sorted({x for x in layers if layers.count(x) > 1})
+        if dupes:
+            issues.add(
+                (*base, "latents", "layers"),
+                f"layer indices must be unique, repeated: {', '.join(map(str, dupes))}",
+            )
+        if s.engine_args is not None:
+            _check_extra(s.engine_args, (*base, "engine_args", "extra"), issues)
+    else:
+        if s.engine_args is not None:
+            issues.add(
+                (*base, "engine_args"),
+                "not allowed for a kind 'generation' stage (it runs no vLLM engine); "
+                "use the 'generation' key",
+            )
+        if s.latents.any():
+            issues.add(
+                (*base, "latents"),
+                "only meaningful for autoregressive stages (a generation stage emits no latents)",
+            )
+
+
+_EXTRA_RESERVED = {
+    "enable_prefix_caching": "set the stage's prefix_cache instead",
+    "model": "set the stage's model instead",
+}
+
+
+def _check_extra(args: EngineArgs, base: tuple[str | int, ...], issues: _Issues) -> None:
+    typed = set(args.__struct_fields__) - {"extra"}
+    for key in args.extra:
+        if key in _EXTRA_RESERVED:
+            issues.add((*base, key), f"not allowed here: {_EXTRA_RESERVED[key]}")
+        elif key in typed:
+            issues.add((*base, key), f"not allowed here: set engine_args.{key} instead")
+
+
+def _check_model(
+    s: StageConfig, base: tuple[str | int, ...], issues: _Issues, *, check_paths: bool
+) -> None:
+    key = (*base, "model")
+    if s.model.startswith(TINY_PREFIX):
+        tiny = s.model[len(TINY_PREFIX):]
+        if tiny not in TINY_MODELS:
+            issues.add(
+                key,
+                f"unknown tiny checkpoint {tiny!r} (known: "
+                f"{', '.join(TINY_PREFIX + n for n in sorted(TINY_MODELS))})",
+            )
+        elif TINY_MODELS[tiny] != s.kind:
+            issues.add(
+                key,
+                f"{s.model!r} is for a stage of kind {TINY_MODELS[tiny]!r}, "
+                f"but this stage's kind is {s.kind!r}",
+            )
+    elif not s.model.strip():
+        issues.add(key, "expected 'tiny:<name>' or a filesystem path, got an empty string")
+    elif check_paths and not Path(s.model).expanduser().exists():
+        issues.add(
+            key,
+            f"path {s.model!r} does not exist (expected 'tiny:<name>' or an existing path; "
+            "omni-serve --no-path-check skips this check)",
+        )
+
+
+def _parse_address(address: str) -> tuple[str, str, int | None] | str:
+    """("ipc", path, None) / ("tcp", host, port), or a message saying what is wrong."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not path:
+            return "expected 'ipc:///absolute/path', got an empty path"
+        if not (path.startswith("/") or path.startswith("@")):
+            return (
+                f"ipc path {path!r} must be absolute (ipc:///path), so every process finds the "
+                "same socket"
+            )
+        if len(path.encode()) > _MAX_IPC_PATH_BYTES:
+            return (
+                f"ipc path is {len(path.encode())} bytes, longer than the "
+                f"{_MAX_IPC_PATH_BYTES} a Unix socket path may have"
+            )
+        return ("ipc", os.path.normpath(path) if path.startswith("/") else path, None)
+    if address.startswith("tcp://"):
+        rest = address[len("tcp://"):]
+        host, sep, port_s = rest.rpartition(":")
+        if not sep or not host:
+            return f"expected 'tcp://host:port', got {address!r}"
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not host or host == "*":
+            return (
+                f"expected a concrete host in {address!r} (the orchestrator connects to it; "
+                "use 0.0.0.0 to listen on every interface)"
+            )
+        if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+            return f"expected a port 1..65535 in {address!r}, got {port_s!r}"
+        return ("tcp", host.lower(), int(port_s))
+    scheme = address.split("://", 1)[0] if "://" in address else None
+    got = f"scheme {scheme!r}" if scheme else repr(address)
+    return f"expected 'ipc:///path' or 'tcp://host:port', got {got}"
+
+
+_ANY_HOST = {"0.0.0.0", "::"}
+
+
+def _same_endpoint(a: tuple[str, str, int | None], b: tuple[str, str, int | None]) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "ipc":
+        return a[1] == b[1]
+    return a[2] == b[2] and (a[1] == b[1] or a[1] in _ANY_HOST or b[1] in _ANY_HOST)
+
+
+def _check_addresses(config: PipelineConfig, issues: _Issues) -> None:
+    parsed: list[tuple[int, tuple[str, str, int | None]]] = []
+    server = ("tcp", config.server.host.lower(), config.server.port)
+    for i, s in enumerate(config.stages):
+        key = ("stages", i, "address")
+        result = _parse_address(s.address)
+        if isinstance(result, str):
+            issues.add(key, result)
+            continue
+        clash = next((j for j, other in parsed if _same_endpoint(result, other)), None)
+        if clash is not None:
+            issues.add(
+                key,
+                f"{s.address!r} is also the address of stages[{clash}] "
+                f"({config.stages[clash].name!r}); every stage needs its own",
+            )
+        elif config.server.port and _same_endpoint(result, server):
+            issues.add(key, f"{s.address!r} is the HTTP server's port (server.port)")
+        parsed.append((i, result))
+    if config.server.control_address is not None:
+        key = ("server", "control_address")
+        result = _parse_address(config.server.control_address)
+        if isinstance(result, str):
+            issues.add(key, result)
+        else:
+            clash = next((j for j, other in parsed if _same_endpoint(result, other)), None)
+            if clash is not None:
+                issues.add(key, f"{config.server.control_address!r} is also the address of "
+                                f"stages[{clash}] ({config.stages[clash].name!r})")
+
+
+def _import_handoff(dotted: str) -> Callable[..., Any]:
+    if not isinstance(dotted, str) or not _DOTTED_RE.match(dotted):
+        raise ValueError(f"expected a dotted path 'package.module.function', got {dotted!r}")
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import module {module_name!r} ({e})") from e
+    except Exception as e:  # noqa: BLE001 -- whatever the module raised while importing
+        raise ValueError(
+            f"importing module {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        fn = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{dotted!r} is not callable (it is a {type(fn).__name__})")
+    return fn

@@ -1,0 +1,303 @@
+"""Stage process supervision: launching stage processes, waiting until they are ready, noticing
+when one exits, restarting it with back-off, stopping them all.
+
+:class:`StageSupervision` is the orchestrator's supervision half (the orchestrator keeps request
+routing); its methods work on the orchestrator's ``_stages`` (name -> :class:`_StageProcess`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from omni_cache.config import StageConfig
+
+logger = logging.getLogger("omni_cache.orchestrator")
+
+#: How often stage processes are polled and deadlines checked.
+POLL_INTERVAL_S = 0.1
+#: How long start() waits for every StageReady (vLLM start-up plus tiny checkpoint generation).
+DEFAULT_START_TIMEOUT_S = 600.0
+#: Grace after Shutdown before SIGTERM, and after SIGTERM before SIGKILL.
+SHUTDOWN_GRACE_S = 5.0
+#: Lines of each stage's output kept for error messages.
+LOG_TAIL_LINES = 40
+#: A stage that ran at least this long before dying is restarted at once; faster crashes back off.
+STABLE_UPTIME_S = 60.0
+MAX_RESTART_DELAY_S = 30.0
+
+
+def default_stage_argv() -> list[str]:
+    """The command a stage process runs, before its ``--stage-config ...`` arguments."""
+    return [sys.executable, "-m", "workers"]
+
+
+class StageStartError(RuntimeError):
+    """A stage process did not come up (exited, or no StageReady in time)."""
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _StageProcess:
+    """One stage's OS process (or, for an external stage, just its readiness)."""
+
+    def __init__(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str],
+                 echo: bool) -> None:
+        self.name = stage.name
+        self.argv = argv  # None: started elsewhere (external)
+        self.env = env
+        self.echo = echo
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.up = False
+        self.ever_ready = False
+        self.pid: int | None = None
+        self.max_model_len: int | None = None
+        self.restarts = 0
+        self.crashes_in_a_row = 0
+        self.started_at = 0.0
+        self.last_exit: int | None = None
+        self.restart_at: float | None = None
+        self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
+        self._reader: threading.Thread | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.argv is None
+
+    def launch(self) -> None:
+        assert self.argv is not None
+        self.up = False
+        self.last_exit = None
+        self.restart_at = None
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: signals reach vLLM's helpers too
+        )
+        self.pid = self.proc.pid
+        logger.info("stage %s: started pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
+        self._reader = threading.Thread(
+            target=self._read_output, args=(self.proc,), name=f"omni-cache-log-{self.name}",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def _read_output(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        prefix = f"({self.name} pid={proc.pid}) "
+        with contextlib.suppress(Exception):
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self.tail.append(line)
+                if self.echo:
+                    with contextlib.suppress(Exception):
+                        sys.stderr.write(prefix + line + "\n")
+                        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            proc.stdout.close()
+
+    def log_tail(self, n: int = 20) -> str:
+        lines = list(self.tail)[-n:]
+        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class StageSupervision:
+    """The orchestrator's supervision of its stage processes (a mixin of :class:`Orchestrator`)."""
+
+    def _stage_command(self, stage: StageConfig) -> list[str]:
+        assert self._config_path is not None
+        argv = [
+            *self._stage_argv,
+            "--stage-config", self._config_path,
+            "--stage", stage.name,
+            "--orchestrator", self._inbox.address,
+            "--parent-pid", str(os.getpid()),
+        ]
+        if self._checkpoint_dir:
+            argv += ["--checkpoint-dir", self._checkpoint_dir]
+        if not self._prefix_cache:
+            argv.append("--no-prefix-cache")
+        return argv
+
+    async def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = [sp for sp in self._stages.values() if not sp.up]
+            if not pending:
+                return
+            for sp in pending:
+                if not sp.ever_ready and not sp.external and sp.last_exit is not None:
+                    raise StageStartError(
+                        f"stage {sp.name!r} exited before it was ready ({_exit_words(sp.last_exit)}); "
+                        f"command: {' '.join(sp.argv or [])}\nlast lines of its output:\n"
+                        + sp.log_tail()
+                    )
+            if time.monotonic() >= deadline:
+                parts = []
+                for sp in pending:
+                    state = "started elsewhere, never said ready" if sp.external else (
+                        f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}")
+                    parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n"
+                                 + sp.log_tail())
+                raise StageStartError(
+                    f"stage(s) {', '.join(repr(sp.name) for sp in pending)} not ready after "
+                    f"{timeout:g} s:\n" + "\n".join(parts)
+                )
+            await asyncio.sleep(0.05)
+
+    def _stop_processes(self, grace: float) -> None:
+        """Blocking: wait ``grace`` for the stages to exit, then SIGTERM, then SIGKILL."""
+        procs = [sp for sp in self._stages.values() if sp.proc is not None]
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(sp.proc.poll() is None for sp in procs):  # type: ignore[union-attr]
+            time.sleep(0.05)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            running = [sp for sp in procs if sp.proc.poll() is None]  # type: ignore[union-attr]
+            if not running:
+                break
+            logger.info("stopping stage(s) %s with %s", ", ".join(sp.name for sp in running), sig.name)
+            for sp in running:
+                sp.signal_group(sig)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and any(sp.proc.poll() is None for sp in running):  # type: ignore[union-attr]
+                time.sleep(0.05)
+        for sp in procs:
+            # Leftovers in the stage's process group (helpers of a stage that already exited).
+            sp.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+            sp.up = False
+
+    def kill_all_sync(self, grace: float = 3.0) -> None:
+        """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage
+        process group, then SIGKILL after ``grace``."""
+        procs = [sp for sp in self._stages.values() if sp.alive()]
+        for sp in procs:
+            sp.signal_group(signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(sp.alive() for sp in procs):
+            time.sleep(0.05)
+        for sp in procs:
+            sp.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+
+    async def _supervise_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            try:
+                self._supervise_once()
+            except Exception:  # noqa: BLE001
+                logger.exception("orchestrator: supervision step failed")
+
+    def _supervise_once(self) -> None:
+        now = time.monotonic()
+        for sp in self._stages.values():
+            if sp.proc is not None:
+                code = sp.proc.poll()
+                if code is not None and not self._closing:
+                    self._on_stage_exit(sp, code)
+            elif (sp.restart_at is not None and now >= sp.restart_at and self._started
+                  and not self._closing):
+                sp.restarts += 1
+                sp.tail.append(f"--- restart {sp.restarts} ---")
+                try:
+                    sp.launch()
+                except OSError as e:
+                    logger.error("stage %s: restart failed: %s", sp.name, e)
+                    sp.restart_at = now + MAX_RESTART_DELAY_S
+        for req in list(self._requests.values()):
+            if now >= req.deadline:
+                waiting = [p for p in req.participants if p not in req.finished]
+                self._fail(
+                    req, 504,
+                    f"request timed out after {req.timeout_s:g} s (server.request_timeout_s); "
+                    f"still waiting for stage(s): {', '.join(waiting)}",
+                    stage=waiting[0] if waiting else None,
+                )
+
+    def _on_stage_exit(self, sp: _StageProcess, code: int) -> None:
+        now = time.monotonic()
+        uptime = now - sp.started_at
+        if sp.proc is not None:
+            sp.old_pids.add(sp.proc.pid)
+        sp.proc = None
+        sp.up = False
+        sp.last_exit = code
+        what = _exit_words(code)
+        logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
+                     sp.name, sp.pid, what, uptime, sp.log_tail(10))
+        sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
+        self._reset_sender(sp.name)
+        for req in list(self._requests.values()):
+            if sp.name in req.participants and sp.name not in req.finished:
+                self._fail(
+                    req, 503,
+                    f"stage {sp.name!r} died ({what}) while serving this request; it is being "
+                    "restarted, retry shortly",
+                    stage=sp.name,
+                )
+        if not self._started:
+            return  # start() reports it
+        if uptime >= STABLE_UPTIME_S and sp.ever_ready:
+            sp.crashes_in_a_row = 0
+        delay = 0.0 if sp.crashes_in_a_row == 0 else min(MAX_RESTART_DELAY_S, 2.0 ** (sp.crashes_in_a_row - 1))
+        sp.crashes_in_a_row += 1
+        sp.restart_at = now + delay
+        logger.warning("stage %s: restarting%s", sp.name, f" in {delay:g} s" if delay else "")
+
+    def not_ready(self) -> dict[str, str]:
+        """stage -> why it is not serving, for every stage that is not up."""
+        out: dict[str, str] = {}
+        for name in self.stage_names:
+            sp = self._stages.get(name)
+            if sp is None:
+                out[name] = "not started"
+            elif sp.up:
+                continue
+            elif sp.external:
+                out[name] = "waiting for it to say ready (started elsewhere)"
+            elif sp.proc is not None:
+                out[name] = "restarting" if sp.restarts else "starting"
+            elif sp.last_exit is not None:
+                when = ""
+                if sp.restart_at is not None:
+                    when = f"; restart in {max(0.0, sp.restart_at - time.monotonic()):.1f} s"
+                out[name] = f"down ({_exit_words(sp.last_exit)}{when})"
+            else:
+                out[name] = "down"
+        return out
+
+    def stage_pids(self) -> dict[str, int | None]:
+        """stage -> pid of its running process (None while it is down)."""
+        return {n: (sp.proc.pid if sp.proc is not None else None) for n, sp in self._stages.items()}
