@@ -8,6 +8,7 @@ request's jobs one after the other (`<request_id>/<k>` in vLLM), so their output
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import HandoffContext, Job, Upstream
 from omni_cache.latent_rows import LatentChunk, LatentRows
 from omni_cache.messages import Sampling, StageOutput, Submit
+from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner
@@ -56,8 +58,11 @@ class ARRunner(StageRunner):
                                     cache=prefix_cache, storage=stage.latent_cache_device)
         engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
+        kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
                             async_scheduling=async_scheduling)
+        logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
+                    describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
         self.max_model_len = self.llm.max_model_len
         self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
         self.handoff_ctx = HandoffContext(Path(model))
