@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import random
 import signal
@@ -213,3 +214,42 @@ def test_killed_stage_fails_fast_and_recovers(client, server):
                                        audio={"voice": "default", "format": "wav"})
     assert r.choices[0].message.audio.data
     assert time.monotonic() - started < 400
+
+
+def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(server):
+    """A long prompt nobody sent before takes seconds to prefill: the stream's first chunk must
+    wait for the first token (load generators time it as TTFT), and the streamed text (random
+    bytes, mostly invalid UTF-8, as vLLM's detokenizer writes them) equals the non-streamed one."""
+    from omni_cache.metrics import parse_metrics
+
+    h = {"Authorization": "Bearer test-key"}
+
+    def ttft_sum() -> float:
+        text = httpx.get(server.url + "/metrics", headers=h).text
+        return sum(v for n, lab, v in parse_metrics(text)
+                   if n == "vllm:time_to_first_token_seconds_sum" and lab["stage"] == "thinker")
+
+    body = {"model": "e2e", "max_tokens": 24, "temperature": 0.0,
+            "messages": [{"role": "user", "content": _system_prompt(6000, seed=time.time_ns())}]}
+    before = ttft_sum()
+    chunks, first = [], None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                      headers=h, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter() - t0
+                chunks.append(chunk)
+    server_ttft = ttft_sum() - before
+    # Causality, not a time limit: the client's clock starts first, so a first chunk that waited
+    # for the first token cannot arrive sooner than the server's own TTFT for it.
+    assert server_ttft > 0 and first >= server_ttft, (first, server_ttft)
+    deltas = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert all(d["delta"].get("content") or d["finish_reason"] for d in deltas)  # no empty deltas
+    streamed = "".join(d["delta"].get("content", "") for d in deltas)
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=300).json()
+    assert whole["choices"][0]["message"]["content"] == streamed
