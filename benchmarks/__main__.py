@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--concurrency", type=int, help="requests in flight (closed loop; default 1)")
     load.add_argument("--rate", type=float, help="Poisson arrivals: new sessions (requests, or "
                       "conversations for multi-turn) per second")
+    wl.add_argument("--text-only", action="store_true",
+                    help='text-only requests ("modalities": ["text"]), like vllm bench serve sends them')
     wl.add_argument("--seed", type=int, default=0)
     wl.add_argument("--quick", action="store_true",
                     help="small sizes (whole run incl. both start-ups well under 10 minutes on 2 cores)")
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "max_tokens")},
         "mix": args.mix if args.workload == "mixed" else None,
         "concurrency": args.concurrency, "rate": args.rate, "seed": args.seed, "quick": args.quick,
+        "text_only": args.text_only,
         "sessions": len(sessions), "warmup_requests": sum(s.turns for s in warmup),
         "sides": ["server"] if args.url else args.sides, "repeat": 1 if args.url else args.repeat,
         "url": args.url, "stage_config": None if args.url else os.path.abspath(args.stage_config),
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.url:
                 harness.log(f"measuring {args.url}: warm-up, then {sum(s.turns for s in sessions)} request(s)")
                 r = harness.drive(args.url, args.model, warmup, sessions, api_key=args.api_key,
-                                  concurrency=args.concurrency, rate=args.rate, label="server", progress=progress)
+                                  concurrency=args.concurrency, rate=args.rate, label="server", progress=progress,
+                                  audio=not args.text_only)
                 runs.append({"side": "server", "repeat": 0, **r})
             else:
                 for rep in range(args.repeat):
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = harness.run_side(args.stage_config, side, warmup, sessions,
                                              concurrency=args.concurrency, rate=args.rate, progress=progress,
                                              monitor=monitor, checkpoint_dir=args.checkpoint_dir,
-                                             stage_env=args.stage_env or None)
+                                             stage_env=args.stage_env or None, audio=not args.text_only)
                         for s in r["samples"]:
                             s["repeat"] = rep
                         runs.append({"side": side, "repeat": rep, **r})

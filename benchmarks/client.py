@@ -78,13 +78,18 @@ class Sample:
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]],
-                      max_tokens: int, sample: Sample, headers: dict[str, str], t_base: float) -> str:
-    """Send one streamed request, fill ``sample`` and return the answer text."""
+                      max_tokens: int, sample: Sample, headers: dict[str, str], t_base: float,
+                      audio: bool = True) -> str:
+    """Send one streamed request, fill ``sample`` and return the answer text (``audio=False``:
+    a text-only request, as ``vllm bench serve`` sends them)."""
     body = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
         "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
         "stream_options": {"include_usage": True},
     }
+    if not audio:
+        body["modalities"] = ["text"]
+        del body["audio"]
     text: list[str] = []
     t0 = time.perf_counter()
     sample.start_s = t0 - t_base
@@ -155,8 +160,9 @@ class Driver:
 
     def __init__(self, url: str, model: str, *, api_key: str | None = None, concurrency: int | None = None,
                  rate: float | None = None, request_timeout_s: float = 600.0,
-                 on_done: Callable[[Sample], None] | None = None) -> None:
+                 on_done: Callable[[Sample], None] | None = None, audio: bool = True) -> None:
         self.url = url.rstrip("/")
+        self.audio = audio
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
@@ -175,7 +181,7 @@ class Driver:
                             scheduled_s=s.arrival_s if turn == 0 else None,
                             prompt_tokens_expected=prompt_tokens_expected(s, turn, answers))
             answer = await stream_chat(client, self.url, self.model, msgs, s.max_tokens, sample,
-                                       self.headers, self.t_base)
+                                       self.headers, self.t_base, audio=self.audio)
             out.append(sample)
             if self.on_done is not None:
                 self.on_done(sample)

@@ -195,6 +195,10 @@ def format_table(result: Mapping[str, Any]) -> str:
             if rat:
                 row += f"{_f(rat['speedup'][key][p]) + 'x':>10}"
             lines.append(row)
+    # What `vllm bench serve` reports as "Mean TTFT": the first chunk that has choices (this server
+    # sends none before the first text or audio, or the finish when the answer has neither).
+    lines.append(f"{'first chunk mean (ms)':<{w0}}"
+                 + "".join(f"{_ms(summ[s]['first_chunk_s']['mean']):>18}" for s in sides))
     tp = [("requests/s", "requests_per_s", ".3f"), ("audio s/s", "audio_s_per_s", ".3f")]
     for label, key, fmt in tp:
         row = f"{'throughput ' + label:<{w0}}" + "".join(f"{_f(summ[s]['throughput'][key], fmt):>18}" for s in sides)

@@ -196,6 +196,14 @@ def test_driver_times_text_and_audio_and_resends_answers():
     assert driver.t_end > driver.t_base
 
 
+def test_driver_text_only_requests_like_vllm_bench_serve():
+    transport, seen = _fake_server()
+    _, sessions = build_workload("shared-prefix", Sizes(num_requests=2, shared_tokens=100, unique_tokens=30), 0)
+    _, samples = _run_driver(transport, sessions, concurrency=1, audio=False)
+    assert all(s.ok for s in samples)
+    assert all(b["modalities"] == ["text"] and "audio" not in b for b in seen)
+
+
 def test_driver_records_errors_and_skips_the_rest_of_a_conversation():
     transport, _ = _fake_server(fail_turn=0)
     _, sessions = build_workload("multi-turn", Sizes(num_requests=3, shared_tokens=100, unique_tokens=30,
