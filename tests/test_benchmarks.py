@@ -375,3 +375,16 @@ def test_private_config_isolates_sockets_and_port(tmp_path):
     assert all(s["env"].get("OMP_NUM_THREADS") == "1" for s in env["stages"])
     thinker = next(s for s in env["stages"] if s["name"] == "thinker")
     assert thinker["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"  # kept
+
+
+def test_export_prompts_for_vllm_bench_serve(tmp_path):
+    from benchmarks.export_prompts import main as export
+
+    out = tmp_path / "p.jsonl"
+    assert export(["--num-requests", "3", "--shared-tokens", "200", "--unique-tokens", "40",
+                   "--max-tokens", "8", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    _, sessions = build_workload("shared-prefix", Sizes(num_requests=3, shared_tokens=200, unique_tokens=40,
+                                                        max_tokens=8), 0)
+    assert rows == [{"prompt": s.system + s.users[0], "output_tokens": 8} for s in sessions]
+    assert len({r["prompt"][:150] for r in rows}) == 1 and len({r["prompt"] for r in rows}) == 3
