@@ -10,7 +10,8 @@ Checkpoints (``CHECKPOINT_NAMES``):
 ``thinker``
     Qwen3 dense (``Qwen3ForCausalLM``): hidden 512, 8 layers, 8 heads / 4 kv heads, head_dim 64.
 ``thinker-hybrid``
-    Qwen3-Next (``Qwen3NextForCausalLM``): 3 GatedDeltaNet layers then 1 full-attention layer, tiny MoE.
+    Qwen3-Next (``Qwen3NextForCausalLM``): 3 GatedDeltaNet layers then 1 full-attention layer, tiny MoE
+    (4 experts, every token routed to all 4: see ``_hybrid_config``).
 ``talker``
     Qwen3 dense over an audio-codec vocabulary (256 codes + bos/eos/pad), hidden 256, fed the thinker's
     hidden states as prompt embeddings through ``thinker_projection.safetensors``.
@@ -76,7 +77,7 @@ CHECKPOINT_NAMES = ("thinker", "thinker-hybrid", "talker", "decoder")
 # Written last inside a checkpoint directory; its presence means the directory is complete.
 COMPLETE_MARKER = ".omni_cache_complete"
 # Bump when the generator changes what it writes (part of the marker, so stale caches are rebuilt).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # ---- token ids -------------------------------------------------------------------------------------
 TEXT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
@@ -372,7 +373,12 @@ def _hybrid_config() -> dict:
         "norm_topk_prob": True,
         "num_attention_heads": 8,
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        # Every token goes to all experts (weighted by the router's softmax). With top-2 of 4, a
+        # bf16 rounding difference between two batch shapes (which differs by CPU: AMX vs AVX2)
+        # flipped the expert pair of tokens whose 2nd and 3rd router logits were nearly tied, moving
+        # those rows by 7-71%; with all experts routing is continuous in the input and cache-on vs
+        # cache-off comparisons stay at kernel noise. vLLM's router and fused-MoE path still run.
+        "num_experts_per_tok": 4,
         "num_hidden_layers": len(layer_types),
         "num_key_value_heads": 2,
         "output_router_logits": False,

@@ -2,31 +2,41 @@
 
 Each scenario runs on a cache-on engine (vLLM prefix caching + our mirror) and on a cache-off engine
 (no prefix caching: every latent recomputed) and checks:
-- rows served from the cache are bitwise equal to the rows the earlier request computed;
-- every latent row matches the cache-off recompute within the bf16 tolerance below.
+- rows served from the cache are bitwise equal to the rows the earlier request computed (what is
+  ours: the mirror stores and serves exactly what the model produced);
+- every latent row whose inputs are the same in both engines matches the cache-off recompute within
+  ROW_RTOL (relative L2 error per row, ||on - off|| / ||off||).
 
-Tolerance: the tiny thinkers run in bfloat16 (8 significant bits). We bound each latent row's
-relative L2 error, ||on - off|| / ||off||:
-- Dense thinker, ROW_RTOL = 2**-6 (1.6%): a cache hit (and, under churn, preemption and chunking)
-  changes which tokens share a forward pass, and a CPU bf16 GEMM may round a row differently for
-  another batch shape; after 8 layers a few elements move by a few bf16 ulps (seen: one element
-  of magnitude ~1.5 off by 0.039 in a churn run; most runs are bitwise equal).
-- Hybrid thinker, HYBRID_ROW_RTOL = 2**-5 (3.1%): with prefix caching on, vLLM splits every prefill
-  at its last block boundary (mamba_cache_mode "align") and resumes the GatedDeltaNet recurrence
-  from the stored state; the cache-off engine runs the prompt in one chunk. That split alone, with
-  no cache hit at all, moves the rows after the boundary by about 1.3% of their norm (measured
-  0.0129 relative L2, max 0.035 absolute on rows of norm ~22).
-In both cases a wrong row (another token's, stale after eviction, or zero) is off by ~100% and fails.
-The rows served from the cache are held to a stricter standard: bitwise equal to their first
-computation.
+Tolerances (rows whose inputs are the same in both engines; see thinker_harness for the dtypes):
+- Dense thinker, float32, ROW_RTOL = 1e-4 (measured worst, AMD EPYC: {DENSE_SEEN}).
+- Hybrid thinker, bfloat16 (vLLM's CPU GatedDeltaNet kernel takes nothing else), HYBRID_ROW_RTOL =
+  2**-5 (3.1%): with prefix caching on, vLLM splits every prefill at its last block boundary
+  (mamba_cache_mode "align") and resumes the recurrence from the stored state while the cache-off
+  engine runs the prompt whole; that alone moves rows after the boundary by ~1.3% of their norm
+  (measured worst with the cache: {HYBRID_SEEN}).
+In bfloat16 these kernels round a batch differently by batch shape and by CPU (AMX on Intel Xeon,
+AVX2 on AMD EPYC). With the tiny hybrid's earlier top-2-of-4 MoE routing, that flipped the expert pair
+of tokens whose 2nd and 3rd router logits were nearly tied, and such a row moved by 7-71% (median 18%;
+on a Xeon, rows of requests the cache never touched came out up to 21% off). Evidence: transformers'
+Qwen3-Next on the same prompts, input embeddings perturbed by one bf16 rounding step: every row off by
+more than 3.1% that the perturbation did not reach otherwise had a changed expert pair; with all 4
+experts routed (the checkpoint now does that) the worst row moved 7.1% under a perturbation far
+larger than kernel noise. In float32 the same perturbation moved no row by more than 1e-6.
+A wrong row (another token's, stale after eviction, zero) is off by ~100% and fails either tolerance.
+
+Sampled tokens: cache-on and cache-off engines may still pick a different greedy token where the top
+two logits are (nearly) tied. From the first such token on, the two engines feed different inputs, so
+rows are compared up to and including the row that produced the first diverging token, and the
+divergence itself must be a near-tie: |logprob(a) - logprob(b)| <= TIE_MARGIN in both engines.
 
 The hybrid thinker (Qwen3-Next: GatedDeltaNet + full attention) runs in vLLM's
 mamba_cache_mode="align": a hit needs a recurrent state at a block boundary. vLLM 0.32 ends a
 prompt's prefill on its last block boundary and keeps the state there, so a later prompt that
 shares at least that much hits it. With `prefix_cache_retention_interval` = one block (as the
 shipped hybrid config sets) vLLM also keeps states at the block boundaries a request crosses while
-decoding, so multi-turn follow-ups hit into the previous answer. vLLM picks a block size of 640 for
-the tiny hybrid thinker, so hybrid prompts here are a few thousand tokens.
+decoding, so multi-turn follow-ups hit into the previous answer. vLLM sizes the hybrid's attention
+block so that one page holds a recurrent state (384 or 640 tokens for the tiny hybrid thinker,
+depending on the CPU), so hybrid prompts here are a few thousand tokens.
 """
 
 from __future__ import annotations
@@ -36,25 +46,57 @@ import random
 import pytest
 import torch
 
-from thinker_harness import NAMES, close, make_stage, run
+from thinker_harness import NAMES, Result, close, make_stage, run
 
 pytestmark = pytest.mark.vllm
 
-ROW_RTOL = 2.0**-6
+ROW_RTOL = 1e-4
 HYBRID_ROW_RTOL = 2.0**-5
+# Greedy near-tie: the two tokens' logprobs differ by at most this much (nats) in both engines.
+TIE_MARGIN = 1e-3
 
 
-def assert_close_bf16(on: dict[str, torch.Tensor], off: dict[str, torch.Tensor], what: str,
-                      hybrid: bool = False) -> None:
+def divergence(on: Result, off: Result, what: str) -> int | None:
+    """Index of the first generated token where the engines differ (None if none); asserts a near-tie."""
+    for j, (a, b) in enumerate(zip(on.token_ids, off.token_ids)):
+        if a == b:
+            continue
+        margins = []
+        for lp, chosen, other in ((on.logprobs[j], a, b), (off.logprobs[j], b, a)):
+            assert other in lp, (f"{what}: token {j} is {a} with the cache and {b} without, and the "
+                                 f"other token is not even in the top 2 ({lp}): not a near-tie")
+            margins.append(lp[chosen] - lp[other])
+        assert max(margins) <= TIE_MARGIN, (
+            f"{what}: token {j} is {a} with the cache and {b} without, logprob margins {margins} "
+            f"> {TIE_MARGIN}: not a near-tie")
+        return j
+    return None
+
+
+def comparable_rows(on: Result, off: Result, what: str) -> int:
+    """Rows fed the same inputs in both engines: up to and including the one that sampled the first
+    diverging token (row i is the model's output for input token i)."""
+    j = divergence(on, off, what)
+    if j is None:
+        return on.latents["hidden"].shape[0]
+    return on.num_prompt_tokens + j
+
+
+def assert_close(on: Result, off: Result, what: str, tol: float) -> float:
+    """Every comparable row within tol of the cache-off recompute; returns the worst error."""
+    rows = comparable_rows(on, off, what)
+    worst = 0.0
     for name in NAMES:
-        a, b = on[name].float(), off[name].float()
+        a, b = on.latents[name][:rows].float(), off.latents[name][:rows].float()
         assert a.shape == b.shape, f"{what}/{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
         rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
-        bad = rel > (HYBRID_ROW_RTOL if hybrid else ROW_RTOL)
+        bad = rel > tol
         assert not bad.any(), (
             f"{what}/{name}: {int(bad.sum())} rows differ from the cache-off recompute beyond "
             f"tolerance (first at row {int(bad.nonzero()[0])}, max relative error "
-            f"{float(rel.max()):.4f})")
+            f"{float(rel.max()):.2e})")
+        worst = max(worst, float(rel.max()))
+    return worst
 
 
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rows: int, what: str) -> None:
@@ -71,17 +113,18 @@ class Thinker:
         self.block = self.on.capture.block_size
         self.hybrid = model == "thinker-hybrid"
 
-    def close_to_off(self, on, off, what: str) -> None:
-        assert_close_bf16(on, off, what, hybrid=self.hybrid)
+        self.worst = 0.0  # largest row error seen against the cache-off engine
+
+    def close_to_off(self, on: Result, off: Result, what: str) -> None:
+        tol = HYBRID_ROW_RTOL if self.hybrid else ROW_RTOL
+        self.worst = max(self.worst, assert_close(on, off, what, tol))
 
     def both(self, prompts: dict[str, list[int]], max_tokens: int = 4):
         on = run(self.on, prompts, max_tokens)
         if not self.hybrid:
             return on, run(self.off, prompts, max_tokens)
-        # The hybrid reference runs one request at a time: vLLM 0.32's cache-off hybrid engine gave
-        # one wrong prompt row, and so another sampled token, for one request of a batch of three
-        # (prompts of 2409/1794/3558 tokens), while the same request alone, and the cache-on engine
-        # batched or alone, agree to 0.2%.
+        # The hybrid reference runs one request at a time (it was written for bfloat16, where the
+        # batched cache-off engine flipped an expert choice; one at a time is the plainer reference).
         off = {}
         for rid, prompt in prompts.items():
             off.update(run(self.off, {rid: prompt}, max_tokens))
@@ -95,7 +138,10 @@ class Thinker:
 # As in stage_configs/tiny_omni_hybrid.yaml: keep a recurrent state at every block boundary
 # (vLLM's default keeps them only at prefill ends, so turn 2 of a conversation could not hit
 # beyond turn 1's prompt: measured 640 instead of 1280 in test_multi_turn_hits_generated_tokens).
-HYBRID = dict(kv_cache_memory_bytes=96 * 2**20, prefix_cache_retention_interval=640)
+# None = vLLM's dense retention (a state at every block boundary). A number must be a multiple of
+# the block size vLLM picks, and that differs by CPU (640 on some x86 machines, 384 on an AVX2-only
+# AMD EPYC), so a fixed number fails on some machine.
+HYBRID = dict(kv_cache_memory_bytes=96 * 2**20, prefix_cache_retention_interval=None)
 
 
 @pytest.fixture(scope="module", params=["thinker", "thinker-hybrid"])
@@ -107,6 +153,7 @@ def thinker(request):
         # so keep the pool small.
         t = Thinker("thinker-hybrid", **HYBRID)
     yield t
+    print(f"\n{request.param}: worst row error against the cache-off engine {t.worst:.2e}")
     t.close()
 
 
@@ -122,8 +169,8 @@ def test_extended_prompt_hits_and_matches(thinker):
     a, b = first_on["a"], on["b"]
     assert b.num_cached_tokens >= 3 * thinker.block, "the extended prompt should hit the cache"
     assert_bitwise(b.latents, a.latents, b.num_cached_tokens, "extended vs first")
-    thinker.close_to_off(b.latents, off["b"].latents, "extended prompt")
-    thinker.close_to_off(a.latents, first_off["a"].latents, "first prompt")
+    thinker.close_to_off(b, off["b"], "extended prompt")
+    thinker.close_to_off(a, first_off["a"], "first prompt")
 
 
 def test_fully_cached_prompt(thinker):
@@ -137,8 +184,7 @@ def test_fully_cached_prompt(thinker):
         assert 0 < y.num_cached_tokens <= length - 1
         assert y.latents["hidden"].shape[0] == length + len(y.token_ids) - 1
         assert_bitwise(y.latents, first["x"].latents, y.num_cached_tokens, "repeat vs first")
-        thinker.close_to_off(y.latents, off["y"].latents, f"repeated prompt of {length}")
-        assert y.token_ids == off["y"].token_ids
+        thinker.close_to_off(y, off["y"], f"repeated prompt of {length}")
 
 
 def test_shared_prefix_in_same_step(thinker):
@@ -147,7 +193,7 @@ def test_shared_prefix_in_same_step(thinker):
     prompts = {"p": shared + tokens(rng, 20), "q": shared + tokens(rng, 30)}
     on, off = thinker.both(prompts)
     for rid in prompts:
-        thinker.close_to_off(on[rid].latents, off[rid].latents, f"same step {rid}")
+        thinker.close_to_off(on[rid], off[rid], f"same step {rid}")
     hit = max(on["p"].num_cached_tokens, on["q"].num_cached_tokens)
     assert_bitwise(on["p"].latents, on["q"].latents, hit, "shared prefix rows")
     if thinker.block == 32:  # dense: vLLM lets the second request hit blocks the first computes now
@@ -162,7 +208,7 @@ def test_multi_turn_hits_generated_tokens(thinker):
     gen = 16
     first, first_off = thinker.both({"t1": turn1}, max_tokens=gen)
     answer = first["t1"].token_ids
-    assert answer == first_off["t1"].token_ids
+    thinker.close_to_off(first["t1"], first_off["t1"], "turn 1")
     served_before = thinker.on.capture.counters.rows_served
     turn2 = turn1 + answer + tokens(rng, 17)
     on, off = thinker.both({"t2": turn2})
@@ -171,7 +217,7 @@ def test_multi_turn_hits_generated_tokens(thinker):
     # The rows of turn 1's generated tokens come from the cache: bitwise what turn 1 computed.
     assert_bitwise(t2.latents, first["t1"].latents, t2.num_cached_tokens, "turn 2 vs turn 1")
     assert thinker.on.capture.counters.rows_served - served_before == t2.num_cached_tokens
-    thinker.close_to_off(t2.latents, off["t2"].latents, "turn 2")
+    thinker.close_to_off(t2, off["t2"], "turn 2")
 
 
 def test_counters(thinker):

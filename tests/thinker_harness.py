@@ -1,4 +1,10 @@
-"""Drive an in-process LLMStage to completion and collect whole latent sequences (test helper)."""
+"""Drive an in-process LLMStage to completion and collect whole latent sequences (test helper).
+
+The dense thinker runs in float32 (the correctness tests compare a cache-on engine with a cache-off
+one; float32 keeps vLLM's CPU kernel noise, which differs by batch shape and by CPU, far below the
+tolerance). The hybrid runs in bfloat16 because vLLM 0.32's CPU GatedDeltaNet kernel accepts nothing
+else ("CPU GDN attention requires BF16"). See test_hidden_cache.py for the tolerances.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ class Result:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     chunks: list[tuple[int, dict[str, torch.Tensor]]] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token: top-2 + sampled
 
     @property
     def latents(self) -> dict[str, torch.Tensor]:
@@ -32,8 +39,11 @@ class Result:
         return {n: torch.cat([rows[n] for _, rows in self.chunks]) for n in NAMES}
 
 
+DTYPE = {"thinker": "float32", "thinker-hybrid": "bfloat16"}
+
+
 def make_stage(model: str, *, cache: bool, **engine_args) -> LLMStage:
-    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16",
+    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype=DTYPE[model],
                 max_model_len=8192, kv_cache_memory_bytes=256 * 2**20)
     args.update(engine_args)
     return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=cache,
@@ -44,7 +54,7 @@ def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4) -> 
     """Submit all prompts together (so they can share steps) and run until all finish."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     for rid, prompt in prompts.items():
         stage.add(rid, {"prompt_token_ids": prompt}, params)
     results = {rid: Result() for rid in prompts}
@@ -52,6 +62,7 @@ def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4) -> 
         for out in stage.step():
             r = results[out.request_id]
             r.token_ids += out.token_ids
+            r.logprobs += out.logprobs or []
             r.num_cached_tokens = out.num_cached_tokens
             r.num_prompt_tokens = out.num_prompt_tokens
             if out.latents:

@@ -37,6 +37,9 @@ class StepOutput:
     num_cached_tokens: int  # prompt tokens vLLM's prefix cache let this request skip
     latent_start: int = 0  # position of the first row in `latents`
     latents: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per new token, {token id: logprob} of the sampled and top-k tokens; only when the request's
+    # SamplingParams asked for `logprobs`.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -116,7 +119,8 @@ class LLMStage:
                 text=completion.text or "", finished=out.finished,
                 finish_reason=completion.finish_reason,
                 num_prompt_tokens=tracked.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens or 0)
+                num_cached_tokens=out.num_cached_tokens or 0,
+                logprobs=_plain_logprobs(completion.logprobs))
             if self.capture is not None:
                 self._attach_latents(tracked, result)
             if out.finished:
@@ -146,3 +150,10 @@ class LLMStage:
             out["latent_rows_served"] = self.capture.counters.rows_served
             out["latent_rows_computed"] = self.capture.counters.rows_computed
         return out
+
+
+def _plain_logprobs(logprobs: Any) -> list[dict[int, float]] | None:
+    """vLLM's per-token {id: Logprob} mappings as plain {id: float} (None when not requested)."""
+    if logprobs is None:
+        return None
+    return [{tid: lp.logprob for tid, lp in position.items()} for position in logprobs]
