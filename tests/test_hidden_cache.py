@@ -8,12 +8,13 @@ Each scenario runs on a cache-on engine (vLLM prefix caching + our mirror) and o
   ROW_RTOL (relative L2 error per row, ||on - off|| / ||off||).
 
 Tolerances (rows whose inputs are the same in both engines; see thinker_harness for the dtypes):
-- Dense thinker, float32, ROW_RTOL = 1e-4 (measured worst, AMD EPYC: {DENSE_SEEN}).
+- Dense thinker, float32, ROW_RTOL = 1e-4 (measured worst on an AMD EPYC: 9.6e-7 in this module,
+  1.0e-6 in the churn test).
 - Hybrid thinker, bfloat16 (vLLM's CPU GatedDeltaNet kernel takes nothing else), HYBRID_ROW_RTOL =
   2**-5 (3.1%): with prefix caching on, vLLM splits every prefill at its last block boundary
   (mamba_cache_mode "align") and resumes the recurrence from the stored state while the cache-off
   engine runs the prompt whole; that alone moves rows after the boundary by ~1.3% of their norm
-  (measured worst with the cache: {HYBRID_SEEN}).
+  (measured worst on an AMD EPYC: 1.6e-2 in this module, 2.3e-3 in the churn test).
 In bfloat16 these kernels round a batch differently by batch shape and by CPU (AMX on Intel Xeon,
 AVX2 on AMD EPYC). With the tiny hybrid's earlier top-2-of-4 MoE routing, that flipped the expert pair
 of tokens whose 2nd and 3rd router logits were nearly tied, and such a row moved by 7-71% (median 18%;
@@ -27,7 +28,9 @@ A wrong row (another token's, stale after eviction, zero) is off by ~100% and fa
 Sampled tokens: cache-on and cache-off engines may still pick a different greedy token where the top
 two logits are (nearly) tied. From the first such token on, the two engines feed different inputs, so
 rows are compared up to and including the row that produced the first diverging token, and the
-divergence itself must be a near-tie: |logprob(a) - logprob(b)| <= TIE_MARGIN in both engines.
+divergence itself must be a near-tie: |logprob(a) - logprob(b)| <= the margin in both engines, 1e-3
+nats in float32 (rows agree to ~1e-6 there) and 2**-4 in bfloat16 (hybrid rows may differ by up to
+3.1%, which moves logits of magnitude ~1 by a few hundredths).
 
 The hybrid thinker (Qwen3-Next: GatedDeltaNet + full attention) runs in vLLM's
 mamba_cache_mode="align": a hit needs a recurrent state at a block boundary. vLLM 0.32 ends a
@@ -46,7 +49,7 @@ import random
 import pytest
 import torch
 
-from thinker_harness import NAMES, Result, close, make_stage, run
+from thinker_harness import NAMES, Result, close, comparable_rows, make_stage, run
 
 pytestmark = pytest.mark.vllm
 
@@ -54,37 +57,12 @@ ROW_RTOL = 1e-4
 HYBRID_ROW_RTOL = 2.0**-5
 # Greedy near-tie: the two tokens' logprobs differ by at most this much (nats) in both engines.
 TIE_MARGIN = 1e-3
+HYBRID_TIE_MARGIN = 2.0**-4
 
 
-def divergence(on: Result, off: Result, what: str) -> int | None:
-    """Index of the first generated token where the engines differ (None if none); asserts a near-tie."""
-    for j, (a, b) in enumerate(zip(on.token_ids, off.token_ids)):
-        if a == b:
-            continue
-        margins = []
-        for lp, chosen, other in ((on.logprobs[j], a, b), (off.logprobs[j], b, a)):
-            assert other in lp, (f"{what}: token {j} is {a} with the cache and {b} without, and the "
-                                 f"other token is not even in the top 2 ({lp}): not a near-tie")
-            margins.append(lp[chosen] - lp[other])
-        assert max(margins) <= TIE_MARGIN, (
-            f"{what}: token {j} is {a} with the cache and {b} without, logprob margins {margins} "
-            f"> {TIE_MARGIN}: not a near-tie")
-        return j
-    return None
-
-
-def comparable_rows(on: Result, off: Result, what: str) -> int:
-    """Rows fed the same inputs in both engines: up to and including the one that sampled the first
-    diverging token (row i is the model's output for input token i)."""
-    j = divergence(on, off, what)
-    if j is None:
-        return on.latents["hidden"].shape[0]
-    return on.num_prompt_tokens + j
-
-
-def assert_close(on: Result, off: Result, what: str, tol: float) -> float:
+def assert_close(on: Result, off: Result, what: str, tol: float, tie: float) -> float:
     """Every comparable row within tol of the cache-off recompute; returns the worst error."""
-    rows = comparable_rows(on, off, what)
+    rows = comparable_rows(on, off, what, tie)
     worst = 0.0
     for name in NAMES:
         a, b = on.latents[name][:rows].float(), off.latents[name][:rows].float()
@@ -116,8 +94,8 @@ class Thinker:
         self.worst = 0.0  # largest row error seen against the cache-off engine
 
     def close_to_off(self, on: Result, off: Result, what: str) -> None:
-        tol = HYBRID_ROW_RTOL if self.hybrid else ROW_RTOL
-        self.worst = max(self.worst, assert_close(on, off, what, tol))
+        tol, tie = (HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN) if self.hybrid else (ROW_RTOL, TIE_MARGIN)
+        self.worst = max(self.worst, assert_close(on, off, what, tol, tie))
 
     def both(self, prompts: dict[str, list[int]], max_tokens: int = 4):
         on = run(self.on, prompts, max_tokens)

@@ -54,16 +54,22 @@ def server(tmp_path_factory):
     srv = ServerThread(orch, api_key="test-key").start()
     srv.wait_ready(600)
     yield srv
-    pids = list(orch.stage_pids().values())
+    # A stage between a death and its restart has no pid: nothing of it to wait for.
+    pids = [p for p in orch.stage_pids().values() if p is not None]
     srv.stop()
     # After shutdown no process of the pipeline is left.
     deadline = time.monotonic() + 30
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-              for p in pids) and time.monotonic() < deadline:
+    while any(map(_running, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    alive = [p for p in pids if psutil.pid_exists(p)
-             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in pids if _running(p)]
     assert not alive, f"stage processes left after shutdown: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -179,41 +185,42 @@ def test_bad_input_gets_clear_errors(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_killed_stage_fails_fast_and_recovers(client, server):
-    import threading
-
+def test_killed_stage_fails_in_flight_request_and_recovers(client, server):
+    """kill -9 of the talker while it streams audio: the request ends with an error event naming the
+    talker (not the request deadline), nothing hangs, the talker comes back and the next request
+    works. How fast the error arrives is measured by benchmarks.stage_failure, not asserted here."""
     orch = server.orchestrator
-    errors, started = [], time.monotonic()
-
-    def long_request():
-        try:
-            client.chat.completions.create(
-                model="e2e", messages=[{"role": "user", "content": "a long answer"}],
-                max_tokens=2000, modalities=["text", "audio"],
-                audio={"voice": "default", "format": "wav"})
-        except Exception as exc:  # noqa: BLE001 - the error is what we check
-            errors.append((time.monotonic(), exc))
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    time.sleep(2.0)  # let it reach the talker
-    killed_at = time.monotonic()
-    os.kill(orch.stage_pids()["talker"], signal.SIGKILL)
-    t.join(timeout=30)
-    assert errors, "the in-flight request should fail"
-    failed_at, exc = errors[0]
-    assert failed_at - killed_at < 2.0, f"failed after {failed_at - killed_at:.1f} s"
-    assert "talker" in str(exc) or "503" in str(exc)
+    old_pid = orch.stage_pids()["talker"]
+    body = {"model": "e2e", "messages": [{"role": "user", "content": "a long answer"}],
+            "max_tokens": 2000, "stream": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "default", "format": "pcm16"}}
+    events, killed = [], False
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer test-key"}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if not killed and isinstance(events[-1], dict) and events[-1].get("choices") \
+                    and events[-1]["choices"][0]["delta"].get("audio"):
+                killed = True  # audio is flowing: the talker is mid-answer
+                os.kill(old_pid, signal.SIGKILL)
+    assert killed, "the answer ended before any audio arrived"
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["code"] == "stage_unavailable" and "talker" in err["message"], err
     # The stage comes back; the next request succeeds.
     deadline = time.monotonic() + 300
     while httpx.get(server.url + "/health").status_code != 200:
         assert time.monotonic() < deadline, "talker did not come back"
         time.sleep(1)
+    assert orch.stage_pids()["talker"] not in (None, old_pid)
     r = client.chat.completions.create(model="e2e", messages=[{"role": "user", "content": "again"}],
                                        max_tokens=6, modalities=["text", "audio"],
                                        audio={"voice": "default", "format": "wav"})
     assert r.choices[0].message.audio.data
-    assert time.monotonic() - started < 400
 
 
 def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(server):
@@ -231,25 +238,33 @@ def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(serv
 
     body = {"model": "e2e", "max_tokens": 24, "temperature": 0.0,
             "messages": [{"role": "user", "content": _system_prompt(6000, seed=time.time_ns())}]}
+
+    def stream() -> tuple[str, float]:
+        chunks, first = [], None
+        t0 = time.perf_counter()
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                          headers=h, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if first is None and chunk.get("choices"):
+                        first = time.perf_counter() - t0
+                    chunks.append(chunk)
+        deltas = [c["choices"][0] for c in chunks if c.get("choices")]
+        assert deltas[0]["delta"]["role"] == "assistant"
+        assert all(d["delta"].get("content") or d["finish_reason"] for d in deltas)  # no empty deltas
+        return "".join(d["delta"].get("content", "") for d in deltas), first
+
     before = ttft_sum()
-    chunks, first = [], None
-    t0 = time.perf_counter()
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
-                      headers=h, timeout=300) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if first is None and chunk.get("choices"):
-                    first = time.perf_counter() - t0
-                chunks.append(chunk)
+    _, first = stream()
     server_ttft = ttft_sum() - before
     # Causality, not a time limit: the client's clock starts first, so a first chunk that waited
     # for the first token cannot arrive sooner than the server's own TTFT for it.
     assert server_ttft > 0 and first >= server_ttft, (first, server_ttft)
-    deltas = [c["choices"][0] for c in chunks if c.get("choices")]
-    assert deltas[0]["delta"]["role"] == "assistant"
-    assert all(d["delta"].get("content") or d["finish_reason"] for d in deltas)  # no empty deltas
-    streamed = "".join(d["delta"].get("content", "") for d in deltas)
+    # Now both from the same cached prompt (a cached prefill may flip a near-tied greedy token of
+    # the random model against the uncached one, benchmarks/README.md): the same tokens, so the
+    # same text whether streamed or not.
+    streamed, _ = stream()
     whole = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=300).json()
     assert whole["choices"][0]["message"]["content"] == streamed

@@ -78,3 +78,29 @@ def close(stage: LLMStage) -> None:
     stage.engine.engine_core.shutdown()
     del stage
     gc.collect()
+
+
+def divergence(on: Result, off: Result, what: str, tie: float) -> int | None:
+    """Index of the first generated token where the engines differ (None if none); asserts a near-tie."""
+    for j, (a, b) in enumerate(zip(on.token_ids, off.token_ids)):
+        if a == b:
+            continue
+        margins = []
+        for lp, chosen, other in ((on.logprobs[j], a, b), (off.logprobs[j], b, a)):
+            assert other in lp, (f"{what}: token {j} is {a} with the cache and {b} without, and the "
+                                 f"other token is not even in the top 2 ({lp}): not a near-tie")
+            margins.append(lp[chosen] - lp[other])
+        assert max(margins) <= tie, (
+            f"{what}: token {j} is {a} with the cache and {b} without, logprob margins {margins} "
+            f"> {tie}: not a near-tie")
+        return j
+    return None
+
+
+def comparable_rows(on: Result, off: Result, what: str, tie: float) -> int:
+    """Rows fed the same inputs in both engines: up to and including the one that sampled the first
+    diverging token (row i is the model's output for input token i)."""
+    j = divergence(on, off, what, tie)
+    if j is None:
+        return on.latents["hidden"].shape[0]
+    return on.num_prompt_tokens + j
