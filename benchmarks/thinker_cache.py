@@ -107,6 +107,9 @@ MAX_TOKENS = 2
 ROW_RTOL = 2.0**-6  # tests/test_hidden_cache.py's bf16 tolerance for the dense thinker
 VOCAB = 256  # byte ids of the tiny thinker's tokenizer
 TARGET_SPEEDUP_FRACTION = 0.95
+# A verdict needs at least this much: with one round of 5 requests (--quick) a 2-core machine's noise
+# alone moved hidden_cache_speedup from 87% to 103% of APC's and zero-reuse overhead to -21%.
+VERDICT_MIN_ROUNDS, VERDICT_MIN_REQUESTS = 3, 10
 TARGET_ZERO_REUSE_OVERHEAD = 0.02
 # A request counts as "quiet" when its threads waited for a CPU less than this fraction of its TTFT
 # (on an otherwise idle machine a 4,100-token prefill shows 5-10%: the stage's own threads; under
@@ -432,7 +435,7 @@ def _p90(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=10, method="inclusive")[-1]
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], judge: bool = True) -> dict[str, Any]:
     modes: dict[str, Any] = {}
     for mode in MODES:
         modes[mode] = {}
@@ -503,10 +506,12 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     apc, hid, zro = (ratios[k]["value"] for k in ("apc_speedup", "hidden_cache_speedup", "zero_reuse_overhead"))
     targets = {
         "hidden_cache_speedup >= 0.95 * apc_speedup": {
-            "holds": hid >= TARGET_SPEEDUP_FRACTION * apc, "lhs": hid, "rhs": TARGET_SPEEDUP_FRACTION * apc,
+            "holds": hid >= TARGET_SPEEDUP_FRACTION * apc if judge else None,
+            "lhs": hid, "rhs": TARGET_SPEEDUP_FRACTION * apc,
             "fraction_kept": hid / apc},
         "zero_reuse_overhead <= 0.02": {
-            "holds": zro <= TARGET_ZERO_REUSE_OVERHEAD, "lhs": zro, "rhs": TARGET_ZERO_REUSE_OVERHEAD},
+            "holds": zro <= TARGET_ZERO_REUSE_OVERHEAD if judge else None,
+            "lhs": zro, "rhs": TARGET_ZERO_REUSE_OVERHEAD},
     }
     return {"modes": modes, "ratios": ratios, "targets": targets}
 
@@ -562,7 +567,11 @@ def print_table(res: dict[str, Any]) -> None:
     print()
     for name, t in s["targets"].items():
         extra = f", keeps {t['fraction_kept']:.1%} of APC's speedup" if "fraction_kept" in t else ""
-        print(f"target {name}: {'HOLDS' if t['holds'] else 'FAILS'} ({t['lhs']:.3f} vs {t['rhs']:.3f}{extra})")
+        verdict = {True: "HOLDS", False: "FAILS"}.get(
+            t["holds"], f"no verdict ({res['config']['rounds']} round(s) x {res['config']['requests']} "
+                        f"requests is within this machine's noise; a verdict needs at least "
+                        f"{VERDICT_MIN_ROUNDS} x {VERDICT_MIN_REQUESTS}, the default)")
+        print(f"target {name}: {verdict} ({t['lhs']:.3f} vs {t['rhs']:.3f}{extra})")
     print("\nin-process time per request up to its first token (medians, ms):")
     for mode in MODES:
         for wl in WORKLOADS:
@@ -584,7 +593,8 @@ def print_table(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write all numbers")
-    ap.add_argument("--quick", action="store_true", help="5 requests per workload, 1 round (< 5 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="5 requests per workload, 1 round (< 5 min): figures, but no verdict on the targets")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of all four engines (default 3, quick 1)")
     ap.add_argument("--requests", type=int, default=None,
                     help="measured requests per workload and round (default 10, quick 5)")
@@ -644,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     res["retry_budget_left_s"] = budget["retry_s"]
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     if set(mode_names) == set(MODES):
-        res["summary"] = s = summarize(res["rounds"])
+        judge = rounds >= VERDICT_MIN_ROUNDS and requests >= VERDICT_MIN_REQUESTS
+        res["summary"] = s = summarize(res["rounds"], judge)
         for k, r in s["ratios"].items():
             res[k] = r["value"]
         res["medians_ttft_s"] = {m: {wl: s["modes"][m][wl]["median_ttft_s"] for wl in WORKLOADS} for m in MODES}
