@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "conversations for multi-turn) per second")
     wl.add_argument("--text-only", action="store_true",
                     help='text-only requests ("modalities": ["text"]), like vllm bench serve sends them')
+    wl.add_argument("--one-message", action="store_true",
+                    help="single-turn requests as one user message (system + user text), as vllm bench serve "
+                         "sends the prompts of benchmarks.export_prompts")
     wl.add_argument("--seed", type=int, default=0)
     wl.add_argument("--quick", action="store_true",
                     help="small sizes (whole run incl. both start-ups well under 10 minutes on 2 cores)")
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "max_tokens")},
         "mix": args.mix if args.workload == "mixed" else None,
         "concurrency": args.concurrency, "rate": args.rate, "seed": args.seed, "quick": args.quick,
-        "text_only": args.text_only,
+        "text_only": args.text_only, "one_message": args.one_message,
         "sessions": len(sessions), "warmup_requests": sum(s.turns for s in warmup),
         "sides": ["server"] if args.url else args.sides, "repeat": 1 if args.url else args.repeat,
         "url": args.url, "stage_config": None if args.url else os.path.abspath(args.stage_config),
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 harness.log(f"measuring {args.url}: warm-up, then {sum(s.turns for s in sessions)} request(s)")
                 r = harness.drive(args.url, args.model, warmup, sessions, api_key=args.api_key,
                                   concurrency=args.concurrency, rate=args.rate, label="server", progress=progress,
-                                  audio=not args.text_only)
+                                  audio=not args.text_only, one_message=args.one_message)
                 runs.append({"side": "server", "repeat": 0, **r})
             else:
                 for rep in range(args.repeat):
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = harness.run_side(args.stage_config, side, warmup, sessions,
                                              concurrency=args.concurrency, rate=args.rate, progress=progress,
                                              monitor=monitor, checkpoint_dir=args.checkpoint_dir,
-                                             stage_env=args.stage_env or None, audio=not args.text_only)
+                                             stage_env=args.stage_env or None, audio=not args.text_only,
+                                             one_message=args.one_message)
                         for s in r["samples"]:
                             s["repeat"] = rep
                         runs.append({"side": side, "repeat": rep, **r})

@@ -160,9 +160,13 @@ class Driver:
 
     def __init__(self, url: str, model: str, *, api_key: str | None = None, concurrency: int | None = None,
                  rate: float | None = None, request_timeout_s: float = 600.0,
-                 on_done: Callable[[Sample], None] | None = None, audio: bool = True) -> None:
+                 on_done: Callable[[Sample], None] | None = None, audio: bool = True,
+                 one_message: bool = False) -> None:
         self.url = url.rstrip("/")
         self.audio = audio
+        #: Single-turn requests as one user message (system + user text), the way vllm bench
+        #: serve sends benchmarks.export_prompts' lines.
+        self.one_message = one_message
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
@@ -180,6 +184,9 @@ class Driver:
             sample = Sample(id=s.request_id(turn), session=s.index, kind=s.kind, turn=turn,
                             scheduled_s=s.arrival_s if turn == 0 else None,
                             prompt_tokens_expected=prompt_tokens_expected(s, turn, answers))
+            if self.one_message and s.turns == 1:
+                msgs = [{"role": "user", "content": s.system + s.users[0]}]
+                sample.prompt_tokens_expected = None  # the template's count is for system + user
             answer = await stream_chat(client, self.url, self.model, msgs, s.max_tokens, sample,
                                        self.headers, self.t_base, audio=self.audio)
             out.append(sample)

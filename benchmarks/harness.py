@@ -272,7 +272,7 @@ def log(msg: str) -> None:
 def drive(url: str, model: str | None, warmup: list[Session], sessions: list[Session], *,
           api_key: str | None, concurrency: int | None, rate: float | None, label: str,
           progress: bool, monitor: Monitor | None = None, stage_pids: Callable[[], dict] | None = None,
-          request_timeout_s: float = 600.0, audio: bool = True) -> dict[str, Any]:
+          request_timeout_s: float = 600.0, audio: bool = True, one_message: bool = False) -> dict[str, Any]:
     """Warm up, then run the measured sessions against ``url``; samples, counters, resources."""
     model = model or asyncio.run(served_model(url, api_key))
     total = sum(s.turns for s in sessions)
@@ -286,7 +286,7 @@ def drive(url: str, model: str | None, warmup: list[Session], sessions: list[Ses
         bar.set_postfix_str(f"last TTFA {ttfa}" + (f", {errors} error(s)" if errors else ""))
 
     driver = Driver(url, model, api_key=api_key, concurrency=concurrency, rate=rate,
-                    request_timeout_s=request_timeout_s, audio=audio)
+                    request_timeout_s=request_timeout_s, audio=audio, one_message=one_message)
     warm = asyncio.run(driver.warmup(warmup))
     bad = [w for w in warm if not w.ok]
     if bad:
@@ -314,7 +314,7 @@ def drive(url: str, model: str | None, warmup: list[Session], sessions: list[Ses
 def run_side(config_path: str, side: str, warmup: list[Session], sessions: list[Session], *,
              concurrency: int | None, rate: float | None, progress: bool, monitor: Monitor,
              checkpoint_dir: str | None = None, stage_env: dict[str, str] | None = None,
-             audio: bool = True) -> dict[str, Any]:
+             audio: bool = True, one_message: bool = False) -> dict[str, Any]:
     """Start the pipeline with the cache on or off, drive it, stop it."""
     cache = side == "on"
     log(f"cache {side}: starting the pipeline (stage logs hidden) ...")
@@ -324,7 +324,7 @@ def run_side(config_path: str, side: str, warmup: list[Session], sessions: list[
             f"{sum(s.turns for s in sessions)} measured request(s)")
         out = drive(srv.url, None, warmup, sessions, api_key=None, concurrency=concurrency, rate=rate,
                     label=f"cache {side}", progress=progress, monitor=monitor, stage_pids=srv.stage_pids,
-                    audio=audio)
+                    audio=audio, one_message=one_message)
         out["startup_s"] = srv.startup_s
         restarts = sum(int(c.get("restarts", 0)) for c in (out["counters"] or {}).values())
         if restarts:

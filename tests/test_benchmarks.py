@@ -202,6 +202,10 @@ def test_driver_text_only_requests_like_vllm_bench_serve():
     _, samples = _run_driver(transport, sessions, concurrency=1, audio=False)
     assert all(s.ok for s in samples)
     assert all(b["modalities"] == ["text"] and "audio" not in b for b in seen)
+    seen.clear()
+    _, samples = _run_driver(transport, sessions, concurrency=1, audio=False, one_message=True)
+    assert [b["messages"] for b in seen] == [[{"role": "user", "content": s.system + s.users[0]}]
+                                             for s in sessions]
 
 
 def test_driver_records_errors_and_skips_the_rest_of_a_conversation():
