@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from omni_cache.config import (
     CHECKPOINTS_ENV,
     ConfigError,
+    ConfigIssue,
     PipelineConfig,
     checkpoint_root,
     load_config,
@@ -106,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--external-stages",
+        metavar="NAMES",
+        default=None,
+        help=(
+            "comma-separated stages started by hand (python -m workers), possibly on other hosts, "
+            "or 'all': omni-serve does not spawn them, it waits for them to announce themselves "
+            "(sets their 'external' key)"
+        ),
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn off prefix caching (vLLM APC and the hidden-state cache) in every stage",
@@ -131,6 +142,20 @@ def apply_overrides(config: PipelineConfig, args: argparse.Namespace) -> Pipelin
     if getattr(args, "no_prefix_cache", False):
         for stage in config.stages:
             stage.prefix_cache = False
+    external = getattr(args, "external_stages", None)
+    if external:
+        names = [n.strip() for n in external.split(",") if n.strip()]
+        known = [s.name for s in config.stages]
+        if names == ["all"]:
+            names = known
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ConfigError(ConfigIssue(
+                "--external-stages", None,
+                f"unknown stage(s) {', '.join(map(repr, unknown))} (stages: {', '.join(known)}, or 'all')"))
+        for stage in config.stages:
+            if stage.name in names:
+                stage.external = True
     return config
 
 
@@ -148,6 +173,8 @@ def format_summary(
         lines.append(f"  config:       {source}")
     lines.append(f"  server:       http://{s.host}:{s.port} (model name {s.served_model_name!r})")
     lines.append(f"  api key:      {'required' if api_key else 'none (no authentication)'}")
+    lines.append("  stage auth:   " + (f"CURVE, key file {s.stage_auth_key_file}"
+                                      if s.stage_auth_key_file else "none"))
     lines.append(
         f"  limits:       request timeout {s.request_timeout_s:g} s, "
         f"max message {_mib(s.max_message_bytes)}"
@@ -167,7 +194,11 @@ def format_summary(
             lines.append(f"  inputs:       {', '.join(st.inputs)} (handoff {st.handoff})")
         else:
             lines.append("  inputs:       client request (entry stage)")
-        lines.append(f"  address:      {st.address}")
+        lines.append(f"  address:      {st.address}"
+                     + (f" (binds {st.bind_address})" if st.bind_address else ""))
+        if st.external:
+            lines.append("  started:      by hand (external: python -m workers ... --stage "
+                         f"{st.name}), not by omni-serve")
         if st.kind == "autoregressive":
             cache = "on" if st.prefix_cache else "off"
             if st.prefix_cache:

@@ -21,7 +21,7 @@ from msgspec import Struct
 
 from omni_cache.config_errors import ConfigError, ConfigIssue, PathTokens, _Issues
 from omni_cache.config_schema import PipelineConfig
-from omni_cache.config_validation import _validate
+from omni_cache.config_validation import CheckPaths, _validate
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,10 +209,12 @@ def _read_yaml(text: str, source: str) -> tuple[Any, dict[PathTokens, int]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str], *, check_paths: bool = True) -> PipelineConfig:
+def load_config(path: str | os.PathLike[str], *, check_paths: CheckPaths = True) -> PipelineConfig:
     """Read, convert and validate a stage config; ConfigError naming file and key path otherwise.
 
-    ``check_paths=False`` skips the check that a ``model`` path exists (for a config meant for
+    ``check_paths=False`` skips the check that a ``model`` path (and the stage key file) exists;
+    a set of stage names checks only those stages' models (a stage started by hand checks its
+    own). For a config meant for
     another host, such as stage_configs/qwen3_omni_example.yaml).
     """
     source = os.fspath(path)
@@ -228,7 +230,7 @@ def load_config(path: str | os.PathLike[str], *, check_paths: bool = True) -> Pi
 
 
 def parse_config(
-    text: str, *, source: str = "<config>", check_paths: bool = True
+    text: str, *, source: str = "<config>", check_paths: CheckPaths = True
 ) -> PipelineConfig:
     """Like :func:`load_config` for YAML text; ``source`` names it in error messages."""
     data, lines = _read_yaml(text, source)

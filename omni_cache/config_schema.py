@@ -63,8 +63,22 @@ class ServerConfig(_Base, kw_only=True):
     served_model_name: str | None = None
     #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
     #: "tcp://host:port"); ``None`` -> ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock.
-    #: Stages on other hosts need a tcp address here.
+    #: Stages on other hosts need a tcp address here, one they can reach (the host's name).
     control_address: str | None = None
+    #: What the orchestrator binds when that differs from the address stages connect to
+    #: (``tcp://0.0.0.0:5600`` behind ``control_address: tcp://server-host:5600``); None -> bind
+    #: ``control_address``.
+    control_bind_address: str | None = None
+    #: A file holding a shared secret (``python -m omni_cache.stage_auth new-key FILE``): every
+    #: ZMQ connection between the orchestrator and the stages is then authenticated and encrypted
+    #: with CURVE keys derived from it. Every host needs the same file. None -> no authentication.
+    stage_auth_key_file: str | None = None
+    #: Every stage re-announces itself (StageReady) this often: a server started after its stages
+    #: finds them, and the orchestrator watches stages started elsewhere by it.
+    heartbeat_interval_s: PositiveFloat = 0.25
+    #: A stage started elsewhere (``external``) whose announcement is this late is marked down and
+    #: its in-flight requests fail (503); the next announcement brings it back.
+    heartbeat_timeout_s: PositiveFloat = 1.5
 
 
 class LatentSpec(_Base, kw_only=True):
@@ -170,8 +184,15 @@ class StageConfig(_Base, kw_only=True):
     inputs: list[str] = []
     #: "package.module.function" building this stage's inputs from its input stages' outputs.
     handoff: str | None = None
-    #: Where the stage process listens: "ipc:///abs/path" or "tcp://host:port".
+    #: Where the stage process listens and the others connect: "ipc:///abs/path" or
+    #: "tcp://host:port" (on several hosts: a name the other hosts resolve to this one).
     address: str
+    #: What the stage binds when that differs from ``address`` (``tcp://0.0.0.0:5601``); None ->
+    #: bind ``address``.
+    bind_address: str | None = None
+    #: Started by hand (``python -m workers``), possibly on another host: omni-serve does not
+    #: spawn it, waits for its announcement and watches its heartbeats.
+    external: bool = False
     #: Whether (and as what) this stage's output goes back to the client.
     final_output: FinalOutput | None = None
     #: vLLM automatic prefix caching plus the hidden-state prefix cache (autoregressive only).

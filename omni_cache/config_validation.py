@@ -8,11 +8,15 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from omni_cache.config_errors import _Issues
+
+#: True: check every stage's model path (and the stage key file); False: none; a collection of
+#: stage names: only those stages' models (and the key file).
+CheckPaths = bool | Collection[str]
 from omni_cache.config_schema import (
     _DOTTED_RE,
     _MAX_IPC_PATH_BYTES,
@@ -26,7 +30,7 @@ from omni_cache.config_schema import (
 
 
 def validate_config(
-    config: PipelineConfig, *, source: str | None = None, check_paths: bool = True
+    config: PipelineConfig, *, source: str | None = None, check_paths: CheckPaths = True
 ) -> PipelineConfig:
     """Run the cross-field checks on an already-built config (e.g. after CLI overrides).
 
@@ -38,7 +42,7 @@ def validate_config(
     return config
 
 
-def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: bool) -> None:
+def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: CheckPaths) -> None:
     stages = config.stages
     names = [s.name for s in stages]
     known = set(names)
@@ -72,9 +76,11 @@ def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: bool) -> 
 
         _check_handoff(s, base, issues)
         _check_kind_specific(s, base, issues)
-        _check_model(s, base, issues, check_paths=check_paths)
+        _check_model(s, base, issues,
+                     check_paths=check_paths is True or (bool(check_paths) and s.name in check_paths))
 
     _check_addresses(config, issues)
+    _check_server(config, issues, check_paths=bool(check_paths))
 
     if graph_ok and len(first_index) == len(stages):
         cycle = _find_cycle(stages)
@@ -210,7 +216,7 @@ def _check_model(
         issues.add(
             key,
             f"path {s.model!r} does not exist (expected 'tiny:<name>' or an existing path; "
-            "omni-serve --no-path-check skips this check)",
+            "--no-path-check of omni-serve or python -m workers skips this check)",
         )
 
 
@@ -281,6 +287,16 @@ def _check_addresses(config: PipelineConfig, issues: _Issues) -> None:
         elif config.server.port and _same_endpoint(result, server):
             issues.add(key, f"{s.address!r} is the HTTP server's port (server.port)")
         parsed.append((i, result))
+    for i, s in enumerate(config.stages):
+        if s.bind_address is not None:
+            _check_bind_address(s.bind_address, s.address, ("stages", i, "bind_address"), issues)
+    if config.server.control_bind_address is not None:
+        key = ("server", "control_bind_address")
+        if config.server.control_address is None:
+            issues.add(key, "needs server.control_address too (the address stages connect to)")
+        else:
+            _check_bind_address(config.server.control_bind_address, config.server.control_address,
+                                key, issues)
     if config.server.control_address is not None:
         key = ("server", "control_address")
         result = _parse_address(config.server.control_address)
@@ -312,3 +328,26 @@ def _import_handoff(dotted: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ValueError(f"{dotted!r} is not callable (it is a {type(fn).__name__})")
     return fn
+
+
+def _check_bind_address(bind: str, address: str, key: tuple[str | int, ...], issues: _Issues) -> None:
+    """A bind address is tcp when the advertised one is (ipc paths need no split) and parses."""
+    result = _parse_address(bind)
+    if isinstance(result, str):
+        issues.add(key, result)
+    elif result[0] != "tcp" or not address.startswith("tcp://"):
+        issues.add(key, f"{bind!r}: a bind address is for tcp (bind tcp://0.0.0.0:PORT, advertise "
+                        "tcp://HOST:PORT); with ipc:// bind and connect the same path")
+
+
+def _check_server(config: PipelineConfig, issues: _Issues, *, check_paths: bool) -> None:
+    server = config.server
+    if server.heartbeat_timeout_s <= server.heartbeat_interval_s:
+        issues.add(("server", "heartbeat_timeout_s"),
+                   f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "
+                   f"got {server.heartbeat_timeout_s:g} s")
+    key_file = server.stage_auth_key_file
+    if key_file is not None and check_paths and not Path(key_file).expanduser().is_file():
+        issues.add(("server", "stage_auth_key_file"),
+                   f"no such file {key_file!r} (python -m omni_cache.stage_auth new-key FILE "
+                   "writes one; --no-path-check skips this check)")

@@ -71,11 +71,17 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
-    """Stage -> orchestrator, once its model is loaded and it serves (and again after restart)."""
+    """Stage -> orchestrator, once its model is loaded and it serves, then again every
+    ``server.heartbeat_interval_s``: the announcement doubles as heartbeat, so a server started
+    (or restarted) after its stages finds them, and a silent stage started elsewhere is noticed."""
 
     stage: str
     pid: int
     max_model_len: int = 0
+    #: Random per stage process: a new value means the stage was restarted (pids can repeat
+    #: across hosts).
+    incarnation: str = ""
+    host: str = ""  # the stage's hostname, for messages
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):

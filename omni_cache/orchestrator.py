@@ -73,6 +73,7 @@ from omni_cache.results import (
     TextDelta,
     _Request,
 )
+from omni_cache.stage_auth import load_stage_auth
 from omni_cache.supervision import (
     DEFAULT_START_TIMEOUT_S,
     SHUTDOWN_GRACE_S,
@@ -181,7 +182,10 @@ class Orchestrator(StageSupervision):
         unknown = set(external_stages) - set(self._stage_cfg)
         if unknown:
             raise ValueError(f"external_stages: unknown stage(s) {sorted(unknown)}")
-        self._external = set(external_stages)
+        # Stages started by hand: the argument's, and those the config marks ``external``.
+        self._external = set(external_stages) | {s.name for s in config.stages if s.external}
+        self._control_bind = config.server.control_bind_address
+        self._auth: Any = None  # StageAuth when server.stage_auth_key_file is set (start())
 
         self._stages: dict[str, _StageProcess] = {}
         self._requests: dict[str, _Request] = {}
@@ -228,7 +232,11 @@ class Orchestrator(StageSupervision):
             self._claims.acquire()
             self._codec = Codec(MESSAGE_TYPES, max_message_bytes=self.config.server.max_message_bytes)
             self._ctx = zmq.asyncio.Context()
-            self._inbox = AsyncReceiver(self._ctx, self.control_address, self._codec, bind=True)
+            self._auth = load_stage_auth(self.config)
+            if self._auth is not None:
+                self._auth.guard(self._ctx)  # before the inbox binds
+            self._inbox = AsyncReceiver(self._ctx, self._control_bind or self.control_address,
+                                        self._codec, bind=True, auth=self._auth)
             for name in self.stage_names:
                 self._senders[name] = self._new_sender(name)
             self._tasks.append(asyncio.create_task(self._recv_loop(), name="omni-cache-recv"))
@@ -312,6 +320,9 @@ class Orchestrator(StageSupervision):
         if self._inbox is not None:
             with contextlib.suppress(Exception):
                 self._inbox.close()
+        if self._auth is not None:
+            with contextlib.suppress(Exception):
+                self._auth.stop()
         if self._ctx is not None:
             with contextlib.suppress(Exception):
                 self._ctx.destroy(linger=0)
@@ -328,7 +339,7 @@ class Orchestrator(StageSupervision):
         from omni_cache.transport import AsyncSender
 
         assert self._ctx is not None
-        return AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec)
+        return AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec, auth=self._auth)
 
     def _reset_sender(self, name: str) -> None:
         """Drop whatever is queued for a dead stage (linger 0), so its next incarnation does not
@@ -596,7 +607,7 @@ class Orchestrator(StageSupervision):
         elif isinstance(msg, StageError):
             self._on_error(msg)
         elif isinstance(msg, StageReady):
-            self._on_ready(msg)
+            self._on_announcement(msg)
         elif isinstance(msg, StageStats):
             self._stats[msg.stage] = dict(msg.counters)
             self._stats_time[msg.stage] = time.monotonic()
@@ -604,28 +615,6 @@ class Orchestrator(StageSupervision):
                 ev.set()
         else:
             logger.warning("orchestrator: unexpected %s message, ignored", type(msg).__name__)
-
-    def _on_ready(self, msg: StageReady) -> None:
-        sp = self._stages.get(msg.stage)
-        if sp is None:
-            logger.warning("StageReady from unknown stage %r (pid %d), ignored", msg.stage, msg.pid)
-            return
-        if msg.pid in sp.old_pids:
-            logger.info("stage %s: stale StageReady from its previous process %d, ignored", sp.name, msg.pid)
-            return
-        if sp.proc is not None and msg.pid != sp.proc.pid:
-            logger.warning("stage %s: StageReady from pid %d, started pid %d", sp.name, msg.pid, sp.proc.pid)
-        if not sp.external and sp.proc is None:
-            logger.warning("stage %s: StageReady (pid %d) while its process is down, ignored", sp.name, msg.pid)
-            return
-        sp.up = True
-        sp.ever_ready = True
-        if sp.external:
-            sp.pid = msg.pid
-        if msg.max_model_len:
-            sp.max_model_len = msg.max_model_len
-        logger.info("stage %s: ready (pid %d%s)", sp.name, msg.pid,
-                    f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
 
     def _on_output(self, msg: StageOutput, tensors: dict[str, Any]) -> None:
         req = self._requests.get(msg.request_id)

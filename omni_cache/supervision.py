@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from omni_cache.config import StageConfig
+from omni_cache.messages import StageReady
 
 logger = logging.getLogger("omni_cache.orchestrator")
 
@@ -76,6 +77,11 @@ class _StageProcess:
         self.restart_at: float | None = None
         self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
         self._reader: threading.Thread | None = None
+        # Stages started elsewhere: who announced itself last, when, and why it is down.
+        self.incarnation = ""
+        self.host = ""
+        self.last_seen = 0.0
+        self.lost_reason: str | None = None
 
     @property
     def external(self) -> bool:
@@ -132,7 +138,77 @@ class _StageProcess:
 
 
 class StageSupervision:
-    """The orchestrator's supervision of its stage processes (a mixin of :class:`Orchestrator`)."""
+    """The orchestrator's supervision of its stage processes (a mixin of :class:`Orchestrator`).
+
+    Spawned stages are watched through their processes (exit -> fail their requests, restart).
+    Stages started elsewhere (``external``) are watched through their announcements: each
+    StageReady (sent every ``server.heartbeat_interval_s``) marks the stage up; one more than
+    ``server.heartbeat_timeout_s`` late, or one from a new incarnation, means the process we knew
+    is gone: its in-flight requests fail at once (503) and it is down until it announces again.
+    """
+
+    def _on_announcement(self, msg: StageReady) -> None:
+        sp = self._stages.get(msg.stage)
+        if sp is None:
+            logger.warning("StageReady from unknown stage %r (pid %d), ignored", msg.stage, msg.pid)
+            return
+        if sp.external:
+            self._on_external_announcement(sp, msg)
+            return
+        # A spawned stage's heartbeats only confirm what its process handle says.
+        if msg.pid in sp.old_pids or sp.proc is None:
+            logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored",
+                         sp.name, msg.pid)
+            return
+        sp.last_seen = time.monotonic()
+        if msg.max_model_len:
+            sp.max_model_len = msg.max_model_len
+        if not sp.up:
+            sp.up = True
+            sp.ever_ready = True
+            logger.info("stage %s: ready (pid %d%s)", sp.name, msg.pid,
+                        f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
+
+    def _on_external_announcement(self, sp: _StageProcess, msg: StageReady) -> None:
+        now = time.monotonic()
+        if sp.incarnation and msg.incarnation != sp.incarnation:
+            if sp.up:  # restarted faster than the heartbeat timeout: the old process is gone
+                self._stage_lost(sp, f"was replaced by a new process (pid {msg.pid} on {msg.host or '?'})")
+            sp.restarts += 1
+        elif sp.up:
+            sp.last_seen = now
+            return
+        sp.incarnation = msg.incarnation
+        sp.pid = msg.pid
+        sp.host = msg.host
+        sp.last_seen = now
+        sp.lost_reason = None
+        if msg.max_model_len:
+            sp.max_model_len = msg.max_model_len
+        sp.up = True
+        sp.ever_ready = True
+        logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, msg.pid,
+                    msg.host or "?", f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
+
+    def _watch_external(self, now: float) -> None:
+        timeout = self.config.server.heartbeat_timeout_s
+        for sp in self._stages.values():
+            if sp.external and sp.up and now - sp.last_seen > timeout:
+                self._stage_lost(sp, f"stopped answering (no heartbeat for {now - sp.last_seen:.1f} s, "
+                                     f"server.heartbeat_timeout_s is {timeout:g} s)")
+
+    def _stage_lost(self, sp: _StageProcess, why: str) -> None:
+        """An external stage's process is gone: fail what it was serving, drop what was queued
+        for it, and wait for it to announce itself again."""
+        sp.up = False
+        sp.lost_reason = why
+        where = f"pid {sp.pid} on {sp.host or '?'}"
+        logger.error("stage %s (started elsewhere, %s) %s", sp.name, where, why)
+        self._reset_sender(sp.name)
+        for req in list(self._requests.values()):
+            if sp.name in req.participants and sp.name not in req.finished:
+                self._fail(req, 503, f"stage {sp.name!r} (started elsewhere, {where}) {why} while "
+                                     "serving this request; retry when it is back", stage=sp.name)
 
     def _stage_command(self, stage: StageConfig) -> list[str]:
         assert self._config_path is not None
@@ -140,7 +216,8 @@ class StageSupervision:
             *self._stage_argv,
             "--stage-config", self._config_path,
             "--stage", stage.name,
-            "--orchestrator", self._inbox.address,
+            # bound to 0.0.0.0 (control_bind_address): spawned stages use the advertised address
+            "--orchestrator", self.control_address if self._control_bind else self._inbox.address,
             "--parent-pid", str(os.getpid()),
         ]
         if self._checkpoint_dir:
@@ -165,8 +242,10 @@ class StageSupervision:
             if time.monotonic() >= deadline:
                 parts = []
                 for sp in pending:
-                    state = "started elsewhere, never said ready" if sp.external else (
-                        f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}")
+                    if sp.external:
+                        state = f"started elsewhere, never announced itself to {self.control_address}"
+                    else:
+                        state = f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}"
                     parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n"
                                  + sp.log_tail())
                 raise StageStartError(
@@ -222,6 +301,8 @@ class StageSupervision:
 
     def _supervise_once(self) -> None:
         now = time.monotonic()
+        if self._started and not self._closing:
+            self._watch_external(now)
         for sp in self._stages.values():
             if sp.proc is not None:
                 code = sp.proc.poll()
@@ -285,8 +366,11 @@ class StageSupervision:
                 out[name] = "not started"
             elif sp.up:
                 continue
+            elif sp.external and sp.lost_reason:
+                out[name] = (f"started elsewhere (last pid {sp.pid} on {sp.host or '?'}), "
+                             f"{sp.lost_reason}; waiting for it to announce itself again")
             elif sp.external:
-                out[name] = "waiting for it to say ready (started elsewhere)"
+                out[name] = "started elsewhere, waiting for it to announce itself"
             elif sp.proc is not None:
                 out[name] = "restarting" if sp.restarts else "starting"
             elif sp.last_exit is not None:

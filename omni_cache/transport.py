@@ -224,8 +224,11 @@ def _open_socket(ctx: zmq.Context, kind: int, hwm: int, linger_ms: int) -> zmq.S
     return sock
 
 
-def _attach(sock: zmq.Socket, address: str, bind: bool) -> str:
-    """Bind or connect; returns the resolved address (e.g. the port chosen for ``tcp://h:*``)."""
+def _attach(sock: zmq.Socket, address: str, bind: bool, auth: Any = None) -> str:
+    """Bind or connect; returns the resolved address (e.g. the port chosen for ``tcp://h:*``).
+    ``auth`` (an :class:`omni_cache.stage_auth.StageAuth`) makes the socket CURVE-secured first."""
+    if auth is not None:
+        auth.secure(sock, bind=bind)
     if bind:
         if address.startswith("ipc://"):
             Path(address[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
@@ -264,12 +267,13 @@ class _ReceiverBase(_Endpoint):
     has no effect on ``inproc://``, where the codec check alone applies.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str, codec: Codec, bind: bool, hwm: int, linger_ms: int) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, codec: Codec, bind: bool, hwm: int, linger_ms: int,
+                 auth: Any = None) -> None:
         self.codec = codec
         self.dropped = 0
         self.socket = _open_socket(ctx, zmq.PULL, hwm, linger_ms)
         self.socket.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes)
-        self.address = _attach(self.socket, address, bind)
+        self.address = _attach(self.socket, address, bind, auth)
 
     def _decode_or_drop(self, frames: list[zmq.Frame]) -> tuple[Any, dict[str, torch.Tensor]] | None:
         try:
@@ -292,8 +296,9 @@ class Receiver(_ReceiverBase):
         *,
         hwm: int = DEFAULT_HWM,
         linger_ms: int = DEFAULT_LINGER_MS,
+        auth: Any = None,
     ) -> None:
-        super().__init__(ctx, address, codec, bind, hwm, linger_ms)
+        super().__init__(ctx, address, codec, bind, hwm, linger_ms, auth)
 
     def recv(self, timeout_ms: int | None = None) -> tuple[Any, dict[str, torch.Tensor]] | None:
         """Next valid message; bad ones are logged, counted and skipped.
@@ -323,8 +328,9 @@ class AsyncReceiver(_ReceiverBase):
         *,
         hwm: int = DEFAULT_HWM,
         linger_ms: int = DEFAULT_LINGER_MS,
+        auth: Any = None,
     ) -> None:
-        super().__init__(_async_context(ctx), address, codec, bind, hwm, linger_ms)
+        super().__init__(_async_context(ctx), address, codec, bind, hwm, linger_ms, auth)
 
     async def recv(self, timeout_ms: int | None = None) -> tuple[Any, dict[str, torch.Tensor]] | None:
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
@@ -339,10 +345,11 @@ class AsyncReceiver(_ReceiverBase):
 
 
 class _SenderBase(_Endpoint):
-    def __init__(self, ctx: zmq.Context, address: str, codec: Codec, bind: bool, hwm: int, linger_ms: int) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, codec: Codec, bind: bool, hwm: int, linger_ms: int,
+                 auth: Any = None) -> None:
         self.codec = codec
         self.socket = _open_socket(ctx, zmq.PUSH, hwm, linger_ms)
-        self.address = _attach(self.socket, address, bind)
+        self.address = _attach(self.socket, address, bind, auth)
 
 
 class Sender(_SenderBase):
@@ -360,8 +367,9 @@ class Sender(_SenderBase):
         *,
         hwm: int = DEFAULT_HWM,
         linger_ms: int = DEFAULT_LINGER_MS,
+        auth: Any = None,
     ) -> None:
-        super().__init__(ctx, address, codec, bind, hwm, linger_ms)
+        super().__init__(ctx, address, codec, bind, hwm, linger_ms, auth)
 
     def send(
         self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False
@@ -383,8 +391,9 @@ class AsyncSender(_SenderBase):
         *,
         hwm: int = DEFAULT_HWM,
         linger_ms: int = DEFAULT_LINGER_MS,
+        auth: Any = None,
     ) -> None:
-        super().__init__(_async_context(ctx), address, codec, bind, hwm, linger_ms)
+        super().__init__(_async_context(ctx), address, codec, bind, hwm, linger_ms, auth)
 
     async def send(
         self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False

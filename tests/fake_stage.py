@@ -40,12 +40,14 @@ from omni_cache.messages import (
     Shutdown,
     StageError,
     StageOutput,
-    StageReady,
     StageStats,
     StatsQuery,
     Submit,
 )
+from omni_cache.orchestrator import control_address
+from omni_cache.stage_auth import load_stage_auth
 from omni_cache.transport import AsyncReceiver, AsyncSender, Codec
+from workers.announcer import Announcer
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_TOKEN = 240
@@ -68,9 +70,15 @@ class FakeStage:
         self.name = stage.name
         self.ctx = zmq.asyncio.Context()
         codec = Codec(MESSAGE_TYPES, max_message_bytes=config.server.max_message_bytes)
-        self.inbox = AsyncReceiver(self.ctx, stage.address, codec, bind=True)
-        self.orch = AsyncSender(self.ctx, orchestrator, codec)
-        self.down = [AsyncSender(self.ctx, d.address, codec) for d in config.downstream(stage.name)]
+        self.auth = load_stage_auth(config)  # server.stage_auth_key_file: CURVE like real stages
+        if self.auth is not None:
+            self.auth.guard(self.ctx)
+        self.inbox = AsyncReceiver(self.ctx, stage.bind_address or stage.address, codec, bind=True,
+                                   auth=self.auth)
+        self.orch = AsyncSender(self.ctx, orchestrator, codec, auth=self.auth)
+        self.down = [AsyncSender(self.ctx, d.address, codec, auth=self.auth)
+                     for d in config.downstream(stage.name)]
+        self.orchestrator, self.codec = orchestrator, codec
         self.tasks: dict[str, asyncio.Task] = {}
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
         self.aborted: set[str] = set()
@@ -83,7 +91,12 @@ class FakeStage:
     async def run(self) -> None:
         await asyncio.sleep(float(os.environ.get("FAKE_START_DELAY", "0")))
         max_len = self.stage.engine_args.max_model_len if self.stage.engine_args else 0
-        await self.orch.send(StageReady(stage=self.name, pid=os.getpid(), max_model_len=max_len or 0))
+        # Heartbeats as a real stage sends them (workers/announcer.py), first one queued.
+        announcer = Announcer(zmq.Context.shadow(self.ctx.underlying), self.codec, self.orchestrator,
+                              self.name, interval_s=self.config.server.heartbeat_interval_s,
+                              max_model_len=max_len or 0, auth=self.auth)
+        await self.orch.send(announcer.message)
+        announcer.start()
         while True:
             item = await self.inbox.recv()
             if item is None:
@@ -198,14 +211,17 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--stage-config", required=True)
     p.add_argument("--stage", required=True)
-    p.add_argument("--orchestrator", required=True)
-    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--orchestrator", default=None)  # default: the config's control address
+    p.add_argument("--parent-pid", type=int, default=None)  # None: started by hand
     p.add_argument("--checkpoint-dir")
     p.add_argument("--no-prefix-cache", action="store_true")
     args = p.parse_args()
-    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    if args.parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     config = load_config(args.stage_config, check_paths=False)
     stage = config.stage(args.stage)
+    if args.orchestrator is None:
+        args.orchestrator = control_address(config)
     print(f"fake stage {stage.name} up (pid {os.getpid()})", flush=True)
     if os.environ.get("FAKE_EXIT_AT_START"):
         print("fake stage: cannot load the model", flush=True)

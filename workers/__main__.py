@@ -2,9 +2,12 @@
 
     .venv/bin/python -m workers --stage-config x.yaml --stage NAME [--orchestrator ADDR]
 
-It binds the stage's address from the config and connects to its downstream stages' addresses,
-so a pipeline can span machines when the config uses tcp:// addresses. `omni-serve` starts
-stages the same way.
+It binds the stage's address (or its `bind_address`) from the config, connects to its downstream
+stages' addresses and announces itself to the orchestrator every heartbeat interval, so a pipeline
+can span machines when the config uses tcp:// addresses, and `omni-serve` finds stages started
+before or after it (mark them `external`). `omni-serve` starts its own stages the same way.
+The stage's `env:` is applied to this process before any model library is imported, and only
+this stage's model path is checked (`--no-path-check` skips that too).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=None, help="where tiny:* checkpoints live")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="turn off vLLM prefix caching and the hidden-state cache")
+    parser.add_argument("--no-path-check", action="store_true",
+                        help="do not require this stage's model path (or the stage key file) to exist")
     parser.add_argument("--log-level", default=os.environ.get("OMNI_CACHE_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -34,13 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     from omni_cache.config import ConfigError, load_config
 
     try:
-        config = load_config(args.stage_config)
+        # Only this stage's model must exist here: the others run on their own hosts.
+        config = load_config(args.stage_config,
+                             check_paths=False if args.no_path_check else {args.stage})
         if args.checkpoint_dir:
             config.checkpoint_dir = args.checkpoint_dir
-        config.stage(args.stage)
-    except (ConfigError, KeyError) as exc:
-        print(f"python -m workers: {exc}", file=sys.stderr)
+        stage = config.stage(args.stage)
+    except ConfigError as exc:
+        for issue in exc.issues:
+            print(f"python -m workers: config error: {issue}", file=sys.stderr)
         return 2
+    except KeyError as exc:
+        print(f"python -m workers: --stage: {exc.args[0]}", file=sys.stderr)
+        return 2
+    # The stage's env (thread counts, KV cache size, ...) must be set before torch/vLLM load;
+    # omni-serve sets it for the stages it spawns, a stage started by hand sets it here.
+    os.environ.update(stage.env)
     if args.orchestrator is None:
         from omni_cache.orchestrator import control_address
 

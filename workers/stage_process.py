@@ -20,10 +20,11 @@ import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
 from omni_cache.messages import (
-    MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageReady, StageStats, StatsQuery,
-    Submit,
+    MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
 )
+from omni_cache.stage_auth import load_stage_auth
 from omni_cache.transport import Codec, Receiver, Sender
+from workers.announcer import Announcer
 
 logger = logging.getLogger("omni_cache.stage")
 
@@ -32,9 +33,9 @@ class Outbox:
     """Where a stage's messages go: downstream inboxes and the orchestrator."""
 
     def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, str],
-                 orchestrator: str | None) -> None:
-        self.downstream = {name: Sender(ctx, addr, codec) for name, addr in downstream.items()}
-        self.orchestrator = Sender(ctx, orchestrator, codec) if orchestrator else None
+                 orchestrator: str | None, auth: Any = None) -> None:
+        self.downstream = {name: Sender(ctx, addr, codec, auth=auth) for name, addr in downstream.items()}
+        self.orchestrator = Sender(ctx, orchestrator, codec, auth=auth) if orchestrator else None
 
     def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
         if self.orchestrator is not None:
@@ -58,9 +59,16 @@ class StageProcess:
         self.prefix_cache = stage.prefix_cache if prefix_cache is None else prefix_cache
         self.ctx = zmq.Context()
         self.codec = Codec(MESSAGE_TYPES, config.server.max_message_bytes)
-        self.inbox = Receiver(self.ctx, stage.address, self.codec, bind=True)
+        self.orchestrator = orchestrator
+        self.auth = load_stage_auth(config)
+        if self.auth is not None:
+            self.auth.guard(self.ctx)  # before the inbox binds: no unauthenticated peer gets in
+        self.inbox = Receiver(self.ctx, stage.bind_address or stage.address, self.codec, bind=True,
+                              auth=self.auth)
         self.outbox = Outbox(self.ctx, self.codec,
-                             {s.name: s.address for s in config.downstream(stage.name)}, orchestrator)
+                             {s.name: s.address for s in config.downstream(stage.name)}, orchestrator,
+                             auth=self.auth)
+        self.announcer: Announcer | None = None
         self.stopping = False
         self.runner: Any = None
 
@@ -69,9 +77,16 @@ class StageProcess:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache)
-        self.outbox.to_orchestrator(StageReady(stage=self.stage.name, pid=os.getpid(),
-                                               max_model_len=self.runner.max_model_len))
-        logger.info("stage %s ready (pid %d) at %s", self.stage.name, os.getpid(), self.stage.address)
+        if self.orchestrator:
+            self.announcer = Announcer(self.ctx, self.codec, self.orchestrator, self.stage.name,
+                                       interval_s=self.config.server.heartbeat_interval_s,
+                                       max_model_len=self.runner.max_model_len, auth=self.auth)
+            # Queued on the outbox (the announcer drops beats while nobody listens): a server
+            # that is already up hears it at once; the announcer's beats follow.
+            self.outbox.to_orchestrator(self.announcer.message)
+            self.announcer.start()
+        logger.info("stage %s ready (pid %d) at %s%s", self.stage.name, os.getpid(), self.stage.address,
+                    f" (bound to {self.stage.bind_address})" if self.stage.bind_address else "")
         try:
             while not self.stopping:
                 self._drain_inbox(block_ms=0 if self.runner.has_work() else 50)
@@ -79,9 +94,13 @@ class StageProcess:
                     self.runner.step()
                 self._check_parent()
         finally:
+            if self.announcer is not None:
+                self.announcer.stop()
             self.runner.close()
             self.outbox.close()
             self.inbox.close()
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.term()
         return 0
 

@@ -1,0 +1,464 @@
+"""Stages started by hand (``external``): start order, heartbeats, re-announcement after a server
+restart, fast failure when one dies, stage authentication (CURVE), and the config/CLI parts.
+
+The stages here are the fake stages of tests/fake_stage.py, started by hand as separate OS
+processes on tcp://127.0.0.1 (as they would be on other hosts), speaking the real protocol over
+real ZMQ; the server is the real HTTP server (ServerThread). tests/test_external_stages_e2e.py does
+the same with the real vLLM stages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+import zmq.utils.monitor
+
+from omni_cache import cli
+from omni_cache.config import ConfigError, load_config
+from omni_cache.messages import MESSAGE_TYPES, Sampling, Submit
+from omni_cache.orchestrator import Orchestrator
+from omni_cache.server import ServerThread
+from omni_cache.stage_auth import StageAuth, StageAuthError, new_key
+from omni_cache.transport import Codec, Receiver
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
+QWEN = REPO / "stage_configs" / "qwen3_omni_example.yaml"
+#: Generous bounds: they only decide when a broken build gives up, no assertion is timed.
+WAIT_S = 60.0
+
+
+class ByteTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(*, heartbeat_timeout_s: float = 1.5, key_file: Path | None = None,
+                 external: bool = True) -> Path:
+    d = Path(tempfile.mkdtemp(prefix="ocx"))
+    ports = [free_port() for _ in range(3)]
+    auth = f", stage_auth_key_file: {key_file}" if key_file else ""
+    path = d / "pipeline.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: ext_{uuid.uuid4().hex[:8]}
+        server: {{host: 127.0.0.1, port: 0, request_timeout_s: 120,
+                  control_address: "tcp://127.0.0.1:{ports[0]}",
+                  heartbeat_interval_s: 0.1, heartbeat_timeout_s: {heartbeat_timeout_s}{auth}}}
+        stages:
+          - name: thinker
+            kind: autoregressive
+            model: tiny:thinker
+            address: tcp://127.0.0.1:{ports[1]}
+            bind_address: tcp://0.0.0.0:{ports[1]}
+            external: {str(external).lower()}
+            final_output: text
+            engine_args: {{max_model_len: 512}}
+            sampling: {{max_tokens: 16}}
+          - name: decoder
+            kind: generation
+            model: tiny:decoder
+            inputs: [thinker]
+            handoff: omni_cache.handoff.talker_to_decoder
+            address: tcp://127.0.0.1:{ports[2]}
+            external: {str(external).lower()}
+            final_output: audio
+        """))
+    return path
+
+
+class Stages:
+    """Fake stages started by hand, each its own process (kill -9 able)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, *names: str) -> None:
+        for name in names or ("thinker", "decoder"):
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, str(FAKE_STAGE), "--stage-config", str(self.path), "--stage", name],
+                env={**os.environ, "FAKE_TOKEN_DELAY": "0.01"}, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(WAIT_S)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            with_suppress_kill(proc)
+        self.procs.clear()
+
+
+def with_suppress_kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(WAIT_S)
+
+
+def server_for(path: Path) -> ServerThread:
+    orch = Orchestrator(load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+                        start_timeout_s=WAIT_S, echo_stage_logs=False)
+    return ServerThread(orch).start()
+
+
+def chat(srv: ServerThread, content: str, *, audio: bool = True, timeout: float = WAIT_S) -> httpx.Response:
+    body = {"model": srv.orchestrator.served_model_name, "max_tokens": 16,
+            "messages": [{"role": "user", "content": content}]}
+    if audio:
+        body["modalities"] = ["text", "audio"]
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+
+
+def metric(srv: ServerThread, name: str, stage: str) -> float:
+    """One sample of /metrics (``name`` or ``name_total``) for ``stage``."""
+    text = httpx.get(srv.url + "/metrics", timeout=WAIT_S).text
+    pattern = re.compile(rf'^{name}(?:_total)?\{{stage="{stage}"\}} (\S+)$', re.M)
+    found = pattern.findall(text)
+    assert len(found) == 1, f"{name}{{stage={stage!r}}} in:\n{text}"
+    return float(found[0])
+
+
+def assert_answer(resp: httpx.Response, content: str) -> None:
+    assert resp.status_code == 200, resp.text
+    msg = resp.json()["choices"][0]["message"]
+    assert msg["content"] == f"user: {content}\n"[:16]
+    assert msg["audio"]["data"]  # the decoder stage took part
+
+
+@pytest.fixture
+def stages(request):
+    made: list[Stages] = []
+
+    def make(path: Path) -> Stages:
+        made.append(Stages(path))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+@pytest.fixture
+def servers():
+    made: list[ServerThread] = []
+
+    def make(path: Path) -> ServerThread:
+        made.append(server_for(path))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Start order and re-announcement
+# --------------------------------------------------------------------------------------------------
+
+
+def test_server_first_waits_for_hand_started_stages(stages, servers):
+    path = write_config()
+    srv = servers(path)
+    health = httpx.get(srv.url + "/health", timeout=WAIT_S)
+    assert health.status_code == 503
+    assert "started elsewhere, waiting for it to announce itself" in health.json()["stages"]["thinker"]
+    st = stages(path)
+    st.start()
+    srv.wait_ready(WAIT_S)
+    assert httpx.get(srv.url + "/health", timeout=WAIT_S).status_code == 200
+    assert_answer(chat(srv, "hello"), "hello")
+
+
+def test_stages_first_and_a_restarted_server_finds_them_again(stages, servers):
+    path = write_config()
+    st = stages(path)
+    st.start()
+    first = servers(path)
+    first.wait_ready(WAIT_S)
+    assert_answer(chat(first, "one"), "one")
+    pids = first.orchestrator.stage_pids()
+    first.stop()
+    assert st.alive()  # the server does not own hand-started stages
+    second = servers(path)
+    second.wait_ready(WAIT_S)
+    assert_answer(chat(second, "two"), "two")
+    assert {n: sp.pid for n, sp in second.orchestrator._stages.items()} == {
+        n: st.procs[n].pid for n in ("thinker", "decoder")}
+    assert all(p is None for p in pids.values())  # not processes the server started
+
+
+# --------------------------------------------------------------------------------------------------
+# Liveness: a stage that dies fails its requests and comes back
+# --------------------------------------------------------------------------------------------------
+
+
+def _in_flight_request(srv: ServerThread, content: str) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(chat(srv, content)), daemon=True)
+    t.start()
+    wait_until(lambda: srv.orchestrator.in_flight == 1, "the request is in flight")
+    return t, out
+
+
+def test_killed_stage_fails_its_requests_then_serves_again(stages, servers):
+    path = write_config(heartbeat_timeout_s=1.0)
+    st = stages(path)
+    st.start()
+    srv = servers(path)
+    srv.wait_ready(WAIT_S)
+    t, out = _in_flight_request(srv, "HANG")  # the fake thinker never finishes it
+    st.kill("thinker")
+    t.join(WAIT_S)
+    assert not t.is_alive(), "the request hangs after its stage died"
+    [resp] = out
+    assert resp.status_code == 503
+    assert "no heartbeat" in resp.json()["error"]["message"]
+    health = httpx.get(srv.url + "/health", timeout=WAIT_S)
+    assert health.status_code == 503 and "no heartbeat" in health.json()["stages"]["thinker"]
+    assert metric(srv, "omni_cache_stage_up", "thinker") == 0
+    refused = chat(srv, "while down")
+    assert refused.status_code == 503
+
+    st.start("thinker")
+    wait_until(lambda: httpx.get(srv.url + "/health", timeout=WAIT_S).status_code == 200,
+               "the restarted stage is seen")
+    assert_answer(chat(srv, "back"), "back")
+    assert metric(srv, "omni_cache_stage_up", "thinker") == 1
+    assert metric(srv, "omni_cache_stage_restarts", "thinker") == 1
+
+
+def test_a_new_incarnation_fails_what_the_old_one_had(stages, servers):
+    # A heartbeat timeout far longer than the test: only the new incarnation can reveal the death.
+    path = write_config(heartbeat_timeout_s=600)
+    st = stages(path)
+    st.start()
+    srv = servers(path)
+    srv.wait_ready(WAIT_S)
+    t, out = _in_flight_request(srv, "HANG")
+    st.kill("thinker")
+    st.start("thinker")
+    t.join(WAIT_S)
+    assert not t.is_alive()
+    [resp] = out
+    assert resp.status_code == 503
+    assert "replaced by a new process" in resp.json()["error"]["message"]
+    wait_until(lambda: srv.orchestrator.not_ready() == {}, "the new thinker is up")
+    assert_answer(chat(srv, "again"), "again")
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage authentication
+# --------------------------------------------------------------------------------------------------
+
+
+def test_curve_receiver_accepts_only_peers_with_the_key(tmp_path):
+    good = StageAuth.from_file(new_key(tmp_path / "good.key"))
+    bad = StageAuth.from_file(new_key(tmp_path / "bad.key"))
+    codec = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
+    ctx = zmq.Context()
+    good.guard(ctx)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    inbox = Receiver(ctx, address, codec, auth=good)
+    try:
+        assert inject(ctx, address, codec, None, "no key") != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert inject(ctx, address, codec, bad, "another key") != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert inject(ctx, address, codec, good, "member") == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        msg, _ = inbox.recv(timeout_ms=int(WAIT_S * 1000))
+        assert msg.request_id == "member"
+        assert inbox.recv(timeout_ms=300) is None  # nothing of the others came through
+    finally:
+        inbox.close()
+        good.stop()
+        ctx.term()
+
+
+def inject(ctx: zmq.Context, address: str, codec: Codec, auth: StageAuth | None, request_id: str) -> int:
+    """Connect to ``address`` (with ``auth``, or without any key), send one Submit, and return
+    the connection's handshake outcome (a ZMQ monitor event)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.linger = 0
+    mon = sock.get_monitor_socket()  # before connecting: the handshake can be over quickly
+    if auth is not None:
+        auth.secure(sock, bind=False)
+    sock.connect(address)
+    try:
+        sock.send_multipart(codec.encode(Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"),
+                                                sampling=Sampling(max_tokens=4))))
+        done = {zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if mon.poll(100):
+                ev = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+                if ev in done:
+                    return ev
+        raise AssertionError(f"no handshake outcome from {address}")
+    finally:
+        sock.disable_monitor()
+        mon.close(0)
+        sock.close(0)
+
+
+def test_pipeline_with_stage_auth_serves_and_refuses_strangers(tmp_path, stages, servers):
+    key = new_key(tmp_path / "stage.key")
+    path = write_config(key_file=key)
+    st = stages(path)
+    st.start()
+    srv = servers(path)
+    srv.wait_ready(WAIT_S)
+    assert_answer(chat(srv, "members only"), "members only")
+
+    thinker = load_config(path).stage("thinker").address
+    codec = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
+    ctx = zmq.Context()
+    stranger = StageAuth.from_file(new_key(tmp_path / "other.key"))
+    try:
+        for auth in (None, stranger):
+            assert inject(ctx, thinker, codec, auth, uuid.uuid4().hex) != zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        ctx.term()
+    assert_answer(chat(srv, "still fine"), "still fine")
+    # the thinker accepted exactly the two requests that came through the server
+    assert metric(srv, "omni_cache_stage_requests", "thinker") == 2
+
+
+def test_stage_key_must_be_long(tmp_path):
+    short = tmp_path / "short.key"
+    short.write_text("too short\n")
+    with pytest.raises(StageAuthError, match="short.key.*at least 32"):
+        StageAuth.from_file(short)
+    with pytest.raises(StageAuthError, match="cannot read"):
+        StageAuth.from_file(tmp_path / "missing.key")
+    key = new_key(tmp_path / "k")
+    assert key.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        new_key(key)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config keys and command lines
+# --------------------------------------------------------------------------------------------------
+
+
+def _variant(tmp_path: Path, server_extra: str = "", stage_extra: str = "") -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: p
+        server: {{control_address: "tcp://node-a:5600"{server_extra}}}
+        stages:
+          - {{name: thinker, kind: generation, model: "tiny:decoder", address: "tcp://node-b:5601",
+              final_output: audio{stage_extra}}}
+        """))
+    return path
+
+
+@pytest.mark.parametrize("server_extra, stage_extra, key, message", [
+    ("", ", bind_address: 'ipc:///tmp/x.sock'", "stages[0].bind_address", "a bind address is for tcp"),
+    ("", ", bind_address: 'tcp://0.0.0.0'", "stages[0].bind_address", "expected 'tcp://host:port'"),
+    (", control_bind_address: 'tcp://*:5600'", "", "server.control_bind_address", "concrete host"),
+    (", heartbeat_interval_s: 2, heartbeat_timeout_s: 1", "", "server.heartbeat_timeout_s",
+     "must be longer than server.heartbeat_interval_s"),
+    (", stage_auth_key_file: /nonexistent/stage.key", "", "server.stage_auth_key_file", "no such file"),
+])
+def test_config_errors_name_the_key(tmp_path, server_extra, stage_extra, key, message):
+    path = _variant(tmp_path, server_extra, stage_extra)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert f"{path}: {key}: " in text and message in text
+
+
+def test_bind_and_advertise_addresses_load(tmp_path):
+    path = _variant(tmp_path, ", control_bind_address: 'tcp://0.0.0.0:5600'",
+                    ", bind_address: 'tcp://0.0.0.0:5601', external: true")
+    config = load_config(path)
+    assert config.server.control_bind_address == "tcp://0.0.0.0:5600"
+    assert config.stages[0].bind_address == "tcp://0.0.0.0:5601" and config.stages[0].external
+
+
+def test_omni_serve_external_stages_flag(tmp_path, capsys):
+    path = write_config(external=False)
+    assert cli.main(["--stage-config", str(path), "--check", "--external-stages", "decoder"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("started:      by hand") == 1
+    assert cli.main(["--stage-config", str(path), "--check", "--external-stages", "all"]) == 0
+    assert capsys.readouterr().out.count("started:      by hand") == 2
+    assert cli.main(["--stage-config", str(path), "--check", "--external-stages", "talkr"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: --external-stages: unknown stage(s) 'talkr'" in err
+
+
+def test_hand_started_stage_checks_only_its_own_model_path():
+    # The GPU example: every stage's model is a path on its own host, none exists here.
+    result = subprocess.run([sys.executable, "-m", "workers", "--stage-config", str(QWEN),
+                             "--stage", "decoder"], capture_output=True, text=True, timeout=WAIT_S,
+                            cwd=REPO)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "config error" in line]
+    assert len(errors) == 1, result.stderr
+    decoder_index = [s.name for s in load_config(QWEN, check_paths=False).stages].index("decoder")
+    assert f"stages[{decoder_index}].model" in errors[0] and "--no-path-check" in errors[0]
+
+
+def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkeypatch):
+    import workers.__main__ as workers_main
+    import workers.stage_process
+
+    path = tmp_path / "p.yaml"
+    path.write_text(textwrap.dedent("""
+        name: p
+        stages:
+          - name: decoder
+            kind: generation
+            model: /models/on/another/host
+            address: tcp://127.0.0.1:9
+            final_output: audio
+            env: {OMNI_TEST_MARK: from-the-config}
+        """))
+    assert workers_main.main(["--stage-config", str(path), "--stage", "decoder"]) == 2
+    monkeypatch.setenv("OMNI_TEST_MARK", "from-the-shell")  # restored after the test
+    seen: dict = {}
+
+    def fake_serve(config, name, **kwargs):
+        seen.update(name=name, mark=os.environ.get("OMNI_TEST_MARK"))
+        return 0
+
+    monkeypatch.setattr(workers.stage_process, "serve_stage", fake_serve)
+    assert workers_main.main(["--stage-config", str(path), "--stage", "decoder", "--no-path-check"]) == 0
+    assert seen == {"name": "decoder", "mark": "from-the-config"}

@@ -1,0 +1,65 @@
+"""A stage's announcements: StageReady to the orchestrator, now and every heartbeat interval.
+
+They come from a thread with its own socket, so they keep coming while the stage loop is busy in
+a long model step: they say the process is alive and reachable, which is what the orchestrator
+needs to tell a stage started elsewhere from a dead one. The socket queues nothing while the
+orchestrator is away (``ZMQ_IMMEDIATE`` + non-blocking sends): a server that starts later gets
+the next announcement, not a backlog of stale ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from typing import Any
+
+import zmq
+
+from omni_cache.messages import StageReady
+from omni_cache.transport import Codec
+
+logger = logging.getLogger("omni_cache.stage")
+
+
+class Announcer:
+    def __init__(self, ctx: zmq.Context, codec: Codec, orchestrator: str, stage: str, *,
+                 interval_s: float, max_model_len: int = 0, auth: Any = None) -> None:
+        self.message = StageReady(stage=stage, pid=os.getpid(), max_model_len=max_model_len or 0,
+                                  incarnation=uuid.uuid4().hex, host=socket.gethostname())
+        self.interval_s = interval_s
+        self._frames = codec.encode(self.message)
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.SNDHWM, 1)
+        if auth is not None:
+            auth.secure(self._sock, bind=False)
+        self._sock.connect(orchestrator)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"omni-cache-announce-{stage}",
+                                        daemon=True)
+
+    def start(self) -> Announcer:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._sock.send_multipart(self._frames, flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                pass  # no orchestrator connected right now: the next beat tries again
+            except zmq.ZMQError as e:
+                if self._stop.is_set():
+                    break
+                logger.warning("stage %s: announcement failed: %s", self.message.stage, e)
+            if self._stop.wait(self.interval_s):
+                break
+        self._sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
