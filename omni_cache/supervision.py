@@ -364,6 +364,9 @@ class StageSupervision:
             sp = self._stages.get(name)
             if sp is None:
                 out[name] = "not started"
+            elif sp.up and name == self.entry.name and not self._started:
+                # Stages started elsewhere can be up before the server loaded its tokenizer.
+                out[name] = "up; the server is still starting (loading the tokenizer)"
             elif sp.up:
                 continue
             elif sp.external and sp.lost_reason:
