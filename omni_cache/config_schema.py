@@ -76,9 +76,11 @@ class ServerConfig(_Base, kw_only=True):
     #: Every stage re-announces itself (StageReady) this often: a server started after its stages
     #: finds them, and the orchestrator watches stages started elsewhere by it.
     heartbeat_interval_s: PositiveFloat = 0.25
-    #: A stage started elsewhere (``external``) whose announcement is this late is marked down and
-    #: its in-flight requests fail (503); the next announcement brings it back.
-    heartbeat_timeout_s: PositiveFloat = 1.5
+    #: A stage started elsewhere (``external``) that has sent nothing for this long is marked down
+    #: and its in-flight requests fail (503); the next announcement brings it back. This is for a
+    #: host that vanishes: a stage process that dies closes its connection and is marked down at
+    #: once. Under load a busy stage's beats can be late by seconds: keep this well above that.
+    heartbeat_timeout_s: PositiveFloat = 10.0
 
 
 class LatentSpec(_Base, kw_only=True):

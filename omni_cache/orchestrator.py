@@ -201,6 +201,7 @@ class Orchestrator(StageSupervision):
         self._codec: Any = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._connection_watchers: dict[str, asyncio.Task] = {}  # external stage -> its watcher
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closing = False
@@ -339,12 +340,18 @@ class Orchestrator(StageSupervision):
         from omni_cache.transport import AsyncSender
 
         assert self._ctx is not None
-        return AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec, auth=self._auth)
+        sender = AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec, auth=self._auth)
+        if name in self._external:
+            self._watch_connection(name, sender)
+        return sender
 
     def _reset_sender(self, name: str) -> None:
         """Drop whatever is queued for a dead stage (linger 0), so its next incarnation does not
         receive stale requests."""
         old = self._senders.get(name)
+        watcher = self._connection_watchers.pop(name, None)
+        if watcher is not None:
+            watcher.cancel()
         if old is not None:
             with contextlib.suppress(Exception):
                 old.close()
@@ -602,6 +609,8 @@ class Orchestrator(StageSupervision):
                 logger.exception("orchestrator: error handling %s", type(msg).__name__)
 
     def _dispatch(self, msg: Any, tensors: dict[str, Any]) -> None:
+        if isinstance(msg, (StageOutput, StageError, StageStats)):
+            self._heard_from(msg.stage)  # any message says the stage is alive, not only beats
         if isinstance(msg, StageOutput):
             self._on_output(msg, tensors)
         elif isinstance(msg, StageError):

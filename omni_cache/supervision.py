@@ -17,6 +17,10 @@ import sys
 import threading
 import time
 from collections import deque
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
 from omni_cache.config import StageConfig
 from omni_cache.messages import StageReady
 
@@ -147,6 +151,9 @@ class StageSupervision:
     is gone: its in-flight requests fail at once (503) and it is down until it announces again.
     """
 
+    #: When the supervision loop last judged the external stages' silence.
+    _last_tick = 0.0
+
     def _on_announcement(self, msg: StageReady) -> None:
         sp = self._stages.get(msg.stage)
         if sp is None:
@@ -190,7 +197,45 @@ class StageSupervision:
         logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, msg.pid,
                     msg.host or "?", f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
 
+    def _heard_from(self, name: str) -> None:
+        sp = self._stages.get(name)
+        if sp is not None and sp.up:
+            sp.last_seen = time.monotonic()
+
+    def _watch_connection(self, name: str, sender: Any) -> None:
+        """Watch the connection to an external stage: when its process dies, its host's kernel
+        closes the TCP connection at once (ZMQ reports EVENT_DISCONNECTED), much sooner than the
+        heartbeat timeout, which stays the net for hosts that vanish without closing anything."""
+        mon = sender.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        async def watch() -> None:
+            try:
+                while True:
+                    frames = await mon.recv_multipart()
+                    event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
+                    sp = self._stages.get(name)
+                    if (event == zmq.EVENT_DISCONNECTED and sp is not None and sp.up
+                            and self._senders.get(name) is sender and not self._closing):
+                        self._stage_lost(sp, "closed its connection (its process is gone)")
+            except (asyncio.CancelledError, zmq.ZMQError):
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    sender.socket.disable_monitor()
+                mon.close(linger=0)
+
+        task = asyncio.ensure_future(watch())
+        self._connection_watchers[name] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _watch_external(self, now: float) -> None:
+        # A stalled event loop (a long tokenization, a burst of outputs) has not read the
+        # announcements waiting in its inbox yet: judge silence only on a punctual tick.
+        late = now - self._last_tick > 5 * POLL_INTERVAL_S
+        self._last_tick = now
+        if late:
+            return
         timeout = self.config.server.heartbeat_timeout_s
         for sp in self._stages.values():
             if sp.external and sp.up and now - sp.last_seen > timeout:
