@@ -2,7 +2,8 @@
 
 :class:`HandStartedPipeline` does what the README's "Stages on several hosts" section tells a user
 to do, on one machine with tcp://127.0.0.1 standing in for the hosts: a copy of a stage config
-with tcp addresses, a control address and a stage key file; ``omni-serve --external-stages all``;
+with tcp addresses, a control address and a stage key file (stage_configs/tiny_omni_hosts.yaml,
+on free ports); ``omni-serve``;
 ``python -m workers --stage-config FILE --stage NAME`` once per stage. Each is its own OS process
 (tests/test_external_stages_e2e.py drives it too).
 
@@ -31,7 +32,8 @@ import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "stage_configs" / "tiny_omni.yaml"
+#: tiny_omni with every stage external, tcp addresses, bind 0.0.0.0 and a stage key file.
+HOSTS = REPO / "stage_configs" / "tiny_omni_hosts.yaml"
 
 
 def free_port() -> int:
@@ -40,18 +42,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class HandStartedPipeline:
-    """``base`` with tcp addresses on 127.0.0.1 (stages bind 0.0.0.0), a control address, and
-    (``auth``) a stage key file; a server and stages started as separate processes."""
+def _with_port(address: str, port: int) -> str:
+    return f"{address.rpartition(':')[0]}:{port}"
 
-    def __init__(self, base: Path = TINY, *, auth: bool = True, workdir: Path | None = None,
-                 checkpoint_dir: str | None = None) -> None:
+
+class HandStartedPipeline:
+    """``base`` (stage_configs/tiny_omni_hosts.yaml) as the README runs it, on free ports (each
+    address keeps its host) and, with ``auth``, a fresh stage key file (else none); a server and
+    stages started as separate processes."""
+
+    def __init__(self, base: Path = HOSTS, *, auth: bool = True, workdir: Path | None = None) -> None:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="omni_hosts_"))
         data = yaml.safe_load(base.read_text())
-        data["name"] = f"{data['name']}_hosts_{os.getpid()}"
-        server = data.setdefault("server", {})
-        server["control_address"] = f"tcp://127.0.0.1:{free_port()}"
+        data["name"] = f"{data['name']}_{os.getpid()}"
+        server = data["server"]
+        port = free_port()
+        for key in ("control_address", "control_bind_address"):
+            server[key] = _with_port(server[key], port)
         server["port"] = self.http_port = free_port()
+        server["stage_auth_key_file"] = None
         if auth:
             key = self.dir / "stage.key"
             subprocess.run([sys.executable, "-m", "omni_cache.stage_auth", "new-key", str(key)],
@@ -59,14 +68,12 @@ class HandStartedPipeline:
             server["stage_auth_key_file"] = str(key)
         for stage in data["stages"]:
             port = free_port()
-            stage["address"] = f"tcp://127.0.0.1:{port}"
-            stage["bind_address"] = f"tcp://0.0.0.0:{port}"
-        if checkpoint_dir:
-            data["checkpoint_dir"] = checkpoint_dir
+            stage["address"] = _with_port(stage["address"], port)
+            stage["bind_address"] = _with_port(stage["bind_address"], port)
         self.config_path = self.dir / "pipeline.yaml"
         self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         self.config = data
-        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.url = f"http://{server['host']}:{self.http_port}"
         self.model = data["name"]
         self.server: subprocess.Popen | None = None
         self.stages: dict[str, subprocess.Popen] = {}
@@ -80,7 +87,7 @@ class HandStartedPipeline:
 
     def start_server(self) -> None:
         self.server = self._spawn([str(Path(sys.executable).with_name("omni-serve")), "--stage-config",
-                                   str(self.config_path), "--external-stages", "all"], "server.log")
+                                   str(self.config_path)], "server.log")
 
     def stop_server(self, timeout: float = 60.0) -> int:
         assert self.server is not None
