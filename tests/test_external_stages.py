@@ -491,3 +491,13 @@ def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkey
     monkeypatch.setattr(workers.stage_process, "serve_stage", fake_serve)
     assert workers_main.main(["--stage-config", str(path), "--stage", "decoder", "--no-path-check"]) == 0
     assert seen == {"name": "decoder", "mark": "from-the-config"}
+
+
+def test_shipped_several_hosts_configs():
+    for name in ("tiny_omni_hosts.yaml", "qwen3_omni_example.yaml"):
+        config = load_config(REPO / "stage_configs" / name, check_paths=False)
+        assert config.server.stage_auth_key_file and config.server.control_address.startswith("tcp://")
+        assert config.server.control_bind_address.startswith("tcp://0.0.0.0:")
+        for stage in config.stages:
+            assert stage.external and stage.address.startswith("tcp://")
+            assert stage.bind_address == "tcp://0.0.0.0:" + stage.address.rpartition(":")[2]
