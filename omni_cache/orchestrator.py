@@ -6,7 +6,11 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
 * starts one OS process per stage (``python -m workers --stage-config ... --stage NAME
   --orchestrator ADDR --parent-pid PID``, each in its own process group), waits until every stage
   sent ``StageReady``, polls them every 100 ms, restarts a stage that died, and on close sends
-  ``Shutdown``, then SIGTERM, then SIGKILL to each process group;
+  ``Shutdown``, then SIGTERM, then SIGKILL to each process group; stages marked ``external`` are
+  started by hand elsewhere: it waits for their announcements and watches their connections and
+  heartbeats instead (and never stops them);
+* with ``server.stage_auth_key_file``, makes every ZMQ connection CURVE-authenticated
+  (:mod:`omni_cache.stage_auth`);
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
 * owns request ids, deadlines and the only copy of each accepted request: every request ends in
@@ -129,8 +133,9 @@ class Orchestrator(StageSupervision):
     stages as ``--checkpoint-dir`` / ``--no-prefix-cache``. ``tokenizer``: anything with
     ``apply_chat_template`` (default: the entry stage's, loaded with ``AutoTokenizer``).
     ``stage_argv``: the command of a stage process before its arguments (default
-    ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere (not
-    spawned or supervised; the orchestrator only waits for their StageReady).
+    ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
+    those the config marks ``external`` (not spawned; watched through their announcements and
+    connections, see :class:`~omni_cache.supervision.StageSupervision`).
     """
 
     def __init__(
