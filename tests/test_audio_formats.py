@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import base64
 import io
-import uuid
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
-from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_config
+from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, fake_server
 
 from omni_cache.audio_formats import FORMATS, UnsupportedFormat, check_format, encode_audio
-from omni_cache.server import ServerThread
 
 RATE = 24000
 #: libsndfile's name of each container, as the decoder reports it.
@@ -75,13 +73,8 @@ def test_out_of_range_samples_are_clipped_not_wrapped():
 
 @pytest.fixture(scope="module")
 def srv():
-    orch = make_orchestrator(write_config(f"fmt_{uuid.uuid4().hex[:8]}"))
-    server = ServerThread(orch, api_key=API_KEY).start()
-    try:
-        server.wait_ready(60)
+    with fake_server("fmt") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

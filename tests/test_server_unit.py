@@ -8,6 +8,7 @@ with the prompt's bytes) and a "decoder" (a sine per token, 24 kHz float32).
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import tempfile
 import time
 import uuid
 import wave
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -88,6 +90,18 @@ def make_orchestrator(path: Path) -> Orchestrator:
         stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
         echo_stage_logs=False,
     )
+
+
+@contextlib.contextmanager
+def fake_server(prefix: str) -> Iterator[ServerThread]:
+    """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
+    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}"))
+    server = ServerThread(orch, api_key=API_KEY).start()
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
 
 
 def assert_gone(pids) -> None:

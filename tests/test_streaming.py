@@ -16,23 +16,17 @@ import httpx
 import openai
 import pytest
 from fake_stage import SLOW_FIRST_TOKEN_S, UTF8BAD_ANSWER
-from test_server_unit import API_KEY, echo, make_orchestrator, sse_events, write_config
+from test_server_unit import API_KEY, echo, fake_server, sse_events
 
 from omni_cache.metrics import parse_metrics
-from omni_cache.server import ServerThread
 
 TTFT = "vllm:time_to_first_token_seconds"
 
 
 @pytest.fixture(scope="module")
 def srv():
-    orch = make_orchestrator(write_config(f"stream_{uuid.uuid4().hex[:8]}"))
-    server = ServerThread(orch, api_key=API_KEY).start()
-    try:
-        server.wait_ready(60)
+    with fake_server("stream") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
