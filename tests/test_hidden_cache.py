@@ -101,8 +101,9 @@ class Thinker:
         on = run(self.on, prompts, max_tokens)
         if not self.hybrid:
             return on, run(self.off, prompts, max_tokens)
-        # The hybrid reference runs one request at a time (it was written for bfloat16, where the
-        # batched cache-off engine flipped an expert choice; one at a time is the plainer reference).
+        # The hybrid reference runs one request at a time: batched, vLLM 0.32's cache-off hybrid
+        # engine once gave one wrong prompt row under the checkpoint's earlier top-2 routing (most
+        # likely the expert flip described above); one at a time is the plainer reference.
         off = {}
         for rid, prompt in prompts.items():
             off.update(run(self.off, {rid: prompt}, max_tokens))
