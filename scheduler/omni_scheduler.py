@@ -5,6 +5,9 @@ admitted request records its prompt length (queried tokens) and the tokens vLLM'
 it skip (hit tokens). The counters are cumulative and read in-process by the stage (they feed
 `/metrics`). `OmniScheduler` extends the synchronous scheduler, `AsyncOmniScheduler` the one vLLM
 uses with async scheduling; the stage picks the one matching `async_scheduling`.
+
+Both also turn on hybrid block states where the engine supports them (scheduler/mamba_block_states.py):
+a recurrent-state checkpoint at every block boundary a prefill chunk crosses.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from scheduler import mamba_block_states
 
 
 @dataclass
@@ -30,6 +35,12 @@ class PrefixCacheCounters:
 
 class PrefixCounterMixin:
     prefix_counters: PrefixCacheCounters
+    block_states: bool = False  # hybrid thinkers: a state at every block boundary crossed
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if getattr(self, "has_mamba_layers", False):
+            self.block_states = mamba_block_states.install(self)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]

@@ -52,7 +52,10 @@ class _Tracked:
 
 class LLMStage:
     def __init__(self, model: str, engine_args: dict[str, Any], *, prefix_cache: bool = True,
-                 latents: LatentOptions | None = None, async_scheduling: bool = False) -> None:
+                 latents: LatentOptions | None = None, async_scheduling: bool = False,
+                 block_states: bool = True) -> None:
+        """block_states=False keeps vLLM's plain align mode on a hybrid thinker (states only where a
+        chunk ends; benchmarks compare against it). It changes nothing for other models."""
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -68,6 +71,8 @@ class LLMStage:
             kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache": {
                 "hidden": latents.hidden, "layers": list(latents.layers),
                 "cache": latents.cache and prefix_cache, "storage": latents.storage}}
+        kwargs["additional_config"] = {**kwargs.get("additional_config", {}),
+                                       "omni_cache_block_states": block_states}
         args = EngineArgs(
             model=model, enable_prefix_caching=prefix_cache, async_scheduling=async_scheduling,
             worker_cls=f"workers.latent_worker.{worker}",

@@ -1,0 +1,194 @@
+"""GatedDeltaNet that also stores its recurrent and conv states at block boundaries inside a chunk.
+
+Why: in vLLM 0.32's "align" prefix-cache mode a hybrid model keeps a recurrent state only where a
+scheduled prefill chunk ended on a block boundary. A prompt prefilled in one chunk leaves a single
+state at its end, so a later request that shares only part of it (a branch, the next turn of an
+agent) cannot hit: the attention KV is there, the recurrent state at the branch is not.
+
+How: the KV-cache manager (scheduler/mamba_block_states.py) gives every block boundary a chunk
+crosses a real state block in the mamba group's position-indexed block table (vLLM leaves those
+columns null). The metadata builder here turns those columns into a plan: cut the step's tokens at
+each such boundary. The layer runs vLLM's own GDN core segment by segment (each segment starts from
+the state the previous one left in the request's running state block) and copies the running
+state into the boundary's block after the segment that ends there. Projections and every other
+layer of the model run once for the whole chunk; only the recurrence is cut, and it is sequential
+anyway (vLLM's CPU kernel loops over 64-token chunks).
+
+Lockstep: the worker writes exactly the interior columns whose block is not null, and only the
+manager puts blocks there, so a block is never hashed without its state being written. The
+scheduler turns the manager on only where this layer runs (see `block_states_supported`).
+
+Scope: vLLM's CPU path, eager mode (the plan is Python control flow around vLLM's custom op; under
+torch.compile it would be traced once and frozen). On CUDA vLLM runs flash-linear-attention's chunk
+kernel, whose per-64-token states give the same boundaries without cutting (not wired here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend,
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens [start, end) of the step, with the GDN metadata that describes only them."""
+
+    start: int
+    end: int
+    metadata: GDNAttentionMetadata
+    # (running state block, boundary block): copy after this segment, the state it ends on.
+    exports: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class BlockStatePlan:
+    segments: tuple[Segment, ...]
+
+    @property
+    def exported_blocks(self) -> list[int]:
+        return [dst for s in self.segments for _, dst in s.exports]
+
+
+@dataclass
+class BlockStateGDNMetadata(GDNAttentionMetadata):
+    block_states: BlockStatePlan | None = None
+
+
+def boundary_cuts(seq_lens: list[int], query_start_loc: list[int], first_prefill: int,
+                  num_rows: int, block_size: int, block_table: torch.Tensor,
+                  running: list[int]) -> list[tuple[int, int, int]]:
+    """(token index in the step, running state block, boundary block) for every block boundary
+    strictly inside a prefill row's chunk whose block-table column holds a block.
+
+    Column c of an align-mode mamba row holds the state after (c + 1) * block_size tokens.
+    """
+    cuts = []
+    for row in range(first_prefill, num_rows):
+        q_start, q_end = query_start_loc[row], query_start_loc[row + 1]
+        seq_end = seq_lens[row]
+        seq_start = seq_end - (q_end - q_start)
+        boundary = (seq_start // block_size + 1) * block_size
+        while boundary < seq_end:
+            block = int(block_table[row, boundary // block_size - 1])
+            if block != NULL_BLOCK_ID and block != running[row]:
+                cuts.append((q_start + boundary - seq_start, running[row], block))
+            boundary += block_size
+    return cuts
+
+
+def plan_segments(meta: GDNAttentionMetadata, query_start_loc: list[int],
+                  cuts: list[tuple[int, int, int]]) -> BlockStatePlan:
+    """Split a non-speculative batch (decode rows first, then prefill rows) at the cuts."""
+    num_rows = meta.num_decodes + meta.num_prefills
+    total = query_start_loc[num_rows]
+    state_indices = meta.non_spec_state_indices_tensor[:num_rows].tolist()
+    has_initial = meta.has_initial_state[:num_rows].tolist()
+    edges = sorted({0, total, *(t for t, _, _ in cuts)})
+    exports_at: dict[int, list[tuple[int, int]]] = {}
+    for t, src, dst in cuts:
+        exports_at.setdefault(t, []).append((src, dst))
+    segments = []
+    for start, end in zip(edges, edges[1:]):
+        rows = [r for r in range(num_rows)
+                if query_start_loc[r] < end and query_start_loc[r + 1] > start]
+        lens, init, states, decodes = [], [], [], 0
+        for r in rows:
+            lo, hi = max(query_start_loc[r], start), min(query_start_loc[r + 1], end)
+            lens.append(hi - lo)
+            # A row cut earlier in this step continues from the state the last segment left.
+            init.append(bool(has_initial[r]) or lo > query_start_loc[r])
+            states.append(state_indices[r])
+            decodes += r < meta.num_decodes
+        segments.append(Segment(start, end, _segment_metadata(meta, lens, init, states, decodes),
+                                tuple(exports_at.get(end, ()))))
+    return BlockStatePlan(tuple(segments))
+
+
+def _segment_metadata(meta: GDNAttentionMetadata, lens: list[int], init: list[bool],
+                      states: list[int], num_decodes: int) -> GDNAttentionMetadata:
+    device = meta.non_spec_state_indices_tensor.device
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    state_idx = torch.tensor(states, dtype=meta.non_spec_state_indices_tensor.dtype, device=device)
+    has_init = torch.tensor(init, dtype=torch.bool, device=device)
+    num_decode_tokens = sum(lens[:num_decodes])
+    return replace(
+        meta,
+        num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+        num_prefills=len(lens) - num_decodes, num_prefill_tokens=sum(lens) - num_decode_tokens,
+        num_actual_tokens=sum(lens), has_initial_state=has_init,
+        non_spec_query_start_loc=qsl, non_spec_state_indices_tensor=state_idx,
+        prefill_query_start_loc=qsl[num_decodes:] - num_decode_tokens,
+        prefill_state_indices=state_idx[num_decodes:], prefill_has_initial_state=has_init[num_decodes:],
+        # Precomputed kernel layouts describe the whole batch; the CPU path rebuilds its own.
+        chunk_indices=None, chunk_offsets=None, nums_dict=None, batch_ptr=None,
+        token_chunk_offset_ptr=None, aiter_prefill_metadata=None, checkpoint=None)
+
+
+class BlockStateGDNMetadataBuilder(GDNAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):  # type: ignore[override]
+        meta = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        m = common_attn_metadata
+        if (self.vllm_config.cache_config.mamba_cache_mode != "align" or meta.num_prefills == 0
+                or meta.num_spec_decodes > 0 or m.block_table_tensor.device.type != "cpu"):
+            return meta
+        num_rows = meta.num_decodes + meta.num_prefills
+        qsl = m.query_start_loc_cpu[: num_rows + 1].tolist()
+        running = meta.non_spec_state_indices_tensor[:num_rows].tolist()
+        cuts = boundary_cuts(m.seq_lens.tolist(), qsl, meta.num_decodes, num_rows,
+                             self.kv_cache_spec.block_size, m.block_table_tensor, running)
+        if not cuts:
+            return meta
+        plan = plan_segments(meta, qsl, cuts)
+        return BlockStateGDNMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)},
+                                     block_states=plan)
+
+
+class BlockStateGDNBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_builder_cls() -> type[GDNAttentionMetadataBuilder]:
+        return BlockStateGDNMetadataBuilder
+
+
+class BlockStateGatedDeltaNet(QwenGatedDeltaNetAttention):
+    """vLLM's Qwen GatedDeltaNet layer (Qwen3-Next, Qwen3.5) plus block-boundary states.
+
+    Registered as the out-of-tree replacement of `QwenGatedDeltaNetAttention` (vLLM's
+    PluggableLayer mechanism, see workers/models/__init__.py); it adds no weights or state.
+    """
+
+    def get_attn_backend(self):
+        return BlockStateGDNBackend
+
+    def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        plan = getattr(meta, "block_states", None)
+        if plan is None:
+            return super().forward_cpu(hidden_states)
+        outputs = []
+        last = len(plan.segments) - 1
+        try:
+            for i, segment in enumerate(plan.segments):
+                metadata[self.prefix] = segment.metadata
+                # The last segment also carries any padding rows past the batch's real tokens.
+                end = hidden_states.shape[0] if i == last else segment.end
+                outputs.append(super().forward_cpu(hidden_states[segment.start:end]))
+                self._export(segment.exports)
+        finally:
+            metadata[self.prefix] = meta
+        return torch.cat(outputs)
+
+    def _export(self, exports: tuple[tuple[int, int], ...]) -> None:
+        for src, dst in exports:
+            for state in self.kv_cache[:2]:  # conv state, recurrent state
+                state[dst].copy_(state[src])
