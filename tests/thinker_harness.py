@@ -50,8 +50,11 @@ def make_stage(model: str, *, cache: bool, **engine_args) -> LLMStage:
                     latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
 
 
-def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4) -> dict[str, Result]:
-    """Submit all prompts together (so they can share steps) and run until all finish."""
+def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4,
+        background: tuple[str, ...] = ()) -> dict[str, Result]:
+    """Submit all prompts together (so they can share steps) and run until all finish.
+
+    background: ids of requests added to the stage earlier, run alongside and not collected."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -60,6 +63,8 @@ def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4) -> 
     results = {rid: Result() for rid in prompts}
     while stage.has_work():
         for out in stage.step():
+            if out.request_id in background:
+                continue
             r = results[out.request_id]
             r.token_ids += out.token_ids
             r.logprobs += out.logprobs or []
