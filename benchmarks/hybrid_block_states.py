@@ -1,0 +1,187 @@
+"""Hybrid thinker block states: what they cost in prefill time and what they buy in hits.
+
+    python -m benchmarks.hybrid_block_states [--rounds 7] [--traces 3] [--turns 10] [--json PATH]
+
+Engines (in-process vLLM stages with the hidden-state cache on, as the thinker stage runs them;
+the tiny hybrid and dense thinkers in bfloat16, as the shipped configs, block size picked by vLLM
+for the hybrid and 32 for the dense thinker):
+- `block_states`: this project's hybrid thinker, a recurrent state at every block boundary a
+  prefill chunk crosses (scheduler/mamba_block_states.py, workers/models/gdn_block_states.py);
+- `align`: the same model in vLLM 0.32's plain align mode (states only where a chunk ends);
+- `split`: plain align mode with `max_num_batched_tokens` = the block size, so every prefill chunk
+  ends on a block boundary: the obvious way to get the same states, and the baseline to beat;
+- `dense`: the tiny dense thinker (block 32), for the hit rates a hybrid cannot reach at its block.
+
+Part 1, prefill: a fresh 4-block prompt (nothing cached) per engine and round, engines interleaved
+in a rotating order, time from submission to the first token (max_tokens=1). Then a request that
+shares the first 2.5 blocks of it: the tokens it hits.
+Part 2, agent trace: turn 1 is a 700-token prompt; every later turn resends the whole history plus
+the model's answer (48 tokens) and a tool output of 100-600 tokens. Hit rate = tokens hit / prompt
+tokens over turns 2-10; best = the longest block-aligned prefix shared with the previous turn
+(everything the previous turn fed through the model, floored to the engine's block). TTFT per turn.
+Memory: recurrent-state bytes held per cached token, from the engine's KV-cache spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from benchmarks.harness import command_line, machine_info
+
+PROMPT_BLOCKS = 4
+ANSWER = 48
+FIRST_TURN = 700
+
+
+def _stage(model: str, *, block_states: bool = True, **engine_args: Any) -> Any:
+    from omni_cache.checkpoints import ensure_checkpoint
+    from workers.latent_capture import LatentOptions
+    from workers.llm_stage import LLMStage
+
+    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", max_model_len=16384,
+                kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=8192)
+    if model == "thinker-hybrid":
+        args["prefix_cache_retention_interval"] = None  # as stage_configs/tiny_omni_hybrid.yaml
+    args.update(engine_args)
+    return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=True, block_states=block_states,
+                    latents=LatentOptions(hidden=True, cache=True))
+
+
+def _block(stage: Any) -> int:
+    return stage.engine.vllm_config.cache_config.block_size
+
+
+def ask(stage: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """Run one request alone; TTFT, hit tokens and the answer."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    stage.add(rid, {"prompt_token_ids": prompt}, params)
+    ttft, tokens, hit = None, [], 0
+    while stage.has_work():
+        for out in stage.step():
+            if out.token_ids and ttft is None:
+                ttft = time.perf_counter() - start
+            tokens += out.token_ids
+            hit = out.num_cached_tokens
+    return {"ttft_s": ttft, "hit": hit, "tokens": tokens}
+
+
+def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {name: [] for name in stages}
+    hits: dict[str, list[int]] = {name: [] for name in stages}
+    names = list(stages)
+    for r in range(rounds + 1):  # round 0 warms each engine up and is not counted
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            B = _block(stages[name])
+            prompt = [rng.randrange(256) for _ in range(PROMPT_BLOCKS * B)]
+            first = ask(stages[name], f"p{r}-{name}", prompt, 1)
+            branch = prompt[: PROMPT_BLOCKS * B * 5 // 8] + [rng.randrange(256) for _ in range(64)]
+            second = ask(stages[name], f"b{r}-{name}", branch, 1)
+            if r:
+                times[name].append(first["ttft_s"])
+                hits[name].append(second["hit"])
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "prompt_tokens": {n: PROMPT_BLOCKS * _block(s) for n, s in stages.items()},
+        "prefill_s": times, "median_s": med,
+        "vs_align": {n: med[n] / med["align"] for n in med},
+        "branch_hit_tokens": hits,
+        "branch_best_tokens": {n: 2 * _block(s) for n, s in stages.items()},
+    }
+
+
+def agent_trace(stage: Any, traces: int, turns: int, seed: int) -> dict[str, Any]:
+    B = _block(stage)
+    per_turn: list[dict[str, Any]] = []
+    for t in range(traces):
+        rng = random.Random(seed * 1000 + t)
+        prompt = [rng.randrange(256) for _ in range(FIRST_TURN)]
+        fed = 0
+        for turn in range(1, turns + 1):
+            r = ask(stage, f"trace{t}-turn{turn}", prompt, ANSWER)
+            best = min(fed // B * B, len(prompt) - 1) if turn > 1 else 0
+            per_turn.append({"trace": t, "turn": turn, "prompt": len(prompt), "hit": r["hit"],
+                             "best": best, "ttft_s": r["ttft_s"]})
+            fed = len(prompt) + len(r["tokens"]) - 1
+            prompt = prompt + r["tokens"] + [rng.randrange(256) for _ in range(rng.randint(100, 600))]
+    later = [p for p in per_turn if p["turn"] > 1]
+    prompt_tokens = sum(p["prompt"] for p in later)
+    return {
+        "block_size": B, "turns": per_turn,
+        "hit_rate": sum(p["hit"] for p in later) / prompt_tokens,
+        "best_rate": sum(p["best"] for p in later) / prompt_tokens,
+        "turns_at_best": sum(p["hit"] == p["best"] for p in later), "turns_counted": len(later),
+        "mean_ttft_s": statistics.mean(p["ttft_s"] for p in later),
+    }
+
+
+def state_memory(stage: Any) -> dict[str, Any]:
+    """Bytes of recurrent state per cached token when every block holds a state."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = stage.scheduler.kv_cache_config
+    B = _block(stage)
+    mamba = [g.kv_cache_spec for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    layers = sum(len(g.layer_names) for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec))
+    attention = [g for g in config.kv_cache_groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    attn_layers = sum(len(g.layer_names) for g in attention)
+    spec = mamba[0]
+    return {
+        "block_size": B, "gdn_layers": layers, "state_bytes": spec.real_page_size_bytes,
+        "page_bytes": spec.page_size_bytes,
+        "state_bytes_per_token": layers * spec.page_size_bytes / B,
+        "attention_kv_bytes_per_token": attn_layers * attention[0].kv_cache_spec.page_size_bytes / B,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="prefill rounds per engine (after a warm-up)")
+    parser.add_argument("--traces", type=int, default=3, help="agent traces per engine")
+    parser.add_argument("--turns", type=int, default=10, help="turns per agent trace")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write all figures here")
+    args = parser.parse_args(argv)
+
+    result: dict[str, Any] = {"machine": machine_info(), "command": command_line()}
+    hybrid = {"block_states": _stage("thinker-hybrid"),
+              "align": _stage("thinker-hybrid", block_states=False)}
+    assert hybrid["block_states"].scheduler.block_states and not hybrid["align"].scheduler.block_states
+    B = _block(hybrid["align"])
+    hybrid["split"] = _stage("thinker-hybrid", block_states=False, max_num_batched_tokens=B)
+    result["prefill"] = prefill(hybrid, args.rounds, args.seed)
+    p = result["prefill"]
+    print(f"prefill of {PROMPT_BLOCKS} x {B} tokens, median of {args.rounds} (s):")
+    for name in hybrid:
+        print(f"  {name:13s} {p['median_s'][name]:.3f}  x{p['vs_align'][name]:.3f} of align   "
+              f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B})")
+    result["memory"] = state_memory(hybrid["block_states"])
+    print("memory:", result["memory"])
+    del hybrid["split"]
+
+    hybrid["dense"] = _stage("thinker", block_size=32)
+    result["agent"] = {}
+    for name in ("block_states", "align", "dense"):
+        a = agent_trace(hybrid[name], args.traces, args.turns, args.seed)
+        result["agent"][name] = a
+        print(f"agent trace {name:13s} block {a['block_size']:4d}: hit rate {a['hit_rate']:.3f} "
+              f"(best {a['best_rate']:.3f}, {a['turns_at_best']}/{a['turns_counted']} turns at best), "
+              f"mean TTFT turns 2-{args.turns} {a['mean_ttft_s']:.3f} s")
+    result["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
