@@ -101,6 +101,13 @@ def block_states_supported(vllm_config: Any) -> str | None:
     return None
 
 
+def needs_aligned_chunks(scheduler: Any) -> bool:
+    """Cases where vLLM's chunk stops carry more than block states replace: partial-block hash hits
+    (a hash block below the attention block) and EAGLE's dropped block."""
+    return bool(getattr(scheduler, "mamba_partial_cache_hit", False)
+                or getattr(scheduler, "use_eagle_block_drop", False))
+
+
 def install(scheduler: Any) -> bool:
     """Re-class the scheduler's align-mode MambaManagers; True when block states are on.
 

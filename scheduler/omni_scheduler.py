@@ -42,6 +42,16 @@ class PrefixCounterMixin:
         if getattr(self, "has_mamba_layers", False):
             self.block_states = mamba_block_states.install(self)
 
+    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, *args: Any,
+                                   **kwargs: Any) -> int:
+        # vLLM's align mode ends prefill chunks where a state must be kept (the prompt's last block
+        # boundary, a chunk started mid-block, a branch point), costing a forward pass per stop.
+        # With block states every boundary inside a chunk gets its state, so no stop is needed.
+        if self.block_states and not mamba_block_states.needs_aligned_chunks(self):
+            return num_new_tokens
+        return super()._mamba_block_aligned_split(  # type: ignore[misc]
+            request, num_new_tokens, *args, **kwargs)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         counters = self.__dict__.setdefault("prefix_counters", PrefixCacheCounters())

@@ -169,7 +169,10 @@ def test_stored_states_equal_a_recurrent_reference(hybrid):
     B, rng = hybrid.B, random.Random(15)
     prompt = tokens(rng, 3 * B + 50)
     hybrid.on.add("states", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0))
-    hybrid.on.step()  # the whole prompt in one chunk: boundaries B, 2B and 3B are inside it
+    # The whole prompt in one forward pass (vLLM's align mode would stop at 3B, the last boundary):
+    # boundaries B, 2B and 3B are inside it.
+    first = hybrid.on.step()
+    assert any(o.request_id == "states" and o.token_ids for o in first), "prefill took more than one step"
     stored = _stored_states(hybrid.on, "states", [0, 1, 2])
     while hybrid.on.has_work():
         hybrid.on.step()
