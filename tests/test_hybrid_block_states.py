@@ -188,3 +188,29 @@ def test_stored_states_equal_a_recurrent_reference(hybrid):
         layer, position = key
         other = reference[(layer, position + B if position < 3 * B else position - B)][1]
         assert _rel(ssm.reshape(other.shape), other) > 4 * STATE_RTOL, "states of neighbouring boundaries are indistinguishable"
+
+
+def test_chunks_ending_mid_block_keep_the_right_states(hybrid):
+    """A token budget below the prompt makes vLLM end prefill chunks wherever the budget runs out
+    (block states turn off vLLM's block-aligned stops). The block a chunk ended in then holds the
+    state at that unaligned position until the next chunk crosses the block's end and writes the
+    boundary's state into it; a branch must hit there and match the cache-off engine."""
+    B, rng = hybrid.B, random.Random(16)
+    budget = B + B // 3
+    stage = make_stage("thinker-hybrid", cache=True, **{**ENGINE, "max_num_batched_tokens": budget})
+    try:
+        assert stage.scheduler.block_states
+        prompt = tokens(rng, 5 * B)
+        first = run(stage, {"long": prompt}, 2)["long"]
+        for depth in (2 * B, 3 * B):  # 2B lies inside the 2nd chunk, 3B inside the 3rd
+            branch = prompt[:depth + B // 2] + tokens(rng, 50)
+            on = run(stage, {f"at{depth}": branch}, 4)[f"at{depth}"]
+            off = run(hybrid.off, {f"at{depth}": branch}, 4)[f"at{depth}"]
+            assert on.num_cached_tokens == depth, f"hit {on.num_cached_tokens}, best {depth}"
+            assert_bitwise(on.latents, first.latents, depth, f"branch at {depth} vs first")
+            rows = comparable_rows(on, off, f"at{depth}", HYBRID_TIE_MARGIN)
+            rel = (on.latents["hidden"][:rows].float() - off.latents["hidden"][:rows].float()).norm(dim=1) \
+                / off.latents["hidden"][:rows].float().norm(dim=1)
+            assert float(rel.max()) <= HYBRID_ROW_RTOL, f"branch at {depth}: row error {float(rel.max()):.2e}"
+    finally:
+        close(stage)
