@@ -431,6 +431,16 @@ class LatentStore:
             out = {nm: t.to(out_dev) for nm, t in out.items()}
         return out
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy every row of block src to block dst, for each (src, dst): the mirror's side of
+        vLLM's copy-on-write of a shared KV block. Ordered after earlier writes, before later ones."""
+        if not pairs:
+            return
+        blocks = torch.tensor(pairs, dtype=torch.int64)
+        offsets = torch.arange(self.block_size, dtype=torch.int64)
+        src, dst = ((blocks[:, i, None] * self.block_size + offsets).flatten() for i in (0, 1))
+        self.write(dst.to(self.device), self.gather(src))
+
     @staticmethod
     def prefix_slots(block_ids: Sequence[int] | torch.Tensor, block_size: int, num_tokens: int,
                      start: int = 0) -> torch.Tensor:

@@ -214,3 +214,37 @@ def test_chunks_ending_mid_block_keep_the_right_states(hybrid):
             assert float(rel.max()) <= HYBRID_ROW_RTOL, f"branch at {depth}: row error {float(rel.max()):.2e}"
     finally:
         close(stage)
+
+
+def test_finer_hits_with_prefix_match_unit(hybrid):
+    """vLLM's `prefix_match_unit` (hash blocks below the attention block) lets a hybrid hit at the
+    prompt's last 32-token boundary (vLLM keeps that state as a partial-block tail); with block
+    states on as well, every hit lands at least on the best block boundary and rows stay right."""
+    B, rng, unit = hybrid.B, random.Random(17), 32
+    stage = make_stage("thinker-hybrid", cache=True, **{**ENGINE, "prefix_match_unit": unit})
+    try:
+        assert stage.scheduler.block_states
+        shared = tokens(rng, 2 * B + 1)
+        first = run(stage, {"f0": shared + tokens(rng, B)}, 2)["f0"]
+        second = run(stage, {"f1": shared + tokens(rng, B)}, 2)["f1"]
+        assert second.num_cached_tokens == 2 * B
+        assert_bitwise(second.latents, first.latents, 2 * B, "fine branch vs first")
+        prompt, previous, gained = tokens(rng, B + 150), None, 0
+        for turn in range(3):
+            if previous is not None:
+                prompt = prompt + previous.token_ids + tokens(rng, 150)
+            on = run(stage, {f"t{turn}": prompt}, 32)[f"t{turn}"]
+            off = run(hybrid.off, {f"t{turn}": prompt}, 32)[f"t{turn}"]
+            if previous is not None:
+                block_best = (len(previous_prompt) + 31) // B * B
+                assert on.num_cached_tokens % unit == 0 and on.num_cached_tokens >= block_best
+                gained += on.num_cached_tokens - block_best
+                assert_bitwise(on.latents, previous.latents, on.num_cached_tokens, f"turn {turn}")
+            rows = comparable_rows(on, off, f"t{turn}", HYBRID_TIE_MARGIN)
+            a, b = (r.latents["hidden"][on.num_cached_tokens:rows].float() for r in (on, off))
+            rel = (a - b).norm(dim=1) / b.norm(dim=1)
+            assert float(rel.max()) <= HYBRID_ROW_RTOL, f"turn {turn}: row error {float(rel.max()):.2e}"
+            previous, previous_prompt = on, prompt
+        assert gained > 0, "prefix_match_unit gave no hit beyond the block boundaries"
+    finally:
+        close(stage)

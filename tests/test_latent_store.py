@@ -204,6 +204,26 @@ def test_same_step_prefix_hit(device, storage, kw, store_factory):
 
 
 @pytest.mark.parametrize("device,storage,kw", CONFIGS)
+def test_copy_blocks_is_ordered_between_writes(device, storage, kw, store_factory):
+    """vLLM's copy-on-write of a shared block: the copy sees the writes before it, and a write
+    after it (this step's rows) lands on top of the copy."""
+    gen = torch.Generator().manual_seed(6)
+    store = store_factory(device, storage, kw)
+    src = LatentStore.prefix_slots([5], BLOCK_SIZE, BLOCK_SIZE).to(device)
+    before = random_latents(BLOCK_SIZE, device, gen)
+    store.write(src, before)
+    store.copy_blocks([(5, 9)])
+    tail = torch.tensor([9 * BLOCK_SIZE + BLOCK_SIZE - 1], device=device)
+    after = random_latents(1, device, gen)
+    store.write(tail, after)
+    store.write(src, random_latents(BLOCK_SIZE, device, gen))  # the source moves on
+    got = store.gather(LatentStore.prefix_slots([9], BLOCK_SIZE, BLOCK_SIZE))
+    want = {n: torch.cat([t[:-1].cpu(), after[n].cpu()]) for n, t in before.items()}
+    assert_rows_equal(got, want)
+    store.copy_blocks([])
+
+
+@pytest.mark.parametrize("device,storage,kw", CONFIGS)
 def test_gather_to_cpu_and_empty(device, storage, kw, store_factory):
     gen = torch.Generator().manual_seed(5)
     store = store_factory(device, storage, kw)

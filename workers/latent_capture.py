@@ -114,6 +114,11 @@ class LatentCapture:
             return
         computed = self._step_latents(state, num_tokens)
         if self.store is not None:
+            # A hit that ends inside a block (prefix_match_unit below the block size) gets a private
+            # copy of the shared block: vLLM copies its KV before this step's forward, the mirror
+            # copies its rows before this step's writes, or the copy's rows would be stale.
+            copies = getattr(sched, "kv_cache_block_copies", None) or ()
+            self.store.copy_blocks([(c.src_block_id, c.dst_block_id) for c in copies])
             # All of the step's writes go before any gather: a request admitted in this step may
             # hit blocks that another request of the same step is computing right now.
             self.store.write(state.slot_mappings[self.layer_name][:num_tokens], computed)
