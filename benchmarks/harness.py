@@ -242,8 +242,8 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def command_line() -> str:
-    return shlex.join([".venv/bin/python", "-m", "benchmarks", *sys.argv[1:]])
+def command_line(module: str = "benchmarks") -> str:
+    return shlex.join([".venv/bin/python", "-m", module, *sys.argv[1:]])
 
 
 # ---- running ------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ for the hybrid and 32 for the dense thinker):
 - `align`: the same model in vLLM 0.32's plain align mode (states only where a chunk ends);
 - `split`: plain align mode with `max_num_batched_tokens` = the block size, so every prefill chunk
   ends on a block boundary: the obvious way to get the same states, and the baseline to beat;
+- `fine`: block states plus vLLM's `prefix_match_unit: 32` (hashes every 32 tokens; vLLM then keeps
+  a state at the prompt's last 32-token boundary too and hits there), the stretch toward finer hits;
 - `dense`: the tiny dense thinker (block 32), for the hit rates a hybrid cannot reach at its block.
 
 Part 1, prefill: a fresh 4-block prompt (nothing cached) per engine and round, engines interleaved
@@ -85,7 +87,7 @@ def ask(stage: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, A
 
 
 def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
+    rng = random.Random(f"prefill-{seed}")
     times: dict[str, list[float]] = {name: [] for name in stages}
     cpu: dict[str, list[float]] = {name: [] for name in stages}
     hits: dict[str, list[int]] = {name: [] for name in stages}
@@ -123,7 +125,7 @@ def agent_trace(stage: Any, traces: int, turns: int, seed: int, fan_out_at: int 
     per_turn: list[dict[str, Any]] = []
     fan: list[dict[str, Any]] = []
     for t in range(traces):
-        rng = random.Random(seed * 1000 + t)
+        rng = random.Random(f"trace-{seed}-{t}")
         prompt = [rng.randrange(256) for _ in range(FIRST_TURN)]
         fed = 0
         for turn in range(1, turns + 1):
@@ -134,7 +136,7 @@ def agent_trace(stage: Any, traces: int, turns: int, seed: int, fan_out_at: int 
             fed = len(prompt) + len(r["tokens"]) - 1
             history = prompt + r["tokens"]
             if turn == fan_out_at:
-                sib_rng = random.Random(seed * 7919 + t)
+                sib_rng = random.Random(f"siblings-{seed}-{t}")
                 for i in range(siblings):
                     sibling = history + [sib_rng.randrange(256) for _ in range(sib_rng.randint(100, 600))]
                     s = ask(stage, f"trace{t}-sibling{i}", sibling, 1)
@@ -161,7 +163,7 @@ def shared_context(stage: Any, groups: int, agents: int, seed: int) -> dict[str,
     B = _block(stage)
     rows = []
     for grp in range(groups):
-        rng = random.Random(seed * 4243 + grp)
+        rng = random.Random(f"context-{seed}-{grp}")
         context = [rng.randrange(256) for _ in range(3 * 384 + 100)]
         for a in range(agents):
             prompt = context + [rng.randrange(256) for _ in range(rng.randint(500, 1000))]
@@ -205,12 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-only", action="store_true", help="skip the agent traces")
     args = parser.parse_args(argv)
 
-    result: dict[str, Any] = {"machine": machine_info(), "command": command_line()}
+    result: dict[str, Any] = {"machine": machine_info(),
+                              "command": command_line("benchmarks.hybrid_block_states")}
     hybrid = {"block_states": _stage("thinker-hybrid"),
               "align": _stage("thinker-hybrid", block_states=False)}
     assert hybrid["block_states"].scheduler.block_states and not hybrid["align"].scheduler.block_states
     B = _block(hybrid["align"])
     hybrid["split"] = _stage("thinker-hybrid", block_states=False, max_num_batched_tokens=B)
+    hybrid["fine"] = _stage("thinker-hybrid", prefix_match_unit=32)
     result["prefill"] = prefill(hybrid, args.rounds, args.seed)
     p = result["prefill"]
     print(f"prefill of {PROMPT_BLOCKS} x {B} tokens, median of {args.rounds} (s):")
