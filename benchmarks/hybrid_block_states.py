@@ -205,26 +205,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write all figures here")
     parser.add_argument("--prefill-only", action="store_true", help="skip the agent traces")
+    parser.add_argument("--engines", default="block_states,align,split,fine",
+                        help="engines of the prefill part (comma-separated; align is always run)")
     args = parser.parse_args(argv)
 
     result: dict[str, Any] = {"machine": machine_info(),
                               "command": command_line("benchmarks.hybrid_block_states")}
-    hybrid = {"block_states": _stage("thinker-hybrid"),
-              "align": _stage("thinker-hybrid", block_states=False)}
-    assert hybrid["block_states"].scheduler.block_states and not hybrid["align"].scheduler.block_states
+    engines = set(args.engines.split(",")) | {"align"}
+    if not args.prefill_only:
+        engines |= {"block_states", "fine"}  # the agent traces use them
+    hybrid = {"align": _stage("thinker-hybrid", block_states=False)}
+    assert not hybrid["align"].scheduler.block_states
     B = _block(hybrid["align"])
-    hybrid["split"] = _stage("thinker-hybrid", block_states=False, max_num_batched_tokens=B)
-    hybrid["fine"] = _stage("thinker-hybrid", prefix_match_unit=32)
+    if "block_states" in engines:
+        hybrid["block_states"] = _stage("thinker-hybrid")
+        assert hybrid["block_states"].scheduler.block_states
+    if "split" in engines:
+        hybrid["split"] = _stage("thinker-hybrid", block_states=False, max_num_batched_tokens=B)
+    if "fine" in engines:
+        hybrid["fine"] = _stage("thinker-hybrid", prefix_match_unit=32)
     result["prefill"] = prefill(hybrid, args.rounds, args.seed)
     p = result["prefill"]
     print(f"prefill of {PROMPT_BLOCKS} x {B} tokens, median of {args.rounds} (s):")
-    for name in hybrid:
+    for name in result["prefill"]["median_s"]:
         print(f"  {name:13s} {p['median_s'][name]:.3f}  x{p['vs_align'][name]:.3f} of align "
               f"(paired x{p['paired_vs_align'][name]:.3f}, CPU time paired x{p['paired_cpu_vs_align'][name]:.3f})   "
               f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B})")
-    result["memory"] = state_memory(hybrid["block_states"])
-    print("memory:", result["memory"])
-    del hybrid["split"]
+    if "block_states" in hybrid:
+        result["memory"] = state_memory(hybrid["block_states"])
+        print("memory:", result["memory"])
+    hybrid.pop("split", None)
     if args.prefill_only:
         hybrid = {}
 
