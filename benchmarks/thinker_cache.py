@@ -155,7 +155,7 @@ class PathTimers:
     TARGETS = (
         ("workers.llm_stage", "LLMStage", "add"),
         ("workers.llm_stage", "LLMStage", "step"),
-        ("scheduler.omni_scheduler", "PrefixCounterMixin", "schedule"),
+        ("scheduler.omni_scheduler", "OmniSchedulerMixin", "schedule"),
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
         ("workers.latent_capture", "LatentCapture", "on_step"),

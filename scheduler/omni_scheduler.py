@@ -33,7 +33,9 @@ class PrefixCacheCounters:
         self.hit_tokens += num_hit_tokens
 
 
-class PrefixCounterMixin:
+class OmniSchedulerMixin:
+    """What both schedulers add to vLLM's: prefix-cache counters and hybrid block states."""
+
     prefix_counters: PrefixCacheCounters
     block_states: bool = False  # hybrid thinkers: a state at every block boundary crossed
 
@@ -61,9 +63,9 @@ class PrefixCounterMixin:
         return output
 
 
-class OmniScheduler(PrefixCounterMixin, Scheduler):
+class OmniScheduler(OmniSchedulerMixin, Scheduler):
     pass
 
 
-class AsyncOmniScheduler(PrefixCounterMixin, AsyncScheduler):
+class AsyncOmniScheduler(OmniSchedulerMixin, AsyncScheduler):
     pass
