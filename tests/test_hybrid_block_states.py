@@ -19,9 +19,11 @@ import random
 import pytest
 import torch
 from test_hidden_cache import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
-from thinker_harness import NAMES, close, comparable_rows, make_stage, run
+from thinker_harness import DTYPE, NAMES, TAP, close, comparable_rows, make_stage, run
 
 from omni_cache.checkpoints import ensure_checkpoint
+from workers.latent_capture import LatentOptions
+from workers.llm_stage import LLMStage
 
 STATE_RTOL = 2.0**-5
 # One chunk holds every prompt here, so a single-chunk prefill is what is tested.
@@ -246,5 +248,31 @@ def test_finer_hits_with_prefix_match_unit(hybrid):
             assert float(rel.max()) <= HYBRID_ROW_RTOL, f"turn {turn}: row error {float(rel.max()):.2e}"
             previous, previous_prompt = on, prompt
         assert gained > 0, "prefix_match_unit gave no hit beyond the block boundaries"
+    finally:
+        close(stage)
+
+
+def test_async_scheduling_keeps_block_states(hybrid):
+    """With vLLM's async scheduler (a stage's `async_scheduling: true`) the next step is scheduled
+    before the last one's output is processed; block states must still be written before anyone
+    hits them."""
+    B, rng = hybrid.B, random.Random(18)
+    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype=DTYPE["thinker-hybrid"],
+                max_model_len=8192, **ENGINE)
+    stage = LLMStage(str(ensure_checkpoint("thinker-hybrid")), args, prefix_cache=True,
+                     async_scheduling=True, latents=LatentOptions(hidden=True, layers=(TAP,), cache=True))
+    try:
+        assert type(stage.scheduler).__name__ == "AsyncOmniScheduler" and stage.scheduler.block_states
+        shared, long_ = tokens(rng, 2 * B + 1), tokens(rng, 5 * B)
+        first = run(stage, {"a": shared + tokens(rng, B), "long": long_}, 4)
+        branches = {"b": shared + tokens(rng, B), "c": long_[: 5 * B // 2] + tokens(rng, B)}
+        got = run(stage, branches, 4)
+        for rid, source in (("b", "a"), ("c", "long")):
+            assert got[rid].num_cached_tokens == 2 * B, f"{rid}: hit {got[rid].num_cached_tokens}"
+            assert_bitwise(got[rid].latents, first[source].latents, 2 * B, f"{rid} vs {source}")
+            off = run(hybrid.off, {rid: branches[rid]}, 4)[rid]
+            rows = comparable_rows(got[rid], off, rid, HYBRID_TIE_MARGIN)
+            a, b = got[rid].latents["hidden"][:rows].float(), off.latents["hidden"][:rows].float()
+            assert float(((a - b).norm(dim=1) / b.norm(dim=1)).max()) <= HYBRID_ROW_RTOL
     finally:
         close(stage)
