@@ -236,18 +236,29 @@ def _in_flight_request(srv: ServerThread, content: str) -> tuple[threading.Threa
     return t, out
 
 
-def test_killed_stage_fails_its_requests_then_serves_again(stages, servers):
-    # The heartbeat timeout is far longer than the test: the closed connection reveals the death.
-    path = write_config(heartbeat_timeout_s=600)
+def _serving_a_hung_request(stages, servers, heartbeat_timeout_s: float):
+    """Stages and server up, and one request in flight that the fake thinker never finishes."""
+    path = write_config(heartbeat_timeout_s=heartbeat_timeout_s)
     st = stages(path)
     st.start()
     srv = servers(path)
     srv.wait_ready(WAIT_S)
-    t, out = _in_flight_request(srv, "HANG")  # the fake thinker never finishes it
-    st.kill("thinker")
+    t, out = _in_flight_request(srv, "HANG")
+    return st, srv, t, out
+
+
+def _its_response(t: threading.Thread, out: list) -> httpx.Response:
     t.join(WAIT_S)
     assert not t.is_alive(), "the request hangs after its stage died"
     [resp] = out
+    return resp
+
+
+def test_killed_stage_fails_its_requests_then_serves_again(stages, servers):
+    # The heartbeat timeout is far longer than the test: the closed connection reveals the death.
+    st, srv, t, out = _serving_a_hung_request(stages, servers, heartbeat_timeout_s=600)
+    st.kill("thinker")
+    resp = _its_response(t, out)
     assert resp.status_code == 503
     assert "closed its connection" in resp.json()["error"]["message"]
     health = httpx.get(srv.url + "/health", timeout=WAIT_S)
@@ -266,17 +277,10 @@ def test_killed_stage_fails_its_requests_then_serves_again(stages, servers):
 
 def test_a_silent_stage_is_marked_down_then_back(stages, servers):
     # SIGSTOP: the process and its connection stay, only its heartbeats stop (a hung host).
-    path = write_config(heartbeat_timeout_s=1.0)
-    st = stages(path)
-    st.start()
-    srv = servers(path)
-    srv.wait_ready(WAIT_S)
-    t, out = _in_flight_request(srv, "HANG")
+    st, srv, t, out = _serving_a_hung_request(stages, servers, heartbeat_timeout_s=1.0)
     os.kill(st.procs["thinker"].pid, signal.SIGSTOP)
     try:
-        t.join(WAIT_S)
-        assert not t.is_alive()
-        [resp] = out
+        resp = _its_response(t, out)
         assert resp.status_code == 503 and "no heartbeat" in resp.json()["error"]["message"]
         assert "no heartbeat" in srv.orchestrator.not_ready()["thinker"]
     finally:
@@ -289,17 +293,10 @@ def test_a_silent_stage_is_marked_down_then_back(stages, servers):
 def test_an_immediate_restart_fails_what_the_old_process_had(stages, servers):
     # Killed and started again at once: the closed connection or, if the new process announces
     # itself first, its new incarnation reveals the death (the heartbeat timeout cannot: 600 s).
-    path = write_config(heartbeat_timeout_s=600)
-    st = stages(path)
-    st.start()
-    srv = servers(path)
-    srv.wait_ready(WAIT_S)
-    t, out = _in_flight_request(srv, "HANG")
+    st, srv, t, out = _serving_a_hung_request(stages, servers, heartbeat_timeout_s=600)
     st.kill("thinker")
     st.start("thinker")
-    t.join(WAIT_S)
-    assert not t.is_alive()
-    [resp] = out
+    resp = _its_response(t, out)
     assert resp.status_code == 503
     assert re.search("closed its connection|replaced by a new process", resp.json()["error"]["message"])
     wait_until(lambda: srv.orchestrator.not_ready() == {}, "the new thinker is up")
