@@ -19,11 +19,9 @@ import random
 import pytest
 import torch
 from test_hidden_cache import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
-from thinker_harness import DTYPE, NAMES, TAP, close, comparable_rows, make_stage, run
+from thinker_harness import NAMES, close, comparable_rows, make_stage, run
 
 from omni_cache.checkpoints import ensure_checkpoint
-from workers.latent_capture import LatentOptions
-from workers.llm_stage import LLMStage
 
 STATE_RTOL = 2.0**-5
 # One chunk holds every prompt here, so a single-chunk prefill is what is tested.
@@ -257,10 +255,7 @@ def test_async_scheduling_keeps_block_states(hybrid):
     before the last one's output is processed; block states must still be written before anyone
     hits them."""
     B, rng = hybrid.B, random.Random(18)
-    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype=DTYPE["thinker-hybrid"],
-                max_model_len=8192, **ENGINE)
-    stage = LLMStage(str(ensure_checkpoint("thinker-hybrid")), args, prefix_cache=True,
-                     async_scheduling=True, latents=LatentOptions(hidden=True, layers=(TAP,), cache=True))
+    stage = make_stage("thinker-hybrid", cache=True, async_scheduling=True, **ENGINE)
     try:
         assert type(stage.scheduler).__name__ == "AsyncOmniScheduler" and stage.scheduler.block_states
         shared, long_ = tokens(rng, 2 * B + 1), tokens(rng, 5 * B)

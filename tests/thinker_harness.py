@@ -42,11 +42,12 @@ class Result:
 DTYPE = {"thinker": "float32", "thinker-hybrid": "bfloat16"}
 
 
-def make_stage(model: str, *, cache: bool, **engine_args) -> LLMStage:
+def make_stage(model: str, *, cache: bool, async_scheduling: bool = False, **engine_args) -> LLMStage:
     args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype=DTYPE[model],
                 max_model_len=8192, kv_cache_memory_bytes=256 * 2**20)
     args.update(engine_args)
     return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=cache,
+                    async_scheduling=async_scheduling,
                     latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
 
 
