@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from omni_cache import latent_store as ls
-from omni_cache.latent_store import LatentStore
+from omni_cache.cache import latent_store as ls
+from omni_cache.cache.latent_store import LatentStore
 
 BLOCK = 16
 

@@ -63,7 +63,7 @@ class HandStartedPipeline:
         server["stage_auth_key_file"] = None
         if auth:
             key = self.dir / "stage.key"
-            subprocess.run([sys.executable, "-m", "omni_cache.stage_auth", "new-key", str(key)],
+            subprocess.run([sys.executable, "-m", "omni_cache.wire.stage_auth", "new-key", str(key)],
                            check=True, capture_output=True)
             server["stage_auth_key_file"] = str(key)
         for stage in data["stages"]:

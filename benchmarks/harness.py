@@ -88,8 +88,8 @@ class ManagedServer:
 
     def __enter__(self) -> ManagedServer:
         from omni_cache.config import load_config
-        from omni_cache.orchestrator import Orchestrator
-        from omni_cache.server import ServerThread
+        from omni_cache.runtime.orchestrator import Orchestrator
+        from omni_cache.serving.server import ServerThread
 
         self._tmp = tempfile.mkdtemp(prefix="omni_cache_bench_")
         try:

@@ -160,7 +160,7 @@ class PathTimers:
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
         ("workers.latent_capture", "LatentCapture", "on_step"),
         ("workers.latent_capture", "LatentCapture", "_gather"),
-        ("omni_cache.latent_store", "LatentStore", "write"),
+        ("omni_cache.cache.latent_store", "LatentStore", "write"),
         ("workers.llm_stage", "LLMStage", "_attach_latents"),
     )
 
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.retries is None:
         args.retries = 0 if args.quick else 2
 
-    from omni_cache.checkpoints import ensure_checkpoint
+    from omni_cache.models.checkpoints import ensure_checkpoint
 
     model = str(ensure_checkpoint("thinker"))
     t0 = time.perf_counter()
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "engine_args": {**ENGINE_ARGS, "model": "thinker (omni_cache.checkpoints, seed 0)"},
+        "engine_args": {**ENGINE_ARGS, "model": "thinker (omni_cache.models.checkpoints, seed 0)"},
         "config": {"rounds": rounds, "requests": requests, "seed": args.seed, "shared_tokens": SHARED_TOKENS,
                    "unique_tokens": UNIQUE_TOKENS, "max_tokens": MAX_TOKENS, "quick": args.quick,
                    "idle_wait_s": args.idle_wait, "retries": args.retries,

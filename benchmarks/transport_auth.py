@@ -1,5 +1,5 @@
 """What stage authentication (CURVE) costs one stage-to-stage connection: the same StageOutput
-with a latent tensor frame sent over tcp://127.0.0.1 through omni_cache.transport, with and without
+with a latent tensor frame sent over tcp://127.0.0.1 through omni_cache.wire.transport, with and without
 ``server.stage_auth_key_file``'s CURVE keys; reports MB/s and messages/s for each, interleaved.
 
     .venv/bin/python -m benchmarks.transport_auth [--rows 4100] [--dim 1024] [--messages 50] [--rounds 3]
@@ -17,9 +17,9 @@ import time
 import torch
 import zmq
 
-from omni_cache.messages import MESSAGE_TYPES, StageOutput
-from omni_cache.stage_auth import StageAuth
-from omni_cache.transport import Codec, Receiver, Sender
+from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput
+from omni_cache.wire.stage_auth import StageAuth
+from omni_cache.wire.transport import Codec, Receiver, Sender
 
 
 def _free_port() -> int:

@@ -42,7 +42,7 @@ WORKLOADS = (*KINDS, "mixed")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz     .,"
 
 #: Tokens the tiny chat template adds (stage_configs/tiny_omni.yaml's thinker,
-#: omni_cache.checkpoints.CHAT_TEMPLATE): ``<|im_start|>ROLE\n CONTENT <|im_end|>\n`` per message,
+#: omni_cache.models.checkpoints.CHAT_TEMPLATE): ``<|im_start|>ROLE\n CONTENT <|im_end|>\n`` per message,
 #: plus ``<|im_start|>assistant\n`` as the generation prompt.
 TEMPLATE = {
     "system": 10,       # <|im_start|> + "system\n" (7) + <|im_end|> + "\n"

@@ -4,7 +4,7 @@
 
 exits 0 after printing the pipeline's summary when the config is valid, and 2 with
 ``omni-serve: config error: <file>: <key path>: <message>`` on stderr when it is not. Without
-``--check`` the pipeline is started by ``omni_cache.server.serve(config, args)``.
+``--check`` the pipeline is started by ``omni_cache.serving.server.serve(config, args)``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PROG = "omni-serve"
 API_KEY_ENV = "OMNI_CACHE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: The module whose ``serve(config, args)`` runs the pipeline (written with the orchestrator).
-SERVER_MODULE = "omni_cache.server"
+SERVER_MODULE = "omni_cache.serving.server"
 
 EXIT_OK = 0
 EXIT_NOT_SERVED = 1

@@ -11,7 +11,7 @@
         print(pipe.stats()["thinker"])           # the stage's counters
 
 The stage processes are the same ones ``omni-serve`` starts, run by the same
-:class:`~omni_cache.orchestrator.Orchestrator`, whose asyncio loop runs in a background thread.
+:class:`~omni_cache.runtime.orchestrator.Orchestrator`, whose asyncio loop runs in a background thread.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_cache.config import PipelineConfig, load_config
-from omni_cache.orchestrator import GenerationResult, Orchestrator, RequestError
+from omni_cache.runtime.orchestrator import GenerationResult, Orchestrator, RequestError
 
 __all__ = ["GenerationError", "GenerationResult", "Pipeline"]
 
@@ -91,7 +91,7 @@ class Pipeline:
 
         ``prefix_cache=False`` turns prefix caching off in every stage; ``checkpoint_dir``
         overrides where tiny checkpoints are generated. Other keyword arguments go to
-        :class:`~omni_cache.orchestrator.Orchestrator` (e.g. ``start_timeout_s``,
+        :class:`~omni_cache.runtime.orchestrator.Orchestrator` (e.g. ``start_timeout_s``,
         ``echo_stage_logs``).
         """
         if isinstance(path, PipelineConfig):

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import load_config
-from omni_cache.messages import (
+from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
     Shutdown,
@@ -44,9 +44,9 @@ from omni_cache.messages import (
     StatsQuery,
     Submit,
 )
-from omni_cache.orchestrator import control_address
-from omni_cache.stage_auth import load_stage_auth
-from omni_cache.transport import AsyncReceiver, AsyncSender, Codec
+from omni_cache.runtime.orchestrator import control_address
+from omni_cache.wire.stage_auth import load_stage_auth
+from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 from workers.announcer import Announcer
 
 SAMPLE_RATE = 24000

@@ -13,7 +13,7 @@ import pytest
 import soundfile
 from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, fake_server
 
-from omni_cache.audio_formats import FORMATS, UnsupportedFormat, check_format, encode_audio
+from omni_cache.serving.audio_formats import FORMATS, UnsupportedFormat, check_format, encode_audio
 
 RATE = 24000
 #: libsndfile's name of each container, as the decoder reports it.

@@ -31,7 +31,7 @@ from benchmarks.workloads import (
 # ---- workloads ----------------------------------------------------------------------------------
 
 def _tiny_template_tokens(messages: list[dict[str, str]]) -> int:
-    """What omni_cache.checkpoints.CHAT_TEMPLATE + the byte-level tokenizer give: one token per
+    """What omni_cache.models.checkpoints.CHAT_TEMPLATE + the byte-level tokenizer give: one token per
     ASCII character, one per special token."""
     n = 0
     for m in messages:

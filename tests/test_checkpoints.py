@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omni_cache import checkpoints as ck
-from omni_cache.codec_decoder import CodecDecoder
+from omni_cache.models import checkpoints as ck
+from omni_cache.models.codec_decoder import CodecDecoder
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -282,7 +282,7 @@ def test_deterministic_across_processes(ckpt_root, tmp_path):
     env = {**os.environ, "PYTHONHASHSEED": "123"}
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "omni_cache.checkpoints", "--out", str(tmp_path), "talker", "decoder"],
+        [sys.executable, "-m", "omni_cache.models.checkpoints", "--out", str(tmp_path), "talker", "decoder"],
         cwd=root, env=env, check=True, capture_output=True, text=True,
     ).stdout.split()
     assert out == [str(tmp_path / "talker-s0"), str(tmp_path / "decoder-s0")]

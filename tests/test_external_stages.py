@@ -29,11 +29,11 @@ import zmq.utils.monitor
 
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
-from omni_cache.messages import MESSAGE_TYPES, Sampling, Submit
-from omni_cache.orchestrator import Orchestrator
-from omni_cache.server import ServerThread
-from omni_cache.stage_auth import StageAuth, StageAuthError, new_key
-from omni_cache.transport import Codec, Receiver
+from omni_cache.wire.messages import MESSAGE_TYPES, Sampling, Submit
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.serving.server import ServerThread
+from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
+from omni_cache.wire.transport import Codec, Receiver
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")

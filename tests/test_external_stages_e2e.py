@@ -87,8 +87,8 @@ def test_stage_refuses_a_peer_without_the_key(hosts):
     import zmq
 
     from omni_cache.config import load_config
-    from omni_cache.messages import MESSAGE_TYPES
-    from omni_cache.transport import Codec
+    from omni_cache.wire.messages import MESSAGE_TYPES
+    from omni_cache.wire.transport import Codec
     from test_external_stages import inject  # tests/ is on sys.path under pytest
 
     config = load_config(hosts.config_path)

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from omni_cache.codec_decoder import CodecDecoder, random_decoder_weights
+from omni_cache.models.codec_decoder import CodecDecoder, random_decoder_weights
 from omni_cache.handoff import (
     CODES_PER_TOKEN, FIRST_CHUNK_CODES, FIRST_SEGMENT_TOKENS, SEGMENT_TOKENS, HandoffContext, Upstream,
     talker_to_decoder, thinker_to_talker,

@@ -21,7 +21,7 @@ import torch
 from test_hidden_cache import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
 from thinker_harness import NAMES, close, comparable_rows, make_stage, run
 
-from omni_cache.checkpoints import ensure_checkpoint
+from omni_cache.models.checkpoints import ensure_checkpoint
 
 STATE_RTOL = 2.0**-5
 # One chunk holds every prompt here, so a single-chunk prefill is what is tested.

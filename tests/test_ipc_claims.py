@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from omni_cache.ipc_claims import AddressInUseError, IpcClaims
+from omni_cache.wire.ipc_claims import AddressInUseError, IpcClaims
 
 
 def test_second_claim_is_refused_until_the_first_is_released(tmp_path):
@@ -39,7 +39,7 @@ def test_a_killed_holder_leaves_the_address_free(tmp_path):
     addr = f"ipc://{tmp_path}/x.sock"
     code = textwrap.dedent(f"""
         import sys, time
-        from omni_cache.ipc_claims import IpcClaims
+        from omni_cache.wire.ipc_claims import IpcClaims
         IpcClaims([{addr!r}]).acquire()
         print("held", flush=True)
         time.sleep(60)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from omni_cache.latent_rows import LatentChunk, LatentRows
+from omni_cache.cache.latent_rows import LatentChunk, LatentRows
 
 
 def chunk(start: int, n: int) -> LatentChunk:

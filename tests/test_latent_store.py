@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_cache.latent_store import LatentStore
+from omni_cache.cache.latent_store import LatentStore
 
 CUDA = torch.cuda.is_available()
 try:
@@ -347,7 +347,7 @@ def test_triton_kernel_in_interpreter():
     Triton's CPU interpreter so CI checks it without a GPU."""
     code = textwrap.dedent("""
         import torch
-        from omni_cache.latent_store import _launch_rows, MODE_WRITE, MODE_GATHER
+        from omni_cache.cache.latent_store import _launch_rows, MODE_WRITE, MODE_GATHER
         g = torch.Generator().manual_seed(0)
         N, S = 37, 50
         kinds = [(64, torch.bfloat16), (24, torch.float32), (3, torch.bfloat16),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cache.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot, parse_metrics
+from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot, parse_metrics
 
 VLLM_STAGE = {"requests": 3, "errors": 0, "queue_depth": 1, "prefix_cache_queried_tokens": 200,
               "prefix_cache_hit_tokens": 128, "num_requests_running": 1, "num_requests_waiting": 0,

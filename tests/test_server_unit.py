@@ -28,10 +28,10 @@ import openai
 import pytest
 
 from omni_cache.config import load_config
-from omni_cache.metrics import parse_metrics
-from omni_cache.orchestrator import Orchestrator, StageStartError, control_address
-from omni_cache.server import ServerThread
-from omni_cache.wav import decode_wav, encode_wav, to_pcm16
+from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.orchestrator import Orchestrator, StageStartError, control_address
+from omni_cache.serving.server import ServerThread
+from omni_cache.serving.wav import decode_wav, encode_wav, to_pcm16
 
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
 API_KEY = "unit-test-key"
@@ -483,7 +483,7 @@ def test_stage_that_does_not_come_up_is_named(env, timeout, needle):
 
 def test_second_pipeline_on_the_same_addresses_is_refused_and_the_first_keeps_serving():
     from omni_cache import Pipeline
-    from omni_cache.ipc_claims import AddressInUseError
+    from omni_cache.wire.ipc_claims import AddressInUseError
 
     path = write_config(f"dup_{uuid.uuid4().hex[:8]}")
     kw = dict(tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],

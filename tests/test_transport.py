@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from omni_cache.transport import (
+from omni_cache.wire.transport import (
     DTYPES,
     AsyncReceiver,
     AsyncSender,
@@ -204,11 +204,11 @@ def test_receiver_drops_garbage_and_keeps_going(ctx, caplog):
         for frames in garbage:
             raw.send_multipart(frames)
         raw.send_multipart(codec.encode(Hello("ok"), {"x": torch.ones(4)}))
-        with caplog.at_level(logging.WARNING, logger="omni_cache.transport"):
+        with caplog.at_level(logging.WARNING, logger="omni_cache.wire.transport"):
             msg, tensors = receiver.recv(timeout_ms=5000)
         assert msg == Hello("ok") and torch.equal(tensors["x"], torch.ones(4))
         assert receiver.dropped == len(garbage)
-        assert len([r for r in caplog.records if r.name == "omni_cache.transport"]) == len(garbage)
+        assert len([r for r in caplog.records if r.name == "omni_cache.wire.transport"]) == len(garbage)
         # Only garbage pending: the timeout still applies and returns None.
         raw.send_multipart([b"\xc1"])
         assert receiver.recv(timeout_ms=200) is None

@@ -18,8 +18,8 @@ from typing import Any
 
 import zmq
 
-from omni_cache.messages import StageReady
-from omni_cache.transport import Codec
+from omni_cache.wire.messages import StageReady
+from omni_cache.wire.transport import Codec
 
 logger = logging.getLogger("omni_cache.stage")
 

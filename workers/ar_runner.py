@@ -18,8 +18,8 @@ import torch
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import HandoffContext, Job, Upstream
-from omni_cache.latent_rows import LatentChunk, LatentRows
-from omni_cache.messages import Sampling, StageOutput, Submit
+from omni_cache.cache.latent_rows import LatentChunk, LatentRows
+from omni_cache.wire.messages import Sampling, StageOutput, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput

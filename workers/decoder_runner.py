@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from omni_cache.codec_decoder import CodecDecoder
+from omni_cache.models.codec_decoder import CodecDecoder
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import HandoffContext, Job, Upstream
-from omni_cache.messages import StageOutput
+from omni_cache.wire.messages import StageOutput
 from workers.runner import StageRunner
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.latent_rows import LatentChunk
+from omni_cache.cache.latent_rows import LatentChunk
 
 logger = logging.getLogger("omni_cache.latents")
 
@@ -71,7 +71,7 @@ class LatentCapture:
     device: torch.device
     counters: LatentCounters = field(default_factory=LatentCounters)
     pending: dict[str, list[LatentChunk]] = field(default_factory=lambda: defaultdict(list))
-    store: Any = None  # omni_cache.latent_store.LatentStore when the mirror is on
+    store: Any = None  # omni_cache.cache.latent_store.LatentStore when the mirror is on
     group_id: int = -1  # the mirrored full-attention KV-cache group
     layer_name: str = ""  # one attention layer of that group: its slot mapping is the group's
     block_size: int = 0
@@ -83,7 +83,7 @@ class LatentCapture:
             return
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        from omni_cache.latent_store import LatentStore
+        from omni_cache.cache.latent_store import LatentStore
 
         for gid, group in enumerate(kv_cache_config.kv_cache_groups):
             if isinstance(group.kv_cache_spec, FullAttentionSpec):
@@ -174,7 +174,7 @@ class LatentCapture:
         return hits
 
     def _gather(self, block_ids: list[int], num_tokens: int) -> LatentChunk:
-        from omni_cache.latent_store import LatentStore
+        from omni_cache.cache.latent_store import LatentStore
 
         slots = LatentStore.prefix_slots(block_ids, self.block_size, num_tokens)
         # The rows leave the process, so gather them straight to host memory.

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.latent_rows import LatentRows
+from omni_cache.cache.latent_rows import LatentRows
 from workers.latent_capture import LatentOptions
 
 # Must be set before vLLM is imported in this process.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_cache.config import StageConfig
-from omni_cache.messages import StageError
+from omni_cache.wire.messages import StageError
 
 
 def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:

@@ -19,11 +19,11 @@ import torch
 import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
-from omni_cache.messages import (
+from omni_cache.wire.messages import (
     MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
 )
-from omni_cache.stage_auth import load_stage_auth
-from omni_cache.transport import Codec, Receiver, Sender
+from omni_cache.wire.stage_auth import load_stage_auth
+from omni_cache.wire.transport import Codec, Receiver, Sender
 from workers.announcer import Announcer
 
 logger = logging.getLogger("omni_cache.stage")

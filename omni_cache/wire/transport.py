@@ -39,7 +39,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-logger = logging.getLogger("omni_cache.transport")
+logger = logging.getLogger("omni_cache.wire.transport")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 DEFAULT_HWM = 1000  # messages queued per socket before send blocks (backpressure)
@@ -226,7 +226,7 @@ def _open_socket(ctx: zmq.Context, kind: int, hwm: int, linger_ms: int) -> zmq.S
 
 def _attach(sock: zmq.Socket, address: str, bind: bool, auth: Any = None) -> str:
     """Bind or connect; returns the resolved address (e.g. the port chosen for ``tcp://h:*``).
-    ``auth`` (an :class:`omni_cache.stage_auth.StageAuth`) makes the socket CURVE-secured first."""
+    ``auth`` (an :class:`omni_cache.wire.stage_auth.StageAuth`) makes the socket CURVE-secured first."""
     if auth is not None:
         auth.secure(sock, bind=bind)
     if bind:

@@ -27,7 +27,7 @@ Three paths, chosen at construction:
        into the device staging buffer of a ring entry, laid out [slots | rows of name 0 | ...]
        (a snapshot: vLLM reuses its output buffers next step); an event marks it. No compaction
        of the -1 rows (that would need a host sync); they go to the trash row in step 3.
-       Steps 1 and 2 are issued as raw CUDA driver calls (`omni_cache.cuda_driver`, ~1 us each
+       Steps 1 and 2 are issued as raw CUDA driver calls (`omni_cache.cache.cuda_driver`, ~1 us each
        against ~5 us per torch call): on a decode step `write` is pure serving-loop overhead;
     2. copy stream (waits on that event, never the other way round): the used part of the staging
        buffer goes device->host into the entry's pinned host buffer (`cudaMemcpyAsync`; entries over
@@ -70,7 +70,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
-from omni_cache import cuda_driver
+from omni_cache.cache import cuda_driver
 
 try:  # Triton is optional: only the CUDA paths launch its kernel (CPU runs plain torch ops).
     import triton

@@ -11,8 +11,8 @@ Every error names the file, the key path and what was expected::
     stage_configs/x.yaml: stages[1].engine_args.block_size: expected int, got str '32' (line 41)
 
 The parts live in their own modules and are re-exported here: the schema
-(:mod:`omni_cache.config_schema`), errors (:mod:`omni_cache.config_errors`), reading
-(:mod:`omni_cache.config_loading`) and the cross-field checks (:mod:`omni_cache.config_validation`);
+(:mod:`omni_cache.config.schema`), errors (:mod:`omni_cache.config.errors`), reading
+(:mod:`omni_cache.config.loading`) and the cross-field checks (:mod:`omni_cache.config.validation`);
 this module resolves what a config names (hand-off functions, model paths).
 
 Nothing here imports vLLM or torch: loading a config is cheap and safe in any process.
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_cache.config_errors import ConfigError, ConfigIssue, format_key_path
-from omni_cache.config_loading import load_config, parse_config
-from omni_cache.config_schema import (
+from omni_cache.config.errors import ConfigError, ConfigIssue, format_key_path
+from omni_cache.config.loading import load_config, parse_config
+from omni_cache.config.schema import (
     CHECKPOINTS_ENV,
     DEFAULT_CHECKPOINT_DIR,
     TINY_MODELS,
@@ -40,7 +40,7 @@ from omni_cache.config_schema import (
     ServerConfig,
     StageConfig,
 )
-from omni_cache.config_validation import _import_handoff, validate_config
+from omni_cache.config.validation import _import_handoff, validate_config
 
 __all__ = [
     "CHECKPOINTS_ENV",
@@ -85,14 +85,14 @@ def checkpoint_root(config: PipelineConfig | None = None) -> Path:
 def resolve_model(stage: StageConfig, config: PipelineConfig) -> str:
     """The model path a stage loads.
 
-    ``tiny:NAME`` generates the checkpoint if needed (``omni_cache.checkpoints.ensure_checkpoint``
+    ``tiny:NAME`` generates the checkpoint if needed (``omni_cache.models.checkpoints.ensure_checkpoint``
     under :func:`checkpoint_root`); a path is returned absolute, with ``~`` expanded.
     """
     if stage.model.startswith(TINY_PREFIX):
         name = stage.model[len(TINY_PREFIX):]
         if name not in TINY_MODELS:
             raise ConfigError(f"stage {stage.name!r}: unknown tiny checkpoint {name!r}")
-        from omni_cache.checkpoints import ensure_checkpoint  # lazy: it imports torch
+        from omni_cache.models.checkpoints import ensure_checkpoint  # lazy: it imports torch
 
         return str(ensure_checkpoint(name, checkpoint_root(config)))
     return str(Path(stage.model).expanduser().absolute())

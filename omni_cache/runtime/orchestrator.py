@@ -10,7 +10,7 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
   started by hand elsewhere: it waits for their announcements and watches their connections and
   heartbeats instead (and never stops them);
 * with ``server.stage_auth_key_file``, makes every ZMQ connection CURVE-authenticated
-  (:mod:`omni_cache.stage_auth`);
+  (:mod:`omni_cache.wire.stage_auth`);
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
 * owns request ids, deadlines and the only copy of each accepted request: every request ends in
@@ -20,8 +20,8 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
   not fit the thinker's context (400);
 * answers stats queries (:meth:`Orchestrator.stage_stats`) and renders ``/metrics``.
 
-Process supervision (launch, readiness, restarts, stopping) lives in :mod:`omni_cache.supervision`,
-what a client gets back (events, results, errors) in :mod:`omni_cache.results`; both are
+Process supervision (launch, readiness, restarts, stopping) lives in :mod:`omni_cache.runtime.supervision`,
+what a client gets back (events, results, errors) in :mod:`omni_cache.runtime.results`; both are
 re-exported here.
 
 Which stages a request needs ("participants"): the entry stage always; every stage downstream of
@@ -52,8 +52,8 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_model
-from omni_cache.ipc_claims import IpcClaims
-from omni_cache.messages import (
+from omni_cache.wire.ipc_claims import IpcClaims
+from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
     Sampling,
@@ -65,8 +65,8 @@ from omni_cache.messages import (
     StatsQuery,
     Submit,
 )
-from omni_cache.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
-from omni_cache.results import (
+from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
+from omni_cache.runtime.results import (
     AudioDelta,
     Completed,
     Event,
@@ -77,8 +77,8 @@ from omni_cache.results import (
     TextDelta,
     _Request,
 )
-from omni_cache.stage_auth import load_stage_auth
-from omni_cache.supervision import (
+from omni_cache.wire.stage_auth import load_stage_auth
+from omni_cache.runtime.supervision import (
     DEFAULT_START_TIMEOUT_S,
     SHUTDOWN_GRACE_S,
     StageStartError,
@@ -87,7 +87,7 @@ from omni_cache.supervision import (
     default_stage_argv,
 )
 
-logger = logging.getLogger("omni_cache.orchestrator")
+logger = logging.getLogger("omni_cache.runtime.orchestrator")
 
 __all__ = [
     "AudioDelta",
@@ -135,7 +135,7 @@ class Orchestrator(StageSupervision):
     ``stage_argv``: the command of a stage process before its arguments (default
     ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
     those the config marks ``external`` (not spawned; watched through their announcements and
-    connections, see :class:`~omni_cache.supervision.StageSupervision`).
+    connections, see :class:`~omni_cache.runtime.supervision.StageSupervision`).
     """
 
     def __init__(
@@ -227,7 +227,7 @@ class Orchestrator(StageSupervision):
         Raises :class:`StageStartError` naming the stage that did not come up (its exit code and
         the end of its output); everything started is stopped again in that case.
         """
-        from omni_cache.transport import AsyncReceiver, Codec
+        from omni_cache.wire.transport import AsyncReceiver, Codec
 
         if self._loop is not None:
             raise RuntimeError("Orchestrator.start() called twice")
@@ -342,7 +342,7 @@ class Orchestrator(StageSupervision):
     # ---- sockets ---------------------------------------------------------------------------------
 
     def _new_sender(self, name: str) -> Any:
-        from omni_cache.transport import AsyncSender
+        from omni_cache.wire.transport import AsyncSender
 
         assert self._ctx is not None
         sender = AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec, auth=self._auth)

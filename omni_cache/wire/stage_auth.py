@@ -11,7 +11,7 @@ So a peer without the secret can neither complete a handshake (no frame of it re
 the orchestrator) nor read the latents and requests on the wire (CURVE encrypts them). There is
 one pipeline-wide identity, not one per host: whoever has the file is a member.
 
-    python -m omni_cache.stage_auth new-key FILE    # writes a fresh secret, mode 0600
+    python -m omni_cache.wire.stage_auth new-key FILE    # writes a fresh secret, mode 0600
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class StageAuth:
         if len(secret) < MIN_SECRET_CHARS:
             raise StageAuthError(
                 f"the secret has {len(secret)} characters, at least {MIN_SECRET_CHARS} are needed "
-                "(python -m omni_cache.stage_auth new-key FILE writes one)")
+                "(python -m omni_cache.wire.stage_auth new-key FILE writes one)")
         # Any 32 bytes are a Curve25519 secret key (the scalar is clamped when used).
         raw = hashlib.sha256(_KDF_LABEL + secret.encode()).digest()
         self.secret_key = zmq.utils.z85.encode(raw)
@@ -116,7 +116,7 @@ def new_key(path: str | os.PathLike[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_cache.stage_auth",
+    parser = argparse.ArgumentParser(prog="python -m omni_cache.wire.stage_auth",
                                      description="stage authentication keys")
     sub = parser.add_subparsers(dest="cmd", required=True)
     nk = sub.add_parser("new-key", help="write a fresh shared secret (mode 0600) to FILE")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {new_key(args.file)}; copy it to every host of the pipeline and set "
               "server.stage_auth_key_file to its path")
     except FileExistsError:
-        print(f"python -m omni_cache.stage_auth: {args.file} exists, not overwritten", file=sys.stderr)
+        print(f"python -m omni_cache.wire.stage_auth: {args.file} exists, not overwritten", file=sys.stderr)
         return 1
     return 0
 

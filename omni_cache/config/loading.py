@@ -1,7 +1,7 @@
 """Reading a stage config: YAML (duplicate keys refused, a line number for every key path),
 conversion into the schema with msgspec, and msgspec's validation errors translated into
 ``<file>: <key path>: <message> (line N)``. The cross-field checks run afterwards
-(:mod:`omni_cache.config_validation`).
+(:mod:`omni_cache.config.validation`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import msgspec
 import yaml
 from msgspec import Struct
 
-from omni_cache.config_errors import ConfigError, ConfigIssue, PathTokens, _Issues
-from omni_cache.config_schema import PipelineConfig
-from omni_cache.config_validation import CheckPaths, _validate
+from omni_cache.config.errors import ConfigError, ConfigIssue, PathTokens, _Issues
+from omni_cache.config.schema import PipelineConfig
+from omni_cache.config.validation import CheckPaths, _validate
 
 
 # --------------------------------------------------------------------------------------------------

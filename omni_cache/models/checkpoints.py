@@ -16,7 +16,7 @@ Checkpoints (``CHECKPOINT_NAMES``):
     Qwen3 dense over an audio-codec vocabulary (256 codes + bos/eos/pad), hidden 256, fed the thinker's
     hidden states as prompt embeddings through ``thinker_projection.safetensors``.
 ``decoder``
-    :class:`omni_cache.codec_decoder.CodecDecoder`: codec codes -> 24 kHz waveform.
+    :class:`omni_cache.models.codec_decoder.CodecDecoder`: codec codes -> 24 kHz waveform.
 
 Determinism: the same (name, seed) gives byte-identical files. Every tensor is drawn from its own
 ``torch.Generator`` seeded from (seed, crc32 of "<checkpoint>/<tensor name>"), so the output does not
@@ -512,7 +512,7 @@ def _write_talker(out: Path, seed: int) -> None:
 
 
 def _write_decoder(out: Path, seed: int) -> None:
-    from omni_cache.codec_decoder import decoder_config, random_decoder_weights
+    from omni_cache.models.codec_decoder import decoder_config, random_decoder_weights
 
     cfg = decoder_config()
     _write_json(out / "config.json", cfg)
@@ -602,7 +602,7 @@ def ensure_checkpoint(name: str, root: str | Path | None = None, seed: int = 0) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m omni_cache.checkpoints",
+        prog="python -m omni_cache.models.checkpoints",
         description="Write deterministic tiny random-weight checkpoints.",
     )
     parser.add_argument("--out", required=True, type=Path, help="root directory")

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_cache.messages import StageOutput
+from omni_cache.wire.messages import StageOutput
 
 if TYPE_CHECKING:
-    from omni_cache.orchestrator import Orchestrator
+    from omni_cache.runtime.orchestrator import Orchestrator
 
 
 class RequestError(Exception):

@@ -1,6 +1,6 @@
 """The checks that span fields or stages, run after a config converted into the schema: the input
 graph (unknown inputs, cycles, one entry stage), hand-off functions, kind-specific keys, model
-references and addresses. Every problem is added to an :class:`~omni_cache.config_errors._Issues`
+references and addresses. Every problem is added to an :class:`~omni_cache.config.errors._Issues`
 with its key path."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from omni_cache.config_errors import _Issues
+from omni_cache.config.errors import _Issues
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of
 #: stage names: only those stages' models (and the key file).
 CheckPaths = bool | Collection[str]
-from omni_cache.config_schema import (
+from omni_cache.config.schema import (
     _DOTTED_RE,
     _MAX_IPC_PATH_BYTES,
     TINY_MODELS,
@@ -349,5 +349,5 @@ def _check_server(config: PipelineConfig, issues: _Issues, *, check_paths: bool)
     key_file = server.stage_auth_key_file
     if key_file is not None and check_paths and not Path(key_file).expanduser().is_file():
         issues.add(("server", "stage_auth_key_file"),
-                   f"no such file {key_file!r} (python -m omni_cache.stage_auth new-key FILE "
+                   f"no such file {key_file!r} (python -m omni_cache.wire.stage_auth new-key FILE "
                    "writes one; --no-path-check skips this check)")

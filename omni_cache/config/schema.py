@@ -18,7 +18,7 @@ from msgspec import Meta, Struct, field
 CHECKPOINTS_ENV = "OMNI_CACHE_CHECKPOINTS"
 DEFAULT_CHECKPOINT_DIR = Path("~/.cache/omni_cache/checkpoints")
 
-#: The tiny checkpoints the project generates itself (omni_cache.checkpoints), with the stage kind
+#: The tiny checkpoints the project generates itself (omni_cache.models.checkpoints), with the stage kind
 #: each one can run as.
 TINY_MODELS: dict[str, str] = {
     "thinker": "autoregressive",
@@ -69,7 +69,7 @@ class ServerConfig(_Base, kw_only=True):
     #: (``tcp://0.0.0.0:5600`` behind ``control_address: tcp://server-host:5600``); None -> bind
     #: ``control_address``.
     control_bind_address: str | None = None
-    #: A file holding a shared secret (``python -m omni_cache.stage_auth new-key FILE``): every
+    #: A file holding a shared secret (``python -m omni_cache.wire.stage_auth new-key FILE``): every
     #: ZMQ connection between the orchestrator and the stages is then authenticated and encrypted
     #: with CURVE keys derived from it. Every host needs the same file. None -> no authentication.
     stage_auth_key_file: str | None = None

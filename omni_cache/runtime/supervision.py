@@ -22,9 +22,9 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 from omni_cache.config import StageConfig
-from omni_cache.messages import StageReady
+from omni_cache.wire.messages import StageReady
 
-logger = logging.getLogger("omni_cache.orchestrator")
+logger = logging.getLogger("omni_cache.runtime.orchestrator")
 
 #: How often stage processes are polled and deadlines checked.
 POLL_INTERVAL_S = 0.1

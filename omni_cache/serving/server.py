@@ -9,7 +9,7 @@ Routes (FastAPI, served by uvicorn on ``server.host:server.port``, 127.0.0.1:809
     "audio"]`` adds audio), ``audio: {voice, format}``. With audio the message carries
     ``audio: {id, data, expires_at, transcript}``, ``data`` base64 24 kHz mono audio in
     ``audio.format``: ``wav`` (default), ``flac``, ``mp3``, ``opus`` or ``pcm16``
-    (:mod:`omni_cache.audio_formats`). Streamed (:mod:`omni_cache.chat_stream`), the first chunk
+    (:mod:`omni_cache.serving.audio_formats`). Streamed (:mod:`omni_cache.serving.chat_stream`), the first chunk
     carries the first text or audio together with the role, and ``delta.audio.data`` holds base64
     ``pcm16`` chunks (the only format a stream takes). Unknown fields are ignored.
 ``GET /health``   200 ``{"status": "ok"}`` when every stage is up, else 503 naming the others.
@@ -42,12 +42,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omni_cache.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format, encode_audio
-from omni_cache.chat_stream import collect_unless_disconnected, stream_chunks, usage
-from omni_cache.metrics import CONTENT_TYPE
-from omni_cache.orchestrator import Orchestrator, RequestError
+from omni_cache.serving.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format, encode_audio
+from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
+from omni_cache.serving.metrics import CONTENT_TYPE
+from omni_cache.runtime.orchestrator import Orchestrator, RequestError
 
-logger = logging.getLogger("omni_cache.server")
+logger = logging.getLogger("omni_cache.serving.server")
 
 __all__ = ["API_KEY_ENV", "APIError", "ChatCompletionRequest", "ServerThread", "create_app", "serve"]
 

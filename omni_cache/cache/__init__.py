@@ -1,0 +1,1 @@
+"""The hidden-state prefix cache: the KV-slot mirror, its CUDA driver calls, per-request rows."""

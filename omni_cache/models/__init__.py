@@ -1,0 +1,1 @@
+"""Models that are not vLLM engines, and the tiny checkpoints the project writes."""

@@ -1,0 +1,1 @@
+"""The running pipeline: the orchestrator, its stage supervision, request results."""

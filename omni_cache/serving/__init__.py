@@ -1,0 +1,1 @@
+"""The HTTP face: the OpenAI-compatible app, chat streaming, audio formats, /metrics."""
