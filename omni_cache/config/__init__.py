@@ -20,7 +20,6 @@ Nothing here imports vLLM or torch: loading a config is cheap and safe in any pr
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,19 +27,22 @@ from typing import Any
 from omni_cache.config.errors import ConfigError, ConfigIssue, format_key_path
 from omni_cache.config.loading import load_config, parse_config
 from omni_cache.config.schema import (
-    CHECKPOINTS_ENV,
-    DEFAULT_CHECKPOINT_DIR,
-    TINY_MODELS,
-    TINY_PREFIX,
     EngineArgs,
     GenerationArgs,
     LatentSpec,
     PipelineConfig,
-    SamplingDefaults,
+    Sampling,
     ServerConfig,
     StageConfig,
 )
-from omni_cache.config.validation import _import_handoff, validate_config
+from omni_cache.config.validation import import_handoff, validate_config
+from omni_cache.models.tiny import (
+    CHECKPOINTS_ENV,
+    DEFAULT_CHECKPOINT_DIR,
+    TINY_MODELS,
+    TINY_PREFIX,
+    resolve_checkpoint_dir,
+)
 
 __all__ = [
     "CHECKPOINTS_ENV",
@@ -52,7 +54,7 @@ __all__ = [
     "GenerationArgs",
     "LatentSpec",
     "PipelineConfig",
-    "SamplingDefaults",
+    "Sampling",
     "ServerConfig",
     "StageConfig",
     "checkpoint_root",
@@ -68,7 +70,7 @@ __all__ = [
 def resolve_handoff(dotted: str) -> Callable[..., Any]:
     """Import ``package.module.function`` and return the function; ConfigError saying why not."""
     try:
-        return _import_handoff(dotted)
+        return import_handoff(dotted)
     except ValueError as e:
         raise ConfigError(f"handoff {dotted!r}: {e}") from e.__cause__
 
@@ -76,10 +78,7 @@ def resolve_handoff(dotted: str) -> Callable[..., Any]:
 def checkpoint_root(config: PipelineConfig | None = None) -> Path:
     """Where tiny:* checkpoints live: config.checkpoint_dir, else $OMNI_CACHE_CHECKPOINTS, else
     ~/.cache/omni_cache/checkpoints (absolute, ``~`` expanded)."""
-    raw = config.checkpoint_dir if config is not None else None
-    if not raw:
-        raw = os.environ.get(CHECKPOINTS_ENV) or str(DEFAULT_CHECKPOINT_DIR)
-    return Path(raw).expanduser().absolute()
+    return resolve_checkpoint_dir(config.checkpoint_dir if config is not None else None)
 
 
 def resolve_model(stage: StageConfig, config: PipelineConfig) -> str:

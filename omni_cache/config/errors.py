@@ -62,7 +62,7 @@ def format_key_path(tokens: Iterable[str | int]) -> str:
     return out
 
 
-class _Issues:
+class IssueCollector:
     """Collects issues of one file, with the line of each key path where known."""
 
     def __init__(self, source: str | None, lines: dict[PathTokens, int] | None = None):

@@ -11,7 +11,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,9 +19,9 @@ import msgspec
 import yaml
 from msgspec import Struct
 
-from omni_cache.config.errors import ConfigError, ConfigIssue, PathTokens, _Issues
+from omni_cache.config.errors import ConfigError, ConfigIssue, PathTokens, IssueCollector
 from omni_cache.config.schema import PipelineConfig
-from omni_cache.config.validation import CheckPaths, _validate
+from omni_cache.config.validation import CheckPaths, collect_config_issues
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def parse_config(
 ) -> PipelineConfig:
     """Like :func:`load_config` for YAML text; ``source`` names it in error messages."""
     data, lines = _read_yaml(text, source)
-    issues = _Issues(source, lines)
+    issues = IssueCollector(source, lines)
     if data is None:
         issues.add((), "empty config: expected a mapping with keys name, stages, ...")
         issues.raise_if_any()
@@ -248,13 +248,26 @@ def parse_config(
         issues.add(tokens, message)
         issues.raise_if_any()
         raise AssertionError("unreachable")  # pragma: no cover
-    _validate(config, issues, check_paths=check_paths)
+    collect_config_issues(config, issues, check_paths=check_paths)
     issues.raise_if_any()
     return config
 
 
 def _translate_validation_error(text: str, data: Any) -> tuple[list[str | int], str]:
     """msgspec's "Expected `int`, got `str` - at `$.a[1].b`" -> (["a", 1, "b"], "expected int, ...")."""
+    body, tokens, key_error = _locate(text, data)
+    if key_error:
+        return tokens, _non_string_key_message(body, _value_at(data, tokens))
+    value = _value_at(data, tokens)
+    for pattern, build in _MESSAGES:
+        m = pattern.fullmatch(body)
+        if m:
+            return build(m, tokens, value)
+    return tokens, body[:1].lower() + body[1:]
+
+
+def _locate(text: str, data: Any) -> tuple[str, list[str | int], bool]:
+    """Split msgspec's text into (message body, key path, whether a mapping *key* is at fault)."""
     at_key_in = re.fullmatch(r"(?s)(.*) - at `key` in `(\$[^`]*)`", text)
     at = re.fullmatch(r"(?s)(.*) - at `(\$[^`]*)`", text)
     if at_key_in:
@@ -284,62 +297,73 @@ def _translate_validation_error(text: str, data: Any) -> tuple[list[str | int], 
             tokens.append(found if found is not None else "...")
         else:
             tokens.append(tok)
-    value = _value_at(data, tokens)
+    return body, tokens, key_error
 
-    if key_error:
-        parent = _value_at(data, tokens)
-        bad = [k for k in parent if not isinstance(k, str)] if isinstance(parent, dict) else []
-        m = re.match(r"Expected `([^`]*)`, got `([^`]*)`", body)
-        got = f" ({', '.join(_short_repr(k) for k in bad)})" if bad else ""
-        what = m.group(2) if m else "another type"
-        return tokens, f"keys must be strings, got {_type_word(what)}{got}"
 
-    m = re.fullmatch(r"Object contains unknown field `([^`]*)`", body)
-    if m:
-        key = m.group(1)
-        tokens.append(key)
-        tp = _type_at(tokens[:-1])
-        hint = ""
-        if isinstance(tp, type) and issubclass(tp, Struct):
-            known = list(tp.__struct_fields__)
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
-        return tokens, "unknown key" + hint
+def _non_string_key_message(body: str, parent: Any) -> str:
+    bad = [k for k in parent if not isinstance(k, str)] if isinstance(parent, dict) else []
+    m = re.match(r"Expected `([^`]*)`, got `([^`]*)`", body)
+    got = f" ({', '.join(_short_repr(k) for k in bad)})" if bad else ""
+    what = m.group(2) if m else "another type"
+    return f"keys must be strings, got {_type_word(what)}{got}"
 
-    m = re.fullmatch(r"Object missing required field `([^`]*)`", body)
-    if m:
-        tokens.append(m.group(1))
-        return tokens, "missing required key"
 
-    m = re.fullmatch(r"Invalid enum value (.*)", body)
-    if m:
-        tp = _type_at(tokens)
-        if typing.get_origin(tp) is Literal:
-            allowed = ", ".join(repr(a) for a in typing.get_args(tp))
-            return tokens, f"expected one of {allowed}, got {m.group(1)}"
-        return tokens, f"invalid value {m.group(1)}"
+# One builder per kind of msgspec message: (match, key path, value there) -> (key path, message).
+Builder = Callable[[re.Match[str], list[str | int], Any], tuple[list[str | int], str]]
 
-    m = re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", body)
-    if m:
-        expected, got = m.groups()
-        tp = _type_at(tokens)
-        if typing.get_origin(tp) is Literal and got != "null":
-            allowed = ", ".join(repr(a) for a in typing.get_args(tp))
-            return tokens, f"expected one of {allowed}, got {_got_words(got, value)}"
-        message = f"expected {_expected_words(expected, got)}, got {_got_words(got, value)}"
-        if len(tokens) >= 2 and tokens[-2] == "env":
-            message += " (environment values are strings: quote them in YAML)"
-        return tokens, message
 
+def _unknown_key(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
+    key = m.group(1)
+    tp = _type_at(tokens)
+    hint = ""
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        known = list(tp.__struct_fields__)
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
+    return [*tokens, key], "unknown key" + hint
+
+
+def _missing_key(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
+    return [*tokens, m.group(1)], "missing required key"
+
+
+def _allowed(tp: Any) -> str:
+    return ", ".join(repr(a) for a in typing.get_args(tp))
+
+
+def _invalid_enum(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
+    tp = _type_at(tokens)
+    if typing.get_origin(tp) is Literal:
+        return tokens, f"expected one of {_allowed(tp)}, got {m.group(1)}"
+    return tokens, f"invalid value {m.group(1)}"
+
+
+def _wrong_type(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
+    expected, got = m.groups()
+    tp = _type_at(tokens)
+    if typing.get_origin(tp) is Literal and got != "null":
+        return tokens, f"expected one of {_allowed(tp)}, got {_got_words(got, value)}"
+    message = f"expected {_expected_words(expected, got)}, got {_got_words(got, value)}"
+    if len(tokens) >= 2 and tokens[-2] == "env":
+        message += " (environment values are strings: quote them in YAML)"
+    return tokens, message
+
+
+def _constraint(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
+    expected, rest = m.groups()
+    message = f"expected {_expected_words(expected, None)}{rest}"
+    if value is not _MISSING:
+        message += f", got {_short_repr(value)}"
+    return tokens, message
+
+
+# Tried in order; the first whose pattern matches the whole message body builds the message.
+_MESSAGES: tuple[tuple[re.Pattern[str], Builder], ...] = (
+    (re.compile(r"Object contains unknown field `([^`]*)`"), _unknown_key),
+    (re.compile(r"Object missing required field `([^`]*)`"), _missing_key),
+    (re.compile(r"Invalid enum value (.*)"), _invalid_enum),
+    (re.compile(r"Expected `([^`]*)`, got `([^`]*)`"), _wrong_type),
     # Constraint errors: "Expected `int` >= 0", "Expected `str` matching regex '...'",
     # "Expected `array` of length >= 1", ...
-    m = re.fullmatch(r"Expected `([^`]*)`(.*)", body, flags=re.S)
-    if m:
-        expected, rest = m.groups()
-        message = f"expected {_expected_words(expected, None)}{rest}"
-        if value is not _MISSING:
-            message += f", got {_short_repr(value)}"
-        return tokens, message
-
-    message = body[:1].lower() + body[1:]
-    return tokens, message
+    (re.compile(r"Expected `([^`]*)`(.*)", flags=re.S), _constraint),
+)

@@ -6,35 +6,16 @@ Nothing here imports vLLM or torch: loading a config is cheap and safe in any pr
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
-#: Environment variable naming where ``tiny:*`` checkpoints are generated (when the config has no
-#: ``checkpoint_dir``).
-CHECKPOINTS_ENV = "OMNI_CACHE_CHECKPOINTS"
-DEFAULT_CHECKPOINT_DIR = Path("~/.cache/omni_cache/checkpoints")
-
-#: The tiny checkpoints the project generates itself (omni_cache.models.checkpoints), with the stage kind
-#: each one can run as.
-TINY_MODELS: dict[str, str] = {
-    "thinker": "autoregressive",
-    "thinker-hybrid": "autoregressive",
-    "talker": "autoregressive",
-    "decoder": "generation",
-}
-TINY_PREFIX = "tiny:"
 
 StageKind = Literal["autoregressive", "generation"]
 FinalOutput = Literal["text", "audio"]
 
 _STAGE_NAME_RE = r"^[a-z0-9_-]+$"
-_DOTTED_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-# Linux's sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
-_MAX_IPC_PATH_BYTES = 107
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
@@ -154,12 +135,19 @@ class EngineArgs(_Base, kw_only=True):
         return out
 
 
-class SamplingDefaults(_Base, kw_only=True):
-    """Sampling used when the request does not say otherwise."""
+class Sampling(_Base, kw_only=True):
+    """How a stage samples: a stage's configured defaults (``sampling:``), and on the wire the
+    client's values in ``Submit`` (:mod:`omni_cache.wire.messages`).
 
-    temperature: Annotated[float, Meta(ge=0)] = 0.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    max_tokens: PositiveInt = 64
+    The ranges (temperature >= 0, 0 < top_p <= 1, max_tokens >= 1) are checked for the config by
+    :mod:`omni_cache.config.validation`, not declared here: the wire decodes this struct too, and
+    a client's out-of-range value must reach the stage and come back as a 400 naming it, not be
+    dropped as a malformed message.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 64
     seed: int | None = None
 
 
@@ -204,7 +192,7 @@ class StageConfig(_Base, kw_only=True):
     latents: LatentSpec = field(default_factory=LatentSpec)
     #: Required for autoregressive stages, forbidden for generation stages.
     engine_args: EngineArgs | None = None
-    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    sampling: Sampling = field(default_factory=Sampling)
     #: Generation stages only; defaults are filled in when omitted.
     generation: GenerationArgs | None = None
     #: Extra environment of the stage process (e.g. VLLM_CPU_KVCACHE_SPACE).
@@ -305,7 +293,7 @@ class PipelineConfig(_Base, kw_only=True):
         while remaining:
             ready = [s for s in remaining if all(i in done for i in s.inputs)]
             if not ready:
-                cycle = _find_cycle(self.stages)
+                cycle = find_input_cycle(self.stages)
                 raise ValueError("input cycle: " + " -> ".join(cycle or []))
             for s in ready:
                 order.append(s)
@@ -314,7 +302,7 @@ class PipelineConfig(_Base, kw_only=True):
         return order
 
 
-def _find_cycle(stages: Sequence[StageConfig]) -> list[str] | None:
+def find_input_cycle(stages: Sequence[StageConfig]) -> list[str] | None:
     """A cycle in the input graph in data-flow order (``a -> b -> a``: b reads a, a reads b)."""
     by_name = {s.name: s for s in stages}
     state: dict[str, int] = {}  # 1 = on the stack, 2 = done

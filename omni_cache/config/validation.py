@@ -1,6 +1,6 @@
 """The checks that span fields or stages, run after a config converted into the schema: the input
 graph (unknown inputs, cycles, one entry stage), hand-off functions, kind-specific keys, model
-references and addresses. Every problem is added to an :class:`~omni_cache.config.errors._Issues`
+references and addresses. Every problem is added to an :class:`~omni_cache.config.errors.IssueCollector`
 with its key path."""
 
 from __future__ import annotations
@@ -8,25 +8,22 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from omni_cache.config.errors import _Issues
+from omni_cache.config.errors import IssueCollector
+from omni_cache.config.schema import EngineArgs, PipelineConfig, StageConfig, find_input_cycle
+from omni_cache.models.tiny import TINY_MODELS, TINY_PREFIX
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of
 #: stage names: only those stages' models (and the key file).
 CheckPaths = bool | Collection[str]
-from omni_cache.config.schema import (
-    _DOTTED_RE,
-    _MAX_IPC_PATH_BYTES,
-    TINY_MODELS,
-    TINY_PREFIX,
-    EngineArgs,
-    PipelineConfig,
-    StageConfig,
-    _find_cycle,
-)
+
+_DOTTED_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+# Linux's sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+_MAX_IPC_PATH_BYTES = 107
 
 
 def validate_config(
@@ -36,13 +33,13 @@ def validate_config(
 
     Returns ``config``; raises ConfigError listing every problem found.
     """
-    issues = _Issues(source)
-    _validate(config, issues, check_paths=check_paths)
+    issues = IssueCollector(source)
+    collect_config_issues(config, issues, check_paths=check_paths)
     issues.raise_if_any()
     return config
 
 
-def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: CheckPaths) -> None:
+def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, check_paths: CheckPaths) -> None:
     stages = config.stages
     names = [s.name for s in stages]
     known = set(names)
@@ -78,12 +75,13 @@ def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: CheckPath
         _check_kind_specific(s, base, issues)
         _check_model(s, base, issues,
                      check_paths=check_paths is True or (bool(check_paths) and s.name in check_paths))
+        _check_sampling(s, base, issues)
 
     _check_addresses(config, issues)
     _check_server(config, issues, check_paths=bool(check_paths))
 
     if graph_ok and len(first_index) == len(stages):
-        cycle = _find_cycle(stages)
+        cycle = find_input_cycle(stages)
         if cycle:
             i = first_index[cycle[0]]
             issues.add(
@@ -123,7 +121,7 @@ def _validate(config: PipelineConfig, issues: _Issues, *, check_paths: CheckPath
             seen_outputs[s.final_output] = i
 
 
-def _check_handoff(s: StageConfig, base: tuple[str | int, ...], issues: _Issues) -> None:
+def _check_handoff(s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector) -> None:
     if s.inputs and s.handoff is None:
         issues.add(
             (*base, "handoff"),
@@ -137,12 +135,12 @@ def _check_handoff(s: StageConfig, base: tuple[str | int, ...], issues: _Issues)
         )
     elif s.handoff is not None:
         try:
-            _import_handoff(s.handoff)
+            import_handoff(s.handoff)
         except ValueError as e:
             issues.add((*base, "handoff"), str(e))
 
 
-def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: _Issues) -> None:
+def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector) -> None:
     if s.kind == "autoregressive":
         if s.engine_args is None:
             issues.add(
@@ -177,13 +175,31 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: _I
             )
 
 
+# (key, type word, bound check, bound text): the words msgspec used when these were schema
+# constraints, so the messages read like the schema's own ("expected float >= 0.0, got -1.0").
+_SAMPLING_RANGES: tuple[tuple[str, str, Callable[[float], bool], str], ...] = (
+    ("temperature", "float", lambda v: v >= 0, ">= 0.0"),
+    ("top_p", "float", lambda v: v > 0, "> 0.0"),
+    ("top_p", "float", lambda v: v <= 1, "<= 1.0"),
+    ("max_tokens", "int", lambda v: v >= 1, ">= 1"),
+)
+
+
+def _check_sampling(s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector) -> None:
+    for key, word, ok, bound in _SAMPLING_RANGES:
+        value = getattr(s.sampling, key)
+        if not ok(value):
+            issues.add((*base, "sampling", key), f"expected {word} {bound}, got {value!r}")
+            return
+
+
 _EXTRA_RESERVED = {
     "enable_prefix_caching": "set the stage's prefix_cache instead",
     "model": "set the stage's model instead",
 }
 
 
-def _check_extra(args: EngineArgs, base: tuple[str | int, ...], issues: _Issues) -> None:
+def _check_extra(args: EngineArgs, base: tuple[str | int, ...], issues: IssueCollector) -> None:
     typed = set(args.__struct_fields__) - {"extra"}
     for key in args.extra:
         if key in _EXTRA_RESERVED:
@@ -193,7 +209,7 @@ def _check_extra(args: EngineArgs, base: tuple[str | int, ...], issues: _Issues)
 
 
 def _check_model(
-    s: StageConfig, base: tuple[str | int, ...], issues: _Issues, *, check_paths: bool
+    s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector, *, check_paths: bool
 ) -> None:
     key = (*base, "model")
     if s.model.startswith(TINY_PREFIX):
@@ -268,7 +284,7 @@ def _same_endpoint(a: tuple[str, str, int | None], b: tuple[str, str, int | None
     return a[2] == b[2] and (a[1] == b[1] or a[1] in _ANY_HOST or b[1] in _ANY_HOST)
 
 
-def _check_addresses(config: PipelineConfig, issues: _Issues) -> None:
+def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
     parsed: list[tuple[int, tuple[str, str, int | None]]] = []
     server = ("tcp", config.server.host.lower(), config.server.port)
     for i, s in enumerate(config.stages):
@@ -309,7 +325,7 @@ def _check_addresses(config: PipelineConfig, issues: _Issues) -> None:
                                 f"stages[{clash}] ({config.stages[clash].name!r})")
 
 
-def _import_handoff(dotted: str) -> Callable[..., Any]:
+def import_handoff(dotted: str) -> Callable[..., Any]:
     if not isinstance(dotted, str) or not _DOTTED_RE.match(dotted):
         raise ValueError(f"expected a dotted path 'package.module.function', got {dotted!r}")
     module_name, _, attr = dotted.rpartition(".")
@@ -330,7 +346,7 @@ def _import_handoff(dotted: str) -> Callable[..., Any]:
     return fn
 
 
-def _check_bind_address(bind: str, address: str, key: tuple[str | int, ...], issues: _Issues) -> None:
+def _check_bind_address(bind: str, address: str, key: tuple[str | int, ...], issues: IssueCollector) -> None:
     """A bind address is tcp when the advertised one is (ipc paths need no split) and parses."""
     result = _parse_address(bind)
     if isinstance(result, str):
@@ -340,7 +356,7 @@ def _check_bind_address(bind: str, address: str, key: tuple[str | int, ...], iss
                         "tcp://HOST:PORT); with ipc:// bind and connect the same path")
 
 
-def _check_server(config: PipelineConfig, issues: _Issues, *, check_paths: bool) -> None:
+def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths: bool) -> None:
     server = config.server
     if server.heartbeat_timeout_s <= server.heartbeat_interval_s:
         issues.add(("server", "heartbeat_timeout_s"),

@@ -60,6 +60,8 @@ from typing import Callable
 
 import torch
 
+from omni_cache.models.tiny import TINY_MODELS, resolve_checkpoint_dir
+
 __all__ = [
     "CHECKPOINT_NAMES",
     "CODEBOOK_SIZE",
@@ -72,7 +74,7 @@ __all__ = [
     "write_checkpoint",
 ]
 
-CHECKPOINT_NAMES = ("thinker", "thinker-hybrid", "talker", "decoder")
+CHECKPOINT_NAMES = tuple(TINY_MODELS)
 
 # Written last inside a checkpoint directory; its presence means the directory is complete.
 COMPLETE_MARKER = ".omni_cache_complete"
@@ -111,10 +113,7 @@ CHAT_TEMPLATE = (
 # ---- helpers ---------------------------------------------------------------------------------------
 def default_checkpoint_dir() -> Path:
     """``$OMNI_CACHE_CHECKPOINTS`` if set, else ``~/.cache/omni_cache/checkpoints``."""
-    env = os.environ.get("OMNI_CACHE_CHECKPOINTS")
-    if env:
-        return Path(env).expanduser()
-    return Path("~/.cache/omni_cache/checkpoints").expanduser()
+    return resolve_checkpoint_dir()
 
 
 def _check_name(name: str) -> None:

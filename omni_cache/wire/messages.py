@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import msgspec
 
-
-class Sampling(msgspec.Struct, kw_only=True):
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 64
-    seed: int | None = None
+# The client's sampling travels as the same struct that holds a stage's configured defaults.
+from omni_cache.config.schema import Sampling
 
 
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
