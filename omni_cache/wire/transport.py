@@ -216,11 +216,14 @@ def _tensor_from_buffer(buf: memoryview, dtype: torch.dtype, shape: list[int]) -
 # --------------------------------------------------------------------------- sockets
 
 
-def _open_socket(ctx: zmq.Context, kind: int, hwm: int, linger_ms: int) -> zmq.Socket:
+def _open_socket(ctx: zmq.Context, kind: int, hwm: int, linger_ms: int,
+                 options: Mapping[int, int]) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    for option, value in options.items():
+        sock.setsockopt(option, value)
     return sock
 
 
@@ -239,8 +242,37 @@ def _attach(sock: zmq.Socket, address: str, bind: bool, auth: Any = None) -> str
 
 
 class _Endpoint:
-    socket: zmq.Socket
-    address: str
+    """One PUSH or PULL socket and its codec: the set-up all four endpoint classes share.
+
+    ``bind`` defaults to the class's ``binds_by_default`` (receivers bind, senders connect);
+    ``auth`` (a :class:`omni_cache.wire.stage_auth.StageAuth`) secures the socket with CURVE.
+    The asyncio classes accept a ``zmq.asyncio.Context`` or a plain one.
+    """
+
+    socket_type: int
+    binds_by_default: bool
+    uses_asyncio: bool = False
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        codec: Codec,
+        bind: bool | None = None,
+        *,
+        hwm: int = DEFAULT_HWM,
+        linger_ms: int = DEFAULT_LINGER_MS,
+        auth: Any = None,
+    ) -> None:
+        self.codec = codec
+        if self.uses_asyncio:
+            ctx = _async_context(ctx)
+        self.socket = _open_socket(ctx, self.socket_type, hwm, linger_ms, self._socket_options())
+        self.address = _attach(self.socket, address, self.binds_by_default if bind is None else bind, auth)
+
+    def _socket_options(self) -> dict[int, int]:
+        """Extra options set before the socket binds or connects."""
+        return {}
 
     def close(self) -> None:
         self.socket.close()
@@ -267,13 +299,12 @@ class _ReceiverBase(_Endpoint):
     has no effect on ``inproc://``, where the codec check alone applies.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str, codec: Codec, bind: bool, hwm: int, linger_ms: int,
-                 auth: Any = None) -> None:
-        self.codec = codec
-        self.dropped = 0
-        self.socket = _open_socket(ctx, zmq.PULL, hwm, linger_ms)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes)
-        self.address = _attach(self.socket, address, bind, auth)
+    socket_type = zmq.PULL
+    binds_by_default = True
+    dropped = 0  # bad messages received and skipped (an instance attribute from the first one)
+
+    def _socket_options(self) -> dict[int, int]:
+        return {zmq.MAXMSGSIZE: self.codec.max_message_bytes}
 
     def _decode_or_drop(self, frames: list[zmq.Frame]) -> tuple[Any, dict[str, torch.Tensor]] | None:
         try:
@@ -286,19 +317,6 @@ class _ReceiverBase(_Endpoint):
 
 class Receiver(_ReceiverBase):
     """PULL socket that yields decoded ``(msg, tensors)``; binds by default."""
-
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        address: str,
-        codec: Codec,
-        bind: bool = True,
-        *,
-        hwm: int = DEFAULT_HWM,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        auth: Any = None,
-    ) -> None:
-        super().__init__(ctx, address, codec, bind, hwm, linger_ms, auth)
 
     def recv(self, timeout_ms: int | None = None) -> tuple[Any, dict[str, torch.Tensor]] | None:
         """Next valid message; bad ones are logged, counted and skipped.
@@ -319,18 +337,7 @@ class Receiver(_ReceiverBase):
 class AsyncReceiver(_ReceiverBase):
     """asyncio version of ``Receiver``; accepts a ``zmq.asyncio.Context`` or a plain one."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        address: str,
-        codec: Codec,
-        bind: bool = True,
-        *,
-        hwm: int = DEFAULT_HWM,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        auth: Any = None,
-    ) -> None:
-        super().__init__(_async_context(ctx), address, codec, bind, hwm, linger_ms, auth)
+    uses_asyncio = True
 
     async def recv(self, timeout_ms: int | None = None) -> tuple[Any, dict[str, torch.Tensor]] | None:
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
@@ -344,32 +351,14 @@ class AsyncReceiver(_ReceiverBase):
                 return decoded
 
 
-class _SenderBase(_Endpoint):
-    def __init__(self, ctx: zmq.Context, address: str, codec: Codec, bind: bool, hwm: int, linger_ms: int,
-                 auth: Any = None) -> None:
-        self.codec = codec
-        self.socket = _open_socket(ctx, zmq.PUSH, hwm, linger_ms)
-        self.address = _attach(self.socket, address, bind, auth)
-
-
-class Sender(_SenderBase):
+class Sender(_Endpoint):
     """PUSH socket that encodes and sends ``(msg, tensors)``; connects by default.
 
     ``send`` blocks while the queue is at its high-water mark (backpressure).
     """
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        address: str,
-        codec: Codec,
-        bind: bool = False,
-        *,
-        hwm: int = DEFAULT_HWM,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        auth: Any = None,
-    ) -> None:
-        super().__init__(ctx, address, codec, bind, hwm, linger_ms, auth)
+    socket_type = zmq.PUSH
+    binds_by_default = False
 
     def send(
         self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False
@@ -379,21 +368,12 @@ class Sender(_SenderBase):
         return self.socket.send_multipart(self.codec.encode(msg, tensors), copy=False, track=track)
 
 
-class AsyncSender(_SenderBase):
+class AsyncSender(_Endpoint):
     """asyncio version of ``Sender``; accepts a ``zmq.asyncio.Context`` or a plain one."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        address: str,
-        codec: Codec,
-        bind: bool = False,
-        *,
-        hwm: int = DEFAULT_HWM,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        auth: Any = None,
-    ) -> None:
-        super().__init__(_async_context(ctx), address, codec, bind, hwm, linger_ms, auth)
+    socket_type = zmq.PUSH
+    binds_by_default = False
+    uses_asyncio = True
 
     async def send(
         self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False
