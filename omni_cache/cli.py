@@ -26,9 +26,9 @@ from omni_cache.config import (
     load_config,
     validate_config,
 )
+from omni_cache.serving.auth import API_KEY_ENV
 
 PROG = "omni-serve"
-API_KEY_ENV = "OMNI_CACHE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: The module whose ``serve(config, args)`` runs the pipeline (written with the orchestrator).
 SERVER_MODULE = "omni_cache.serving.server"

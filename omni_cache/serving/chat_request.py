@@ -1,0 +1,122 @@
+"""A chat-completions request: its schema (pydantic, OpenAI's fields) and the checks that turn a
+body into what the handler needs (model, n, modalities, audio format, plain chat messages), each
+failure an :class:`~omni_cache.serving.errors.APIError` naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omni_cache.serving.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format
+from omni_cache.serving.errors import APIError, invalid_request
+
+__all__ = ["ChatCompletionRequest", "ChatRequest", "parse_chat_request"]
+
+_INT64 = 2**63 - 1
+
+
+class _Model(BaseModel):
+    # strict: "5" is not an int, 1 is not a bool (OpenAI rejects both); unknown fields are ignored.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class AudioOptions(_Model):
+    voice: str | None = None
+    # Default: "wav", or "pcm16" when streaming (the only format a stream can carry).
+    format: str | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Model):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOptions | None = None
+    n: int | None = Field(default=None, ge=1)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A request that passed every check: the body plus what was derived from it."""
+
+    body: ChatCompletionRequest
+    modalities: tuple[str, ...]
+    audio_format: str
+    messages: list[dict[str, Any]]
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.body.stream_options and self.body.stream_options.include_usage)
+
+
+def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
+    """Validate a chat-completions body for the model this server serves; APIError otherwise."""
+    try:
+        req = ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid_request(e) from None
+    if req.model != served_model:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_model!r}",
+                       param="model", code="model_not_found")
+    if req.n not in (None, 1):
+        raise APIError(400, "only n=1 is supported", param="n")
+    modalities = tuple(dict.fromkeys(req.modalities or ["text"]))
+    audio_format = (req.audio.format if req.audio else None) or (STREAM_FORMAT if req.stream else "wav")
+    if "audio" in modalities:
+        try:
+            check_format(audio_format, stream=req.stream)
+        except UnsupportedFormat as e:
+            raise APIError(400, str(e), param="audio.format") from None
+    return ChatRequest(req, modalities, audio_format, _message_dicts(req.messages))
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: text content only, developer -> system."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
+                                   param=f"messages.{i}.content.{j}.type")
+                if part.text is None:
+                    raise APIError(400, "a text content part needs 'text'", param=f"messages.{i}.content.{j}.text")
+                texts.append(part.text)
+            content = "".join(texts)
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out

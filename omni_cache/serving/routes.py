@@ -1,0 +1,128 @@
+"""The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics and
+/v1/chat/completions. They find the orchestrator, the served model name and the API key on
+``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.serving.audio_formats import encode_audio
+from omni_cache.serving.auth import bearer_token_problem
+from omni_cache.serving.chat_request import ChatRequest, parse_chat_request
+from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
+from omni_cache.serving.errors import APIError
+from omni_cache.serving.metrics import CONTENT_TYPE
+
+__all__ = ["AUDIO_TTL_S", "router"]
+
+#: ``expires_at`` of an answer's audio: this long after ``created``.
+AUDIO_TTL_S = 3600
+
+
+async def require_api_key(request: Request) -> None:
+    problem = bearer_token_problem(request.headers.get("authorization", ""), request.app.state.api_key)
+    if problem is not None:
+        raise APIError(401, problem)
+
+
+router = APIRouter()
+_auth = [Depends(require_api_key)]
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state
+    if state.startup_error is not None:
+        return JSONResponse({"status": "failed", "message": f"the pipeline did not start: "
+                             f"{state.startup_error}"}, status_code=503)
+    not_ready = state.orchestrator.not_ready()
+    if not not_ready:
+        return JSONResponse({"status": "ok"})
+    message = "stage(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in not_ready.items())
+    return JSONResponse({"status": "unavailable", "message": message, "stages": not_ready},
+                        status_code=503)
+
+
+@router.get("/v1/models", dependencies=_auth)
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": request.app.state.served_model_name, "object": "model", "created": 0,
+         "owned_by": "omni_cache"}]}
+
+
+@router.get("/metrics", dependencies=_auth)
+async def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(await request.app.state.orchestrator.render_metrics(),
+                             media_type=CONTENT_TYPE)
+
+
+@router.post("/v1/chat/completions", dependencies=_auth)
+async def chat_completions(request: Request):
+    received_at = time.monotonic()
+    orch: Orchestrator = request.app.state.orchestrator
+    chat = parse_chat_request(await request.body(), request.app.state.served_model_name)
+    if orch.tokenizer is None:
+        raise APIError(503, "the pipeline is still starting: "
+                       + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
+    try:
+        prompt = await asyncio.to_thread(orch.tokenize_messages, chat.messages)
+    except Exception as e:  # noqa: BLE001 -- a chat template may raise on odd conversations
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    req = chat.body
+    handle = await orch.submit(
+        prompt,
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        modalities=chat.modalities,
+        received_at=received_at,
+    )
+    if req.stream:
+        return _stream(handle, chat, orch)
+    return await _complete(handle, chat, orch, request)
+
+
+def _stream(handle: Any, chat: ChatRequest, orch: Orchestrator) -> StreamingResponse:
+    """The answer as SSE chunks (:mod:`omni_cache.serving.chat_stream`)."""
+    base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": orch.served_model_name}
+    return StreamingResponse(
+        stream_chunks(handle, base, entry_stage=orch.entry.name, include_usage=chat.include_usage,
+                      error_body=lambda e: APIError.from_request_error(e).body()),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _complete(handle: Any, chat: ChatRequest, orch: Orchestrator, request: Request) -> JSONResponse:
+    """The whole answer as one chat.completion (audio encoded in the requested format)."""
+    created = int(time.time())
+    answer = await collect_unless_disconnected(handle, request)
+    done = answer.completed
+    message: dict[str, Any] = {"role": "assistant", "content": answer.text}
+    if chat.wants_audio:
+        data = await asyncio.to_thread(encode_audio, answer.samples(),
+                                       answer.sample_rate or orch.audio_sample_rate, chat.audio_format)
+        message["audio"] = {
+            "id": f"audio_{handle.request_id}",
+            "data": base64.b64encode(data).decode("ascii"),
+            "expires_at": created + AUDIO_TTL_S,
+            "transcript": answer.text,
+        }
+    return JSONResponse({
+        "id": f"chatcmpl-{handle.request_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": orch.served_model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
+                     "logprobs": None}],
+        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.entry.name, 0)),
+    })
