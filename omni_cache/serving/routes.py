@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.auth import bearer_token_problem
 from omni_cache.serving.chat_request import ChatRequest, parse_chat_request
@@ -90,7 +91,7 @@ async def chat_completions(request: Request):
     return await _complete(handle, chat, orch, request)
 
 
-def _stream(handle: Any, chat: ChatRequest, orch: Orchestrator) -> StreamingResponse:
+def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator) -> StreamingResponse:
     """The answer as SSE chunks (:mod:`omni_cache.serving.chat_stream`)."""
     base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": orch.served_model_name}
@@ -102,7 +103,7 @@ def _stream(handle: Any, chat: ChatRequest, orch: Orchestrator) -> StreamingResp
     )
 
 
-async def _complete(handle: Any, chat: ChatRequest, orch: Orchestrator, request: Request) -> JSONResponse:
+async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request) -> JSONResponse:
     """The whole answer as one chat.completion (audio encoded in the requested format)."""
     created = int(time.time())
     answer = await collect_unless_disconnected(handle, request)
