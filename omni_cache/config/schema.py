@@ -25,6 +25,7 @@ TINY_MODELS: dict[str, str] = {
     "thinker-hybrid": "autoregressive",
     "talker": "autoregressive",
     "decoder": "generation",
+    "qwen3-omni": "autoregressive",
 }
 TINY_PREFIX = "tiny:"
 
