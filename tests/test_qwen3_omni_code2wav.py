@@ -137,6 +137,22 @@ def test_bad_codes_are_refused(decoder, codes):
         decoder.decode_windows([CodeWindow(codes[:, :10], 0, 11)])
 
 
+def test_next_window_plan(decoder, codes):
+    """Holds back the lookahead until the stream ends, caps the emitted codes, keeps the context."""
+    rf = decoder.receptive_field
+    assert decoder.next_window(codes[:, :1], 0, final=False) is None  # the one code is lookahead
+    w = decoder.next_window(codes[:, :30], 0, final=False)
+    assert (w.start, w.stop, w.codes.shape[-1]) == (0, 30 - rf.right_codes, 30) and not w.final
+    w = decoder.next_window(codes, 100, final=False, max_codes=8)
+    assert (w.start, w.stop) == (rf.left_codes, rf.left_codes + 8)
+    assert torch.equal(w.codes, codes[:, 100 - rf.left_codes : 108 + rf.right_codes])
+    w = decoder.next_window(codes, 100, final=True)
+    assert w.final and torch.equal(w.codes, codes[:, 100 - rf.left_codes :])
+    assert decoder.next_window(codes, T, final=True) is None
+    with pytest.raises(ValueError, match="outside"):
+        decoder.next_window(codes[:, :10], 11, final=False)
+
+
 def test_not_a_qwen3_omni_folder(tmp_path):
     ck.write_checkpoint("decoder", tmp_path)
     with pytest.raises(ValueError, match="not a Qwen3-Omni checkpoint"):

@@ -122,7 +122,7 @@ class Code2WavDecoder:
         """Whole-sequence decode of ``[num_quantizers, T]`` codes -> ``[T * spc - tail]`` samples."""
         return self.decode_windows([CodeWindow(codes, 0, codes.shape[-1])])[0]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers may write into the returned audio
     def decode_windows(self, windows: Sequence[CodeWindow]) -> list[torch.Tensor]:
         """One batched forward over ``windows``; returns each window's float32 audio of
         ``codes[:, start:stop]`` (``(stop - start) * samples_per_code`` samples, less
@@ -179,6 +179,8 @@ class Code2WavDecoder:
         defaults to the receptive field (exact up to rounding). None when nothing can be emitted yet.
         """
         n = codes.shape[-1]
+        if not 0 <= emitted <= n:
+            raise ValueError(f"emitted={emitted} is outside the {n} codes received")
         rf = self.receptive_field
         ready = n if final else max(emitted, n - rf.right_codes)
         stop = ready if max_codes is None else min(ready, emitted + max_codes)
