@@ -220,10 +220,10 @@ def _check_model(
                 f"unknown tiny checkpoint {tiny!r} (known: "
                 f"{', '.join(TINY_PREFIX + n for n in sorted(TINY_MODELS))})",
             )
-        elif TINY_MODELS[tiny] != s.kind:
+        elif s.kind not in TINY_MODELS[tiny]:
             issues.add(
                 key,
-                f"{s.model!r} is for a stage of kind {TINY_MODELS[tiny]!r}, "
+                f"{s.model!r} is for a stage of kind {' or '.join(map(repr, TINY_MODELS[tiny]))}, "
                 f"but this stage's kind is {s.kind!r}",
             )
     elif not s.model.strip():

@@ -17,6 +17,10 @@ Checkpoints (``CHECKPOINT_NAMES``):
     hidden states as prompt embeddings through ``thinker_projection.safetensors``.
 ``decoder``
     :class:`omni_cache.models.codec_decoder.CodecDecoder`: codec codes -> 24 kHz waveform.
+``qwen3-omni``
+    Qwen3-Omni (``Qwen3OmniMoeForConditionalGeneration``) in the released layout: thinker (MoE, audio and
+    vision encoders), talker and code2wav in one folder, with processor files and a chat template for
+    image/audio/video content parts. What goes in it: :mod:`omni_cache.models.tiny_qwen3_omni`.
 
 Determinism: the same (name, seed) gives byte-identical files. Every tensor is drawn from its own
 ``torch.Generator`` seeded from (seed, crc32 of "<checkpoint>/<tensor name>"), so the output does not
@@ -208,6 +212,7 @@ def _write_tokenizer(
     pad: str,
     bos: str | None,
     chat_template: str | None,
+    extra_config: dict | None = None,
 ) -> None:
     _write_json(out / "tokenizer.json", _tokenizer_json(special_tokens))
     added = {
@@ -238,6 +243,7 @@ def _write_tokenizer(
     }
     if chat_template is not None:
         cfg["chat_template"] = chat_template
+    cfg.update(extra_config or {})
     _write_json(out / "tokenizer_config.json", cfg)
     smap = {
         "additional_special_tokens": cfg["additional_special_tokens"],
@@ -520,11 +526,37 @@ def _write_decoder(out: Path, seed: int) -> None:
     _save_safetensors(out / "model.safetensors", weights)
 
 
+def _write_qwen3_omni(out: Path, seed: int) -> None:
+    from omni_cache.models import tiny_qwen3_omni as q3
+
+    cfg = q3.config()
+    # A compact config.json (transformers and vLLM fill in every default); model_type picks the class.
+    _write_json(out / "config.json", {"model_type": "qwen3_omni_moe", **cfg})
+    _write_json(out / "generation_config.json", q3.generation_config())
+    f = _TensorFactory("qwen3-omni", seed)
+    weights = q3.random_weights(cfg, lambda name, shape, std: f.normal(name, shape, std=std))
+    _save_safetensors(out / "model.safetensors", weights)
+    _write_tokenizer(
+        out,
+        q3.SPECIAL_TOKENS,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        chat_template=q3.CHAT_TEMPLATE,
+        extra_config=q3.TOKENIZER_EXTRA_CONFIG,
+    )
+    # transformers' processors and vLLM's multimodal processor read the template from here.
+    _write_json(out / "chat_template.json", {"chat_template": q3.CHAT_TEMPLATE})
+    _write_json(out / "preprocessor_config.json", q3.preprocessor_config())
+    _write_json(out / "video_preprocessor_config.json", q3.video_preprocessor_config())
+
+
 _WRITERS: dict[str, Callable[[Path, int], None]] = {
     "thinker": _write_thinker,
     "thinker-hybrid": _write_thinker_hybrid,
     "talker": _write_talker,
     "decoder": _write_decoder,
+    "qwen3-omni": _write_qwen3_omni,
 }
 
 

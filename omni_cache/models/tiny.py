@@ -13,12 +13,14 @@ from pathlib import Path
 #: How a stage config names a generated checkpoint: ``model: tiny:thinker``.
 TINY_PREFIX = "tiny:"
 
-#: The tiny checkpoints the project generates itself, with the stage kind each one can run as.
-TINY_MODELS: dict[str, str] = {
-    "thinker": "autoregressive",
-    "thinker-hybrid": "autoregressive",
-    "talker": "autoregressive",
-    "decoder": "generation",
+#: The tiny checkpoints the project generates itself, with the stage kinds each one can run as
+#: (a Qwen3-Omni folder holds the thinker and talker, run by vLLM, and code2wav, a generation stage).
+TINY_MODELS: dict[str, tuple[str, ...]] = {
+    "thinker": ("autoregressive",),
+    "thinker-hybrid": ("autoregressive",),
+    "talker": ("autoregressive",),
+    "decoder": ("generation",),
+    "qwen3-omni": ("autoregressive", "generation"),
 }
 
 #: Environment variable naming where ``tiny:*`` checkpoints are generated (when the config has no
