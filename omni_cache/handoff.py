@@ -56,6 +56,7 @@ class Job:
 
     prompt_embeds: torch.Tensor | None = None  # autoregressive stage fed with embeddings
     prompt_token_ids: list[int] | None = None  # autoregressive stage fed with tokens
+    multi_modal_data: dict[str, list] | None = None  # images / audio for the prompt's placeholders
     max_tokens: int = 0
     codes: list[int] | None = None  # decoder: codes window to decode
     keep: tuple[int, int] = (0, 0)  # decoder: frames [start, end) of the window to keep

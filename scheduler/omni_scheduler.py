@@ -2,7 +2,8 @@
 
 The scheduler is where prefix-cache hits are decided, so it is where they are counted: every newly
 admitted request records its prompt length (queried tokens) and the tokens vLLM's prefix cache let
-it skip (hit tokens). The counters are cumulative and read in-process by the stage (they feed
+it skip (hit tokens). It also counts the multimodal items whose encoder it scheduled: an image or
+audio clip served from the prefix cache (or vLLM's encoder cache) is never encoded again. The counters are cumulative and read in-process by the stage (they feed
 `/metrics`). `OmniScheduler` extends the synchronous scheduler, `AsyncOmniScheduler` the one vLLM
 uses with async scheduling; the stage picks the one matching `async_scheduling`.
 
@@ -37,6 +38,8 @@ class OmniSchedulerMixin:
     """What both schedulers add to vLLM's: prefix-cache counters and hybrid block states."""
 
     prefix_counters: PrefixCacheCounters
+    #: Multimodal items (images, audio clips) whose encoder ran, over all steps.
+    encoder_runs: int = 0
     block_states: bool = False  # hybrid thinkers: a state at every block boundary crossed
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -60,6 +63,7 @@ class OmniSchedulerMixin:
         for new in output.scheduled_new_reqs:
             request = self.requests[new.req_id]  # type: ignore[attr-defined]
             counters.record(request.num_prompt_tokens, new.num_computed_tokens)
+        self.encoder_runs += sum(len(items) for items in output.scheduled_encoder_inputs.values())
         return output
 
 

@@ -19,7 +19,7 @@ import torch
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import HandoffContext, Job, Upstream
 from omni_cache.cache.latent_rows import LatentChunk, LatentRows
-from omni_cache.wire.messages import Sampling, StageOutput, Submit
+from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
@@ -44,6 +44,25 @@ class _Request:
     active: str | None = None  # vLLM request id of the job running now
     active_job: Job | None = None
     num_jobs: int = 0
+
+
+def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    """A Submit's media as vLLM's ``multi_modal_data``: PIL images and ``(samples, rate)`` clips,
+    in prompt order. A frame that is missing or not what its MediaRef says is a ValueError (400)."""
+    from PIL import Image
+
+    out: dict[str, list] = {}
+    for ref in media:
+        t = tensors.get(ref.tensor)
+        if ref.kind == "image" and t is not None and t.dtype == torch.uint8 and t.dim() == 3 \
+                and t.shape[-1] == 3:
+            out.setdefault("image", []).append(Image.fromarray(t.numpy()))
+        elif ref.kind == "audio" and t is not None and t.dtype == torch.float32 and t.dim() == 1 \
+                and ref.sample_rate > 0:
+            out.setdefault("audio", []).append((t.numpy(), ref.sample_rate))
+        else:
+            raise ValueError(f"media item {ref.tensor!r} ({ref.kind}) is missing or malformed")
+    return out
 
 
 class ARRunner(StageRunner):
@@ -75,18 +94,19 @@ class ARRunner(StageRunner):
     # ---- input -----------------------------------------------------------------------------
     def accept(self, msg: Submit | StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if isinstance(msg, Submit):
-            self._submit(msg)
+            self._submit(msg, tensors)
         else:
             self._from_upstream(msg, tensors)
 
-    def _submit(self, msg: Submit) -> None:
+    def _submit(self, msg: Submit, tensors: dict[str, torch.Tensor]) -> None:
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
+        media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _Request(msg.request_id, list(msg.modalities), msg.sampling,
                        return_latents=msg.return_latents)
         self.requests[msg.request_id] = req
         self.total_requests += 1
-        self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids),
+        self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
                              max_tokens=msg.sampling.max_tokens, last=True))
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -125,6 +145,8 @@ class ARRunner(StageRunner):
             prompt = {"prompt_embeds": job.prompt_embeds}
         else:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
+        if job.multi_modal_data:
+            prompt["multi_modal_data"] = job.multi_modal_data
         vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
         req.num_jobs += 1
         self.llm.add(vllm_id, prompt, params)

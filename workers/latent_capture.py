@@ -31,6 +31,17 @@ def layer_name(index: int) -> str:
     return f"layer_{index}"
 
 
+def reused_storages(runner: Any) -> frozenset[int]:
+    """The storages of the tensors a model runner keeps from step to step: its plain tensor
+    attributes and both sides of its CPU/device buffers (vLLM's `CpuGpuBuffer`)."""
+    ptrs = set()
+    for value in vars(runner).values():
+        for t in (value, getattr(value, "cpu", None), getattr(value, "gpu", None)):
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                ptrs.add(t.untyped_storage().data_ptr())
+    return frozenset(ptrs)
+
+
 @dataclass(frozen=True)
 class LatentOptions:
     """The `additional_config["omni_cache"]` block the stage passes to vLLM (see llm_stage.py)."""
@@ -75,6 +86,11 @@ class LatentCapture:
     group_id: int = -1  # the mirrored full-attention KV-cache group
     layer_name: str = ""  # one attention layer of that group: its slot mapping is the group's
     block_size: int = 0
+    #: Storages of the buffers the model runner reuses every step (its input-embeddings buffer,
+    #: ...). A latent that is a view into one of them (layer tap 0 of a model fed embeddings is
+    #: the runner's `inputs_embeds` buffer itself) is copied before the step returns: the next
+    #: step overwrites it while the stage may still hold the rows (see `reused_storages`).
+    reused: frozenset[int] = frozenset()
 
     # ---- set-up ----------------------------------------------------------------------------
     def bind_kv_cache(self, kv_cache_config: Any, max_step_tokens: int | None = None) -> None:
@@ -156,7 +172,13 @@ class LatentCapture:
             # vLLM returns aux hidden states in ascending layer order.
             for idx, tensor in zip(sorted(self.options.layers), state.aux_hidden_states):
                 out[layer_name(idx)] = tensor[:num_tokens]
-        return out
+        return {name: self._owned(t) for name, t in out.items()}
+
+    def _owned(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows`, copied if they live in a buffer the runner reuses next step."""
+        if self.reused and rows.untyped_storage().data_ptr() in self.reused:
+            return rows.clone()
+        return rows
 
     def _admitted_with_hits(self, sched: Any) -> dict[str, tuple[list[int], int]]:
         """Requests that got (new) block tables with num_computed_tokens > 0: vLLM skipped their

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workers.latent_capture import HIDDEN, LatentCapture, LatentOptions, layer_name
+from workers.latent_capture import HIDDEN, LatentCapture, LatentOptions, layer_name, reused_storages
 
 
 class LatentWorkerMixin:
@@ -47,7 +47,8 @@ class LatentWorkerMixin:
         hidden_size = self.vllm_config.model_config.get_hidden_size()  # type: ignore[attr-defined]
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
         dims = {name: (hidden_size, dtype) for name in options.names}
-        self.latents = LatentCapture(options, dims, torch.device(runner.device))
+        self.latents = LatentCapture(options, dims, torch.device(runner.device),
+                                     reused=reused_storages(runner))
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]

@@ -150,6 +150,7 @@ class LLMStage:
             "prefix_cache_queried_tokens": prefix.queried_tokens if prefix else 0,
             "prefix_cache_hit_tokens": prefix.hit_tokens if prefix else 0,
             "latent_rows_served": 0, "latent_rows_computed": 0,
+            "encoder_runs": getattr(self.scheduler, "encoder_runs", 0),
         }
         if self.capture is not None:
             out["latent_rows_served"] = self.capture.counters.rows_served

@@ -69,14 +69,14 @@ class LatentSpec(_Base, kw_only=True):
 
     #: The final hidden states (the input of the LM head).
     hidden: bool = False
-    #: Layer taps: outputs of these decoder layers (indices >= 0, unique).
+    #: Layer taps: the residual stream entering these decoder layers (indices >= 0, unique).
+    #: Tap 0 is the input embeddings, which at image and audio placeholder positions are the
+    #: encoder outputs: the per-token multimodal tensors a talker reads are rows of ``layer_0``.
     layers: list[Annotated[int, Meta(ge=0)]] = []
-    #: Names of per-token multimodal tensors the model produces.
-    multimodal: list[Annotated[str, Meta(min_length=1)]] = []
 
     def any(self) -> bool:
         """Whether any latent is requested."""
-        return bool(self.hidden or self.layers or self.multimodal)
+        return bool(self.hidden or self.layers)
 
     def describe(self) -> str:
         parts = []
@@ -84,8 +84,6 @@ class LatentSpec(_Base, kw_only=True):
             parts.append("hidden")
         if self.layers:
             parts.append("layers " + ",".join(str(i) for i in self.layers))
-        if self.multimodal:
-            parts.append("multimodal " + ",".join(self.multimodal))
         return "; ".join(parts) if parts else "none"
 
 

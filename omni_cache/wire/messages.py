@@ -9,7 +9,8 @@ stage.
 Tensors never go in these headers; they travel as frames next to them (see transport.py):
 - `StageOutput` from an autoregressive stage: its latents by name ("hidden", "layer_<k>", ...),
   rows for token positions `latent_start ..`;
-- `StageOutput` from the decoder: "audio", float32 mono samples at `sample_rate`.
+- `StageOutput` from the decoder: "audio", float32 mono samples at `sample_rate`;
+- `Submit` with media: one frame per `MediaRef` (decoded pixels or samples, never encoded files).
 """
 
 from __future__ import annotations
@@ -20,8 +21,18 @@ import msgspec
 from omni_cache.config.schema import Sampling
 
 
+class MediaRef(msgspec.Struct, kw_only=True):
+    """One image or audio clip of a Submit; its samples travel as the tensor frame ``tensor``:
+    an image as ``uint8 [H, W, 3]`` RGB, a clip as ``float32 [n]`` mono at ``sample_rate``."""
+
+    kind: str  # "image" | "audio"
+    tensor: str
+    sample_rate: int = 0
+
+
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
-    """Orchestrator -> entry stage: a new client request, already tokenized."""
+    """Orchestrator -> entry stage: a new client request, already tokenized. Its media fill the
+    prompt's image/audio placeholders in order (the entry stage's vLLM processor expands them)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -29,6 +40,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])  # "audio": run downstream
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
     deadline: float = 0.0  # unix time after which stages drop the request (0 = none)
+    media: list[MediaRef] = []
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):

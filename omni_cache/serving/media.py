@@ -1,0 +1,177 @@
+"""Images and audio clips in chat requests: OpenAI content parts -> decoded arrays, with limits.
+
+Two content-part types carry media, as in OpenAI's chat API:
+
+* ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``: PNG, JPEG, WebP,
+  GIF (first frame) or BMP, decoded by Pillow into ``uint8 [H, W, 3]`` RGB. ``http(s)://`` URLs
+  are fetched only from the hosts ``server.media.allowed_url_hosts`` lists (none by default);
+  ``file://`` and every other scheme are refused.
+* ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav" | "mp3"}}``:
+  decoded by libsndfile (``soundfile``), mixed down to mono and resampled with libsoxr to the
+  thinker's feature-extractor rate (16 kHz for Qwen3-Omni), ``float32 [n]``.
+
+Video parts (``video_url``, ``input_video``) are refused: the thinker stage takes images and audio.
+Everything is checked before it is decoded in full: the encoded size
+(``server.media.max_item_bytes``), the number of items (``max_items``), an image's pixel count from
+its header (``max_image_pixels``), a clip's duration and sample rate from its header
+(``max_audio_seconds``, 1 kHz to 384 kHz). A violation is a :class:`MediaError` (HTTP 400 naming
+the content part). Nothing here is unpickled; the decoders are maintained libraries.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+IMAGE = "image"
+AUDIO = "audio"
+#: Sample rates a clip may have (Hz): below, it is not audio; above, resampling costs too much.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384000
+AUDIO_FORMATS = ("wav", "mp3")
+#: Content-part types that name a modality this server does not take.
+REFUSED_PARTS = {"video_url": "video", "input_video": "video", "file": "file"}
+
+
+class MediaError(ValueError):
+    """A media item that cannot be used; ``param`` names the content part (OpenAI's error field)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What one request may carry (``server.media`` in the stage config)."""
+
+    max_items: int = 8
+    max_item_bytes: int = 16 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_audio_seconds: float = 300.0
+    allowed_url_hosts: tuple[str, ...] = ()
+    fetch_timeout_s: float = 10.0
+
+
+@dataclass
+class MediaItem:
+    """One decoded item: an RGB image ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]``."""
+
+    kind: str  # IMAGE | AUDIO
+    array: np.ndarray
+    sample_rate: int = 0  # audio only
+
+
+@dataclass
+class MediaDecoder:
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    #: The rate clips are resampled to (the thinker's feature extractor's).
+    audio_sample_rate: int = 16000
+
+    def image(self, url: str, param: str) -> MediaItem:
+        data = self._image_bytes(url, param)
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                w, h = img.size  # from the header: nothing decoded yet
+                if w * h > self.limits.max_image_pixels:
+                    raise MediaError(f"image is {w}x{h} pixels; at most {self.limits.max_image_pixels} "
+                                     "pixels are accepted (server.media.max_image_pixels)", param)
+                rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        except MediaError:
+            raise
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise MediaError(f"image could not be decoded ({type(e).__name__}: {e}); send PNG, "
+                             "JPEG, WebP, GIF or BMP", param) from None
+        if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
+            raise MediaError("image has no pixels", param)
+        return MediaItem(IMAGE, np.ascontiguousarray(rgb))
+
+    def audio(self, data_b64: str, fmt: str, param: str) -> MediaItem:
+        if fmt not in AUDIO_FORMATS:
+            raise MediaError(f"input_audio.format {fmt!r} is not supported (supported: "
+                             f"{', '.join(AUDIO_FORMATS)})", param + ".format")
+        data = self._b64(data_b64, param + ".data")
+        import soundfile as sf
+
+        try:
+            info = sf.info(io.BytesIO(data))
+            if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
+                raise MediaError(f"audio sample rate {info.samplerate} Hz is outside "
+                                 f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz", param)
+            if info.frames / info.samplerate > self.limits.max_audio_seconds:
+                raise MediaError(f"audio is {info.frames / info.samplerate:.1f} s long; at most "
+                                 f"{self.limits.max_audio_seconds:g} s are accepted "
+                                 "(server.media.max_audio_seconds)", param)
+            samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        except MediaError:
+            raise
+        except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
+            raise MediaError(f"audio could not be decoded as {fmt} ({e})", param) from None
+        if samples.shape[0] == 0:
+            raise MediaError("audio has no samples", param)
+        mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
+        if rate != self.audio_sample_rate:
+            import soxr
+
+            mono = soxr.resample(mono, rate, self.audio_sample_rate)
+        return MediaItem(AUDIO, np.ascontiguousarray(mono, dtype=np.float32), self.audio_sample_rate)
+
+    # ---- bytes ---------------------------------------------------------------------------------
+    def _image_bytes(self, url: str, param: str) -> bytes:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme == "data":
+            head, sep, payload = url.partition(",")
+            if not sep or not head.endswith(";base64"):
+                raise MediaError("a data: URL must be base64 (data:image/<type>;base64,...)", param)
+            return self._b64(payload, param)
+        if scheme in ("http", "https"):
+            return self._fetch(url, param)
+        raise MediaError(f"image_url scheme {scheme + ':' if scheme else '(none)'} is not accepted; "
+                         "send a data: URL (base64)", param)
+
+    def _b64(self, text: str, param: str) -> bytes:
+        # 4 base64 characters carry 3 bytes: refuse before decoding what is too large anyway.
+        if len(text) > (self.limits.max_item_bytes + 2) // 3 * 4 + 4:
+            raise MediaError(self._too_large(), param)
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise MediaError("not valid base64", param) from None
+        if not data:
+            raise MediaError("the media item is empty", param)
+        return data
+
+    def _fetch(self, url: str, param: str) -> bytes:
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        if host not in self.limits.allowed_url_hosts:
+            raise MediaError(f"image URLs from {host or 'this URL'!r} are not fetched (this server "
+                             "fetches only from server.media.allowed_url_hosts); send a data: URL",
+                             param)
+        opener = urllib.request.build_opener(_NoRedirect)
+        try:
+            with opener.open(url, timeout=self.limits.fetch_timeout_s) as resp:
+                data = resp.read(self.limits.max_item_bytes + 1)
+        except OSError as e:
+            raise MediaError(f"image URL could not be fetched ({e})", param) from None
+        if len(data) > self.limits.max_item_bytes:
+            raise MediaError(self._too_large(), param)
+        return data
+
+    def _too_large(self) -> str:
+        return (f"media item larger than {self.limits.max_item_bytes} bytes "
+                "(server.media.max_item_bytes)")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect could lead off the allowed hosts: refuse it instead of following."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)

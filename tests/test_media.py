@@ -1,0 +1,127 @@
+"""Media in chat requests: decoding, resampling and every limit (omni_cache/serving/media.py)."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from omni_cache.serving.media import AUDIO, IMAGE, MediaDecoder, MediaError, MediaLimits
+
+
+def png_url(w: int = 40, h: int = 30, fmt: str = "PNG") -> str:
+    rgb = np.random.default_rng(0).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def clip_b64(seconds: float = 0.5, rate: int = 44100, channels: int = 1, fmt: str = "WAV") -> str:
+    t = np.arange(int(seconds * rate)) / rate
+    x = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    if channels > 1:
+        x = np.stack([x] * channels, axis=1)
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format=fmt)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_png_and_jpeg_decode_to_rgb():
+    dec = MediaDecoder()
+    item = dec.image(png_url(40, 30), "p")
+    assert item.kind == IMAGE and item.array.shape == (30, 40, 3) and item.array.dtype == np.uint8
+    assert dec.image(png_url(16, 16, "JPEG"), "p").array.shape == (16, 16, 3)
+
+
+def test_wav_at_44k_is_resampled_to_the_model_rate():
+    item = MediaDecoder(audio_sample_rate=16000).audio(clip_b64(0.5, 44100), "wav", "p")
+    assert item.kind == AUDIO and item.sample_rate == 16000 and item.array.dtype == np.float32
+    assert abs(item.array.shape[0] - 8000) <= 2
+    # a 440 Hz tone stays a 440 Hz tone
+    spectrum = np.abs(np.fft.rfft(item.array))
+    assert abs(np.argmax(spectrum) * 16000 / item.array.shape[0] - 440) < 5
+
+
+def test_mp3_and_stereo_decode_to_mono():
+    dec = MediaDecoder()
+    assert dec.audio(clip_b64(0.5, 22050, fmt="MP3"), "mp3", "p").array.ndim == 1
+    item = dec.audio(clip_b64(0.25, 16000, channels=2), "wav", "p")
+    assert item.array.shape == (4000,)
+
+
+@pytest.mark.parametrize("url, words", [
+    ("data:image/png;base64,!!!", "base64"),
+    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
+    ("data:image/png," + "abc", "must be base64"),
+    ("file:///etc/passwd", "scheme file:"),
+    ("ftp://example.com/x.png", "scheme ftp:"),
+    ("https://example.com/x.png", "allowed_url_hosts"),
+    ("data:image/png;base64,", "empty"),
+])
+def test_bad_images_are_refused_with_a_reason(url, words):
+    with pytest.raises(MediaError, match=words) as e:
+        MediaDecoder().image(url, "messages.0.content.1")
+    assert e.value.param == "messages.0.content.1"
+
+
+def test_image_limits_are_read_from_the_header():
+    with pytest.raises(MediaError, match="max_image_pixels"):
+        MediaDecoder(MediaLimits(max_image_pixels=100)).image(png_url(20, 20), "p")
+    with pytest.raises(MediaError, match="max_item_bytes"):
+        MediaDecoder(MediaLimits(max_item_bytes=64)).image(png_url(40, 30), "p")
+
+
+@pytest.mark.parametrize("data, fmt, words", [
+    (clip_b64(), "flac", "not supported"),
+    ("%%%", "wav", "base64"),
+    (base64.b64encode(b"RIFF0000WAVEjunk").decode(), "wav", "could not be decoded"),
+    (clip_b64(0.5, 500), "wav", "outside"),
+])
+def test_bad_audio_is_refused_with_a_reason(data, fmt, words):
+    with pytest.raises(MediaError, match=words):
+        MediaDecoder().audio(data, fmt, "p")
+
+
+def test_audio_duration_limit():
+    with pytest.raises(MediaError, match="max_audio_seconds"):
+        MediaDecoder(MediaLimits(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")
+
+
+@pytest.fixture
+def image_host():
+    png = base64.b64decode(png_url(8, 8).split(",", 1)[1])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://127.0.0.2/x.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_urls_are_fetched_only_from_allowed_hosts_and_not_redirected(image_host):
+    allowed = MediaDecoder(MediaLimits(allowed_url_hosts=("127.0.0.1",)))
+    assert allowed.image(image_host + "/x.png", "p").array.shape == (8, 8, 3)
+    with pytest.raises(MediaError, match="redirect"):
+        allowed.image(image_host + "/moved", "p")
+    with pytest.raises(MediaError, match="allowed_url_hosts"):
+        MediaDecoder().image(image_host + "/x.png", "p")
