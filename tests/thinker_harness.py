@@ -36,7 +36,8 @@ class Result:
         for start, rows in self.chunks:
             assert start == pos, f"latent chunk starts at {start}, expected {pos}"
             pos += next(iter(rows.values())).shape[0]
-        return {n: torch.cat([rows[n] for _, rows in self.chunks]) for n in NAMES}
+        names = self.chunks[0][1].keys() if self.chunks else NAMES
+        return {n: torch.cat([rows[n] for _, rows in self.chunks]) for n in names}
 
 
 DTYPE = {"thinker": "float32", "thinker-hybrid": "bfloat16"}
@@ -51,16 +52,17 @@ def make_stage(model: str, *, cache: bool, async_scheduling: bool = False, **eng
                     latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
 
 
-def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4,
+def run(stage: LLMStage, prompts: dict[str, list[int] | dict], max_tokens: int = 4,
         background: tuple[str, ...] = ()) -> dict[str, Result]:
-    """Submit all prompts together (so they can share steps) and run until all finish.
+    """Submit all prompts together (so they can share steps) and run until all finish. A prompt is
+    token ids, or a vLLM prompt dict (token ids with ``multi_modal_data``).
 
     background: ids of requests added to the stage earlier, run alongside and not collected."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     for rid, prompt in prompts.items():
-        stage.add(rid, {"prompt_token_ids": prompt}, params)
+        stage.add(rid, prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}, params)
     results = {rid: Result() for rid in prompts}
     while stage.has_work():
         for out in stage.step():
@@ -74,7 +76,8 @@ def run(stage: LLMStage, prompts: dict[str, list[int]], max_tokens: int = 4,
             if out.latents:
                 r.chunks.append((out.latent_start, out.latents))
     for rid, r in results.items():
-        expected = len(prompts[rid]) + len(r.token_ids) - 1
+        # num_prompt_tokens is vLLM's count, image/audio placeholders expanded.
+        expected = r.num_prompt_tokens + len(r.token_ids) - 1
         rows = r.latents["hidden"].shape[0]
         assert rows == expected, f"{rid}: {rows} latent rows, expected {expected}"
     return results
