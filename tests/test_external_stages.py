@@ -218,7 +218,7 @@ def test_stages_first_and_a_restarted_server_finds_them_again(stages, servers):
     second = servers(path)
     second.wait_ready(WAIT_S)
     assert_answer(chat(second, "two"), "two")
-    assert {n: sp.pid for n, sp in second.orchestrator._stages.items()} == {
+    assert {n: sp.pid for n, sp in second.orchestrator.supervisor.stages.items()} == {
         n: st.procs[n].pid for n in ("thinker", "decoder")}
     assert all(p is None for p in pids.values())  # not processes the server started
 
