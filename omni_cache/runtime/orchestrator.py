@@ -3,18 +3,19 @@
 One :class:`Orchestrator` runs inside one asyncio event loop (uvicorn's for ``omni-serve``, a
 background thread's for :class:`omni_cache.pipeline.Pipeline`). It
 
-* starts one OS process per stage (``python -m workers --stage-config ... --stage NAME
-  --orchestrator ADDR --parent-pid PID``, each in its own process group), waits until every stage
-  sent ``StageReady``, polls them every 100 ms, restarts a stage that died, and on close sends
-  ``Shutdown``, then SIGTERM, then SIGKILL to each process group; stages marked ``external`` are
-  started by hand elsewhere: it waits for their announcements and watches their connections and
-  heartbeats instead (and never stops them);
+* through its :class:`~omni_cache.runtime.supervisor.StageSupervisor`, starts one OS process per
+  stage (``python -m workers --stage-config ... --stage NAME --orchestrator ADDR --parent-pid
+  PID``, each in its own process group), waits until every stage sent ``StageReady``, polls them
+  every 100 ms, restarts a stage that died, and on close sends ``Shutdown``, then SIGTERM, then
+  SIGKILL to each process group; stages marked ``external`` are started by hand elsewhere: the
+  supervisor waits for their announcements and watches their connections and heartbeats instead
+  (and never stops them);
 * with ``server.stage_auth_key_file``, makes every ZMQ connection CURVE-authenticated
   (:mod:`omni_cache.wire.stage_auth`);
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
-* owns request ids, deadlines and the only copy of each accepted request (its
-  :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one terminal
+* owns request ids, deadlines (checked every 100 ms) and the only copy of each accepted request
+  (its :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one terminal
   event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage died -> 503, stage
   error -> the stage's status, deadline -> 504, shutdown -> 503);
 * tokenizes chat messages with the entry (thinker) stage's tokenizer and rejects prompts that do

@@ -70,6 +70,7 @@ class StageProcess:
     def __init__(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str],
                  echo: bool) -> None:
         self.name = stage.name
+        self.address = stage.address
         self.argv = argv  # None: started elsewhere (external)
         self.env = env
         self.echo = echo
@@ -91,6 +92,10 @@ class StageProcess:
         self.host = ""
         self.last_seen = 0.0
         self.lost_reason: str | None = None
+        self.announced = False  # announced itself since it was last lost
+        # Our connection to it failed or closed (and has not connected since): an announcement
+        # alone does not make it up, or a death before we connect would go unnoticed.
+        self.connection_down = False
 
     @property
     def external(self) -> bool:
@@ -150,6 +155,9 @@ class StageProcess:
         if self.external and self.lost_reason:
             return (f"started elsewhere (last pid {self.pid} on {self.host or '?'}), "
                     f"{self.lost_reason}; waiting for it to announce itself again")
+        if self.external and self.announced:
+            return (f"started elsewhere (pid {self.pid} on {self.host or '?'}), announced itself; "
+                    f"waiting for the connection to {self.address}")
         if self.external:
             return "started elsewhere, waiting for it to announce itself"
         if self.proc is not None:
@@ -249,7 +257,10 @@ class StageSupervisor:
             if time.monotonic() >= deadline:
                 parts = []
                 for sp in pending:
-                    if sp.external:
+                    if sp.external and sp.announced:
+                        state = (f"started elsewhere, pid {sp.pid} on {sp.host or '?'}: announced "
+                                 f"itself, but the connection to {sp.address} never came up")
+                    elif sp.external:
                         state = f"started elsewhere, never announced itself to {self._announce_to}"
                     else:
                         state = f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}"
@@ -301,10 +312,18 @@ class StageSupervisor:
         sp.lost_reason = None
         if msg.max_model_len:
             sp.max_model_len = msg.max_model_len
+        sp.announced = True
+        if sp.connection_down:
+            logger.debug("stage %s: announced itself; up once the connection to %s is",
+                         sp.name, sp.address)
+            return
+        self._external_up(sp)
+
+    def _external_up(self, sp: StageProcess) -> None:
         sp.up = True
         sp.ever_ready = True
-        logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, msg.pid,
-                    msg.host or "?", f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
+        logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, sp.pid,
+                    sp.host or "?", f", max_model_len {sp.max_model_len}" if sp.max_model_len else "")
         self._events.on_stage_up(sp.name)
 
     def heard_from(self, name: str) -> None:
@@ -323,20 +342,29 @@ class StageSupervisor:
         """Watch ``socket``, the connection to external stage ``name`` (it replaces the one watched
         before): when the stage's process dies, its host's kernel closes the TCP connection at once
         (ZMQ reports EVENT_DISCONNECTED), much sooner than the heartbeat timeout, which stays the
-        net for hosts that vanish without closing anything."""
+        net for hosts that vanish without closing anything.
+
+        A stage is up only while this connection is not known to be down: a stage that announced
+        itself before our (re)connect to it succeeded, then died, would otherwise never close a
+        connection and stay "up" until the heartbeat timeout. The state starts unknown (taken as
+        up): events from before the monitor existed are lost, and a failed connect is retried
+        (and reported) every 100 ms."""
         self.unwatch_connection(name)
-        mon = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sp = self._stages.get(name)
+        if sp is not None:
+            sp.connection_down = False
+        mon = socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
 
         async def watch() -> None:
             try:
                 while True:
                     frames = await mon.recv_multipart()
                     event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
-                    sp = self._stages.get(name)
                     watched = self._watchers.get(name)
-                    if (event == zmq.EVENT_DISCONNECTED and sp is not None and sp.up
-                            and watched is not None and watched[0] is socket and not self._stopping):
-                        self._stage_lost(sp, "closed its connection (its process is gone)")
+                    if watched is None or watched[0] is not socket or self._stopping:
+                        continue
+                    self._on_connection_event(name, event)
             except (asyncio.CancelledError, zmq.ZMQError):
                 pass
             finally:
@@ -345,6 +373,20 @@ class StageSupervisor:
                 mon.close(linger=0)
 
         self._watchers[name] = (socket, asyncio.ensure_future(watch()))
+
+    def _on_connection_event(self, name: str, event: int) -> None:
+        sp = self._stages.get(name)
+        if sp is None:
+            return
+        if event == zmq.EVENT_CONNECTED:
+            sp.connection_down = False
+            fresh = time.monotonic() - sp.last_seen <= self._heartbeat_timeout_s
+            if sp.announced and not sp.up and fresh:
+                self._external_up(sp)
+            return
+        sp.connection_down = True  # EVENT_CONNECT_RETRIED (refused) or EVENT_DISCONNECTED
+        if event == zmq.EVENT_DISCONNECTED and sp.up:
+            self._stage_lost(sp, "closed its connection (its process is gone)")
 
     def unwatch_connection(self, name: str) -> None:
         watched = self._watchers.pop(name, None)
@@ -395,6 +437,7 @@ class StageSupervisor:
     def _stage_lost(self, sp: StageProcess, why: str) -> None:
         """An external stage's process is gone: it is down until it announces itself again."""
         sp.up = False
+        sp.announced = False
         sp.lost_reason = why
         where = f"pid {sp.pid} on {sp.host or '?'}"
         logger.error("stage %s (started elsewhere, %s) %s", sp.name, where, why)
