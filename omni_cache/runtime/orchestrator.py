@@ -15,9 +15,9 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
 * owns request ids, deadlines (checked every 100 ms) and the only copy of each accepted request
-  (its :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one terminal
-  event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage died -> 503, stage
-  error -> the stage's status, deadline -> 504, shutdown -> 503);
+  (its :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one
+  terminal event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage died -> 503,
+  stage error -> the stage's status, deadline -> 504, shutdown -> 503);
 * tokenizes chat messages with the entry (thinker) stage's tokenizer and rejects prompts that do
   not fit the thinker's context (400);
 * answers stats queries (:meth:`Orchestrator.stage_stats`) and renders ``/metrics``.
@@ -394,7 +394,6 @@ class Orchestrator:
         """A stage announced itself ready: the entry stage's context length is now its."""
         if stage == self.entry.name:
             self._context_len = self.supervisor.stages[stage].max_model_len or self._context_len
-
 
     # ---- sockets ---------------------------------------------------------------------------------
 
