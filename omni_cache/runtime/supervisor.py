@@ -190,7 +190,8 @@ class StageSupervisor:
 
     Spawned stages are watched through their processes (exit -> down, restart). Stages started
     elsewhere (``external``) are watched through their announcements: each StageReady (sent every
-    ``server.heartbeat_interval_s``) marks the stage up; one more than ``heartbeat_timeout_s``
+    ``server.heartbeat_interval_s``) marks the stage up (as soon as our connection to it is not
+    known to be down); one more than ``heartbeat_timeout_s``
     late, one from a new incarnation, or their connection closing (:meth:`watch_connection`)
     means the process we knew is gone: it is down until it announces itself again. It never
     restarts or stops those.
