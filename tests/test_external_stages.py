@@ -29,7 +29,7 @@ import zmq.utils.monitor
 
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
-from omni_cache.wire.messages import MESSAGE_TYPES, Sampling, Submit
+from omni_cache.wire.messages import MESSAGE_TYPES, Sampling, StageReady, Submit
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
@@ -218,7 +218,7 @@ def test_stages_first_and_a_restarted_server_finds_them_again(stages, servers):
     second = servers(path)
     second.wait_ready(WAIT_S)
     assert_answer(chat(second, "two"), "two")
-    assert {n: sp.pid for n, sp in second.orchestrator._stages.items()} == {
+    assert {n: sp.pid for n, sp in second.orchestrator.supervisor.stages.items()} == {
         n: st.procs[n].pid for n in ("thinker", "decoder")}
     assert all(p is None for p in pids.values())  # not processes the server started
 
@@ -273,6 +273,42 @@ def test_killed_stage_fails_its_requests_then_serves_again(stages, servers):
     assert_answer(chat(srv, "back"), "back")
     assert metric(srv, "omni_cache_stage_up", "thinker") == 1
     assert metric(srv, "omni_cache_stage_restarts", "thinker") == 1
+
+
+def test_an_announced_stage_the_server_cannot_reach_is_not_up(stages, servers):
+    # A thinker that announces itself but whose address refuses the server's connection (it died
+    # before the server connected, or a wrong address): marked up, its requests would hang until
+    # the deadline and its death would never close a connection; it is reported and refused.
+    path = write_config()
+    config = load_config(path)
+    srv = servers(path)
+    thinker = srv.orchestrator.supervisor.stages
+    wait_until(lambda: "thinker" in thinker and thinker["thinker"].connection_down,
+               "the server's connection to the (unbound) thinker address was refused")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.linger = 0
+    sock.connect(config.server.control_address)
+    codec = Codec(MESSAGE_TYPES)
+    ready = StageReady(stage="thinker", pid=os.getpid(), incarnation="by-hand", host="here")
+    try:
+        def announced() -> bool:
+            sock.send_multipart(codec.encode(ready))
+            return "announced itself" in srv.orchestrator.not_ready().get("thinker", "")
+
+        wait_until(announced, "the announcement is heard")
+        health = httpx.get(srv.url + "/health", timeout=WAIT_S)
+        assert health.status_code == 503
+        address = config.stages[0].address
+        assert f"waiting for the connection to {address}" in health.json()["stages"]["thinker"]
+        assert chat(srv, "unreachable").status_code == 503
+    finally:
+        sock.close(0)
+        ctx.term()
+    st = stages(path)
+    st.start()  # the real thinker binds its address: the connection comes up, and so does it
+    srv.wait_ready(WAIT_S)
+    assert_answer(chat(srv, "reachable"), "reachable")
 
 
 def test_a_silent_stage_is_marked_down_then_back(stages, servers):

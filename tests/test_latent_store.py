@@ -347,7 +347,7 @@ def test_triton_kernel_in_interpreter():
     Triton's CPU interpreter so CI checks it without a GPU."""
     code = textwrap.dedent("""
         import torch
-        from omni_cache.cache.latent_store import _launch_rows, MODE_WRITE, MODE_GATHER
+        from omni_cache.cache.latent_store import launch_rows, MODE_WRITE, MODE_GATHER
         g = torch.Generator().manual_seed(0)
         N, S = 37, 50
         kinds = [(64, torch.bfloat16), (24, torch.float32), (3, torch.bfloat16),
@@ -356,7 +356,7 @@ def test_triton_kernel_in_interpreter():
         dsts = [torch.zeros(S + 1, d, dtype=dt) for d, dt in kinds]
         idx = torch.randperm(S, generator=g)[:N]
         idx[::5] = -1
-        _launch_rows(MODE_WRITE, idx, N, list(zip(srcs, dsts)))
+        launch_rows(MODE_WRITE, idx, N, list(zip(srcs, dsts)))
         valid = idx >= 0
         for s, d in zip(srcs, dsts):
             ref = torch.zeros_like(d)
@@ -364,7 +364,7 @@ def test_triton_kernel_in_interpreter():
             assert torch.equal(ref, d)
         q = idx.clamp(min=0).int()
         outs = [torch.empty(N, d, dtype=dt) for d, dt in kinds]
-        _launch_rows(MODE_GATHER, q, N, list(zip(dsts, outs)))
+        launch_rows(MODE_GATHER, q, N, list(zip(dsts, outs)))
         for d, o in zip(dsts, outs):
             assert torch.equal(o, d[q.long()])
         print("interpreter ok")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_pipeline_e2e import _config, _system_prompt
+from test_pipeline_e2e import system_prompt, write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 
@@ -16,12 +16,12 @@ def test_python_api_cache_on_off_same_text_and_audio(tmp_path):
     with the cache on the second round hits in both vLLM stages."""
     from omni_cache import Pipeline
 
-    system = _system_prompt(900, seed=11)
+    system = system_prompt(900, seed=11)
     prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
                for q in ("why?", "how?")]
     results = {}
     for cache in (True, False):
-        path = _config(tmp_path, f"api_{'on' if cache else 'off'}")
+        path = write_pipeline_config(tmp_path, f"api_{'on' if cache else 'off'}")
         with Pipeline.from_config(path, prefix_cache=cache, echo_stage_logs=False) as pipe:
             first = pipe.generate(prompts[:1], max_tokens=12, return_latents=True)
             second = pipe.generate(prompts, max_tokens=12, return_latents=True)

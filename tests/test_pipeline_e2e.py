@@ -34,7 +34,7 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _config(tmp: Path, name: str) -> Path:
+def write_pipeline_config(tmp: Path, name: str) -> Path:
     """The shipped tiny config with its own pipeline name and socket paths (tests may run while
     someone serves the default) and an OS-chosen HTTP port."""
     data = yaml.safe_load((ROOT / "stage_configs" / "tiny_omni.yaml").read_text())
@@ -49,7 +49,7 @@ def _config(tmp: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = _config(tmp_path_factory.mktemp("cfg"), "e2e")
+    path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), "e2e")
     orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
     srv = ServerThread(orch, api_key="test-key").start()
     srv.wait_ready(600)
@@ -79,7 +79,7 @@ def client(server):
     return OpenAI(base_url=server.url + "/v1", api_key="test-key", max_retries=0, timeout=120)
 
 
-def _system_prompt(n_chars: int, seed: int) -> str:
+def system_prompt(n_chars: int, seed: int) -> str:
     rng = random.Random(seed)
     return "".join(rng.choice("abcdefghij klmnopqrstuvwxyz.,") for _ in range(n_chars))
 
@@ -126,7 +126,7 @@ def test_streaming_text_and_audio(client):
 
 
 def test_shared_prefix_hits_thinker_and_talker(client, server):
-    system = _system_prompt(1200, seed=7)
+    system = system_prompt(1200, seed=7)
     cached = []
     for question in ("first question?", "second question?"):
         r = client.chat.completions.create(
@@ -237,7 +237,7 @@ def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(serv
                    if n == "vllm:time_to_first_token_seconds_sum" and lab["stage"] == "thinker")
 
     body = {"model": "e2e", "max_tokens": 24, "temperature": 0.0,
-            "messages": [{"role": "user", "content": _system_prompt(6000, seed=time.time_ns())}]}
+            "messages": [{"role": "user", "content": system_prompt(6000, seed=time.time_ns())}]}
 
     def stream() -> tuple[str, float]:
         chunks, first = [], None

@@ -190,8 +190,8 @@ def _launch_config(n_rows: int, max_dim: int) -> tuple[int, int, int]:
     return block_t, block_d, 4
 
 
-def _launch_rows(mode: int, idx: torch.Tensor, n_rows: int,
-                 pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def launch_rows(mode: int, idx: torch.Tensor, n_rows: int,
+                pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """One Triton launch per group of four (src, dst) pairs; tensors are [rows, dim], stride(1)=1."""
     if n_rows == 0:
         return
@@ -405,7 +405,7 @@ class LatentStore:
         if self._pipelined:
             self._pipeline_write(slot_mapping, srcs, n)
         elif self._use_triton:
-            _launch_rows(MODE_WRITE, slot_mapping, n, [(srcs[nm], self._flat[nm]) for nm in self.names])
+            launch_rows(MODE_WRITE, slot_mapping, n, [(srcs[nm], self._flat[nm]) for nm in self.names])
         else:
             idx = self._safe_index(slot_mapping)
             for nm in self.names:
@@ -423,7 +423,7 @@ class LatentStore:
             slots = slots.to(self.device, non_blocking=True)
             m = slots.shape[0]
             out = {nm: torch.empty(m, d, dtype=dt, device=self.device) for nm, (d, dt) in self.specs.items()}
-            _launch_rows(MODE_GATHER, slots, m, [(self._flat[nm], out[nm]) for nm in self.names])
+            launch_rows(MODE_GATHER, slots, m, [(self._flat[nm], out[nm]) for nm in self.names])
         else:
             slots = slots.to(self._flat[self.names[0]].device)
             out = {nm: self._index_select(nm, slots) for nm in self.names}
@@ -725,7 +725,7 @@ class LatentStore:
             idx = slots_cpu.to(out_dev, non_blocking=True)
             out = {nm: torch.empty(m, d, dtype=dt, device=out_dev) for nm, (d, dt) in self.specs.items()}
             try:
-                _launch_rows(MODE_GATHER, idx, m, [(self._flat[nm], out[nm]) for nm in self.names])
+                launch_rows(MODE_GATHER, idx, m, [(self._flat[nm], out[nm]) for nm in self.names])
                 return out
             except (ValueError, RuntimeError) as exc:  # the driver refused the host pointer
                 warnings.warn(f"latent store: zero-copy gather unavailable ({exc}); using staging")

@@ -1,1 +1,2 @@
-"""The running pipeline: the orchestrator, its stage supervision, request results."""
+"""The running pipeline: the orchestrator, the supervisor of its stage processes, the in-flight
+requests, what a client gets back."""

@@ -3,26 +3,31 @@
 One :class:`Orchestrator` runs inside one asyncio event loop (uvicorn's for ``omni-serve``, a
 background thread's for :class:`omni_cache.pipeline.Pipeline`). It
 
-* starts one OS process per stage (``python -m workers --stage-config ... --stage NAME
-  --orchestrator ADDR --parent-pid PID``, each in its own process group), waits until every stage
-  sent ``StageReady``, polls them every 100 ms, restarts a stage that died, and on close sends
-  ``Shutdown``, then SIGTERM, then SIGKILL to each process group; stages marked ``external`` are
-  started by hand elsewhere: it waits for their announcements and watches their connections and
-  heartbeats instead (and never stops them);
+* through its :class:`~omni_cache.runtime.supervisor.StageSupervisor`, starts one OS process per
+  stage (``python -m workers --stage-config ... --stage NAME --orchestrator ADDR --parent-pid
+  PID``, each in its own process group), waits until every stage sent ``StageReady``, polls them
+  every 100 ms, restarts a stage that died, and on close sends ``Shutdown``, then SIGTERM, then
+  SIGKILL to each process group; stages marked ``external`` are started by hand elsewhere: the
+  supervisor waits for their announcements and watches their connections and heartbeats instead
+  (and never stops them);
 * with ``server.stage_auth_key_file``, makes every ZMQ connection CURVE-authenticated
   (:mod:`omni_cache.wire.stage_auth`);
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
-* owns request ids, deadlines and the only copy of each accepted request: every request ends in
-  exactly one terminal event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage
-  died -> 503, stage error -> the stage's status, deadline -> 504, shutdown -> 503);
+* owns request ids, deadlines (checked every 100 ms) and the only copy of each accepted request
+  (its :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one
+  terminal event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage died -> 503,
+  stage error -> the stage's status, deadline -> 504, shutdown -> 503);
 * tokenizes chat messages with the entry (thinker) stage's tokenizer and rejects prompts that do
   not fit the thinker's context (400);
 * answers stats queries (:meth:`Orchestrator.stage_stats`) and renders ``/metrics``.
 
-Process supervision (launch, readiness, restarts, stopping) lives in :mod:`omni_cache.runtime.supervision`,
-what a client gets back (events, results, errors) in :mod:`omni_cache.runtime.results`; both are
-re-exported here.
+Process supervision (launch, readiness, restarts, heartbeats, stopping) is a
+:class:`~omni_cache.runtime.supervisor.StageSupervisor` the orchestrator owns; it reports a stage
+going down or coming up through :meth:`Orchestrator.on_stage_down` / :meth:`Orchestrator.on_stage_up`
+(the orchestrator then fails that stage's requests and resets its socket). The in-flight requests
+and their deadlines live in :mod:`omni_cache.runtime.requests`; what a client gets back (events,
+results, errors) in :mod:`omni_cache.runtime.results`, re-exported here.
 
 Which stages a request needs ("participants"): the entry stage always; every stage downstream of
 it as well when "audio" is among the request's modalities (the entry stage forwards to its
@@ -41,8 +46,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +71,7 @@ from omni_cache.wire.messages import (
     Submit,
 )
 from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
+from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.results import (
     AudioDelta,
     Completed,
@@ -75,15 +81,13 @@ from omni_cache.runtime.results import (
     RequestError,
     RequestHandle,
     TextDelta,
-    _Request,
 )
 from omni_cache.wire.stage_auth import load_stage_auth
-from omni_cache.runtime.supervision import (
+from omni_cache.runtime.supervisor import (
     DEFAULT_START_TIMEOUT_S,
     SHUTDOWN_GRACE_S,
     StageStartError,
-    StageSupervision,
-    _StageProcess,
+    StageSupervisor,
     default_stage_argv,
 )
 
@@ -108,6 +112,8 @@ __all__ = [
 STATS_TIMEOUT_S = 1.0
 #: Status of a request the client abandoned (nginx's "client closed request").
 STATUS_CLIENT_CLOSED = 499
+#: How often the in-flight requests' deadlines are checked.
+DEADLINE_CHECK_INTERVAL_S = 0.1
 
 
 def control_address(config: PipelineConfig) -> str:
@@ -125,7 +131,17 @@ def control_address(config: PipelineConfig) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-class Orchestrator(StageSupervision):
+@dataclass
+class _CheckedRequest:
+    """A request that passed submit()'s checks, ready to be sent."""
+
+    prompt_token_ids: list[int]
+    modalities: tuple[str, ...]
+    sampling: Sampling
+    participants: tuple[str, ...]
+
+
+class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
     ``config_path``: the YAML the stage processes read (``None``: the in-memory ``config`` is
@@ -135,7 +151,10 @@ class Orchestrator(StageSupervision):
     ``stage_argv``: the command of a stage process before its arguments (default
     ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
     those the config marks ``external`` (not spawned; watched through their announcements and
-    connections, see :class:`~omni_cache.runtime.supervision.StageSupervision`).
+    connections, see :class:`~omni_cache.runtime.supervisor.StageSupervisor`).
+
+    ``supervisor`` owns the stage processes; the orchestrator is its
+    :class:`~omni_cache.runtime.supervisor.StageEvents` listener.
     """
 
     def __init__(
@@ -192,9 +211,12 @@ class Orchestrator(StageSupervision):
         self._control_bind = config.server.control_bind_address
         self._auth: Any = None  # StageAuth when server.stage_auth_key_file is set (start())
 
-        self._stages: dict[str, _StageProcess] = {}
-        self._requests: dict[str, _Request] = {}
-        self._recent: OrderedDict[str, None] = OrderedDict()  # answered request ids (late outputs)
+        self.supervisor = StageSupervisor(
+            self, heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+            announce_to=self.control_address,
+        )
+        self._requests = RequestTable()
+        self._context_len: int | None = None  # the entry stage's, from its StageReady
         self._stats: dict[str, dict[str, float]] = {}
         self._stats_time: dict[str, float] = {}
         self._stats_waiters: set[asyncio.Event] = set()
@@ -206,7 +228,6 @@ class Orchestrator(StageSupervision):
         self._codec: Any = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
-        self._connection_watchers: dict[str, asyncio.Task] = {}  # external stage -> its watcher
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closing = False
@@ -246,30 +267,43 @@ class Orchestrator(StageSupervision):
             for name in self.stage_names:
                 self._senders[name] = self._new_sender(name)
             self._tasks.append(asyncio.create_task(self._recv_loop(), name="omni-cache-recv"))
-            self._tasks.append(asyncio.create_task(self._supervise_loop(), name="omni-cache-supervise"))
+            self._tasks.append(asyncio.create_task(self._deadline_loop(), name="omni-cache-deadlines"))
+            self.supervisor.start_monitor()
 
             await asyncio.to_thread(self._write_stage_config)
             for name in self.stage_names:
                 stage = self._stage_cfg[name]
                 argv = None if name in self._external else self._stage_command(stage)
                 env = {**os.environ, **stage.env, "PYTHONUNBUFFERED": "1"}
-                self._stages[name] = _StageProcess(stage, argv, env, self._echo)
+                self.supervisor.add(stage, argv, env, self._echo)
             # The other stages start while the entry model is resolved (a tiny checkpoint is
             # generated here, once) and its tokenizer loaded; the entry stage starts after that.
-            for sp in self._stages.values():
-                if not sp.external and sp.name != self.entry.name:
-                    sp.launch()
+            self.supervisor.launch(n for n in self.stage_names if n != self.entry.name)
             await asyncio.to_thread(self._load_tokenizer)
-            entry_sp = self._stages[self.entry.name]
-            if not entry_sp.external:
-                entry_sp.launch()
-            await self._wait_ready(self._start_timeout_s)
+            self.supervisor.launch([self.entry.name])
+            await self.supervisor.wait_ready(self._start_timeout_s)
             self._started = True
             self._ready_event.set()
             logger.info("pipeline %s: all stages ready (%s)", self.config.name, ", ".join(self.stage_names))
         except BaseException:
             await self.close()
             raise
+
+    def _stage_command(self, stage: StageConfig) -> list[str]:
+        assert self._config_path is not None
+        argv = [
+            *self._stage_argv,
+            "--stage-config", self._config_path,
+            "--stage", stage.name,
+            # bound to 0.0.0.0 (control_bind_address): spawned stages use the advertised address
+            "--orchestrator", self.control_address if self._control_bind else self._inbox.address,
+            "--parent-pid", str(os.getpid()),
+        ]
+        if self._checkpoint_dir:
+            argv += ["--checkpoint-dir", self._checkpoint_dir]
+        if not self._prefix_cache:
+            argv.append("--no-prefix-cache")
+        return argv
 
     def _write_stage_config(self) -> None:
         """The YAML the stage processes read: the given file, or the in-memory config dumped."""
@@ -304,16 +338,18 @@ class Orchestrator(StageSupervision):
         if self._closed:
             return
         self._closing = True
-        for req in list(self._requests.values()):
+        self.supervisor.begin_stop()
+        for req in self._requests.all():
             self._fail(req, 503, "the server is shutting down", abort=False)
-        alive = [sp for sp in self._stages.values() if sp.alive()]
+        alive = self.supervisor.alive()
         if alive and self._codec is not None:
             await asyncio.gather(
-                *(self._send(sp.name, Shutdown(reason="orchestrator closing"), timeout=0.5)
-                  for sp in alive),
+                *(self._send(name, Shutdown(reason="orchestrator closing"), timeout=0.5)
+                  for name in alive),
                 return_exceptions=True,
             )
-        await asyncio.to_thread(self._stop_processes, self._grace)
+        await asyncio.to_thread(self.supervisor.stop_processes, self._grace)
+        await self.supervisor.close()
         for task in self._tasks + list(self._background):
             task.cancel()
         for task in self._tasks + list(self._background):
@@ -338,6 +374,26 @@ class Orchestrator(StageSupervision):
         self._claims.release()
         self._closed = True
 
+    def kill_all_sync(self, grace: float = 3.0) -> None:
+        """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage
+        process group, then SIGKILL after ``grace``."""
+        self.supervisor.kill_all_sync(grace)
+
+    # ---- what the supervisor reports -------------------------------------------------------------
+
+    def on_stage_down(self, stage: str, why: str) -> None:
+        """A stage stopped serving: drop what was queued for it and fail what it was serving."""
+        self._reset_sender(stage)
+        hint = ("retry when it is back" if stage in self._external
+                else "it is being restarted, retry shortly")
+        for req in self._requests.served_by(stage):
+            self._fail(req, 503, f"stage {stage!r} {why} while serving this request; {hint}",
+                       stage=stage)
+
+    def on_stage_up(self, stage: str) -> None:
+        """A stage announced itself ready: the entry stage's context length is now its."""
+        if stage == self.entry.name:
+            self._context_len = self.supervisor.stages[stage].max_model_len or self._context_len
 
     # ---- sockets ---------------------------------------------------------------------------------
 
@@ -347,16 +403,14 @@ class Orchestrator(StageSupervision):
         assert self._ctx is not None
         sender = AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec, auth=self._auth)
         if name in self._external:
-            self._watch_connection(name, sender)
+            self.supervisor.watch_connection(name, sender.socket)
         return sender
 
     def _reset_sender(self, name: str) -> None:
         """Drop whatever is queued for a dead stage (linger 0), so its next incarnation does not
         receive stale requests."""
         old = self._senders.get(name)
-        watcher = self._connection_watchers.pop(name, None)
-        if watcher is not None:
-            watcher.cancel()
+        self.supervisor.unwatch_connection(name)
         if old is not None:
             with contextlib.suppress(Exception):
                 old.close()
@@ -413,9 +467,8 @@ class Orchestrator(StageSupervision):
     @property
     def max_model_len(self) -> int | None:
         """The entry stage's context length: from its StageReady, else its engine_args."""
-        sp = self._stages.get(self.entry.name)
-        if sp is not None and sp.max_model_len:
-            return sp.max_model_len
+        if self._context_len:
+            return self._context_len
         ea = self.entry.engine_args
         return ea.max_model_len if ea is not None else None
 
@@ -461,20 +514,50 @@ class Orchestrator(StageSupervision):
         audio from a pipeline without an audio stage), 503 (a stage it needs is not up, shutting
         down). Otherwise the returned handle gets exactly one terminal event.
         """
+        checked = self._check_request(
+            prompt_token_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, modalities=modalities,
+        )
+        return await self._send_request(checked, return_latents=return_latents,
+                                        timeout_s=timeout_s, received_at=received_at)
+
+    # ---- submit(): the checks --------------------------------------------------------------------
+
+    def _check_request(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None,
+                       temperature: float | None, top_p: float | None, seed: int | None,
+                       modalities: Iterable[str]) -> _CheckedRequest:
+        """Everything that can refuse a request up front, in the order the client learns of it."""
         if self._closing or self._closed:
             raise RequestError(503, "the server is shutting down")
+        mods = self._check_modalities(modalities)
+        ids = self._check_prompt(prompt_token_ids)
+        sampling = self._sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self._check_context_length(len(ids), sampling.max_tokens)
+        participants = self.participants(mods)
+        self._check_available(participants)
+        return _CheckedRequest(ids, mods, sampling, participants)
+
+    def _check_modalities(self, modalities: Iterable[str]) -> tuple[str, ...]:
         mods = tuple(dict.fromkeys(["text", *[str(m) for m in modalities]]))
         bad = [m for m in mods if m not in ("text", "audio")]
         if bad:
             raise RequestError(400, f"unknown modality {bad[0]!r} (supported: 'text', 'audio')")
         if "audio" in mods and self.audio_stage is None:
             raise RequestError(400, f"pipeline {self.config.name!r} has no audio output stage")
+        return mods
+
+    @staticmethod
+    def _check_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestError(400, "the prompt is empty")
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise RequestError(400, "prompt token ids must be non-negative integers")
-        ids = [int(t) for t in ids]
+        return [int(t) for t in ids]
+
+    def _sampling(self, *, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                  seed: int | None) -> Sampling:
+        """The entry stage's defaults with the request's overrides."""
         sampling = self.default_sampling()
         if max_tokens is not None:
             sampling.max_tokens = int(max_tokens)
@@ -486,43 +569,53 @@ class Orchestrator(StageSupervision):
             sampling.seed = int(seed)
         if sampling.max_tokens < 1:
             raise RequestError(400, f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        return sampling
+
+    def _check_context_length(self, n_prompt: int, max_tokens: int) -> None:
         limit = self.max_model_len
-        if limit and len(ids) + sampling.max_tokens > limit:
+        if limit and n_prompt + max_tokens > limit:
             raise RequestError(
                 400,
-                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
-                f"tokens and max_tokens is {sampling.max_tokens} ({len(ids) + sampling.max_tokens} "
+                f"this model's maximum context length is {limit} tokens; the prompt has {n_prompt} "
+                f"tokens and max_tokens is {max_tokens} ({n_prompt + max_tokens} "
                 "in total): shorten the prompt or lower max_tokens",
             )
-        participants = self.participants(mods)
+
+    def _check_available(self, participants: Sequence[str]) -> None:
         if not self._started:
             raise RequestError(503, "the pipeline is still starting: "
                                + ", ".join(f"{n} ({r})" for n, r in self.not_ready().items()))
-        down = [n for n in participants if not self._stages[n].up]
+        down = [n for n in participants if not self.supervisor.is_up(n)]
         if down:
             reasons = self.not_ready()
             raise RequestError(
                 503, "stage(s) not available: " + ", ".join(f"{n} ({reasons.get(n, 'down')})" for n in down)
                 + "; retry shortly", stage=down[0]
             )
+
+    # ---- submit(): sending -----------------------------------------------------------------------
+
+    async def _send_request(self, checked: _CheckedRequest, *, return_latents: bool,
+                            timeout_s: float | None, received_at: float | None) -> RequestHandle:
+        """Record the request (its deadline starts) and hand it to the entry stage."""
         timeout = float(timeout_s or self.config.server.request_timeout_s)
         now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
-        req = _Request(
+        req = Request(
             request_id=uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            modalities=mods,
-            participants=participants,
+            prompt_token_ids=checked.prompt_token_ids,
+            modalities=checked.modalities,
+            participants=checked.participants,
             t0=now,
             deadline=now + timeout,
             timeout_s=timeout,
             return_latents=return_latents,
         )
-        self._requests[req.request_id] = req
+        self._requests.add(req)
         msg = Submit(
             request_id=req.request_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            modalities=list(mods),
+            prompt_token_ids=checked.prompt_token_ids,
+            sampling=checked.sampling,
+            modalities=list(checked.modalities),
             return_latents=return_latents,
             deadline=time.time() + timeout,
         )
@@ -536,6 +629,8 @@ class Orchestrator(StageSupervision):
                        stage=self.entry.name)
         return RequestHandle(self, req)
 
+    # ---- request outcomes ------------------------------------------------------------------------
+
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Drop a request (client went away): fail its handle (499) and tell its stages."""
         req = self._requests.get(request_id)
@@ -546,18 +641,30 @@ class Orchestrator(StageSupervision):
     def in_flight(self) -> int:
         return len(self._requests)
 
-    def _remember(self, request_id: str) -> None:
-        self._recent[request_id] = None
-        while len(self._recent) > 10000:
-            self._recent.popitem(last=False)
+    async def _deadline_loop(self) -> None:
+        while True:
+            await asyncio.sleep(DEADLINE_CHECK_INTERVAL_S)
+            try:
+                self._fail_expired(time.monotonic())
+            except Exception:  # noqa: BLE001
+                logger.exception("orchestrator: deadline check failed")
 
-    def _fail(self, req: _Request, status: int, message: str, *, stage: str | None = None,
+    def _fail_expired(self, now: float) -> None:
+        for req in self._requests.expired(now):
+            waiting = req.waiting_for()
+            self._fail(
+                req, 504,
+                f"request timed out after {req.timeout_s:g} s (server.request_timeout_s); "
+                f"still waiting for stage(s): {', '.join(waiting)}",
+                stage=waiting[0] if waiting else None,
+            )
+
+    def _fail(self, req: Request, status: int, message: str, *, stage: str | None = None,
               abort: bool = True, count: bool = True) -> None:
         if req.done:
             return
         req.done = True
-        self._requests.pop(req.request_id, None)
-        self._remember(req.request_id)
+        self._requests.answered(req)
         req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
         if count:
             self.metrics.request_done(status)
@@ -565,15 +672,13 @@ class Orchestrator(StageSupervision):
                 self.metrics.stage_failed_request(stage)
         if abort and not self._closing:
             for name in req.participants:
-                sp = self._stages.get(name)
-                if name != stage and name not in req.finished and sp is not None and sp.up:
+                if name != stage and name not in req.finished and self.supervisor.is_up(name):
                     self._spawn(self._send(name, Abort(request_id=req.request_id), timeout=1.0))
         logger.info("request %s failed (%d): %s", req.request_id, status, message)
 
-    def _complete(self, req: _Request) -> None:
+    def _complete(self, req: Request) -> None:
         req.done = True
-        self._requests.pop(req.request_id, None)
-        self._remember(req.request_id)
+        self._requests.answered(req)
         text_out = req.finished.get(self.text_stage.name) or req.finished.get(self.entry.name)
         entry_out = req.finished.get(self.entry.name)
         latents: dict[str, Any] = {}
@@ -615,13 +720,13 @@ class Orchestrator(StageSupervision):
 
     def _dispatch(self, msg: Any, tensors: dict[str, Any]) -> None:
         if isinstance(msg, (StageOutput, StageError, StageStats)):
-            self._heard_from(msg.stage)  # any message says the stage is alive, not only beats
+            self.supervisor.heard_from(msg.stage)  # any message says the stage is alive, not only beats
         if isinstance(msg, StageOutput):
             self._on_output(msg, tensors)
         elif isinstance(msg, StageError):
             self._on_error(msg)
         elif isinstance(msg, StageReady):
-            self._on_announcement(msg)
+            self.supervisor.on_announcement(msg)
         elif isinstance(msg, StageStats):
             self._stats[msg.stage] = dict(msg.counters)
             self._stats_time[msg.stage] = time.monotonic()
@@ -633,9 +738,9 @@ class Orchestrator(StageSupervision):
     def _on_output(self, msg: StageOutput, tensors: dict[str, Any]) -> None:
         req = self._requests.get(msg.request_id)
         if req is None:
-            if msg.request_id not in self._recent and msg.stage in self._stages:
+            if not self._requests.recently_answered(msg.request_id) and msg.stage in self.supervisor.stages:
                 # A request this orchestrator does not know (e.g. queued before a restart).
-                self._remember(msg.request_id)
+                self._requests.remember(msg.request_id)
                 self._spawn(self._send(msg.stage, Abort(request_id=msg.request_id), timeout=1.0))
             return
         stage = self._stage_cfg.get(msg.stage)
@@ -681,11 +786,29 @@ class Orchestrator(StageSupervision):
 
     # ---- status ----------------------------------------------------------------------------------
 
+    def not_ready(self) -> dict[str, str]:
+        """stage -> why it is not serving, for every stage that is not up."""
+        out: dict[str, str] = {}
+        for name in self.stage_names:
+            sp = self.supervisor.stages.get(name)
+            if sp is None:
+                out[name] = "not started"
+            elif sp.up and name == self.entry.name and not self._started:
+                # Stages started elsewhere can be up before the server loaded its tokenizer.
+                out[name] = "up; the server is still starting (loading the tokenizer)"
+            elif not sp.up:
+                out[name] = sp.why_down()
+        return out
+
+    def stage_pids(self) -> dict[str, int | None]:
+        """stage -> pid of its running process (None while it is down)."""
+        return self.supervisor.pids()
+
     async def stage_stats(self, timeout: float = STATS_TIMEOUT_S) -> dict[str, StageSnapshot]:
         """Ask every up stage for its counters; stages that do not answer within ``timeout`` keep
         their last known values (``fresh=False``)."""
         t0 = time.monotonic()
-        targets = [n for n in self.stage_names if n in self._stages and self._stages[n].up]
+        targets = [n for n in self.stage_names if self.supervisor.is_up(n)]
         ev = asyncio.Event()
         self._stats_waiters.add(ev)
         try:
@@ -702,7 +825,7 @@ class Orchestrator(StageSupervision):
             self._stats_waiters.discard(ev)
         snap = {}
         for n in self.stage_names:
-            sp = self._stages.get(n)
+            sp = self.supervisor.stages.get(n)
             snap[n] = StageSnapshot(
                 up=bool(sp and sp.up),
                 restarts=sp.restarts if sp else 0,

@@ -1,19 +1,16 @@
-"""What a request's client gets: its events, its result, its error; and the orchestrator's record
-of one accepted request (:class:`_Request`, the only copy of it)."""
+"""What a request's client gets: its events, its result, its error."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_cache.wire.messages import StageOutput
-
 if TYPE_CHECKING:
     from omni_cache.runtime.orchestrator import Orchestrator
+    from omni_cache.runtime.requests import Request
 
 
 class RequestError(Exception):
@@ -90,7 +87,7 @@ class GenerationResult:
 class RequestHandle:
     """The client side of one accepted request: its events (streaming) or its result."""
 
-    def __init__(self, orchestrator: Orchestrator, request: _Request) -> None:
+    def __init__(self, orchestrator: Orchestrator, request: Request) -> None:
         self._orch = orchestrator
         self._req = request
         self.request_id = request.request_id
@@ -153,26 +150,3 @@ class RequestHandle:
     def abort(self, reason: str = "aborted by the client") -> None:
         """Forget the request and tell the stages to drop it (idempotent; loop thread only)."""
         self._orch.abort(self.request_id, reason)
-
-
-# --------------------------------------------------------------------------------------------------
-# Internal state
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    modalities: tuple[str, ...]
-    participants: tuple[str, ...]
-    t0: float
-    deadline: float
-    timeout_s: float
-    return_latents: bool
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: dict[str, StageOutput] = field(default_factory=dict)
-    latents: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
-    got_token: bool = False
-    got_audio: bool = False
-    done: bool = False

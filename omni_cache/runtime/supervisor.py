@@ -1,0 +1,525 @@
+"""Stage process supervision: launching stage processes, waiting until they are ready, noticing
+when one exits or (started elsewhere) goes silent or closes its connection, restarting it with
+back-off, stopping them all.
+
+:class:`StageSupervisor` owns one :class:`StageProcess` per stage and knows nothing of requests:
+it tells its owner (the orchestrator) what happened through :class:`StageEvents`
+(``on_stage_down``, ``on_stage_up``), the way vLLM v1's engine core client owns its engine
+processes and has a monitor report a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import zmq
+import zmq.utils.monitor
+from omni_cache.config import StageConfig
+from omni_cache.wire.messages import StageReady
+
+logger = logging.getLogger("omni_cache.runtime.orchestrator")
+
+#: How often stage processes are polled and deadlines checked.
+POLL_INTERVAL_S = 0.1
+#: How long start() waits for every StageReady (vLLM start-up plus tiny checkpoint generation).
+DEFAULT_START_TIMEOUT_S = 600.0
+#: Grace after Shutdown before SIGTERM, and after SIGTERM before SIGKILL.
+SHUTDOWN_GRACE_S = 5.0
+#: Lines of each stage's output kept for error messages.
+LOG_TAIL_LINES = 40
+#: A stage that ran at least this long before dying is restarted at once; faster crashes back off.
+STABLE_UPTIME_S = 60.0
+MAX_RESTART_DELAY_S = 30.0
+
+
+def default_stage_argv() -> list[str]:
+    """The command a stage process runs, before its ``--stage-config ...`` arguments."""
+    return [sys.executable, "-m", "workers"]
+
+
+class StageStartError(RuntimeError):
+    """A stage process did not come up (exited, or no StageReady in time)."""
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class StageProcess:
+    """One stage's OS process (or, for an external stage, just its readiness), as the supervisor
+    sees it; read-only for everyone else."""
+
+    def __init__(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str],
+                 echo: bool) -> None:
+        self.name = stage.name
+        self.address = stage.address
+        self.argv = argv  # None: started elsewhere (external)
+        self.env = env
+        self.echo = echo
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.up = False
+        self.ever_ready = False
+        self.pid: int | None = None
+        self.max_model_len: int | None = None
+        self.restarts = 0
+        self.crashes_in_a_row = 0
+        self.started_at = 0.0
+        self.last_exit: int | None = None
+        self.restart_at: float | None = None
+        self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
+        self._reader: threading.Thread | None = None
+        # Stages started elsewhere: who announced itself last, when, and why it is down.
+        self.incarnation = ""
+        self.host = ""
+        self.last_seen = 0.0
+        self.lost_reason: str | None = None
+        self.announced = False  # announced itself since it was last lost
+        # Our connection to it failed or closed (and has not connected since): an announcement
+        # alone does not make it up, or a death before we connect would go unnoticed.
+        self.connection_down = False
+
+    @property
+    def external(self) -> bool:
+        return self.argv is None
+
+    def launch(self) -> None:
+        assert self.argv is not None
+        self.up = False
+        self.last_exit = None
+        self.restart_at = None
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: signals reach vLLM's helpers too
+        )
+        self.pid = self.proc.pid
+        logger.info("stage %s: started pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
+        self._reader = threading.Thread(
+            target=self._read_output, args=(self.proc,), name=f"omni-cache-log-{self.name}",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def _read_output(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        prefix = f"({self.name} pid={proc.pid}) "
+        with contextlib.suppress(Exception):
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self.tail.append(line)
+                if self.echo:
+                    with contextlib.suppress(Exception):
+                        sys.stderr.write(prefix + line + "\n")
+                        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            proc.stdout.close()
+
+    def log_tail(self, n: int = 20) -> str:
+        lines = list(self.tail)[-n:]
+        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def why_down(self) -> str:
+        """Why this stage is not serving (for /health and 503 messages); call it when not up."""
+        if self.external and self.lost_reason:
+            return (f"started elsewhere (last pid {self.pid} on {self.host or '?'}), "
+                    f"{self.lost_reason}; waiting for it to announce itself again")
+        if self.external and self.announced:
+            return (f"started elsewhere (pid {self.pid} on {self.host or '?'}), announced itself; "
+                    f"waiting for the connection to {self.address}")
+        if self.external:
+            return "started elsewhere, waiting for it to announce itself"
+        if self.proc is not None:
+            return "restarting" if self.restarts else "starting"
+        if self.last_exit is not None:
+            when = ""
+            if self.restart_at is not None:
+                when = f"; restart in {max(0.0, self.restart_at - time.monotonic()):.1f} s"
+            return f"down ({_exit_words(self.last_exit)}{when})"
+        return "down"
+
+
+
+class StageEvents(Protocol):
+    """What the supervisor tells its owner. Both are called on the event loop's thread, after the
+    stage's :class:`StageProcess` already shows the new state."""
+
+    def on_stage_down(self, stage: str, why: str) -> None:
+        """``stage`` stopped serving: its process exited (``why``: "died (exit code 1)") or, started
+        elsewhere, it went silent, closed its connection or was replaced (``why``: "(started
+        elsewhere, pid 12 on host) closed its connection (its process is gone)")."""
+
+    def on_stage_up(self, stage: str) -> None:
+        """``stage`` announced itself ready (first start, after a restart, or back after a loss)."""
+
+
+class StageSupervisor:
+    """Owns the pipeline's stage processes: launches them, waits until they are ready, polls them
+    (a monitor task, every :data:`POLL_INTERVAL_S`), restarts a dead one with back-off, stops them.
+
+    Spawned stages are watched through their processes (exit -> down, restart). Stages started
+    elsewhere (``external``) are watched through their announcements: each StageReady (sent every
+    ``server.heartbeat_interval_s``) marks the stage up (as soon as our connection to it is not
+    known to be down); one more than ``heartbeat_timeout_s``
+    late, one from a new incarnation, or their connection closing (:meth:`watch_connection`)
+    means the process we knew is gone: it is down until it announces itself again. It never
+    restarts or stops those.
+    """
+
+    def __init__(self, events: StageEvents, *, heartbeat_timeout_s: float, announce_to: str) -> None:
+        self._events = events
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._announce_to = announce_to  # the address external stages announce themselves to
+        self._stages: dict[str, StageProcess] = {}
+        self._started = False  # every stage was ready once: restarts from now on
+        self._stopping = False  # shutting down: exits are expected, nothing is restarted
+        self._last_tick = 0.0  # when the monitor last judged the external stages' silence
+        self._monitor: asyncio.Task | None = None
+        self._watchers: dict[str, tuple[Any, asyncio.Task]] = {}  # external stage -> (socket, task)
+
+    # ---- the stages ------------------------------------------------------------------------------
+
+    def add(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str], echo: bool) -> None:
+        """Supervise ``stage``: ``argv`` is its command, or None when it is started elsewhere."""
+        self._stages[stage.name] = StageProcess(stage, argv, env, echo)
+
+    @property
+    def stages(self) -> Mapping[str, StageProcess]:
+        return self._stages
+
+    def is_up(self, name: str) -> bool:
+        sp = self._stages.get(name)
+        return sp is not None and sp.up
+
+    def launch(self, names: Iterable[str]) -> None:
+        """Start the processes of these stages (those started elsewhere are skipped)."""
+        for name in names:
+            sp = self._stages[name]
+            if not sp.external:
+                sp.launch()
+
+    def alive(self) -> list[str]:
+        """The stages whose process is running."""
+        return [sp.name for sp in self._stages.values() if sp.alive()]
+
+    def pids(self) -> dict[str, int | None]:
+        """stage -> pid of its running process (None while it is down)."""
+        return {n: (sp.proc.pid if sp.proc is not None else None) for n, sp in self._stages.items()}
+
+    # ---- readiness -------------------------------------------------------------------------------
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until every stage announced itself; then restarts begin. Raises
+        :class:`StageStartError` naming the stage that exited first or is not ready in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = [sp for sp in self._stages.values() if not sp.up]
+            if not pending:
+                self._started = True
+                return
+            for sp in pending:
+                if not sp.ever_ready and not sp.external and sp.last_exit is not None:
+                    raise StageStartError(
+                        f"stage {sp.name!r} exited before it was ready ({_exit_words(sp.last_exit)}); "
+                        f"command: {' '.join(sp.argv or [])}\nlast lines of its output:\n"
+                        + sp.log_tail()
+                    )
+            if time.monotonic() >= deadline:
+                parts = []
+                for sp in pending:
+                    if sp.external and sp.announced:
+                        state = (f"started elsewhere, pid {sp.pid} on {sp.host or '?'}: announced "
+                                 f"itself, but the connection to {sp.address} never came up")
+                    elif sp.external:
+                        state = f"started elsewhere, never announced itself to {self._announce_to}"
+                    else:
+                        state = f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}"
+                    parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n"
+                                 + sp.log_tail())
+                raise StageStartError(
+                    f"stage(s) {', '.join(repr(sp.name) for sp in pending)} not ready after "
+                    f"{timeout:g} s:\n" + "\n".join(parts)
+                )
+            await asyncio.sleep(0.05)
+
+    def on_announcement(self, msg: StageReady) -> None:
+        """A StageReady (first announcement or heartbeat)."""
+        sp = self._stages.get(msg.stage)
+        if sp is None:
+            logger.warning("StageReady from unknown stage %r (pid %d), ignored", msg.stage, msg.pid)
+            return
+        if sp.external:
+            self._on_external_announcement(sp, msg)
+            return
+        # A spawned stage's heartbeats only confirm what its process handle says.
+        if msg.pid in sp.old_pids or sp.proc is None:
+            logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored",
+                         sp.name, msg.pid)
+            return
+        sp.last_seen = time.monotonic()
+        if msg.max_model_len:
+            sp.max_model_len = msg.max_model_len
+        if not sp.up:
+            sp.up = True
+            sp.ever_ready = True
+            logger.info("stage %s: ready (pid %d%s)", sp.name, msg.pid,
+                        f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
+            self._events.on_stage_up(sp.name)
+
+    def _on_external_announcement(self, sp: StageProcess, msg: StageReady) -> None:
+        now = time.monotonic()
+        if sp.incarnation and msg.incarnation != sp.incarnation:
+            if sp.up:  # restarted faster than the heartbeat timeout: the old process is gone
+                self._stage_lost(sp, f"was replaced by a new process (pid {msg.pid} on {msg.host or '?'})")
+            sp.restarts += 1
+        elif sp.up:
+            sp.last_seen = now
+            return
+        sp.incarnation = msg.incarnation
+        sp.pid = msg.pid
+        sp.host = msg.host
+        sp.last_seen = now
+        sp.lost_reason = None
+        if msg.max_model_len:
+            sp.max_model_len = msg.max_model_len
+        sp.announced = True
+        if sp.connection_down:
+            logger.debug("stage %s: announced itself; up once the connection to %s is",
+                         sp.name, sp.address)
+            return
+        self._external_up(sp)
+
+    def _external_up(self, sp: StageProcess) -> None:
+        sp.up = True
+        sp.ever_ready = True
+        logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, sp.pid,
+                    sp.host or "?", f", max_model_len {sp.max_model_len}" if sp.max_model_len else "")
+        self._events.on_stage_up(sp.name)
+
+    def heard_from(self, name: str) -> None:
+        """Any message from a stage says it is alive, not only its heartbeats."""
+        sp = self._stages.get(name)
+        if sp is not None and sp.up:
+            sp.last_seen = time.monotonic()
+
+    # ---- watching --------------------------------------------------------------------------------
+
+    def start_monitor(self) -> None:
+        """Start the monitor task (on the running loop): exits, restarts, silent external stages."""
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="omni-cache-supervise")
+
+    def watch_connection(self, name: str, socket: Any) -> None:
+        """Watch ``socket``, the connection to external stage ``name`` (it replaces the one watched
+        before): when the stage's process dies, its host's kernel closes the TCP connection at once
+        (ZMQ reports EVENT_DISCONNECTED), much sooner than the heartbeat timeout, which stays the
+        net for hosts that vanish without closing anything.
+
+        A stage is up only while this connection is not known to be down: a stage that announced
+        itself before our (re)connect to it succeeded, then died, would otherwise never close a
+        connection and stay "up" until the heartbeat timeout. The state starts unknown (taken as
+        up): events from before the monitor existed are lost, and a failed connect is retried
+        (and reported) every 100 ms."""
+        self.unwatch_connection(name)
+        sp = self._stages.get(name)
+        if sp is not None:
+            sp.connection_down = False
+        mon = socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
+
+        async def watch() -> None:
+            try:
+                while True:
+                    frames = await mon.recv_multipart()
+                    event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
+                    watched = self._watchers.get(name)
+                    if watched is None or watched[0] is not socket or self._stopping:
+                        continue
+                    self._on_connection_event(name, event)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    socket.disable_monitor()
+                mon.close(linger=0)
+
+        self._watchers[name] = (socket, asyncio.ensure_future(watch()))
+
+    def _on_connection_event(self, name: str, event: int) -> None:
+        sp = self._stages.get(name)
+        if sp is None:
+            return
+        if event == zmq.EVENT_CONNECTED:
+            sp.connection_down = False
+            fresh = time.monotonic() - sp.last_seen <= self._heartbeat_timeout_s
+            if sp.announced and not sp.up and fresh:
+                self._external_up(sp)
+            return
+        sp.connection_down = True  # EVENT_CONNECT_RETRIED (refused) or EVENT_DISCONNECTED
+        if event == zmq.EVENT_DISCONNECTED and sp.up:
+            self._stage_lost(sp, "closed its connection (its process is gone)")
+
+    def unwatch_connection(self, name: str) -> None:
+        watched = self._watchers.pop(name, None)
+        if watched is not None:
+            watched[1].cancel()
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001
+                logger.exception("supervisor: monitoring step failed")
+
+    def poll(self) -> None:
+        """One monitoring step: silent external stages, exited processes, due restarts."""
+        now = time.monotonic()
+        if self._started and not self._stopping:
+            self._watch_external(now)
+        for sp in self._stages.values():
+            if sp.proc is not None:
+                code = sp.proc.poll()
+                if code is not None and not self._stopping:
+                    self._on_stage_exit(sp, code)
+            elif (sp.restart_at is not None and now >= sp.restart_at and self._started
+                  and not self._stopping):
+                sp.restarts += 1
+                sp.tail.append(f"--- restart {sp.restarts} ---")
+                try:
+                    sp.launch()
+                except OSError as e:
+                    logger.error("stage %s: restart failed: %s", sp.name, e)
+                    sp.restart_at = now + MAX_RESTART_DELAY_S
+
+    def _watch_external(self, now: float) -> None:
+        # A stalled event loop (a long tokenization, a burst of outputs) has not read the
+        # announcements waiting in its inbox yet: judge silence only on a punctual tick.
+        late = now - self._last_tick > 5 * POLL_INTERVAL_S
+        self._last_tick = now
+        if late:
+            return
+        timeout = self._heartbeat_timeout_s
+        for sp in self._stages.values():
+            if sp.external and sp.up and now - sp.last_seen > timeout:
+                self._stage_lost(sp, f"stopped answering (no heartbeat for {now - sp.last_seen:.1f} s, "
+                                     f"server.heartbeat_timeout_s is {timeout:g} s)")
+
+    def _stage_lost(self, sp: StageProcess, why: str) -> None:
+        """An external stage's process is gone: it is down until it announces itself again."""
+        sp.up = False
+        sp.announced = False
+        sp.lost_reason = why
+        where = f"pid {sp.pid} on {sp.host or '?'}"
+        logger.error("stage %s (started elsewhere, %s) %s", sp.name, where, why)
+        self._events.on_stage_down(sp.name, f"(started elsewhere, {where}) {why}")
+
+    def _on_stage_exit(self, sp: StageProcess, code: int) -> None:
+        now = time.monotonic()
+        uptime = now - sp.started_at
+        if sp.proc is not None:
+            sp.old_pids.add(sp.proc.pid)
+        sp.proc = None
+        sp.up = False
+        sp.last_exit = code
+        what = _exit_words(code)
+        logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
+                     sp.name, sp.pid, what, uptime, sp.log_tail(10))
+        sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
+        self._events.on_stage_down(sp.name, f"died ({what})")
+        if not self._started:
+            return  # wait_ready() reports it
+        if uptime >= STABLE_UPTIME_S and sp.ever_ready:
+            sp.crashes_in_a_row = 0
+        delay = 0.0 if sp.crashes_in_a_row == 0 else min(MAX_RESTART_DELAY_S, 2.0 ** (sp.crashes_in_a_row - 1))
+        sp.crashes_in_a_row += 1
+        sp.restart_at = now + delay
+        logger.warning("stage %s: restarting%s", sp.name, f" in {delay:g} s" if delay else "")
+
+    # ---- stopping --------------------------------------------------------------------------------
+
+    def begin_stop(self) -> None:
+        """From now on exits are expected: nothing is reported down or restarted."""
+        self._stopping = True
+
+    def stop_processes(self, grace: float) -> None:
+        """Blocking: wait ``grace`` for the stages to exit, then SIGTERM, then SIGKILL."""
+        self._stopping = True
+        procs = [sp for sp in self._stages.values() if sp.proc is not None]
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(sp.proc.poll() is None for sp in procs):  # type: ignore[union-attr]
+            time.sleep(0.05)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            running = [sp for sp in procs if sp.proc.poll() is None]  # type: ignore[union-attr]
+            if not running:
+                break
+            logger.info("stopping stage(s) %s with %s", ", ".join(sp.name for sp in running), sig.name)
+            for sp in running:
+                sp.signal_group(sig)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and any(sp.proc.poll() is None for sp in running):  # type: ignore[union-attr]
+                time.sleep(0.05)
+        for sp in procs:
+            # Leftovers in the stage's process group (helpers of a stage that already exited).
+            sp.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+            sp.up = False
+
+    async def close(self) -> None:
+        """Cancel the monitor and the connection watchers (after :meth:`stop_processes`)."""
+        self._stopping = True
+        tasks = [t for _, t in self._watchers.values()]
+        if self._monitor is not None:
+            tasks.append(self._monitor)
+        self._watchers.clear()
+        self._monitor = None
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    def kill_all_sync(self, grace: float = 3.0) -> None:
+        """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage
+        process group, then SIGKILL after ``grace``."""
+        procs = [sp for sp in self._stages.values() if sp.alive()]
+        for sp in procs:
+            sp.signal_group(signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(sp.alive() for sp in procs):
+            time.sleep(0.05)
+        for sp in procs:
+            sp.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
