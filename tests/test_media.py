@@ -4,39 +4,21 @@ from __future__ import annotations
 
 import base64
 import http.server
-import io
 import threading
 
 import numpy as np
 import pytest
-import soundfile as sf
-from PIL import Image
 
-from omni_cache.serving.media import AUDIO, IMAGE, MediaDecoder, MediaError, MediaLimits
-
-
-def png_url(w: int = 40, h: int = 30, fmt: str = "PNG") -> str:
-    rgb = np.random.default_rng(0).integers(0, 255, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def clip_b64(seconds: float = 0.5, rate: int = 44100, channels: int = 1, fmt: str = "WAV") -> str:
-    t = np.arange(int(seconds * rate)) / rate
-    x = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-    if channels > 1:
-        x = np.stack([x] * channels, axis=1)
-    buf = io.BytesIO()
-    sf.write(buf, x, rate, format=fmt)
-    return base64.b64encode(buf.getvalue()).decode()
+from omni_cache.config.schema import MediaConfig
+from omni_cache.serving.media import AUDIO, IMAGE, MediaDecoder, MediaError
+from media_samples import clip_b64, png_data_url
 
 
 def test_png_and_jpeg_decode_to_rgb():
     dec = MediaDecoder()
-    item = dec.image(png_url(40, 30), "p")
+    item = dec.image(png_data_url(40, 30), "p")
     assert item.kind == IMAGE and item.array.shape == (30, 40, 3) and item.array.dtype == np.uint8
-    assert dec.image(png_url(16, 16, "JPEG"), "p").array.shape == (16, 16, 3)
+    assert dec.image(png_data_url(16, 16, fmt="JPEG"), "p").array.shape == (16, 16, 3)
 
 
 def test_wav_at_44k_is_resampled_to_the_model_rate():
@@ -72,9 +54,9 @@ def test_bad_images_are_refused_with_a_reason(url, words):
 
 def test_image_limits_are_read_from_the_header():
     with pytest.raises(MediaError, match="max_image_pixels"):
-        MediaDecoder(MediaLimits(max_image_pixels=100)).image(png_url(20, 20), "p")
+        MediaDecoder(MediaConfig(max_image_pixels=100)).image(png_data_url(20, 20), "p")
     with pytest.raises(MediaError, match="max_item_bytes"):
-        MediaDecoder(MediaLimits(max_item_bytes=64)).image(png_url(40, 30), "p")
+        MediaDecoder(MediaConfig(max_item_bytes=64)).image(png_data_url(40, 30), "p")
 
 
 @pytest.mark.parametrize("data, fmt, words", [
@@ -90,12 +72,12 @@ def test_bad_audio_is_refused_with_a_reason(data, fmt, words):
 
 def test_audio_duration_limit():
     with pytest.raises(MediaError, match="max_audio_seconds"):
-        MediaDecoder(MediaLimits(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")
+        MediaDecoder(MediaConfig(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")
 
 
 @pytest.fixture
 def image_host():
-    png = base64.b64decode(png_url(8, 8).split(",", 1)[1])
+    png = base64.b64decode(png_data_url(8, 8).split(",", 1)[1])
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -119,7 +101,7 @@ def image_host():
 
 
 def test_urls_are_fetched_only_from_allowed_hosts_and_not_redirected(image_host):
-    allowed = MediaDecoder(MediaLimits(allowed_url_hosts=("127.0.0.1",)))
+    allowed = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"]))
     assert allowed.image(image_host + "/x.png", "p").array.shape == (8, 8, 3)
     with pytest.raises(MediaError, match="redirect"):
         allowed.image(image_host + "/moved", "p")

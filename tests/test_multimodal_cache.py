@@ -22,20 +22,18 @@ rows exactly, read after the request ran to its end: this is what caught rows al
 
 from __future__ import annotations
 
-import base64
 import importlib.util
-import io
 import json
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 from PIL import Image
 
 from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
 from omni_cache.serving.media import MediaDecoder
+from media_samples import clip_b64, png_data_url
 from thinker_harness import Result, close, comparable_rows, run
 
 pytestmark = [
@@ -108,20 +106,13 @@ def chat(user: str) -> list[int]:
 
 
 def an_image(seed: int):
-    rgb = np.random.default_rng(seed).integers(0, 255, (96, 128, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return Image.fromarray(MediaDecoder().image(url, "image").array)
+    return Image.fromarray(MediaDecoder().image(png_data_url(128, 96, seed), "image").array)
 
 
 def a_clip(seed: int):
-    rate = 44100  # not the model's 16 kHz: the media decoder resamples it
-    t = np.arange(int(1.5 * rate)) / rate
-    x = (0.3 * np.sin(2 * np.pi * (300 + 100 * seed) * t)).astype(np.float32)
-    buf = io.BytesIO()
-    sf.write(buf, x, rate, format="WAV")
-    item = MediaDecoder(audio_sample_rate=16000).audio(base64.b64encode(buf.getvalue()).decode(), "wav", "a")
+    # 44.1 kHz, not the model's 16 kHz: the media decoder resamples it
+    item = MediaDecoder(audio_sample_rate=16000).audio(clip_b64(1.5, 44100, freq=300 + 100 * seed),
+                                                       "wav", "audio")
     return item.array, item.sample_rate
 
 

@@ -34,10 +34,10 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_pipeline_config(tmp: Path, name: str) -> Path:
-    """The shipped tiny config with its own pipeline name and socket paths (tests may run while
+def write_pipeline_config(tmp: Path, name: str, source: str = "tiny_omni.yaml") -> Path:
+    """A shipped config with its own pipeline name and socket paths (tests may run while
     someone serves the default) and an OS-chosen HTTP port."""
-    data = yaml.safe_load((ROOT / "stage_configs" / "tiny_omni.yaml").read_text())
+    data = yaml.safe_load((ROOT / "stage_configs" / source).read_text())
     data["name"] = name
     data["server"]["port"] = 0
     for stage in data["stages"]:

@@ -9,10 +9,22 @@ from omni_cache.config import StageConfig
 from omni_cache.wire.messages import StageError
 
 
+def is_client_error(exc: BaseException) -> bool:
+    """Whether the request itself was bad: a ValueError, or what vLLM files as the client's fault
+    (``VLLMClientError``, e.g. more images than ``limit_mm_per_prompt`` allows)."""
+    if isinstance(exc, ValueError):
+        return True
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # a stage without vLLM (the decoder can run without it)
+        return False
+    return isinstance(exc, VLLMClientError)
+
+
 def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:
-    """The orchestrator's view of a failed request: ValueError means the input was bad (HTTP 400),
+    """The orchestrator's view of a failed request: bad input is HTTP 400 (:func:`is_client_error`),
     anything else is the stage's fault (500)."""
-    status = 400 if isinstance(exc, ValueError) else 500
+    status = 400 if is_client_error(exc) else 500
     return StageError(request_id=request_id, stage=stage, message=f"{type(exc).__name__}: {exc}",
                       status=status)
 

@@ -30,6 +30,23 @@ class _Base(Struct, forbid_unknown_fields=True, kw_only=True):
 # --------------------------------------------------------------------------------------------------
 
 
+class MediaConfig(_Base, kw_only=True):
+    """Limits on the images and audio clips of one chat request (omni_cache.serving.media)."""
+
+    #: Images and clips in one request, all messages together.
+    max_items: PositiveInt = 8
+    #: Encoded size of one item (the bytes of the PNG, WAV, MP3, ...).
+    max_item_bytes: PositiveInt = 16 * 1024 * 1024
+    #: Width x height of one image, read from its header before it is decoded.
+    max_image_pixels: PositiveInt = 4096 * 4096
+    #: Duration of one clip, read from its header before it is decoded.
+    max_audio_seconds: PositiveFloat = 300.0
+    #: Hosts whose http(s) image URLs the server fetches; none by default (data: URLs only).
+    allowed_url_hosts: list[Annotated[str, Meta(min_length=1)]] = []
+    #: How long fetching one such URL may take.
+    fetch_timeout_s: PositiveFloat = 10.0
+
+
 class ServerConfig(_Base, kw_only=True):
     """The HTTP front end (OpenAI-style API) of the orchestrator."""
 
@@ -62,6 +79,8 @@ class ServerConfig(_Base, kw_only=True):
     #: host that vanishes: a stage process that dies closes its connection and is marked down at
     #: once. Under load a busy stage's beats can be late by seconds: keep this well above that.
     heartbeat_timeout_s: PositiveFloat = 10.0
+    #: Limits on the images and audio clips a chat request may carry.
+    media: MediaConfig = field(default_factory=MediaConfig)
 
 
 class LatentSpec(_Base, kw_only=True):

@@ -38,6 +38,7 @@ downstream stages only then). The request completes when every participant sent 
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import logging
 import os
@@ -49,7 +50,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -61,6 +62,7 @@ from omni_cache.wire.ipc_claims import IpcClaims
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
+    MediaRef,
     Sampling,
     Shutdown,
     StageError,
@@ -72,6 +74,9 @@ from omni_cache.wire.messages import (
 )
 from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.requests import Request, RequestTable
+
+if TYPE_CHECKING:
+    from omni_cache.serving.media import MediaItem
 from omni_cache.runtime.results import (
     AudioDelta,
     Completed,
@@ -116,6 +121,19 @@ STATUS_CLIENT_CLOSED = 499
 DEADLINE_CHECK_INTERVAL_S = 0.1
 
 
+#: What audio inputs are resampled to when the entry model does not say (Whisper-style encoders).
+DEFAULT_AUDIO_INPUT_RATE = 16000
+
+
+def audio_input_rate(model_dir: Path) -> int:
+    """The sample rate of the model's audio feature extractor (``preprocessor_config.json``)."""
+    try:
+        rate = json.loads((model_dir / "preprocessor_config.json").read_text()).get("sampling_rate")
+    except (OSError, ValueError):
+        return DEFAULT_AUDIO_INPUT_RATE
+    return int(rate) if isinstance(rate, int) and rate > 0 else DEFAULT_AUDIO_INPUT_RATE
+
+
 def control_address(config: PipelineConfig) -> str:
     """The orchestrator's inbox: ``config.server.control_address`` if the schema has it, else
     ``ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock``."""
@@ -139,6 +157,7 @@ class _CheckedRequest:
     modalities: tuple[str, ...]
     sampling: Sampling
     participants: tuple[str, ...]
+    media: tuple[MediaItem, ...] = ()
 
 
 class Orchestrator:
@@ -183,6 +202,8 @@ class Orchestrator:
         self._checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
         self._prefix_cache = prefix_cache
         self._tokenizer = tokenizer
+        #: The rate the entry model's audio inputs are resampled to (its feature extractor's).
+        self.audio_input_rate = DEFAULT_AUDIO_INPUT_RATE
         self._tok_lock = threading.Lock()
         self._stage_argv = list(stage_argv) if stage_argv is not None else default_stage_argv()
         self._start_timeout_s = float(
@@ -325,6 +346,7 @@ class Orchestrator:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(path)
+            self.audio_input_rate = audio_input_rate(Path(path))
 
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -501,11 +523,17 @@ class Orchestrator:
         top_p: float | None = None,
         seed: int | None = None,
         modalities: Iterable[str] = ("text",),
+        media: Sequence[MediaItem] = (),
         return_latents: bool = False,
         timeout_s: float | None = None,
         received_at: float | None = None,
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage.
+
+        ``media``: decoded images and clips (:mod:`omni_cache.serving.media`) for the prompt's
+        placeholders, in order. The entry stage's vLLM processor expands the placeholders, so the
+        context-length check here counts the prompt before expansion; the stage refuses (400) a
+        prompt whose expansion does not fit.
 
         ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
         histograms (default: now); the deadline counts from it too.
@@ -518,6 +546,7 @@ class Orchestrator:
             prompt_token_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             seed=seed, modalities=modalities,
         )
+        checked.media = tuple(media)
         return await self._send_request(checked, return_latents=return_latents,
                                         timeout_s=timeout_s, received_at=received_at)
 
@@ -618,10 +647,24 @@ class Orchestrator:
             modalities=list(checked.modalities),
             return_latents=return_latents,
             deadline=time.time() + timeout,
+            media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate)
+                   for i, m in enumerate(checked.media)],
         )
+        from omni_cache.wire.transport import MessageTooLarge
+
+        tensors = {}
+        if checked.media:
+            import torch
+
+            tensors = {f"media.{i}": torch.from_numpy(m.array) for i, m in enumerate(checked.media)}
         try:
-            sent = await self._send(self.entry.name, msg, timeout=min(timeout, 10.0))
-        except Exception as e:  # noqa: BLE001 -- e.g. MessageTooLarge
+            sent = await self._send(self.entry.name, msg, tensors, timeout=min(timeout, 10.0))
+        except MessageTooLarge as e:
+            self._fail(req, 400, f"the request is too large to send to stage {self.entry.name!r} "
+                                 f"({e}); send less media or raise server.max_message_bytes",
+                       stage=self.entry.name)
+            return RequestHandle(self, req)
+        except Exception as e:  # noqa: BLE001
             sent = False
             logger.warning("request %s: could not submit: %s", req.request_id, e)
         if not sent:

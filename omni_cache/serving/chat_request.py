@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omni_cache.serving.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format
 from omni_cache.serving.errors import APIError, invalid_request
 
-__all__ = ["ChatCompletionRequest", "ChatRequest", "parse_chat_request"]
+__all__ = ["ChatCompletionRequest", "ChatRequest", "MediaPart", "parse_chat_request"]
 
 _INT64 = 2**63 - 1
 
@@ -22,9 +22,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None  # accepted and not used: the processor decides the resolution
+
+
+class InputAudio(_Model):
+    data: str
+    format: str
+
+
 class ContentPart(_Model):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(_Model):
@@ -59,6 +71,15 @@ class ChatCompletionRequest(_Model):
 
 
 @dataclass(frozen=True)
+class MediaPart:
+    """An image or audio clip of the request, not decoded yet; ``param`` names its content part."""
+
+    kind: str  # "image" | "audio"
+    part: ContentPart
+    param: str
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A request that passed every check: the body plus what was derived from it."""
 
@@ -66,6 +87,8 @@ class ChatRequest:
     modalities: tuple[str, ...]
     audio_format: str
     messages: list[dict[str, Any]]
+    #: The request's images and clips in the order their placeholders appear in the prompt.
+    media: tuple[MediaPart, ...] = ()
 
     @property
     def wants_audio(self) -> bool:
@@ -94,29 +117,45 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
             check_format(audio_format, stream=req.stream)
         except UnsupportedFormat as e:
             raise APIError(400, str(e), param="audio.format") from None
-    return ChatRequest(req, modalities, audio_format, _message_dicts(req.messages))
+    media: list[MediaPart] = []
+    messages = [_message_dict(i, m, media) for i, m in enumerate(req.messages)]
+    return ChatRequest(req, modalities, audio_format, messages, tuple(media))
 
 
-def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages as the chat template takes them: text content only, developer -> system."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
-            content = m.content
-        else:
-            texts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text":
-                    raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
-                                   param=f"messages.{i}.content.{j}.type")
+#: Content-part type -> (the field that carries it, the media kind, the chat template's part type).
+MEDIA_PARTS = {"image_url": ("image_url", "image"), "input_audio": ("input_audio", "audio")}
+SUPPORTED_PARTS = ("text", *MEDIA_PARTS)
+
+
+def _message_dict(i: int, m: ChatMessage, media: list[MediaPart]) -> dict[str, Any]:
+    """A chat message as the chat template takes it (developer -> system). Text-only content stays
+    one string; content with images or clips is a list of parts, ``{"type": "image"}`` /
+    ``{"type": "audio"}`` where the template writes the placeholders. The media go to ``media``."""
+    if m.content is None or isinstance(m.content, str):
+        content: Any = m.content or ""
+    else:
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(m.content):
+            param = f"messages.{i}.content.{j}"
+            if part.type == "text":
                 if part.text is None:
-                    raise APIError(400, "a text content part needs 'text'", param=f"messages.{i}.content.{j}.text")
-                texts.append(part.text)
-            content = "".join(texts)
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name:
-            d["name"] = m.name
-        out.append(d)
-    return out
+                    raise APIError(400, "a text content part needs 'text'", param=param + ".text")
+                parts.append({"type": "text", "text": part.text})
+            elif part.type in MEDIA_PARTS:
+                field_name, kind = MEDIA_PARTS[part.type]
+                if getattr(part, field_name) is None:
+                    raise APIError(400, f"a {part.type} content part needs {field_name!r}",
+                                   param=f"{param}.{field_name}")
+                media.append(MediaPart(kind, part, param))
+                parts.append({"type": kind})
+            else:
+                raise APIError(400, f"content part type {part.type!r} is not supported (supported: "
+                               f"{', '.join(SUPPORTED_PARTS)})", param=param + ".type")
+        if all(p["type"] == "text" for p in parts):
+            content = "".join(p["text"] for p in parts)
+        else:
+            content = parts
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.name:
+        d["name"] = m.name
+    return d

@@ -26,9 +26,16 @@ import io
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from omni_cache.config.schema import MediaConfig
+
+if TYPE_CHECKING:
+    from omni_cache.serving.chat_request import MediaPart
 
 IMAGE = "image"
 AUDIO = "audio"
@@ -47,18 +54,6 @@ class MediaError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class MediaLimits:
-    """What one request may carry (``server.media`` in the stage config)."""
-
-    max_items: int = 8
-    max_item_bytes: int = 16 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
-    max_audio_seconds: float = 300.0
-    allowed_url_hosts: tuple[str, ...] = ()
-    fetch_timeout_s: float = 10.0
-
-
 @dataclass
 class MediaItem:
     """One decoded item: an RGB image ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]``."""
@@ -70,9 +65,19 @@ class MediaItem:
 
 @dataclass
 class MediaDecoder:
-    limits: MediaLimits = field(default_factory=MediaLimits)
+    limits: MediaConfig = field(default_factory=MediaConfig)
     #: The rate clips are resampled to (the thinker's feature extractor's).
     audio_sample_rate: int = 16000
+
+    def decode_all(self, parts: Sequence[MediaPart]) -> list[MediaItem]:
+        """A request's media parts, decoded in order; MediaError for the first that cannot be."""
+        if len(parts) > self.limits.max_items:
+            raise MediaError(f"the request has {len(parts)} images and audio clips; at most "
+                             f"{self.limits.max_items} are accepted (server.media.max_items)", "messages")
+        return [self.image(p.part.image_url.url, p.param + ".image_url.url") if p.kind == IMAGE
+                else self.audio(p.part.input_audio.data, p.part.input_audio.format,
+                                p.param + ".input_audio")
+                for p in parts]
 
     def image(self, url: str, param: str) -> MediaItem:
         data = self._image_bytes(url, param)
@@ -152,7 +157,7 @@ class MediaDecoder:
     def _fetch(self, url: str, param: str) -> bytes:
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if host not in self.limits.allowed_url_hosts:
-            raise MediaError(f"image URLs from {host or 'this URL'!r} are not fetched (this server "
+            raise MediaError(f"image_url from host {host or '(none)'!r} is not fetched (this server "
                              "fetches only from server.media.allowed_url_hosts); send a data: URL",
                              param)
         opener = urllib.request.build_opener(_NoRedirect)
