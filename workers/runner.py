@@ -25,6 +25,10 @@ logger = logging.getLogger("omni_cache.stage")
 MAX_TOMBSTONES = 65536
 #: Status of a request a stage dropped at its deadline (the orchestrator's own 504).
 STATUS_DEADLINE = 504
+#: Stages drop a request this long after its deadline: the orchestrator answers the client (and
+#: aborts the stages) at the deadline itself; a stage's own expiry is the backstop for a request
+#: whose Abort never came (lost, or the orchestrator restarted).
+DEADLINE_GRACE_S = 1.0
 
 
 class DeadlineExpired(Exception):
@@ -92,7 +96,7 @@ class StageRunner:
         """Drop the requests past their deadline (the orchestrator answers their clients 504; this
         keeps a stage from working on, or holding, a request nobody waits for)."""
         now = time.time() if now is None else now
-        late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now]
+        late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now - DEADLINE_GRACE_S]
         for request_id in late:
             self.expired += 1
             logger.info("stage %s: request %s passed its deadline, dropped", self.stage.name,
@@ -111,7 +115,7 @@ class StageRunner:
             return True
         if not first:
             return True
-        return 0 < deadline <= time.time()
+        return 0 < deadline <= time.time() - DEADLINE_GRACE_S
 
     def _bury(self, request_id: str) -> None:
         self.tombstones[request_id] = time.monotonic() + self.tombstone_ttl_s
