@@ -177,7 +177,8 @@ class Orchestrator:
             config.checkpoint_dir = str(checkpoint_dir)
         if not prefix_cache:
             for s in config.stages:
-                s.prefix_cache = False
+                if s.kind == "autoregressive":  # a generation stage has no prefix cache
+                    s.prefix_cache = False
         self._config_path = str(Path(config_path).absolute()) if config_path else None
         self._tmp_config: str | None = None
         self._checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
