@@ -45,6 +45,7 @@ class _Request:
     active: str | None = None  # vLLM request id of the job running now
     active_job: Job | None = None
     num_jobs: int = 0
+    generated: int = 0  # tokens this stage wrote for the request, over all its jobs
 
 
 def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -137,16 +138,33 @@ class ARRunner(StageRunner):
             up.latents = req.upstream_rows.view()
         up.finished = msg.finished
         req.jobs.extend(self.handoff(self.handoff_ctx, up, req.handoff_state))
-        if req.active is None and req.jobs:
-            self._start(req, req.jobs.popleft())
+        self._next_job(req)
+
+    def _next_job(self, req: _Request) -> None:
+        """Start the request's next job, unless one runs. On a stage fed by a hand-off the
+        stage's `sampling.max_tokens` caps the whole answer: once its jobs wrote that many
+        tokens, the remaining jobs are skipped and the request ends with the last one."""
+        while req.active is None and req.jobs:
+            job = req.jobs.popleft()
+            if self.handoff is None or req.generated < self.stage.sampling.max_tokens:
+                self._start(req, job)
+            elif job.last:
+                req.active_job = job
+                self._emit(req, StepOutput(request_id="", token_ids=[], text="", finished=True,
+                                           finish_reason="length", num_prompt_tokens=0,
+                                           num_cached_tokens=0))
+                return
 
     def _start(self, req: _Request, job: Job) -> None:
         from vllm import SamplingParams
 
         defaults = self.stage.sampling
         client = req.sampling if self.handoff is None else None  # clients sample the entry stage
+        max_tokens = job.max_tokens or defaults.max_tokens
+        if self.handoff is not None:
+            max_tokens = min(max_tokens, defaults.max_tokens - req.generated)
         params = SamplingParams(
-            max_tokens=job.max_tokens or defaults.max_tokens,
+            max_tokens=max_tokens,
             temperature=client.temperature if client else defaults.temperature,
             top_p=client.top_p if client else defaults.top_p,
             seed=client.seed if client and client.seed is not None else defaults.seed,
@@ -181,14 +199,13 @@ class ARRunner(StageRunner):
         job_done = out.finished
         finished = False
         self.generation_tokens += len(out.token_ids)
+        req.generated += len(out.token_ids)
         if job_done:
             self.prompt_tokens += out.num_prompt_tokens
             finished = req.active_job.last
             self.by_job.pop(out.request_id, None)
             req.num_cached_tokens += out.num_cached_tokens
             req.active, req.active_job = None, None  # until the next job (or more upstream input)
-            if req.jobs:
-                self._start(req, req.jobs.popleft())
         req.num_prompt_tokens = req.num_prompt_tokens or out.num_prompt_tokens
         msg = StageOutput(
             request_id=req.request_id, stage=self.stage.name, seq=req.seq,
@@ -213,6 +230,8 @@ class ARRunner(StageRunner):
             self.outbox.to_downstream(msg, out.latents)
         if finished:
             del self.requests[req.request_id]
+        elif job_done:
+            self._next_job(req)  # after this output: its seq comes first
 
     # ---- control ---------------------------------------------------------------------------
     def drop(self, request_id: str) -> None:
