@@ -38,6 +38,7 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 HEADERS = {"Authorization": "Bearer test-key"}
 TALKER_MAX_MODEL_LEN = 512
+TALKER_MAX_CODES = 40  # the talker's sampling.max_tokens: codes per answer, all segments together
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,7 @@ def server(tmp_path_factory):
             stage["generation"]["max_batch_size"] = 2
         if stage["name"] == "talker":
             stage["engine_args"]["max_model_len"] = TALKER_MAX_MODEL_LEN
+            stage["sampling"]["max_tokens"] = TALKER_MAX_CODES
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
@@ -225,4 +227,19 @@ def test_deadline_passes_in_the_stages(server):
         assert time.monotonic() < deadline, {k: v for k, v in stage_metrics(server).items()
                                              if "expired" in k[0] or "queue_depth" in k[0]}
         time.sleep(0.3)
+    wait_until_empty(server)
+
+
+def test_the_talkers_max_tokens_caps_the_answer(server):
+    """An answer whose thinker text asks for more codes than the talker's sampling.max_tokens:
+    its audio stops at the cap (the talker skips its remaining segments), and the request ends
+    normally."""
+    from omni_cache.models.codec_decoder import decoder_config
+
+    long = chat(server, "a long answer, please", max_tokens=60, audio=True)
+    short = chat(server, "a long answer, please", max_tokens=12, audio=True)
+    per_code = decoder_config()["samples_per_code"]
+    assert 0 < audio_samples(short) < TALKER_MAX_CODES * per_code  # under the cap: untouched
+    assert audio_samples(short) < audio_samples(long) <= TALKER_MAX_CODES * per_code
+    assert long.json()["usage"]["completion_tokens"] == 60
     wait_until_empty(server)
