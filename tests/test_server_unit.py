@@ -94,9 +94,9 @@ def make_orchestrator(path: Path) -> Orchestrator:
 
 
 @contextlib.contextmanager
-def fake_server(prefix: str) -> Iterator[ServerThread]:
+def fake_server(prefix: str, decoder_env: str = "{}") -> Iterator[ServerThread]:
     """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
-    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}"))
+    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}", decoder_env))
     server = ServerThread(orch, api_key=API_KEY).start()
     try:
         server.wait_ready(60)
@@ -515,3 +515,19 @@ def test_second_pipeline_on_the_same_addresses_is_refused_and_the_first_keeps_se
         assert r.text == echo("still mine", 4)
     with Pipeline.from_config(path, **kw) as again:  # released at close
         assert again.generate("next", max_tokens=2)[0].text == echo("next", 2)
+
+
+def test_a_stage_claiming_an_absurd_sample_rate_fails_the_request_only():
+    """A decoder that reports 1 Hz: resampling that to 24 kHz would allocate 24,000 samples per
+    sample. The request fails naming the stage and the rate; the pipeline's rate is unchanged and
+    text answers go on."""
+    with fake_server("rate", decoder_env='{FAKE_SAMPLE_RATE: "1"}') as server:
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"model": server.orchestrator.served_model_name,
+                "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=30)
+        assert r.status_code == 500 and "'decoder' sent audio at 1 Hz" in r.text, r.text
+        assert server.orchestrator.audio_sample_rate == 24000
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "modalities": ["text"]},
+                       headers=h, timeout=30)
+        assert r.status_code == 200, r.text
