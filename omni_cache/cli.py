@@ -141,7 +141,8 @@ def apply_overrides(config: PipelineConfig, args: argparse.Namespace) -> Pipelin
         config.checkpoint_dir = args.checkpoint_dir
     if getattr(args, "no_prefix_cache", False):
         for stage in config.stages:
-            stage.prefix_cache = False
+            if stage.kind == "autoregressive":  # a generation stage has no prefix cache
+                stage.prefix_cache = False
     external = getattr(args, "external_stages", None)
     if external:
         names = [n.strip() for n in external.split(",") if n.strip()]

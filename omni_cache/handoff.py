@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
+
 # Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
 # new rows (a short first segment: time to first audio), then a new segment every SEGMENT_TOKENS
 # rows (fewer, larger talker requests), and the rest when the thinker stops.
@@ -102,13 +104,15 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     # Project only the rows no earlier segment projected: re-projecting a 4,000-row prompt for
     # every segment cost ~0.1 s of float64 matmul each. Row-by-row float64 makes the pieces
     # bitwise equal to projecting all rows at once.
-    prev = state.get("embeds")
-    start = 0 if prev is None else prev.shape[0]
+    # The embeddings grow in place (LatentBuffer) and each job gets a view: concatenating the
+    # previous segment's embeddings with the new ones copied the whole prompt every segment.
+    embeds = state.setdefault("embeds", LatentBuffer(("embeds",)))
+    start = embeds.num_rows
     fresh = (hidden[start:rows].double() @ weight.T + bias).to(torch.bfloat16)
-    embeds = fresh if prev is None else torch.cat([prev, fresh])
-    state["embeds"] = embeds
+    embeds.add(LatentChunk(start, {"embeds": fresh}))
     state["rows_done"] = rows
-    return [Job(prompt_embeds=embeds, max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished)]
+    return [Job(prompt_embeds=embeds.view().get("embeds", fresh),
+                max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished)]
 
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:

@@ -13,6 +13,7 @@ tests/test_server_unit.py:
   bytes held back while incomplete (empty text), U+FFFD for invalid ones, and a sequence still
   incomplete at the end is never written.
   With ``return_latents`` it sends a "hidden" tensor [prompt + output tokens, 4].
+* ``FAKE_SAMPLE_RATE`` is the sample rate the "decoder" reports (default 24000).
 * ``FAKE_START_DELAY`` (s) delays StageReady; ``FAKE_EXIT_AT_START=N`` exits with N at start.
 * other stages (a "decoder"): 240 samples (10 ms at 24 kHz) of a sine per upstream token, sent to
   the orchestrator as an "audio" frame; a finished header once upstream finished.
@@ -49,7 +50,7 @@ from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 from workers.announcer import Announcer
 
-SAMPLE_RATE = 24000
+SAMPLE_RATE = int(os.environ.get("FAKE_SAMPLE_RATE", "24000"))  # what the "decoder" claims
 SAMPLES_PER_TOKEN = 240
 BLOCK = 4
 SLOW_FIRST_TOKEN_S = 0.5

@@ -87,7 +87,7 @@ def test_openai_sdk_gets_each_format(srv, oai, fmt):
     max_tokens = 6
     r = oai.chat.completions.create(
         model=srv.orchestrator.served_model_name, messages=[{"role": "user", "content": "sing"}],
-        max_tokens=max_tokens, modalities=["text", "audio"], audio={"voice": "alloy", "format": fmt})
+        max_tokens=max_tokens, modalities=["text", "audio"], audio={"voice": "default", "format": fmt})
     msg = r.choices[0].message
     assert msg.audio.transcript == msg.content
     samples, rate = decode(base64.b64decode(msg.audio.data), fmt)
@@ -105,7 +105,7 @@ def test_unsupported_format_is_a_400_naming_the_supported_ones(srv, fmt, stream,
     with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http:
         payload = {"model": srv.orchestrator.served_model_name, "stream": stream, "max_tokens": 3,
                    "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                   "audio": {"voice": "alloy", "format": fmt}}
+                   "audio": {"voice": "default", "format": fmt}}
         r = http.post("/v1/chat/completions", json=payload)
         assert r.status_code == 400, r.text
         err = r.json()["error"]

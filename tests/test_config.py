@@ -71,7 +71,7 @@ def test_tiny_configs_load(path: Path) -> None:
     assert talker.engine_args is not None and talker.engine_args.enable_prompt_embeds is True
     assert thinker.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "1"}
     assert all(s.env.get("OMP_NUM_THREADS") == "1" for s in config.stages)
-    assert thinker.sampling.max_tokens == 32 and talker.sampling.max_tokens == 64
+    assert thinker.sampling.max_tokens == 32 and talker.sampling.max_tokens == 4096
     assert decoder.engine_args is None
     assert decoder.generation is not None
     assert (decoder.generation.max_batch_size, decoder.generation.chunk_size) == (16, 16)
@@ -263,8 +263,8 @@ BAD_CASES = {
         "    sampling:                                      # defaults when the request does not say\n"
         "      temperature: 0.0                             # greedy\n"
         "      top_p: 1.0                                   # no nucleus cut\n"
-        "      max_tokens: 64",
-        "    generation: {chunk_size: 8}\n    sampling:\n      max_tokens: 64",
+        "      max_tokens: 4096",
+        "    generation: {chunk_size: 8}\n    sampling:\n      max_tokens: 4096",
         "stages[1].generation: only for kind 'generation' stages",
     ),
     "latents_on_generation": (
@@ -477,7 +477,7 @@ stages:
   - name: sink
     kind: generation
     model: tiny:decoder
-    inputs: [mid, src]
+    inputs: [mid]
     handoff: {handoff_pkg}.a_to_b
     address: tcp://127.0.0.1:5703
     final_output: audio
@@ -498,9 +498,9 @@ stages:
     config = parse_config(text, source="fan.yaml")
     assert [s.name for s in config.topological_order()] == ["src", "mid", "sink"]
     assert config.entry_stage().name == "src"
-    assert [s.name for s in config.downstream("src")] == ["sink", "mid"]
+    assert [s.name for s in config.downstream("src")] == ["mid"]
     assert [s.name for s in config.downstream("sink")] == []
-    assert [s.name for s in config.upstream("sink")] == ["mid", "src"]
+    assert [s.name for s in config.upstream("sink")] == ["mid"]
     assert [s.name for s in config.final_stages()] == ["sink", "src"]
     with pytest.raises(KeyError, match="no stage 'nope' \\(stages: sink, mid, src\\)"):
         config.stage("nope")
@@ -682,3 +682,35 @@ def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     assert cli.main(["--stage-config", str(TINY), "--log-level", "WARNING"]) == 0
     assert seen["config"].name == "tiny_omni"
     assert seen["args"].stage_config == str(TINY) and seen["args"].log_level == "warning"
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys that would be accepted and then fail or do nothing: refused, each named
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old,new,key,words", [
+    ("      max_num_seqs: 16                             # most requests per step\n"
+     "      enforce_eager: true                          # no torch.compile",
+     "      max_num_seqs: 16\n      tensor_parallel_size: 2\n      enforce_eager: true  #",
+     "stages[0].engine_args.tensor_parallel_size", "2 is not supported"),
+    ("inputs: [talker]", "inputs: [talker, thinker]", "stages[2].inputs",
+     "a stage reads one input stage"),
+    ("      device: cpu                                  # torch device",
+     "      device: cpu\n    sampling: {temperature: 0.5}  #",
+     "stages[2].sampling", "only for autoregressive stages"),
+    ("      device: cpu                                  # torch device",
+     "      device: cpu\n    prefix_cache: false  #",
+     "stages[2].prefix_cache", "only for autoregressive stages"),
+])
+def test_keys_that_would_do_nothing_are_refused(tmp_path: Path, old: str, new: str, key: str,
+                                                 words: str) -> None:
+    path = write_variant(tmp_path, old, new)
+    message = config_error(path)
+    assert f"{path}: {key}: " in message and words in message, message
+    assert cli.main(["--stage-config", str(path), "--check"]) == 2
+
+
+def test_no_prefix_cache_leaves_the_generation_stage_alone() -> None:
+    """--no-prefix-cache turns the cache off where there is one; the config stays valid."""
+    assert cli.main(["--stage-config", str(TINY), "--check", "--no-prefix-cache"]) == 0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from omni_cache.cache.latent_rows import LatentChunk, LatentRows
+from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk, LatentRows
 
 
 def chunk(start: int, n: int) -> LatentChunk:
@@ -59,3 +59,39 @@ def test_truncate_then_take_new():
     assert rows.num_rows == 4 and positions(rows.all()) == [0, 1, 2, 3]
     rows.add(chunk(4, 2))
     assert positions(rows.take_new()[1]) == [4, 5]
+
+
+# ---- LatentBuffer: the receiving side ------------------------------------------------------------
+
+def test_buffer_views_grow_without_recopying():
+    buf = LatentBuffer(("hidden", "tap"))
+    storages, views = set(), []
+    for pos in range(1000):  # one row per message, as a decoding upstream sends them
+        buf.add(chunk(pos, 1))
+        view = buf.view()
+        storages.add(view["hidden"].untyped_storage().data_ptr())
+        views.append(view)
+    assert positions(buf.view()) == list(range(1000))
+    # Capacity doubles: a handful of re-allocations (each copying what is held once), not one
+    # copy of everything per message.
+    assert len(storages) <= 8, len(storages)
+    # Views handed out earlier still show their rows (rows are never written twice).
+    assert positions(views[10]) == list(range(11))
+
+
+def test_buffer_overlap_gap_and_foreign_rows():
+    buf = LatentBuffer(("hidden", "tap"), max_rows=10)
+    buf.add(chunk(0, 4))
+    stale = chunk(2, 4)
+    stale.tensors = {n: t + 1000 for n, t in stale.tensors.items()}
+    buf.add(stale)
+    assert buf.view()["hidden"][:, 0].int().tolist() == [0, 1, 2, 3, 1004, 1005]
+    with pytest.raises(RuntimeError, match="rows 6..7 are missing"):
+        buf.add(chunk(8, 1))
+    with pytest.raises(ValueError, match="expected"):
+        buf.add(LatentChunk(6, {"hidden": torch.zeros(1, 4)}))
+    with pytest.raises(ValueError, match="earlier rows were"):
+        buf.add(LatentChunk(6, {"hidden": torch.zeros(1, 5), "tap": torch.zeros(1, 1)}))
+    with pytest.raises(ValueError, match="limit of 10"):
+        buf.add(chunk(6, 5))
+    assert buf.num_rows == 6

@@ -37,6 +37,7 @@ FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
 API_KEY = "unit-test-key"
 MAX_MODEL_LEN = 512
 TIMEOUT_S = 4.0
+MAX_MESSAGE_BYTES = 2**20  # server.max_message_bytes: also the largest request body
 TOKEN_DELAY_S = 0.02
 SAMPLES_PER_TOKEN = 240  # fake decoder: 10 ms of audio per token
 
@@ -62,7 +63,7 @@ def write_config(name: str, decoder_env: str = "{}") -> Path:
     path = Path(d) / "pipeline.yaml"
     path.write_text(f"""
 name: {name}
-server: {{host: 127.0.0.1, port: 0, request_timeout_s: {TIMEOUT_S}}}
+server: {{host: 127.0.0.1, port: 0, request_timeout_s: {TIMEOUT_S}, max_message_bytes: {MAX_MESSAGE_BYTES}}}
 stages:
   - name: thinker
     kind: autoregressive
@@ -93,9 +94,9 @@ def make_orchestrator(path: Path) -> Orchestrator:
 
 
 @contextlib.contextmanager
-def fake_server(prefix: str) -> Iterator[ServerThread]:
+def fake_server(prefix: str, decoder_env: str = "{}") -> Iterator[ServerThread]:
     """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
-    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}"))
+    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}", decoder_env))
     server = ServerThread(orch, api_key=API_KEY).start()
     try:
         server.wait_ready(60)
@@ -225,7 +226,7 @@ def test_shared_prefix_reports_cached_tokens(srv, oai):
 def test_audio_answer_is_a_24khz_mono_16bit_wav(srv, oai):
     r = oai.chat.completions.create(
         model=model(srv), messages=[{"role": "user", "content": "sing"}], max_tokens=6,
-        modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+        modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
     msg = r.choices[0].message
     assert msg.content == echo("sing", 6)
     assert msg.audio.transcript == msg.content and msg.audio.id and msg.audio.expires_at > time.time()
@@ -280,15 +281,19 @@ def test_stream_with_openai_client(srv, oai):
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}).encode(),
      400, "modalities"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                 "audio": {"voice": "alloy", "format": "aac"}}).encode(), 400, "'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
+                 "audio": {"voice": "default", "format": "aac"}}).encode(), 400, "'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                 "stream": True, "audio": {"voice": "alloy", "format": "wav"}}).encode(), 400, "'pcm16'"),
+                 "stream": True, "audio": {"voice": "default", "format": "wav"}}).encode(), 400, "'pcm16'"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}).encode(), 400, "image_url"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}).encode(),
      400, str(MAX_MODEL_LEN)),
     (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(),
      404, "no-such-model"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
+                 "audio": {"voice": "alloy", "format": "wav"}}).encode(), 400, "voice 'alloy' is not available"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_MESSAGE_BYTES}]}).encode(),
+     413, f"over {MAX_MESSAGE_BYTES} bytes"),
 ])
 def test_bad_requests_get_clear_errors(srv, http, body, status, needle):
     body = body.replace(b'"M"', json.dumps(model(srv)).encode())
@@ -308,6 +313,20 @@ def test_over_long_prompt_message_names_the_lengths(srv, http):
     msg = r.json()["error"]["message"]
     prompt_len = len(f"user: {content}\n")
     assert str(MAX_MODEL_LEN) in msg and str(prompt_len) in msg and "200" in msg
+
+
+def test_oversized_body_without_a_length_is_refused_while_read(srv, http):
+    """Chunked upload (no Content-Length): refused once the limit is passed, not after reading
+    it all; the server keeps serving."""
+    def chunks():
+        yield b'{"model": "' + model(srv).encode() + b'", "messages": [{"role": "user", "content": "'
+        for _ in range(4 * MAX_MESSAGE_BYTES // 65536):
+            yield b"x" * 65536
+        yield b'"}]}'
+
+    r = http.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert http.post("/v1/chat/completions", json=chat(srv, "still here")).status_code == 200
 
 
 def test_still_serves_after_bad_input(srv, http):
@@ -496,3 +515,19 @@ def test_second_pipeline_on_the_same_addresses_is_refused_and_the_first_keeps_se
         assert r.text == echo("still mine", 4)
     with Pipeline.from_config(path, **kw) as again:  # released at close
         assert again.generate("next", max_tokens=2)[0].text == echo("next", 2)
+
+
+def test_a_stage_claiming_an_absurd_sample_rate_fails_the_request_only():
+    """A decoder that reports 1 Hz: resampling that to 24 kHz would allocate 24,000 samples per
+    sample. The request fails naming the stage and the rate; the pipeline's rate is unchanged and
+    text answers go on."""
+    with fake_server("rate", decoder_env='{FAKE_SAMPLE_RATE: "1"}') as server:
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"model": server.orchestrator.served_model_name,
+                "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=30)
+        assert r.status_code == 500 and "'decoder' sent audio at 1 Hz" in r.text, r.text
+        assert server.orchestrator.audio_sample_rate == 24000
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "modalities": ["text"]},
+                       headers=h, timeout=30)
+        assert r.status_code == 200, r.text

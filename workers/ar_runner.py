@@ -18,7 +18,7 @@ import torch
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import HandoffContext, Job, Upstream
-from omni_cache.cache.latent_rows import LatentChunk, LatentRows
+from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
@@ -33,17 +33,19 @@ class _Request:
     request_id: str
     modalities: list[str]
     sampling: Sampling | None
+    deadline: float = 0.0
     return_latents: bool = False
     seq: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     upstream: Upstream | None = None
-    upstream_rows: LatentRows | None = None
+    upstream_rows: LatentBuffer | None = None
     handoff_state: dict = field(default_factory=dict)
     jobs: deque[Job] = field(default_factory=deque)
     active: str | None = None  # vLLM request id of the job running now
     active_job: Job | None = None
     num_jobs: int = 0
+    generated: int = 0  # tokens this stage wrote for the request, over all its jobs
 
 
 def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -68,7 +70,7 @@ def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) ->
 class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
                  prefix_cache: bool) -> None:
-        super().__init__(stage, outbox)
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
         latents = None
@@ -101,8 +103,10 @@ class ARRunner(StageRunner):
     def _submit(self, msg: Submit, tensors: dict[str, torch.Tensor]) -> None:
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
+        if self.is_dead(msg.request_id, True, msg.deadline):
+            return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
-        req = _Request(msg.request_id, list(msg.modalities), msg.sampling,
+        req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
                        return_latents=msg.return_latents)
         self.requests[msg.request_id] = req
         self.total_requests += 1
@@ -112,31 +116,55 @@ class ARRunner(StageRunner):
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
-            if msg.seq != 0:
-                return  # the rest of a request this stage already failed or aborted
-            req = _Request(msg.request_id, list(msg.modalities), msg.sampling)
+            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+                return
+            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline)
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
-            req.upstream_rows = LatentRows(tuple(tensors))
             self.requests[msg.request_id] = req
             self.total_requests += 1
-        up, rows = req.upstream, req.upstream_rows
+        up = req.upstream
+        # What an upstream sends for one request is bounded by what this stage can take in.
+        if len(up.token_ids) + len(msg.token_ids) > self.max_model_len:
+            raise ValueError(f"stage {msg.stage!r} sent more than max_model_len "
+                             f"({self.max_model_len}) tokens")
         up.token_ids.extend(msg.token_ids)
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
         if tensors:
-            rows.add(LatentChunk(msg.latent_start, dict(tensors)))
-        up.latents = rows.all() if rows.num_rows else {}
+            if req.upstream_rows is None:
+                req.upstream_rows = LatentBuffer(tuple(tensors), max_rows=self.max_model_len)
+            # Appends only the new rows: the hand-off reads views, nothing already received is
+            # copied again (see LatentBuffer).
+            req.upstream_rows.add(LatentChunk(msg.latent_start, dict(tensors)))
+            up.latents = req.upstream_rows.view()
         up.finished = msg.finished
         req.jobs.extend(self.handoff(self.handoff_ctx, up, req.handoff_state))
-        if req.active is None and req.jobs:
-            self._start(req, req.jobs.popleft())
+        self._next_job(req)
+
+    def _next_job(self, req: _Request) -> None:
+        """Start the request's next job, unless one runs. On a stage fed by a hand-off the
+        stage's `sampling.max_tokens` caps the whole answer: once its jobs wrote that many
+        tokens, the remaining jobs are skipped and the request ends with the last one."""
+        while req.active is None and req.jobs:
+            job = req.jobs.popleft()
+            if self.handoff is None or req.generated < self.stage.sampling.max_tokens:
+                self._start(req, job)
+            elif job.last:
+                req.active_job = job
+                self._emit(req, StepOutput(request_id="", token_ids=[], text="", finished=True,
+                                           finish_reason="length", num_prompt_tokens=0,
+                                           num_cached_tokens=0))
+                return
 
     def _start(self, req: _Request, job: Job) -> None:
         from vllm import SamplingParams
 
         defaults = self.stage.sampling
         client = req.sampling if self.handoff is None else None  # clients sample the entry stage
+        max_tokens = job.max_tokens or defaults.max_tokens
+        if self.handoff is not None:
+            max_tokens = min(max_tokens, defaults.max_tokens - req.generated)
         params = SamplingParams(
-            max_tokens=job.max_tokens or defaults.max_tokens,
+            max_tokens=max_tokens,
             temperature=client.temperature if client else defaults.temperature,
             top_p=client.top_p if client else defaults.top_p,
             seed=client.seed if client and client.seed is not None else defaults.seed,
@@ -163,20 +191,21 @@ class ARRunner(StageRunner):
             req = self.requests.get(request_id) if request_id else None
             if req is None:
                 continue
-            self._emit(req, out)
+            # Starting its next job (vLLM may refuse it) or sending its output (too large for
+            # max_message_bytes) fails this request only.
+            self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
     def _emit(self, req: _Request, out: StepOutput) -> None:
         job_done = out.finished
         finished = False
         self.generation_tokens += len(out.token_ids)
+        req.generated += len(out.token_ids)
         if job_done:
             self.prompt_tokens += out.num_prompt_tokens
             finished = req.active_job.last
             self.by_job.pop(out.request_id, None)
             req.num_cached_tokens += out.num_cached_tokens
             req.active, req.active_job = None, None  # until the next job (or more upstream input)
-            if req.jobs:
-                self._start(req, req.jobs.popleft())
         req.num_prompt_tokens = req.num_prompt_tokens or out.num_prompt_tokens
         msg = StageOutput(
             request_id=req.request_id, stage=self.stage.name, seq=req.seq,
@@ -184,7 +213,8 @@ class ARRunner(StageRunner):
             finished=finished, finish_reason=out.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
-            modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None)
+            modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
+            deadline=req.deadline if req.seq == 0 else 0.0)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -200,9 +230,11 @@ class ARRunner(StageRunner):
             self.outbox.to_downstream(msg, out.latents)
         if finished:
             del self.requests[req.request_id]
+        elif job_done:
+            self._next_job(req)  # after this output: its seq comes first
 
     # ---- control ---------------------------------------------------------------------------
-    def abort(self, request_id: str) -> None:
+    def drop(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None and req.active is not None:
             self.by_job.pop(req.active, None)

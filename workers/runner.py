@@ -1,12 +1,38 @@
-"""What the two kinds of stage runner (ARRunner, DecoderRunner) share: request accounting and how
-one request fails without taking the stage down."""
+"""What the two kinds of stage runner (ARRunner, DecoderRunner) share: the table of live requests,
+their deadlines, and how one request fails or ends without touching the others.
+
+A request lives in a stage from its first input (a Submit, or its upstream's first StageOutput)
+until it finishes there, fails there, is aborted or passes its deadline; nothing of it stays after
+that. Ending it early leaves a tombstone: upstream output for it that is still on its way (or
+that arrives before the request was ever created here, when the Abort overtook it) is dropped
+instead of starting the request again.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from omni_cache.config import StageConfig
 from omni_cache.wire.messages import StageError
+
+logger = logging.getLogger("omni_cache.stage")
+
+#: Tombstones kept at most (oldest dropped first): bounds memory under an abort storm.
+MAX_TOMBSTONES = 65536
+#: Status of a request a stage dropped at its deadline (the orchestrator's own 504).
+STATUS_DEADLINE = 504
+#: Stages drop a request this long after its deadline: the orchestrator answers the client (and
+#: aborts the stages) at the deadline itself; a stage's own expiry is the backstop for a request
+#: whose Abort never came (lost, or the orchestrator restarted).
+DEADLINE_GRACE_S = 1.0
+
+
+class DeadlineExpired(Exception):
+    """A request outlived the deadline its client (or the server) gave it."""
 
 
 def is_client_error(exc: BaseException) -> bool:
@@ -23,33 +49,96 @@ def is_client_error(exc: BaseException) -> bool:
 
 def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:
     """The orchestrator's view of a failed request: bad input is HTTP 400 (:func:`is_client_error`),
-    anything else is the stage's fault (500)."""
-    status = 400 if is_client_error(exc) else 500
+    a passed deadline is 504, anything else is the stage's fault (500)."""
+    if isinstance(exc, DeadlineExpired):
+        status = STATUS_DEADLINE
+    else:
+        status = 400 if is_client_error(exc) else 500
     return StageError(request_id=request_id, stage=stage, message=f"{type(exc).__name__}: {exc}",
                       status=status)
 
 
 class StageRunner:
-    """Base of the runners: subclasses keep their in-flight requests in `requests` and implement
-    `abort` (forget one request and stop its work)."""
+    """Base of the runners: subclasses keep their in-flight requests in `requests` (values with a
+    `deadline` attribute: unix time, 0 = none) and implement `drop` (forget one request and stop
+    its work in the model)."""
 
-    def __init__(self, stage: StageConfig, outbox: Any) -> None:
+    def __init__(self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float) -> None:
         self.stage, self.outbox = stage, outbox
         self.requests: dict[str, Any] = {}
         self.errors = 0
+        self.expired = 0
         self.total_requests = 0
+        # request id -> monotonic time after which the tombstone is forgotten. By then its
+        # upstream stages have dropped the request too (they honour the same deadline).
+        self.tombstones: OrderedDict[str, float] = OrderedDict()
+        self.tombstone_ttl_s = tombstone_ttl_s
 
-    def abort(self, request_id: str) -> None:
+    # ---- subclasses ------------------------------------------------------------------------
+    def drop(self, request_id: str) -> None:
         raise NotImplementedError
+
+    # ---- ending requests -------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """Forget the request, and drop whatever of it still arrives from upstream."""
+        self.drop(request_id)
+        self._bury(request_id)
+        self.outbox.forget(request_id)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         self.errors += 1
         self.abort(request_id)
         self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
 
+    def guarded(self, request_id: str, work: Callable[[], Any]) -> None:
+        """Run one request's work; if it raises, that request fails (StageError naming this stage
+        and the cause) and the others go on."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 -- one request must not take the stage down
+            logger.warning("stage %s: request %s failed: %s: %s", self.stage.name, request_id,
+                           type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+            self.fail(request_id, exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self.requests):
+            self.fail(request_id, exc)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop the requests past their deadline (the orchestrator answers their clients 504; this
+        keeps a stage from working on, or holding, a request nobody waits for)."""
+        now = time.time() if now is None else now
+        late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now - DEADLINE_GRACE_S]
+        for request_id in late:
+            self.expired += 1
+            logger.info("stage %s: request %s passed its deadline, dropped", self.stage.name,
+                        request_id)
+            self.fail(request_id, DeadlineExpired(f"deadline passed in stage {self.stage.name!r}"))
+        mono = time.monotonic()
+        while self.tombstones and next(iter(self.tombstones.values())) <= mono:
+            self.tombstones.popitem(last=False)
+
+    def is_dead(self, request_id: str, first: bool, deadline: float) -> bool:
+        """Whether input for a request this stage does not hold must be dropped: it ended here
+        (tombstone), it is the rest of a stream whose start this stage never saw (`first` is
+        False), or its deadline has passed."""
+        if self.tombstones.pop(request_id, None) is not None:
+            # Seen once: the rest of its stream has seq > 0 and is dropped without it.
+            return True
+        if not first:
+            return True
+        return 0 < deadline <= time.time() - DEADLINE_GRACE_S
+
+    def _bury(self, request_id: str) -> None:
+        self.tombstones[request_id] = time.monotonic() + self.tombstone_ttl_s
+        self.tombstones.move_to_end(request_id)
+        while len(self.tombstones) > MAX_TOMBSTONES:
+            self.tombstones.popitem(last=False)
+
+    # ---- status ----------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
         return {"requests": self.total_requests, "errors": self.errors,
-                "queue_depth": len(self.requests)}
+                "queue_depth": len(self.requests), "expired": self.expired}
 
     def close(self) -> None:
         pass

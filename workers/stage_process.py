@@ -4,7 +4,8 @@ Loop: take every message waiting in the inbox (without blocking while the model 
 to the runner, run one model step, send what the step produced. The runner (`ARRunner` for vLLM
 stages, `DecoderRunner` for the codec decoder) decides what a message means for its model; this
 module only moves messages and keeps the process honest: a request that fails gets a StageError,
-not silence, and the process exits when told to, on SIGTERM/SIGINT, or when its parent dies.
+not silence, and fails alone (see workers/runner.py); requests past their deadline are dropped;
+the process exits when told to, on SIGTERM/SIGINT, or when its parent dies.
 """
 
 from __future__ import annotations
@@ -23,32 +24,17 @@ from omni_cache.wire.messages import (
     MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
 )
 from omni_cache.wire.stage_auth import load_stage_auth
-from omni_cache.wire.transport import Codec, Receiver, Sender
+from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
+from workers.outbox import Outbox
 
 logger = logging.getLogger("omni_cache.stage")
 
-
-class Outbox:
-    """Where a stage's messages go: downstream inboxes and the orchestrator."""
-
-    def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, str],
-                 orchestrator: str | None, auth: Any = None) -> None:
-        self.downstream = {name: Sender(ctx, addr, codec, auth=auth) for name, addr in downstream.items()}
-        self.orchestrator = Sender(ctx, orchestrator, codec, auth=auth) if orchestrator else None
-
-    def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        if self.orchestrator is not None:
-            self.orchestrator.send(msg, tensors)
-
-    def to_downstream(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        for sender in self.downstream.values():
-            sender.send(msg, tensors)
-
-    def close(self) -> None:
-        for sender in [*self.downstream.values(), self.orchestrator]:
-            if sender is not None:
-                sender.close()
+#: How often the loop looks for requests past their deadline and for peers that went away.
+HOUSEKEEPING_INTERVAL_S = 0.1
+#: Model steps that may fail in a row (each failing every request then in the stage) before the
+#: process gives up and exits for the supervisor to restart it: the engine is broken, not a request.
+MAX_FAILED_STEPS = 3
 
 
 class StageProcess:
@@ -71,6 +57,8 @@ class StageProcess:
         self.announcer: Announcer | None = None
         self.stopping = False
         self.runner: Any = None
+        self.failed_steps = 0
+        self.next_housekeeping = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
@@ -91,8 +79,8 @@ class StageProcess:
             while not self.stopping:
                 self._drain_inbox(block_ms=0 if self.runner.has_work() else 50)
                 if self.runner.has_work():
-                    self.runner.step()
-                self._check_parent()
+                    self._step()
+                self._housekeeping()
         finally:
             if self.announcer is not None:
                 self.announcer.stop()
@@ -103,6 +91,30 @@ class StageProcess:
                 self.auth.stop()
             self.ctx.term()
         return 0
+
+    def _step(self) -> None:
+        """One model step. The runner fails the requests an error is attributable to and goes on;
+        an error that escapes it (the engine itself) fails every request the stage holds, and a
+        few of those in a row end the process (the supervisor restarts it)."""
+        try:
+            self.runner.step()
+            self.failed_steps = 0
+        except Exception as exc:
+            self.failed_steps += 1
+            logger.exception("stage %s: model step failed (%d in a row)", self.stage.name,
+                             self.failed_steps)
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            self.runner.fail_all(exc)
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now < self.next_housekeeping:
+            return
+        self.next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+        self.runner.expire()
+        self.outbox.check_peers()
+        self._check_parent()
 
     def _stop(self, *_: Any) -> None:
         self.stopping = True
@@ -126,17 +138,13 @@ class StageProcess:
         if isinstance(msg, Shutdown):
             self.stopping = True
         elif isinstance(msg, StatsQuery):
-            self.outbox.to_orchestrator(StageStats(stage=self.stage.name,
-                                                   counters=self.runner.counters()))
+            self.outbox.to_orchestrator(StageStats(
+                stage=self.stage.name, counters={**self.runner.counters(),
+                                                 "peer_resets": self.outbox.peer_resets}))
         elif isinstance(msg, Abort):
             self.runner.abort(msg.request_id)
         elif isinstance(msg, (Submit, StageOutput)):
-            request_id = msg.request_id
-            try:
-                self.runner.accept(msg, tensors)
-            except Exception as exc:  # a bad request must not take the stage down
-                logger.exception("stage %s: request %s failed", self.stage.name, request_id)
-                self.runner.fail(request_id, exc)
+            self.runner.guarded(msg.request_id, lambda: self.runner.accept(msg, tensors))
         else:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from omni_cache.config.errors import IssueCollector
-from omni_cache.config.schema import EngineArgs, PipelineConfig, StageConfig, find_input_cycle
+from omni_cache.config.schema import (
+    EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle,
+)
 from omni_cache.models.tiny import TINY_MODELS, TINY_PREFIX
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of
@@ -71,6 +73,12 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
                 issues.add((*base, "inputs", j), f"stage {inp!r} is listed twice")
             seen_inputs.add(inp)
 
+        if len(s.inputs) > 1:
+            issues.add(
+                (*base, "inputs"),
+                f"{len(s.inputs)} input stages: a stage reads one input stage (its hand-off gets that "
+                "stage's stream; merging streams is not supported)",
+            )
         _check_handoff(s, base, issues)
         _check_kind_specific(s, base, issues)
         _check_model(s, base, issues,
@@ -161,6 +169,16 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
             )
         if s.engine_args is not None:
             _check_extra(s.engine_args, (*base, "engine_args", "extra"), issues)
+            tp = s.engine_args.tensor_parallel_size
+            if tp is not None and tp > 1:
+                # The stage runs vLLM's engine core and its one worker in its own process, where
+                # the worker's latents are read without serializing them (workers/llm_stage.py);
+                # a multi-GPU executor puts the workers in other processes.
+                issues.add(
+                    (*base, "engine_args", "tensor_parallel_size"),
+                    f"{tp} is not supported: a stage runs one in-process vLLM worker (1 GPU); "
+                    "use a single GPU per stage",
+                )
     else:
         if s.engine_args is not None:
             issues.add(
@@ -172,6 +190,16 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
             issues.add(
                 (*base, "latents"),
                 "only meaningful for autoregressive stages (a generation stage emits no latents)",
+            )
+        if s.sampling != Sampling():
+            issues.add(
+                (*base, "sampling"),
+                "only for autoregressive stages (a generation stage does not sample)",
+            )
+        if not s.prefix_cache:
+            issues.add(
+                (*base, "prefix_cache"),
+                "only for autoregressive stages (a generation stage has no prefix cache)",
             )
 
 

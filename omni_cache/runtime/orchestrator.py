@@ -119,6 +119,8 @@ STATS_TIMEOUT_S = 1.0
 STATUS_CLIENT_CLOSED = 499
 #: How often the in-flight requests' deadlines are checked.
 DEADLINE_CHECK_INTERVAL_S = 0.1
+#: Sample rates accepted on a stage's audio output (telephone to studio rates).
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 192000
 
 
 #: What audio inputs are resampled to when the entry model does not say (Whisper-style encoders).
@@ -196,7 +198,8 @@ class Orchestrator:
             config.checkpoint_dir = str(checkpoint_dir)
         if not prefix_cache:
             for s in config.stages:
-                s.prefix_cache = False
+                if s.kind == "autoregressive":  # a generation stage has no prefix cache
+                    s.prefix_cache = False
         self._config_path = str(Path(config_path).absolute()) if config_path else None
         self._tmp_config: str | None = None
         self._checkpoint_dir = str(checkpoint_dir) if checkpoint_dir is not None else None
@@ -789,6 +792,12 @@ class Orchestrator:
         stage = self._stage_cfg.get(msg.stage)
         if stage is None:
             logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
+            return
+        if msg.sample_rate and not MIN_SAMPLE_RATE <= msg.sample_rate <= MAX_SAMPLE_RATE:
+            # Resampling audio at a peer's rate of 1 Hz to 24 kHz would allocate 24,000 samples
+            # per sample it sent; a rate like that is a broken or hostile stage.
+            self._fail(req, 500, f"stage {msg.stage!r} sent audio at {msg.sample_rate} Hz "
+                       f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})", stage=msg.stage)
             return
         now = time.monotonic()
         if stage.final_output == "text" and (msg.token_ids or msg.text):

@@ -99,6 +99,27 @@ class ChatRequest:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
 
+#: The voices the pipeline speaks with (its talker has one).
+VOICES = ("default",)
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request body, refused (413) past ``limit`` bytes before more of it is read: what it
+    carries goes to the entry stage in one message, which may not exceed
+    ``server.max_message_bytes`` anyway."""
+    too_large = APIError(413, f"the request body is over {limit} bytes (server.max_message_bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     """Validate a chat-completions body for the model this server serves; APIError otherwise."""
     try:
@@ -112,6 +133,10 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
         raise APIError(400, "only n=1 is supported", param="n")
     modalities = tuple(dict.fromkeys(req.modalities or ["text"]))
     audio_format = (req.audio.format if req.audio else None) or (STREAM_FORMAT if req.stream else "wav")
+    voice = req.audio.voice if req.audio else None
+    if voice is not None and voice not in VOICES:
+        raise APIError(400, f"voice {voice!r} is not available; this pipeline speaks with "
+                       + ", ".join(repr(v) for v in VOICES), param="audio.voice")
     if "audio" in modalities:
         try:
             check_format(audio_format, stream=req.stream)

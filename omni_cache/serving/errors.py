@@ -26,6 +26,7 @@ _ERROR_TYPES = {
     401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
     499: ("client_closed_request", None),
     500: ("server_error", None),
     503: ("service_unavailable", "stage_unavailable"),

@@ -16,7 +16,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.auth import bearer_token_problem
-from omni_cache.serving.chat_request import ChatRequest, parse_chat_request
+from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, read_body
 from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError
 from omni_cache.serving.media import MediaDecoder, MediaError, MediaItem
@@ -69,7 +69,8 @@ async def metrics(request: Request) -> PlainTextResponse:
 async def chat_completions(request: Request):
     received_at = time.monotonic()
     orch: Orchestrator = request.app.state.orchestrator
-    chat = parse_chat_request(await request.body(), request.app.state.served_model_name)
+    body = await read_body(request, orch.config.server.max_message_bytes)
+    chat = parse_chat_request(body, request.app.state.served_model_name)
     if orch.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))

@@ -60,6 +60,7 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     # carried along so downstream stages know what to produce
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
     sampling: Sampling | None = None  # the client's sampling, forwarded with the first output
+    deadline: float = 0.0  # the request's Submit.deadline, forwarded with the first output
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):

@@ -1,0 +1,155 @@
+"""The decoder stage's runner with the real tiny codec decoder and a real ZMQ outbox (no vLLM, no
+stage process): batches cut to max_batch_size lose nothing, one request's bad codes fail it alone,
+deadlines and aborts leave nothing behind. The same runner under a real pipeline and a burst of
+requests: tests/test_concurrency_e2e.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from omni_cache.config import load_config, resolve_model
+from omni_cache.handoff import Upstream, talker_to_decoder
+from omni_cache.models.codec_decoder import CodecDecoder
+from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput
+from omni_cache.wire.transport import Codec, Receiver
+from workers.decoder_runner import DecoderRunner
+from workers.outbox import Outbox
+from workers.runner import DEADLINE_GRACE_S
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def runner(tmp_path):
+    config = load_config(ROOT / "stage_configs" / "tiny_omni.yaml")
+    stage = config.stage("decoder")
+    stage.generation.max_batch_size = 2
+    ctx = zmq.Context()
+    codec = Codec(MESSAGE_TYPES)
+    address = f"ipc://{tmp_path}/orchestrator.sock"
+    inbox = Receiver(ctx, address, codec, bind=True)
+    outbox = Outbox(ctx, codec, {}, address)
+    runner = DecoderRunner(config, stage, resolve_model(stage, config), outbox)
+    runner.inbox = inbox  # the test's end of the orchestrator socket
+    yield runner
+    outbox.close()
+    inbox.close()
+    ctx.term()
+
+
+def codes(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def feed(runner: DecoderRunner, rid: str, seq: int, ids: list[int], finished: bool,
+         deadline: float = 0.0) -> None:
+    runner.guarded(rid, lambda: runner.accept(StageOutput(
+        request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished,
+        deadline=deadline), {}))
+
+
+def run(runner: DecoderRunner) -> None:
+    while runner.has_work():
+        runner.step()
+
+
+def received(runner: DecoderRunner) -> tuple[dict[str, torch.Tensor], dict[str, StageError]]:
+    """Audio per finished request (chunks in seq order) and errors, from the orchestrator socket."""
+    parts: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
+    errors = {}
+    while (got := runner.inbox.recv(timeout_ms=200)) is not None:
+        msg, tensors = got
+        if isinstance(msg, StageError):
+            errors[msg.request_id] = msg
+        else:
+            parts.setdefault(msg.request_id, []).append((msg.seq, tensors["audio"].clone(), msg.finished))
+    audio = {}
+    for rid, chunks in parts.items():
+        assert [s for s, _, _ in chunks] == list(range(len(chunks))), f"{rid}: out of order"
+        if chunks[-1][2]:
+            audio[rid] = torch.cat([a for _, a, _ in chunks])
+    return audio, errors
+
+
+def whole(runner: DecoderRunner, ids: list[int]) -> torch.Tensor:
+    decoder: CodecDecoder = runner.decoder
+    return decoder(torch.tensor([ids]))[0]
+
+
+def test_more_requests_than_the_batch_all_get_all_their_audio(runner):
+    streams = {f"r{i}": codes(i, 20 + 7 * i) for i in range(5)}
+    # Codes arrive interleaved, a few at a time, while the decoder steps in between.
+    for seq in range(4):
+        for rid, ids in streams.items():
+            part = ids[seq * len(ids) // 4:(seq + 1) * len(ids) // 4]
+            feed(runner, rid, seq, part, finished=seq == 3)
+        runner.step()
+    run(runner)
+    audio, errors = received(runner)
+    assert not errors and set(audio) == set(streams)
+    spc = runner.decoder.samples_per_code
+    for rid, ids in streams.items():
+        assert audio[rid].shape[0] == len(ids) * spc
+        assert torch.equal(audio[rid], whole(runner, ids).float())
+    assert runner.requests == {}
+
+
+def test_bad_codes_fail_that_request_only(runner):
+    good = {f"g{i}": codes(i, 30) for i in range(3)}
+    for rid, ids in good.items():
+        feed(runner, rid, 0, ids, finished=True)
+    feed(runner, "neg", 0, [1, 2, -5], finished=True)  # refused on arrival
+    run(runner)
+    audio, errors = received(runner)
+    assert set(audio) == set(good) and set(errors) == {"neg"}
+    assert errors["neg"].stage == "decoder" and errors["neg"].status == 400
+    assert "-5" in errors["neg"].message
+
+
+def test_a_window_the_codec_rejects_fails_alone(runner):
+    """A hand-off that produced an out-of-range code: checked per window before the batch runs."""
+    good = codes(1, 30)
+    feed(runner, "good", 0, good, finished=True)
+    feed(runner, "bad", 0, codes(2, 30), finished=True)
+    runner.requests["bad"].jobs[0].codes[0] = 10_000  # as a broken hand-off would
+    run(runner)
+    audio, errors = received(runner)
+    assert set(audio) == {"good"} and set(errors) == {"bad"}
+    assert "outside the codebook" in errors["bad"].message
+    assert torch.equal(audio["good"], whole(runner, good).float())
+
+
+def test_abort_before_the_first_message_leaves_nothing(runner):
+    runner.abort("early")  # the Abort overtook the talker's first output
+    feed(runner, "early", 0, codes(3, 10), finished=False)
+    feed(runner, "early", 1, codes(4, 10), finished=True)
+    assert "early" not in runner.requests and not runner.has_work()
+    # The tombstone is used up by the first message: it does not accumulate.
+    assert "early" not in runner.tombstones
+    feed(runner, "late", 0, codes(5, 10), finished=False)
+    runner.abort("late")  # mid-request: forgotten, its rest dropped
+    feed(runner, "late", 1, codes(6, 10), finished=True)
+    assert runner.requests == {} and not runner.has_work()
+    audio, errors = received(runner)
+    assert not audio and not errors
+
+
+def test_deadline_drops_the_request_and_its_late_input(runner):
+    feed(runner, "slow", 0, codes(7, 10), finished=False, deadline=time.time() + 0.2)
+    feed(runner, "past", 0, codes(8, 10), finished=True, deadline=time.time() - 5)  # already late
+    assert list(runner.requests) == ["slow"]
+    runner.expire(now=time.time() + 0.5)  # within the grace the orchestrator's Abort gets
+    assert list(runner.requests) == ["slow"]
+    runner.expire(now=time.time() + 0.2 + DEADLINE_GRACE_S)
+    assert runner.requests == {} and runner.counters()["expired"] == 1
+    feed(runner, "slow", 1, codes(9, 10), finished=True)  # upstream still sending
+    assert runner.requests == {}
+    audio, errors = received(runner)
+    assert set(errors) == {"slow"} and errors["slow"].status == 504
+    assert "deadline" in errors["slow"].message

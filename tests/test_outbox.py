@@ -1,0 +1,63 @@
+"""A stage's outbox over real ZMQ (no stage process): a downstream peer that dies and comes back
+gets nothing that was queued for its predecessor, and no tail of a request whose start it never
+saw; requests that start after the restart reach it."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput
+from omni_cache.wire.transport import Codec, Receiver
+from workers.outbox import Outbox
+
+
+def out(rid: str, seq: int, finished: bool = False) -> StageOutput:
+    return StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[seq], finished=finished)
+
+
+def test_restarted_peer_gets_nothing_meant_for_its_predecessor(tmp_path):
+    ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
+    address = f"ipc://{tmp_path}/talker.sock"
+    talker = Receiver(ctx, address, codec)
+    outbox = Outbox(ctx, codec, {"talker": address}, None)
+    try:
+        outbox.to_downstream(out("old", 0))
+        got, _ = talker.recv(timeout_ms=5000)
+        assert (got.request_id, got.seq) == ("old", 0)
+        talker.close()  # the talker process dies
+        outbox.to_downstream(out("old", 1))  # queued while the peer is gone
+        deadline = time.monotonic() + 10
+        while outbox.peer_resets == 0:  # the disconnect is reported asynchronously
+            assert time.monotonic() < deadline, "the outbox never noticed the peer went away"
+            outbox.check_peers()
+            time.sleep(0.01)
+        outbox.to_downstream(out("old", 2, finished=True))  # the rest of a stream it never began
+        outbox.to_downstream(out("new", 0))
+        talker = Receiver(ctx, address, codec)  # the restarted talker
+        got, _ = talker.recv(timeout_ms=5000)
+        assert (got.request_id, got.seq) == ("new", 0)
+        assert talker.recv(timeout_ms=200) is None
+    finally:
+        outbox.close()
+        talker.close()
+        ctx.term()
+
+
+def test_forgotten_request_sends_nothing_more(tmp_path):
+    ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
+    address = f"ipc://{tmp_path}/decoder.sock"
+    decoder = Receiver(ctx, address, codec)
+    outbox = Outbox(ctx, codec, {"decoder": address}, None)
+    try:
+        outbox.to_downstream(out("a", 0))
+        outbox.forget("a")  # failed or aborted here
+        outbox.to_downstream(out("a", 1))
+        outbox.to_downstream(out("b", 0))
+        seen = [(m.request_id, m.seq) for m, _ in iter(lambda: decoder.recv(timeout_ms=500), None)]
+        assert seen == [("a", 0), ("b", 0)]
+    finally:
+        outbox.close()
+        decoder.close()
+        ctx.term()

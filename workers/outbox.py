@@ -1,0 +1,102 @@
+"""Where a stage's messages go: its downstream stages' inboxes and the orchestrator.
+
+A downstream peer gets each request's stream from its first message (seq 0) or not at all. When a
+peer's connection drops (its process died; the supervisor restarts it), the socket to it is
+replaced by a fresh one (linger 0, so what was queued for the dead process is discarded) and the
+requests whose streams had started are not continued: the restarted process never sees the tail
+of a request it has no head for, and never gets a message that was queued for its predecessor.
+The orchestrator fails those requests itself when it sees the stage die.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from omni_cache.wire.messages import StageOutput
+from omni_cache.wire.transport import Codec, Sender
+
+logger = logging.getLogger("omni_cache.stage")
+
+
+class Peer:
+    """The socket to one downstream stage, and the requests whose streams it has started."""
+
+    def __init__(self, ctx: zmq.Context, name: str, address: str, codec: Codec, auth: Any) -> None:
+        self.ctx, self.name, self.address, self.codec, self.auth = ctx, name, address, codec, auth
+        self.streams: set[str] = set()
+        self.resets = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.sender = Sender(self.ctx, self.address, self.codec, auth=self.auth)
+        self.monitor = self.sender.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def send(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None) -> None:
+        if msg.seq == 0:
+            self.streams.add(msg.request_id)
+        elif msg.request_id not in self.streams:
+            return  # its stream started before this peer's current process
+        self.sender.send(msg, tensors)
+        if msg.finished:
+            self.streams.discard(msg.request_id)
+
+    def check(self) -> None:
+        """Reset the socket if the peer's connection dropped since the last check."""
+        dropped = False
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            dropped |= event["event"] == zmq.EVENT_DISCONNECTED
+        if dropped:
+            logger.warning("stage %s went away: dropping what was queued for it and %d request "
+                           "stream(s) it had started", self.name, len(self.streams))
+            self.close()
+            self.streams.clear()
+            self.resets += 1
+            self._open()
+
+    def close(self) -> None:
+        self.sender.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sender.close()
+
+
+class Outbox:
+    def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, str],
+                 orchestrator: str | None, auth: Any = None) -> None:
+        self.peers = [Peer(ctx, name, addr, codec, auth) for name, addr in downstream.items()]
+        self.orchestrator = Sender(ctx, orchestrator, codec, auth=auth) if orchestrator else None
+
+    def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.send(msg, tensors)
+
+    def to_downstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        for peer in self.peers:
+            peer.send(msg, tensors)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here early: nothing more of it goes downstream."""
+        for peer in self.peers:
+            peer.streams.discard(request_id)
+
+    def check_peers(self) -> None:
+        for peer in self.peers:
+            peer.check()
+
+    @property
+    def peer_resets(self) -> int:
+        return sum(p.resets for p in self.peers)
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close()
+        if self.orchestrator is not None:
+            self.orchestrator.close()
