@@ -28,6 +28,19 @@ class LatentChunk:
         return next(iter(self.tensors.values())).shape[0] if self.tensors else 0
 
 
+def rows_to_skip(num_rows: int, chunk: LatentChunk) -> int | None:
+    """How many leading rows of ``chunk`` a holder of positions ``0 .. num_rows - 1`` already has,
+    or None when the chunk brings nothing new. A chunk starting past ``num_rows`` leaves a gap: a
+    bug upstream, so it raises."""
+    if chunk.start > num_rows:
+        raise RuntimeError(
+            f"latent rows {num_rows}..{chunk.start - 1} are missing (chunk starts at {chunk.start})"
+        )
+    if chunk.start + chunk.num_rows <= num_rows:
+        return None
+    return num_rows - chunk.start
+
+
 @dataclass
 class LatentRows:
     """Rows of one request, appended chunk by chunk; `take_new()` hands out what is new since the
@@ -39,17 +52,11 @@ class LatentRows:
     _taken: int = 0  # rows already handed out by take_new()
 
     def add(self, chunk: LatentChunk) -> None:
-        end = chunk.start + chunk.num_rows
-        if chunk.start > self.num_rows:
-            raise RuntimeError(
-                f"latent rows {self.num_rows}..{chunk.start - 1} are missing "
-                f"(chunk starts at {chunk.start})"
-            )
-        if end <= self.num_rows:
+        skip = rows_to_skip(self.num_rows, chunk)
+        if skip is None:
             return
-        skip = self.num_rows - chunk.start
         self.chunks.append({n: chunk.tensors[n][skip:] for n in self.names})
-        self.num_rows = end
+        self.num_rows = chunk.start + chunk.num_rows
 
     def truncate(self, num_rows: int) -> None:
         """Drop rows past `num_rows` (positions computed for tokens the request never kept)."""
@@ -118,17 +125,12 @@ class LatentBuffer:
 
     def add(self, chunk: LatentChunk) -> None:
         self._check(chunk)
-        end = chunk.start + chunk.num_rows
-        if chunk.start > self.num_rows:
-            raise RuntimeError(
-                f"latent rows {self.num_rows}..{chunk.start - 1} are missing "
-                f"(chunk starts at {chunk.start})"
-            )
-        if end <= self.num_rows:
+        skip = rows_to_skip(self.num_rows, chunk)
+        if skip is None:
             return
+        end = chunk.start + chunk.num_rows
         if self.max_rows is not None and end > self.max_rows:
             raise ValueError(f"latent rows up to position {end} exceed the limit of {self.max_rows}")
-        skip = self.num_rows - chunk.start
         for name in self.names:
             new = chunk.tensors[name][skip:]
             buf = self._buffers.get(name)
