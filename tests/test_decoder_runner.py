@@ -78,7 +78,7 @@ def received(runner: DecoderRunner) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 
 def whole(runner: DecoderRunner, ids: list[int]) -> torch.Tensor:
-    decoder: CodecDecoder = runner.decoder
+    decoder: CodecDecoder = runner.decoder.codec
     return decoder(torch.tensor([ids]))[0]
 
 
@@ -117,7 +117,7 @@ def test_a_window_the_codec_rejects_fails_alone(runner):
     good = codes(1, 30)
     feed(runner, "good", 0, good, finished=True)
     feed(runner, "bad", 0, codes(2, 30), finished=True)
-    runner.requests["bad"].jobs[0].codes[0] = 10_000  # as a broken hand-off would
+    runner.requests["bad"].jobs[0].window.codes[0, 0] = 10_000  # as a broken hand-off would
     run(runner)
     audio, errors = received(runner)
     assert set(audio) == {"good"} and set(errors) == {"bad"}
