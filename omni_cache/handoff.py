@@ -45,6 +45,8 @@ class Upstream:
 
     stage: str
     token_ids: list[int]
+    # Tensor frames so far by name: an autoregressive stage's latent rows ([rows, ...]), or a
+    # multi-codebook talker's codes (CODES_FRAME, [num_quantizers, N]).
     latents: dict[str, torch.Tensor]
     num_prompt_tokens: int
     finished: bool
