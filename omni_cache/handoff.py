@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
+from omni_cache.models.code_windows import CodeWindow, next_window
 
 # Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
 # new rows (a short first segment: time to first audio), then a new segment every SEGMENT_TOKENS
@@ -31,6 +32,11 @@ CODES_PER_TOKEN = 2
 # Talker -> decoder: the first decode chunk holds this many codes (the stage's `chunk_size` after
 # it), so the first audio needs FIRST_CHUNK_CODES + context codes instead of chunk_size + context.
 FIRST_CHUNK_CODES = 4
+# Talker -> decoder on the wire: a multi-codebook talker (Qwen3-Omni's) sends, with each
+# StageOutput, the codes new since its previous one as the tensor frame CODES_FRAME: integers
+# [num_quantizers, k], every codebook, audio codes only (in [0, codebook_size)). A one-codebook
+# talker (the tiny one) sends its codes as the StageOutput's token_ids instead.
+CODES_FRAME = "codes"
 
 
 @dataclass
@@ -39,6 +45,8 @@ class Upstream:
 
     stage: str
     token_ids: list[int]
+    # Tensor frames so far by name: an autoregressive stage's latent rows ([rows, ...]), or a
+    # multi-codebook talker's codes (CODES_FRAME, [num_quantizers, N]).
     latents: dict[str, torch.Tensor]
     num_prompt_tokens: int
     finished: bool
@@ -60,8 +68,7 @@ class Job:
     prompt_token_ids: list[int] | None = None  # autoregressive stage fed with tokens
     multi_modal_data: dict[str, list] | None = None  # images / audio for the prompt's placeholders
     max_tokens: int = 0
-    codes: list[int] | None = None  # decoder: codes window to decode
-    keep: tuple[int, int] = (0, 0)  # decoder: frames [start, end) of the window to keep
+    window: CodeWindow | None = None  # decoder: the codes to decode (None: no audio left)
     last: bool = False
 
 
@@ -116,26 +123,59 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
 
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
-    """Decoder chunks over the talker's codes: FIRST_CHUNK_CODES codes first (early audio), then
-    `chunk_size` codes at a time, each with the decoder's receptive field of context on both sides
-    so chunked audio equals whole-sequence audio bitwise. Special tokens (ids >= codebook size)
-    are not audio and are dropped."""
-    codebook, chunk, context = ctx.resources["codebook_size"], ctx.resources["chunk_size"], \
-        ctx.resources["context"]
-    codes = [c for c in up.token_ids if c < codebook]
-    start = state.setdefault("next", 0)
+    """Decoder windows over the talker's codes: FIRST_CHUNK_CODES codes first (early audio), then
+    `chunk_size` codes at a time, each window carrying the decoder's receptive field of left
+    context and its lookahead (`omni_cache.models.code_windows.next_window`), so chunked audio
+    equals whole-sequence audio (bitwise for the tiny codec, within `CHUNKED_ATOL` for code2wav).
+
+    The codes are `up.latents[CODES_FRAME]` ([num_quantizers, N]) when the talker sends code
+    frames; otherwise its token ids are the codes of a one-codebook decoder, and ids >= the
+    codebook size (special tokens) are not audio and are dropped. `ctx.resources` holds the
+    decoder's `receptive_field`, `num_quantizers`, `codebook_size` and the stage's `chunk_size`."""
+    rf, chunk = ctx.resources["receptive_field"], ctx.resources["chunk_size"]
+    if state.get("done"):
+        return []
+    codes = _decoder_codes(ctx, up, state)
+    emitted = state.get("emitted", 0)
     jobs = []
     while True:
-        size = min(FIRST_CHUNK_CODES, chunk) if start == 0 else chunk
-        end = min(start + size, len(codes))
-        ready = len(codes) >= start + size + context or up.finished
-        if not ready or (end <= start and not up.finished):
+        size = min(FIRST_CHUNK_CODES, chunk) if emitted == 0 else chunk
+        if not up.finished and codes.shape[-1] - rf.right_codes < emitted + size:
+            break  # wait for a whole chunk and its lookahead
+        window = next_window(rf, codes, emitted, up.finished, max_codes=size)
+        if window is None:
             break
-        lo, hi = max(0, start - context), min(len(codes), end + context)
-        last = up.finished and end == len(codes)
-        jobs.append(Job(codes=codes[lo:hi], keep=(start - lo, end - lo), last=last))
-        start = end
-        if last:
+        jobs.append(Job(window=window, last=window.final))
+        emitted += window.stop - window.start
+        if window.final:
             break
-    state["next"] = start
+    if up.finished and not (jobs and jobs[-1].last):
+        jobs.append(Job(last=True))  # every code already decoded (or none came): end the stream
+    state["emitted"], state["done"] = emitted, up.finished
     return jobs
+
+
+def _decoder_codes(ctx: HandoffContext, up: Upstream, state: dict) -> torch.Tensor:
+    """The request's codes so far, [num_quantizers, N]: its code frames, or its token ids less the
+    special tokens (collected once each, in a buffer that grows in place)."""
+    frames = up.latents.get(CODES_FRAME)
+    tokens: LatentBuffer | None = state.get("token_codes")
+    if frames is not None:
+        if tokens is not None and tokens.num_rows:
+            raise ValueError(f"the talker sent codes as token ids, then as {CODES_FRAME!r} frames")
+        return frames
+    q, codebook = ctx.resources["num_quantizers"], ctx.resources["codebook_size"]
+    if q != 1:
+        if up.token_ids:
+            raise ValueError(f"the decoder reads {q} codebooks: the talker must send its codes as a "
+                             f"{CODES_FRAME!r} tensor frame [{q}, k], not as token ids")
+        return torch.zeros(q, 0, dtype=torch.long)
+    if tokens is None:
+        tokens = state["token_codes"] = LatentBuffer(("codes",))
+    seen = state.get("token_ids_seen", 0)
+    new = [c for c in up.token_ids[seen:] if c < codebook]
+    state["token_ids_seen"] = len(up.token_ids)
+    if new:
+        tokens.add(LatentChunk(tokens.num_rows, {"codes": torch.tensor(new, dtype=torch.long)[:, None]}))
+    rows = tokens.view().get("codes")
+    return torch.zeros(1, 0, dtype=torch.long) if rows is None else rows.T

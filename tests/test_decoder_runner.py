@@ -1,7 +1,8 @@
-"""The decoder stage's runner with the real tiny codec decoder and a real ZMQ outbox (no vLLM, no
-stage process): batches cut to max_batch_size lose nothing, one request's bad codes fail it alone,
-deadlines and aborts leave nothing behind. The same runner under a real pipeline and a burst of
-requests: tests/test_concurrency_e2e.py.
+"""The decoder stage's runner with a real decoder and a real ZMQ outbox (no vLLM, no stage
+process): batches cut to max_batch_size lose nothing, one request's bad codes fail it alone,
+deadlines and aborts leave nothing behind; on the tiny codec (one codebook, codes as token ids) and
+on Qwen3-Omni's code2wav (``tiny:qwen3-omni``, four codebooks, codes as ``[Q, k]`` tensor frames).
+The same runner under a real pipeline and a burst of requests: tests/test_concurrency_e2e.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 import zmq
 
 from omni_cache.config import load_config, resolve_model
-from omni_cache.handoff import Upstream, talker_to_decoder
+from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES
 from omni_cache.models.codec_decoder import CodecDecoder
+from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
 from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput
 from omni_cache.wire.transport import Codec, Receiver
 from workers.decoder_runner import DecoderRunner
@@ -25,10 +27,11 @@ from workers.runner import DEADLINE_GRACE_S
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def runner(tmp_path):
+def make_runner(tmp_path, model: str):
+    """A DecoderRunner for `model` whose orchestrator socket is the test's (`runner.inbox`)."""
     config = load_config(ROOT / "stage_configs" / "tiny_omni.yaml")
     stage = config.stage("decoder")
+    stage.model = model
     stage.generation.max_batch_size = 2
     ctx = zmq.Context()
     codec = Codec(MESSAGE_TYPES)
@@ -37,10 +40,14 @@ def runner(tmp_path):
     outbox = Outbox(ctx, codec, {}, address)
     runner = DecoderRunner(config, stage, resolve_model(stage, config), outbox)
     runner.inbox = inbox  # the test's end of the orchestrator socket
+    return runner, lambda: (outbox.close(), inbox.close(), ctx.term())
+
+
+@pytest.fixture
+def runner(tmp_path):
+    runner, close = make_runner(tmp_path, "tiny:decoder")
     yield runner
-    outbox.close()
-    inbox.close()
-    ctx.term()
+    close()
 
 
 def codes(seed: int, n: int) -> list[int]:
@@ -78,7 +85,7 @@ def received(runner: DecoderRunner) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 
 def whole(runner: DecoderRunner, ids: list[int]) -> torch.Tensor:
-    decoder: CodecDecoder = runner.decoder
+    decoder: CodecDecoder = runner.decoder.codec
     return decoder(torch.tensor([ids]))[0]
 
 
@@ -117,7 +124,7 @@ def test_a_window_the_codec_rejects_fails_alone(runner):
     good = codes(1, 30)
     feed(runner, "good", 0, good, finished=True)
     feed(runner, "bad", 0, codes(2, 30), finished=True)
-    runner.requests["bad"].jobs[0].codes[0] = 10_000  # as a broken hand-off would
+    runner.requests["bad"].jobs[0].window.codes[0, 0] = 10_000  # as a broken hand-off would
     run(runner)
     audio, errors = received(runner)
     assert set(audio) == {"good"} and set(errors) == {"bad"}
@@ -153,3 +160,95 @@ def test_deadline_drops_the_request_and_its_late_input(runner):
     audio, errors = received(runner)
     assert set(errors) == {"slow"} and errors["slow"].status == 504
     assert "deadline" in errors["slow"].message
+
+
+# ---- Qwen3-Omni's code2wav: codes as [num_quantizers, k] frames ----------------------------------
+
+@pytest.fixture(scope="module")
+def q3_runner(tmp_path_factory):
+    runner, close = make_runner(tmp_path_factory.mktemp("q3"), "tiny:qwen3-omni")
+    yield runner
+    close()
+
+
+def frames(seed: int, n: int, q: int = 4) -> torch.Tensor:
+    return torch.randint(0, 256, (q, n), generator=torch.Generator().manual_seed(seed))
+
+
+def feed_frame(runner: DecoderRunner, rid: str, seq: int, codes: torch.Tensor, finished: bool) -> None:
+    runner.guarded(rid, lambda: runner.accept(StageOutput(
+        request_id=rid, stage="talker", seq=seq, finished=finished), {CODES_FRAME: codes}))
+
+
+def stream_frames(runner: DecoderRunner, streams: dict[str, torch.Tensor], pieces: list[int]) -> None:
+    """Each request's codes in `len(pieces)` messages (cut at the given fractions of its length, in
+    percent), interleaved across requests, the decoder stepping between messages."""
+    for seq in range(len(pieces)):
+        for rid, codes in streams.items():
+            n = codes.shape[-1]
+            lo, hi = n * sum(pieces[:seq]) // 100, n * sum(pieces[:seq + 1]) // 100
+            feed_frame(runner, rid, seq, codes[:, lo:hi], finished=seq == len(pieces) - 1)
+        runner.step()
+    run(runner)
+
+
+def test_code2wav_stage_streams_each_request_as_its_whole_decode(q3_runner):
+    """Three requests' [4, k] code frames in several messages each: every request's streamed audio
+    equals a whole-sequence decode, and transformers' own code2wav, within CHUNKED_ATOL."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    runner = q3_runner
+    decoder: Code2WavDecoder = runner.decoder
+    assert isinstance(decoder, Code2WavDecoder)  # picked from the folder's config.json
+    # 66 codes: its last windows start past the 56 codes of left context the decoder needs.
+    streams = {"a": frames(1, 66), "b": frames(2, 21), "c": frames(3, 30)}
+    stream_frames(runner, streams, [5, 20, 30, 45])  # the first message: a short first chunk
+    audio, errors = received(runner)
+    assert not errors and set(audio) == set(streams) and runner.requests == {}
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        runner.handoff_ctx.model_path, dtype=torch.float32).eval()
+    spc, tail = decoder.samples_per_code, decoder.receptive_field.tail_samples
+    for rid, codes in streams.items():
+        whole = decoder.decode(codes)
+        with torch.no_grad():
+            ref = model.code2wav(codes[None])[0, 0]
+        assert audio[rid].shape == whole.shape == (codes.shape[-1] * spc - tail,)
+        torch.testing.assert_close(audio[rid], whole, atol=CHUNKED_ATOL, rtol=0)
+        torch.testing.assert_close(audio[rid], ref, atol=CHUNKED_ATOL, rtol=0)
+        assert audio[rid].std() > 0.05  # a real signal, not silence
+
+
+def test_code2wav_stage_first_audio_after_a_short_chunk(q3_runner):
+    """Audio starts once FIRST_CHUNK_CODES codes and their one code of lookahead have arrived."""
+    runner = q3_runner
+    codes = frames(4, 30)
+    need = FIRST_CHUNK_CODES + runner.decoder.receptive_field.right_codes
+    feed_frame(runner, "early", 0, codes[:, :need - 1], finished=False)
+    assert not runner.has_work()
+    feed_frame(runner, "early", 1, codes[:, need - 1:need], finished=False)
+    run(runner)
+    msg, tensors = runner.inbox.recv(timeout_ms=2000)
+    assert msg.seq == 0 and tensors["audio"].shape == (FIRST_CHUNK_CODES * runner.decoder.samples_per_code,)
+    runner.abort("early")
+
+
+def test_code2wav_stage_bad_codes_fail_that_request_alone(q3_runner):
+    """A code outside [0, 256) in codebook 3 after audio already left, a frame of the wrong
+    number of codebooks, and codes sent as token ids: each fails its request (400, naming it);
+    the request decoding beside them gets all its audio."""
+    runner = q3_runner
+    good, bad = frames(5, 24), frames(6, 24)
+    bad[3, 18] = 256  # in the second message
+    streams = {"good": good, "range": bad}
+    stream_frames(runner, streams, [50, 50])
+    feed_frame(runner, "shape", 0, frames(7, 10, q=3), finished=True)
+    runner.guarded("ids", lambda: runner.accept(StageOutput(
+        request_id="ids", stage="talker", seq=0, token_ids=[1, 2, 3], finished=True), {}))
+    audio, errors = received(runner)
+    assert set(audio) == {"good"} and set(errors) == {"range", "shape", "ids"}
+    assert all(e.status == 400 and e.stage == "decoder" for e in errors.values())
+    assert "code 256 of codebook 3 is outside the codebook [0, 256)" in errors["range"].message
+    assert "num_quantizers=4" in errors["shape"].message
+    assert "tensor frame" in errors["ids"].message
+    torch.testing.assert_close(audio["good"], runner.decoder.decode(good), atol=CHUNKED_ATOL, rtol=0)
+    assert runner.requests == {}

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from omni_cache.models.codec_decoder import CodecDecoder, random_decoder_weights
+from omni_cache.models.codec_decoder import CodecDecoder, CodecWindowDecoder, random_decoder_weights
 from omni_cache.handoff import (
     CODES_PER_TOKEN, FIRST_CHUNK_CODES, FIRST_SEGMENT_TOKENS, SEGMENT_TOKENS, HandoffContext, Upstream,
     talker_to_decoder, thinker_to_talker,
@@ -50,8 +50,10 @@ def test_thinker_to_talker_segments():
 
 
 def decoder_ctx(decoder, chunk=16):
+    windows = CodecWindowDecoder(decoder)
     return HandoffContext(model_path=None, resources={
-        "codebook_size": decoder.codebook_size, "chunk_size": chunk, "context": decoder.context})
+        "receptive_field": windows.receptive_field, "num_quantizers": 1,
+        "codebook_size": decoder.codebook_size, "chunk_size": chunk})
 
 
 def test_talker_to_decoder_chunks_decode_to_the_whole_sequence_bitwise():
@@ -78,12 +80,12 @@ def test_talker_to_decoder_chunks_decode_to_the_whole_sequence_bitwise():
         spc = decoder.samples_per_code
         parts = []
         for job in jobs:
-            lo, hi = job.keep
-            if job.codes:
-                parts.append(decoder(torch.tensor(job.codes))[lo * spc: hi * spc])
+            if job.window is not None:
+                w = job.window
+                parts.append(decoder(w.codes[0])[w.start * spc: w.stop * spc])
         whole = decoder(audio_ids) if len(audio_ids) else torch.zeros(0)
         assert torch.equal(torch.cat(parts) if parts else torch.zeros(0), whole), trial
         assert jobs and jobs[-1].last and not any(j.last for j in jobs[:-1])
-        if len(audio_ids) > FIRST_CHUNK_CODES:
-            first = jobs[0]
-            assert first.keep[1] - first.keep[0] == FIRST_CHUNK_CODES
+        if len(audio_ids) >= FIRST_CHUNK_CODES + decoder.context:  # else the first is the last
+            first = jobs[0].window
+            assert first.stop - first.start == FIRST_CHUNK_CODES

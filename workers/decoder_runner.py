@@ -1,12 +1,15 @@
-"""Runner of the generation stage: the codec decoder, batched across requests.
+"""Runner of the generation stage: the decoder, batched across requests.
 
-The hand-off (`talker_to_decoder`) cuts each request's stream of codes into windows of
-`chunk_size` codes plus the decoder's receptive field on both sides. Each step decodes up to
-`max_batch_size` queued windows, at most one per request so a request's audio leaves in order,
-taking requests round-robin: the windows that do not fit stay queued for the next steps, and a
-request served now goes behind those that were not. Windows of equal length share one forward
-pass; if a batched pass fails, each window of it is decoded alone, so only the request whose
-window fails is failed.
+The decoder is whatever the stage's checkpoint holds (`load_window_decoder`: Qwen3-Omni's code2wav
+or the tiny codec), used only through `WindowDecoder`. A request's codes arrive as the talker's
+token ids (one codebook) or as `codes` tensor frames ([num_quantizers, k] per output, collected
+into one [num_quantizers, N] tensor per request); the hand-off (`talker_to_decoder`) cuts them into
+windows of `chunk_size` codes with the decoder's receptive field of context. Each step decodes up
+to `max_batch_size` queued windows in one `decode_windows` call, at most one per request so a
+request's audio leaves in order, taking requests round-robin: the windows that do not fit stay
+queued for the next steps, and a request served now goes behind those that were not. Every window
+is checked (shape, each codebook's code range) before the batch runs; if a batched pass fails,
+each window of it is decoded alone, so only the request whose window fails is failed.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any
 
 import torch
 
-from omni_cache.models.codec_decoder import CodecDecoder
+from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
-from omni_cache.handoff import HandoffContext, Job, Upstream
+from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
+from omni_cache.models.code_windows import CodeWindow, check_window, load_window_decoder
 from omni_cache.wire.messages import StageOutput
 from workers.runner import StageRunner
 
@@ -35,17 +39,19 @@ class _Request:
     handoff_state: dict = field(default_factory=dict)
     jobs: deque[Job] = field(default_factory=deque)
     seq: int = 0
+    frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
 
 
 class DecoderRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any) -> None:
         super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
         self.args = stage.generation
-        self.decoder = CodecDecoder.from_pretrained(model, device=self.args.device)
+        self.decoder = load_window_decoder(model, device=self.args.device)
         self.handoff = resolve_handoff(stage.handoff)
         self.handoff_ctx = HandoffContext(Path(model), resources={
-            "codebook_size": self.decoder.codebook_size, "chunk_size": self.args.chunk_size,
-            "context": self.decoder.context})
+            "receptive_field": self.decoder.receptive_field, "chunk_size": self.args.chunk_size,
+            "num_quantizers": self.decoder.num_quantizers,
+            "codebook_size": self.decoder.codebook_size})
         self.requests: OrderedDict[str, _Request] = OrderedDict()
         self.max_model_len = 0
 
@@ -62,39 +68,56 @@ class DecoderRunner(StageRunner):
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
             raise ValueError(f"code {bad[0]} from stage {msg.stage!r} is negative")
+        if tensors:
+            self._add_frame(req, tensors)
         req.upstream.token_ids.extend(msg.token_ids)
         req.upstream.finished = msg.finished
         req.jobs.extend(self.handoff(self.handoff_ctx, req.upstream, req.handoff_state))
+
+    def _add_frame(self, req: _Request, tensors: dict[str, torch.Tensor]) -> None:
+        """Append a `codes` frame to the request's codes, checked whole on arrival: integers
+        [num_quantizers, k], every code in its codebook."""
+        if set(tensors) != {CODES_FRAME}:
+            raise ValueError(f"the decoder stage takes one tensor frame, {CODES_FRAME!r}; got "
+                             f"{sorted(tensors)}")
+        codes = tensors[CODES_FRAME]
+        check_window(self.decoder, CodeWindow(codes, 0, codes.shape[-1] if codes.dim() else 0))
+        if codes.shape[-1] == 0:
+            return
+        if req.frames is None:
+            req.frames = LatentBuffer((CODES_FRAME,))
+        req.frames.add(LatentChunk(req.frames.num_rows, {CODES_FRAME: codes.long().T}))
+        # The hand-off reads all codes so far as [num_quantizers, N]: a view, no copy.
+        req.upstream.latents = {CODES_FRAME: req.frames.view()[CODES_FRAME].T}
 
     def has_work(self) -> bool:
         return any(r.jobs for r in self.requests.values())
 
     @torch.inference_mode()
     def step(self) -> None:
-        by_len: dict[int, list[tuple[str, Job]]] = {}
+        batch = []
         for rid, job in self._take_batch():
-            ok = self.requests.get(rid) is not None
-            if ok:
-                self.guarded(rid, lambda job=job: self._check_codes(job))
-                ok = rid in self.requests
-            if ok:
-                by_len.setdefault(len(job.codes), []).append((rid, job))
-        for length, group in by_len.items():
-            if length == 0:
-                self._emit_all(group, None)
-                continue
-            try:
-                wavs = self._decode([job for _, job in group])
-            except Exception:  # noqa: BLE001 -- decode each window alone: fail only its request
-                if len(group) == 1:
-                    self.guarded(group[0][0], lambda group=group: self._decode_and_emit(group))
-                    continue
-                logger.warning("stage %s: a batch of %d windows failed; decoding them one by one",
-                               self.stage.name, len(group), exc_info=True)
-                for one in group:
-                    self.guarded(one[0], lambda one=one: self._decode_and_emit([one]))
-                continue
-            self._emit_all(group, wavs)
+            if job.window is not None:
+                self.guarded(rid, lambda job=job: check_window(self.decoder, job.window))
+            if rid in self.requests:
+                batch.append((rid, job))
+        empty = [(rid, job) for rid, job in batch if job.window is None]
+        group = [(rid, job) for rid, job in batch if job.window is not None]
+        self._emit_all(empty, [torch.zeros(0)] * len(empty))
+        if not group:
+            return
+        try:
+            wavs = self._decode(group)
+        except Exception:  # noqa: BLE001 -- decode each window alone: fail only its request
+            if len(group) == 1:
+                self.guarded(group[0][0], lambda: self._decode_and_emit(group))
+                return
+            logger.warning("stage %s: a batch of %d windows failed; decoding them one by one",
+                           self.stage.name, len(group), exc_info=True)
+            for one in group:
+                self.guarded(one[0], lambda one=one: self._decode_and_emit([one]))
+            return
+        self._emit_all(group, wavs)
 
     def _take_batch(self) -> list[tuple[str, Job]]:
         """Up to max_batch_size windows, one per request, oldest-served requests first; the
@@ -109,26 +132,16 @@ class DecoderRunner(StageRunner):
             self.requests.move_to_end(rid)
         return batch
 
-    def _check_codes(self, job: Job) -> None:
-        """A code outside the codebook would index past the codec's embedding table."""
-        codebook = self.decoder.codebook_size
-        bad = [c for c in job.codes if not 0 <= c < codebook]
-        if bad:
-            raise ValueError(f"code {bad[0]} is outside the codebook (0..{codebook - 1})")
-
-    def _decode(self, jobs: list[Job]) -> torch.Tensor:
-        return self.decoder(torch.tensor([job.codes for job in jobs], dtype=torch.long))
+    def _decode(self, group: list[tuple[str, Job]]) -> list[torch.Tensor]:
+        return self.decoder.decode_windows([job.window for _, job in group])
 
     def _decode_and_emit(self, group: list[tuple[str, Job]]) -> None:
-        self._emit_all(group, self._decode([job for _, job in group]))
+        self._emit_all(group, self._decode(group))
 
-    def _emit_all(self, group: list[tuple[str, Job]], wavs: torch.Tensor | None) -> None:
-        spc = self.decoder.samples_per_code
-        for i, (rid, job) in enumerate(group):
-            lo, hi = job.keep
+    def _emit_all(self, group: list[tuple[str, Job]], wavs: list[torch.Tensor]) -> None:
+        for (rid, job), wav in zip(group, wavs):
             # The transport sends host memory: a decoder on CUDA hands over a CPU copy.
-            audio = torch.zeros(0) if wavs is None else \
-                wavs[i, lo * spc:hi * spc].float().cpu().contiguous()
+            audio = wav.float().cpu().contiguous()
             self.guarded(rid, lambda rid=rid, job=job, audio=audio: self._emit(rid, job, audio))
 
     def _emit(self, request_id: str, job: Job, audio: torch.Tensor) -> None:

@@ -36,13 +36,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CodecDecoder", "decoder_config", "random_decoder_weights"]
+from omni_cache.models.code_windows import CodeWindow, ReceptiveField, check_window
+
+__all__ = ["CodecDecoder", "CodecWindowDecoder", "decoder_config", "random_decoder_weights"]
 
 WEIGHT_GRID_BITS = 8  # weights are multiples of 2**-8
 WEIGHT_CLIP = 0.5
@@ -181,3 +183,38 @@ class CodecDecoder(nn.Module):
         wav = self.forward(codes[..., lo:hi])
         spc = self.samples_per_code
         return wav[..., (start - lo) * spc : (end - lo) * spc]
+
+
+class CodecWindowDecoder:
+    """The tiny codec as a :class:`~omni_cache.models.code_windows.WindowDecoder`: one codebook,
+    ``context`` codes of receptive field on each side, no tail (a T-code decode gives exactly
+    ``T * samples_per_code`` samples). Its windows decode bitwise as the whole sequence would."""
+
+    num_quantizers = 1
+
+    def __init__(self, codec: CodecDecoder):
+        self.codec = codec
+        self.codebook_size = codec.codebook_size
+        self.samples_per_code = codec.samples_per_code
+        self.sample_rate = codec.sample_rate
+        c = codec.context
+        self.receptive_field = ReceptiveField(left_codes=c, conv_codes=c, right_codes=c, tail_samples=0)
+
+    @torch.no_grad()
+    def decode_windows(self, windows: Sequence[CodeWindow]) -> list[torch.Tensor]:
+        """Each window's audio of ``codes[0, start:stop]``. Windows of one length share a forward
+        pass; lengths differ in separate ones, because padding a final window on the right would
+        change its last frames (the convolutions' 'same' padding is not a padded code)."""
+        for w in windows:
+            check_window(self, w)
+        spc = self.samples_per_code
+        out: list[torch.Tensor | None] = [None] * len(windows)
+        by_len: dict[int, list[int]] = {}
+        for i, w in enumerate(windows):
+            by_len.setdefault(w.codes.shape[-1], []).append(i)
+        for indices in by_len.values():
+            wav = self.codec(torch.stack([windows[i].codes[0] for i in indices]).long())
+            for row, i in enumerate(indices):
+                w = windows[i]
+                out[i] = wav[row, w.start * spc:w.stop * spc].float().clone()
+        return out

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from omni_cache.models.code_windows import CodeWindow, ReceptiveField, check_window, next_window
 
 __all__ = ["CHUNKED_ATOL", "SAMPLE_RATE", "Code2WavDecoder", "CodeWindow", "ReceptiveField"]
 
@@ -51,41 +52,9 @@ CHUNKED_ATOL = 1e-5
 _PREFIX = "code2wav."
 
 
-@dataclass(frozen=True)
-class ReceptiveField:
-    """How far a sample's dependence reaches, in codes, and what a whole decode never produces."""
-
-    #: Codes before the first emitted code that the transformer reaches (sliding window x layers)
-    #: plus those the convolutions reach: the left context for exact chunked decoding.
-    left_codes: int
-    #: Codes of left context the convolution stack alone needs (<= left_codes).
-    conv_codes: int
-    #: Codes after the last emitted one that a non-final window must carry.
-    right_codes: int
-    #: A T-code decode yields ``T * samples_per_code - tail_samples`` samples.
-    tail_samples: int
-
-
-@dataclass(frozen=True)
-class CodeWindow:
-    """Codes ``[num_quantizers, L]`` of one request: ``codes[:, :start]`` is left context,
-    ``codes[:, start:stop]`` the codes whose audio is emitted, ``codes[:, stop:]`` lookahead.
-
-    ``stop == L`` marks the end of the stream: the audio then ends ``tail_samples`` early, as a
-    whole-sequence decode does. Otherwise at least ``right_codes`` of lookahead must follow.
-    """
-
-    codes: torch.Tensor
-    start: int
-    stop: int
-
-    @property
-    def final(self) -> bool:
-        return self.stop == self.codes.shape[-1]
-
-
 class Code2WavDecoder:
-    """Decodes batches of :class:`CodeWindow` with transformers' ``Qwen3OmniMoeCode2Wav``."""
+    """Decodes batches of :class:`CodeWindow` with transformers' ``Qwen3OmniMoeCode2Wav`` (a
+    :class:`~omni_cache.models.code_windows.WindowDecoder`)."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module.eval().requires_grad_(False)
@@ -130,7 +99,7 @@ class Code2WavDecoder:
         if not windows:
             return []
         for w in windows:
-            self._check(w)
+            check_window(self, w)
         spc, rf = self.samples_per_code, self.receptive_field
         device = self.module.code_embedding.weight.device
         # Right padding is harmless: every layer is causal except the transposed convolutions'
@@ -178,39 +147,7 @@ class Code2WavDecoder:
         ``max_codes`` codes; holds back ``right_codes`` until the stream ends. ``left_context``
         defaults to the receptive field (exact up to rounding). None when nothing can be emitted yet.
         """
-        n = codes.shape[-1]
-        if not 0 <= emitted <= n:
-            raise ValueError(f"emitted={emitted} is outside the {n} codes received")
-        rf = self.receptive_field
-        ready = n if final else max(emitted, n - rf.right_codes)
-        stop = ready if max_codes is None else min(ready, emitted + max_codes)
-        if final and n - stop < rf.right_codes:
-            stop = n  # too little left to serve as lookahead: finish the stream in this window
-        if stop <= emitted:
-            return None
-        ctx = rf.left_codes if left_context is None else left_context
-        first = max(0, emitted - ctx)
-        last = n if stop == n else min(n, stop + rf.right_codes)
-        return CodeWindow(codes[:, first:last], emitted - first, stop - first)
-
-    def _check(self, w: CodeWindow) -> None:
-        c = w.codes
-        if c.dim() != 2 or c.shape[0] != self.num_quantizers:
-            raise ValueError(
-                f"codes must be [num_quantizers={self.num_quantizers}, T], got {tuple(c.shape)}"
-            )
-        if c.dtype.is_floating_point or c.dtype == torch.bool or c.dtype.is_complex:
-            raise ValueError(f"codes must be integers, got {c.dtype}")
-        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= self.codebook_size):
-            raise ValueError(f"codes must be in [0, {self.codebook_size}), got [{int(c.min())}, {int(c.max())}]")
-        length = c.shape[-1]
-        if not 0 <= w.start <= w.stop <= length:
-            raise ValueError(f"need 0 <= start <= stop <= {length}, got start={w.start} stop={w.stop}")
-        if w.stop < length and length - w.stop < self.receptive_field.right_codes:
-            raise ValueError(
-                f"a non-final window needs {self.receptive_field.right_codes} code(s) of lookahead "
-                f"after stop={w.stop}, got {length - w.stop}"
-            )
+        return next_window(self.receptive_field, codes, emitted, final, max_codes, left_context)
 
 
 def _load_code2wav_state(path: Path) -> dict[str, torch.Tensor]:

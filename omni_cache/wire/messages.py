@@ -9,6 +9,9 @@ stage.
 Tensors never go in these headers; they travel as frames next to them (see transport.py):
 - `StageOutput` from an autoregressive stage: its latents by name ("hidden", "layer_<k>", ...),
   rows for token positions `latent_start ..`;
+- `StageOutput` from a multi-codebook talker to the decoder: "codes", integers
+  `[num_quantizers, k]`, the codes new since its previous output (a one-codebook talker sends its
+  codes as `token_ids`; see `omni_cache.handoff.CODES_FRAME`);
 - `StageOutput` from the decoder: "audio", float32 mono samples at `sample_rate`;
 - `Submit` with media: one frame per `MediaRef` (decoded pixels or samples, never encoded files).
 """

@@ -1,0 +1,146 @@
+"""Decoding codec codes in windows: what the decoder stage needs of a decoder, whichever it is.
+
+A decoder turns codes ``[num_quantizers, T]`` into a waveform; streaming decodes a request's codes
+window by window (:class:`CodeWindow`: left context, the codes whose audio is emitted, lookahead),
+as far as the decoder's :class:`ReceptiveField` says a sample reaches. :class:`WindowDecoder` is
+that contract: the decoder stage (``workers/decoder_runner.py``) and the talker -> decoder hand-off
+use only it. Two decoders satisfy it: Qwen3-Omni's code2wav
+(:class:`~omni_cache.models.qwen3_omni_code2wav.Code2WavDecoder`) and the tiny one-codebook codec
+through its adapter (:class:`~omni_cache.models.codec_decoder.CodecWindowDecoder`);
+:func:`load_window_decoder` picks one from a checkpoint folder's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+__all__ = ["CodeWindow", "ReceptiveField", "WindowDecoder", "check_window", "load_window_decoder",
+           "next_window"]
+
+
+@dataclass(frozen=True)
+class ReceptiveField:
+    """How far a sample's dependence reaches, in codes, and what a whole decode never produces."""
+
+    #: Codes before the first emitted code that the decoder reaches: the left context for exact
+    #: chunked decoding.
+    left_codes: int
+    #: Codes of left context the convolution stack alone needs (<= left_codes).
+    conv_codes: int
+    #: Codes after the last emitted one that a non-final window must carry.
+    right_codes: int
+    #: A T-code decode yields ``T * samples_per_code - tail_samples`` samples.
+    tail_samples: int
+
+
+@dataclass(frozen=True)
+class CodeWindow:
+    """Codes ``[num_quantizers, L]`` of one request: ``codes[:, :start]`` is left context,
+    ``codes[:, start:stop]`` the codes whose audio is emitted, ``codes[:, stop:]`` lookahead.
+
+    ``stop == L`` marks the end of the stream: the audio then ends ``tail_samples`` early, as a
+    whole-sequence decode does. Otherwise at least ``right_codes`` of lookahead must follow.
+    """
+
+    codes: torch.Tensor
+    start: int
+    stop: int
+
+    @property
+    def final(self) -> bool:
+        return self.stop == self.codes.shape[-1]
+
+
+class WindowDecoder(Protocol):
+    """What the decoder stage needs of a decoder."""
+
+    num_quantizers: int
+    codebook_size: int
+    samples_per_code: int
+    sample_rate: int
+    receptive_field: ReceptiveField
+
+    def decode_windows(self, windows: Sequence[CodeWindow]) -> list[torch.Tensor]:
+        """Each window's float32 audio of ``codes[:, start:stop]`` (``(stop - start) *
+        samples_per_code`` samples, less ``tail_samples`` for a final window), in one batch."""
+        ...
+
+
+def next_window(
+    rf: ReceptiveField,
+    codes: torch.Tensor,
+    emitted: int,
+    final: bool,
+    max_codes: int | None = None,
+    left_context: int | None = None,
+) -> CodeWindow | None:
+    """The window that emits the next audio of a stream.
+
+    ``codes`` are all ``[num_quantizers, N]`` codes received so far, ``emitted`` how many of them
+    have had their audio sent, ``final`` whether the stream has ended. Emits at most ``max_codes``
+    codes; holds back ``right_codes`` until the stream ends. ``left_context`` defaults to the
+    receptive field (exact up to rounding). None when nothing can be emitted yet.
+    """
+    n = codes.shape[-1]
+    if not 0 <= emitted <= n:
+        raise ValueError(f"emitted={emitted} is outside the {n} codes received")
+    ready = n if final else max(emitted, n - rf.right_codes)
+    stop = ready if max_codes is None else min(ready, emitted + max_codes)
+    if final and n - stop < rf.right_codes:
+        stop = n  # too little left to serve as lookahead: finish the stream in this window
+    if stop <= emitted:
+        return None
+    ctx = rf.left_codes if left_context is None else left_context
+    first = max(0, emitted - ctx)
+    last = n if stop == n else min(n, stop + rf.right_codes)
+    return CodeWindow(codes[:, first:last], emitted - first, stop - first)
+
+
+def check_window(decoder: WindowDecoder, w: CodeWindow) -> None:
+    """ValueError unless ``w`` is a window ``decoder`` can decode: ``[num_quantizers, L]`` integer
+    codes, each in its codebook, a valid emitted range with its lookahead."""
+    c, q, size = w.codes, decoder.num_quantizers, decoder.codebook_size
+    if c.dim() != 2 or c.shape[0] != q:
+        raise ValueError(f"codes must be [num_quantizers={q}, T], got {tuple(c.shape)}")
+    if c.dtype.is_floating_point or c.dtype == torch.bool or c.dtype.is_complex:
+        raise ValueError(f"codes must be integers, got {c.dtype}")
+    if c.numel():
+        low, high = c.min(dim=-1).values, c.max(dim=-1).values
+        bad = ((low < 0) | (high >= size)).nonzero().flatten()
+        if len(bad):
+            book = int(bad[0])
+            value = int(low[book]) if int(low[book]) < 0 else int(high[book])
+            # A code outside the codebook would index past the decoder's embedding table.
+            raise ValueError(f"code {value} of codebook {book} is outside the codebook [0, {size})")
+    length = c.shape[-1]
+    if not 0 <= w.start <= w.stop <= length:
+        raise ValueError(f"need 0 <= start <= stop <= {length}, got start={w.start} stop={w.stop}")
+    right = decoder.receptive_field.right_codes
+    if w.stop < length and length - w.stop < right:
+        raise ValueError(
+            f"a non-final window needs {right} code(s) of lookahead after stop={w.stop}, "
+            f"got {length - w.stop}"
+        )
+
+
+def load_window_decoder(path: str | Path, device: str | torch.device = "cpu") -> WindowDecoder:
+    """The decoder a checkpoint folder holds: a Qwen3-Omni folder (``model_type`` ``qwen3_omni_moe``)
+    -> its code2wav, in float32; anything else -> the tiny codec (``tiny:decoder``)."""
+    path = Path(path)
+    config = path / "config.json"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config}: cannot read the decoder's config ({e})") from e
+    if model_type == "qwen3_omni_moe":
+        from omni_cache.models.qwen3_omni_code2wav import Code2WavDecoder
+
+        return Code2WavDecoder.from_pretrained(path, device=device)
+    from omni_cache.models.codec_decoder import CodecDecoder, CodecWindowDecoder
+
+    return CodecWindowDecoder(CodecDecoder.from_pretrained(path, device=device))
