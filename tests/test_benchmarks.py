@@ -523,3 +523,18 @@ def test_soak_hit_rates_between_scrapes():
     assert soak.hit_rates(before, after) == {"thinker": 0.25, "talker": None}
     assert soak.hit_rates(None, after) == {"thinker": 0.333, "talker": None}
     assert soak.hit_rates(before, None) == {}
+
+
+def test_soak_config_shrinks_the_kv_pool_and_stays_valid(tmp_path):
+    from omni_cache.config import load_config
+
+    path = soak.soak_config("stage_configs/tiny_omni.yaml", str(tmp_path), kv_blocks=64, request_timeout_s=90.0)
+    data = yaml.safe_load(path.read_text())
+    assert data["server"]["request_timeout_s"] == 90.0
+    for stage in data["stages"]:
+        if stage["kind"] == "autoregressive":
+            assert stage["engine_args"]["extra"] == {"num_gpu_blocks_override": 64}
+            assert stage["engine_args"]["max_model_len"] == 63 * 32  # one block is vLLM's null block
+        else:
+            assert "engine_args" not in stage
+    load_config(path)  # the keys pass validation
