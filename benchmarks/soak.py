@@ -547,8 +547,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-wait", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of every stage process (repeatable), e.g. "
+                        "MALLOC_MMAP_THRESHOLD_=131072 to see how much RSS growth is glibc's heap")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
+    for item in args.stage_env:
+        if "=" not in item or not item.split("=", 1)[0]:
+            p.error(f"--stage-env {item!r}: expected KEY=VALUE")
     if args.minutes <= 0 or args.concurrency < 1 or args.kv_blocks < 2:
         p.error("--minutes and --concurrency must be positive, --kv-blocks at least 2")
     return args
@@ -562,7 +568,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="omni_cache_soak_") as tmp:
         cfg = soak_config(args.config, tmp, kv_blocks=args.kv_blocks, request_timeout_s=args.request_timeout)
         log(f"soak: starting the pipeline ({args.config}, {args.kv_blocks} KV blocks per vLLM stage) ...")
-        with ManagedServer(cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout) as srv:
+        stage_env = dict(item.split("=", 1) for item in args.stage_env) or None
+        with ManagedServer(cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout,
+                           stage_env=stage_env) as srv:
             model = asyncio.run(served_model(srv.url))
             log(f"soak: ready after {srv.startup_s:.1f} s at {srv.url}; stage pids {srv.stage_pids()}; "
                 f"{args.minutes:g} min at concurrency {args.concurrency}")
