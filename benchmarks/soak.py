@@ -79,6 +79,8 @@ class Outcome:
     ttfa_s: float | None = None
     status: str | None = None  # failed: "http_<code>", "sse_error" or "no_audio"; lost: why
     detail: str | None = None
+    #: failed and lost only: the request (system, user, max_tokens) to replay it alone.
+    request: dict[str, Any] | None = None
 
 
 def classify(*, timed_out: bool, abandoned: bool, status_code: int | None, sse_error: bool,
@@ -299,7 +301,8 @@ async def run_request(client: httpx.AsyncClient, base_url: str, model: str, req:
                                got_audio=seen.got_audio)
     return Outcome(kind=req.kind, outcome=outcome, end_s=t1 - t_base, e2e_s=t1 - t0,
                    ttfa_s=seen.ttfa_s if req.streamed else None, status=status,
-                   detail=seen.detail if outcome in ("failed", "lost") else None)
+                   detail=seen.detail if outcome in ("failed", "lost") else None,
+                   request=asdict(req) if outcome in ("failed", "lost") else None)
 
 
 # ---- the processes and the server's view ---------------------------------------------------------
