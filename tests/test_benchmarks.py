@@ -483,7 +483,7 @@ _TEXT = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
 def test_soak_run_request_ends_each_request_once():
     stream = soak.Request("stream", "sys", "user", 8)
     o = _soak_request(lambda r: _sse(_TEXT, _AUDIO), stream)
-    assert (o.outcome, o.status) == ("ok", None) and o.ttfa_s is not None
+    assert (o.outcome, o.status) == ("ok", None) and o.ttfa_s is not None and o.request is None
     body = {}
 
     def capture(r):
@@ -491,6 +491,7 @@ def test_soak_run_request_ends_each_request_once():
         return _sse(_TEXT, {"error": {"message": "stage 'talker' failed", "code": 500}})
     o = _soak_request(capture, stream)
     assert (o.outcome, o.status) == ("failed", "sse_error") and "talker" in o.detail
+    assert o.request["system"] == "sys" and o.request["max_tokens"] == 8  # to replay it alone
     assert body["stream"] is True and body["audio"]["format"] == "pcm16"
     o = _soak_request(lambda r: _sse(_TEXT, done=False), stream)
     assert (o.outcome, o.status) == ("lost", "truncated")
