@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from benchmarks import report
+from benchmarks import report, soak
 from benchmarks.client import Driver, Sample, audio_bytes_of_b64, counter_deltas, metric_counters
 from benchmarks.harness import assemble, pool_runs, private_config
 from benchmarks.workloads import (
@@ -395,9 +395,6 @@ def test_export_prompts_for_vllm_bench_serve(tmp_path):
 
 
 # ---- the soak probe's pure parts (python -m benchmarks.soak) ------------------------------------
-
-from benchmarks import soak  # noqa: E402
-
 
 @pytest.mark.parametrize("seen, expected", [
     (dict(complete=True), ("ok", None)),
