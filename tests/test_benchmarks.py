@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from benchmarks import report
+from benchmarks import report, soak
 from benchmarks.client import Driver, Sample, audio_bytes_of_b64, counter_deltas, metric_counters
 from benchmarks.harness import assemble, pool_runs, private_config
 from benchmarks.workloads import (
@@ -392,3 +392,147 @@ def test_export_prompts_for_vllm_bench_serve(tmp_path):
                                                         max_tokens=8), 0)
     assert rows == [{"prompt": s.system + s.users[0], "output_tokens": 8} for s in sessions]
     assert len({r["prompt"][:150] for r in rows}) == 1 and len({r["prompt"] for r in rows}) == 3
+
+
+# ---- the soak probe's pure parts (python -m benchmarks.soak) ------------------------------------
+
+@pytest.mark.parametrize("seen, expected", [
+    (dict(complete=True), ("ok", None)),
+    (dict(complete=True, audio_asked=True, got_audio=True), ("ok", None)),
+    (dict(complete=True, audio_asked=True), ("failed", "no_audio")),
+    (dict(status_code=503), ("failed", "http_503")),
+    (dict(status_code=200, sse_error=True, complete=True), ("failed", "sse_error")),
+    (dict(status_code=200, abandoned=True), ("aborted", None)),
+    (dict(status_code=400, abandoned=True), ("failed", "http_400")),  # refused before the client left
+    (dict(timed_out=True, status_code=200), ("lost", "timeout")),
+    (dict(status_code=200), ("lost", "truncated")),                  # stream ended, no [DONE], no error
+    (dict(), ("lost", "no_answer")),                                 # connection dropped
+])
+def test_soak_classify(seen, expected):
+    kw = dict(timed_out=False, abandoned=False, status_code=None, sse_error=False, complete=False,
+              audio_asked=False, got_audio=False)
+    assert soak.classify(**{**kw, **seen}) == expected
+
+
+def test_soak_summarize_and_percentile():
+    assert soak.percentile([], 50) is None
+    assert soak.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert soak.percentile(list(range(1, 101)), 99) == 99
+    assert soak.percentile([5.0], 99) == 5.0
+    outs = [soak.Outcome("stream", "ok", 1.0, e2e_s=2.0, ttfa_s=0.5),
+            soak.Outcome("text", "ok", 2.0, e2e_s=1.0),
+            soak.Outcome("audio", "failed", 3.0, e2e_s=0.1, status="http_503"),
+            soak.Outcome("abandon", "aborted", 4.0, e2e_s=0.3, ttfa_s=0.2),
+            soak.Outcome("audio", "lost", 5.0, e2e_s=150.0, status="timeout")]
+    s = soak.summarize(outs)
+    assert (s["requests"], s["ok"], s["failed"], s["aborted"], s["lost"]) == (5, 2, 1, 1, 1)
+    assert s["failed_by_status"] == {"http_503": 1} and s["lost_by_reason"] == {"timeout": 1}
+    assert s["e2e_p50_s"] == 1.0 and s["e2e_p99_s"] == 2.0  # ok requests only
+    assert s["ttfa_p50_s"] == s["ttfa_p99_s"] == 0.5        # ok streamed only
+    assert soak.summarize([])["e2e_p50_s"] is None
+
+
+def test_soak_rss_growth_from_the_baseline_minute():
+    minutes = [{"minute": i, "rss_mib": {"server": 100.0 + i, "thinker": 200.0, "gone": None}}
+               for i in range(1, 8)]
+    g = soak.rss_growth(minutes, 5)
+    assert g["server"] == {"baseline_minute": 5, "baseline_mib": 105.0, "end_mib": 107.0,
+                           "growth_pct": round(200 / 105, 2)}
+    assert g["thinker"]["growth_pct"] == 0.0 and "gone" not in g
+    assert soak.rss_growth(minutes[:5], 5)["server"]["baseline_minute"] == 1  # shorter run: minute 1
+    assert soak.rss_growth([], 5) == {}
+
+
+def test_soak_prompts_churn_and_are_seeded():
+    a = soak.PromptSource(random.Random(1), shared=3, prefix_chars=50, fresh=0.5, rotate_every=10)
+    b = soak.PromptSource(random.Random(1), shared=3, prefix_chars=50, fresh=0.5, rotate_every=10)
+    first_pool = list(a.pool)
+    drawn = [a.next() for _ in range(100)]
+    assert drawn == [b.next() for _ in range(100)]
+    assert a.rotations == 10 and not set(first_pool) & set(a.pool)  # every shared prefix replaced
+    shared = [d for d in drawn if d[2]]
+    fresh = [d for d in drawn if not d[2]]
+    assert 25 < len(shared) < 75 and len({d[0] for d in fresh}) == len(fresh)
+    assert all(len(d[0]) == 50 and 16 <= len(d[1]) <= 128 for d in drawn)
+
+
+def _soak_request(handler, req, limit=5.0):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await soak.run_request(client, "http://fake", "tiny", req, limit, 0.0)
+    return asyncio.run(go())
+
+
+def _sse(*events, done=True):
+    async def body():
+        for e in events:
+            yield ("data: " + json.dumps(e) + "\n\n").encode()
+            await asyncio.sleep(0)
+        if done:
+            yield b"data: [DONE]\n\n"
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+
+_AUDIO = {"choices": [{"index": 0, "delta": {"audio": {"data": base64.b64encode(b"\0\1" * 8).decode()}}}]}
+_TEXT = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+
+
+def test_soak_run_request_ends_each_request_once():
+    stream = soak.Request("stream", "sys", "user", 8)
+    o = _soak_request(lambda r: _sse(_TEXT, _AUDIO), stream)
+    assert (o.outcome, o.status) == ("ok", None) and o.ttfa_s is not None and o.request is None
+    body = {}
+
+    def capture(r):
+        body.update(json.loads(r.content))
+        return _sse(_TEXT, {"error": {"message": "stage 'talker' failed", "code": 500}})
+    o = _soak_request(capture, stream)
+    assert (o.outcome, o.status) == ("failed", "sse_error") and "talker" in o.detail
+    assert o.request["system"] == "sys" and o.request["max_tokens"] == 8  # to replay it alone
+    assert body["stream"] is True and body["audio"]["format"] == "pcm16"
+    o = _soak_request(lambda r: _sse(_TEXT, done=False), stream)
+    assert (o.outcome, o.status) == ("lost", "truncated")
+    left = soak.Request("abandon", "sys", "user", 8, abandon_after_chunks=1)
+    assert _soak_request(lambda r: _sse(_TEXT, _AUDIO), left).outcome == "aborted"
+    audio = soak.Request("audio", "sys", "user", 8)
+    wav = base64.b64encode(b"\0" * 100).decode()
+    ok = {"choices": [{"message": {"content": "hi", "audio": {"data": wav}}}]}
+    assert _soak_request(lambda r: httpx.Response(200, json=ok), audio).outcome == "ok"
+    no_audio = {"choices": [{"message": {"content": "hi"}}]}
+    assert _soak_request(lambda r: httpx.Response(200, json=no_audio), audio).status == "no_audio"
+    text = soak.Request("text", "sys", "user", 8)
+    assert _soak_request(lambda r: httpx.Response(200, json=no_audio), text).outcome == "ok"
+    o = _soak_request(lambda r: httpx.Response(503, json={"error": {"message": "down"}}), text)
+    assert (o.outcome, o.status) == ("failed", "http_503")
+
+    async def hangs(r):
+        await asyncio.sleep(30)
+    assert _soak_request(hangs, text, limit=0.05).status == "timeout"
+    given_up = soak.Request("abandon", "sys", "user", 8, abandon_after_s=0.05)
+    assert _soak_request(hangs, given_up).outcome == "aborted"
+
+
+def test_soak_hit_rates_between_scrapes():
+    before = {"stages": {"thinker": {"prefix_queried_tokens": 100.0, "prefix_hit_tokens": 50.0},
+                         "decoder": {"queue_depth": 0.0}}}
+    after = {"stages": {"thinker": {"prefix_queried_tokens": 300.0, "prefix_hit_tokens": 100.0},
+                        "talker": {"prefix_queried_tokens": 0.0, "prefix_hit_tokens": 0.0},
+                        "decoder": {"queue_depth": 0.0}}}
+    assert soak.hit_rates(before, after) == {"thinker": 0.25, "talker": None}
+    assert soak.hit_rates(None, after) == {"thinker": 0.333, "talker": None}
+    assert soak.hit_rates(before, None) == {}
+
+
+def test_soak_config_shrinks_the_kv_pool_and_stays_valid(tmp_path):
+    from omni_cache.config import load_config
+
+    path = soak.soak_config("stage_configs/tiny_omni.yaml", str(tmp_path), kv_blocks=64, request_timeout_s=90.0)
+    data = yaml.safe_load(path.read_text())
+    assert data["server"]["request_timeout_s"] == 90.0
+    for stage in data["stages"]:
+        if stage["kind"] == "autoregressive":
+            assert stage["engine_args"]["extra"] == {"num_gpu_blocks_override": 64}
+            assert stage["engine_args"]["max_model_len"] == 63 * 32  # one block is vLLM's null block
+        else:
+            assert "engine_args" not in stage
+    load_config(path)  # the keys pass validation
