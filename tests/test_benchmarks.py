@@ -536,3 +536,120 @@ def test_soak_config_shrinks_the_kv_pool_and_stays_valid(tmp_path):
         else:
             assert "engine_args" not in stage
     load_config(path)  # the keys pass validation
+
+
+# ---- thinker_cache: prompts and statistics (no engine) ------------------------------------------
+
+def test_thinker_cache_multimodal_prompts_share_prefix_and_media():
+    from benchmarks import thinker_cache as tc
+    from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
+
+    wl = tc.make_workloads(0, 0, 3, tc.model_spec("qwen3-omni").workloads)
+    assert list(wl) == ["shared_prefix", "shared_image", "shared_audio", "zero_reuse"]
+    for name, modality, marks in (("shared_image", "image", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")),
+                                  ("shared_audio", "audio", ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"))):
+        prompts = wl[name]
+        first = prompts[0]
+        shared = first.token_ids[:first.shared]
+        # text context, then one placeholder (vLLM expands it), then a shared instruction
+        at = tc.MM_CONTEXT_TOKENS
+        assert shared[at:at + 3] == [TOKEN_ID[m] for m in marks]
+        assert first.shared == tc.MM_CONTEXT_TOKENS + 3 + tc.MM_TAIL_TOKENS
+        assert sum(t >= 256 for t in first.token_ids) == 3  # no other special ids
+        assert len(prompts) == 4 and all(p.token_ids[:p.shared] == shared for p in prompts)
+        # the same media object in every request: the same bytes, so the same vLLM multimodal hash
+        assert all(p.media[modality] is first.media[modality] for p in prompts)
+        suffixes = {tuple(p.token_ids[p.shared:]) for p in prompts}
+        assert len(suffixes) == 4 and all(len(s) == tc.UNIQUE_TOKENS for s in suffixes)
+        spare = tc.spare_prompt(prompts, name, 0, 0, 1, 1)
+        assert spare.token_ids[:spare.shared] == shared and spare.media is first.media
+        assert tuple(spare.token_ids[spare.shared:]) not in suffixes
+    image = wl["shared_image"][0].media["image"]
+    assert image.size == (tc.IMAGE_SIDE, tc.IMAGE_SIDE) and image.mode == "RGB"
+    clip, rate = wl["shared_audio"][0].media["audio"]
+    assert rate == 16000 and clip.dtype.name == "float32" and clip.shape == (int(tc.AUDIO_SECONDS * 16000),)
+    assert abs(clip).max() <= 1.0
+    # seeded: the same round gives the same media, another round other media
+    again = tc.make_workloads(0, 0, 3, ("shared_image", "shared_audio"))
+    other = tc.make_workloads(0, 1, 3, ("shared_image", "shared_audio"))
+    assert again["shared_image"][0].media["image"].tobytes() == image.tobytes()
+    assert other["shared_image"][0].media["image"].tobytes() != image.tobytes()
+    assert (again["shared_audio"][0].media["audio"][0] == clip).all()
+    # text workloads unchanged: 4,000 shared + 100 unique; zero reuse shares nothing
+    text = wl["shared_prefix"]
+    assert all(p.shared == tc.SHARED_TOKENS and p.media is None for p in text)
+    assert all(len(p.token_ids) == tc.SHARED_TOKENS + tc.UNIQUE_TOKENS for p in text + wl["zero_reuse"])
+    assert all(p.shared == 0 for p in wl["zero_reuse"])
+    assert list(tc.make_workloads(0, 0, 2)) == ["shared_prefix", "zero_reuse"]  # the default run
+
+
+def test_thinker_cache_engine_prompt_hides_repeated_media_only_without_prefix_caching():
+    """Without prefix caching each request's media gets a uuid of its own, so vLLM's encoder cache
+    cannot serve a repeated image; with it, vLLM's content hash (and so the prefix hit) stays."""
+    from benchmarks import thinker_cache as tc
+
+    p = tc.make_workloads(0, 0, 1, ("shared_image",))["shared_image"][0]
+    apc = tc.engine_prompt(p, "r1", prefix_cache=True)
+    assert apc == {"prompt_token_ids": p.token_ids, "multi_modal_data": {"image": p.media["image"]}}
+    off1, off2 = tc.engine_prompt(p, "r1", False), tc.engine_prompt(p, "r2", False)
+    assert off1["multi_modal_data"]["image"] is p.media["image"]
+    assert off1["multi_modal_uuids"] == {"image": ["r1/image"]} and off2["multi_modal_uuids"] == {"image": ["r2/image"]}
+    assert tc.engine_prompt(tc.Prompt([1, 2, 3]), "r", False) == {"prompt_token_ids": [1, 2, 3]}
+
+
+def test_thinker_cache_expected_hit_counts_expanded_media_in_whole_blocks():
+    from benchmarks import thinker_cache as tc
+
+    p = tc.Prompt(list(range(1151 + 100)), shared=1151)  # 1,000 + 3 marks + 48 + 100 + ...
+    # the image placeholder became 1,024 tokens: 1,023 more than the one id in the prompt
+    r = tc.RequestResult(0.1, 0.1, 0.0, 0.1, 0, 2, num_prompt_tokens=len(p.token_ids) + 1023)
+    assert tc.expected_hit(p, r, 32) == (1151 + 1023) // 32 * 32 == 2144
+
+
+def test_thinker_cache_latent_layers_are_the_talkers_inputs(tmp_path):
+    from benchmarks import thinker_cache as tc
+
+    (tmp_path / "config.json").write_text(json.dumps({"talker_config": {"accept_hidden_layer": 3}}))
+    assert tc.latent_layers(str(tmp_path)) == (0, 3)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 512}))
+    assert tc.latent_layers(str(tmp_path)) == ()
+
+
+def _thinker_cache_round(ttft: dict[tuple[str, str], float], workloads: tuple[str, ...]) -> dict:
+    from benchmarks import thinker_cache as tc
+
+    modes = {}
+    for mode in tc.MODES:
+        wls = {}
+        for wl in workloads:
+            t = ttft[mode, wl]
+            wls[wl] = {"ttft_s": [t, t], "ttft_cpu_s": [t, t], "ttft_runqueue_wait_s": [0.0, 0.0],
+                       "num_cached_tokens": [90, 90] if tc.MODES[mode]["prefix_cache"] and wl != "zero_reuse" else [0, 0],
+                       "num_prompt_tokens": [100, 100],
+                       "encoder_runs": [0, 0] if tc.MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse") else [1, 1],
+                       "timers_s": {tc.FORWARD: [t / 2, t / 2], "LLMStage.add": [0.0, 0.0], "LLMStage.step": [t, t]}}
+        modes[mode] = {"workloads": wls}
+    return {"modes": modes}
+
+
+def test_thinker_cache_summary_has_a_ratio_and_target_per_modality():
+    from benchmarks import thinker_cache as tc
+
+    workloads = tc.model_spec("qwen3-omni").workloads
+    ttft = {}
+    for wl, (off, apc, hid) in {"shared_prefix": (1.0, 0.1, 0.1), "shared_image": (2.0, 0.2, 0.25),
+                                "shared_audio": (1.5, 0.3, 0.3), "zero_reuse": (1.0, 1.0, 1.0)}.items():
+        ttft.update({("plain", wl): off, ("latents", wl): off, ("plain_apc", wl): apc, ("latents_cache", wl): hid})
+    s = tc.summarize([_thinker_cache_round(ttft, workloads)] * 3, True, 0.97)
+    r = s["ratios"]
+    assert r["apc_speedup"]["value"] == pytest.approx(10.0) and r["hidden_cache_speedup"]["value"] == pytest.approx(10.0)
+    assert r["apc_speedup_image"]["value"] == pytest.approx(10.0)
+    assert r["hidden_cache_speedup_image"]["value"] == pytest.approx(8.0)
+    assert r["apc_speedup_audio"]["value"] == pytest.approx(5.0)
+    t = s["targets"]
+    assert t["hidden_cache_speedup >= 0.97 * apc_speedup"]["holds"] is True
+    assert t["hidden_cache_speedup_image >= 0.97 * apc_speedup_image"]["holds"] is False
+    assert t["hidden_cache_speedup_audio >= 0.97 * apc_speedup_audio"]["holds"] is True
+    img = s["modes"]["plain"]["shared_image"]
+    assert img["encoder_runs"] == 6 and s["modes"]["plain_apc"]["shared_image"]["encoder_runs"] == 0
+    assert s["modes"]["plain_apc"]["shared_image"]["hit_rate"] == pytest.approx(0.9)
