@@ -140,13 +140,7 @@ class Code2WavDecoder:
         max_codes: int | None = None,
         left_context: int | None = None,
     ) -> CodeWindow | None:
-        """The window that emits the next audio of a stream.
-
-        ``codes`` are all ``[num_quantizers, N]`` codes received so far, ``emitted`` how many of them
-        have had their audio sent, ``final`` whether the stream has ended. Emits at most
-        ``max_codes`` codes; holds back ``right_codes`` until the stream ends. ``left_context``
-        defaults to the receptive field (exact up to rounding). None when nothing can be emitted yet.
-        """
+        """:func:`omni_cache.models.code_windows.next_window` with this decoder's receptive field."""
         return next_window(self.receptive_field, codes, emitted, final, max_codes, left_context)
 
 
