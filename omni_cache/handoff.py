@@ -44,12 +44,13 @@ class Upstream:
     """Everything one input stage has produced so far for one request."""
 
     stage: str
-    token_ids: list[int]
+    token_ids: list[int]  # generated tokens so far
     # Tensor frames so far by name: an autoregressive stage's latent rows ([rows, ...]), or a
     # multi-codebook talker's codes (CODES_FRAME, [num_quantizers, N]).
     latents: dict[str, torch.Tensor]
     num_prompt_tokens: int
     finished: bool
+    prompt_token_ids: list[int] = field(default_factory=list)  # when the upstream sends them
 
 
 @dataclass
@@ -70,6 +71,16 @@ class Job:
     max_tokens: int = 0
     window: CodeWindow | None = None  # decoder: the codes to decode (None: no audio left)
     last: bool = False
+    # A request whose decode steps consume streamed rows (Qwen3-Omni's talker: one thinker text
+    # row per step, `scheduler/streamed_rows.py`): `rows_pad` (the row after the end) makes the
+    # job such a request, `rows` are the rows known now, `rows_done` says no more will come.
+    # A job with `feed=True` starts nothing: its rows go to the request's running job.
+    rows: torch.Tensor | None = None
+    rows_pad: torch.Tensor | None = None
+    rows_done: bool = False
+    feed: bool = False
+    # Extra vLLM SamplingParams.extra_args of the request (e.g. workers/codec_logits.py's rules).
+    extra_args: dict[str, Any] | None = None
 
 
 def _talker_projection(ctx: HandoffContext) -> tuple[torch.Tensor, torch.Tensor, dict]:
