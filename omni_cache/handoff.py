@@ -21,6 +21,7 @@ import torch
 
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.models.code_windows import CodeWindow, next_window
+from omni_cache.wire.messages import CODES_FRAME
 
 # Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
 # new rows (a short first segment: time to first audio), then a new segment every SEGMENT_TOKENS
@@ -32,11 +33,6 @@ CODES_PER_TOKEN = 2
 # Talker -> decoder: the first decode chunk holds this many codes (the stage's `chunk_size` after
 # it), so the first audio needs FIRST_CHUNK_CODES + context codes instead of chunk_size + context.
 FIRST_CHUNK_CODES = 4
-# Talker -> decoder on the wire: a multi-codebook talker (Qwen3-Omni's) sends, with each
-# StageOutput, the codes new since its previous one as the tensor frame CODES_FRAME: integers
-# [num_quantizers, k], every codebook, audio codes only (in [0, codebook_size)). A one-codebook
-# talker (the tiny one) sends its codes as the StageOutput's token_ids instead.
-CODES_FRAME = "codes"
 
 
 @dataclass

@@ -118,7 +118,8 @@ class ARRunner(StageRunner):
         if req is None:
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
-            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline)
+            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
+                           return_latents=msg.return_latents)
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
@@ -241,12 +242,16 @@ class ARRunner(StageRunner):
             prompt_token_ids=(out.prompt_token_ids or []) if self.downstream else [],
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
-            deadline=req.deadline if req.seq == 0 else 0.0)
+            deadline=req.deadline if req.seq == 0 else 0.0,
+            return_latents=req.return_latents and req.seq == 0)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
+        tensors = out.latents
+        if out.codes is not None:  # a multi-codebook talker: every codebook, [G, k]
+            tensors = {**tensors, CODES_FRAME: out.codes}
         if self.stage.final_output == "text" or req.return_latents:
-            self.outbox.to_orchestrator(msg, out.latents if req.return_latents else None)
+            self.outbox.to_orchestrator(msg, tensors if req.return_latents else None)
         elif finished:
             # Non-final stages tell the orchestrator they are done with the request (and how much
             # their prefix cache saved), without the payload.
@@ -254,9 +259,6 @@ class ARRunner(StageRunner):
                 request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
         if self.downstream and "audio" in req.modalities:
-            tensors = out.latents
-            if out.codes is not None:  # a multi-codebook talker: every codebook, [G, k]
-                tensors = {**tensors, CODES_FRAME: out.codes}
             self.outbox.to_downstream(msg, tensors)
         if finished:
             del self.requests[req.request_id]
