@@ -50,10 +50,11 @@ def test_a_request_is_starved_until_the_row_of_its_last_output_arrives():
 
 def test_codec_logits_penalise_generated_codes_and_suppress_control_codes():
     pytest.importorskip("vllm")
-    from workers.codec_logits import CodecLogits, spec
+    from omni_cache.handoff import codec_logits_args
+    from workers.codec_logits import CodecLogits
 
     proc = CodecLogits.__new__(CodecLogits)  # new_req_logits_processor reads only the params
-    params = SimpleNamespace(extra_args=spec(2.0, (6, 10), keep=[8]))
+    params = SimpleNamespace(extra_args=codec_logits_args(2.0, (6, 10), keep=[8]))
     rule = proc.new_req_logits_processor(params)
     logits = torch.tensor([1.0, -1.0, 4.0, 0.5, 0.0, 0.0, 9.0, 9.0, 9.0, 9.0])
     out = rule([0, 1, 1], logits.clone())

@@ -189,6 +189,7 @@ class ARRunner(StageRunner):
             top_p=client.top_p if client else defaults.top_p,
             seed=client.seed if client and client.seed is not None else defaults.seed,
             extra_args=job.extra_args,
+            stop_token_ids=job.stop_token_ids,
         )
         if job.prompt_embeds is not None:
             prompt = {"prompt_embeds": job.prompt_embeds}

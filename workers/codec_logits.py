@@ -9,8 +9,8 @@ documented extension point, registered through the `logits_processors` engine ar
 - suppressed ids: the talker's vocabulary ends with 1,024 control codes that are never sampled,
   except the end-of-speech code.
 
-A request opts in with `SamplingParams.extra_args["codec_logits"] = {"penalty": float,
-"suppress": [first, end), "keep": [ids]}` (the stage's hand-off fills it from the checkpoint).
+A request opts in through `SamplingParams.extra_args` (`omni_cache.handoff.codec_logits_args`;
+the stage's hand-off fills it from the checkpoint).
 """
 
 from __future__ import annotations
@@ -21,11 +21,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-KEY = "codec_logits"
-
-
-def spec(penalty: float, suppress: tuple[int, int], keep: list[int]) -> dict[str, Any]:
-    return {KEY: {"penalty": float(penalty), "suppress": list(suppress), "keep": list(keep)}}
+from omni_cache.handoff import CODEC_LOGITS_KEY
 
 
 class CodecLogits(AdapterLogitsProcessor):
@@ -33,7 +29,7 @@ class CodecLogits(AdapterLogitsProcessor):
         return False
 
     def new_req_logits_processor(self, params: Any) -> Any:
-        args = (params.extra_args or {}).get(KEY)
+        args = (params.extra_args or {}).get(CODEC_LOGITS_KEY)
         if not args:
             return None
         first, end = args["suppress"]
