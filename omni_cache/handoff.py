@@ -78,6 +78,10 @@ class Job:
     # Extra vLLM SamplingParams.extra_args of the request (e.g. workers/codec_logits.py's rules).
     extra_args: dict[str, Any] | None = None
     stop_token_ids: list[int] | None = None  # vLLM stops the request after one of these
+    # M-RoPE positions of prompt_embeds ([3, L]) and the decode positions' offset, when they are
+    # not plain text positions (a Qwen3-Omni talker prompt with an image's grid).
+    prompt_positions: torch.Tensor | None = None
+    position_delta: int = 0
 
 
 def _talker_projection(ctx: HandoffContext) -> tuple[torch.Tensor, torch.Tensor, dict]:

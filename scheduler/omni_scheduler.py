@@ -81,6 +81,9 @@ class OmniSchedulerMixin:
         output.streamed_rows = {
             req_id: rows for req_id in output.num_scheduled_tokens
             if (rows := streamed_rows.of(self.requests[req_id])) is not None}  # type: ignore[attr-defined]
+        output.prompt_positions = {
+            new.req_id: pos for new in output.scheduled_new_reqs
+            if (pos := streamed_rows.positions_of(self.requests[new.req_id])) is not None}  # type: ignore[attr-defined]
         counters = self.__dict__.setdefault("prefix_counters", PrefixCacheCounters())
         for new in output.scheduled_new_reqs:
             request = self.requests[new.req_id]  # type: ignore[attr-defined]

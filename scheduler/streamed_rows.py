@@ -21,6 +21,9 @@ import torch
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 
 ATTRIBUTE = "streamed_rows"
+# The request's M-RoPE prompt positions ([3, L] and the decode delta), when the stage gives them
+# (a talker prompt that carries an image's grid positions); vLLM's default is plain text positions.
+POSITIONS = "prompt_positions"
 _NAME = "rows"
 
 
@@ -67,6 +70,14 @@ def of(request: Any) -> StreamedRows | None:
 
 def attach(request: Any, rows: StreamedRows) -> None:
     setattr(request, ATTRIBUTE, rows)
+
+
+def positions_of(request: Any) -> tuple[torch.Tensor, int] | None:
+    return getattr(request, POSITIONS, None)
+
+
+def attach_positions(request: Any, positions: torch.Tensor, delta: int) -> None:
+    setattr(request, POSITIONS, (positions, int(delta)))
 
 
 def needs_row(request: Any) -> int | None:

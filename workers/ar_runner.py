@@ -205,7 +205,10 @@ class ARRunner(StageRunner):
 
             streamed = StreamedRows(job.rows_pad, max_rows=self.max_model_len)
             streamed.add(job.rows, job.rows_done)
-        self.llm.add(vllm_id, prompt, params, streamed=streamed)
+        positions = None
+        if job.prompt_positions is not None:
+            positions = (job.prompt_positions, job.position_delta)
+        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions)
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 

@@ -107,10 +107,11 @@ class LLMStage:
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request_id: str, prompt: dict[str, Any], params: Any,
-            streamed: Any = None) -> None:
+            streamed: Any = None, positions: tuple[torch.Tensor, int] | None = None) -> None:
         """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}.
         streamed: the request's StreamedRows (scheduler/streamed_rows.py), for a talker whose
-        decode steps consume rows that keep arriving (`feed`)."""
+        decode steps consume rows that keep arriving (`feed`). positions: M-RoPE prompt positions
+        [3, L] and decode delta, when not plain text positions (a talker prompt with an image)."""
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._tracked:
@@ -119,12 +120,16 @@ class LLMStage:
         params.output_kind = RequestOutputKind.DELTA
         internal = self.engine.add_request(request_id, prompt, params)
         self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
-        if streamed is not None:
+        if streamed is not None or positions is not None:
             from scheduler import streamed_rows
 
             # In-process engine core: the request vLLM just queued is right there. The rows hang
             # on it, so vLLM's lifecycle frees them.
-            streamed_rows.attach(self.scheduler.requests[internal], streamed)
+            request = self.scheduler.requests[internal]
+            if streamed is not None:
+                streamed_rows.attach(request, streamed)
+            if positions is not None:
+                streamed_rows.attach_positions(request, *positions)
 
     def feed(self, request_id: str, rows: torch.Tensor | None, done: bool) -> None:
         """More streamed rows for a running request (its scheduler lets it step again)."""

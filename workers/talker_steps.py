@@ -46,6 +46,19 @@ class TalkerSteps:
     # ---- around execute_model ----------------------------------------------------------------
     def before_step(self, scheduler_output: Any) -> None:
         self.scheduler_output = scheduler_output
+        # vLLM asks the model for each new request's M-RoPE positions in this order, from the
+        # prompt alone (`next_prompt_positions`); a stage-given override goes with its request.
+        given = getattr(scheduler_output, "prompt_positions", {})
+        self.new_positions = [given.get(new.req_id) for new in scheduler_output.scheduled_new_reqs]
+
+    def next_prompt_positions(self, num_tokens: int) -> tuple[torch.Tensor, int] | None:
+        """The stage-given positions of the next new request (None: plain text positions)."""
+        if not getattr(self, "new_positions", None):
+            return None
+        given = self.new_positions.pop(0)
+        if given is not None and given[0].shape[-1] != num_tokens:
+            raise ValueError(f"prompt positions for {given[0].shape[-1]} tokens, prompt has {num_tokens}")
+        return given
 
     def after_step(self, state: Any) -> None:
         """Remember each scheduled request's last hidden state (the row its logits came from)."""
