@@ -34,6 +34,7 @@ class LatentWorkerMixin:
         if hasattr(model, "residual_codes"):
             self.talker = TalkerSteps(self.model_runner, model)  # type: ignore[attr-defined]
             model.step_inputs = self.talker.adjust_inputs
+            model.prompt_positions = self.talker.next_prompt_positions
         options = LatentOptions.from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
         if options is None:
             return
