@@ -240,7 +240,10 @@ class ARRunner(StageRunner):
         req.num_prompt_tokens = req.num_prompt_tokens or out.num_prompt_tokens
         msg = StageOutput(
             request_id=req.request_id, stage=self.stage.name, seq=req.seq,
-            token_ids=out.token_ids, text=out.text, latent_start=out.latent_start,
+            # A multi-codebook talker's codes travel as frames (every codebook, known one step
+            # after vLLM samples the first); its sampled ids are not output of their own.
+            token_ids=[] if self.llm.talker is not None else out.token_ids,
+            text=out.text, latent_start=out.latent_start,
             finished=finished, finish_reason=out.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             prompt_token_ids=(out.prompt_token_ids or []) if self.downstream else [],
