@@ -89,7 +89,7 @@ def reference(model, token_ids: list[int]) -> tuple[list[int], torch.Tensor, np.
         ids = torch.tensor([token_ids])
         sequences, wav = model.generate(
             input_ids=ids, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
-            thinker_eos_token_id=None, thinker_do_sample=False,
+            thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
             talker_do_sample=False, talker_max_new_tokens=TALKER_STEPS)
     finally:
         model.talker.generate = talker_generate
