@@ -22,6 +22,8 @@ import yaml
 from omni_cache.config import load_config
 from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.pipeline import Pipeline
+from omni_cache.serving.media import MediaDecoder
+from media_samples import clip_b64
 
 pytestmark = [
     pytest.mark.vllm,
@@ -43,6 +45,15 @@ PROMPTS = {
         {"role": "user", "content": "Say something about the sea."},
     ],
 }
+
+
+AUDIO_PROMPT = [{"role": "user", "content": [
+    {"type": "audio", "audio": "clip"}, {"type": "text", "text": "What do you hear?"}]}]
+
+
+def a_clip():
+    """1.5 s at 44.1 kHz (not the model's 16 kHz), resampled as the server's media decoder does."""
+    return MediaDecoder(audio_sample_rate=16000).audio(clip_b64(1.5, 44100, freq=440), "wav", "audio")
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +85,9 @@ def reference_model(checkpoint):
     return model.eval()
 
 
-def reference(model, token_ids: list[int]) -> tuple[list[int], torch.Tensor, np.ndarray]:
-    """Generated text ids, talker codes [G, steps] and waveform of transformers' generate."""
+def reference(model, token_ids: list[int], **inputs) -> tuple[list[int], torch.Tensor, np.ndarray]:
+    """Generated text ids, talker codes [G, steps] and waveform of transformers' generate
+    (`inputs`: the processor's media tensors for an expanded prompt)."""
     captured = {}
     talker_generate = model.talker.generate
 
@@ -90,7 +102,7 @@ def reference(model, token_ids: list[int]) -> tuple[list[int], torch.Tensor, np.
         sequences, wav = model.generate(
             input_ids=ids, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
             thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
-            talker_do_sample=False, talker_max_new_tokens=TALKER_STEPS)
+            talker_do_sample=False, talker_max_new_tokens=TALKER_STEPS, **inputs)
     finally:
         model.talker.generate = talker_generate
     hidden = captured["out"].hidden_states
@@ -113,6 +125,27 @@ def test_text_codes_and_audio_equal_the_reference(pipeline, reference_model, kin
     assert codes.shape == want_codes.shape, (codes.shape, want_codes.shape)
     assert torch.equal(codes, want_codes)
     assert got.audio is not None and got.audio.shape == want_wav.shape
+    assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+
+
+def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpoint):
+    from transformers import AutoProcessor
+
+    clip = a_clip()
+    proc = AutoProcessor.from_pretrained(checkpoint)
+    text = proc.apply_chat_template(AUDIO_PROMPT, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=text, audio=[clip.array], sampling_rate=clip.sample_rate, return_tensors="pt")
+    expanded = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    prompt = pipeline.tokenize(AUDIO_PROMPT[:0] + [{"role": "user", "content": (
+        "<|audio_start|><|audio_pad|><|audio_end|>What do you hear?")}])
+    [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
+                              media=[[clip]])
+    want_text, want_codes, want_wav = reference(reference_model, expanded, **inputs)
+    eos = reference_model.config.im_end_token_id
+    assert got.num_prompt_tokens == len(expanded)
+    assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
+    assert torch.equal(got.latents["talker.codes"], want_codes)
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
 
 
