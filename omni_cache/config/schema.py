@@ -191,6 +191,10 @@ class StageConfig(_Base, kw_only=True):
     inputs: list[str] = []
     #: "package.module.function" building this stage's inputs from its input stages' outputs.
     handoff: str | None = None
+    #: Which model of a multi-model checkpoint this (autoregressive) stage runs: None -> the one
+    #: vLLM maps the checkpoint to (Qwen3-Omni: the thinker); "talker" -> Qwen3-Omni's talker
+    #: (workers/models/qwen3_omni_talker.py), loaded from the same folder.
+    submodel: Literal["talker"] | None = None
     #: Where the stage process listens and the others connect: "ipc:///abs/path" or
     #: "tcp://host:port" (on several hosts: a name the other hosts resolve to this one).
     address: str

@@ -167,6 +167,13 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 (*base, "latents", "layers"),
                 f"layer indices must be unique, repeated: {', '.join(map(str, dupes))}",
             )
+        if s.submodel == "talker":
+            if not s.inputs:
+                issues.add((*base, "submodel"),
+                           "'talker' reads a thinker's output: the stage needs `inputs`")
+            if s.latents.any():
+                issues.add((*base, "latents"),
+                           "the talker emits codes, not latents: leave latents off")
         if s.engine_args is not None:
             _check_extra(s.engine_args, (*base, "engine_args", "extra"), issues)
             tp = s.engine_args.tensor_parallel_size
@@ -180,6 +187,9 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                     "use a single GPU per stage",
                 )
     else:
+        if s.submodel is not None:
+            issues.add((*base, "submodel"),
+                       "only for autoregressive stages (a generation stage runs its checkpoint's decoder)")
         if s.engine_args is not None:
             issues.add(
                 (*base, "engine_args"),

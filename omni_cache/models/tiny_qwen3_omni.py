@@ -21,9 +21,10 @@ plus 1024.
 
 Token ids: bytes 0..255 are ids 0..255 (the project's byte-level tokenizer), :data:`SPECIAL_TOKENS`
 follow from 256 (``<|endoftext|>`` 256, ``<|im_start|>`` 257, ``<|im_end|>`` 258, as in the other tiny
-checkpoints). The released model's role ids (``user_token_id`` ...) are single BPE tokens; with bytes
-the first byte of the role name stands in ('u', 's', 'a' are distinct, and transformers only compares
-the token after ``<|im_start|>``).
+checkpoints). The role names ``system``, ``user`` and ``assistant`` are single tokens after them, as in
+the released tokenizer (``<|im_start|>assistant\n`` is 3 tokens): transformers' talker input
+assumes that layout (it takes the assistant turn's 4th token as the first answer token, and places
+the end-of-speech marker by counting answer tokens from there).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ SPECIAL_TOKENS = (
     "<tts_text_bos>",
     "<tts_text_eod>",
     "<tts_text_bos_single>",
+    # Role names: one token each, as in the released tokenizer.
+    "system",
+    "user",
+    "assistant",
 )
 TOKEN_ID = {t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)}
 VOCAB_SIZE = 512
@@ -148,7 +153,7 @@ def config() -> dict:
     thinker_config = {
         "text_config": text_config, "audio_config": audio_config, "vision_config": vision_config,
         **media_ids, "audio_end_token_id": tid["<|audio_end|>"],
-        "vision_end_token_id": tid["<|vision_end|>"], "user_token_id": ord("u"),
+        "vision_end_token_id": tid["<|vision_end|>"], "user_token_id": tid["user"],
         "position_id_per_seconds": 13,
     }
     talker_config = {
@@ -187,8 +192,8 @@ def config() -> dict:
         "code2wav_config": code2wav_config, "enable_audio_output": True,
         "im_start_token_id": tid["<|im_start|>"], "im_end_token_id": tid["<|im_end|>"],
         "tts_pad_token_id": tid["<tts_pad>"], "tts_bos_token_id": tid["<tts_text_bos>"],
-        "tts_eos_token_id": tid["<tts_text_eod>"], "system_token_id": ord("s"),
-        "user_token_id": ord("u"), "assistant_token_id": ord("a"), "dtype": "bfloat16",
+        "tts_eos_token_id": tid["<tts_text_eod>"], "system_token_id": tid["system"],
+        "user_token_id": tid["user"], "assistant_token_id": tid["assistant"], "dtype": "bfloat16",
     }
 
 

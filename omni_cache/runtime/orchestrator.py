@@ -60,6 +60,7 @@ import zmq.asyncio
 from omni_cache.config import PipelineConfig, StageConfig, resolve_model
 from omni_cache.wire.ipc_claims import IpcClaims
 from omni_cache.wire.messages import (
+    CODES_FRAME,
     MESSAGE_TYPES,
     Abort,
     MediaRef,
@@ -733,7 +734,9 @@ class Orchestrator:
 
             for name, parts in req.latents.items():
                 parts.sort(key=lambda p: p[0])
-                latents[name] = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+                # Codes frames are [num_code_groups, k]: steps run along the last dimension.
+                dim = -1 if name.endswith("." + CODES_FRAME) else 0
+                latents[name] = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts], dim=dim)
         req.queue.put_nowait(Completed(
             finish_reason=(text_out.finish_reason if text_out else None) or "stop",
             num_prompt_tokens=(entry_out.num_prompt_tokens if entry_out else 0) or len(req.prompt_token_ids),
@@ -817,10 +820,13 @@ class Orchestrator:
                 rate = msg.sample_rate or self.audio_sample_rate
                 self.audio_sample_rate = rate
                 req.queue.put_nowait(AudioDelta(samples, rate))
-        if req.return_latents and stage.name == self.entry.name:
+        if req.return_latents and stage.is_autoregressive:
+            # The entry stage's latents by their own names, a later stage's as "<stage>.<name>"
+            # (e.g. "talker.codes").
+            prefix = "" if stage.name == self.entry.name else f"{stage.name}."
             for name, t in tensors.items():
                 if name != "audio":
-                    req.latents.setdefault(name, []).append((msg.latent_start, t.clone()))
+                    req.latents.setdefault(prefix + name, []).append((msg.latent_start, t.clone()))
         if msg.finished:
             if stage.name not in req.finished:
                 self.metrics.observe(STAGE_DONE, stage.name, now - req.t0)

@@ -24,6 +24,13 @@ import msgspec
 from omni_cache.config.schema import Sampling
 
 
+# Talker -> decoder: a multi-codebook talker (Qwen3-Omni's) sends, with each StageOutput, the
+# codes new since its previous one as the tensor frame CODES_FRAME: integers [num_code_groups, k],
+# every codebook, audio codes only (in [0, codebook_size)). A one-codebook talker (the tiny one)
+# sends its codes as the StageOutput's token_ids instead.
+CODES_FRAME = "codes"
+
+
 class MediaRef(msgspec.Struct, kw_only=True):
     """One image or audio clip of a Submit; its samples travel as the tensor frame ``tensor``:
     an image as ``uint8 [H, W, 3]`` RGB, a clip as ``float32 [n]`` mono at ``sample_rate``."""
@@ -58,12 +65,18 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    # The prompt as the stage's engine saw it (media placeholders expanded); first output only,
+    # and only to a downstream stage (Qwen3-Omni's talker finds the user turn and media in it).
+    prompt_token_ids: list[int] = []
     num_cached_tokens: int = 0  # prompt tokens this stage's prefix cache let it skip (so far)
     sample_rate: int = 0  # decoder output only
     # carried along so downstream stages know what to produce
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
     sampling: Sampling | None = None  # the client's sampling, forwarded with the first output
     deadline: float = 0.0  # the request's Submit.deadline, forwarded with the first output
+    # The request's Submit.return_latents, forwarded with the first output: every autoregressive
+    # stage then also sends its tensors (latents, a talker's codes) to the orchestrator.
+    return_latents: bool = False
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):

@@ -8,8 +8,12 @@ scheduler's block allocation and the layer's state writes in lockstep on multi-p
 
 from __future__ import annotations
 
+#: The architecture name of this project's Qwen3-Omni talker (workers/models/qwen3_omni_talker.py).
+TALKER_ARCHITECTURE = "OmniCacheQwen3OmniTalker"
+
 
 def register() -> None:
+    _register_talker()
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
@@ -21,3 +25,12 @@ def register() -> None:
     if op_registry_oot.get("QwenGatedDeltaNetAttention") is not BlockStateGatedDeltaNet:
         QwenGatedDeltaNetAttention.register_oot(BlockStateGatedDeltaNet,
                                                 name="QwenGatedDeltaNetAttention")
+
+
+def _register_talker() -> None:
+    from vllm import ModelRegistry
+
+    # Lazy ("module:Class"): importing the model needs vLLM's layers, which plugins load early.
+    if TALKER_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(TALKER_ARCHITECTURE,
+                                     "workers.models.qwen3_omni_talker:Qwen3OmniTalkerForCausalLM")

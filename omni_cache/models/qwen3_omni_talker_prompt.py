@@ -1,0 +1,150 @@
+"""Qwen3-Omni's talker inputs, built from what the thinker stage emits, as transformers' reference
+`Qwen3OmniMoeForConditionalGeneration.generate(..., return_audio=True)` builds them.
+
+From the thinker, per token: its id, its input embedding (layer tap 0: the embedding row at text
+positions, the encoder output at image/audio positions) and its hidden state after the talker's
+`accept_hidden_layer`. From those:
+
+* the talker prompt: the user turns only (system turns and earlier assistant turns are dropped),
+  each position projected into the talker's space, by `hidden_projection` of the accept-layer
+  state at image/audio/video positions and by `text_projection` of the input embedding elsewhere;
+  then 9 assistant rows: the first three tokens of the last assistant turn, four `tts_pad` rows,
+  `tts_bos`, and the turn's fourth token, each plus a codec embedding (nothing for the first three;
+  then nothink, think_bos, think_eos, the speaker, codec_pad, codec_bos);
+* the text the talker speaks, one row per decode step: `text_projection` of every later token's
+  input embedding (`text`), then `tts_eos`, then `tts_pad` for ever.
+
+Torch only (no vLLM): the talker stage's hand-off calls it (`omni_cache.handoff`). Only the tensors
+it needs are read from the checkpoint's weight file (two small MLPs and a few embedding rows).
+M-RoPE positions: a prompt without images or video takes plain positions (the reference gives its
+audio positions plain too); a prompt with an image is refused for now (its talker positions follow
+the image grid, which the stage does not see yet).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: How many thinker rows of the assistant turn the talker prompt takes (the rest is its text).
+ASSISTANT_PROMPT_ROWS = 4
+DEFAULT_SPEAKER = "ethan"
+
+
+@dataclass
+class _Projection:
+    fc1_weight: torch.Tensor
+    fc1_bias: torch.Tensor
+    fc2_weight: torch.Tensor
+    fc2_bias: torch.Tensor
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.linear(rows.to(self.fc1_weight.dtype), self.fc1_weight, self.fc1_bias)
+        return torch.nn.functional.linear(torch.nn.functional.silu(x), self.fc2_weight, self.fc2_bias)
+
+
+class TalkerPrompt:
+    """Everything the talker's inputs need from the checkpoint, loaded once per stage."""
+
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        thinker, talker = config["thinker_config"], config["talker_config"]
+        self.accept_hidden_layer = int(talker["accept_hidden_layer"])
+        self.im_start_id = config["im_start_token_id"]
+        self.user_id, self.assistant_id = config["user_token_id"], config["assistant_token_id"]
+        self.media_ids = {thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")}
+        self.image_ids = {thinker["image_token_id"], thinker["video_token_id"]}
+        self.speakers = {name.lower(): i for name, i in talker["speaker_id"].items()}
+        self.codec_eos_id = talker["codec_eos_token_id"]
+        self.talker_vocab_size = talker["text_config"]["vocab_size"]
+        self.text_projection = _projection(tensors, "talker.text_projection", dtype)
+        self.hidden_projection = _projection(tensors, "talker.hidden_projection", dtype)
+        embed = tensors["thinker.model.embed_tokens.weight"]
+        tts = embed[[config["tts_bos_token_id"], config["tts_eos_token_id"], config["tts_pad_token_id"]]]
+        self.tts_bos, self.tts_eos, self.tts_pad = self.text_projection(tts.to(dtype))
+        self._codec_table = tensors["talker.model.codec_embedding.weight"].to(dtype)
+        self._codec_specials = [talker["codec_nothink_id"], talker["codec_think_bos_id"],
+                                talker["codec_think_eos_id"], None, talker["codec_pad_id"],
+                                talker["codec_bos_id"]]
+
+    @classmethod
+    def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> TalkerPrompt:
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        wanted = ("talker.text_projection.", "talker.hidden_projection.",
+                  "thinker.model.embed_tokens.weight", "talker.model.codec_embedding.weight")
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    if name.startswith(wanted):
+                        tensors[name] = f.get_tensor(name)
+        return cls(config, tensors, dtype)
+
+    # ---- the prompt --------------------------------------------------------------------------
+    def assistant_start(self, token_ids: list[int]) -> int:
+        """Position of the last `<|im_start|>` followed by the assistant role."""
+        for i in range(len(token_ids) - 2, -1, -1):
+            if token_ids[i] == self.im_start_id and token_ids[i + 1] == self.assistant_id:
+                return i
+        raise ValueError("the prompt has no assistant turn to speak (no <|im_start|> + assistant role)")
+
+    def rows_needed(self, prompt_token_ids: list[int]) -> int:
+        """Thinker rows the talker prompt needs: up to the assistant turn's fourth token."""
+        return self.assistant_start(prompt_token_ids) + ASSISTANT_PROMPT_ROWS
+
+    def user_positions(self, prompt_token_ids: list[int]) -> list[int]:
+        """Positions of the user turns: from their `<|im_start|>` to the next one."""
+        out, in_user = [], False
+        for i, tok in enumerate(prompt_token_ids):
+            if tok == self.im_start_id:
+                in_user = i + 1 < len(prompt_token_ids) and prompt_token_ids[i + 1] == self.user_id
+            if in_user:
+                out.append(i)
+        return out
+
+    def build(self, prompt_token_ids: list[int], embeds: torch.Tensor, accept: torch.Tensor,
+              speaker: str = DEFAULT_SPEAKER) -> torch.Tensor:
+        """The talker prompt [L, hidden] from the prompt's ids and the thinker rows 0 ..
+        `rows_needed` - 1 (a thinker that stopped earlier gives fewer: the turn's fourth row is
+        then missing, as in the reference)."""
+        speaker_id = self.speakers.get(speaker.lower())
+        if speaker_id is None:
+            raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(self.speakers)}")
+        if any(t in self.image_ids for t in prompt_token_ids):
+            raise ValueError("talker prompts with images or video are not supported yet (their "
+                             "talker positions follow the image grid)")
+        start = self.assistant_start(prompt_token_ids)
+        user = self.user_positions(prompt_token_ids[:start])
+        media = torch.tensor([prompt_token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
+        dtype = self.tts_pad.dtype
+        user_rows = torch.empty(len(user), self.tts_pad.shape[-1], dtype=dtype)
+        index = torch.tensor(user, dtype=torch.long)
+        if bool(media.any()):
+            user_rows[media] = self.hidden_projection(accept[index[media]].to(dtype))
+        if bool((~media).any()):
+            user_rows[~media] = self.text_projection(embeds[index[~media]].to(dtype))
+        turn = self.text_projection(embeds[start:start + ASSISTANT_PROMPT_ROWS].to(dtype))
+        text = torch.cat([turn[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], turn[3:4]])
+        codec_ids = [speaker_id if c is None else c for c in self._codec_specials]
+        codec = torch.cat([torch.zeros(3, text.shape[-1], dtype=dtype),
+                           self._codec_table[torch.tensor(codec_ids)]])
+        return torch.cat([user_rows, text + codec[:text.shape[0]]])
+
+    def text(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Talker text rows of thinker rows (their input embeddings), one per decode step."""
+        if embeds.shape[0] == 0:
+            return self.tts_pad.new_zeros(0, self.tts_pad.shape[-1])
+        return self.text_projection(embeds.to(self.tts_pad.dtype))
+
+
+def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> _Projection:
+    try:
+        return _Projection(*(tensors[f"{prefix}.{n}"].to(dtype) for n in
+                             ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")))
+    except KeyError as exc:
+        raise ValueError(f"the checkpoint lacks {exc.args[0]} (not a Qwen3-Omni checkpoint?)") from None

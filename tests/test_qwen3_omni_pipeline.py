@@ -1,0 +1,163 @@
+"""Qwen3-Omni end to end (stage_configs/qwen3_omni.yaml on the tiny checkpoint, float32, greedy):
+thinker -> talker -> code2wav against transformers' reference
+`Qwen3OmniMoeForConditionalGeneration.generate(..., return_audio=True)` on the same checkpoint.
+
+The pipeline's text tokens and every codebook of every talker step (`return_latents` brings the
+talker's codes back as ``latents["talker.codes"]``) must equal the reference's; its waveform must
+match within WAVE_ATOL. With the cache on, a repeated prompt (a prefix hit in both vLLM stages)
+and several requests at once must still give exactly those codes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from omni_cache.config import load_config
+from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.pipeline import Pipeline
+from omni_cache.serving.media import MediaDecoder
+from media_samples import clip_b64
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+THINKER_TOKENS = 12
+TALKER_STEPS = 24  # the talker's sampling.max_tokens (random weights rarely say end-of-speech)
+# code2wav in float32 over the same codes; the pipeline decodes in streaming windows with enough
+# left context (omni_cache/models/code_windows.py), the reference in one 300-code chunk.
+WAVE_ATOL = 1e-4
+PROMPTS = {
+    "text": "Tell me a story about a lighthouse keeper.",
+    "multi_turn": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi there."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Say something about the sea."},
+    ],
+}
+
+
+AUDIO_PROMPT = [{"role": "user", "content": [
+    {"type": "audio", "audio": "clip"}, {"type": "text", "text": "What do you hear?"}]}]
+
+
+def a_clip():
+    """1.5 s at 44.1 kHz (not the model's 16 kHz), resampled as the server's media decoder does."""
+    return MediaDecoder(audio_sample_rate=16000).audio(clip_b64(1.5, 44100, freq=440), "wav", "audio")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return ensure_checkpoint("qwen3-omni", tmp_path_factory.mktemp("q3omni"))
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoint, tmp_path_factory):
+    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
+    name = "q3parity"
+    data["name"] = name
+    for stage in data["stages"]:
+        stage["model"] = str(checkpoint)
+        stage["address"] = f"ipc:///tmp/omni_cache/{name}-{os.getpid()}/{stage['name']}.sock"
+        if stage["name"] == "talker":
+            stage["sampling"]["max_tokens"] = TALKER_STEPS
+    path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with Pipeline(load_config(path), config_path=path).start() as pipe:
+        yield pipe
+
+
+@pytest.fixture(scope="module")
+def reference_model(checkpoint):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    return model.eval()
+
+
+def reference(model, token_ids: list[int], **inputs) -> tuple[list[int], torch.Tensor, np.ndarray]:
+    """Generated text ids, talker codes [G, steps] and waveform of transformers' generate
+    (`inputs`: the processor's media tensors for an expanded prompt)."""
+    captured = {}
+    talker_generate = model.talker.generate
+
+    def spy(*args, **kwargs):
+        out = talker_generate(*args, **kwargs)
+        captured["out"] = out
+        return out
+
+    model.talker.generate = spy
+    try:
+        ids = torch.tensor([token_ids])
+        sequences, wav = model.generate(
+            input_ids=ids, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
+            thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
+            talker_do_sample=False, talker_max_new_tokens=TALKER_STEPS, **inputs)
+    finally:
+        model.talker.generate = talker_generate
+    hidden = captured["out"].hidden_states
+    codes = torch.stack([h[-1][0] for h in hidden if h[-1] is not None], dim=-1)  # [G, steps]
+    return sequences[0, len(token_ids):].tolist(), codes, wav.reshape(-1).float().numpy()
+
+
+def strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
+
+
+@pytest.mark.parametrize("kind", sorted(PROMPTS))
+def test_text_codes_and_audio_equal_the_reference(pipeline, reference_model, kind):
+    token_ids = pipeline.tokenize(PROMPTS[kind])
+    [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
+    want_text, want_codes, want_wav = reference(reference_model, token_ids)
+    eos = reference_model.config.im_end_token_id
+    assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
+    codes = got.latents["talker.codes"]
+    assert codes.shape == want_codes.shape, (codes.shape, want_codes.shape)
+    assert torch.equal(codes, want_codes)
+    assert got.audio is not None and got.audio.shape == want_wav.shape
+    assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+
+
+def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpoint):
+    from transformers import AutoProcessor
+
+    clip = a_clip()
+    proc = AutoProcessor.from_pretrained(checkpoint)
+    text = proc.apply_chat_template(AUDIO_PROMPT, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=text, audio=[clip.array], sampling_rate=clip.sample_rate, return_tensors="pt")
+    expanded = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    prompt = pipeline.tokenize(AUDIO_PROMPT[:0] + [{"role": "user", "content": (
+        "<|audio_start|><|audio_pad|><|audio_end|>What do you hear?")}])
+    [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
+                              media=[[clip]])
+    want_text, want_codes, want_wav = reference(reference_model, expanded, **inputs)
+    eos = reference_model.config.im_end_token_id
+    assert got.num_prompt_tokens == len(expanded)
+    assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
+    assert torch.equal(got.latents["talker.codes"], want_codes)
+    assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+
+
+def test_prefix_hits_and_batching_keep_the_codes(pipeline, reference_model):
+    token_ids = pipeline.tokenize(PROMPTS["text"])
+    _, want_codes, _ = reference(reference_model, token_ids)
+    before = pipeline.stats()
+    # The same prompt three more times, all at once: prefix hits in thinker and talker, batched.
+    results = pipeline.generate([token_ids] * 3, max_tokens=THINKER_TOKENS, return_latents=True)
+    for r in results:
+        assert torch.equal(r.latents["talker.codes"], want_codes)
+        assert r.cached_tokens.get("thinker", 0) > 0
+    after = pipeline.stats()
+    hits = after["talker"]["prefix_cache_hit_tokens"] - before["talker"]["prefix_cache_hit_tokens"]
+    assert hits > 0, "the talker's own prefix cache never hit on a repeated prompt"

@@ -1,0 +1,107 @@
+"""The Qwen3-Omni pipeline through the HTTP API, streaming: audio reaches the client while the
+thinker is still writing, and a client that hangs up mid-answer leaves nothing of its request in
+any stage (the talker's rows and codebook history included: they live on vLLM's request objects)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from omni_cache.config import load_config
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.serving.metrics import parse_metrics
+from omni_cache.serving.server import ServerThread
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "q3stream"
+LONG_ANSWER = 160  # thinker tokens: long enough that the first audio comes well before its end
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
+    data["name"] = NAME
+    data["server"]["port"] = 0
+    for stage in data["stages"]:
+        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
+    path = tmp_path_factory.mktemp("cfg") / f"{NAME}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    srv = ServerThread(Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)).start()
+    srv.wait_ready(600)
+    yield srv
+    srv.stop()
+
+
+def events(server, content: str, max_tokens: int):
+    """The SSE events of a streamed text + audio answer, in arrival order."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "stream": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "default", "format": "pcm16"}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
+
+
+def kinds(event: dict) -> set[str]:
+    out = set()
+    for choice in event.get("choices", []):
+        delta = choice.get("delta", {})
+        if delta.get("content"):
+            out.add("text")
+        if (delta.get("audio") or {}).get("data"):
+            out.add("audio")
+        if choice.get("finish_reason"):
+            out.add("finish")
+    return out
+
+
+def test_first_audio_arrives_before_the_thinker_finishes(server):
+    seen = [kinds(e) for e in events(server, "Tell me everything about lighthouses.", LONG_ANSWER)]
+    text_at = [i for i, k in enumerate(seen) if "text" in k]
+    audio_at = [i for i, k in enumerate(seen) if "audio" in k]
+    assert len(text_at) > 20, "the thinker's answer is too short for this test"
+    assert audio_at, "no audio"
+    assert audio_at[0] < text_at[-1], (
+        f"first audio at event {audio_at[0]}, the thinker's last text at {text_at[-1]}")
+
+
+def stage_metrics(server) -> dict[tuple[str, str], float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {(name, labels.get("stage", "")): value for name, labels, value in parse_metrics(text)}
+
+
+def test_a_client_that_hangs_up_leaves_nothing_in_the_stages(server):
+    stream = events(server, "Describe the sea at night, slowly.", LONG_ANSWER)
+    for event in stream:
+        if "audio" in kinds(event):
+            break  # the talker is mid-answer
+    stream.close()  # the client hangs up
+    deadline = time.monotonic() + 60
+    while True:
+        m = stage_metrics(server)
+        live = {s: m.get(("omni_cache_stage_queue_depth", s), -1) for s in ("thinker", "talker", "decoder")}
+        engine = {s: m.get(("vllm:num_requests_running", s), 0) + m.get(("vllm:num_requests_waiting", s), 0)
+                  for s in ("thinker", "talker")}
+        if not any(live.values()) and not any(engine.values()):
+            break
+        assert time.monotonic() < deadline, f"still live after the client left: {live} {engine}"
+        time.sleep(0.2)
+    # ... and the pipeline still answers.
+    assert any("audio" in kinds(e) for e in events(server, "Hello again.", 8))

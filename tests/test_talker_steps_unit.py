@@ -1,0 +1,65 @@
+"""Unit tests of the talker's step machinery that need no engine: streamed rows and the codec
+logits rules (the engine-level behaviour is in tests/test_qwen3_omni_pipeline.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from scheduler import streamed_rows
+from scheduler.streamed_rows import StreamedRows
+
+
+def test_rows_arrive_then_pad_after_done():
+    pad = torch.full((4,), -1.0)
+    s = StreamedRows(pad)
+    assert not s.has(0)
+    s.add(torch.arange(8.0).reshape(2, 4))
+    assert s.has(1) and not s.has(2)
+    s.add(torch.arange(8.0, 12.0).reshape(1, 4), done=True)
+    assert s.has(2) and s.has(50)  # past the end: the pad row
+    got = s.rows(torch.tensor([0, 2, 3, 7]))
+    assert torch.equal(got[0], torch.arange(4.0))
+    assert torch.equal(got[1], torch.arange(8.0, 12.0))
+    assert torch.equal(got[2], pad) and torch.equal(got[3], pad)
+    with pytest.raises(ValueError, match="after the stream was marked done"):
+        s.add(torch.zeros(1, 4))
+
+
+def test_rows_of_the_wrong_width_are_refused():
+    s = StreamedRows(torch.zeros(4))
+    with pytest.raises(ValueError, match="3 wide, expected 4"):
+        s.add(torch.zeros(1, 3))
+
+
+def test_a_request_is_starved_until_the_row_of_its_last_output_arrives():
+    req = SimpleNamespace(num_output_tokens=0)
+    assert not streamed_rows.is_starved(req)  # no rows attached: a plain request
+    s = StreamedRows(torch.zeros(2))
+    streamed_rows.attach(req, s)
+    assert not streamed_rows.is_starved(req)  # prefill needs no row
+    req.num_output_tokens = 1  # the next forward feeds output 0: needs row 0
+    assert streamed_rows.is_starved(req)
+    s.add(torch.zeros(1, 2))
+    assert not streamed_rows.is_starved(req)
+    req.num_output_tokens = 3
+    assert streamed_rows.is_starved(req)
+    s.add(None, done=True)  # the text ended: pad rows from here on
+    assert not streamed_rows.is_starved(req)
+
+
+def test_codec_logits_penalise_generated_codes_and_suppress_control_codes():
+    pytest.importorskip("vllm")
+    from omni_cache.handoff import codec_logits_args
+    from workers.codec_logits import CodecLogits
+
+    proc = CodecLogits.__new__(CodecLogits)  # new_req_logits_processor reads only the params
+    params = SimpleNamespace(extra_args=codec_logits_args(2.0, (6, 10), keep=[8]))
+    rule = proc.new_req_logits_processor(params)
+    logits = torch.tensor([1.0, -1.0, 4.0, 0.5, 0.0, 0.0, 9.0, 9.0, 9.0, 9.0])
+    out = rule([0, 1, 1], logits.clone())
+    assert out[0] == 0.5 and out[1] == -2.0  # transformers' rule: divide positives, multiply negatives
+    assert out[2] == 4.0  # not generated: untouched
+    assert out[8] == 9.0  # the kept (end-of-speech) code
+    assert torch.isinf(out[[6, 7, 9]]).all() and (out[[6, 7, 9]] < 0).all()
+    assert proc.new_req_logits_processor(SimpleNamespace(extra_args=None)) is None

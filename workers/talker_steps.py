@@ -1,0 +1,160 @@
+"""The worker's side of the Qwen3-Omni talker: what happens around each forward.
+
+vLLM feeds a decode step the code it sampled last (the first codebook, `code0`). Qwen3-Omni's talker
+instead feeds, at the position of the s-th sampled code, the sum of the embeddings of ALL its
+codebooks plus text row s of the thinker (`scheduler/streamed_rows.py`). The other codebooks come
+from the code predictor, which needs the talker's hidden state at the previous position
+(`past_hidden`). So, at every forward:
+
+1. `adjust_inputs` (called by the model's forward, when vLLM's runner has laid out the batch):
+   for every scheduled position that feeds a sampled code, run the code predictor (batched over
+   the requests) for codes it has not seen before, and replace that position's input embedding;
+   the step's complete codes [num_code_groups] are queued for the stage (`drain`).
+2. `after_step` (after `execute_model`): keep each request's last hidden state as its next
+   `past_hidden`.
+
+Per-request state (`past_hidden`, the codebooks of every code fed so far, needed again when a
+preempted request is recomputed) hangs on vLLM's `CachedRequestState` of the request, so vLLM's
+request lifecycle frees it. Only codes waiting for the stage to pick them up are kept here, and
+the stage drains them after every step (and discards them on abort).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from scheduler import streamed_rows
+
+
+@dataclass
+class TalkerRequestState:
+    past_hidden: torch.Tensor | None = None  # talker hidden state at the last computed position
+    residual: list[torch.Tensor] = field(default_factory=list)  # per fed code: codebooks 1..G-1
+
+
+class TalkerSteps:
+    """Owned by the worker; the talker model calls `adjust_inputs` from its forward."""
+
+    def __init__(self, runner: Any, model: Any) -> None:
+        self.runner, self.model = runner, model
+        self.scheduler_output: Any = None
+        self.pending: dict[str, list[torch.Tensor]] = {}  # req id -> codes [G] per new step
+
+    # ---- around execute_model ----------------------------------------------------------------
+    def before_step(self, scheduler_output: Any) -> None:
+        self.scheduler_output = scheduler_output
+        # vLLM asks the model for each new request's M-RoPE positions in this order, from the
+        # prompt alone (`next_prompt_positions`); a stage-given override goes with its request.
+        given = getattr(scheduler_output, "prompt_positions", {})
+        self.new_positions = [given.get(new.req_id) for new in scheduler_output.scheduled_new_reqs]
+
+    def next_prompt_positions(self, num_tokens: int) -> tuple[torch.Tensor, int] | None:
+        """The stage-given positions of the next new request (None: plain text positions)."""
+        if not getattr(self, "new_positions", None):
+            return None
+        given = self.new_positions.pop(0)
+        if given is not None and given[0].shape[-1] != num_tokens:
+            raise ValueError(f"prompt positions for {given[0].shape[-1]} tokens, prompt has {num_tokens}")
+        return given
+
+    def after_step(self, state: Any) -> None:
+        """Remember each scheduled request's last hidden state (the row its logits came from)."""
+        if state is None or self.scheduler_output is None:
+            return
+        hidden = state.sample_hidden_states
+        ids = self.runner.input_batch.req_ids
+        for i, req_id in enumerate(ids[:hidden.shape[0]]):
+            req = self.runner.requests.get(req_id)
+            if req is not None:
+                _state(req).past_hidden = hidden[i].detach().clone()
+        self.scheduler_output = None
+
+    # ---- inside the forward ------------------------------------------------------------------
+    def adjust_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        out = self.scheduler_output
+        if out is None:
+            return inputs_embeds
+        rows, reqs, steps = self._code_positions(out)
+        if not rows:
+            return inputs_embeds
+        code0 = torch.tensor([req.output_token_ids[s] for req, s in zip(reqs, steps)],
+                             dtype=torch.long, device=inputs_embeds.device)
+        residual = self._residual_codes(reqs, steps, code0)
+        embeds = self.model.codec_input_embeds(code0, residual)
+        text = torch.stack([self._text_row(out, req, s) for req, s in zip(reqs, steps)])
+        index = torch.tensor(rows, dtype=torch.long, device=inputs_embeds.device)
+        inputs_embeds[index] = (embeds + text.to(embeds.device)).to(inputs_embeds.dtype)
+        return inputs_embeds
+
+    def _code_positions(self, out: Any) -> tuple[list[int], list[Any], list[int]]:
+        """Batch rows that feed a sampled code, with their request and decode step."""
+        batch = self.runner.input_batch
+        starts = self.runner.query_start_loc.np
+        rows, reqs, steps = [], [], []
+        for i, req_id in enumerate(batch.req_ids):
+            n = out.num_scheduled_tokens.get(req_id, 0)
+            req = self.runner.requests[req_id]
+            computed = int(batch.num_computed_tokens_cpu[i])
+            prompt = req.num_prompt_tokens
+            for pos in range(max(computed, prompt), computed + n):
+                rows.append(int(starts[i]) + pos - computed)
+                reqs.append(req)
+                steps.append(pos - prompt)
+        return rows, reqs, steps
+
+    def _residual_codes(self, reqs: list[Any], steps: list[int], code0: torch.Tensor) -> torch.Tensor:
+        """Codebooks 1..G-1 of each fed code: from history when recomputed, else predicted (one
+        batched code-predictor run over the requests feeding a new code)."""
+        new = [k for k, (req, s) in enumerate(zip(reqs, steps)) if s == len(_state(req).residual)]
+        if new:
+            past = []
+            for k in new:
+                hidden = _state(reqs[k]).past_hidden
+                if hidden is None:
+                    raise RuntimeError(f"talker request {reqs[k].req_id}: no hidden state before step {steps[k]}")
+                past.append(hidden)
+            predicted = self.model.residual_codes(torch.stack(past), code0[new])
+            for j, k in enumerate(new):
+                req, s = reqs[k], steps[k]
+                _state(req).residual.append(predicted[j].cpu())
+                codes = torch.cat([code0[k:k + 1].cpu(), predicted[j].cpu()])
+                self.pending.setdefault(req.req_id, []).append(codes)
+        out = []
+        for req, s in zip(reqs, steps):
+            history = _state(req).residual
+            if s >= len(history):
+                raise RuntimeError(f"talker request {req.req_id}: codes of step {s} are unknown")
+            out.append(history[s])
+        return torch.stack(out).to(code0.device)
+
+    def _text_row(self, out: Any, req: Any, step: int) -> torch.Tensor:
+        rows = out.streamed_rows.get(req.req_id) if hasattr(out, "streamed_rows") else None
+        if rows is None:
+            raise RuntimeError(f"talker request {req.req_id} has no text rows (added without them)")
+        if not rows.has(step):
+            raise RuntimeError(f"talker request {req.req_id}: text row {step} has not arrived "
+                               "(the scheduler should have held it back)")
+        return rows.rows(torch.tensor([step]))[0]
+
+    # ---- for the stage -----------------------------------------------------------------------
+    def drain(self, req_id: str) -> torch.Tensor | None:
+        """Codes of the steps fed since the last drain, [G, k] (None when there are none)."""
+        codes = self.pending.pop(req_id, None)
+        return torch.stack(codes, dim=1) if codes else None
+
+    def discard(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+
+
+def _state(req: Any) -> TalkerRequestState:
+    state = getattr(req, "talker_state", None)
+    if state is None:
+        state = TalkerRequestState()
+        req.talker_state = state
+    return state
+
+
+__all__ = ["TalkerSteps", "TalkerRequestState", "streamed_rows"]
