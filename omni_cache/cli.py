@@ -190,7 +190,7 @@ def format_summary(
     for st in order:
         lines.append(f"stage {st.name}:")
         lines.append(f"  kind:         {st.kind}")
-        lines.append(f"  model:        {st.model}")
+        lines.append(f"  model:        {st.model}" + (f" (its {st.submodel})" if st.submodel else ""))
         if st.inputs:
             lines.append(f"  inputs:       {', '.join(st.inputs)} (handoff {st.handoff})")
         else:

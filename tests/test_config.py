@@ -628,7 +628,8 @@ def test_cli_no_path_check_for_qwen_example() -> None:
     assert run_cli("--stage-config", str(QWEN), "--check").returncode == 2
     result = run_cli("--stage-config", str(QWEN), "--check", "--no-path-check")
     assert result.returncode == 0, result.stderr
-    assert "latents:      hidden; layers 24" in result.stdout
+    assert "latents:      layers 0,24" in result.stdout
+    assert "model:        /models/Qwen3-Omni-30B-A3B-Instruct (its talker)" in result.stdout
     assert "http://0.0.0.0:8091" in result.stdout
 
 
