@@ -47,6 +47,7 @@ class Upstream:
     num_prompt_tokens: int
     finished: bool
     prompt_token_ids: list[int] = field(default_factory=list)  # when the upstream sends them
+    image_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per image of the prompt
 
 
 @dataclass
@@ -168,12 +169,14 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
             return []
         token_ids = list(up.prompt_token_ids) + list(up.token_ids)
         start = prompt.build(token_ids, embeds[:need], accept[:need])
+        positions, delta = prompt.positions(token_ids, up.image_grids)
         state.update(started=True, rows_done=need)
         text, done = _qwen3_omni_text(prompt, embeds, need, rows, up.finished)
         state["rows_done"] = max(rows, need)
         return [Job(prompt_embeds=start, rows=text, rows_pad=prompt.tts_pad, rows_done=done,
                     last=True, stop_token_ids=[prompt.codec_eos_id],
-                    extra_args=_qwen3_omni_logits(prompt))]
+                    extra_args=_qwen3_omni_logits(prompt),
+                    prompt_positions=positions if delta else None, position_delta=delta)]
     if state.get("rows_finished"):
         return []
     done_rows = state["rows_done"]
