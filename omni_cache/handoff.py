@@ -30,9 +30,12 @@ FIRST_SEGMENT_TOKENS = 3
 SEGMENT_TOKENS = 8
 # Codec codes the talker writes per thinker token of a segment (12.5 codes/s of audio).
 CODES_PER_TOKEN = 2
-# Talker -> decoder: the first decode chunk holds this many codes (the stage's `chunk_size` after
-# it), so the first audio needs FIRST_CHUNK_CODES + context codes instead of chunk_size + context.
-FIRST_CHUNK_CODES = 4
+# Talker -> decoder: the first decode chunk holds this many codes, so the first audio needs
+# FIRST_CHUNK_CODES + lookahead codes instead of chunk_size + lookahead. Each later chunk doubles,
+# up to the stage's `chunk_size`: a chunk of n codes plays for n code periods (80 ms each at 12.5
+# codes/s) while the next, 2n codes, is written; the talker writes codes several times faster
+# than real time, so the audio does not stall between small early chunks.
+FIRST_CHUNK_CODES = 2
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Upstream:
     num_prompt_tokens: int
     finished: bool
     prompt_token_ids: list[int] = field(default_factory=list)  # when the upstream sends them
+    image_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per image of the prompt
 
 
 @dataclass
@@ -168,12 +172,14 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
             return []
         token_ids = list(up.prompt_token_ids) + list(up.token_ids)
         start = prompt.build(token_ids, embeds[:need], accept[:need])
+        positions, delta = prompt.positions(token_ids, up.image_grids)
         state.update(started=True, rows_done=need)
         text, done = _qwen3_omni_text(prompt, embeds, need, rows, up.finished)
         state["rows_done"] = max(rows, need)
         return [Job(prompt_embeds=start, rows=text, rows_pad=prompt.tts_pad, rows_done=done,
                     last=True, stop_token_ids=[prompt.codec_eos_id],
-                    extra_args=_qwen3_omni_logits(prompt))]
+                    extra_args=_qwen3_omni_logits(prompt),
+                    prompt_positions=positions if delta else None, position_delta=delta)]
     if state.get("rows_finished"):
         return []
     done_rows = state["rows_done"]
@@ -222,7 +228,7 @@ def _qwen3_omni_logits(prompt: Any) -> dict[str, Any]:
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
     """Decoder windows over the talker's codes: FIRST_CHUNK_CODES codes first (early audio), then
-    `chunk_size` codes at a time, each window carrying the decoder's receptive field of left
+    twice as many each time up to `chunk_size` codes, each window carrying the decoder's receptive field of left
     context and its lookahead (`omni_cache.models.code_windows.next_window`), so chunked audio
     equals whole-sequence audio (bitwise for the tiny codec, within `CHUNKED_ATOL` for code2wav).
 
@@ -237,7 +243,7 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     emitted = state.get("emitted", 0)
     jobs = []
     while True:
-        size = min(FIRST_CHUNK_CODES, chunk) if emitted == 0 else chunk
+        size = min(FIRST_CHUNK_CODES << state.get("windows", 0), chunk)
         if not up.finished and codes.shape[-1] - rf.right_codes < emitted + size:
             break  # wait for a whole chunk and its lookahead
         window = next_window(rf, codes, emitted, up.finished, max_codes=size)
@@ -245,6 +251,7 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
             break
         jobs.append(Job(window=window, last=window.final))
         emitted += window.stop - window.start
+        state["windows"] = state.get("windows", 0) + 1
         if window.final:
             break
     if up.finished and not (jobs and jobs[-1].last):

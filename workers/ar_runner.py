@@ -132,6 +132,7 @@ class ARRunner(StageRunner):
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
         if msg.prompt_token_ids:
             up.prompt_token_ids = list(msg.prompt_token_ids)
+            up.image_grids = [list(g) for g in msg.image_grids]
         if tensors:
             if req.upstream_rows is None:
                 req.upstream_rows = LatentBuffer(tuple(tensors), max_rows=self.max_model_len)
@@ -247,6 +248,7 @@ class ARRunner(StageRunner):
             finished=finished, finish_reason=out.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             prompt_token_ids=(out.prompt_token_ids or []) if self.downstream else [],
+            image_grids=(out.image_grids or []) if self.downstream else [],
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
             deadline=req.deadline if req.seq == 0 else 0.0,

@@ -41,6 +41,8 @@ class StepOutput:
     codes: torch.Tensor | None = None
     # The prompt as vLLM tokenized it (media placeholders expanded); first output only.
     prompt_token_ids: list[int] | None = None
+    # Per image of the prompt, its (t, h, w) patch grid; first output only.
+    image_grids: list[list[int]] | None = None
     # Per new token, {token id: logprob} of the sampled and top-k tokens; only when the request's
     # SamplingParams asked for `logprobs`.
     logprobs: list[dict[int, float]] | None = None
@@ -53,6 +55,7 @@ class _Tracked:
     num_prompt_tokens: int = 0
     num_generated: int = 0
     sent_prompt: bool = False
+    image_grids: list[list[int]] = field(default_factory=list)
 
 
 class LLMStage:
@@ -119,7 +122,9 @@ class LLMStage:
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
         internal = self.engine.add_request(request_id, prompt, params)
-        self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
+        tracked = self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
+        if prompt.get("multi_modal_data"):
+            tracked.image_grids = _image_grids(self.scheduler.requests[internal])
         if streamed is not None or positions is not None:
             from scheduler import streamed_rows
 
@@ -175,6 +180,7 @@ class LLMStage:
                 logprobs=_plain_logprobs(completion.logprobs))
             if not tracked.sent_prompt:
                 result.prompt_token_ids = list(out.prompt_token_ids or ())
+                result.image_grids = tracked.image_grids
                 tracked.sent_prompt = True
             if self.capture is not None:
                 self._attach_latents(tracked, result)
@@ -210,6 +216,18 @@ class LLMStage:
             out["latent_rows_served"] = self.capture.counters.rows_served
             out["latent_rows_computed"] = self.capture.counters.rows_computed
         return out
+
+
+def _image_grids(request: Any) -> list[list[int]]:
+    """(t, h, w) patch grid of each image of a request, in prompt order, from vLLM's processed
+    inputs (a downstream talker places its M-RoPE positions by them)."""
+    grids = []
+    for feature in sorted(request.mm_features or (), key=lambda f: f.mm_position.offset):
+        if feature.modality == "image" and feature.data is not None:
+            grid = feature.data.get_data().get("image_grid_thw")
+            if grid is not None:
+                grids.append([int(x) for x in torch.as_tensor(grid).reshape(-1)[:3]])
+    return grids
 
 
 def _plain_logprobs(logprobs: Any) -> list[dict[int, float]] | None:

@@ -83,7 +83,7 @@ CHECKPOINT_NAMES = tuple(TINY_MODELS)
 # Written last inside a checkpoint directory; its presence means the directory is complete.
 COMPLETE_MARKER = ".omni_cache_complete"
 # Bump when the generator changes what it writes (part of the marker, so stale caches are rebuilt).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 # ---- token ids -------------------------------------------------------------------------------------
 TEXT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
@@ -189,8 +189,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def _tokenizer_json(special_tokens: tuple[str, ...]) -> dict:
-    """tokenizer.json for a byte-level BPE with no merges: token id == byte value, specials at 256+."""
+def _tokenizer_json(special_tokens: tuple[str, ...], fillers: tuple[str, ...] = ()) -> dict:
+    """tokenizer.json for a byte-level BPE with no merges: token id == byte value, specials at 256+,
+    then `fillers` (plain added tokens, so every id of a larger model vocabulary decodes to text)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {sym: b for b, sym in _bytes_to_unicode().items()}
@@ -202,6 +203,7 @@ def _tokenizer_json(special_tokens: tuple[str, ...]) -> dict:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     for i, t in enumerate(special_tokens):
         assert tok.token_to_id(t) == 256 + i, (t, tok.token_to_id(t))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fillers])
     return json.loads(tok.to_str())
 
 
@@ -213,8 +215,9 @@ def _write_tokenizer(
     bos: str | None,
     chat_template: str | None,
     extra_config: dict | None = None,
+    fillers: tuple[str, ...] = (),
 ) -> None:
-    _write_json(out / "tokenizer.json", _tokenizer_json(special_tokens))
+    _write_json(out / "tokenizer.json", _tokenizer_json(special_tokens, fillers))
     added = {
         str(256 + i): {
             "content": t,
@@ -222,9 +225,9 @@ def _write_tokenizer(
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": i < len(special_tokens),
         }
-        for i, t in enumerate(special_tokens)
+        for i, t in enumerate(special_tokens + fillers)
     }
     cfg = {
         "add_bos_token": False,
@@ -544,6 +547,9 @@ def _write_qwen3_omni(out: Path, seed: int) -> None:
         bos=None,
         chat_template=q3.CHAT_TEMPLATE,
         extra_config=q3.TOKENIZER_EXTRA_CONFIG,
+        # The thinker's vocabulary is larger than bytes + specials; a random model samples those
+        # ids too, and an id without a token would decode to nothing (empty answers).
+        fillers=tuple(f"<{i}>" for i in range(256 + len(q3.SPECIAL_TOKENS), q3.VOCAB_SIZE)),
     )
     # transformers' processors and vLLM's multimodal processor read the template from here.
     _write_json(out / "chat_template.json", {"chat_template": q3.CHAT_TEMPLATE})

@@ -16,9 +16,10 @@ positions, the encoder output at image/audio positions) and its hidden state aft
 
 Torch only (no vLLM): the talker stage's hand-off calls it (`omni_cache.handoff`). Only the tensors
 it needs are read from the checkpoint's weight file (two small MLPs and a few embedding rows).
-M-RoPE positions: a prompt without images or video takes plain positions (the reference gives its
-audio positions plain too); a prompt with an image is refused for now (its talker positions follow
-the image grid, which the stage does not see yet).
+M-RoPE positions (`positions`): plain positions along the talker's own sequence (user turns, then
+the assistant rows), except at an image's tokens, which take its grid's (t, h, w) positions, the
+text after it going on from their maximum plus one, as the reference's rope index does. Audio
+positions are plain (the reference's too). Video is refused (the API refuses it too).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch
 
 #: How many thinker rows of the assistant turn the talker prompt takes (the rest is its text).
 ASSISTANT_PROMPT_ROWS = 4
+#: Talker prompt rows after the user turns: 3 role rows, 4 tts_pad, tts_bos, the first text row.
+ASSISTANT_ROWS = 9
 DEFAULT_SPEAKER = "ethan"
 
 
@@ -55,7 +58,10 @@ class TalkerPrompt:
         self.im_start_id = config["im_start_token_id"]
         self.user_id, self.assistant_id = config["user_token_id"], config["assistant_token_id"]
         self.media_ids = {thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")}
-        self.image_ids = {thinker["image_token_id"], thinker["video_token_id"]}
+        self.image_id, self.video_id = thinker["image_token_id"], thinker["video_token_id"]
+        self.vision_start_id = thinker["vision_start_token_id"]
+        self.tts_pad_id = config["tts_pad_token_id"]
+        self.spatial_merge_size = int(talker.get("spatial_merge_size", 2))
         self.speakers = {name.lower(): i for name, i in talker["speaker_id"].items()}
         self.codec_eos_id = talker["codec_eos_token_id"]
         self.talker_vocab_size = talker["text_config"]["vocab_size"]
@@ -115,19 +121,16 @@ class TalkerPrompt:
         speaker_id = self.speakers.get(speaker.lower())
         if speaker_id is None:
             raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(self.speakers)}")
-        if any(t in self.image_ids for t in prompt_token_ids):
-            raise ValueError("talker prompts with images or video are not supported yet (their "
-                             "talker positions follow the image grid)")
+        if self.video_id in prompt_token_ids:
+            raise ValueError("talker prompts with video are not supported")
         start = self.assistant_start(prompt_token_ids)
         user = self.user_positions(prompt_token_ids[:start])
         media = torch.tensor([prompt_token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
         dtype = self.tts_pad.dtype
-        user_rows = torch.empty(len(user), self.tts_pad.shape[-1], dtype=dtype)
         index = torch.tensor(user, dtype=torch.long)
+        user_rows = _blockwise(self.text_projection, embeds[index].to(dtype))
         if bool(media.any()):
-            user_rows[media] = self.hidden_projection(accept[index[media]].to(dtype))
-        if bool((~media).any()):
-            user_rows[~media] = self.text_projection(embeds[index[~media]].to(dtype))
+            user_rows[media] = _blockwise(self.hidden_projection, accept[index].to(dtype))[media]
         turn = self.text_projection(embeds[start:start + ASSISTANT_PROMPT_ROWS].to(dtype))
         text = torch.cat([turn[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], turn[3:4]])
         codec_ids = [speaker_id if c is None else c for c in self._codec_specials]
@@ -135,11 +138,73 @@ class TalkerPrompt:
                            self._codec_table[torch.tensor(codec_ids)]])
         return torch.cat([user_rows, text + codec[:text.shape[0]]])
 
+    def talker_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """The token ids the talker prompt stands for: the user turns' ids, then tts_pad ids for
+        the assistant rows (what the reference's rope index reads)."""
+        start = self.assistant_start(prompt_token_ids)
+        user = [prompt_token_ids[i] for i in self.user_positions(prompt_token_ids[:start])]
+        return user + [self.tts_pad_id] * ASSISTANT_ROWS
+
+    def positions(self, prompt_token_ids: list[int],
+                  image_grids: list[list[int]]) -> tuple[torch.Tensor, int]:
+        """The talker prompt's M-RoPE positions [3, L] and the decode delta (positions of later
+        steps are their index plus it)."""
+        ids = self.talker_ids(prompt_token_ids)
+        if self.image_id in ids and not image_grids:
+            raise ValueError("the talker prompt has image tokens but the thinker sent no image grids")
+        columns: list[list[int]] = []
+        nxt, i, image = 0, 0, 0
+        merge = self.spatial_merge_size
+        while i < len(ids):
+            if ids[i] == self.vision_start_id and i + 1 < len(ids) and ids[i + 1] == self.image_id:
+                columns.append([nxt] * 3)  # vision_start
+                nxt += 1
+                n = 1
+                while i + 1 + n < len(ids) and ids[i + 1 + n] == self.image_id:
+                    n += 1
+                if image >= len(image_grids):
+                    raise ValueError(f"the prompt has more images than the {len(image_grids)} grids sent")
+                t, h, w = image_grids[image]
+                hh, ww = h // merge, w // merge
+                if t * hh * ww != n:
+                    raise ValueError(f"image {image}: grid {t}x{h}x{w} does not match its {n} tokens")
+                # An image's temporal index is 0 (one frame), its rows and columns its grid's.
+                for _ in range(t):
+                    for r in range(hh):
+                        for c in range(ww):
+                            columns.append([nxt, nxt + r, nxt + c])
+                nxt = max(max(col) for col in columns) + 1
+                i += 1 + n
+                image += 1
+            else:
+                columns.append([nxt] * 3)
+                nxt += 1
+                i += 1
+        positions = torch.tensor(columns, dtype=torch.long).T.contiguous()
+        return positions, int(positions.max()) + 1 - positions.shape[1]
+
     def text(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker text rows of thinker rows (their input embeddings), one per decode step."""
         if embeds.shape[0] == 0:
             return self.tts_pad.new_zeros(0, self.tts_pad.shape[-1])
         return self.text_projection(embeds.to(self.tts_pad.dtype))
+
+
+#: Rows projected per matrix product. A row's projection must not depend on how many rows are
+#: projected with it (a matrix product's rounding can change with its shape): two prompts that
+#: share a prefix must get bitwise equal talker rows there, or the talker's prefix cache (which
+#: hashes its prompt embeddings) misses. Fixed-size blocks from row 0 give that.
+PROJECTION_BLOCK = 32
+
+
+def _blockwise(project: _Projection, rows: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] == 0:
+        return rows.new_zeros(0, project.fc2_weight.shape[0])
+    pad = -rows.shape[0] % PROJECTION_BLOCK
+    padded = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
+    blocks = padded.reshape(-1, PROJECTION_BLOCK, rows.shape[1])
+    out = torch.cat([project(b) for b in blocks])
+    return out[:rows.shape[0]]
 
 
 def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> _Projection:

@@ -68,6 +68,8 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     # The prompt as the stage's engine saw it (media placeholders expanded); first output only,
     # and only to a downstream stage (Qwen3-Omni's talker finds the user turn and media in it).
     prompt_token_ids: list[int] = []
+    # Per image of that prompt, its (t, h, w) patch grid (first output, to a downstream stage).
+    image_grids: list[list[int]] = []
     num_cached_tokens: int = 0  # prompt tokens this stage's prefix cache let it skip (so far)
     sample_rate: int = 0  # decoder output only
     # carried along so downstream stages know what to produce
