@@ -31,11 +31,12 @@ SEGMENT_TOKENS = 8
 # Codec codes the talker writes per thinker token of a segment (12.5 codes/s of audio).
 CODES_PER_TOKEN = 2
 # Talker -> decoder: the first decode chunk holds this many codes, so the first audio needs
-# FIRST_CHUNK_CODES + lookahead codes instead of chunk_size + lookahead. Each later chunk doubles,
+# FIRST_CHUNK_CODES + lookahead codes instead of chunk_size + lookahead (Qwen3-Omni: 1 + 1 code, and
+# its talker writes one code per thinker token, so each code saved is a thinker step earlier). Each later chunk doubles,
 # up to the stage's `chunk_size`: a chunk of n codes plays for n code periods (80 ms each at 12.5
 # codes/s) while the next, 2n codes, is written; the talker writes codes several times faster
 # than real time, so the audio does not stall between small early chunks.
-FIRST_CHUNK_CODES = 2
+FIRST_CHUNK_CODES = 1
 
 
 @dataclass
