@@ -216,7 +216,8 @@ def test_deadline_passes_in_the_stages(server):
     talker, decoder = raw_sender(server, ctx, "talker"), raw_sender(server, ctx, "decoder")
     try:
         talker.send(*thinker_output("late", 0, 24, prompt=16, deadline=soon))  # a talker segment
-        decoder.send(StageOutput(request_id="late-codes", stage="talker", seq=0, token_ids=[1, 2, 3],
+        # One code: fewer than the first decode chunk (FIRST_CHUNK_CODES) plus its lookahead.
+        decoder.send(StageOutput(request_id="late-codes", stage="talker", seq=0, token_ids=[1],
                                  modalities=["text", "audio"], deadline=soon))
     finally:
         talker.close()

@@ -184,3 +184,25 @@ def test_prefix_hits_and_batching_keep_the_codes(pipeline, reference_model):
     after = pipeline.stats()
     hits = after["talker"]["prefix_cache_hit_tokens"] - before["talker"]["prefix_cache_hit_tokens"]
     assert hits > 0, "the talker's own prefix cache never hit on a repeated prompt"
+
+
+def test_a_prompt_extending_an_earlier_one_equals_the_reference(pipeline, reference_model):
+    """Turn 2 of a chat extends turn 1 (its user turn, the answer, a new user turn): the thinker
+    hits through turn 1, the talker through turn 1's user rows, and the codes still equal the
+    reference's for the whole turn-2 prompt."""
+    first = [{"role": "user", "content": "Name a colour of the sea, and say why sailors of old cared so much "
+                                         "about it on long voyages."}]  # over two KV blocks
+    [one] = pipeline.generate([pipeline.tokenize(first)], max_tokens=THINKER_TOKENS)
+    before = pipeline.stats()
+    second = first + [{"role": "assistant", "content": one.text},
+                      {"role": "user", "content": "And of the sky?"}]
+    token_ids = pipeline.tokenize(second)
+    [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
+    after = pipeline.stats()
+    want_text, want_codes, want_wav = reference(reference_model, token_ids)
+    eos = reference_model.config.im_end_token_id
+    assert got.cached_tokens.get("thinker", 0) > 0
+    assert after["talker"]["prefix_cache_hit_tokens"] > before["talker"]["prefix_cache_hit_tokens"]
+    assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
+    assert torch.equal(got.latents["talker.codes"], want_codes)
+    assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
