@@ -149,19 +149,24 @@ def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpo
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
 
 
+IMAGE_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+    {"type": "image", "image": "img"}, {"type": "text", "text": "What is in the picture?"}]}]
+
+
+def an_image():
+    return MediaDecoder().image(png_data_url(128, 96, 3), "image")
+
+
 def test_an_image_prompts_talker_positions_equal_the_reference(reference_model, checkpoint):
     """The talker prompt's M-RoPE positions follow the image's grid exactly as the reference's
-    rope index sets them (the codes of image prompts are not yet shown equal: see the README)."""
+    rope index sets them."""
     from transformers import AutoProcessor
 
     from omni_cache.models.qwen3_omni_talker_prompt import TalkerPrompt
 
-    image = MediaDecoder().image(png_data_url(128, 96, 3), "image")
     proc = AutoProcessor.from_pretrained(checkpoint)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
-        {"type": "image", "image": "img"}, {"type": "text", "text": "What is in the picture?"}]}]
-    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = proc(text=text, images=[image.array], return_tensors="pt")
+    text = proc.apply_chat_template(IMAGE_PROMPT, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=text, images=[an_image().array], return_tensors="pt")
     ids = inputs["input_ids"][0].tolist()
     prompt = TalkerPrompt.load(checkpoint)
     positions, delta = prompt.positions(ids, inputs["image_grid_thw"].tolist())
@@ -170,6 +175,34 @@ def test_an_image_prompts_talker_positions_equal_the_reference(reference_model, 
         talker_ids, inputs["image_grid_thw"], None, torch.ones_like(talker_ids))
     assert torch.equal(positions, want[:, 0].long())
     assert delta == int(want_delta.item()) < 0
+
+
+def test_an_image_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_model, checkpoint):
+    """Image rows reach the talker as the reference's hidden states (vision deepstack features
+    excluded: workers/models/qwen3_omni_thinker.py); the same image again is a thinker hit that
+    covers the image, with the same codes."""
+    from transformers import AutoProcessor
+
+    image = an_image()
+    proc = AutoProcessor.from_pretrained(checkpoint)
+    text = proc.apply_chat_template(IMAGE_PROMPT, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=text, images=[image.array], return_tensors="pt")
+    expanded = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    prompt = pipeline.tokenize([IMAGE_PROMPT[0], {"role": "user", "content": (
+        "<|vision_start|><|image_pad|><|vision_end|>What is in the picture?")}])
+    want_text, want_codes, want_wav = reference(reference_model, expanded, **inputs)
+    eos = reference_model.config.im_end_token_id
+    image_end = max(i for i, t in enumerate(expanded) if t == reference_model.config.thinker_config.image_token_id)
+    for attempt in range(2):
+        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
+                                  media=[[image]])
+        assert got.num_prompt_tokens == len(expanded)
+        assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
+        assert torch.equal(got.latents["talker.codes"], want_codes), attempt
+        assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+        if attempt:
+            assert got.cached_tokens.get("thinker", 0) > image_end
 
 
 def test_prefix_hits_and_batching_keep_the_codes(pipeline, reference_model):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 #: The architecture name of this project's Qwen3-Omni talker (workers/models/qwen3_omni_talker.py).
 TALKER_ARCHITECTURE = "OmniCacheQwen3OmniTalker"
+#: The released Qwen3-Omni checkpoints' architecture; vLLM serves its thinker under this name.
+QWEN3_OMNI_ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
 
 
 def register() -> None:
-    _register_talker()
+    _register_qwen3_omni()
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
@@ -27,10 +29,14 @@ def register() -> None:
                                                 name="QwenGatedDeltaNetAttention")
 
 
-def _register_talker() -> None:
+def _register_qwen3_omni() -> None:
     from vllm import ModelRegistry
 
     # Lazy ("module:Class"): importing the model needs vLLM's layers, which plugins load early.
-    if TALKER_ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(TALKER_ARCHITECTURE,
-                                     "workers.models.qwen3_omni_talker:Qwen3OmniTalkerForCausalLM")
+    # Registering a name again replaces its class (vLLM logs it at debug level), so this is
+    # idempotent; the thinker replaces vLLM's own class for the checkpoint's architecture.
+    ModelRegistry.register_model(TALKER_ARCHITECTURE,
+                                 "workers.models.qwen3_omni_talker:Qwen3OmniTalkerForCausalLM")
+    ModelRegistry.register_model(
+        QWEN3_OMNI_ARCHITECTURE,
+        "workers.models.qwen3_omni_thinker:Qwen3OmniThinkerForConditionalGeneration")
