@@ -63,3 +63,35 @@ def test_codec_logits_penalise_generated_codes_and_suppress_control_codes():
     assert out[8] == 9.0  # the kept (end-of-speech) code
     assert torch.isinf(out[[6, 7, 9]]).all() and (out[[6, 7, 9]] < 0).all()
     assert proc.new_req_logits_processor(SimpleNamespace(extra_args=None)) is None
+
+
+def test_residual_codes_sample_as_the_reference_only_when_the_talker_samples():
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from workers.talker_steps import residual_picker, sample_top_k_top_p
+
+    greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0), generator=None)
+    assert residual_picker([greedy, greedy]) is None  # greedy talker: greedy codebooks
+
+    # Nucleus: one id holding 90% of the mass is all that survives top_p 0.8.
+    peaked = torch.full((64,), -10.0)
+    peaked[7] = 10.0
+    assert {int(sample_top_k_top_p(peaked, 50, 0.8)) for _ in range(20)} == {7}
+    # Top-k: only the 50 largest of 64 flat-ish logits are ever drawn; a seeded generator repeats.
+    flat = torch.linspace(0.0, 0.1, 64)
+    draws = [int(sample_top_k_top_p(flat, 50, 1.0)) for _ in range(400)]
+    assert min(draws) >= 14 and len(set(draws)) > 20
+
+    def seeded(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [int(sample_top_k_top_p(flat, 50, 0.8, g)) for _ in range(10)]
+    assert seeded(3) == seeded(3) != seeded(4)
+
+    sampling = SimpleNamespace(sampling_params=SamplingParams(temperature=0.9, seed=1),
+                               generator=torch.Generator().manual_seed(1))
+    pick = residual_picker([greedy, sampling])
+    logits = torch.stack([flat, flat])
+    rows = torch.stack([pick(logits.clone()) for _ in range(30)])
+    assert (rows[:, 0] == 63).all()  # the greedy request keeps the argmax
+    assert len(set(rows[:, 1].tolist())) > 1

@@ -4,7 +4,8 @@ vLLM feeds a decode step the code it sampled last (the first codebook, `code0`).
 instead feeds, at the position of the s-th sampled code, the sum of the embeddings of ALL its
 codebooks plus text row s of the thinker (`scheduler/streamed_rows.py`). The other codebooks come
 from the code predictor, which needs the talker's hidden state at the previous position
-(`past_hidden`). So, at every forward:
+(`past_hidden`); it decodes greedily for a greedy request and samples (`residual_picker`) for a
+sampling one, as the reference does. So, at every forward:
 
 1. `adjust_inputs` (called by the model's forward, when vLLM's runner has laid out the batch):
    for every scheduled position that feeds a sampled code, run the code predictor (batched over
@@ -22,7 +23,7 @@ the stage drains them after every step (and discards them on abort).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -116,7 +117,8 @@ class TalkerSteps:
                 if hidden is None:
                     raise RuntimeError(f"talker request {reqs[k].req_id}: no hidden state before step {steps[k]}")
                 past.append(hidden)
-            predicted = self.model.residual_codes(torch.stack(past), code0[new])
+            predicted = self.model.residual_codes(torch.stack(past), code0[new],
+                                                  residual_picker([reqs[k] for k in new]))
             for j, k in enumerate(new):
                 req, s = reqs[k], steps[k]
                 _state(req).residual.append(predicted[j].cpu())
@@ -147,6 +149,46 @@ class TalkerSteps:
 
     def discard(self, req_id: str) -> None:
         self.pending.pop(req_id, None)
+
+
+#: How the reference draws codebooks 1..G-1 when the talker samples (transformers' talker passes
+#: these to its code predictor's generate; temperature stays 1): top-k, then nucleus top-p.
+RESIDUAL_TOP_K = 50
+RESIDUAL_TOP_P = 0.8
+
+
+def residual_picker(reqs: list[Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How to pick each request's residual codes from the code predictor's logits [B, V]:
+    greedy for a request whose talker decodes greedily (temperature 0), as the reference does,
+    else sampled with RESIDUAL_TOP_K / RESIDUAL_TOP_P from the request's own generator (vLLM
+    seeds it from `seed`, so a seeded request's codes repeat). None when all are greedy."""
+    from vllm.sampling_params import SamplingType
+
+    sampled = [k for k, req in enumerate(reqs) if req.sampling_params is not None
+               and req.sampling_params.sampling_type != SamplingType.GREEDY]
+    if not sampled:
+        return None
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        codes = logits.argmax(dim=-1)
+        for k in sampled:
+            codes[k] = sample_top_k_top_p(logits[k], RESIDUAL_TOP_K, RESIDUAL_TOP_P,
+                                          reqs[k].generator)
+        return codes
+
+    return pick
+
+
+def sample_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """One id from `logits` [V]: keep the top_k largest, then the smallest set of those whose
+    probability reaches top_p (at least one), renormalise and draw."""
+    values, ids = logits.float().topk(min(top_k, logits.shape[-1]))
+    probs = values.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the ids ranked above each one
+    probs = probs.masked_fill(before >= top_p, 0.0)
+    choice = torch.multinomial(probs, 1, generator=generator)
+    return ids[choice[0]]
 
 
 def _state(req: Any) -> TalkerRequestState:

@@ -176,10 +176,12 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
 
     # ---- codebooks (called by workers/talker_steps.py) ---------------------------------------
     @torch.inference_mode()
-    def residual_codes(self, past_hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
-        """Codebooks 1..G-1 of a step, [B, G-1], greedy, as transformers' code predictor writes
-        them: its input is the talker's hidden state at the previous position and the first
-        code's embedding; step j reads with lm_head[j] and feeds codec_embedding[j]."""
+    def residual_codes(self, past_hidden: torch.Tensor, code0: torch.Tensor,
+                       pick: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Codebooks 1..G-1 of a step, [B, G-1], as transformers' code predictor writes them: its
+        input is the talker's hidden state at the previous position and the first code's
+        embedding; step j reads with lm_head[j] and feeds codec_embedding[j]. `pick` turns each
+        step's logits [B, V] into codes [B] (None: greedy)."""
         from transformers import DynamicCache
 
         predictor = self.code_predictor
@@ -194,7 +196,8 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
             out = predictor.model(inputs_embeds=embeds, position_ids=positions,
                                   past_key_values=cache, use_cache=True)
             position += length
-            code = predictor.lm_head[step](out.last_hidden_state[:, -1]).argmax(dim=-1)
+            logits = predictor.lm_head[step](out.last_hidden_state[:, -1])
+            code = logits.argmax(dim=-1) if pick is None else pick(logits)
             codes.append(code)
             embeds = predictor.model.get_input_embeddings()[step](code)[:, None]
         return torch.stack(codes, dim=1)
