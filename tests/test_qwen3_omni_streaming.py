@@ -1,6 +1,7 @@
 """The Qwen3-Omni pipeline through the HTTP API, streaming: audio reaches the client while the
-thinker is still writing, and a client that hangs up mid-answer leaves nothing of its request in
-any stage (the talker's rows and codebook history included: they live on vLLM's request objects)."""
+thinker is still writing; a client that hangs up, an abort and a stage killed mid-answer each leave
+nothing of the request in any stage (the talker's rows and codebook history included: they live on
+vLLM's request objects), and the pipeline answers again afterwards."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import base64
 import importlib.util
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def server(tmp_path_factory):
 
 
 def events(server, content: str, max_tokens: int):
-    """The SSE events of a streamed text + audio answer, in arrival order."""
+    """The SSE events of a streamed text + audio answer, in arrival order ("[DONE]" ends it)."""
     body = {"model": NAME, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "stream": True, "modalities": ["text", "audio"],
             "audio": {"voice": "default", "format": "pcm16"}}
@@ -87,21 +89,65 @@ def stage_metrics(server) -> dict[tuple[str, str], float]:
     return {(name, labels.get("stage", "")): value for name, labels, value in parse_metrics(text)}
 
 
-def test_a_client_that_hangs_up_leaves_nothing_in_the_stages(server):
-    stream = events(server, "Describe the sea at night, slowly.", LONG_ANSWER)
-    for event in stream:
-        if "audio" in kinds(event):
-            break  # the talker is mid-answer
-    stream.close()  # the client hangs up
-    deadline = time.monotonic() + 60
+def wait_until_no_stage_holds_anything(server, why: str) -> None:
+    """Every stage's table of live requests and both vLLM schedulers empty (bounded wait)."""
+    deadline = time.monotonic() + 120
     while True:
         m = stage_metrics(server)
         live = {s: m.get(("omni_cache_stage_queue_depth", s), -1) for s in ("thinker", "talker", "decoder")}
         engine = {s: m.get(("vllm:num_requests_running", s), 0) + m.get(("vllm:num_requests_waiting", s), 0)
                   for s in ("thinker", "talker")}
         if not any(live.values()) and not any(engine.values()):
-            break
-        assert time.monotonic() < deadline, f"still live after the client left: {live} {engine}"
+            return
+        assert time.monotonic() < deadline, f"still live after {why}: {live} {engine}"
         time.sleep(0.2)
-    # ... and the pipeline still answers.
+
+
+def answers_again(server) -> None:
+    deadline = time.monotonic() + 300
+    while httpx.get(server.url + "/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the pipeline did not come back"
+        time.sleep(0.5)
     assert any("audio" in kinds(e) for e in events(server, "Hello again.", 8))
+
+
+def until_first_audio(stream) -> dict:
+    for event in stream:
+        if "audio" in kinds(event):
+            return event  # the talker is mid-answer
+    raise AssertionError("the answer ended before any audio arrived")
+
+
+def test_a_client_that_hangs_up_leaves_nothing_in_the_stages(server):
+    stream = events(server, "Describe the sea at night, slowly.", LONG_ANSWER)
+    until_first_audio(stream)
+    stream.close()  # the client hangs up
+    wait_until_no_stage_holds_anything(server, "the client left")
+    answers_again(server)
+
+
+def test_an_abort_mid_answer_ends_the_request_and_leaves_nothing(server):
+    stream = events(server, "Describe the harbour in the morning, slowly.", LONG_ANSWER)
+    first = until_first_audio(stream)
+    server.orchestrator.abort_threadsafe(first["id"].removeprefix("chatcmpl-"), "aborted by the test")
+    rest = list(stream)
+    assert rest and "aborted by the test" in rest[-1]["error"]["message"], rest[-1:]
+    wait_until_no_stage_holds_anything(server, "the abort")
+    answers_again(server)
+
+
+@pytest.mark.parametrize("dying", ["thinker", "decoder"])
+def test_a_stage_killed_mid_answer_leaves_nothing_in_the_talker(server, dying):
+    """The talker holds a streaming request fed by the thinker and read by the decoder: when
+    either dies mid-answer, the request fails naming it and the talker lets go of it too."""
+    orch = server.orchestrator
+    old_pid = orch.stage_pids()[dying]
+    stream = events(server, "Tell me about the tides, slowly and at length.", LONG_ANSWER)
+    until_first_audio(stream)
+    os.kill(old_pid, signal.SIGKILL)
+    rest = list(stream)
+    error = rest[-1].get("error") if rest else None
+    assert error and dying in error["message"], rest[-1:]
+    answers_again(server)  # the killed stage restarted ...
+    assert orch.stage_pids()[dying] not in (None, old_pid)
+    wait_until_no_stage_holds_anything(server, f"{dying} died")  # ... and nothing was left behind

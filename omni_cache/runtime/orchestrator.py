@@ -684,6 +684,13 @@ class Orchestrator:
         if req is not None:
             self._fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
 
+    def abort_threadsafe(self, request_id: str, reason: str = "aborted") -> None:
+        """`abort` from any thread (e.g. an application holding a ServerThread): scheduled on
+        the orchestrator's loop. Unknown or finished requests are ignored."""
+        if self._loop is None:
+            raise RuntimeError("the orchestrator is not started")
+        self._loop.call_soon_threadsafe(self.abort, request_id, reason)
+
     @property
     def in_flight(self) -> int:
         return len(self._requests)
