@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     wl.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     wl.add_argument("--num-requests", type=int, help=f"measured requests per side (default {DEFAULTS['num_requests']}, "
                     f"--quick {QUICK['num_requests']})")
-    wl.add_argument("--shared-tokens", type=int, help="S: shared system-prompt tokens (shared-prefix), opening "
+    wl.add_argument("--shared-tokens", type=int, help="S: shared system-prompt tokens (shared-prefix), image tokens (image), opening "
                     f"tokens (multi-turn, zero-reuse) (default {DEFAULTS['shared_tokens']}, "
                     f"--quick {QUICK['shared_tokens']})")
     wl.add_argument("--unique-tokens", type=int, help=f"U: unique tokens per request / turn (default "

@@ -1,7 +1,7 @@
 """Request streams for the end-to-end benchmark (``python -m benchmarks``).
 
 A workload is a list of :class:`Session` s: a session is one request (``shared-prefix``,
-``zero-reuse``) or one conversation of several turns (``multi-turn``), whose turns are sent one
+``zero-reuse``, ``image``) or one conversation of several turns (``multi-turn``), whose turns are sent one
 after the other, each resending the whole history including the previous answers. Every session
 is built from a seeded ``random.Random``, so both sides of a run (cache on / off) and repeated runs
 with the same flags send exactly the same prompts at the same times.
@@ -19,6 +19,9 @@ rate R (exponential gaps, seeded), ``--concurrency C`` keeps C sessions in fligh
 
 from __future__ import annotations
 
+import base64
+import io
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -29,6 +32,7 @@ __all__ = [
     "Session",
     "arrival_times",
     "build_workload",
+    "image_data_url",
     "messages_for",
     "parse_mix",
     "prompt_tokens_expected",
@@ -36,7 +40,10 @@ __all__ = [
 ]
 
 KINDS = ("shared-prefix", "multi-turn", "zero-reuse")
-WORKLOADS = (*KINDS, "mixed")
+WORKLOADS = (*KINDS, "image", "mixed")
+
+#: Pixels per vision token of Qwen3-Omni's encoder (16-pixel patches, 2 x 2 merged).
+PIXELS_PER_IMAGE_TOKEN = 32
 
 #: One token per character with the tiny byte-level tokenizer.
 ALPHABET = "abcdefghijklmnopqrstuvwxyz     .,"
@@ -70,6 +77,8 @@ class Session:
     warmup: bool = False
     #: Seconds after the start of the measured phase (rate mode; None in concurrency mode).
     arrival_s: float | None = None
+    #: An image (data: URL) sent before the text of the first user message (``image``).
+    image: str | None = None
 
     @property
     def turns(self) -> int:
@@ -95,17 +104,23 @@ def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[s
     followed by the answer the server gave to it, then this turn's user message."""
     if len(answers) < turn:
         raise ValueError(f"turn {turn} needs the answers of the {turn} earlier turn(s)")
-    msgs = [{"role": "system", "content": session.system}]
-    for k in range(turn):
-        msgs.append({"role": "user", "content": session.users[k]})
-        msgs.append({"role": "assistant", "content": answers[k]})
-    msgs.append({"role": "user", "content": session.users[turn]})
+    msgs = [{"role": "system", "content": session.system}] if session.system else []
+    for k in range(turn + 1):
+        content: str | list = session.users[k]
+        if k == 0 and session.image is not None:
+            content = [{"type": "image_url", "image_url": {"url": session.image}},
+                       {"type": "text", "text": session.users[0]}]
+        msgs.append({"role": "user", "content": content})
+        if k < turn:
+            msgs.append({"role": "assistant", "content": answers[k]})
     return msgs
 
 
-def prompt_tokens_expected(session: Session, turn: int, answers: list[str]) -> int:
+def prompt_tokens_expected(session: Session, turn: int, answers: list[str]) -> int | None:
     """The prompt length the tiny template and byte-level tokenizer give (UTF-8 bytes + template
-    tokens; an answer may hold non-ASCII text)."""
+    tokens; an answer may hold non-ASCII text); None for a prompt with an image."""
+    if session.image is not None:
+        return None
     n = TEMPLATE["system"] + _nbytes(session.system) + TEMPLATE["generation"]
     for k in range(turn):
         n += TEMPLATE["user"] + _nbytes(session.users[k]) + TEMPLATE["assistant"] + _nbytes(answers[k])
@@ -163,6 +178,9 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
       ``shared``-token opening (not shared across conversations, so the only reuse is the
       conversation's own history) and ``unique`` new tokens per turn; turn k resends turns < k and
       their answers.
+    * ``image``: every request = one image of about ``shared`` vision tokens (Qwen3-Omni's
+      encoder: one token per 32 x 32 pixels), the same for all, followed by a question of its own
+      of ``unique`` characters; no system prompt.
     * ``mixed``: sessions of the three kinds drawn with ``sizes.mix`` weights until
       ``num_requests`` requests; its shared-prefix sessions share one system prompt.
 
@@ -179,11 +197,15 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
     sys_chars, user_chars = _content_sizes(sizes.shared_tokens, sizes.unique_tokens)
     rng = random.Random(f"omni_cache-e2e/{name}/{seed}")
     shared_system = random_text(rng, sys_chars)
+    shared_image = image_data_url(sizes.shared_tokens, seed) if name == "image" else None
 
     def make(index: int, kind: str, warmup: bool = False) -> Session:
         if kind == "shared-prefix":
             return Session(index, kind, shared_system, [random_text(rng, user_chars)],
                            sizes.max_tokens, warmup)
+        if kind == "image":
+            return Session(index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens,
+                           warmup, image=shared_image)
         if kind == "zero-reuse":
             return Session(index, kind, random_text(rng, sys_chars), [random_text(rng, user_chars)],
                            sizes.max_tokens, warmup)
@@ -217,6 +239,22 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
         warm_kind = name
     warmup = [make(0, warm_kind, warmup=True)]
     return warmup, sessions
+
+
+def image_data_url(tokens: int, seed: int) -> str:
+    """A square PNG (data: URL) of about ``tokens`` vision tokens: smooth colour bands with a
+    seeded phase, so it compresses well and differs between seeds."""
+    from PIL import Image
+
+    side = max(1, round(math.sqrt(tokens))) * PIXELS_PER_IMAGE_TOKEN
+    phase = random.Random(f"omni_cache-e2e/image/{seed}").random() * 2 * math.pi
+    row = bytes(int(127 + 120 * math.sin(phase + x / 37.0)) for x in range(side))
+    img = Image.merge("RGB", [Image.frombytes("L", (side, 1), row).resize((side, side)),
+                              Image.frombytes("L", (1, side), row).resize((side, side)),
+                              Image.new("L", (side, side), 96)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:

@@ -69,6 +69,7 @@ class Job:
     prompt_embeds: torch.Tensor | None = None  # autoregressive stage fed with embeddings
     prompt_token_ids: list[int] | None = None  # autoregressive stage fed with tokens
     multi_modal_data: dict[str, list] | None = None  # images / audio for the prompt's placeholders
+    multi_modal_uuids: dict[str, list] | None = None  # their content digests, same layout
     max_tokens: int = 0
     window: CodeWindow | None = None  # decoder: the codes to decode (None: no audio left)
     last: bool = False

@@ -56,6 +56,28 @@ def test_shared_prefix_sizes_are_exact_in_tokens():
     assert all(p.isascii() for p in prompts)
 
 
+def test_image_workload_sends_one_image_and_different_questions():
+    import base64
+    import io
+
+    from PIL import Image
+
+    warm, sessions = build_workload("image", Sizes(num_requests=4, shared_tokens=900,
+                                                   unique_tokens=60), seed=2)
+    images = {s.image for s in [*warm, *sessions]}
+    assert len(images) == 1 and len({s.users[0] for s in sessions}) == 4
+    [url] = images
+    side = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size
+    assert side == (30 * 32, 30 * 32)  # 30 x 30 = 900 vision tokens of 32 x 32 pixels
+    msgs = messages_for(sessions[1], 0, [])
+    assert [m["role"] for m in msgs] == ["user"]
+    assert msgs[0]["content"][0] == {"type": "image_url", "image_url": {"url": url}}
+    assert msgs[0]["content"][1]["text"] == sessions[1].users[0]
+    assert prompt_tokens_expected(sessions[1], 0, []) is None
+    _, other = build_workload("image", Sizes(num_requests=1, shared_tokens=900), seed=3)
+    assert other[0].image != url
+
+
 def test_zero_reuse_shares_nothing_and_is_seeded():
     sizes = Sizes(num_requests=6, shared_tokens=300, unique_tokens=50)
     _, a = build_workload("zero-reuse", sizes, seed=3)

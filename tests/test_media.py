@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omni_cache.config.schema import MediaConfig
-from omni_cache.serving.media import AUDIO, IMAGE, MediaDecoder, MediaError
+from omni_cache.serving.media import AUDIO, IMAGE, DecodedCache, MediaDecoder, MediaError
 from media_samples import clip_b64, png_data_url
 
 
@@ -107,3 +107,38 @@ def test_urls_are_fetched_only_from_allowed_hosts_and_not_redirected(image_host)
         allowed.image(image_host + "/moved", "p")
     with pytest.raises(MediaError, match="allowed_url_hosts"):
         MediaDecoder().image(image_host + "/x.png", "p")
+
+
+def test_a_repeated_item_is_decoded_once_and_keeps_its_digest():
+    cache = DecodedCache(64 * 96 * 3 * 2)  # room for two 64x96 images
+    dec = MediaDecoder(cache=cache)
+    a, b, c = (png_data_url(96, 64, seed) for seed in (1, 2, 3))
+    first = dec.image(a, "p")
+    again = dec.image(a, "q")
+    assert again is first and cache.hits == 1 and len(first.digest) == 64
+    assert not first.array.flags.writeable  # shared between requests
+    assert dec.image(b, "p").digest != first.digest
+    dec.image(c, "p")  # a third image: the least recently used (a) goes
+    assert len(cache) == 2 and cache.nbytes == 2 * first.array.nbytes
+    assert dec.image(a, "p") is not first
+    # Without a cache every call decodes; the digest is the same (it names the content).
+    plain = MediaDecoder()
+    assert plain.image(a, "p") is not plain.image(a, "p")
+    assert plain.image(a, "p").digest == first.digest
+    # Off (0 bytes): nothing kept.
+    off = DecodedCache(0)
+    MediaDecoder(cache=off).image(a, "p")
+    assert len(off) == 0
+
+
+def test_a_clips_digest_depends_on_the_rate_it_is_resampled_to():
+    clip = clip_b64(0.2, 44100)
+    d16 = MediaDecoder(audio_sample_rate=16000).audio(clip, "wav", "p").digest
+    d24 = MediaDecoder(audio_sample_rate=24000).audio(clip, "wav", "p").digest
+    assert d16 != d24 and d16 == MediaDecoder(audio_sample_rate=16000).audio(clip, "wav", "q").digest
+
+
+def test_an_item_larger_than_the_cache_is_decoded_but_not_kept():
+    cache = DecodedCache(100)
+    item = MediaDecoder(cache=cache).image(png_data_url(96, 64, 1), "p")
+    assert item.array.shape == (64, 96, 3) and len(cache) == 0 and cache.nbytes == 0

@@ -67,6 +67,17 @@ def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) ->
     return out
 
 
+def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
+    """vLLM's ``multi_modal_uuids`` for a Submit's media (the server's content digests), laid out
+    as ``multi_modal_data``; None unless every item has one."""
+    if not media or not all(ref.uuid for ref in media):
+        return None
+    out: dict[str, list] = {}
+    for ref in media:
+        out.setdefault(ref.kind, []).append(ref.uuid)
+    return out
+
+
 class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
                  prefix_cache: bool) -> None:
@@ -111,6 +122,7 @@ class ARRunner(StageRunner):
         self.requests[msg.request_id] = req
         self.total_requests += 1
         self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
+                             multi_modal_uuids=multi_modal_uuids(msg.media),
                              max_tokens=msg.sampling.max_tokens, last=True))
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -198,6 +210,8 @@ class ARRunner(StageRunner):
             prompt = {"prompt_token_ids": job.prompt_token_ids}
         if job.multi_modal_data:
             prompt["multi_modal_data"] = job.multi_modal_data
+            if job.multi_modal_uuids:
+                prompt["multi_modal_uuids"] = job.multi_modal_uuids
         vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
         req.num_jobs += 1
         streamed = None

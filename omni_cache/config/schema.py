@@ -18,6 +18,7 @@ FinalOutput = Literal["text", "audio"]
 _STAGE_NAME_RE = r"^[a-z0-9_-]+$"
 
 PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 
 
@@ -45,6 +46,10 @@ class MediaConfig(_Base, kw_only=True):
     allowed_url_hosts: list[Annotated[str, Meta(min_length=1)]] = []
     #: How long fetching one such URL may take.
     fetch_timeout_s: PositiveFloat = 10.0
+    #: Decoded images and clips kept by content (sha256 of the encoded bytes), most recently used
+    #: first, up to this many bytes of pixels / samples; 0 turns the cache off. A repeated image
+    #: is then neither decoded again nor hashed again by vLLM (its digest is the item's vLLM UUID).
+    decoded_cache_bytes: NonNegativeInt = 256 * 1024 * 1024
 
 
 class ServerConfig(_Base, kw_only=True):

@@ -211,9 +211,10 @@ _PROCESSOR_COMMON = {
     "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255,
     "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-    # Small images keep the tiny vision tower's token counts (and the tests) small.
-    "min_pixels": 32 * 32, "max_pixels": 256 * 256,
-    "size": {"longest_edge": 256 * 256, "shortest_edge": 32 * 32},
+    # The released cap (12,845,056 pixels: about 12,500 vision tokens), so an image costs the
+    # tiny model as many tokens as it costs the real one; the tests send small images.
+    "min_pixels": 32 * 32, "max_pixels": 12845056,
+    "size": {"longest_edge": 12845056, "shortest_edge": 32 * 32},
 }
 
 

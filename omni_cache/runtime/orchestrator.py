@@ -651,7 +651,8 @@ class Orchestrator:
             modalities=list(checked.modalities),
             return_latents=return_latents,
             deadline=time.time() + timeout,
-            media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate)
+            media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate,
+                            uuid=m.digest)
                    for i, m in enumerate(checked.media)],
         )
         from omni_cache.wire.transport import MessageTooLarge

@@ -16,17 +16,26 @@ Everything is checked before it is decoded in full: the encoded size
 its header (``max_image_pixels``), a clip's duration and sample rate from its header
 (``max_audio_seconds``, 1 kHz to 384 kHz). A violation is a :class:`MediaError` (HTTP 400 naming
 the content part). Nothing here is unpickled; the decoders are maintained libraries.
+
+Every item gets a ``digest``: sha256 of what decides its decoded array (kind, target rate, encoded
+bytes). It keys :class:`DecodedCache` (``server.media.decoded_cache_bytes``: a repeated image is not
+decoded again) and travels to the thinker as the item's vLLM ``multi_modal_uuids`` entry, so vLLM
+neither hashes the pixels again nor runs its processor for an item it has seen (its processor cache
+and prefix-cache keys use the UUID). Clients cannot set it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,11 +65,48 @@ class MediaError(ValueError):
 
 @dataclass
 class MediaItem:
-    """One decoded item: an RGB image ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]``."""
+    """One decoded item: an RGB image ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]``
+    (read-only when it came through a :class:`DecodedCache`: several requests share it)."""
 
     kind: str  # IMAGE | AUDIO
     array: np.ndarray
     sample_rate: int = 0  # audio only
+    digest: str = ""  # sha256 hex of kind, target rate and encoded bytes ("" if not known)
+
+
+class DecodedCache:
+    """Decoded items by digest, least recently used dropped first, at most ``max_bytes`` of
+    arrays (an item larger than that is not kept). Shared by the server's request threads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self._items: OrderedDict[str, MediaItem] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_or_decode(self, digest: str, decode: Callable[[], MediaItem]) -> MediaItem:
+        with self._lock:
+            item = self._items.get(digest)
+            if item is not None:
+                self._items.move_to_end(digest)
+                self.hits += 1
+                return item
+        item = decode()  # outside the lock: decoding takes milliseconds to seconds
+        item.digest = digest
+        item.array.setflags(write=False)
+        size = item.array.nbytes
+        with self._lock:
+            if size <= self.max_bytes and digest not in self._items:
+                self._items[digest] = item
+                self.nbytes += size
+                while self.nbytes > self.max_bytes:
+                    _, old = self._items.popitem(last=False)
+                    self.nbytes -= old.array.nbytes
+        return item
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass
@@ -68,6 +114,8 @@ class MediaDecoder:
     limits: MediaConfig = field(default_factory=MediaConfig)
     #: The rate clips are resampled to (the thinker's feature extractor's).
     audio_sample_rate: int = 16000
+    #: Where decoded items are kept between requests (None: decode every time).
+    cache: DecodedCache | None = None
 
     def decode_all(self, parts: Sequence[MediaPart]) -> list[MediaItem]:
         """A request's media parts, decoded in order; MediaError for the first that cannot be."""
@@ -81,6 +129,9 @@ class MediaDecoder:
 
     def image(self, url: str, param: str) -> MediaItem:
         data = self._image_bytes(url, param)
+        return self._cached(_digest(IMAGE, 0, data), lambda: self._decode_image(data, param))
+
+    def _decode_image(self, data: bytes, param: str) -> MediaItem:
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -104,6 +155,10 @@ class MediaDecoder:
             raise MediaError(f"input_audio.format {fmt!r} is not supported (supported: "
                              f"{', '.join(AUDIO_FORMATS)})", param + ".format")
         data = self._b64(data_b64, param + ".data")
+        return self._cached(_digest(AUDIO, self.audio_sample_rate, data),
+                            lambda: self._decode_audio(data, fmt, param))
+
+    def _decode_audio(self, data: bytes, fmt: str, param: str) -> MediaItem:
         import soundfile as sf
 
         try:
@@ -128,6 +183,13 @@ class MediaDecoder:
 
             mono = soxr.resample(mono, rate, self.audio_sample_rate)
         return MediaItem(AUDIO, np.ascontiguousarray(mono, dtype=np.float32), self.audio_sample_rate)
+
+    def _cached(self, digest: str, decode: Callable[[], MediaItem]) -> MediaItem:
+        if self.cache is None or self.cache.max_bytes == 0:
+            item = decode()
+            item.digest = digest
+            return item
+        return self.cache.get_or_decode(digest, decode)
 
     # ---- bytes ---------------------------------------------------------------------------------
     def _image_bytes(self, url: str, param: str) -> bytes:
@@ -180,3 +242,11 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
         raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
+
+
+def _digest(kind: str, rate: int, data: bytes) -> str:
+    """What decides an item's decoded array: its kind, the rate a clip is resampled to, its bytes
+    (a format field is not needed: the decoders read the format from the bytes)."""
+    h = hashlib.sha256(f"{kind}:{rate}:".encode())
+    h.update(data)
+    return h.hexdigest()

@@ -19,7 +19,7 @@ from omni_cache.serving.auth import bearer_token_problem
 from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, read_body
 from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError
-from omni_cache.serving.media import MediaDecoder, MediaError, MediaItem
+from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.serving.metrics import CONTENT_TYPE
 
 __all__ = ["AUDIO_TTL_S", "router"]
@@ -78,7 +78,7 @@ async def chat_completions(request: Request):
         prompt = await asyncio.to_thread(orch.tokenize_messages, chat.messages)
     except Exception as e:  # noqa: BLE001 -- a chat template may raise on odd conversations
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    media = await _decoded_media(chat, orch)
+    media = await _decoded_media(chat, orch, request.app.state.media_cache)
     req = chat.body
     handle = await orch.submit(
         prompt,
@@ -95,12 +95,13 @@ async def chat_completions(request: Request):
     return await _complete(handle, chat, orch, request)
 
 
-async def _decoded_media(chat: ChatRequest, orch: Orchestrator) -> list[MediaItem]:
+async def _decoded_media(chat: ChatRequest, orch: Orchestrator, cache: DecodedCache) -> list[MediaItem]:
     """The request's images and clips decoded (off the event loop: decoding takes milliseconds
     to seconds), each checked against ``server.media``; a bad one is a 400 naming its part."""
     if not chat.media:
         return []
-    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate)
+    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
+                           cache=cache)
     try:
         return await asyncio.to_thread(decoder.decode_all, chat.media)
     except MediaError as e:

@@ -44,6 +44,7 @@ from fastapi import FastAPI
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.errors import add_error_handlers
+from omni_cache.serving.media import DecodedCache
 from omni_cache.serving.routes import router
 
 logger = logging.getLogger("omni_cache.serving.server")
@@ -79,6 +80,7 @@ def create_app(
     app.state.served_model_name = orch.served_model_name
     app.state.api_key = api_key
     app.state.startup_error = None
+    app.state.media_cache = DecodedCache(orch.config.server.media.decoded_cache_bytes)
     add_error_handlers(app)
     app.include_router(router)
     return app

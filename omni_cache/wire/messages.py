@@ -38,6 +38,9 @@ class MediaRef(msgspec.Struct, kw_only=True):
     kind: str  # "image" | "audio"
     tensor: str
     sample_rate: int = 0
+    #: The server's content digest of the item (omni_cache/serving/media.py), passed to vLLM as
+    #: its UUID; "" when unknown (vLLM then hashes the array itself).
+    uuid: str = ""
 
 
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
