@@ -107,6 +107,26 @@ def test_more_requests_than_the_batch_all_get_all_their_audio(runner):
     assert runner.requests == {}
 
 
+def test_a_new_requests_first_window_goes_before_other_requests_chunks(runner):
+    """Two requests already streaming have full chunks queued; a third's first window is
+    decoded in the next step, alone, and its audio is the first to leave."""
+    for rid in ("a", "b"):
+        feed(runner, rid, 0, codes(1, 40), finished=False)
+        runner.step()  # their first windows
+    while runner.inbox.recv(timeout_ms=200) is not None:
+        pass
+    for rid in ("a", "b"):
+        feed(runner, rid, 1, codes(2, 200), finished=False)  # several full chunks each
+    feed(runner, "new", 0, codes(3, 40), finished=False)
+    runner.step()
+    msg, _ = runner.inbox.recv(timeout_ms=2000)
+    assert (msg.request_id, msg.seq) == ("new", 0)
+    assert runner.inbox.recv(timeout_ms=200) is None  # nothing else in that step
+    run(runner)
+    for rid in ("a", "b", "new"):
+        runner.abort(rid)
+
+
 def test_bad_codes_fail_that_request_only(runner):
     good = {f"g{i}": codes(i, 30) for i in range(3)}
     for rid, ids in good.items():

@@ -7,7 +7,8 @@ into one [num_quantizers, N] tensor per request); the hand-off (`talker_to_decod
 windows of `chunk_size` codes with the decoder's receptive field of context. Each step decodes up
 to `max_batch_size` queued windows in one `decode_windows` call, at most one per request so a
 request's audio leaves in order, taking requests round-robin: the windows that do not fit stay
-queued for the next steps, and a request served now goes behind those that were not. Every window
+queued for the next steps, and a request served now goes behind those that were not; first windows
+(a request's first audio) go before all others, in batches of their own. Every window
 is checked (shape, each codebook's code range) before the batch runs; if a batched pass fails,
 each window of it is decoded alone, so only the request whose window fails is failed.
 """
@@ -121,13 +122,17 @@ class DecoderRunner(StageRunner):
 
     def _take_batch(self) -> list[tuple[str, Job]]:
         """Up to max_batch_size windows, one per request, oldest-served requests first; the
-        requests served go to the back of the line, the others keep their windows queued."""
+        requests served go to the back of the line, the others keep their windows queued.
+        First windows (of requests with no audio out yet) go alone, ahead of the rest: they are
+        a few codes each, and a batch takes as long as its longest window, so a new request's
+        first audio does not wait behind other requests' full chunks."""
+        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        first = [(rid, req) for rid, req in ready if req.seq == 0]
         batch = []
-        for rid, req in self.requests.items():
+        for rid, req in first or ready:
             if len(batch) == self.args.max_batch_size:
                 break
-            if req.jobs:
-                batch.append((rid, req.jobs.popleft()))
+            batch.append((rid, req.jobs.popleft()))
         for rid, _ in batch:
             self.requests.move_to_end(rid)
         return batch
