@@ -19,8 +19,8 @@ max_model_len 8192, kv_cache_memory_bytes 1 GiB.
 with image and audio workloads beside text. What differs:
   - float32 (MoE routing flips under bf16 rounding, which would make rows differ between engines for
     reasons that are not the cache), limit_mm_per_prompt image 1 / audio 1 / video 0,
-    `mm_processor_kwargs max_pixels = 1024*1024` (lifts the checkpoint's 256x256 cap so the vision
-    encoder has real work) and `mm_processor_cache_gb=0` in every mode (the HF processor, resize /
+    `mm_processor_kwargs max_pixels = 1024*1024` (the 1024x1024 image stays 1,024 tokens whatever
+    the checkpoint's cap) and `mm_processor_cache_gb=0` in every mode (the HF processor, resize /
     patchify / mel features, runs for every request in every mode: the same front-end work
     everywhere, so it is in every TTFT and in no ratio's favour);
   - latents: hidden plus layer taps 0 and the checkpoint's `talker_config.accept_hidden_layer`, what
@@ -147,9 +147,8 @@ TARGET_SPEEDUP_FRACTION = 0.95
 # text after it (an instruction about the media): at least a block, so the whole-block prefix hit
 # covers every media token and a hit needs no encoder output at all.
 MM_CONTEXT_TOKENS, MM_TAIL_TOKENS = 1000, 48
-# 1024 x 1024 pixels = 64 x 64 patches of 16, merged 2 x 2: 1,024 image tokens (the checkpoint's
-# processor caps images at 256 x 256; `max_pixels` below lifts the cap so the vision encoder has
-# real work: 4,096 patches).
+# 1024 x 1024 pixels = 64 x 64 patches of 16, merged 2 x 2: 1,024 image tokens, 4,096 patches
+# through the vision encoder (`max_pixels` below pins that size whatever the checkpoint's cap).
 IMAGE_SIDE = 1024
 # 30 s at 16 kHz: 390 audio tokens from 3,000 mel frames through the audio encoder.
 AUDIO_SECONDS, AUDIO_RATE = 30.0, 16000

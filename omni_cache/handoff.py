@@ -31,8 +31,10 @@ SEGMENT_TOKENS = 8
 # Codec codes the talker writes per thinker token of a segment (12.5 codes/s of audio).
 CODES_PER_TOKEN = 2
 # Talker -> decoder: the first decode chunk holds this many codes, so the first audio needs
-# FIRST_CHUNK_CODES + lookahead codes instead of chunk_size + lookahead (Qwen3-Omni: 1 + 1 code, and
-# its talker writes one code per thinker token, so each code saved is a thinker step earlier). Each later chunk doubles,
+# FIRST_CHUNK_CODES + lookahead codes instead of chunk_size + lookahead (Qwen3-Omni's code2wav is
+# causal and needs no lookahead: its audio runs tail_samples behind the codes, code_windows.py; so
+# 1 code, and its talker writes one code per thinker token, so each code saved is a thinker step
+# earlier). Each later chunk doubles,
 # up to the stage's `chunk_size`: a chunk of n codes plays for n code periods (80 ms each at 12.5
 # codes/s) while the next, 2n codes, is written; the talker writes codes several times faster
 # than real time, so the audio does not stall between small early chunks.
@@ -248,13 +250,17 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
         size = min(FIRST_CHUNK_CODES << state.get("windows", 0), chunk)
         if not up.finished and codes.shape[-1] - rf.right_codes < emitted + size:
             break  # wait for a whole chunk and its lookahead
-        window = next_window(rf, codes, emitted, up.finished, max_codes=size)
+        window = next_window(rf, codes, emitted, up.finished, max_codes=size,
+                             left_context=rf.context_codes(ctx.resources["samples_per_code"]))
         if window is None:
             break
-        jobs.append(Job(window=window, last=window.final))
         emitted += window.stop - window.start
+        # A causal decoder's windows always reach the last code received: only the stream's end
+        # makes one the last.
+        last = up.finished and emitted == codes.shape[-1]
+        jobs.append(Job(window=window, last=last))
         state["windows"] = state.get("windows", 0) + 1
-        if window.final:
+        if last:
             break
     if up.finished and not (jobs and jobs[-1].last):
         jobs.append(Job(last=True))  # every code already decoded (or none came): end the stream

@@ -239,16 +239,20 @@ def test_code2wav_stage_streams_each_request_as_its_whole_decode(q3_runner):
 
 
 def test_code2wav_stage_first_audio_after_a_short_chunk(q3_runner):
-    """Audio starts once FIRST_CHUNK_CODES codes and their one code of lookahead have arrived."""
+    """Audio starts once FIRST_CHUNK_CODES codes have arrived (code2wav needs no lookahead: the
+    first chunk's audio ends tail_samples early, the next chunk starts there)."""
     runner = q3_runner
     codes = frames(4, 30)
-    need = FIRST_CHUNK_CODES + runner.decoder.receptive_field.right_codes
+    rf = runner.decoder.receptive_field
+    need = FIRST_CHUNK_CODES + rf.right_codes
     feed_frame(runner, "early", 0, codes[:, :need - 1], finished=False)
     assert not runner.has_work()
     feed_frame(runner, "early", 1, codes[:, need - 1:need], finished=False)
     run(runner)
     msg, tensors = runner.inbox.recv(timeout_ms=2000)
-    assert msg.seq == 0 and tensors["audio"].shape == (FIRST_CHUNK_CODES * runner.decoder.samples_per_code,)
+    assert need == FIRST_CHUNK_CODES
+    assert msg.seq == 0 and tensors["audio"].shape == (
+        FIRST_CHUNK_CODES * runner.decoder.samples_per_code - rf.lag_samples,)
     runner.abort("early")
 
 

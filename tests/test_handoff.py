@@ -53,7 +53,8 @@ def decoder_ctx(decoder, chunk=16):
     windows = CodecWindowDecoder(decoder)
     return HandoffContext(model_path=None, resources={
         "receptive_field": windows.receptive_field, "num_quantizers": 1,
-        "codebook_size": decoder.codebook_size, "chunk_size": chunk})
+        "codebook_size": decoder.codebook_size, "chunk_size": chunk,
+        "samples_per_code": windows.samples_per_code})
 
 
 def test_talker_to_decoder_chunks_decode_to_the_whole_sequence_bitwise():

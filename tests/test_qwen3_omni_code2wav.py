@@ -54,10 +54,12 @@ def test_receptive_field(decoder, codes, whole):
     rf = decoder.receptive_field
     # 2 layers x (window 24 - 1) for the transformer + 10 for the convolutions; 555 = the decoder
     # blocks' transposed-conv trims (((8 * 5 + 5) * 4 + 4) * 3 + 3).
-    assert (rf.left_codes, rf.conv_codes, rf.right_codes, rf.tail_samples) == (56, 10, 1, 555)
+    assert (rf.left_codes, rf.conv_codes, rf.right_codes, rf.tail_samples, rf.lag_samples) == (
+        56, 10, 0, 555, 555)
     assert decoder.samples_per_code == 1920 and decoder.sample_rate == 24000
-    # Changing code p changes samples from p's own frame less the lookahead up to left_codes later,
-    # and the reach is real (it gets within 3 codes of the bound).
+    # Changing code p changes samples from p's own frame less the tail (the samples a decode of
+    # codes[:p] does not make: why audio lags codes) up to left_codes later, and the reach is real
+    # (it gets within 3 codes of the bound).
     p, spc = 20, decoder.samples_per_code
     changed = codes.clone()
     changed[:, p] = (changed[:, p] + 1) % decoder.codebook_size
@@ -96,7 +98,7 @@ def test_batched_windows_equal_single(decoder, codes):
     """Windows of different lengths in one forward (right-padded) give each window's own audio."""
     windows = [
         CodeWindow(codes[:, :37], 0, 37),  # final
-        CodeWindow(codes[:, 10:115], 60, 100),  # context, emitted, lookahead
+        CodeWindow(codes[:, 10:115], 60, 100),  # context, emitted, codes after
         CodeWindow(codes[:, 115:116], 0, 1),  # one code
     ]
     batched = decoder.decode_windows(windows)
@@ -138,16 +140,20 @@ def test_bad_codes_are_refused(decoder, codes):
 
 
 def test_next_window_plan(decoder, codes):
-    """Holds back the lookahead until the stream ends, caps the emitted codes, keeps the context."""
-    rf = decoder.receptive_field
-    assert decoder.next_window(codes[:, :1], 0, final=False) is None  # the one code is lookahead
-    w = decoder.next_window(codes[:, :30], 0, final=False)
-    assert (w.start, w.stop, w.codes.shape[-1]) == (0, 30 - rf.right_codes, 30) and not w.final
+    """code2wav is causal: nothing is held back as lookahead (its audio lags the codes by
+    tail_samples instead), the emitted codes are capped, the left context covers the lag."""
+    rf, spc = decoder.receptive_field, decoder.samples_per_code
+    ctx = rf.context_codes(spc)
+    assert rf.right_codes == 0 and 0 < rf.lag_samples == rf.tail_samples < spc
+    assert ctx == rf.left_codes + 1
+    w = decoder.next_window(codes[:, :1], 0, final=False)  # one code is enough for audio
+    assert (w.start, w.stop, w.codes.shape[-1]) == (0, 1, 1)
+    assert decoder.decode_windows([w])[0].shape == (spc - rf.lag_samples,)
     w = decoder.next_window(codes, 100, final=False, max_codes=8)
-    assert (w.start, w.stop) == (rf.left_codes, rf.left_codes + 8)
-    assert torch.equal(w.codes, codes[:, 100 - rf.left_codes : 108 + rf.right_codes])
+    assert (w.start, w.stop) == (ctx, ctx + 8)
+    assert torch.equal(w.codes, codes[:, 100 - ctx : 108])
     w = decoder.next_window(codes, 100, final=True)
-    assert w.final and torch.equal(w.codes, codes[:, 100 - rf.left_codes :])
+    assert w.final and torch.equal(w.codes, codes[:, 100 - ctx :])
     assert decoder.next_window(codes, T, final=True) is None
     with pytest.raises(ValueError, match="outside"):
         decoder.next_window(codes[:, :10], 11, final=False)

@@ -51,6 +51,7 @@ class DecoderRunner(StageRunner):
         self.handoff = resolve_handoff(stage.handoff)
         self.handoff_ctx = HandoffContext(Path(model), resources={
             "receptive_field": self.decoder.receptive_field, "chunk_size": self.args.chunk_size,
+            "samples_per_code": self.decoder.samples_per_code,
             "num_quantizers": self.decoder.num_quantizers,
             "codebook_size": self.decoder.codebook_size})
         self.requests: OrderedDict[str, _Request] = OrderedDict()

@@ -36,6 +36,17 @@ class ReceptiveField:
     right_codes: int
     #: A T-code decode yields ``T * samples_per_code - tail_samples`` samples.
     tail_samples: int
+    #: Samples a window's audio runs behind its codes. A causal decoder (right_codes 0) has every
+    #: sample of a T-code decode final except none: the last ``tail_samples`` are simply not made
+    #: until the next code comes. So its windows need no lookahead and emit, for codes
+    #: ``[start, stop)``, samples ``[start * spc - lag, stop * spc - lag)`` (from 0 for the first
+    #: window); their concatenation is the whole decode, and the first audio needs one code.
+    lag_samples: int = 0
+
+    def context_codes(self, samples_per_code: int) -> int:
+        """Left context of a window: what a sample at its first code needs, plus the codes its
+        audio runs behind by."""
+        return self.left_codes + -(-self.lag_samples // samples_per_code)
 
 
 @dataclass(frozen=True)
@@ -43,8 +54,10 @@ class CodeWindow:
     """Codes ``[num_quantizers, L]`` of one request: ``codes[:, :start]`` is left context,
     ``codes[:, start:stop]`` the codes whose audio is emitted, ``codes[:, stop:]`` lookahead.
 
-    ``stop == L`` marks the end of the stream: the audio then ends ``tail_samples`` early, as a
-    whole-sequence decode does. Otherwise at least ``right_codes`` of lookahead must follow.
+    ``stop == L`` marks the end of the stream (or, for a causal decoder, of what has arrived): the
+    audio then ends ``tail_samples`` early, as a whole-sequence decode does. Otherwise at least
+    ``right_codes`` of lookahead must follow. A causal decoder's audio runs ``lag_samples``
+    behind the codes (:class:`ReceptiveField`).
     """
 
     codes: torch.Tensor
@@ -67,7 +80,8 @@ class WindowDecoder(Protocol):
 
     def decode_windows(self, windows: Sequence[CodeWindow]) -> list[torch.Tensor]:
         """Each window's float32 audio of ``codes[:, start:stop]`` (``(stop - start) *
-        samples_per_code`` samples, less ``tail_samples`` for a final window), in one batch."""
+        samples_per_code`` samples, less ``tail_samples`` for a final window; moved
+        ``lag_samples`` earlier for a causal decoder), in one batch."""
         ...
 
 
@@ -84,7 +98,9 @@ def next_window(
     ``codes`` are all ``[num_quantizers, N]`` codes received so far, ``emitted`` how many of them
     have had their audio sent, ``final`` whether the stream has ended. Emits at most ``max_codes``
     codes; holds back ``right_codes`` until the stream ends. ``left_context`` defaults to the
-    receptive field (exact up to rounding). None when nothing can be emitted yet.
+    receptive field (exact up to rounding; ``ReceptiveField.context_codes``, which needs the
+    decoder's samples per code: pass it for a decoder with ``lag_samples``). None when nothing
+    can be emitted yet.
     """
     n = codes.shape[-1]
     if not 0 <= emitted <= n:
@@ -95,6 +111,9 @@ def next_window(
         stop = n  # too little left to serve as lookahead: finish the stream in this window
     if stop <= emitted:
         return None
+    if left_context is None and rf.lag_samples:
+        raise ValueError("a decoder whose audio lags its codes needs an explicit left_context "
+                         "(ReceptiveField.context_codes)")
     ctx = rf.left_codes if left_context is None else left_context
     first = max(0, emitted - ctx)
     last = n if stop == n else min(n, stop + rf.right_codes)

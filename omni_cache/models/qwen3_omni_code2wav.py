@@ -103,7 +103,9 @@ class Code2WavDecoder:
         spc, rf = self.samples_per_code, self.receptive_field
         device = self.module.code_embedding.weight.device
         # Right padding is harmless: every layer is causal except the transposed convolutions'
-        # one-frame lookahead, which only reaches samples cut below (the last tail_samples).
+        # one-frame lookahead, which only reaches samples cut below (the last tail_samples). So
+        # every window's audio is final up to its codes' end less tail_samples: it is emitted
+        # lag_samples (= tail_samples) behind its codes, and no window needs lookahead.
         longest = max(w.codes.shape[-1] for w in windows)
         codes = torch.zeros(len(windows), self.num_quantizers, longest, dtype=torch.long, device=device)
         for i, w in enumerate(windows):
@@ -112,7 +114,8 @@ class Code2WavDecoder:
         hidden = m.code_embedding(codes + m.code_offset).mean(1)
         hidden = m.pre_transformer(inputs_embeds=hidden).last_hidden_state  # [B, longest, H]
         # The convolutions need only conv_codes of left context: cut each row to it, left-aligned.
-        firsts = [max(0, w.start - rf.conv_codes) for w in windows]
+        behind = -(-rf.lag_samples // spc)  # codes the emitted audio reaches back into
+        firsts = [max(0, w.start - rf.conv_codes - behind) for w in windows]
         kept = [w.codes.shape[-1] - f for w, f in zip(windows, firsts)]
         conv_in = hidden.new_zeros(len(windows), max(kept), hidden.shape[-1])
         for i, (f, k) in enumerate(zip(firsts, kept)):
@@ -126,8 +129,8 @@ class Code2WavDecoder:
         wav = wav.clamp(min=-1, max=1)[:, 0].float()
         out = []
         for i, (w, f, k) in enumerate(zip(windows, firsts, kept)):
-            lo = (w.start - f) * spc
-            hi = min((w.stop - f) * spc, k * spc - rf.tail_samples)
+            lo = max(0, (w.start - f) * spc - rf.lag_samples)
+            hi = min((w.stop - f) * spc - rf.lag_samples, k * spc - rf.tail_samples)
             out.append(wav[i, lo:hi].clone())
         return out
 
@@ -141,6 +144,8 @@ class Code2WavDecoder:
         left_context: int | None = None,
     ) -> CodeWindow | None:
         """:func:`omni_cache.models.code_windows.next_window` with this decoder's receptive field."""
+        if left_context is None:
+            left_context = self.receptive_field.context_codes(self.samples_per_code)
         return next_window(self.receptive_field, codes, emitted, final, max_codes, left_context)
 
 
@@ -193,6 +198,7 @@ def _receptive_field(module: torch.nn.Module) -> ReceptiveField:
     return ReceptiveField(
         left_codes=attn + conv_codes,
         conv_codes=conv_codes,
-        right_codes=math.ceil(tail / spc),
+        right_codes=0,  # causal: a window's audio lags its codes instead (code_windows.py)
         tail_samples=tail,
+        lag_samples=tail,
     )
