@@ -23,8 +23,9 @@ with image and audio workloads beside text. What differs:
     the checkpoint's cap) and `mm_processor_cache_gb=0` in every mode (the HF processor, resize /
     patchify / mel features, runs for every request in every mode: the same front-end work
     everywhere, so it is in every TTFT and in no ratio's favour);
-  - latents: hidden plus layer taps 0 and the checkpoint's `talker_config.accept_hidden_layer`, what
-    the talker reads (tap 0 is the input embeddings: encoder outputs at image / audio positions);
+  - latents: layer taps 0 and the checkpoint's `talker_config.accept_hidden_layer`, what the
+    talker reads and what stage_configs/qwen3_omni.yaml emits (no final hidden state: the talker
+    does not read it); tap 0 is the input embeddings: encoder outputs at image / audio positions;
   - vLLM's encoder cache keys an image / clip by content hash and outlives requests, so in the
     cache-off modes (`plain`, `latents`) a repeated image would skip the encoder without any prefix
     hit. Those modes give each request's media a uuid of its own (`multi_modal_uuids`): the encoder
@@ -561,7 +562,9 @@ def run_mode(mode: str, model: str, rounds_prompts: dict[str, list[Prompt]], rou
     mspec = mspec or model_spec("thinker")
     spec = MODES[mode]
     budget = budget if budget is not None else {"retry_s": float("inf")}
-    latents = (LatentOptions(hidden=True, layers=layers, cache=spec["prefix_cache"])
+    # What the shipped pipeline's talker reads: the final hidden state for the tiny talker, the
+    # layer taps alone for Qwen3-Omni's (stage_configs/qwen3_omni.yaml: hidden false).
+    latents = (LatentOptions(hidden=not layers, layers=layers, cache=spec["prefix_cache"])
                if spec["latents"] else None)
     timers = PathTimers()
     timers.install()
@@ -873,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
                    "retry_budget_s": args.retry_budget, "quiet_wait_fraction": QUIET_WAIT_FRACTION,
                    "modes": {m: dict(v) for m, v in MODES.items()},
                    "model": args.model, "workloads": list(mspec.workloads),
-                   "latent_names": ["hidden"] + [f"layer_{i}" for i in layers],
+                   "latent_names": ([] if layers else ["hidden"]) + [f"layer_{i}" for i in layers],
                    "row_rtol": mspec.row_rtol, "target_fraction": mspec.target_fraction,
                    "mm_context_tokens": MM_CONTEXT_TOKENS, "mm_tail_tokens": MM_TAIL_TOKENS,
                    "image_side": IMAGE_SIDE, "audio_seconds": AUDIO_SECONDS},
