@@ -128,9 +128,12 @@ class TalkerPrompt:
         media = torch.tensor([prompt_token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
         dtype = self.tts_pad.dtype
         index = torch.tensor(user, dtype=torch.long)
-        user_rows = _blockwise(self.text_projection, embeds[index].to(dtype))
+        # Text rows through text_projection, media rows through hidden_projection, each projected
+        # only where it is used (an image prompt is mostly media rows).
+        user_rows = torch.empty(len(user), self.tts_pad.shape[-1], dtype=dtype)
+        user_rows[~media] = _blockwise(self.text_projection, embeds[index[~media]].to(dtype))
         if bool(media.any()):
-            user_rows[media] = _blockwise(self.hidden_projection, accept[index].to(dtype))[media]
+            user_rows[media] = _blockwise(self.hidden_projection, accept[index[media]].to(dtype))
         turn = self.text_projection(embeds[start:start + ASSISTANT_PROMPT_ROWS].to(dtype))
         text = torch.cat([turn[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], turn[3:4]])
         codec_ids = [speaker_id if c is None else c for c in self._codec_specials]
@@ -203,8 +206,9 @@ def _blockwise(project: _Projection, rows: torch.Tensor) -> torch.Tensor:
     pad = -rows.shape[0] % PROJECTION_BLOCK
     padded = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
     blocks = padded.reshape(-1, PROJECTION_BLOCK, rows.shape[1])
-    out = torch.cat([project(b) for b in blocks])
-    return out[:rows.shape[0]]
+    # One batched product over [blocks, PROJECTION_BLOCK, dim]: every block is its own
+    # PROJECTION_BLOCK-row product, in a single call.
+    return project(blocks).reshape(-1, project.fc2_weight.shape[0])[:rows.shape[0]]
 
 
 def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> _Projection:
