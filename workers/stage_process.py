@@ -26,6 +26,7 @@ from omni_cache.wire.messages import (
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
+from workers.heap_trim import HeapTrimmer
 from workers.outbox import Outbox
 
 logger = logging.getLogger("omni_cache.stage")
@@ -59,6 +60,7 @@ class StageProcess:
         self.runner: Any = None
         self.failed_steps = 0
         self.next_housekeeping = 0.0
+        self.heap = HeapTrimmer()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
@@ -115,6 +117,7 @@ class StageProcess:
         self.runner.expire()
         self.outbox.check_peers()
         self._check_parent()
+        self.heap.maybe_trim(now)
 
     def _stop(self, *_: Any) -> None:
         self.stopping = True
@@ -139,7 +142,7 @@ class StageProcess:
             self.stopping = True
         elif isinstance(msg, StatsQuery):
             self.outbox.to_orchestrator(StageStats(
-                stage=self.stage.name, counters={**self.runner.counters(),
+                stage=self.stage.name, counters={**self.runner.counters(), **self.heap.counters(),
                                                  "peer_resets": self.outbox.peer_resets}))
         elif isinstance(msg, Abort):
             self.runner.abort(msg.request_id)
