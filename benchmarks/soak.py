@@ -343,6 +343,8 @@ STAGE_SAMPLES = {
     "omni_cache_stage_errors_total": "errors",
     "omni_cache_stage_restarts_total": "restarts",
     "omni_cache_stage_failed_requests_total": "failed_requests",
+    "omni_cache_stage_heap_trims": "heap_trims",
+    "omni_cache_stage_heap_trim_seconds": "heap_trim_s",
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:prefix_cache_queries_total": "prefix_queried_tokens",

@@ -86,6 +86,8 @@ class Job:
     # Extra vLLM SamplingParams.extra_args of the request (e.g. workers/codec_logits.py's rules).
     extra_args: dict[str, Any] | None = None
     stop_token_ids: list[int] | None = None  # vLLM stops the request after one of these
+    # The only ids vLLM may sample for the request (SamplingParams.allowed_token_ids), None: any.
+    allowed_token_ids: list[int] | None = None
     # M-RoPE positions of prompt_embeds ([3, L]) and the decode positions' offset, when they are
     # not plain text positions (a Qwen3-Omni talker prompt with an image's grid).
     prompt_positions: torch.Tensor | None = None
@@ -139,7 +141,20 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     embeds.add(LatentChunk(start, {"embeds": fresh}))
     state["rows_done"] = rows
     return [Job(prompt_embeds=embeds.view().get("embeds", fresh),
-                max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished)]
+                max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished,
+                allowed_token_ids=_talker_codes_and_eos(ctx))]
+
+
+def _talker_codes_and_eos(ctx: HandoffContext) -> list[int]:
+    """The ids the talker may write: its codec codes and end of speech. Its vocabulary also holds
+    specials (bos, pad) and unused ids; the decoder drops those as not audio, so a talker that
+    samples them writes silence: greedy on random weights, one of them can repeat for a whole
+    answer, which then ends with no audio at all (Qwen3-Omni's talker suppresses its control
+    codes the same way: `_qwen3_omni_logits`)."""
+    if "codes_and_eos" not in ctx.resources:
+        meta = _talker_projection(ctx)[2]
+        ctx.resources["codes_and_eos"] = [*range(meta["codebook_size"]), meta["codec_eos_id"]]
+    return ctx.resources["codes_and_eos"]
 
 
 # transformers' reference samples Qwen3-Omni's talker with this repetition penalty (its

@@ -20,7 +20,8 @@ def talker_ctx(dim=16, out=8):
     gen = torch.Generator().manual_seed(0)
     ctx = HandoffContext(model_path=None)  # the projection is given, not loaded
     ctx.resources["projection"] = (torch.randn(out, dim, generator=gen, dtype=torch.float64),
-                                   torch.randn(out, generator=gen, dtype=torch.float64), {})
+                                   torch.randn(out, generator=gen, dtype=torch.float64),
+                                   {"codebook_size": 4, "codec_eos_id": 5})
     return ctx
 
 
@@ -47,6 +48,8 @@ def test_thinker_to_talker_segments():
     assert torch.equal(prev, (hidden.double() @ weight.T + bias).to(torch.bfloat16))
     assert sum(j.max_tokens for j in jobs_at.values()) == CODES_PER_TOKEN * total
     assert [jobs_at[e].last for e in ends] == [False] * (len(ends) - 1) + [True]
+    # The talker may write codes and end of speech only (ids 0..3 and 5 of the given config).
+    assert all(jobs_at[e].allowed_token_ids == [0, 1, 2, 3, 5] for e in ends)
 
 
 def decoder_ctx(decoder, chunk=16):

@@ -1,55 +1,46 @@
-"""The stage loop's heap trimming: when it runs, and that it hands freed memory back."""
+"""The stage's heap trimmer: free pages in the middle of glibc's heap go back to the system."""
 
-import ctypes.util
-import sys
+from __future__ import annotations
+
+import ctypes
+import os
 
 import pytest
 
-from workers.heap_trim import HeapTrimmer
+from workers.heap_trim import HeapTrimmer, find_malloc_trim
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
 
 
-def test_trims_soon_when_idle_and_at_most_every_max_interval_when_busy():
-    clock = Clock()
-    heap = HeapTrimmer(max_interval_s=30.0, idle_interval_s=5.0, clock=clock)
-    if heap.trim is None:
-        pytest.skip("this C library has no malloc_trim")
-    calls = []
-    heap.trim = calls.append
-    clock.now = 4.0
-    assert not heap.maybe_trim(busy=False)
-    clock.now = 5.0
-    assert heap.maybe_trim(busy=False) and calls == [0]
-    clock.now = 20.0
-    assert not heap.maybe_trim(busy=True)  # busy: waits for the longer interval
-    clock.now = 35.0
-    assert heap.maybe_trim(busy=True) and heap.trims == 2
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or "musl" in (ctypes.util.find_library("c") or ""),
-                    reason="glibc only")
-def test_freed_fragmented_heap_memory_goes_back_to_the_os():
-    import psutil
-
-    heap = HeapTrimmer(idle_interval_s=0.0)
-    assert heap.trim is not None
-    proc = psutil.Process()
-    # Many mid-sized blocks (below glibc's mmap threshold, so they live in the heap), every other one
-    # freed: the heap cannot shrink from the top, only a trim inside it gives the pages back.
-    blocks = [bytearray(100_000) for _ in range(2000)]
-    for b in blocks:
-        b[::4096] = b"\1" * len(b[::4096])  # touch every page
-    keep = blocks[1::2]
-    del blocks
-    before = proc.memory_info().rss
-    assert heap.maybe_trim(busy=False)
-    after = proc.memory_info().rss
-    assert before - after > 50_000_000, (before, after)  # ~100 MB were freed inside the heap
-    del keep
+@pytest.mark.skipif(find_malloc_trim() is None, reason="a C library without malloc_trim")
+def test_trim_returns_free_pages_below_a_live_block():
+    """64 MiB of 64 KiB blocks (under glibc's mmap threshold: they come from the heap), freed
+    while a block allocated after them stays live: free() cannot shrink the heap from its top, so
+    the pages stay resident until the trimmer runs."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block, n = 64 * 1024, 1024
+    blocks = [libc.malloc(block) for _ in range(n)]
+    for p in blocks:
+        ctypes.memset(p, 1, block)  # resident
+    guard = libc.malloc(block)  # above them: the heap's top stays in use
+    trimmer = HeapTrimmer(interval_s=60.0)
+    try:
+        for p in blocks:
+            libc.free(p)
+        before = rss_bytes()
+        assert not trimmer.maybe_trim(trimmer.next_at - 1.0)  # not yet due: nothing happens
+        assert trimmer.trims == 0
+        assert trimmer.maybe_trim(trimmer.next_at)
+        released = before - rss_bytes()
+    finally:
+        libc.free(guard)
+    assert released >= n * block // 2, f"only {released / 2**20:.1f} MiB of 64 MiB went back"
+    assert trimmer.trims == 1 and trimmer.counters()["heap_trims"] == 1
+    assert trimmer.next_at > 0 and not trimmer.maybe_trim(trimmer.next_at - 1.0)

@@ -203,6 +203,7 @@ class ARRunner(StageRunner):
             seed=client.seed if client and client.seed is not None else defaults.seed,
             extra_args=job.extra_args,
             stop_token_ids=job.stop_token_ids,
+            allowed_token_ids=job.allowed_token_ids,
         )
         if job.prompt_embeds is not None:
             prompt = {"prompt_embeds": job.prompt_embeds}

@@ -1,13 +1,19 @@
-"""Giving freed heap memory back to the OS, so a long-running stage's RSS stays flat.
+"""Handing the heap's free pages back to the system: glibc's ``malloc_trim(0)``, now and then.
 
-A stage allocates and frees tensors of many sizes for every request (prompts, latent rows, code
-frames, audio). glibc serves the ones under its mmap threshold from its heaps and keeps freed
-pages there for reuse; with sizes that vary per request the heaps fragment and RSS creeps up for
-tens of minutes before it levels off (a 30-minute soak: thinker +27%, talker +8%). `malloc_trim(0)`
-hands every free page of every arena back (glibc >= 2.8 also trims inside the heap, not only its
-top). It walks the free lists, so it runs from the stage loop's housekeeping: when the stage is idle,
-and at the latest every `max_interval_s` while it is busy. On a C library without it (musl, macOS)
-this does nothing.
+Why a stage needs it: glibc raises its mmap threshold (up to 32 MiB) each time a block it had
+mmapped is freed, so after warm-up a stage's per-step tensors (hidden rows, prompt embeddings,
+logits, all of sizes that vary with the batch) come from the main heap. Freed, they leave free
+chunks in the middle of the heap; glibc only gives memory back from the heap's top, so the pages of
+those chunks stay resident, and the heap's resident size creeps up as the mix of sizes changes
+(benchmarks/README.md, "Soak": the thinker +27% and the talker +8% from minute 5 to 30 before this,
+in ``[heap]``, with nothing kept alive). ``malloc_trim(0)`` also releases whole free pages inside
+the heap (``MADV_DONTNEED``), so the resident size follows what is live. It costs well under a
+millisecond when little was freed since the last call, a few milliseconds after a burst of frees;
+pages it released fault in again when reused. Fixing the mmap threshold instead
+(``MALLOC_MMAP_THRESHOLD_``) also kept the heap flat, but makes every allocation over the threshold
+a fresh mapping (page faults and zeroing on every step).
+
+Other C libraries (musl, macOS) have no ``malloc_trim``: the trimmer then does nothing.
 """
 
 from __future__ import annotations
@@ -16,44 +22,49 @@ import ctypes
 import ctypes.util
 import logging
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("omni_cache.stage")
 
-#: Seconds between trims while the stage has work all the time.
-MAX_INTERVAL_S = 30.0
-#: Seconds between trims while it is idle (a trim of an idle heap costs little).
-IDLE_INTERVAL_S = 5.0
+#: Seconds between two trims of a stage process's heap.
+TRIM_INTERVAL_S = 5.0
 
 
-def _malloc_trim():  # -> the C function, or None
-    name = ctypes.util.find_library("c")
+def find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None when the process's C library has none."""
     try:
-        libc = ctypes.CDLL(name)
-        return libc.malloc_trim
-    except (OSError, AttributeError, TypeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 class HeapTrimmer:
-    def __init__(self, max_interval_s: float = MAX_INTERVAL_S, idle_interval_s: float = IDLE_INTERVAL_S,
-                 clock=time.monotonic) -> None:
-        self.trim = _malloc_trim()
-        self.max_interval_s, self.idle_interval_s = max_interval_s, idle_interval_s
-        self.clock = clock
-        self.last = clock()
-        self.trims = 0
+    """Calls ``malloc_trim(0)`` at most once every ``interval_s`` (:meth:`maybe_trim`), and counts
+    the calls and the time they took (the stage reports both in its stats)."""
 
-    def maybe_trim(self, busy: bool) -> bool:
-        """Trim if due (`busy`: the stage has work queued); True when it trimmed."""
-        if self.trim is None:
+    def __init__(self, interval_s: float = TRIM_INTERVAL_S,
+                 trim: Callable[[int], int] | None = None) -> None:
+        self.interval_s = interval_s
+        self._trim = trim if trim is not None else find_malloc_trim()
+        if self._trim is None:
+            logger.info("no malloc_trim in this C library: freed heap pages stay with the process")
+        self.next_at = time.monotonic() + interval_s
+        self.trims = 0
+        self.seconds = 0.0
+
+    def maybe_trim(self, now: float) -> bool:
+        """Trim if ``interval_s`` passed since the last trim (``now``: time.monotonic())."""
+        if self._trim is None or now < self.next_at:
             return False
-        now = self.clock()
-        if now - self.last < (self.max_interval_s if busy else self.idle_interval_s):
-            return False
-        self.last = now
-        self.trim(0)
+        t0 = time.perf_counter()
+        self._trim(0)
+        self.seconds += time.perf_counter() - t0
         self.trims += 1
-        took = self.clock() - now
-        if took > 0.05:
-            logger.info("malloc_trim took %.0f ms", took * 1e3)
+        self.next_at = now + self.interval_s
         return True
+
+    def counters(self) -> dict[str, float]:
+        return {"heap_trims": self.trims, "heap_trim_seconds": round(self.seconds, 6)}

@@ -117,7 +117,7 @@ class StageProcess:
         self.runner.expire()
         self.outbox.check_peers()
         self._check_parent()
-        self.heap.maybe_trim(busy=self.runner.has_work())
+        self.heap.maybe_trim(now)
 
     def _stop(self, *_: Any) -> None:
         self.stopping = True
@@ -142,7 +142,7 @@ class StageProcess:
             self.stopping = True
         elif isinstance(msg, StatsQuery):
             self.outbox.to_orchestrator(StageStats(
-                stage=self.stage.name, counters={**self.runner.counters(),
+                stage=self.stage.name, counters={**self.runner.counters(), **self.heap.counters(),
                                                  "peer_resets": self.outbox.peer_resets}))
         elif isinstance(msg, Abort):
             self.runner.abort(msg.request_id)
