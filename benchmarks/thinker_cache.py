@@ -323,7 +323,7 @@ class PathTimers:
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_execute_mm_encoder"),
         ("workers.latent_capture", "LatentCapture", "on_step"),
-        ("workers.latent_capture", "LatentCapture", "_gather"),
+        ("workers.latent_capture", "LatentCapture", "_gather_with"),
         ("omni_cache.cache.latent_store", "LatentStore", "write"),
         ("workers.llm_stage", "LLMStage", "_attach_latents"),
     )

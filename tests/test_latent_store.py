@@ -238,6 +238,24 @@ def test_gather_to_cpu_and_empty(device, storage, kw, store_factory):
     store.write(torch.empty(0, dtype=torch.int64, device=device), {n: t[:0] for n, t in lat.items()})
 
 
+@pytest.mark.parametrize("device,storage,kw", CONFIGS)
+def test_gather_into_given_buffers(device, storage, kw, store_factory):
+    """gather(out=) fills the caller's rows (e.g. the head of a longer host buffer) in place, and
+    refuses a buffer of the wrong shape or dtype by name."""
+    gen = torch.Generator().manual_seed(6)
+    store = store_factory(device, storage, kw)
+    lat = random_latents(20, device, gen)
+    store.write(torch.arange(10, 30, device=device), lat)
+    whole = {n: torch.full((9, d), 7, dtype=dt) for n, (d, dt) in SPECS.items()}
+    got = store.gather(torch.arange(12, 18), out={n: t[:6] for n, t in whole.items()})
+    assert all(got[n].data_ptr() == whole[n].data_ptr() for n in SPECS)
+    assert_rows_equal({n: t[:6] for n, t in whole.items()}, {n: t[2:8].cpu() for n, t in lat.items()})
+    assert all(bool((t[6:] == 7).all()) for t in whole.values())  # rows past M untouched
+    wrong = {n: torch.empty(5, d, dtype=dt) for n, (d, dt) in SPECS.items()}
+    with pytest.raises(ValueError, match="gather out"):
+        store.gather(torch.arange(12, 18), out=wrong)
+
+
 def test_prefix_slots():
     bs = 4
     table = [9, 2, 7]

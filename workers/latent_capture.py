@@ -149,10 +149,11 @@ class LatentCapture:
             n = sched.num_scheduled_tokens.get(req_id, 0)
             if n == 0:
                 continue
-            if req_id in hits:
-                self.pending[req_id].append(self._gather(*hits[req_id]))
             rows = {name: t[offset:offset + n] for name, t in computed.items()}
-            self.pending[req_id].append(LatentChunk(start_of[req_id], rows))
+            if req_id in hits:
+                self.pending[req_id].append(self._gather_with(*hits[req_id], rows))
+            else:
+                self.pending[req_id].append(LatentChunk(start_of[req_id], rows))
             offset += n
         self.counters.rows_computed += num_tokens
         self.counters.steps += 1
@@ -195,14 +196,24 @@ class LatentCapture:
                     hits[req_id] = (block_ids[self.group_id], cached.num_computed_tokens[i])
         return hits
 
-    def _gather(self, block_ids: list[int], num_tokens: int) -> LatentChunk:
+    def _gather_with(self, block_ids: list[int], num_tokens: int,
+                     step_rows: dict[str, torch.Tensor]) -> LatentChunk:
+        """One chunk from position 0: the `num_tokens` prefix rows vLLM skipped, gathered from the
+        mirror, followed by the rows this step computed for the request (which start right at
+        `num_tokens`). One buffer per latent, in host memory since the rows leave the process:
+        handing prefix and step rows out as two chunks would cost a second copy of the whole
+        prefix when the stage joins them for its first message."""
         from omni_cache.cache.latent_store import LatentStore
 
         slots = LatentStore.prefix_slots(block_ids, self.block_size, num_tokens)
-        # The rows leave the process, so gather them straight to host memory.
-        rows = self.store.gather(slots, device="cpu")
+        out = {}
+        for name, (dim, dtype) in self.store.specs.items():
+            n = step_rows[name].shape[0]
+            out[name] = torch.empty(num_tokens + n, dim, dtype=dtype)
+            out[name][num_tokens:].copy_(step_rows[name])
+        self.store.gather(slots, out={name: t[:num_tokens] for name, t in out.items()})
         self.counters.rows_served += num_tokens
-        return LatentChunk(0, rows)
+        return LatentChunk(0, out)
 
     @staticmethod
     def _start_positions(sched: Any) -> dict[str, int]:

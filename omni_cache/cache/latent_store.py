@@ -411,11 +411,17 @@ class LatentStore:
             for nm in self.names:
                 self._index_copy(nm, idx, srcs[nm])
 
-    def gather(self, slots: torch.Tensor, *, device: torch.device | str | None = None
-               ) -> dict[str, torch.Tensor]:
+    def gather(self, slots: torch.Tensor, *, device: torch.device | str | None = None,
+               out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Rows at `slots` (int64 [M], no -1) as name -> [M, dim] on `device` (default: the store's
         compute device; pass "cpu" with host storage to skip the trip to the GPU). Sees every write
-        issued before it."""
+        issued before it.
+
+        `out`: name -> a contiguous [M, dim] tensor per latent to fill instead of allocating (a
+        caller that assembles a longer sequence gathers straight into its place, saving a copy);
+        returned filled."""
+        if out is not None:
+            return self._gather_into(slots, out)
         out_dev = self.device if device is None else torch.device(device)
         if self._pipelined:
             return self._pipeline_gather(slots, out_dev)
@@ -430,6 +436,26 @@ class LatentStore:
         if out_dev != self.device:
             out = {nm: t.to(out_dev) for nm, t in out.items()}
         return out
+
+    def _gather_into(self, slots: torch.Tensor, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = slots.shape[0]
+        for nm in self.names:
+            d, dt = self.specs[nm]
+            t = out[nm]
+            if t.shape != (m, d) or t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"gather out[{nm!r}]: expected contiguous [{m}, {d}] {dt}, "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+        direct = not self._pipelined and not self._use_triton and all(
+            out[nm].device == self._flat[nm].device for nm in self.names)
+        if not direct:  # device and pipelined paths gather into their own buffers first
+            rows = self.gather(slots, device=out[self.names[0]].device)
+            for nm in self.names:
+                out[nm].copy_(rows[nm])
+            return dict(out)
+        slots = slots.to(self._flat[self.names[0]].device)
+        for nm in self.names:
+            self._index_select(nm, slots, out=out[nm])
+        return dict(out)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy every row of block src to block dst, for each (src, dst): the mirror's side of
