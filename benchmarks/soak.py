@@ -351,9 +351,16 @@ STAGE_SAMPLES = {
     "vllm:prefix_cache_hits_total": "prefix_hit_tokens",
 }
 
+#: The server process's own samples.
+SERVER_SAMPLES = {
+    "omni_cache_server_heap_trims_total": "heap_trims",
+    "omni_cache_server_heap_trim_seconds_total": "heap_trim_s",
+}
+
 
 async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
-    """Per-stage samples of :data:`STAGE_SAMPLES` and the server's requests in flight."""
+    """Per-stage samples of :data:`STAGE_SAMPLES`, the server's requests in flight and
+    :data:`SERVER_SAMPLES`."""
     from omni_cache.serving.metrics import parse_metrics
 
     try:
@@ -363,13 +370,16 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | N
     except (httpx.HTTPError, ValueError):
         return None
     stages: dict[str, dict[str, float]] = {}
+    server: dict[str, float] = {}
     in_flight = None
     for name, labels, value in samples:
         if name == "omni_cache_requests_in_flight":
             in_flight = value
+        elif name in SERVER_SAMPLES:
+            server[SERVER_SAMPLES[name]] = value
         elif name in STAGE_SAMPLES and "stage" in labels:
             stages.setdefault(labels["stage"], {})[STAGE_SAMPLES[name]] = value
-    return {"in_flight": in_flight, "stages": stages}
+    return {"in_flight": in_flight, "stages": stages, "server": server}
 
 
 # ---- the run -------------------------------------------------------------------------------------

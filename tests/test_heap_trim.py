@@ -1,4 +1,4 @@
-"""The stage's heap trimmer: free pages in the middle of glibc's heap go back to the system."""
+"""The heap trimmer (stages and the server): free pages in the middle of glibc's heap go back to the system."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from workers.heap_trim import HeapTrimmer, find_malloc_trim
+from omni_cache.runtime.heap_trim import HeapTrimmer, find_malloc_trim
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -28,7 +28,7 @@ def rendered(model_name: str | None = "tiny_omni") -> str:
         "thinker": StageSnapshot(up=True, restarts=0, counters=dict(VLLM_STAGE), fresh=True),
         "talker": StageSnapshot(up=False, restarts=2, counters=dict(VLLM_STAGE), fresh=False),
         "decoder": StageSnapshot(up=True, counters=dict(DECODER_STAGE), fresh=True),
-    }, in_flight=4)
+    }, in_flight=4, heap={"heap_trims": 7, "heap_trim_seconds": 0.25})
 
 
 def test_prometheus_client_parses_it_with_types():
@@ -58,6 +58,9 @@ def test_vllm_names_per_vllm_stage_with_model_name():
     assert got[("omni_cache_stage_errors_total", "decoder")][1] == 1
     assert got[("omni_cache_stage_restarts_total", "talker")][1] == 2
     assert got[("omni_cache_stage_up", "talker")][1] == 0
+    # The server process's own heap trims.
+    assert got[("omni_cache_server_heap_trims_total", None)][1] == 7
+    assert got[("omni_cache_server_heap_trim_seconds_total", None)][1] == 0.25
     assert got[("omni_cache_stage_failed_requests_total", "talker")][1] == 1
     assert got[("omni_cache_latent_rows_served_total", "thinker")][1] == 128
     assert got[("omni_cache_stage_prefix_cache_requests", "thinker")][1] == 3  # unmapped: passed through

@@ -26,7 +26,7 @@ from omni_cache.wire.messages import (
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
-from workers.heap_trim import HeapTrimmer
+from omni_cache.runtime.heap_trim import HeapTrimmer
 from workers.outbox import Outbox
 
 logger = logging.getLogger("omni_cache.stage")

@@ -74,6 +74,7 @@ from omni_cache.wire.messages import (
     Submit,
 )
 from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
+from omni_cache.runtime.heap_trim import HeapTrimmer
 from omni_cache.runtime.requests import Request, RequestTable
 
 if TYPE_CHECKING:
@@ -246,6 +247,8 @@ class Orchestrator:
         self._stats_time: dict[str, float] = {}
         self._stats_waiters: set[asyncio.Event] = set()
         self.metrics = OrchestratorMetrics(self.stage_names)
+        # The server's own heap: see heap_trim.py (trimmed from the deadline loop).
+        self.heap = HeapTrimmer()
 
         self._ctx: zmq.asyncio.Context | None = None
         self._inbox: Any = None
@@ -699,10 +702,12 @@ class Orchestrator:
     async def _deadline_loop(self) -> None:
         while True:
             await asyncio.sleep(DEADLINE_CHECK_INTERVAL_S)
+            now = time.monotonic()
             try:
-                self._fail_expired(time.monotonic())
+                self._fail_expired(now)
             except Exception:  # noqa: BLE001
                 logger.exception("orchestrator: deadline check failed")
+            self.heap.maybe_trim(now)
 
     def _fail_expired(self, now: float) -> None:
         for req in self._requests.expired(now):
@@ -902,4 +907,4 @@ class Orchestrator:
 
     async def render_metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        return self.metrics.render(await self.stage_stats(), self.in_flight)
+        return self.metrics.render(await self.stage_stats(), self.in_flight, self.heap.counters())

@@ -183,7 +183,7 @@ class OrchestratorMetrics:
         self.requests_ok = 0
         self.requests_failed: dict[int, int] = {}
         # Set by render() for the collector to read: a scrape is one synchronous call.
-        self._scrape: tuple[Mapping[str, StageSnapshot], int] | None = None
+        self._scrape: tuple[Mapping[str, StageSnapshot], int, dict[str, float]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -204,9 +204,10 @@ class OrchestratorMetrics:
         else:
             self.requests_failed[status] = self.requests_failed.get(status, 0) + 1
 
-    def render(self, stages: Mapping[str, StageSnapshot], in_flight: int) -> str:
-        """The exposition text of one scrape."""
-        self._scrape = (stages, in_flight)
+    def render(self, stages: Mapping[str, StageSnapshot], in_flight: int,
+               heap: Mapping[str, float] | None = None) -> str:
+        """The exposition text of one scrape (`heap`: the server process's HeapTrimmer counters)."""
+        self._scrape = (stages, in_flight, dict(heap or {}))
         try:
             return generate_latest(self.registry).decode("utf-8")
         finally:
@@ -223,7 +224,7 @@ class OrchestratorMetrics:
     def collect(self) -> Iterator[Metric]:
         if self._scrape is None:  # registered, but not inside render()
             return
-        stages, in_flight = self._scrape
+        stages, in_flight, heap = self._scrape
         names = list(stages)
         yield from self._stage_state(stages, names)
         yield from self._stage_counters(stages, names)
@@ -249,6 +250,12 @@ class OrchestratorMetrics:
         for status, n in sorted(self.requests_failed.items()):
             answered.add_metric([f"error_{status}"], n)
         yield answered
+        yield CounterMetricFamily("omni_cache_server_heap_trims",
+                                  "malloc_trim calls of the server process (HTTP and orchestrator).",
+                                  value=heap.get("heap_trims", 0))
+        yield CounterMetricFamily("omni_cache_server_heap_trim_seconds",
+                                  "Seconds the server process spent in malloc_trim.",
+                                  value=heap.get("heap_trim_seconds", 0.0))
 
     def _stage_state(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
         up = GaugeMetricFamily("omni_cache_stage_up", "1 when the stage process is up and ready.",
