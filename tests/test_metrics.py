@@ -51,7 +51,8 @@ def test_vllm_names_per_vllm_stage_with_model_name():
                           ("vllm:prompt_tokens_total", "prompt_tokens"),
                           ("vllm:generation_tokens_total", "generation_tokens")):
             labels, value = got[(name, stage)]
-            assert labels == {"stage": stage, "model_name": "tiny_omni"} and value == VLLM_STAGE[key]
+            assert labels == {"stage": stage, "model_name": "tiny_omni", "replica": "0"}
+            assert value == VLLM_STAGE[key]
     # The decoder is no vLLM engine: no vLLM engine metrics claiming a prefix cache for it.
     assert ("vllm:prefix_cache_queries_total", "decoder") not in got
     # Ours for every stage.
@@ -76,10 +77,31 @@ def test_histograms_are_cumulative_with_vllm_buckets():
     assert outcomes == {"ok": 1, "error_504": 1}
 
 
-def test_without_a_model_name_only_the_stage_label():
+def test_without_a_model_name_only_the_stage_and_replica_labels():
     for name, labels, _ in parse_metrics(rendered(model_name=None)):
         if name.startswith("vllm:"):
-            assert set(labels) - {"le"} == {"stage"}, (name, labels)
+            # a stage's own counters per replica; the orchestrator's histograms per stage
+            assert set(labels) - {"le"} in ({"stage", "replica"}, {"stage"}), (name, labels)
+
+
+def test_replicas_of_a_stage_are_samples_of_their_own_and_routing_is_counted():
+    m = OrchestratorMetrics(["thinker"])
+    m.model_name = "tiny_omni"
+    text = m.render({
+        "thinker#0": StageSnapshot(up=True, counters={"requests": 3}, fresh=True, stage="thinker",
+                                   replica=0),
+        "thinker#1": StageSnapshot(up=False, restarts=1, counters={"requests": 5}, stage="thinker",
+                                   replica=1),
+    }, in_flight=0, routing={("thinker", 0, "round_robin", "round_robin"): 4,
+                             ("thinker", 1, "round_robin", "round_robin"): 3})
+    got = {(n, lab.get("stage"), lab.get("replica")): v for n, lab, v in parse_metrics(text)}
+    assert got[("omni_cache_stage_requests_total", "thinker", "0")] == 3
+    assert got[("omni_cache_stage_requests_total", "thinker", "1")] == 5
+    assert got[("omni_cache_stage_up", "thinker", "1")] == 0
+    assert got[("omni_cache_stage_restarts_total", "thinker", "1")] == 1
+    routed = {(lab["replica"], lab["policy"], lab["decision"]): v for n, lab, v in parse_metrics(text)
+              if n == "omni_cache_routing_decisions_total"}
+    assert routed == {("0", "round_robin", "round_robin"): 4, ("1", "round_robin", "round_robin"): 3}
 
 
 def test_malformed_text_is_a_value_error():

@@ -35,6 +35,7 @@ class _Request:
     sampling: Sampling | None
     deadline: float = 0.0
     return_latents: bool = False
+    route: dict[str, int] = field(default_factory=dict)  # forwarded downstream with seq 0
     seq: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -118,7 +119,7 @@ class ARRunner(StageRunner):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                       return_latents=msg.return_latents)
+                       return_latents=msg.return_latents, route=dict(msg.route))
         self.requests[msg.request_id] = req
         self.total_requests += 1
         self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
@@ -131,7 +132,7 @@ class ARRunner(StageRunner):
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
             req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                           return_latents=msg.return_latents)
+                           return_latents=msg.return_latents, route=dict(msg.route))
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
@@ -267,7 +268,8 @@ class ARRunner(StageRunner):
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
             deadline=req.deadline if req.seq == 0 else 0.0,
-            return_latents=req.return_latents and req.seq == 0)
+            return_latents=req.return_latents and req.seq == 0,
+            route=req.route if req.seq == 0 else {})
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).

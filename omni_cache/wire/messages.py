@@ -54,6 +54,10 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
     deadline: float = 0.0  # unix time after which stages drop the request (0 = none)
     media: list[MediaRef] = []
+    #: stage -> the replica of it that serves this request (the orchestrator's choice, for every
+    #: stage the request passes); each stage forwards it with its first output downstream, where
+    #: it picks the replica the request's stream goes to. A stage missing here: replica 0.
+    route: dict[str, int] = {}
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
@@ -82,6 +86,9 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     # The request's Submit.return_latents, forwarded with the first output: every autoregressive
     # stage then also sends its tensors (latents, a talker's codes) to the orchestrator.
     return_latents: bool = False
+    # The request's Submit.route, forwarded with the first output (seq 0) downstream: it picks the
+    # downstream replica; the rest of the stream follows the first message (workers/outbox.py).
+    route: dict[str, int] = {}
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):
@@ -107,6 +114,8 @@ class StageReady(msgspec.Struct, tag="ready", kw_only=True):
 
     stage: str
     pid: int
+    #: Which replica of the stage this process is (omni_cache.config.replicas).
+    replica: int = 0
     max_model_len: int = 0
     #: Random per stage process: a new value means the stage was restarted (pids can repeat
     #: across hosts).
@@ -123,6 +132,7 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
 
     stage: str
     counters: dict[str, float]
+    replica: int = 0  # which replica of the stage counted them
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
