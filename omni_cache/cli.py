@@ -182,8 +182,8 @@ def format_summary(
         f"max message {_mib(s.max_message_bytes)}"
     )
     if any(st.replicas > 1 for st in config.stages):
-        note = " (falls back to least_loaded: replicas report no cached blocks yet)" \
-            if s.routing == "prefix" else ""
+        note = (" (the thinker replica holding the longest prefix, as its engine reports; else "
+                "least_loaded)") if s.routing == "prefix" else ""
         lines.append(f"  routing:      {s.routing}{note}")
     if any(st.model.startswith("tiny:") for st in config.stages):
         lines.append(f"  checkpoints:  {checkpoint_root(config)} (tiny:* models)")

@@ -758,7 +758,7 @@ def test_replicas_get_their_own_names_and_addresses(tmp_path: Path,
     assert cli.main(["--stage-config", str(path), "--check"]) == 0
     out = capsys.readouterr().out
     assert "replicas:     3: thinker#0 at ipc:///tmp/omni_cache/tiny_omni/thinker.sock," in out
-    assert "routing:      prefix (falls back to least_loaded" in out
+    assert "routing:      prefix (the thinker replica holding the longest prefix" in out
 
 
 @pytest.mark.parametrize("old,new,key,words", [

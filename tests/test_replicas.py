@@ -21,6 +21,7 @@ import pytest
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.routing import ReplicaRouter
 from omni_cache.serving.metrics import parse_metrics
@@ -54,10 +55,35 @@ def test_least_loaded_takes_the_fewest_in_flight_ties_to_the_lowest_index():
     assert all(key[2:] == ("least_loaded", "least_loaded") for key in router.decisions)
 
 
-def test_prefix_falls_back_to_least_loaded_and_counts_it_as_such():
-    router = ReplicaRouter("prefix", {"thinker": 2})
-    assert router.pick("thinker", [0, 1], {0: 3, 1: 1}) == 1
-    assert router.decisions == {("thinker", 1, "prefix", "least_loaded"): 1}
+def test_prefix_takes_the_longest_held_prefix_else_the_least_loaded():
+    router = ReplicaRouter("prefix", {"thinker": 3})
+    loads = {0: 3, 1: 1, 2: 2}
+    assert router.pick("thinker", [0, 1, 2], loads) == 1  # nothing known: least loaded
+    assert router.pick("thinker", [0, 1, 2], loads, {0: 0, 1: 0}) == 1  # nothing held
+    assert router.pick("thinker", [0, 1, 2], {0: 3, 1: 0}, {0: 5, 1: 2}) == 0  # longest, busy or not
+    assert router.pick("thinker", [0, 1, 2], {0: 3, 2: 1}, {0: 5, 2: 5}) == 2  # tie: least loaded
+    assert router.pick("thinker", [1, 2], {}, {0: 9, 1: 1}) == 1  # 0 holds more, but it is down
+    assert router.decisions == {("thinker", 1, "prefix", "least_loaded"): 2,
+                                ("thinker", 0, "prefix", "prefix_hit"): 1,
+                                ("thinker", 2, "prefix", "prefix_hit"): 1,
+                                ("thinker", 1, "prefix", "prefix_hit"): 1}
+
+
+def test_prefix_index_counts_leading_blocks_and_forgets_what_was_evicted():
+    index = PrefixIndex()
+    index.apply(0, stored=[11, 12, 13], removed=[], block_size=32)
+    index.apply(1, stored=[11, 99], removed=[])
+    assert index.block_size == {0: 32}
+    assert index.matched_blocks(0, [11, 12, 13, 14]) == 3
+    assert index.matched_blocks(1, [11, 12, 13]) == 1  # 12 missing: 99 does not continue it
+    index.apply(0, stored=[11, 12], removed=[])  # hits report their blocks again: still held once
+    assert index.matched_blocks(0, [11, 12, 13]) == 3 and index.blocks(0) == 3
+    index.apply(0, stored=[], removed=[12])  # evicted
+    assert index.matched_blocks(0, [11, 12, 13]) == 1 and index.blocks(0) == 2
+    index.apply(0, stored=[13], removed=[], cleared=True)  # a reset, then one block
+    assert index.matched_blocks(0, [11]) == 0 and index.blocks(0) == 1
+    index.forget(1)
+    assert index.matched_blocks(1, [11]) == 0 and index.blocks(1) == 0
 
 
 def test_a_one_replica_stage_is_no_decision_and_nothing_is_picked_from_none():

@@ -81,7 +81,7 @@ def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
 
 class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
-                 prefix_cache: bool) -> None:
+                 prefix_cache: bool, report_blocks: bool = False) -> None:
         super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
@@ -93,7 +93,8 @@ class ARRunner(StageRunner):
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
-                            async_scheduling=async_scheduling, submodel=stage.submodel)
+                            async_scheduling=async_scheduling, submodel=stage.submodel,
+                            report_blocks=report_blocks)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
         self.max_model_len = self.llm.max_model_len
@@ -297,6 +298,9 @@ class ARRunner(StageRunner):
         if req is not None and req.active is not None:
             self.by_job.pop(req.active, None)
             self.llm.abort(req.active)
+
+    def take_block_changes(self) -> Any:
+        return self.llm.block_events.take() if self.llm.block_events is not None else None
 
     def counters(self) -> dict[str, float]:
         running, waiting = self.llm.scheduler.get_request_counts()

@@ -21,8 +21,9 @@ import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
 from omni_cache.config.replicas import stage_replicas
+from omni_cache.runtime.routing import reports_blocks
 from omni_cache.wire.messages import (
-    MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
+    MESSAGE_TYPES, Abort, BlockEvents, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
 )
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
@@ -72,7 +73,11 @@ class StageProcess:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache)
+        report = reports_blocks(self.config.server.routing, self.stage.name,
+                                self.config.entry_stage().name, self.stage.replicas,
+                                self.prefix_cache)
+        self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache,
+                                  report_blocks=report)
         if self.orchestrator:
             self.announcer = Announcer(self.ctx, self.codec, self.orchestrator, self.stage.name,
                                        interval_s=self.config.server.heartbeat_interval_s,
@@ -109,6 +114,7 @@ class StageProcess:
         try:
             self.runner.step()
             self.failed_steps = 0
+            self._report_blocks()
         except Exception as exc:
             self.failed_steps += 1
             logger.exception("stage %s: model step failed (%d in a row)", self.stage.name,
@@ -116,6 +122,14 @@ class StageProcess:
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             self.runner.fail_all(exc)
+
+    def _report_blocks(self) -> None:
+        """Tell the orchestrator what this step changed in the prefix cache (prefix routing)."""
+        changes = self.runner.take_block_changes()
+        if changes:
+            self.outbox.to_orchestrator(BlockEvents(
+                stage=self.stage.name, replica=self.replica.index, stored=changes.stored,
+                removed=changes.removed, cleared=changes.cleared, block_size=changes.block_size))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -161,7 +175,8 @@ class StageProcess:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 
 
-def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool) -> Any:
+def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool,
+                report_blocks: bool = False) -> Any:
     from omni_cache.config import resolve_model
 
     model = resolve_model(stage, config)
@@ -171,7 +186,7 @@ def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, pref
         return DecoderRunner(config, stage, model, outbox)
     from workers.ar_runner import ARRunner
 
-    return ARRunner(config, stage, model, outbox, prefix_cache)
+    return ARRunner(config, stage, model, outbox, prefix_cache, report_blocks=report_blocks)
 
 
 def serve_stage(config: PipelineConfig, stage_name: str, *, orchestrator: str | None,

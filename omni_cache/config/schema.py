@@ -90,8 +90,8 @@ class ServerConfig(_Base, kw_only=True):
     media: MediaConfig = field(default_factory=MediaConfig)
     #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
     #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
-    #: index) or "prefix" (the replica holding the longest cached prefix of the prompt; until
-    #: replicas report the blocks they hold it decides as "least_loaded" does). A request's later
+    #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the
+    #: prompt, as its engine reports; "least_loaded" when none holds any). A request's later
     #: messages to a stage go to the replica its first one went to.
     routing: RoutingPolicy = "prefix"
 

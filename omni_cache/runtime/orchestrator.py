@@ -67,6 +67,7 @@ from omni_cache.wire.messages import (
     CODES_FRAME,
     MESSAGE_TYPES,
     Abort,
+    BlockEvents,
     MediaRef,
     Sampling,
     Shutdown,
@@ -79,7 +80,9 @@ from omni_cache.wire.messages import (
 )
 from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.requests import Request, RequestTable
-from omni_cache.runtime.routing import ReplicaRouter
+from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.routing import ReplicaRouter, reports_blocks
 
 if TYPE_CHECKING:
     from omni_cache.serving.media import MediaItem
@@ -248,6 +251,10 @@ class Orchestrator:
         self._replica_names = {(r.stage, r.index): r.name for r in self._replicas.values()}
         self.router = ReplicaRouter(config.server.routing,
                                     {s.name: s.replicas for s in config.stages})
+        #: What each entry replica's prefix cache holds, as it reports (prefix routing only).
+        self.prefix_index = PrefixIndex()
+        self._prefix_routing = reports_blocks(config.server.routing, self.entry.name, self.entry.name,
+                                              self.entry.replicas, self.entry.prefix_cache)
         self._control_bind = config.server.control_bind_address
         self._auth: Any = None  # StageAuth when server.stage_auth_key_file is set (start())
 
@@ -431,6 +438,8 @@ class Orchestrator:
         serving (the requests routed to the other replicas of its stage go on)."""
         replica = self._replicas[stage]
         self._reset_sender(stage)
+        if replica.stage == self.entry.name:
+            self.prefix_index.forget(replica.index)  # its cache died with it
         hint = ("retry when it is back" if replica.stage in self._external
                 else "it is being restarted, retry shortly")
         for req in self._requests.served_by(replica.stage, replica.index):
@@ -665,7 +674,8 @@ class Orchestrator:
             deadline=now + timeout,
             timeout_s=timeout,
             return_latents=return_latents,
-            route=self._route(checked.participants),
+            route=self._route(checked.participants,
+                              None if checked.media else checked.prompt_token_ids),
         )
         self._requests.add(req)
         entry = self._replica_names[(self.entry.name, req.route[self.entry.name])]
@@ -703,11 +713,30 @@ class Orchestrator:
                        stage=self.entry.name)
         return RequestHandle(self, req)
 
-    def _route(self, participants: Sequence[str]) -> dict[str, int]:
-        """A replica of every participant (among those up: _check_available saw one of each)."""
+    def _route(self, participants: Sequence[str], prompt: Sequence[int] | None) -> dict[str, int]:
+        """A replica of every participant (among those up: _check_available saw one of each).
+        ``prompt``: the token ids the entry stage hashes as they are (None: a prompt with media)."""
         return {stage: self.router.pick(stage, self.supervisor.up_replicas(stage),
-                                        self._requests.load(stage))
+                                        self._requests.load(stage),
+                                        self._matched_blocks(prompt) if stage == self.entry.name
+                                        else None)
                 for stage in participants}
+
+    def _matched_blocks(self, prompt: Sequence[int] | None) -> dict[int, int] | None:
+        """entry replica -> leading blocks of ``prompt`` its prefix cache holds (prefix routing)."""
+        if not self._prefix_routing or prompt is None:
+            return None
+        seed = self.entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
+        out: dict[int, int] = {}
+        chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes
+        for replica in self.supervisor.up_replicas(self.entry.name):
+            size = self.prefix_index.block_size.get(replica)
+            if not size:
+                continue  # reported nothing yet: holds nothing known
+            if size not in chains:
+                chains[size] = prompt_block_hashes(prompt, size, seed)
+            out[replica] = self.prefix_index.matched_blocks(replica, chains[size])
+        return out
 
     def _serving(self, req: Request, stage: str) -> str:
         """The name of the replica of ``stage`` that serves ``req``."""
@@ -822,6 +851,8 @@ class Orchestrator:
             self._on_error(msg)
         elif isinstance(msg, StageReady):
             self.supervisor.on_announcement(msg)
+        elif isinstance(msg, BlockEvents):
+            self._on_block_events(msg)
         elif isinstance(msg, StageStats):
             name = self._replica_names.get((msg.stage, msg.replica))
             if name is None:
@@ -885,6 +916,13 @@ class Orchestrator:
             req.finished[stage.name] = msg
             if all(p in req.finished for p in req.participants):
                 self._complete(req)
+
+    def _on_block_events(self, msg: BlockEvents) -> None:
+        sp = self.supervisor.replica(msg.stage, msg.replica)
+        if msg.stage != self.entry.name or sp is None or not sp.up:
+            return  # a replica that is down holds nothing (a late report from its old process)
+        self.prefix_index.apply(msg.replica, msg.stored, msg.removed, cleared=msg.cleared,
+                                block_size=msg.block_size)
 
     def _on_error(self, msg: StageError) -> None:
         req = self._requests.get(msg.request_id)

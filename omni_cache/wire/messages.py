@@ -139,5 +139,23 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     reason: str = ""
 
 
-Message = Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats | Shutdown
-MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown)
+class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
+    """Stage -> orchestrator, after a step that changed it: what the replica's prefix cache gained
+    and lost since its last report (vLLM's KV-cache events, net per block hash; see
+    scheduler/block_events.py), for prefix routing (omni_cache/runtime/routing.py)."""
+
+    stage: str
+    replica: int = 0
+    #: Block hashes (vLLM's 64-bit form) its prefix cache holds now.
+    stored: list[int] = []
+    #: Block hashes it no longer holds (evicted).
+    removed: list[int] = []
+    #: The prefix cache was reset before these changes: forget what it held.
+    cleared: bool = False
+    block_size: int = 0
+
+
+Message = (Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats
+           | Shutdown | BlockEvents)
+MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown,
+                 BlockEvents)
