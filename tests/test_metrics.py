@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot, parse_metrics
+from omni_cache.serving.metrics import (
+    STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, RoutingSnapshot, StageSnapshot, parse_metrics,
+)
 
 VLLM_STAGE = {"requests": 3, "errors": 0, "queue_depth": 1, "prefix_cache_queried_tokens": 200,
               "prefix_cache_hit_tokens": 128, "num_requests_running": 1, "num_requests_waiting": 0,
@@ -92,8 +94,10 @@ def test_replicas_of_a_stage_are_samples_of_their_own_and_routing_is_counted():
                                    replica=0),
         "thinker#1": StageSnapshot(up=False, restarts=1, counters={"requests": 5}, stage="thinker",
                                    replica=1),
-    }, in_flight=0, routing={("thinker", 0, "round_robin", "round_robin"): 4,
-                             ("thinker", 1, "round_robin", "round_robin"): 3})
+    }, in_flight=0, routing=RoutingSnapshot(
+        decisions={("thinker", 0, "round_robin", "round_robin"): 4,
+                   ("thinker", 1, "round_robin", "round_robin"): 3},
+        in_flight={("thinker", 0): 2, ("thinker", 1): 0}, prefix_blocks={("thinker", 1): 17}))
     got = {(n, lab.get("stage"), lab.get("replica")): v for n, lab, v in parse_metrics(text)}
     assert got[("omni_cache_stage_requests_total", "thinker", "0")] == 3
     assert got[("omni_cache_stage_requests_total", "thinker", "1")] == 5
@@ -102,6 +106,9 @@ def test_replicas_of_a_stage_are_samples_of_their_own_and_routing_is_counted():
     routed = {(lab["replica"], lab["policy"], lab["decision"]): v for n, lab, v in parse_metrics(text)
               if n == "omni_cache_routing_decisions_total"}
     assert routed == {("0", "round_robin", "round_robin"): 4, ("1", "round_robin", "round_robin"): 3}
+    assert got[("omni_cache_replica_requests_in_flight", "thinker", "0")] == 2
+    assert got[("omni_cache_replica_requests_in_flight", "thinker", "1")] == 0
+    assert got[("omni_cache_prefix_index_blocks", "thinker", "1")] == 17
 
 
 def test_malformed_text_is_a_value_error():

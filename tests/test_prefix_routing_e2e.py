@@ -92,7 +92,11 @@ def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(se
     assert delta(before, decisions(server)) == {("0", "prefix_hit"): 1, ("1", "prefix_hit"): 1}
     assert cached["P"] >= 512 and cached["Q"] >= 512, cached
     held = server.orchestrator.prefix_index
-    assert held.blocks(0) > 0 and held.blocks(1) > 0
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=30).text
+    gauge = {lab["replica"]: v for n, lab, v in parse_metrics(text)
+             if n == "omni_cache_prefix_index_blocks"}
+    assert gauge == {"0": held.blocks(0), "1": held.blocks(1)} and min(gauge.values()) >= 18, gauge
 
     # Churn replica 0's 64-block pool with prompts nobody shares (no hit anywhere: they go to the
     # least loaded, replica 0 on a tie), until its prefix is evicted.

@@ -219,6 +219,8 @@ def test_least_loaded_passes_a_busy_replica_and_a_dead_one_fails_only_its_reques
         assert r.json()["choices"][0]["message"]["content"] == "user: qu"  # the echo, 8 tokens
     assert (routed(srv, 0), routed(srv, 1)) == (before[0] + 1, before[1] + 3)
     assert metric(srv, "omni_cache_stage_queue_depth", stage="thinker", replica="0") == 1
+    assert metric(srv, "omni_cache_replica_requests_in_flight", stage="thinker", replica="0") == 1
+    assert metric(srv, "omni_cache_replica_requests_in_flight", stage="thinker", replica="1") == 0
 
     # kill -9 of replica 0: its request fails naming it; replica 1 and its requests go on.
     old_pid = orch.stage_pids()["thinker#0"]

@@ -78,7 +78,9 @@ from omni_cache.wire.messages import (
     StatsQuery,
     Submit,
 )
-from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
+from omni_cache.serving.metrics import (
+    STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, RoutingSnapshot, StageSnapshot,
+)
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.prefix_index import PrefixIndex
@@ -999,4 +1001,15 @@ class Orchestrator:
     async def render_metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
         return self.metrics.render(await self.stage_stats(), self.in_flight,
-                                   routing=self.router.decisions)
+                                   routing=self._routing_snapshot())
+
+    def _routing_snapshot(self) -> RoutingSnapshot:
+        several = [s for s in self.config.stages if s.replicas > 1]
+        in_flight = {}
+        for stage in several:
+            load = self._requests.load(stage.name)
+            in_flight.update({(stage.name, i): load.get(i, 0) for i in range(stage.replicas)})
+        blocks = ({(self.entry.name, i): self.prefix_index.blocks(i)
+                   for i in range(self.entry.replicas)} if self._prefix_routing else {})
+        return RoutingSnapshot(decisions=dict(self.router.decisions), in_flight=in_flight,
+                               prefix_blocks=blocks)

@@ -15,9 +15,11 @@ model name):
 
 Our own names (``omni_cache_*``) only for what vLLM has no metric for: time to first audio, latent
 rows served from the hidden-state cache, stage up/restarts, requests a stage accepted or failed,
-requests in flight and answered, and ``omni_cache_routing_decisions_total`` (``stage``,
-``replica``, ``policy``: ``server.routing``, ``decision``: the rule that chose, see
-omni_cache/runtime/routing.py) for stages with several replicas.
+requests in flight and answered, and for stages with several replicas what routing sees:
+``omni_cache_routing_decisions_total`` (``stage``, ``replica``, ``policy``: ``server.routing``,
+``decision``: the rule that chose, see omni_cache/runtime/routing.py),
+``omni_cache_replica_requests_in_flight`` (the load ``least_loaded`` compares) and
+``omni_cache_prefix_index_blocks`` (block hashes an entry replica reported it holds, ``prefix``).
 
 Two sources feed a scrape: the stages' cumulative counters (``StatsQuery`` -> ``StageStats``, passed
 to :meth:`OrchestratorMetrics.render` as :class:`StageSnapshot`) and what the orchestrator measures
@@ -163,6 +165,18 @@ class Histogram:
 
 
 @dataclass
+class RoutingSnapshot:
+    """What the router sees at scrape time, for stages with several replicas."""
+
+    #: (stage, replica, policy, decision) -> requests routed so
+    decisions: Mapping[tuple[str, int, str, str], int] = field(default_factory=dict)
+    #: (stage, replica) -> the orchestrator's requests in flight there
+    in_flight: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    #: (stage, replica) -> distinct block hashes it reported holding
+    prefix_blocks: Mapping[tuple[str, int], int] = field(default_factory=dict)
+
+
+@dataclass
 class StageSnapshot:
     """What the orchestrator knows about one stage replica at scrape time."""
 
@@ -212,10 +226,10 @@ class OrchestratorMetrics:
             self.requests_failed[status] = self.requests_failed.get(status, 0) + 1
 
     def render(self, stages: Mapping[str, StageSnapshot], in_flight: int,
-               routing: Mapping[tuple[str, int, str, str], int] | None = None) -> str:
+               routing: RoutingSnapshot | None = None) -> str:
         """The exposition text of one scrape. ``stages``: replica name (or stage name) -> its
-        snapshot; ``routing``: (stage, replica, policy, decision) -> decisions."""
-        self._scrape = (stages, in_flight, routing or {})
+        snapshot."""
+        self._scrape = (stages, in_flight, routing or RoutingSnapshot())
         try:
             return generate_latest(self.registry).decode("utf-8")
         finally:
@@ -284,15 +298,26 @@ class OrchestratorMetrics:
             fresh.add_metric(values, 1 if stages[s].fresh else 0)
         yield from (up, restarts, fresh)
 
-    def _routing(self, routing: Mapping[tuple[str, int, str, str], int]) -> Iterator[Metric]:
+    def _routing(self, routing: RoutingSnapshot) -> Iterator[Metric]:
         fam = CounterMetricFamily(
             "omni_cache_routing_decisions",
             "Requests routed to a replica of a stage with several replicas, by the configured "
             "policy and the rule that decided.", labels=["stage", "replica", "policy", "decision"])
-        for (stage, replica, policy, decision), n in sorted(routing.items()):
+        for (stage, replica, policy, decision), n in sorted(routing.decisions.items()):
             fam.add_metric([stage, str(replica), policy, decision], n)
-        if fam.samples:
-            yield fam
+        load = GaugeMetricFamily(
+            "omni_cache_replica_requests_in_flight",
+            "The orchestrator's requests routed to the replica and not finished there (the load "
+            "least_loaded compares).", labels=["stage", "replica"])
+        for (stage, replica), n in sorted(routing.in_flight.items()):
+            load.add_metric([stage, str(replica)], n)
+        blocks = GaugeMetricFamily(
+            "omni_cache_prefix_index_blocks",
+            "Block hashes the entry replica reported its prefix cache holds (prefix routing).",
+            labels=["stage", "replica"])
+        for (stage, replica), n in sorted(routing.prefix_blocks.items()):
+            blocks.add_metric([stage, str(replica)], n)
+        yield from (f for f in (fam, load, blocks) if f.samples)
 
     def _stage_counters(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
         for key, metric in STAGE_METRICS.items():
