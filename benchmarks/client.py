@@ -262,7 +262,8 @@ COUNTERS = {
 
 
 def metric_counters(text: str) -> dict[str, dict[str, float]]:
-    """stage -> {queried, hit, latent_rows, requests, restarts, fresh} from Prometheus text."""
+    """stage -> {queried, hit, latent_rows, requests, restarts, fresh} from Prometheus text; a
+    stage's replicas summed (``fresh``: 1 only when every replica answered)."""
     from omni_cache.serving.metrics import parse_metrics
 
     by_name = {v: k for k, v in COUNTERS.items()}
@@ -270,7 +271,11 @@ def metric_counters(text: str) -> dict[str, dict[str, float]]:
     for name, labels, value in parse_metrics(text):
         key = by_name.get(name)
         if key is not None and "stage" in labels:
-            out.setdefault(labels["stage"], {})[key] = value
+            stage = out.setdefault(labels["stage"], {})
+            if key not in stage:
+                stage[key] = value
+            else:
+                stage[key] = min(stage[key], value) if key == "fresh" else stage[key] + value
     return out
 
 

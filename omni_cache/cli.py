@@ -26,6 +26,7 @@ from omni_cache.config import (
     load_config,
     validate_config,
 )
+from omni_cache.config.replicas import stage_replicas
 from omni_cache.serving.auth import API_KEY_ENV
 
 PROG = "omni-serve"
@@ -180,6 +181,10 @@ def format_summary(
         f"  limits:       request timeout {s.request_timeout_s:g} s, "
         f"max message {_mib(s.max_message_bytes)}"
     )
+    if any(st.replicas > 1 for st in config.stages):
+        note = (" (the thinker replica holding the longest prefix, as its engine reports; else "
+                "least_loaded)") if s.routing == "prefix" else ""
+        lines.append(f"  routing:      {s.routing}{note}")
     if any(st.model.startswith("tiny:") for st in config.stages):
         lines.append(f"  checkpoints:  {checkpoint_root(config)} (tiny:* models)")
     try:
@@ -197,6 +202,9 @@ def format_summary(
             lines.append("  inputs:       client request (entry stage)")
         lines.append(f"  address:      {st.address}"
                      + (f" (binds {st.bind_address})" if st.bind_address else ""))
+        if st.replicas > 1:
+            lines.append(f"  replicas:     {st.replicas}: " + ", ".join(
+                f"{r.name} at {r.address}" for r in stage_replicas(st)))
         if st.external:
             lines.append("  started:      by hand (external: python -m workers ... --stage "
                          f"{st.name}), not by omni-serve")

@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import load_config
+from omni_cache.config.replicas import stage_replicas
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
@@ -65,17 +66,18 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 class FakeStage:
-    def __init__(self, config, stage, orchestrator: str) -> None:
+    def __init__(self, config, stage, orchestrator: str, replica: int = 0) -> None:
         self.config = config
         self.stage = stage
         self.name = stage.name
+        self.replica = stage_replicas(stage)[replica]  # its own inbox; downstream: replica 0 only
         self.ctx = zmq.asyncio.Context()
         codec = Codec(MESSAGE_TYPES, max_message_bytes=config.server.max_message_bytes)
         self.auth = load_stage_auth(config)  # server.stage_auth_key_file: CURVE like real stages
         if self.auth is not None:
             self.auth.guard(self.ctx)
-        self.inbox = AsyncReceiver(self.ctx, stage.bind_address or stage.address, codec, bind=True,
-                                   auth=self.auth)
+        self.inbox = AsyncReceiver(self.ctx, self.replica.bind_address or self.replica.address,
+                                   codec, bind=True, auth=self.auth)
         self.orch = AsyncSender(self.ctx, orchestrator, codec, auth=self.auth)
         self.down = [AsyncSender(self.ctx, d.address, codec, auth=self.auth)
                      for d in config.downstream(stage.name)]
@@ -95,7 +97,8 @@ class FakeStage:
         # Heartbeats as a real stage sends them (workers/announcer.py), first one queued.
         announcer = Announcer(zmq.Context.shadow(self.ctx.underlying), self.codec, self.orchestrator,
                               self.name, interval_s=self.config.server.heartbeat_interval_s,
-                              max_model_len=max_len or 0, auth=self.auth)
+                              max_model_len=max_len or 0, auth=self.auth,
+                              replica=self.replica.index)
         await self.orch.send(announcer.message)
         announcer.start()
         while True:
@@ -117,7 +120,8 @@ class FakeStage:
                     task.cancel()
             elif isinstance(msg, StatsQuery):
                 self.counters["queue_depth"] = float(len(self.tasks) + len(self.decoding))
-                await self.orch.send(StageStats(stage=self.name, counters=dict(self.counters)))
+                await self.orch.send(StageStats(stage=self.name, replica=self.replica.index,
+                                                counters=dict(self.counters)))
             elif isinstance(msg, Shutdown):
                 return
 
@@ -212,6 +216,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--stage-config", required=True)
     p.add_argument("--stage", required=True)
+    p.add_argument("--replica", type=int, default=0)
     p.add_argument("--orchestrator", default=None)  # default: the config's control address
     p.add_argument("--parent-pid", type=int, default=None)  # None: started by hand
     p.add_argument("--checkpoint-dir")
@@ -227,7 +232,7 @@ def main() -> int:
     if os.environ.get("FAKE_EXIT_AT_START"):
         print("fake stage: cannot load the model", flush=True)
         return int(os.environ["FAKE_EXIT_AT_START"])
-    asyncio.run(FakeStage(config, stage, args.orchestrator).run())
+    asyncio.run(FakeStage(config, stage, args.orchestrator, args.replica).run())
     print(f"fake stage {stage.name} shut down", flush=True)
     return 0
 

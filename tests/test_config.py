@@ -720,3 +720,78 @@ def test_keys_that_would_do_nothing_are_refused(tmp_path: Path, old: str, new: s
 def test_no_prefix_cache_leaves_the_generation_stage_alone() -> None:
     """--no-prefix-cache turns the cache off where there is one; the config stays valid."""
     assert cli.main(["--stage-config", str(TINY), "--check", "--no-prefix-cache"]) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Replicas and routing
+# --------------------------------------------------------------------------------------------------
+
+THINKER_ADDRESS = "    address: ipc:///tmp/omni_cache/tiny_omni/thinker.sock   # where the stage process listens (ZMQ)"
+HOSTS = CONFIGS / "tiny_omni_hosts.yaml"
+
+
+def test_replicas_get_their_own_names_and_addresses(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_cache.config.replicas import stage_replicas
+
+    path = write_variant(tmp_path, THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 3  #")
+    config = load_config(path)
+    assert config.server.routing == "prefix"  # the default
+    replicas = stage_replicas(config.stage("thinker"))
+    assert [(r.name, r.index, r.address) for r in replicas] == [
+        ("thinker#0", 0, "ipc:///tmp/omni_cache/tiny_omni/thinker.sock"),
+        ("thinker#1", 1, "ipc:///tmp/omni_cache/tiny_omni/thinker.sock.1"),
+        ("thinker#2", 2, "ipc:///tmp/omni_cache/tiny_omni/thinker.sock.2"),
+    ]
+    # a one-replica stage keeps its name and address
+    [talker] = stage_replicas(config.stage("talker"))
+    assert (talker.name, talker.address) == ("talker", config.stage("talker").address)
+    # tcp: port + i, bind address too
+    hosts = HOSTS.read_text().replace("    external: true ", "    external: false ")
+    hosts = hosts.replace("    address: tcp://127.0.0.1:5603 ",
+                          "    replicas: 2\n    address: tcp://127.0.0.1:5603 ")
+    tcp = tmp_path / "tcp.yaml"
+    tcp.write_text(hosts)
+    decoder = stage_replicas(load_config(tcp, check_paths=False).stage("decoder"))
+    assert [(r.address, r.bind_address) for r in decoder] == [
+        ("tcp://127.0.0.1:5603", "tcp://0.0.0.0:5603"), ("tcp://127.0.0.1:5604", "tcp://0.0.0.0:5604")]
+    assert cli.main(["--stage-config", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas:     3: thinker#0 at ipc:///tmp/omni_cache/tiny_omni/thinker.sock," in out
+    assert "routing:      prefix (the thinker replica holding the longest prefix" in out
+
+
+@pytest.mark.parametrize("old,new,key,words", [
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 0  #", "stages[0].replicas",
+     "expected int >= 1, got 0"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: two  #", "stages[0].replicas",
+     "expected int, got str 'two'"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 2\n    external: true  #", "stages[0].replicas",
+     "2 replicas of a stage started by hand (external) are not supported"),
+    ("  control_address: null ", "  routing: random\n  control_address: null ", "server.routing",
+     "expected one of 'prefix', 'round_robin', 'least_loaded'"),
+])
+def test_bad_replicas_and_routing_are_refused(tmp_path: Path, old: str, new: str, key: str,
+                                              words: str) -> None:
+    path = write_variant(tmp_path, old, new)
+    message = config_error(path)
+    assert f"{path}: {key}: " in message and words in message, message
+    assert cli.main(["--stage-config", str(path), "--check"]) == 2
+
+
+def test_a_replica_address_clashing_with_another_stage_is_named(tmp_path: Path) -> None:
+    hosts = HOSTS.read_text().replace("    external: true ", "    external: false ")
+    hosts = hosts.replace("    address: tcp://127.0.0.1:5601 ",
+                          "    replicas: 2\n    address: tcp://127.0.0.1:5601 ")
+    path = tmp_path / "clash.yaml"
+    path.write_text(hosts)
+    message = config_error(path, check_paths=False)
+    assert (f"{path}: stages[1].address: 'tcp://127.0.0.1:5602' is also the address of replica 1 "
+            "of stages[0] ('thinker#1')") in message, message
+
+
+def test_replicas_of_a_hand_started_stage_are_refused_from_the_command_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_variant(tmp_path, THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 2  #")
+    assert cli.main(["--stage-config", str(path), "--check", "--external-stages", "thinker"]) == 2
+    assert "stages[0].replicas: 2 replicas of a stage started by hand" in capsys.readouterr().err

@@ -31,6 +31,7 @@ from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
 from omni_cache.wire.messages import MESSAGE_TYPES, Sampling, StageReady, Submit
 from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.serving.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
 from omni_cache.wire.transport import Codec, Receiver
@@ -148,10 +149,10 @@ def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:
 def metric(srv: ServerThread, name: str, stage: str) -> float:
     """One sample of /metrics (``name`` or ``name_total``) for ``stage``."""
     text = httpx.get(srv.url + "/metrics", timeout=WAIT_S).text
-    pattern = re.compile(rf'^{name}(?:_total)?\{{stage="{stage}"\}} (\S+)$', re.M)
-    found = pattern.findall(text)
+    found = [v for n, lab, v in parse_metrics(text)
+             if n in (name, name + "_total") and lab.get("stage") == stage]
     assert len(found) == 1, f"{name}{{stage={stage!r}}} in:\n{text}"
-    return float(found[0])
+    return found[0]
 
 
 def assert_answer(resp: httpx.Response, content: str) -> None:

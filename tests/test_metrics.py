@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot, parse_metrics
+from omni_cache.serving.metrics import (
+    STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, RoutingSnapshot, StageSnapshot, parse_metrics,
+)
 
 VLLM_STAGE = {"requests": 3, "errors": 0, "queue_depth": 1, "prefix_cache_queried_tokens": 200,
               "prefix_cache_hit_tokens": 128, "num_requests_running": 1, "num_requests_waiting": 0,
@@ -51,7 +53,8 @@ def test_vllm_names_per_vllm_stage_with_model_name():
                           ("vllm:prompt_tokens_total", "prompt_tokens"),
                           ("vllm:generation_tokens_total", "generation_tokens")):
             labels, value = got[(name, stage)]
-            assert labels == {"stage": stage, "model_name": "tiny_omni"} and value == VLLM_STAGE[key]
+            assert labels == {"stage": stage, "model_name": "tiny_omni", "replica": "0"}
+            assert value == VLLM_STAGE[key]
     # The decoder is no vLLM engine: no vLLM engine metrics claiming a prefix cache for it.
     assert ("vllm:prefix_cache_queries_total", "decoder") not in got
     # Ours for every stage.
@@ -79,10 +82,36 @@ def test_histograms_are_cumulative_with_vllm_buckets():
     assert outcomes == {"ok": 1, "error_504": 1}
 
 
-def test_without_a_model_name_only_the_stage_label():
+def test_without_a_model_name_only_the_stage_and_replica_labels():
     for name, labels, _ in parse_metrics(rendered(model_name=None)):
         if name.startswith("vllm:"):
-            assert set(labels) - {"le"} == {"stage"}, (name, labels)
+            # a stage's own counters per replica; the orchestrator's histograms per stage
+            assert set(labels) - {"le"} in ({"stage", "replica"}, {"stage"}), (name, labels)
+
+
+def test_replicas_of_a_stage_are_samples_of_their_own_and_routing_is_counted():
+    m = OrchestratorMetrics(["thinker"])
+    m.model_name = "tiny_omni"
+    text = m.render({
+        "thinker#0": StageSnapshot(up=True, counters={"requests": 3}, fresh=True, stage="thinker",
+                                   replica=0),
+        "thinker#1": StageSnapshot(up=False, restarts=1, counters={"requests": 5}, stage="thinker",
+                                   replica=1),
+    }, in_flight=0, routing=RoutingSnapshot(
+        decisions={("thinker", 0, "round_robin", "round_robin"): 4,
+                   ("thinker", 1, "round_robin", "round_robin"): 3},
+        in_flight={("thinker", 0): 2, ("thinker", 1): 0}, prefix_blocks={("thinker", 1): 17}))
+    got = {(n, lab.get("stage"), lab.get("replica")): v for n, lab, v in parse_metrics(text)}
+    assert got[("omni_cache_stage_requests_total", "thinker", "0")] == 3
+    assert got[("omni_cache_stage_requests_total", "thinker", "1")] == 5
+    assert got[("omni_cache_stage_up", "thinker", "1")] == 0
+    assert got[("omni_cache_stage_restarts_total", "thinker", "1")] == 1
+    routed = {(lab["replica"], lab["policy"], lab["decision"]): v for n, lab, v in parse_metrics(text)
+              if n == "omni_cache_routing_decisions_total"}
+    assert routed == {("0", "round_robin", "round_robin"): 4, ("1", "round_robin", "round_robin"): 3}
+    assert got[("omni_cache_replica_requests_in_flight", "thinker", "0")] == 2
+    assert got[("omni_cache_replica_requests_in_flight", "thinker", "1")] == 0
+    assert got[("omni_cache_prefix_index_blocks", "thinker", "1")] == 17
 
 
 def test_malformed_text_is_a_value_error():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput
@@ -21,7 +22,7 @@ def test_restarted_peer_gets_nothing_meant_for_its_predecessor(tmp_path):
     ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
     address = f"ipc://{tmp_path}/talker.sock"
     talker = Receiver(ctx, address, codec)
-    outbox = Outbox(ctx, codec, {"talker": address}, None)
+    outbox = Outbox(ctx, codec, {"talker": [address]}, None)
     try:
         outbox.to_downstream(out("old", 0))
         got, _ = talker.recv(timeout_ms=5000)
@@ -49,7 +50,7 @@ def test_forgotten_request_sends_nothing_more(tmp_path):
     ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
     address = f"ipc://{tmp_path}/decoder.sock"
     decoder = Receiver(ctx, address, codec)
-    outbox = Outbox(ctx, codec, {"decoder": address}, None)
+    outbox = Outbox(ctx, codec, {"decoder": [address]}, None)
     try:
         outbox.to_downstream(out("a", 0))
         outbox.forget("a")  # failed or aborted here
@@ -60,4 +61,34 @@ def test_forgotten_request_sends_nothing_more(tmp_path):
     finally:
         outbox.close()
         decoder.close()
+        ctx.term()
+
+
+def test_a_stream_goes_to_the_replica_its_route_names_and_stays_there(tmp_path):
+    """Two talker replicas: each request's first message goes where its route says, the rest of
+    its stream follows (later messages carry no route), and a route past the replicas is refused."""
+    ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
+    addresses = [f"ipc://{tmp_path}/talker.sock", f"ipc://{tmp_path}/talker.sock.1"]
+    replicas = [Receiver(ctx, a, codec) for a in addresses]
+    outbox = Outbox(ctx, codec, {"talker": addresses}, None)
+
+    def first(rid: str, replica: int) -> StageOutput:
+        return StageOutput(request_id=rid, stage="thinker", seq=0, token_ids=[0],
+                           route={"talker": replica})
+
+    try:
+        outbox.to_downstream(first("a", 1))
+        outbox.to_downstream(first("b", 0))
+        outbox.to_downstream(out("a", 1))
+        outbox.to_downstream(out("b", 1))
+        outbox.to_downstream(out("a", 2, finished=True))
+        seen = [[(m.request_id, m.seq) for m, _ in iter(lambda r=r: r.recv(timeout_ms=500), None)]
+                for r in replicas]
+        assert seen == [[("b", 0), ("b", 1)], [("a", 0), ("a", 1), ("a", 2)]]
+        with pytest.raises(ValueError, match="replica 2 of stage 'talker', which has 2"):
+            outbox.to_downstream(first("c", 2))
+    finally:
+        outbox.close()
+        for r in replicas:
+            r.close()
         ctx.term()

@@ -1,6 +1,6 @@
 """Start one stage process by hand (possibly on another host):
 
-    .venv/bin/python -m workers --stage-config x.yaml --stage NAME [--orchestrator ADDR]
+    .venv/bin/python -m workers --stage-config x.yaml --stage NAME [--replica I] [--orchestrator ADDR]
 
 It binds the stage's address (or its `bind_address`) from the config, connects to its downstream
 stages' addresses and announces itself to the orchestrator every heartbeat interval, so a pipeline
@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage-config", required=True, help="pipeline YAML")
     parser.add_argument("--stage", required=True, help="name of the stage to run")
+    parser.add_argument("--replica", type=int, default=0,
+                        help="which replica of the stage to run (0 .. its replicas - 1): it binds "
+                             "that replica's address")
     parser.add_argument("--orchestrator", default=None,
                         help="orchestrator inbox address (default: the config's control address)")
     parser.add_argument("--parent-pid", type=int, default=None,
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_dir:
             config.checkpoint_dir = args.checkpoint_dir
         stage = config.stage(args.stage)
+        if not 0 <= args.replica < stage.replicas:
+            print(f"python -m workers: --replica: stage {stage.name!r} has {stage.replicas} "
+                  f"replica(s) (0 .. {stage.replicas - 1}), got {args.replica}", file=sys.stderr)
+            return 2
     except ConfigError as exc:
         for issue in exc.issues:
             print(f"python -m workers: config error: {issue}", file=sys.stderr)
@@ -65,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
     return serve_stage(config, args.stage, orchestrator=args.orchestrator,
                        parent_pid=args.parent_pid,
-                       prefix_cache=False if args.no_prefix_cache else None)
+                       prefix_cache=False if args.no_prefix_cache else None,
+                       replica=args.replica)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:

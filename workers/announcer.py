@@ -26,8 +26,10 @@ logger = logging.getLogger("omni_cache.stage")
 
 class Announcer:
     def __init__(self, ctx: zmq.Context, codec: Codec, orchestrator: str, stage: str, *,
-                 interval_s: float, max_model_len: int = 0, auth: Any = None) -> None:
-        self.message = StageReady(stage=stage, pid=os.getpid(), max_model_len=max_model_len or 0,
+                 interval_s: float, max_model_len: int = 0, auth: Any = None,
+                 replica: int = 0) -> None:
+        self.message = StageReady(stage=stage, pid=os.getpid(), replica=replica,
+                                  max_model_len=max_model_len or 0,
                                   incarnation=uuid.uuid4().hex, host=socket.gethostname())
         self.interval_s = interval_s
         self._frames = codec.encode(self.message)

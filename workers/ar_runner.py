@@ -35,6 +35,7 @@ class _Request:
     sampling: Sampling | None
     deadline: float = 0.0
     return_latents: bool = False
+    route: dict[str, int] = field(default_factory=dict)  # forwarded downstream with seq 0
     seq: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -80,7 +81,7 @@ def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
 
 class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
-                 prefix_cache: bool) -> None:
+                 prefix_cache: bool, report_blocks: bool = False) -> None:
         super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
@@ -92,7 +93,8 @@ class ARRunner(StageRunner):
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
-                            async_scheduling=async_scheduling, submodel=stage.submodel)
+                            async_scheduling=async_scheduling, submodel=stage.submodel,
+                            report_blocks=report_blocks)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
         self.max_model_len = self.llm.max_model_len
@@ -118,7 +120,7 @@ class ARRunner(StageRunner):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                       return_latents=msg.return_latents)
+                       return_latents=msg.return_latents, route=dict(msg.route))
         self.requests[msg.request_id] = req
         self.total_requests += 1
         self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
@@ -131,7 +133,7 @@ class ARRunner(StageRunner):
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
             req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                           return_latents=msg.return_latents)
+                           return_latents=msg.return_latents, route=dict(msg.route))
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
@@ -267,7 +269,8 @@ class ARRunner(StageRunner):
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
             deadline=req.deadline if req.seq == 0 else 0.0,
-            return_latents=req.return_latents and req.seq == 0)
+            return_latents=req.return_latents and req.seq == 0,
+            route=req.route if req.seq == 0 else {})
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -295,6 +298,9 @@ class ARRunner(StageRunner):
         if req is not None and req.active is not None:
             self.by_job.pop(req.active, None)
             self.llm.abort(req.active)
+
+    def take_block_changes(self) -> Any:
+        return self.llm.block_events.take() if self.llm.block_events is not None else None
 
     def counters(self) -> dict[str, float]:
         running, waiting = self.llm.scheduler.get_request_counts()

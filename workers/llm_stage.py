@@ -61,10 +61,13 @@ class _Tracked:
 class LLMStage:
     def __init__(self, model: str, engine_args: dict[str, Any], *, prefix_cache: bool = True,
                  latents: LatentOptions | None = None, async_scheduling: bool = False,
-                 block_states: bool = True, submodel: str | None = None) -> None:
+                 block_states: bool = True, submodel: str | None = None,
+                 report_blocks: bool = False) -> None:
         """block_states=False keeps vLLM's plain align mode on a hybrid thinker (states only where a
         chunk ends; benchmarks compare against it). It changes nothing for other models.
-        submodel="talker" runs Qwen3-Omni's talker from the checkpoint folder (StageConfig.submodel)."""
+        submodel="talker" runs Qwen3-Omni's talker from the checkpoint folder (StageConfig.submodel).
+        report_blocks=True turns vLLM's KV-cache events on and keeps the block hashes its prefix
+        cache gains and loses in `block_events` (scheduler/block_events.py), for prefix routing."""
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -93,6 +96,12 @@ class LLMStage:
                           logits_processors=["workers.codec_logits:CodecLogits"])
             if async_scheduling:
                 raise ValueError("the talker stage cannot use async_scheduling")
+        if report_blocks and prefix_cache and "kv_events_config" not in kwargs:
+            from vllm.config import KVEventsConfig
+
+            # The null publisher: the events go nowhere but through our collector.
+            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
+                                                        publisher="null")
         args = EngineArgs(
             model=model, enable_prefix_caching=prefix_cache, async_scheduling=async_scheduling,
             worker_cls=f"workers.latent_worker.{worker}",
@@ -103,6 +112,9 @@ class LLMStage:
         self._tracked: dict[str, _Tracked] = {}
         core = self.engine.engine_core.engine_core  # in-process EngineCore
         self.scheduler = core.scheduler
+        from scheduler import block_events
+
+        self.block_events = block_events.install(self.scheduler) if report_blocks else None
         worker = core.model_executor.driver_worker.worker
         self.capture = worker.latents
         self.talker = worker.talker  # TalkerSteps of a multi-codebook talker, else None

@@ -6,6 +6,11 @@ replaced by a fresh one (linger 0, so what was queued for the dead process is di
 requests whose streams had started are not continued: the restarted process never sees the tail
 of a request it has no head for, and never gets a message that was queued for its predecessor.
 The orchestrator fails those requests itself when it sees the stage die.
+
+A downstream stage with several replicas has one peer per replica. A request's stream starts (seq
+0) at the replica its ``route`` names (the orchestrator's choice, carried by the first message) and
+every later message of it follows to that same replica, because a peer sends only the streams it
+started: the talker's per-request state and its own prefix hits stay in one process.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ logger = logging.getLogger("omni_cache.stage")
 
 
 class Peer:
-    """The socket to one downstream stage, and the requests whose streams it has started."""
+    """The socket to one replica of a downstream stage, and the requests whose streams it has
+    started."""
 
-    def __init__(self, ctx: zmq.Context, name: str, address: str, codec: Codec, auth: Any) -> None:
+    def __init__(self, ctx: zmq.Context, name: str, address: str, codec: Codec, auth: Any,
+                 replica: int = 0) -> None:
         self.ctx, self.name, self.address, self.codec, self.auth = ctx, name, address, codec, auth
+        self.replica = replica
         self.streams: set[str] = set()
         self.resets = 0
         self._open()
@@ -69,9 +77,13 @@ class Peer:
 
 
 class Outbox:
-    def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, str],
+    """``downstream``: each downstream stage's replica addresses, by replica index."""
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, list[str]],
                  orchestrator: str | None, auth: Any = None) -> None:
-        self.peers = [Peer(ctx, name, addr, codec, auth) for name, addr in downstream.items()]
+        self.peers = [Peer(ctx, name, addr, codec, auth, replica=i)
+                      for name, addrs in downstream.items() for i, addr in enumerate(addrs)]
+        self._replicas = {name: len(addrs) for name, addrs in downstream.items()}
         self.orchestrator = Sender(ctx, orchestrator, codec, auth=auth) if orchestrator else None
 
     def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -79,7 +91,18 @@ class Outbox:
             self.orchestrator.send(msg, tensors)
 
     def to_downstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Send to every downstream stage: a first message to the replica ``msg.route`` names,
+        the rest of the stream where its first message went. ValueError (this request fails
+        alone) for a route naming a replica the stage does not have."""
+        if msg.seq == 0:
+            for name, index in msg.route.items():
+                count = self._replicas.get(name)
+                if count is not None and not 0 <= index < count:
+                    raise ValueError(f"route names replica {index} of stage {name!r}, which has "
+                                     f"{count}")
         for peer in self.peers:
+            if msg.seq == 0 and peer.replica != msg.route.get(peer.name, 0):
+                continue
             peer.send(msg, tensors)
 
     def forget(self, request_id: str) -> None:

@@ -136,6 +136,11 @@ class StageRunner:
             self.tombstones.popitem(last=False)
 
     # ---- status ----------------------------------------------------------------------------
+    def take_block_changes(self) -> Any:
+        """What the stage's prefix cache gained and lost since the last call
+        (scheduler/block_events.py BlockChanges), or None when it does not report them."""
+        return None
+
     def counters(self) -> dict[str, float]:
         return {"requests": self.total_requests, "errors": self.errors,
                 "queue_depth": len(self.requests), "expired": self.expired}

@@ -20,8 +20,10 @@ import torch
 import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
+from omni_cache.config.replicas import stage_replicas
+from omni_cache.runtime.routing import reports_blocks
 from omni_cache.wire.messages import (
-    MESSAGE_TYPES, Abort, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
+    MESSAGE_TYPES, Abort, BlockEvents, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
 )
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
@@ -39,9 +41,13 @@ MAX_FAILED_STEPS = 3
 
 
 class StageProcess:
+    """One replica (``replica``, see omni_cache.config.replicas) of ``stage``."""
+
     def __init__(self, config: PipelineConfig, stage: StageConfig, *, orchestrator: str | None,
-                 parent_pid: int | None = None, prefix_cache: bool | None = None) -> None:
+                 parent_pid: int | None = None, prefix_cache: bool | None = None,
+                 replica: int = 0) -> None:
         self.config, self.stage = config, stage
+        self.replica = stage_replicas(stage)[replica]
         self.parent_pid = parent_pid
         self.prefix_cache = stage.prefix_cache if prefix_cache is None else prefix_cache
         self.ctx = zmq.Context()
@@ -50,11 +56,12 @@ class StageProcess:
         self.auth = load_stage_auth(config)
         if self.auth is not None:
             self.auth.guard(self.ctx)  # before the inbox binds: no unauthenticated peer gets in
-        self.inbox = Receiver(self.ctx, stage.bind_address or stage.address, self.codec, bind=True,
-                              auth=self.auth)
+        self.inbox = Receiver(self.ctx, self.replica.bind_address or self.replica.address,
+                              self.codec, bind=True, auth=self.auth)
         self.outbox = Outbox(self.ctx, self.codec,
-                             {s.name: s.address for s in config.downstream(stage.name)}, orchestrator,
-                             auth=self.auth)
+                             {s.name: [r.address for r in stage_replicas(s)]
+                              for s in config.downstream(stage.name)},
+                             orchestrator, auth=self.auth)
         self.announcer: Announcer | None = None
         self.stopping = False
         self.runner: Any = None
@@ -66,17 +73,23 @@ class StageProcess:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache)
+        report = reports_blocks(self.config.server.routing, self.stage.name,
+                                self.config.entry_stage().name, self.stage.replicas,
+                                self.prefix_cache)
+        self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache,
+                                  report_blocks=report)
         if self.orchestrator:
             self.announcer = Announcer(self.ctx, self.codec, self.orchestrator, self.stage.name,
                                        interval_s=self.config.server.heartbeat_interval_s,
-                                       max_model_len=self.runner.max_model_len, auth=self.auth)
+                                       max_model_len=self.runner.max_model_len, auth=self.auth,
+                                       replica=self.replica.index)
             # Queued on the outbox (the announcer drops beats while nobody listens): a server
             # that is already up hears it at once; the announcer's beats follow.
             self.outbox.to_orchestrator(self.announcer.message)
             self.announcer.start()
-        logger.info("stage %s ready (pid %d) at %s%s", self.stage.name, os.getpid(), self.stage.address,
-                    f" (bound to {self.stage.bind_address})" if self.stage.bind_address else "")
+        logger.info("stage %s ready (pid %d) at %s%s", self.replica.name, os.getpid(),
+                    self.replica.address,
+                    f" (bound to {self.replica.bind_address})" if self.replica.bind_address else "")
         try:
             while not self.stopping:
                 self._drain_inbox(block_ms=0 if self.runner.has_work() else 50)
@@ -101,6 +114,7 @@ class StageProcess:
         try:
             self.runner.step()
             self.failed_steps = 0
+            self._report_blocks()
         except Exception as exc:
             self.failed_steps += 1
             logger.exception("stage %s: model step failed (%d in a row)", self.stage.name,
@@ -108,6 +122,14 @@ class StageProcess:
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             self.runner.fail_all(exc)
+
+    def _report_blocks(self) -> None:
+        """Tell the orchestrator what this step changed in the prefix cache (prefix routing)."""
+        changes = self.runner.take_block_changes()
+        if changes:
+            self.outbox.to_orchestrator(BlockEvents(
+                stage=self.stage.name, replica=self.replica.index, stored=changes.stored,
+                removed=changes.removed, cleared=changes.cleared, block_size=changes.block_size))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -142,8 +164,9 @@ class StageProcess:
             self.stopping = True
         elif isinstance(msg, StatsQuery):
             self.outbox.to_orchestrator(StageStats(
-                stage=self.stage.name, counters={**self.runner.counters(), **self.heap.counters(),
-                                                 "peer_resets": self.outbox.peer_resets}))
+                stage=self.stage.name, replica=self.replica.index,
+                counters={**self.runner.counters(), **self.heap.counters(),
+                          "peer_resets": self.outbox.peer_resets}))
         elif isinstance(msg, Abort):
             self.runner.abort(msg.request_id)
         elif isinstance(msg, (Submit, StageOutput)):
@@ -152,7 +175,8 @@ class StageProcess:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 
 
-def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool) -> Any:
+def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool,
+                report_blocks: bool = False) -> Any:
     from omni_cache.config import resolve_model
 
     model = resolve_model(stage, config)
@@ -162,15 +186,15 @@ def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, pref
         return DecoderRunner(config, stage, model, outbox)
     from workers.ar_runner import ARRunner
 
-    return ARRunner(config, stage, model, outbox, prefix_cache)
+    return ARRunner(config, stage, model, outbox, prefix_cache, report_blocks=report_blocks)
 
 
 def serve_stage(config: PipelineConfig, stage_name: str, *, orchestrator: str | None,
-                parent_pid: int | None, prefix_cache: bool | None) -> int:
+                parent_pid: int | None, prefix_cache: bool | None, replica: int = 0) -> int:
     stage = config.stage(stage_name)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return StageProcess(config, stage, orchestrator=orchestrator, parent_pid=parent_pid,
-                        prefix_cache=prefix_cache).run()
+                        prefix_cache=prefix_cache, replica=replica).run()
 
 
 def wait_forever_guard() -> None:  # pragma: no cover - debugging aid

@@ -14,6 +14,8 @@ from msgspec import Meta, Struct, field
 
 StageKind = Literal["autoregressive", "generation"]
 FinalOutput = Literal["text", "audio"]
+#: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing).
+RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
 _STAGE_NAME_RE = r"^[a-z0-9_-]+$"
 
@@ -86,6 +88,12 @@ class ServerConfig(_Base, kw_only=True):
     heartbeat_timeout_s: PositiveFloat = 10.0
     #: Limits on the images and audio clips a chat request may carry.
     media: MediaConfig = field(default_factory=MediaConfig)
+    #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
+    #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
+    #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the
+    #: prompt, as its engine reports; "least_loaded" when none holds any). A request's later
+    #: messages to a stage go to the replica its first one went to.
+    routing: RoutingPolicy = "prefix"
 
 
 class LatentSpec(_Base, kw_only=True):
@@ -209,6 +217,10 @@ class StageConfig(_Base, kw_only=True):
     #: Started by hand (``python -m workers``), possibly on another host: omni-serve does not
     #: spawn it, waits for its announcement and watches its heartbeats.
     external: bool = False
+    #: Identical processes of this stage, each with its own address (omni_cache.config.replicas:
+    #: replica i > 0 listens at ``address`` + ".i" (ipc) or port + i (tcp)); the orchestrator
+    #: routes each request to one of them (``server.routing``). Only for stages omni-serve spawns.
+    replicas: PositiveInt = 1
     #: Whether (and as what) this stage's output goes back to the client.
     final_output: FinalOutput | None = None
     #: vLLM automatic prefix caching plus the hidden-state prefix cache (autoregressive only).

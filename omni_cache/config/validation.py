@@ -17,6 +17,7 @@ from omni_cache.config.errors import IssueCollector
 from omni_cache.config.schema import (
     EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle,
 )
+from omni_cache.config.replicas import replica_address, replica_name
 from omni_cache.models.tiny import TINY_MODELS, TINY_PREFIX
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of
@@ -84,6 +85,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
         _check_model(s, base, issues,
                      check_paths=check_paths is True or (bool(check_paths) and s.name in check_paths))
         _check_sampling(s, base, issues)
+        _check_replicas(s, base, issues)
 
     _check_addresses(config, issues)
     _check_server(config, issues, check_paths=bool(check_paths))
@@ -322,28 +324,60 @@ def _same_endpoint(a: tuple[str, str, int | None], b: tuple[str, str, int | None
     return a[2] == b[2] and (a[1] == b[1] or a[1] in _ANY_HOST or b[1] in _ANY_HOST)
 
 
+def _check_replicas(s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector) -> None:
+    if s.replicas > 1 and s.external:
+        # The supervisor watches one announcing process per external stage; hand-started
+        # replicas would need `python -m workers --replica i` on each host and a watch per replica.
+        issues.add((*base, "replicas"),
+                   f"{s.replicas} replicas of a stage started by hand (external) are not "
+                   "supported: omni-serve spawns replicas itself; use replicas: 1 or drop external")
+
+
 def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
-    parsed: list[tuple[int, tuple[str, str, int | None]]] = []
+    # (stage index, replica index, parsed endpoint) of every replica's address so far
+    parsed: list[tuple[int, int, tuple[str, str, int | None]]] = []
     server = ("tcp", config.server.host.lower(), config.server.port)
+
+    def owner(j: int, r: int) -> str:
+        name = config.stages[j].name
+        return (f"stages[{j}] ({name!r})" if r == 0
+                else f"replica {r} of stages[{j}] ({replica_name(name, r, 2)!r})")
+
     for i, s in enumerate(config.stages):
         key = ("stages", i, "address")
         result = _parse_address(s.address)
         if isinstance(result, str):
             issues.add(key, result)
             continue
-        clash = next((j for j, other in parsed if _same_endpoint(result, other)), None)
-        if clash is not None:
-            issues.add(
-                key,
-                f"{s.address!r} is also the address of stages[{clash}] "
-                f"({config.stages[clash].name!r}); every stage needs its own",
-            )
-        elif config.server.port and _same_endpoint(result, server):
-            issues.add(key, f"{s.address!r} is the HTTP server's port (server.port)")
-        parsed.append((i, result))
+        for r in range(s.replicas):
+            endpoint = result if r == 0 else _replica_endpoint(result, r)
+            where = (f"{s.address!r}" if r == 0
+                     else f"replica {r}'s address {replica_address(s.address, r)!r}")
+            rkey = key if r == 0 else ("stages", i, "replicas")
+            if endpoint[0] == "tcp" and endpoint[2] is not None and endpoint[2] > 65535:
+                issues.add(rkey, f"{where}: replica i listens on port + i, past 65535")
+                break
+            if endpoint[0] == "ipc" and len(endpoint[1].encode()) > _MAX_IPC_PATH_BYTES:
+                issues.add(rkey, f"{where}: replica i listens at the path + '.i', longer than the "
+                                 f"{_MAX_IPC_PATH_BYTES} bytes a Unix socket path may have")
+                break
+            clash = next(((j, q) for j, q, other in parsed if _same_endpoint(endpoint, other)), None)
+            if clash is not None:
+                issues.add(rkey, f"{where} is also the address of {owner(*clash)}; every stage "
+                                 "(and every replica) needs its own")
+                break
+            if config.server.port and _same_endpoint(endpoint, server):
+                issues.add(rkey, f"{where} is the HTTP server's port (server.port)")
+                break
+            parsed.append((i, r, endpoint))
     for i, s in enumerate(config.stages):
         if s.bind_address is not None:
             _check_bind_address(s.bind_address, s.address, ("stages", i, "bind_address"), issues)
+            bound = _parse_address(s.bind_address)
+            if not isinstance(bound, str) and bound[2] is not None and bound[2] + s.replicas - 1 > 65535:
+                issues.add(("stages", i, "replicas"),
+                           f"replica {s.replicas - 1} would bind port {bound[2] + s.replicas - 1} "
+                           "(bind_address port + i), past 65535")
     if config.server.control_bind_address is not None:
         key = ("server", "control_bind_address")
         if config.server.control_address is None:
@@ -357,10 +391,19 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
         if isinstance(result, str):
             issues.add(key, result)
         else:
-            clash = next((j for j, other in parsed if _same_endpoint(result, other)), None)
+            clash = next(((j, q) for j, q, other in parsed if _same_endpoint(result, other)), None)
             if clash is not None:
                 issues.add(key, f"{config.server.control_address!r} is also the address of "
-                                f"stages[{clash}] ({config.stages[clash].name!r})")
+                                f"{owner(*clash)}")
+
+
+def _replica_endpoint(endpoint: tuple[str, str, int | None], index: int) -> tuple[str, str, int | None]:
+    """The parsed address of replica ``index`` (the rule of omni_cache.config.replicas)."""
+    kind, where, port = endpoint
+    if kind == "ipc":
+        return (kind, f"{where}.{index}", None)
+    assert port is not None
+    return (kind, where, port + index)
 
 
 def import_handoff(dotted: str) -> Callable[..., Any]:

@@ -4,9 +4,9 @@ One :class:`Orchestrator` runs inside one asyncio event loop (uvicorn's for ``om
 background thread's for :class:`omni_cache.pipeline.Pipeline`). It
 
 * through its :class:`~omni_cache.runtime.supervisor.StageSupervisor`, starts one OS process per
-  stage (``python -m workers --stage-config ... --stage NAME --orchestrator ADDR --parent-pid
-  PID``, each in its own process group), waits until every stage sent ``StageReady``, polls them
-  every 100 ms, restarts a stage that died, and on close sends ``Shutdown``, then SIGTERM, then
+  stage replica (``python -m workers --stage-config ... --stage NAME --replica I --orchestrator
+  ADDR --parent-pid PID``, each in its own process group), waits until every replica sent
+  ``StageReady``, polls them every 100 ms, restarts a replica that died, and on close sends ``Shutdown``, then SIGTERM, then
   SIGKILL to each process group; stages marked ``external`` are started by hand elsewhere: the
   supervisor waits for their announcements and watches their connections and heartbeats instead
   (and never stops them);
@@ -14,6 +14,9 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
   (:mod:`omni_cache.wire.stage_auth`);
 * binds its inbox (a PULL socket at :func:`control_address`) and PUSHes to every stage's inbox;
   one background task receives and dispatches everything the stages send;
+* picks, per request, one replica of every stage the request passes (``server.routing``,
+  :mod:`omni_cache.runtime.routing`), among the replicas that are up, and sends the choice with
+  the request (``Submit.route``); a replica that dies fails only the requests routed to it;
 * owns request ids, deadlines (checked every 100 ms) and the only copy of each accepted request
   (its :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one
   terminal event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage died -> 503,
@@ -58,11 +61,13 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_model
+from omni_cache.config.replicas import Replica, all_replicas, stage_replicas
 from omni_cache.wire.ipc_claims import IpcClaims
 from omni_cache.wire.messages import (
     CODES_FRAME,
     MESSAGE_TYPES,
     Abort,
+    BlockEvents,
     MediaRef,
     Sampling,
     Shutdown,
@@ -73,9 +78,14 @@ from omni_cache.wire.messages import (
     StatsQuery,
     Submit,
 )
-from omni_cache.serving.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, StageSnapshot
+from omni_cache.serving.metrics import (
+    STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, RoutingSnapshot, StageSnapshot,
+)
 from omni_cache.runtime.heap_trim import HeapTrimmer
 from omni_cache.runtime.requests import Request, RequestTable
+from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.routing import ReplicaRouter, reports_blocks
 
 if TYPE_CHECKING:
     from omni_cache.serving.media import MediaItem
@@ -234,6 +244,20 @@ class Orchestrator:
             raise ValueError(f"external_stages: unknown stage(s) {sorted(unknown)}")
         # Stages started by hand: the argument's, and those the config marks ``external``.
         self._external = set(external_stages) | {s.name for s in config.stages if s.external}
+        several = sorted(n for n in self._external if self._stage_cfg[n].replicas > 1)
+        if several:
+            raise ValueError(f"external_stages: {several} have several replicas; omni-serve "
+                             "spawns replicas itself (replicas of a stage started by hand are not "
+                             "supported)")
+        #: Every stage replica by its name (omni_cache.config.replicas).
+        self._replicas: dict[str, Replica] = {r.name: r for r in all_replicas(config)}
+        self._replica_names = {(r.stage, r.index): r.name for r in self._replicas.values()}
+        self.router = ReplicaRouter(config.server.routing,
+                                    {s.name: s.replicas for s in config.stages})
+        #: What each entry replica's prefix cache holds, as it reports (prefix routing only).
+        self.prefix_index = PrefixIndex()
+        self._prefix_routing = reports_blocks(config.server.routing, self.entry.name, self.entry.name,
+                                              self.entry.replicas, self.entry.prefix_cache)
         self._control_bind = config.server.control_bind_address
         self._auth: Any = None  # StageAuth when server.stage_auth_key_file is set (start())
 
@@ -261,7 +285,8 @@ class Orchestrator:
         self._closing = False
         self._closed = False
         self._ready_event: asyncio.Event | None = None
-        self._claims = IpcClaims([self.control_address, *(s.address for s in config.stages)])
+        self._claims = IpcClaims([self.control_address,
+                                  *(r.address for r in self._replicas.values())])
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -292,7 +317,7 @@ class Orchestrator:
                 self._auth.guard(self._ctx)  # before the inbox binds
             self._inbox = AsyncReceiver(self._ctx, self._control_bind or self.control_address,
                                         self._codec, bind=True, auth=self._auth)
-            for name in self.stage_names:
+            for name in self._replicas:
                 self._senders[name] = self._new_sender(name)
             self._tasks.append(asyncio.create_task(self._recv_loop(), name="omni-cache-recv"))
             self._tasks.append(asyncio.create_task(self._deadline_loop(), name="omni-cache-deadlines"))
@@ -301,14 +326,16 @@ class Orchestrator:
             await asyncio.to_thread(self._write_stage_config)
             for name in self.stage_names:
                 stage = self._stage_cfg[name]
-                argv = None if name in self._external else self._stage_command(stage)
                 env = {**os.environ, **stage.env, "PYTHONUNBUFFERED": "1"}
-                self.supervisor.add(stage, argv, env, self._echo)
+                for replica in stage_replicas(stage):
+                    argv = None if name in self._external else self._stage_command(stage, replica)
+                    self.supervisor.add(stage, argv, env, self._echo, replica)
             # The other stages start while the entry model is resolved (a tiny checkpoint is
             # generated here, once) and its tokenizer loaded; the entry stage starts after that.
-            self.supervisor.launch(n for n in self.stage_names if n != self.entry.name)
+            entry = [r.name for r in stage_replicas(self.entry)]
+            self.supervisor.launch(n for n in self._replicas if n not in entry)
             await asyncio.to_thread(self._load_tokenizer)
-            self.supervisor.launch([self.entry.name])
+            self.supervisor.launch(entry)
             await self.supervisor.wait_ready(self._start_timeout_s)
             self._started = True
             self._ready_event.set()
@@ -317,12 +344,13 @@ class Orchestrator:
             await self.close()
             raise
 
-    def _stage_command(self, stage: StageConfig) -> list[str]:
+    def _stage_command(self, stage: StageConfig, replica: Replica) -> list[str]:
         assert self._config_path is not None
         argv = [
             *self._stage_argv,
             "--stage-config", self._config_path,
             "--stage", stage.name,
+            "--replica", str(replica.index),
             # bound to 0.0.0.0 (control_bind_address): spawned stages use the advertised address
             "--orchestrator", self.control_address if self._control_bind else self._inbox.address,
             "--parent-pid", str(os.getpid()),
@@ -411,27 +439,32 @@ class Orchestrator:
     # ---- what the supervisor reports -------------------------------------------------------------
 
     def on_stage_down(self, stage: str, why: str) -> None:
-        """A stage stopped serving: drop what was queued for it and fail what it was serving."""
+        """A stage replica stopped serving: drop what was queued for it and fail what it was
+        serving (the requests routed to the other replicas of its stage go on)."""
+        replica = self._replicas[stage]
         self._reset_sender(stage)
-        hint = ("retry when it is back" if stage in self._external
+        if replica.stage == self.entry.name:
+            self.prefix_index.forget(replica.index)  # its cache died with it
+        hint = ("retry when it is back" if replica.stage in self._external
                 else "it is being restarted, retry shortly")
-        for req in self._requests.served_by(stage):
+        for req in self._requests.served_by(replica.stage, replica.index):
             self._fail(req, 503, f"stage {stage!r} {why} while serving this request; {hint}",
-                       stage=stage)
+                       stage=replica.stage)
 
     def on_stage_up(self, stage: str) -> None:
-        """A stage announced itself ready: the entry stage's context length is now its."""
-        if stage == self.entry.name:
+        """A stage replica announced itself ready: the entry stage's context length is now its."""
+        if self._replicas[stage].stage == self.entry.name:
             self._context_len = self.supervisor.stages[stage].max_model_len or self._context_len
 
     # ---- sockets ---------------------------------------------------------------------------------
 
     def _new_sender(self, name: str) -> Any:
+        """The socket to replica ``name``."""
         from omni_cache.wire.transport import AsyncSender
 
         assert self._ctx is not None
-        sender = AsyncSender(self._ctx, self._stage_cfg[name].address, self._codec, auth=self._auth)
-        if name in self._external:
+        sender = AsyncSender(self._ctx, self._replicas[name].address, self._codec, auth=self._auth)
+        if self._replicas[name].stage in self._external:
             self.supervisor.watch_connection(name, sender.socket)
         return sender
 
@@ -448,6 +481,7 @@ class Orchestrator:
 
     async def _send(self, stage: str, msg: msgspec.Struct, tensors: Mapping[str, Any] | None = None,
                     *, timeout: float | None = 5.0) -> bool:
+        """Send to replica ``stage`` (a one-replica stage's name is its replica's)."""
         sender = self._senders.get(stage)
         if sender is None:
             return False
@@ -645,8 +679,11 @@ class Orchestrator:
             deadline=now + timeout,
             timeout_s=timeout,
             return_latents=return_latents,
+            route=self._route(checked.participants,
+                              None if checked.media else checked.prompt_token_ids),
         )
         self._requests.add(req)
+        entry = self._replica_names[(self.entry.name, req.route[self.entry.name])]
         msg = Submit(
             request_id=req.request_id,
             prompt_token_ids=checked.prompt_token_ids,
@@ -657,6 +694,7 @@ class Orchestrator:
             media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate,
                             uuid=m.digest)
                    for i, m in enumerate(checked.media)],
+            route=dict(req.route),
         )
         from omni_cache.wire.transport import MessageTooLarge
 
@@ -666,7 +704,7 @@ class Orchestrator:
 
             tensors = {f"media.{i}": torch.from_numpy(m.array) for i, m in enumerate(checked.media)}
         try:
-            sent = await self._send(self.entry.name, msg, tensors, timeout=min(timeout, 10.0))
+            sent = await self._send(entry, msg, tensors, timeout=min(timeout, 10.0))
         except MessageTooLarge as e:
             self._fail(req, 400, f"the request is too large to send to stage {self.entry.name!r} "
                                  f"({e}); send less media or raise server.max_message_bytes",
@@ -679,6 +717,35 @@ class Orchestrator:
             self._fail(req, 503, f"could not hand the request to stage {self.entry.name!r}",
                        stage=self.entry.name)
         return RequestHandle(self, req)
+
+    def _route(self, participants: Sequence[str], prompt: Sequence[int] | None) -> dict[str, int]:
+        """A replica of every participant (among those up: _check_available saw one of each).
+        ``prompt``: the token ids the entry stage hashes as they are (None: a prompt with media)."""
+        return {stage: self.router.pick(stage, self.supervisor.up_replicas(stage),
+                                        self._requests.load(stage),
+                                        self._matched_blocks(prompt) if stage == self.entry.name
+                                        else None)
+                for stage in participants}
+
+    def _matched_blocks(self, prompt: Sequence[int] | None) -> dict[int, int] | None:
+        """entry replica -> leading blocks of ``prompt`` its prefix cache holds (prefix routing)."""
+        if not self._prefix_routing or prompt is None:
+            return None
+        seed = self.entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
+        out: dict[int, int] = {}
+        chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes
+        for replica in self.supervisor.up_replicas(self.entry.name):
+            size = self.prefix_index.block_size.get(replica)
+            if not size:
+                continue  # reported nothing yet: holds nothing known
+            if size not in chains:
+                chains[size] = prompt_block_hashes(prompt, size, seed)
+            out[replica] = self.prefix_index.matched_blocks(replica, chains[size])
+        return out
+
+    def _serving(self, req: Request, stage: str) -> str:
+        """The name of the replica of ``stage`` that serves ``req``."""
+        return self._replica_names[(stage, req.route.get(stage, 0))]
 
     # ---- request outcomes ------------------------------------------------------------------------
 
@@ -732,8 +799,10 @@ class Orchestrator:
                 self.metrics.stage_failed_request(stage)
         if abort and not self._closing:
             for name in req.participants:
-                if name != stage and name not in req.finished and self.supervisor.is_up(name):
-                    self._spawn(self._send(name, Abort(request_id=req.request_id), timeout=1.0))
+                replica = self.supervisor.stages.get(self._serving(req, name))
+                if name != stage and name not in req.finished and replica is not None and replica.up:
+                    self._spawn(self._send(replica.name, Abort(request_id=req.request_id),
+                                           timeout=1.0))
         logger.info("request %s failed (%d): %s", req.request_id, status, message)
 
     def _complete(self, req: Request) -> None:
@@ -789,9 +858,15 @@ class Orchestrator:
             self._on_error(msg)
         elif isinstance(msg, StageReady):
             self.supervisor.on_announcement(msg)
+        elif isinstance(msg, BlockEvents):
+            self._on_block_events(msg)
         elif isinstance(msg, StageStats):
-            self._stats[msg.stage] = dict(msg.counters)
-            self._stats_time[msg.stage] = time.monotonic()
+            name = self._replica_names.get((msg.stage, msg.replica))
+            if name is None:
+                logger.warning("stats from unknown stage %r replica %d, ignored", msg.stage, msg.replica)
+                return
+            self._stats[name] = dict(msg.counters)
+            self._stats_time[name] = time.monotonic()
             for ev in self._stats_waiters:
                 ev.set()
         else:
@@ -800,10 +875,12 @@ class Orchestrator:
     def _on_output(self, msg: StageOutput, tensors: dict[str, Any]) -> None:
         req = self._requests.get(msg.request_id)
         if req is None:
-            if not self._requests.recently_answered(msg.request_id) and msg.stage in self.supervisor.stages:
-                # A request this orchestrator does not know (e.g. queued before a restart).
+            if not self._requests.recently_answered(msg.request_id) and msg.stage in self._stage_cfg:
+                # A request this orchestrator does not know (e.g. queued before a restart); the
+                # output does not say which replica sent it: every replica of the stage forgets it.
                 self._requests.remember(msg.request_id)
-                self._spawn(self._send(msg.stage, Abort(request_id=msg.request_id), timeout=1.0))
+                for sp in self.supervisor.replicas_of(msg.stage):
+                    self._spawn(self._send(sp.name, Abort(request_id=msg.request_id), timeout=1.0))
             return
         stage = self._stage_cfg.get(msg.stage)
         if stage is None:
@@ -847,6 +924,13 @@ class Orchestrator:
             if all(p in req.finished for p in req.participants):
                 self._complete(req)
 
+    def _on_block_events(self, msg: BlockEvents) -> None:
+        sp = self.supervisor.replica(msg.stage, msg.replica)
+        if msg.stage != self.entry.name or sp is None or not sp.up:
+            return  # a replica that is down holds nothing (a late report from its old process)
+        self.prefix_index.apply(msg.replica, msg.stored, msg.removed, cleared=msg.cleared,
+                                block_size=msg.block_size)
+
     def _on_error(self, msg: StageError) -> None:
         req = self._requests.get(msg.request_id)
         if req is None:
@@ -858,28 +942,40 @@ class Orchestrator:
     # ---- status ----------------------------------------------------------------------------------
 
     def not_ready(self) -> dict[str, str]:
-        """stage -> why it is not serving, for every stage that is not up."""
+        """stage -> why it is not serving: once started, the stages none of whose replicas is up;
+        while starting, also those with a replica not up yet (the server takes requests once
+        every replica was ready). A stage with several replicas: each one's reason that is down,
+        ``thinker#1: starting; ...``."""
         out: dict[str, str] = {}
         for name in self.stage_names:
-            sp = self.supervisor.stages.get(name)
-            if sp is None:
+            replicas = self.supervisor.replicas_of(name)
+            down = [sp for sp in replicas if not sp.up]
+            if not replicas:
                 out[name] = "not started"
-            elif sp.up and name == self.entry.name and not self._started:
+            elif len(down) == len(replicas) or (down and not self._started):
+                out[name] = (down[0].why_down() if len(replicas) == 1
+                             else "; ".join(f"{sp.name}: {sp.why_down()}" for sp in down))
+            elif name == self.entry.name and not self._started:
                 # Stages started elsewhere can be up before the server loaded its tokenizer.
                 out[name] = "up; the server is still starting (loading the tokenizer)"
-            elif not sp.up:
-                out[name] = sp.why_down()
         return out
 
+    def replicas_not_ready(self) -> dict[str, str]:
+        """replica name -> why it is not serving, for every replica that is not up, also where
+        another replica of its stage serves."""
+        return {sp.name: sp.why_down() for sp in self.supervisor.stages.values() if not sp.up}
+
     def stage_pids(self) -> dict[str, int | None]:
-        """stage -> pid of its running process (None while it is down)."""
+        """replica name (a one-replica stage's: the stage's name) -> pid of its running process
+        (None while it is down)."""
         return self.supervisor.pids()
 
     async def stage_stats(self, timeout: float = STATS_TIMEOUT_S) -> dict[str, StageSnapshot]:
-        """Ask every up stage for its counters; stages that do not answer within ``timeout`` keep
-        their last known values (``fresh=False``)."""
+        """Ask every up replica for its counters; replicas that do not answer within ``timeout``
+        keep their last known values (``fresh=False``). Keyed by replica name (a one-replica
+        stage's: the stage's name)."""
         t0 = time.monotonic()
-        targets = [n for n in self.stage_names if self.supervisor.is_up(n)]
+        targets = [sp.name for sp in self.supervisor.stages.values() if sp.up]
         ev = asyncio.Event()
         self._stats_waiters.add(ev)
         try:
@@ -895,16 +991,31 @@ class Orchestrator:
         finally:
             self._stats_waiters.discard(ev)
         snap = {}
-        for n in self.stage_names:
+        for n, replica in self._replicas.items():
             sp = self.supervisor.stages.get(n)
             snap[n] = StageSnapshot(
                 up=bool(sp and sp.up),
                 restarts=sp.restarts if sp else 0,
                 counters=dict(self._stats.get(n, {})),
                 fresh=self._stats_time.get(n, -1.0) >= t0,
+                stage=replica.stage,
+                replica=replica.index,
             )
         return snap
 
     async def render_metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        return self.metrics.render(await self.stage_stats(), self.in_flight, self.heap.counters())
+        return self.metrics.render(await self.stage_stats(), self.in_flight,
+                                   routing=self._routing_snapshot(),
+                                   heap=self.heap.counters())
+
+    def _routing_snapshot(self) -> RoutingSnapshot:
+        several = [s for s in self.config.stages if s.replicas > 1]
+        in_flight = {}
+        for stage in several:
+            load = self._requests.load(stage.name)
+            in_flight.update({(stage.name, i): load.get(i, 0) for i in range(stage.replicas)})
+        blocks = ({(self.entry.name, i): self.prefix_index.blocks(i)
+                   for i in range(self.entry.replicas)} if self._prefix_routing else {})
+        return RoutingSnapshot(decisions=dict(self.router.decisions), in_flight=in_flight,
+                               prefix_blocks=blocks)

@@ -26,6 +26,8 @@ class Request:
     deadline: float  # time.monotonic() by which it fails with 504
     timeout_s: float
     return_latents: bool
+    #: stage -> the replica serving this request there (omni_cache.runtime.routing)
+    route: dict[str, int] = field(default_factory=dict)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # its client's events
     finished: dict[str, StageOutput] = field(default_factory=dict)  # stage -> its last output
     latents: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
@@ -76,7 +78,17 @@ class RequestTable:
         """The requests whose deadline passed."""
         return [r for r in self._requests.values() if now >= r.deadline]
 
-    def served_by(self, stage: str) -> list[Request]:
-        """The requests that still wait for ``stage``."""
+    def served_by(self, stage: str, replica: int | None = None) -> list[Request]:
+        """The requests that still wait for ``stage`` (for its replica ``replica``, when given)."""
         return [r for r in self._requests.values()
-                if stage in r.participants and stage not in r.finished]
+                if stage in r.participants and stage not in r.finished
+                and (replica is None or r.route.get(stage, 0) == replica)]
+
+    def load(self, stage: str) -> dict[int, int]:
+        """replica of ``stage`` -> the requests in flight on it (routed there, not finished
+        there)."""
+        out: dict[int, int] = {}
+        for r in self.served_by(stage):
+            i = r.route.get(stage, 0)
+            out[i] = out.get(i, 0) + 1
+        return out

@@ -2,7 +2,10 @@
 when one exits or (started elsewhere) goes silent or closes its connection, restarting it with
 back-off, stopping them all.
 
-:class:`StageSupervisor` owns one :class:`StageProcess` per stage and knows nothing of requests:
+:class:`StageSupervisor` owns one :class:`StageProcess` per stage replica (a stage with
+``replicas: N`` has N, each supervised and restarted on its own, named as
+:mod:`omni_cache.config.replicas` says: ``thinker`` for a one-replica stage, ``thinker#0`` ..
+otherwise) and knows nothing of requests:
 it tells its owner (the orchestrator) what happened through :class:`StageEvents`
 (``on_stage_down``, ``on_stage_up``), the way vLLM v1's engine core client owns its engine
 processes and has a monitor report a dead one.
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.utils.monitor
 from omni_cache.config import StageConfig
+from omni_cache.config.replicas import Replica, stage_replicas
 from omni_cache.wire.messages import StageReady
 
 logger = logging.getLogger("omni_cache.runtime.orchestrator")
@@ -64,13 +68,16 @@ def _exit_words(code: int | None) -> str:
 
 
 class StageProcess:
-    """One stage's OS process (or, for an external stage, just its readiness), as the supervisor
-    sees it; read-only for everyone else."""
+    """One stage replica's OS process (or, for an external stage, just its readiness), as the
+    supervisor sees it; read-only for everyone else."""
 
     def __init__(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str],
-                 echo: bool) -> None:
-        self.name = stage.name
-        self.address = stage.address
+                 echo: bool, replica: Replica | None = None) -> None:
+        replica = replica or stage_replicas(stage)[0]
+        self.name = replica.name  # the stage's name when it has one replica
+        self.stage = stage.name
+        self.index = replica.index
+        self.address = replica.address
         self.argv = argv  # None: started elsewhere (external)
         self.env = env
         self.echo = echo
@@ -176,12 +183,15 @@ class StageEvents(Protocol):
     stage's :class:`StageProcess` already shows the new state."""
 
     def on_stage_down(self, stage: str, why: str) -> None:
-        """``stage`` stopped serving: its process exited (``why``: "died (exit code 1)") or, started
-        elsewhere, it went silent, closed its connection or was replaced (``why``: "(started
-        elsewhere, pid 12 on host) closed its connection (its process is gone)")."""
+        """Replica ``stage`` (its stage's name when the stage has one replica, else
+        ``name#index``; ``supervisor.stages[stage]`` has both) stopped serving: its process exited
+        (``why``: "died (exit code 1)") or, started elsewhere, it went silent, closed its
+        connection or was replaced (``why``: "(started elsewhere, pid 12 on host) closed its
+        connection (its process is gone)")."""
 
     def on_stage_up(self, stage: str) -> None:
-        """``stage`` announced itself ready (first start, after a restart, or back after a loss)."""
+        """Replica ``stage`` announced itself ready (first start, after a restart, or back after
+        a loss)."""
 
 
 class StageSupervisor:
@@ -201,7 +211,8 @@ class StageSupervisor:
         self._events = events
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._announce_to = announce_to  # the address external stages announce themselves to
-        self._stages: dict[str, StageProcess] = {}
+        self._stages: dict[str, StageProcess] = {}  # replica name -> its process
+        self._by_replica: dict[tuple[str, int], str] = {}  # (stage, index) -> replica name
         self._started = False  # every stage was ready once: restarts from now on
         self._stopping = False  # shutting down: exits are expected, nothing is restarted
         self._last_tick = 0.0  # when the monitor last judged the external stages' silence
@@ -210,31 +221,49 @@ class StageSupervisor:
 
     # ---- the stages ------------------------------------------------------------------------------
 
-    def add(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str], echo: bool) -> None:
-        """Supervise ``stage``: ``argv`` is its command, or None when it is started elsewhere."""
-        self._stages[stage.name] = StageProcess(stage, argv, env, echo)
+    def add(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str], echo: bool,
+            replica: Replica | None = None) -> None:
+        """Supervise a replica of ``stage`` (default: replica 0): ``argv`` is its command, or None
+        when it is started elsewhere."""
+        sp = StageProcess(stage, argv, env, echo, replica)
+        self._stages[sp.name] = sp
+        self._by_replica[(sp.stage, sp.index)] = sp.name
 
     @property
     def stages(self) -> Mapping[str, StageProcess]:
+        """Replica name -> its process, in the order they were added."""
         return self._stages
 
-    def is_up(self, name: str) -> bool:
-        sp = self._stages.get(name)
-        return sp is not None and sp.up
+    def replicas_of(self, stage: str) -> list[StageProcess]:
+        """The replicas of ``stage``, by index."""
+        return sorted((sp for sp in self._stages.values() if sp.stage == stage),
+                      key=lambda sp: sp.index)
+
+    def replica(self, stage: str, index: int) -> StageProcess | None:
+        name = self._by_replica.get((stage, index))
+        return self._stages.get(name) if name is not None else None
+
+    def up_replicas(self, stage: str) -> list[int]:
+        """The indices of the replicas of ``stage`` that are up."""
+        return [sp.index for sp in self.replicas_of(stage) if sp.up]
+
+    def is_up(self, stage: str) -> bool:
+        """Whether any replica of ``stage`` is up (it can take requests)."""
+        return any(sp.up for sp in self._stages.values() if sp.stage == stage)
 
     def launch(self, names: Iterable[str]) -> None:
-        """Start the processes of these stages (those started elsewhere are skipped)."""
+        """Start the processes of these replicas (those started elsewhere are skipped)."""
         for name in names:
             sp = self._stages[name]
             if not sp.external:
                 sp.launch()
 
     def alive(self) -> list[str]:
-        """The stages whose process is running."""
+        """The replicas whose process is running."""
         return [sp.name for sp in self._stages.values() if sp.alive()]
 
     def pids(self) -> dict[str, int | None]:
-        """stage -> pid of its running process (None while it is down)."""
+        """replica name -> pid of its running process (None while it is down)."""
         return {n: (sp.proc.pid if sp.proc is not None else None) for n, sp in self._stages.items()}
 
     # ---- readiness -------------------------------------------------------------------------------
@@ -275,9 +304,10 @@ class StageSupervisor:
 
     def on_announcement(self, msg: StageReady) -> None:
         """A StageReady (first announcement or heartbeat)."""
-        sp = self._stages.get(msg.stage)
+        sp = self.replica(msg.stage, msg.replica)
         if sp is None:
-            logger.warning("StageReady from unknown stage %r (pid %d), ignored", msg.stage, msg.pid)
+            logger.warning("StageReady from unknown stage %r replica %d (pid %d), ignored",
+                           msg.stage, msg.replica, msg.pid)
             return
         if sp.external:
             self._on_external_announcement(sp, msg)
@@ -328,7 +358,9 @@ class StageSupervisor:
         self._events.on_stage_up(sp.name)
 
     def heard_from(self, name: str) -> None:
-        """Any message from a stage says it is alive, not only its heartbeats."""
+        """Any message from a stage says it is alive, not only its heartbeats. ``name``: a stage's
+        name; only a one-replica stage (the only kind started elsewhere, where it matters) is
+        found by it."""
         sp = self._stages.get(name)
         if sp is not None and sp.up:
             sp.last_seen = time.monotonic()

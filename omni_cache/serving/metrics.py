@@ -1,8 +1,10 @@
 """``GET /metrics``: the pipeline's per-stage metrics, exposed with ``prometheus_client``.
 
 Names follow vLLM's wherever a metric means what vLLM's means, so dashboards and alerts written for
-a vLLM server work per stage (every per-stage sample has a ``stage`` label; vLLM-named ones also
-carry vLLM's ``model_name`` label when the server knows the served model name):
+a vLLM server work per stage (every per-stage sample has a ``stage`` label; what a stage process
+reports, and its up/restarts, also a ``replica`` label, the replica's index, "0" for a one-replica
+stage; vLLM-named ones also carry vLLM's ``model_name`` label when the server knows the served
+model name):
 
 * ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt tokens looked up
   in / served from the stage's prefix cache (vLLM stages only),
@@ -13,7 +15,11 @@ carry vLLM's ``model_name`` label when the server knows the served model name):
 
 Our own names (``omni_cache_*``) only for what vLLM has no metric for: time to first audio, latent
 rows served from the hidden-state cache, stage up/restarts, requests a stage accepted or failed,
-requests in flight and answered.
+requests in flight and answered, and for stages with several replicas what routing sees:
+``omni_cache_routing_decisions_total`` (``stage``, ``replica``, ``policy``: ``server.routing``,
+``decision``: the rule that chose, see omni_cache/runtime/routing.py),
+``omni_cache_replica_requests_in_flight`` (the load ``least_loaded`` compares) and
+``omni_cache_prefix_index_blocks`` (block hashes an entry replica reported it holds, ``prefix``).
 
 Two sources feed a scrape: the stages' cumulative counters (``StatsQuery`` -> ``StageStats``, passed
 to :meth:`OrchestratorMetrics.render` as :class:`StageSnapshot`) and what the orchestrator measures
@@ -159,15 +165,30 @@ class Histogram:
 
 
 @dataclass
+class RoutingSnapshot:
+    """What the router sees at scrape time, for stages with several replicas."""
+
+    #: (stage, replica, policy, decision) -> requests routed so
+    decisions: Mapping[tuple[str, int, str, str], int] = field(default_factory=dict)
+    #: (stage, replica) -> the orchestrator's requests in flight there
+    in_flight: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    #: (stage, replica) -> distinct block hashes it reported holding
+    prefix_blocks: Mapping[tuple[str, int], int] = field(default_factory=dict)
+
+
+@dataclass
 class StageSnapshot:
-    """What the orchestrator knows about one stage at scrape time."""
+    """What the orchestrator knows about one stage replica at scrape time."""
 
     up: bool
     restarts: int = 0
-    #: The stage's counters (the last ones it reported; empty if it never answered).
+    #: The replica's counters (the last ones it reported; empty if it never answered).
     counters: dict[str, float] = field(default_factory=dict)
-    #: False when the stage did not answer this scrape's StatsQuery in time (counters are older).
+    #: False when the replica did not answer this scrape's StatsQuery in time (counters are older).
     fresh: bool = False
+    #: Its stage ("": the key it is rendered under) and replica index.
+    stage: str = ""
+    replica: int = 0
 
 
 class OrchestratorMetrics:
@@ -183,7 +204,7 @@ class OrchestratorMetrics:
         self.requests_ok = 0
         self.requests_failed: dict[int, int] = {}
         # Set by render() for the collector to read: a scrape is one synchronous call.
-        self._scrape: tuple[Mapping[str, StageSnapshot], int, dict[str, float]] | None = None
+        self._scrape: tuple[Mapping[str, StageSnapshot], int, RoutingSnapshot, dict[str, float]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -205,9 +226,11 @@ class OrchestratorMetrics:
             self.requests_failed[status] = self.requests_failed.get(status, 0) + 1
 
     def render(self, stages: Mapping[str, StageSnapshot], in_flight: int,
+               routing: RoutingSnapshot | None = None,
                heap: Mapping[str, float] | None = None) -> str:
-        """The exposition text of one scrape (`heap`: the server process's HeapTrimmer counters)."""
-        self._scrape = (stages, in_flight, dict(heap or {}))
+        """The exposition text of one scrape. ``stages``: replica name (or stage name) -> its
+        snapshot; ``heap``: the server process's HeapTrimmer counters."""
+        self._scrape = (stages, in_flight, routing or RoutingSnapshot(), dict(heap or {}))
         try:
             return generate_latest(self.registry).decode("utf-8")
         finally:
@@ -221,13 +244,20 @@ class OrchestratorMetrics:
     def _values(self, stage: str, vllm: bool) -> list[str]:
         return [stage, self.model_name] if vllm and self.model_name else [stage]
 
+    def _replica_labels(self, vllm: bool) -> list[str]:
+        return [*self._labels(vllm), "replica"]
+
+    def _replica_values(self, key: str, snap: StageSnapshot, vllm: bool) -> list[str]:
+        return [*self._values(snap.stage or key, vllm), str(snap.replica)]
+
     def collect(self) -> Iterator[Metric]:
         if self._scrape is None:  # registered, but not inside render()
             return
-        stages, in_flight, heap = self._scrape
+        stages, in_flight, routing, heap = self._scrape
         names = list(stages)
         yield from self._stage_state(stages, names)
         yield from self._stage_counters(stages, names)
+        yield from self._routing(routing)
         for metric_name in sorted(self._latency):
             metric = self._latency[metric_name]
             fam = HistogramMetricFamily(metric.name, metric.help, labels=self._labels(metric.vllm))
@@ -258,39 +288,66 @@ class OrchestratorMetrics:
                                   value=heap.get("heap_trim_seconds", 0.0))
 
     def _stage_state(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
-        up = GaugeMetricFamily("omni_cache_stage_up", "1 when the stage process is up and ready.",
-                               labels=["stage"])
+        labels = self._replica_labels(False)
+        up = GaugeMetricFamily("omni_cache_stage_up", "1 when the stage replica's process is up "
+                               "and ready.", labels=labels)
         restarts = CounterMetricFamily("omni_cache_stage_restarts",
-                                       "Times the orchestrator restarted the stage process.", labels=["stage"])
+                                       "Times the orchestrator restarted the stage replica's process.",
+                                       labels=labels)
         fresh = GaugeMetricFamily(
             "omni_cache_stage_stats_fresh",
-            "1 when the stage answered this scrape's stats query (else its last known counters).",
-            labels=["stage"])
+            "1 when the stage replica answered this scrape's stats query (else its last known "
+            "counters).", labels=labels)
         for s in names:
-            up.add_metric([s], 1 if stages[s].up else 0)
-            restarts.add_metric([s], stages[s].restarts)
-            fresh.add_metric([s], 1 if stages[s].fresh else 0)
+            values = self._replica_values(s, stages[s], False)
+            up.add_metric(values, 1 if stages[s].up else 0)
+            restarts.add_metric(values, stages[s].restarts)
+            fresh.add_metric(values, 1 if stages[s].fresh else 0)
         yield from (up, restarts, fresh)
+
+    def _routing(self, routing: RoutingSnapshot) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "omni_cache_routing_decisions",
+            "Requests routed to a replica of a stage with several replicas, by the configured "
+            "policy and the rule that decided.", labels=["stage", "replica", "policy", "decision"])
+        for (stage, replica, policy, decision), n in sorted(routing.decisions.items()):
+            fam.add_metric([stage, str(replica), policy, decision], n)
+        load = GaugeMetricFamily(
+            "omni_cache_replica_requests_in_flight",
+            "The orchestrator's requests routed to the replica and not finished there (the load "
+            "least_loaded compares).", labels=["stage", "replica"])
+        for (stage, replica), n in sorted(routing.in_flight.items()):
+            load.add_metric([stage, str(replica)], n)
+        blocks = GaugeMetricFamily(
+            "omni_cache_prefix_index_blocks",
+            "Block hashes the entry replica reported its prefix cache holds (prefix routing).",
+            labels=["stage", "replica"])
+        for (stage, replica), n in sorted(routing.prefix_blocks.items()):
+            blocks.add_metric([stage, str(replica)], n)
+        yield from (f for f in (fam, load, blocks) if f.samples)
 
     def _stage_counters(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
         for key, metric in STAGE_METRICS.items():
             family = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
-            fam = family(metric.name, metric.help, labels=self._labels(metric.vllm))
+            fam = family(metric.name, metric.help, labels=self._replica_labels(metric.vllm))
             for s in names:
                 counters = stages[s].counters
                 # vLLM's metrics only for stages that report them (a stage without a vLLM engine
                 # has no prefix cache: a 0 would claim one); ours for every stage.
                 if key in counters or not metric.vllm:
-                    fam.add_metric(self._values(s, metric.vllm), float(counters.get(key, 0.0)))
+                    fam.add_metric(self._replica_values(s, stages[s], metric.vllm),
+                                   float(counters.get(key, 0.0)))
             if fam.samples:
                 yield fam
         extra = sorted({k for s in names for k in stages[s].counters} - set(STAGE_METRICS))
         for key in extra:
             fam = UnknownMetricFamily("omni_cache_stage_" + _NAME_RE.sub("_", key),
-                                      f"Stage counter {key!r} as the stage reports it.", labels=["stage"])
+                                      f"Stage counter {key!r} as the stage reports it.",
+                                      labels=self._replica_labels(False))
             for s in names:
                 if key in stages[s].counters:
-                    fam.add_metric([s], float(stages[s].counters[key]))
+                    fam.add_metric(self._replica_values(s, stages[s], False),
+                                   float(stages[s].counters[key]))
             yield fam
 
 

@@ -44,12 +44,22 @@ async def health(request: Request) -> JSONResponse:
     if state.startup_error is not None:
         return JSONResponse({"status": "failed", "message": f"the pipeline did not start: "
                              f"{state.startup_error}"}, status_code=503)
-    not_ready = state.orchestrator.not_ready()
-    if not not_ready:
+    orch: Orchestrator = state.orchestrator
+    not_ready = orch.not_ready()
+    replicas = orch.replicas_not_ready()
+    if not not_ready and not replicas:
         return JSONResponse({"status": "ok"})
+    # Each replica that is down, by name, with its stage and index beside it.
+    down = {name: {"stage": sp.stage, "replica": sp.index, "why": why}
+            for name, why in replicas.items()
+            for sp in [orch.supervisor.stages[name]]}
+    if not not_ready:
+        # Every stage has a replica serving: requests are taken (200), with less capacity.
+        message = "replica(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in replicas.items())
+        return JSONResponse({"status": "degraded", "message": message, "replicas": down})
     message = "stage(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in not_ready.items())
-    return JSONResponse({"status": "unavailable", "message": message, "stages": not_ready},
-                        status_code=503)
+    return JSONResponse({"status": "unavailable", "message": message, "stages": not_ready,
+                         "replicas": down}, status_code=503)
 
 
 @router.get("/v1/models", dependencies=_auth)

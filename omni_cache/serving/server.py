@@ -12,7 +12,9 @@ Routes (FastAPI, served by uvicorn on ``server.host:server.port``, 127.0.0.1:809
     (:mod:`omni_cache.serving.audio_formats`). Streamed (:mod:`omni_cache.serving.chat_stream`), the first chunk
     carries the first text or audio together with the role, and ``delta.audio.data`` holds base64
     ``pcm16`` chunks (the only format a stream takes). Unknown fields are ignored.
-``GET /health``   200 ``{"status": "ok"}`` when every stage is up, else 503 naming the others.
+``GET /health``   200 ``{"status": "ok"}`` when every stage replica is up; 200 ``"degraded"`` naming
+                  the replicas that are down while every stage has one up; else 503 naming the
+                  stages that have none.
 ``GET /v1/models``, ``GET /metrics`` (Prometheus text).
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON /

@@ -54,6 +54,10 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
     deadline: float = 0.0  # unix time after which stages drop the request (0 = none)
     media: list[MediaRef] = []
+    #: stage -> the replica of it that serves this request (the orchestrator's choice, for every
+    #: stage the request passes); each stage forwards it with its first output downstream, where
+    #: it picks the replica the request's stream goes to. A stage missing here: replica 0.
+    route: dict[str, int] = {}
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
@@ -82,6 +86,9 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     # The request's Submit.return_latents, forwarded with the first output: every autoregressive
     # stage then also sends its tensors (latents, a talker's codes) to the orchestrator.
     return_latents: bool = False
+    # The request's Submit.route, forwarded with the first output (seq 0) downstream: it picks the
+    # downstream replica; the rest of the stream follows the first message (workers/outbox.py).
+    route: dict[str, int] = {}
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):
@@ -107,6 +114,8 @@ class StageReady(msgspec.Struct, tag="ready", kw_only=True):
 
     stage: str
     pid: int
+    #: Which replica of the stage this process is (omni_cache.config.replicas).
+    replica: int = 0
     max_model_len: int = 0
     #: Random per stage process: a new value means the stage was restarted (pids can repeat
     #: across hosts).
@@ -123,11 +132,30 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
 
     stage: str
     counters: dict[str, float]
+    replica: int = 0  # which replica of the stage counted them
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     reason: str = ""
 
 
-Message = Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats | Shutdown
-MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown)
+class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
+    """Stage -> orchestrator, after a step that changed it: what the replica's prefix cache gained
+    and lost since its last report (vLLM's KV-cache events, net per block hash; see
+    scheduler/block_events.py), for prefix routing (omni_cache/runtime/routing.py)."""
+
+    stage: str
+    replica: int = 0
+    #: Block hashes (vLLM's 64-bit form) its prefix cache holds now.
+    stored: list[int] = []
+    #: Block hashes it no longer holds (evicted).
+    removed: list[int] = []
+    #: The prefix cache was reset before these changes: forget what it held.
+    cleared: bool = False
+    block_size: int = 0
+
+
+Message = (Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats
+           | Shutdown | BlockEvents)
+MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown,
+                 BlockEvents)

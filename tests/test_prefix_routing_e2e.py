@@ -1,0 +1,118 @@
+"""Prefix routing between two tiny thinker replicas (real vLLM engines reporting their KV-cache
+events, ZMQ, HTTP): a request goes to the replica that holds its prompt's prefix, as that
+replica's engine reported it, not to the one a load tie would pick; and once a replica evicted the
+prefix (a 64-block pool, churned), the router stops sending the prefix there for it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from omni_cache.config import load_config
+from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.serving.metrics import parse_metrics
+from omni_cache.serving.server import ServerThread
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+NAME = "prefixroute"
+BLOCKS = 64  # each replica's KV pool: 64 blocks of 32 tokens
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = yaml.safe_load((ROOT / "stage_configs" / "tiny_omni.yaml").read_text())
+    data["name"] = NAME
+    data["server"]["port"] = 0
+    data["server"]["routing"] = "prefix"
+    [thinker] = [s for s in data["stages"] if s["name"] == "thinker"]
+    thinker["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/thinker.sock"
+    thinker["replicas"] = 2
+    thinker["engine_args"]["max_model_len"] = (BLOCKS - 1) * 32  # vLLM keeps one block back
+    thinker["engine_args"]["extra"] = {"num_gpu_blocks_override": BLOCKS}
+    data["stages"] = [thinker]  # text only: the thinker is the whole pipeline
+    path = tmp_path_factory.mktemp("cfg") / f"{NAME}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
+    srv = ServerThread(orch, api_key=API_KEY).start()
+    srv.wait_ready(600)
+    yield srv
+    srv.stop()
+
+
+def decisions(server) -> dict[tuple[str, str], float]:
+    """(replica, decision) -> thinker routing decisions so far."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=30).text
+    return {(lab["replica"], lab["decision"]): v for n, lab, v in parse_metrics(text)
+            if n == "omni_cache_routing_decisions_total" and lab["stage"] == "thinker"}
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def prefix(letter: str) -> str:
+    return f"{letter} " * 300  # 600 bytes: ~18 full blocks of the byte-level prompt
+
+
+def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    cached: dict[str, int] = {}
+
+    def ask(content: str, key: str | None = None, max_tokens: int = 4) -> None:
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
+                                           max_tokens=max_tokens)
+        if key is not None:
+            cached[key] = r.usage.prompt_tokens_details.cached_tokens
+
+    # Two prefixes nobody holds, at once: least loaded puts them on different replicas.
+    before = decisions(server)
+    threads = [threading.Thread(target=ask, args=(prefix(x) + "first?", None, 24)) for x in "PQ"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert delta(before, decisions(server)) == {("0", "least_loaded"): 1, ("1", "least_loaded"): 1}
+
+    # Both idle now: a load tie would send both follow-ups to replica 0; each goes where its
+    # prefix is, and is served from there.
+    before = decisions(server)
+    ask(prefix("P") + "second?", "P")
+    ask(prefix("Q") + "second?", "Q")
+    assert delta(before, decisions(server)) == {("0", "prefix_hit"): 1, ("1", "prefix_hit"): 1}
+    assert cached["P"] >= 512 and cached["Q"] >= 512, cached
+    held = server.orchestrator.prefix_index
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=30).text
+    gauge = {lab["replica"]: v for n, lab, v in parse_metrics(text)
+             if n == "omni_cache_prefix_index_blocks"}
+    assert gauge == {"0": held.blocks(0), "1": held.blocks(1)} and min(gauge.values()) >= 18, gauge
+
+    # Churn replica 0's 64-block pool with prompts nobody shares (no hit anywhere: they go to the
+    # least loaded, replica 0 on a tie), until its prefix is evicted.
+    p_or_q = "P" if _holds(server, 0, "P") else "Q"
+    assert _holds(server, 0, p_or_q)
+    for i in range(4):
+        ask(f"{i}" * 1400)
+    assert not _holds(server, 0, p_or_q), "the churn did not evict the prefix"
+    before = decisions(server)
+    ask(prefix(p_or_q) + "third?", p_or_q)
+    assert delta(before, decisions(server)) == {("0", "least_loaded"): 1}  # no stale preference
+
+
+def _holds(server, replica: int, letter: str) -> bool:
+    """Whether ``replica`` holds the first block of ``prefix(letter)`` (as the router sees it)."""
+    orch = server.orchestrator
+    ids = orch.tokenize_messages([{"role": "user", "content": prefix(letter) + "?"}])
+    chain = prompt_block_hashes(ids, 32, os.environ.get("PYTHONHASHSEED"))
+    return orch.prefix_index.matched_blocks(replica, chain) > 0
