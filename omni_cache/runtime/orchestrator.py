@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -702,7 +703,12 @@ class Orchestrator:
         if checked.media:
             import torch
 
-            tensors = {f"media.{i}": torch.from_numpy(m.array) for i, m in enumerate(checked.media)}
+            # Decoded media are shared read-only arrays (serving/media.py's DecodedCache); these
+            # tensors are only read (sent as frames), so torch's warning about a non-writable
+            # array does not apply, and it would otherwise land in the server log once.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                tensors = {f"media.{i}": torch.from_numpy(m.array) for i, m in enumerate(checked.media)}
         try:
             sent = await self._send(entry, msg, tensors, timeout=min(timeout, 10.0))
         except MessageTooLarge as e:
