@@ -3,7 +3,9 @@
     .venv/bin/python -m benchmarks.soak --minutes 30 --json soak.json
 
 It starts ``stage_configs/tiny_omni.yaml`` on a private copy of the config (its own pipeline name,
-ipc socket paths and port 0: :class:`benchmarks.harness.ManagedServer`), with every vLLM stage's
+ipc socket paths and port 0: :class:`benchmarks.harness.ManagedServer`, which serves from a thread
+of this process; with ``--server-process``, ``omni-serve`` in a process of its own, so that the
+server's RSS is measured apart from the probe's client), with every vLLM stage's
 KV pool cut to ``--kv-blocks`` blocks (``engine_args.extra.num_gpu_blocks_override``) so that the
 prefix caches (vLLM's block pool, and the hidden-state cache whose slots follow it) fill up and
 evict within the first minute. Then ``--concurrency`` clients loop over HTTP on 127.0.0.1 until
@@ -45,10 +47,14 @@ import contextlib
 import json
 import os
 import random
+import re
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,7 +63,7 @@ from typing import Any
 import httpx
 import yaml
 
-from benchmarks.harness import ManagedServer, command_line, log, machine_info
+from benchmarks.harness import ManagedServer, command_line, log, machine_info, private_config
 from benchmarks.workloads import random_text
 
 __all__ = ["KINDS", "Outcome", "PromptSource", "classify", "hit_rates", "percentile", "rss_growth", "summarize", "main"]
@@ -307,8 +313,10 @@ async def run_request(client: httpx.AsyncClient, base_url: str, model: str, req:
 
 # ---- the processes and the server's view ---------------------------------------------------------
 
-def rss_mib(pids: dict[str, int | None]) -> dict[str, float | None]:
-    """RSS (MiB) of this process and of each stage process including its children."""
+def rss_mib(pids: dict[str, int | None], server_pid: int | None = None) -> dict[str, float | None]:
+    """RSS (MiB) of this process and of each stage process including its children. With
+    ``server_pid`` (``--server-process``) the server's own process is reported apart from this one
+    (then only the probe's client)."""
     import psutil
 
     def tree_rss(pid: int) -> float | None:
@@ -322,13 +330,88 @@ def rss_mib(pids: dict[str, int | None]) -> dict[str, float | None]:
         except psutil.Error:
             return None
 
-    # Only this process's own RSS: its children are the stage processes, counted under their names.
-    out: dict[str, float | None] = {"server+orchestrator+client": None}
-    with contextlib.suppress(psutil.Error):
-        out["server+orchestrator+client"] = round(psutil.Process().memory_info().rss / 2**20, 1)
+    def own_rss(pid: int | None) -> float | None:
+        with contextlib.suppress(psutil.Error):
+            return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+        return None
+
+    # Only the server's own RSS: its children are the stage processes, counted under their names.
+    if server_pid is None:
+        out: dict[str, float | None] = {"server+orchestrator+client": own_rss(None)}
+    else:
+        out = {"server+orchestrator": own_rss(server_pid), "client": own_rss(None)}
     for name, pid in pids.items():
         out[name] = tree_rss(pid) if pid else None
     return out
+
+
+class ServedProcess:
+    """The pipeline served by ``omni-serve`` in a process of its own (``--server-process``), so that
+    the server's RSS (HTTP, orchestrator) is measured apart from the probe's client. A context
+    manager with what :class:`benchmarks.harness.ManagedServer` offers the probe: ``url``,
+    ``startup_s``, ``stage_pids()``, ``pid``."""
+
+    READY = re.compile(r"ready: model '[^']*' at (http://\S+)")
+
+    def __init__(self, config_path: Path, start_timeout_s: float) -> None:
+        self.config_path = config_path
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+        self.startup_s = 0.0
+        self.proc: subprocess.Popen[str] | None = None
+        self.tail: deque[str] = deque(maxlen=40)
+        self._ready = threading.Event()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def __enter__(self) -> "ServedProcess":
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_cache.cli", "--stage-config", str(self.config_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        # The output is read to the end by a thread (a full pipe would block the server).
+        threading.Thread(target=self._read, daemon=True, name="soak-server-output").start()
+        deadline = t0 + self.start_timeout_s
+        while not self._ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("omni-serve did not become ready; its last output:\n" + "\n".join(self.tail))
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            m = self.READY.search(line)
+            if m and not self._ready.is_set():
+                self.url = m.group(1).rstrip("/")
+                self._ready.set()
+
+    def stage_pids(self) -> dict[str, int | None]:
+        """Stage name -> pid, from the server's child processes (``python -m workers --stage X``)."""
+        import psutil
+
+        out: dict[str, int | None] = {}
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.pid).children():
+                with contextlib.suppress(psutil.Error):
+                    argv = child.cmdline()
+                    if "--stage" in argv:
+                        out[argv[argv.index("--stage") + 1]] = child.pid
+        return dict(sorted(out.items()))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # omni-serve stops its stages on SIGINT
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 def loadavg() -> list[float]:
@@ -424,11 +507,13 @@ def soak_config(src: str, dst_dir: str, *, kv_blocks: int, request_timeout_s: fl
 
 
 class Soak:
-    def __init__(self, url: str, model: str, args: argparse.Namespace, stage_pids: Any) -> None:
+    def __init__(self, url: str, model: str, args: argparse.Namespace, stage_pids: Any,
+                 server_pid: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.args = args
         self.stage_pids = stage_pids
+        self.server_pid = server_pid  # the server's own process (--server-process), else None
         self.rng = random.Random(args.seed)
         self.prompts = PromptSource(self.rng, rotate_every=args.rotate_every)
         self.weights = dict(zip(KINDS, args.mix, strict=True))
@@ -455,7 +540,7 @@ class Soak:
         ended = [o for o in self.outcomes if since <= o.end_s < until]
         metrics = await scrape(client, self.url)
         row = {"minute": index, "t_end_s": round(until, 1), **summarize(ended),
-               "started_total": self.started, "rss_mib": rss_mib(self.stage_pids()),
+               "started_total": self.started, "rss_mib": rss_mib(self.stage_pids(), self.server_pid),
                "loadavg": loadavg(), "prefix_hit_rate": hit_rates(self._last_scrape, metrics),
                "metrics": metrics}
         self._last_scrape = metrics or self._last_scrape
@@ -477,7 +562,7 @@ class Soak:
     async def run(self) -> dict[str, Any]:
         args = self.args
         async with self._client() as client:
-            procs = " ".join(rss_mib(self.stage_pids()))
+            procs = " ".join(rss_mib(self.stage_pids(), self.server_pid))
             print(f"\n{'min':>5} {'ok':>5} {'failed':>6} {'aborted':>7} {'lost':>5} {'e2e p50':>8} "
                   f"{'e2e p99':>8} {'ttfa p50':>8} {'ttfa p99':>8}  RSS MiB ({procs})  loadavg 1/5/15  "
                   "prefix-cache hit rate",
@@ -565,6 +650,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of every stage process (repeatable), e.g. "
                         "MALLOC_MMAP_THRESHOLD_=131072 to see how much RSS growth is glibc's heap")
+    p.add_argument("--server-process", action="store_true",
+                   help="serve with omni-serve in a process of its own (its RSS reported apart from "
+                        "the probe's client) instead of a thread of this process")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     for item in args.stage_env:
@@ -584,12 +672,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = soak_config(args.config, tmp, kv_blocks=args.kv_blocks, request_timeout_s=args.request_timeout)
         log(f"soak: starting the pipeline ({args.config}, {args.kv_blocks} KV blocks per vLLM stage) ...")
         stage_env = dict(item.split("=", 1) for item in args.stage_env) or None
-        with ManagedServer(cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout,
-                           stage_env=stage_env) as srv:
+        if args.server_process:
+            served: Any = ServedProcess(private_config(cfg, tmp, "soak", stage_env), args.start_timeout)
+        else:
+            served = ManagedServer(cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout,
+                                   stage_env=stage_env)
+        with served as srv:
             model = asyncio.run(served_model(srv.url))
             log(f"soak: ready after {srv.startup_s:.1f} s at {srv.url}; stage pids {srv.stage_pids()}; "
                 f"{args.minutes:g} min at concurrency {args.concurrency}")
-            soak = Soak(srv.url, model, args, srv.stage_pids)
+            soak = Soak(srv.url, model, args, srv.stage_pids,
+                        server_pid=srv.pid if args.server_process else None)
             result = asyncio.run(soak.run())
             result["startup_s"] = round(srv.startup_s, 1)
     result = {"probe": "omni_cache soak (python -m benchmarks.soak)", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
