@@ -695,6 +695,14 @@ def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 # --------------------------------------------------------------------------------------------------
 
 
+def assert_refused_naming(path: Path, key: str, words: str) -> None:
+    """The config at `path` is refused with an error naming the file, `key` and `words`, both by
+    the loader and by `omni-serve --check` (exit 2)."""
+    message = config_error(path)
+    assert f"{path}: {key}: " in message and words in message, message
+    assert cli.main(["--stage-config", str(path), "--check"]) == 2
+
+
 @pytest.mark.parametrize("old,new,key,words", [
     ("      max_num_seqs: 16                             # most requests per step\n"
      "      enforce_eager: true                          # no torch.compile",
@@ -711,10 +719,7 @@ def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 ])
 def test_keys_that_would_do_nothing_are_refused(tmp_path: Path, old: str, new: str, key: str,
                                                  words: str) -> None:
-    path = write_variant(tmp_path, old, new)
-    message = config_error(path)
-    assert f"{path}: {key}: " in message and words in message, message
-    assert cli.main(["--stage-config", str(path), "--check"]) == 2
+    assert_refused_naming(write_variant(tmp_path, old, new), key, words)
 
 
 def test_no_prefix_cache_leaves_the_generation_stage_alone() -> None:
@@ -773,10 +778,7 @@ def test_replicas_get_their_own_names_and_addresses(tmp_path: Path,
 ])
 def test_bad_replicas_and_routing_are_refused(tmp_path: Path, old: str, new: str, key: str,
                                               words: str) -> None:
-    path = write_variant(tmp_path, old, new)
-    message = config_error(path)
-    assert f"{path}: {key}: " in message and words in message, message
-    assert cli.main(["--stage-config", str(path), "--check"]) == 2
+    assert_refused_naming(write_variant(tmp_path, old, new), key, words)
 
 
 def test_a_replica_address_clashing_with_another_stage_is_named(tmp_path: Path) -> None:
