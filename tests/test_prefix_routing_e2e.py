@@ -14,11 +14,9 @@ import openai
 import pytest
 import yaml
 
-from omni_cache.config import load_config
 from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.metrics import parse_metrics
-from omni_cache.serving.server import ServerThread
+from served_config import served
 
 pytestmark = pytest.mark.vllm
 
@@ -40,13 +38,8 @@ def server(tmp_path_factory):
     thinker["engine_args"]["max_model_len"] = (BLOCKS - 1) * 32  # vLLM keeps one block back
     thinker["engine_args"]["extra"] = {"num_gpu_blocks_override": BLOCKS}
     data["stages"] = [thinker]  # text only: the thinker is the whole pipeline
-    path = tmp_path_factory.mktemp("cfg") / f"{NAME}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
-    srv = ServerThread(orch, api_key=API_KEY).start()
-    srv.wait_ready(600)
-    yield srv
-    srv.stop()
+    with served(data, tmp_path_factory.mktemp("cfg"), api_key=API_KEY) as srv:
+        yield srv
 
 
 def decisions(server) -> dict[tuple[str, str], float]:

@@ -20,10 +20,8 @@ import openai
 import pytest
 import yaml
 
-from omni_cache.config import load_config
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.metrics import parse_metrics
-from omni_cache.serving.server import ServerThread
+from served_config import served
 
 pytestmark = pytest.mark.vllm
 
@@ -44,13 +42,8 @@ def server(tmp_path_factory):
         if stage["name"] == "thinker":
             stage["replicas"] = 2
             stage["env"]["VLLM_CPU_KVCACHE_SPACE"] = "1"  # two engines' pools
-    path = tmp_path_factory.mktemp("cfg") / f"{NAME}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
-    srv = ServerThread(orch, api_key=API_KEY).start()
-    srv.wait_ready(600)
-    yield srv
-    srv.stop()
+    with served(data, tmp_path_factory.mktemp("cfg"), api_key=API_KEY) as srv:
+        yield srv
 
 
 @pytest.fixture
