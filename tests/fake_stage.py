@@ -7,7 +7,10 @@ tests/test_server_unit.py:
   one StageOutput per token (``FAKE_TOKEN_DELAY`` seconds apart), the last one with
   ``finished=True``; "prefix cache": the longest common prefix with any earlier prompt, rounded
   down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for.
-  Prompts containing ``HANG`` never finish; ``FAIL`` answers a StageError (status 500);
+  Prompts containing ``HANG`` never finish; ``STALL`` stops after 2 tokens unless the request
+  was resumed (``Submit.resumed_tokens``: the answer goes on after the tokens the prompt ends
+  with, which the first output carries again, as workers/ar_runner.py sends them);
+  ``FAIL`` answers a StageError (status 500);
   ``SLOWSTART`` delays the first token by ``SLOW_FIRST_TOKEN_S``; ``UTF8BAD`` answers with
   ``UTF8BAD_ANSWER`` (invalid and incomplete UTF-8), decoded like vLLM's incremental detokenizer:
   bytes held back while incomplete (empty text), U+FFFD for invalid ones, and a sequence still
@@ -139,7 +142,10 @@ class FakeStage:
 
     async def think(self, sub: Submit) -> None:
         rid = sub.request_id
+        k = sub.resumed_tokens
         prompt = list(sub.prompt_token_ids)
+        tail = prompt[len(prompt) - k:] if k else []
+        prompt = prompt[:len(prompt) - k]
         raw = bytes(t for t in prompt if t < 256)
         cached = self._cached(prompt)
         self.counters["prefix_cache_queried_tokens"] += len(prompt)
@@ -153,7 +159,9 @@ class FakeStage:
         if b"HANG" in raw:
             await asyncio.sleep(3600)
         answer = UTF8BAD_ANSWER if b"UTF8BAD" in raw else raw
-        out = list(answer[: sub.sampling.max_tokens])
+        out = list(answer[k: k + sub.sampling.max_tokens])
+        if b"STALL" in raw and not k:
+            out = out[:2]
         flush_at_end = b"UTF8BAD" not in raw
         audio = "audio" in sub.modalities
         seq = 0
@@ -164,13 +172,16 @@ class FakeStage:
             seq += 1
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reason = "length" if len(out) >= sub.sampling.max_tokens else "stop"
+        stall = b"STALL" in raw and not k
         if not out:
             out_msgs = [([], True)]
         else:
-            out_msgs = [([t], i == len(out) - 1) for i, t in enumerate(out)]
+            out_msgs = [([t], i == len(out) - 1 and not stall) for i, t in enumerate(out)]
+            out_msgs[0] = (tail + out_msgs[0][0], out_msgs[0][1])
         for i, (toks, last) in enumerate(out_msgs):
             await asyncio.sleep(SLOW_FIRST_TOKEN_S if i == 0 and b"SLOWSTART" in raw else self.delay)
-            text = decoder.decode(bytes(toks), final=last and flush_at_end)
+            new = toks[len(tail):] if i == 0 else toks  # vLLM's text covers new tokens only
+            text = decoder.decode(bytes(new), final=last and flush_at_end)
             msg = StageOutput(
                 request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text,
                 finished=last, finish_reason=reason if last else None,
@@ -190,6 +201,8 @@ class FakeStage:
                 for d in self.down:
                     await d.send(fwd)
             seq += 1
+        if stall:
+            await asyncio.sleep(3600)
 
     async def decode(self, up: StageOutput) -> None:
         rid = up.request_id

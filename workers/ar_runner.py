@@ -47,6 +47,10 @@ class _Request:
     active_job: Job | None = None
     num_jobs: int = 0
     generated: int = 0  # tokens this stage wrote for the request, over all its jobs
+    #: A resumed request (Submit.resumed_tokens): the answer tokens at the end of its prompt,
+    #: sent again with its first output; None once sent.
+    resumed_tail: list[int] | None = None
+    answer_finished: str = ""  # Submit.answer_finished
 
 
 def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -77,6 +81,27 @@ def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
     for ref in media:
         out.setdefault(ref.kind, []).append(ref.uuid)
     return out
+
+
+def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: str) -> None:
+    """Rewrite a resumed request's first output (omni_cache.runtime.resume) as the output an
+    undisturbed run would have sent by now: its prompt is the client's, and the answer tokens at
+    the end of the resumed prompt are generated ones, sent with the new token. vLLM outputs
+    nothing before the first token, so this first output holds the whole prefill's rows: one per
+    position fed, as an undisturbed run has after sampling as many tokens.
+
+    ``answer_finished``: the answer was complete; the token vLLM sampled now is not part of it,
+    and neither is the row of the answer's last token, which an undisturbed run never feeds."""
+    k = len(tail)
+    out.num_prompt_tokens -= k
+    if out.prompt_token_ids:
+        out.prompt_token_ids = out.prompt_token_ids[:-k]
+    if answer_finished:
+        out.token_ids, out.text = list(tail), ""
+        out.finished, out.finish_reason = True, answer_finished
+        out.latents = {name: rows[:-1] for name, rows in out.latents.items()}
+    else:
+        out.token_ids = [*tail, *out.token_ids]
 
 
 class ARRunner(StageRunner):
@@ -114,6 +139,9 @@ class ARRunner(StageRunner):
             self._from_upstream(msg, tensors)
 
     def _submit(self, msg: Submit, tensors: dict[str, torch.Tensor]) -> None:
+        if not 0 <= msg.resumed_tokens < len(msg.prompt_token_ids):
+            raise ValueError(f"resumed_tokens {msg.resumed_tokens} is not within the prompt "
+                             f"({len(msg.prompt_token_ids)} tokens)")
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
         if self.is_dead(msg.request_id, True, msg.deadline):
@@ -121,6 +149,9 @@ class ARRunner(StageRunner):
         media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
                        return_latents=msg.return_latents, route=dict(msg.route))
+        if msg.resumed_tokens:
+            req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
+            req.answer_finished = msg.answer_finished
         self.requests[msg.request_id] = req
         self.total_requests += 1
         self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
@@ -245,6 +276,9 @@ class ARRunner(StageRunner):
             self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
     def _emit(self, req: _Request, out: StepOutput) -> None:
+        if req.resumed_tail is not None:
+            resumed_as_undisturbed(out, req.resumed_tail, req.answer_finished)
+            req.resumed_tail = None
         job_done = out.finished
         finished = False
         self.generation_tokens += len(out.token_ids)

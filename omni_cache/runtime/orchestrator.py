@@ -16,7 +16,9 @@ background thread's for :class:`omni_cache.pipeline.Pipeline`). It
   one background task receives and dispatches everything the stages send;
 * picks, per request, one replica of every stage the request passes (``server.routing``,
   :mod:`omni_cache.runtime.routing`), among the replicas that are up, and sends the choice with
-  the request (``Submit.route``); a replica that dies fails only the requests routed to it;
+  the request (``Submit.route``); the requests a dying replica served go on from where their
+  clients are on replicas that are up (:mod:`omni_cache.runtime.resume`), or fail (503) when
+  a stage they need has none;
 * owns request ids, deadlines (checked every 100 ms) and the only copy of each accepted request
   (its :class:`~omni_cache.runtime.requests.RequestTable`): every request ends in exactly one
   terminal event on its :class:`RequestHandle`, ``Completed`` or ``Failed`` (stage died -> 503,
@@ -84,6 +86,7 @@ from omni_cache.serving.metrics import (
 )
 from omni_cache.runtime.heap_trim import HeapTrimmer
 from omni_cache.runtime.requests import Request, RequestTable
+from omni_cache.runtime.resume import MAX_ATTEMPTS, new_samples, new_tokens, resumed_prompt, resumed_submit
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.routing import ReplicaRouter, reports_blocks
@@ -449,8 +452,11 @@ class Orchestrator:
         hint = ("retry when it is back" if replica.stage in self._external
                 else "it is being restarted, retry shortly")
         for req in self._requests.served_by(replica.stage, replica.index):
-            self._fail(req, 503, f"stage {stage!r} {why} while serving this request; {hint}",
-                       stage=replica.stage)
+            if self._can_resume(req):
+                self._resume(req, replica)
+            else:
+                self._fail(req, 503, f"stage {stage!r} {why} while serving this request; {hint}",
+                           stage=replica.stage)
 
     def on_stage_up(self, stage: str) -> None:
         """A stage replica announced itself ready: the entry stage's context length is now its."""
@@ -683,7 +689,6 @@ class Orchestrator:
             route=self._route(checked.participants,
                               None if checked.media else checked.prompt_token_ids),
         )
-        self._requests.add(req)
         entry = self._replica_names[(self.entry.name, req.route[self.entry.name])]
         msg = Submit(
             request_id=req.request_id,
@@ -709,6 +714,8 @@ class Orchestrator:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 tensors = {f"media.{i}": torch.from_numpy(m.array) for i, m in enumerate(checked.media)}
+        req.submit, req.media = msg, tensors
+        self._requests.add(req)
         try:
             sent = await self._send(entry, msg, tensors, timeout=min(timeout, 10.0))
         except MessageTooLarge as e:
@@ -749,6 +756,52 @@ class Orchestrator:
             out[replica] = self.prefix_index.matched_blocks(replica, chains[size])
         return out
 
+    # ---- a replica died: the requests it served go on elsewhere (omni_cache.runtime.resume) ----
+
+    def _can_resume(self, req: Request) -> bool:
+        """Whether ``req`` can start again on live replicas: every stage it needs has one up (the
+        dead replica is already down) and it has attempts left."""
+        return (req.submit is not None and req.attempt + 1 < MAX_ATTEMPTS and not self._closing
+                and all(self.supervisor.up_replicas(s) for s in req.participants))
+
+    def _resume(self, req: Request, dead: Replica) -> None:
+        """Start ``req`` again as a new attempt, routed among the replicas that are up, from where
+        its client is; the old attempt ends on the live replicas that still run it."""
+        old = req.wire_id
+        for name in req.participants:
+            sp = self.supervisor.stages.get(self._serving(req, name))
+            if name not in req.finished and sp is not None and sp.up:
+                self._spawn(self._send(sp.name, Abort(request_id=old), timeout=1.0))
+        text_from_entry = self.text_stage.name == self.entry.name
+        entry_out = req.finished.get(self.entry.name)
+        answer_finished = (entry_out.finish_reason or "stop") if entry_out is not None else None
+        req.attempt += 1
+        self._requests.rekey(req, old)
+        req.finished.clear()
+        req.latents.clear()  # the new attempt sends every row and code from the start
+        req.skip_tokens = len(req.answer_tokens)
+        req.skip_samples = req.audio_samples
+        req.route = self._route(req.participants,
+                                None if req.media else resumed_prompt(req, text_from_entry))
+        msg = resumed_submit(req, text_from_entry=text_from_entry, answer_finished=answer_finished)
+        self.metrics.request_resumed(dead.stage, dead.index)
+        logger.warning("request %s: %s died while serving it; resumed as %s on %s after %d "
+                       "token(s) and %d audio sample(s) its client has", req.request_id, dead.name,
+                       req.wire_id, self._serving(req, self.entry.name), len(req.answer_tokens),
+                       req.audio_samples)
+        self._spawn(self._resubmit(req, msg))
+
+    async def _resubmit(self, req: Request, msg: Submit) -> None:
+        entry = self._serving(req, self.entry.name)
+        try:
+            sent = await self._send(entry, msg, req.media, timeout=10.0)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("request %s: could not resume: %s", req.request_id, e)
+            sent = False
+        if not sent and not req.done and req.wire_id == msg.request_id:
+            self._fail(req, 503, f"could not hand the resumed request to stage {entry!r}",
+                       stage=self.entry.name)
+
     def _serving(self, req: Request, stage: str) -> str:
         """The name of the replica of ``stage`` that serves ``req``."""
         return self._replica_names[(stage, req.route.get(stage, 0))]
@@ -757,7 +810,7 @@ class Orchestrator:
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Drop a request (client went away): fail its handle (499) and tell its stages."""
-        req = self._requests.get(request_id)
+        req = self._requests.find(request_id)
         if req is not None:
             self._fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
 
@@ -807,7 +860,7 @@ class Orchestrator:
             for name in req.participants:
                 replica = self.supervisor.stages.get(self._serving(req, name))
                 if name != stage and name not in req.finished and replica is not None and replica.up:
-                    self._spawn(self._send(replica.name, Abort(request_id=req.request_id),
+                    self._spawn(self._send(replica.name, Abort(request_id=req.wire_id),
                                            timeout=1.0))
         logger.info("request %s failed (%d): %s", req.request_id, status, message)
 
@@ -899,11 +952,13 @@ class Orchestrator:
                        f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})", stage=msg.stage)
             return
         now = time.monotonic()
-        if stage.final_output == "text" and (msg.token_ids or msg.text):
+        # A resumed attempt sends again what its client has (omni_cache.runtime.resume).
+        token_ids = new_tokens(req, msg.token_ids) if stage.final_output == "text" else []
+        if token_ids or (stage.final_output == "text" and msg.text):
             if not req.got_token:
                 req.got_token = True
                 self.metrics.observe(TTFT, stage.name, now - req.t0)
-            req.queue.put_nowait(TextDelta(msg.text, list(msg.token_ids)))
+            req.queue.put_nowait(TextDelta(msg.text, token_ids))
         if stage.final_output == "audio":
             audio = tensors.get("audio")
             if audio is not None and audio.numel() > 0:
@@ -912,10 +967,11 @@ class Orchestrator:
                     self.metrics.observe(TTFA, stage.name, now - req.t0)
                 import torch
 
-                samples = np.array(audio.detach().to(torch.float32).reshape(-1).numpy(), copy=True)
+                samples = new_samples(req, audio.detach().to(torch.float32).reshape(-1).numpy())
                 rate = msg.sample_rate or self.audio_sample_rate
                 self.audio_sample_rate = rate
-                req.queue.put_nowait(AudioDelta(samples, rate))
+                if len(samples):
+                    req.queue.put_nowait(AudioDelta(np.array(samples, copy=True), rate))
         if req.return_latents and stage.is_autoregressive:
             # The entry stage's latents by their own names, a later stage's as "<stage>.<name>"
             # (e.g. "talker.codes").

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_cache.wire.messages import StageOutput
+from omni_cache.wire.messages import StageOutput, Submit
 
 #: How many answered request ids are remembered (late outputs of those are dropped quietly).
 RECENT_IDS = 10000
@@ -34,6 +34,23 @@ class Request:
     got_token: bool = False
     got_audio: bool = False
     done: bool = False
+    #: The Submit that started it and its media frames: a resumed attempt is built from them.
+    submit: Submit | None = None
+    media: dict[str, Any] = field(default_factory=dict)
+    #: How often it moved to live replicas because one serving it died (omni_cache.runtime.resume).
+    attempt: int = 0
+    #: What its client got so far: the answer's token ids and the audio samples.
+    answer_tokens: list[int] = field(default_factory=list)
+    audio_samples: int = 0
+    #: Of the current attempt's output, what the client already has from earlier attempts.
+    skip_tokens: int = 0
+    skip_samples: int = 0
+
+    @property
+    def wire_id(self) -> str:
+        """The id the stages know the current attempt by: a resumed attempt gets a new one, so
+        the late outputs of the attempt it replaces are recognised as stale and dropped."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}.r{self.attempt}"
 
     def waiting_for(self) -> list[str]:
         """The participants that have not finished yet."""
@@ -44,7 +61,8 @@ class RequestTable:
     """The requests in flight, by id; knows which have expired and which a stage was serving."""
 
     def __init__(self, recent_ids: int = RECENT_IDS) -> None:
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # by wire id
+        self._clients: dict[str, Request] = {}  # the same, by the client's request id
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._recent_ids = recent_ids
 
@@ -52,10 +70,22 @@ class RequestTable:
         return len(self._requests)
 
     def add(self, req: Request) -> None:
-        self._requests[req.request_id] = req
+        self._requests[req.wire_id] = req
+        self._clients[req.request_id] = req
 
-    def get(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    def rekey(self, req: Request, old_wire_id: str) -> None:
+        """``req`` is known by a new wire id (it was resumed); its old one is answered."""
+        self._requests.pop(old_wire_id, None)
+        self.remember(old_wire_id)
+        self._requests[req.wire_id] = req
+
+    def get(self, wire_id: str) -> Request | None:
+        """The request a stage's message is about (by the id the stages know)."""
+        return self._requests.get(wire_id)
+
+    def find(self, request_id: str) -> Request | None:
+        """The request by the id its client knows."""
+        return self._clients.get(request_id)
 
     def all(self) -> list[Request]:
         """A snapshot (callers fail requests while iterating)."""
@@ -63,8 +93,9 @@ class RequestTable:
 
     def answered(self, req: Request) -> None:
         """``req`` got its terminal event: forget it, remember its id."""
-        self._requests.pop(req.request_id, None)
-        self.remember(req.request_id)
+        self._requests.pop(req.wire_id, None)
+        self._clients.pop(req.request_id, None)
+        self.remember(req.wire_id)
 
     def remember(self, request_id: str) -> None:
         self._recent[request_id] = None

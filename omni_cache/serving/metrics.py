@@ -201,6 +201,8 @@ class OrchestratorMetrics:
         self.histograms: dict[tuple[str, str], Histogram] = {}
         self._latency: dict[str, LatencyMetric] = {}
         self.failed_requests: dict[str, int] = {s: 0 for s in stage_names}
+        #: (stage, replica) -> requests resumed elsewhere because that replica died
+        self.resumed: dict[tuple[str, int], int] = {}
         self.requests_ok = 0
         self.requests_failed: dict[int, int] = {}
         # Set by render() for the collector to read: a scrape is one synchronous call.
@@ -218,6 +220,10 @@ class OrchestratorMetrics:
 
     def stage_failed_request(self, stage: str) -> None:
         self.failed_requests[stage] = self.failed_requests.get(stage, 0) + 1
+
+    def request_resumed(self, stage: str, replica: int) -> None:
+        """A request moved to live replicas because replica ``replica`` of ``stage`` died."""
+        self.resumed[(stage, replica)] = self.resumed.get((stage, replica), 0) + 1
 
     def request_done(self, status: int | None) -> None:
         if status is None:
@@ -272,6 +278,13 @@ class OrchestratorMetrics:
         for s in names:
             failed.add_metric([s], self.failed_requests.get(s, 0))
         yield failed
+        resumed = CounterMetricFamily(
+            "omni_cache_requests_resumed",
+            "Requests that went on from where their client was on live replicas because this "
+            "replica, serving them, died.", labels=["stage", "replica"])
+        for (stage, replica), n in sorted(self.resumed.items()):
+            resumed.add_metric([stage, str(replica)], n)
+        yield resumed
         yield GaugeMetricFamily("omni_cache_requests_in_flight", "Requests accepted and not yet answered.",
                                 value=in_flight)
         answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.",

@@ -58,6 +58,13 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     #: stage the request passes); each stage forwards it with its first output downstream, where
     #: it picks the replica the request's stream goes to. A stage missing here: replica 0.
     route: dict[str, int] = {}
+    #: A resumed request (omni_cache.runtime.resume): the last ``resumed_tokens`` of
+    #: ``prompt_token_ids`` are the answer's first tokens, which its client already has. The stage
+    #: sends them again with its first output, as if it had generated them.
+    resumed_tokens: int = 0
+    #: With ``resumed_tokens``: the answer was complete (this finish reason); the stage recomputes
+    #: it for the stages downstream and generates nothing new.
+    answer_finished: str = ""
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):

@@ -1,0 +1,84 @@
+"""Resuming a request on live replicas when a replica serving it died.
+
+The orchestrator holds every request until it is answered and knows what its client got: the
+answer's token ids and the number of audio samples. When a replica serving a request dies while
+its stage has another replica up, the request starts again as a new *attempt* under a new wire id
+(``Request.wire_id``): the stages never hear of the old id again, and late outputs of the attempt
+it replaces are stale and dropped.
+
+* The entry stage gets the prompt plus the answer tokens the client already has and generates only
+  the rest (``Submit.resumed_tokens``), as vLLM recomputes a preempted request. Its first output
+  carries those tokens again, rewritten as the stream an undisturbed run would have sent
+  (workers/ar_runner.py): downstream stages need no notion of resumption, they start afresh.
+* When the answer was complete (a talker or decoder replica died after the thinker finished), the
+  entry stage only recomputes it (``Submit.answer_finished``: a prefill, no new token kept), so the
+  downstream stages get their input again.
+* Downstream stages run the request from its start; the orchestrator drops the tokens and the
+  audio samples the client already has (``skip_tokens``, ``skip_samples``).
+
+With greedy sampling a client sees the answer an undisturbed run gives: no token or sample
+repeated or skipped. With sampling the text still continues from the client's tokens; the speech
+is sampled again from its start and only its part past what the client heard is sent, so it is
+continuous in length but may change voice texture at the seam.
+
+A request gets at most ``MAX_ATTEMPTS`` attempts: one that was being served by every replica that
+died (a request that crashes its replica) fails with 503 rather than taking down every replica.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import msgspec
+
+from omni_cache.wire.messages import Submit
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from omni_cache.runtime.requests import Request
+
+#: Attempts per request: the first, and two resumptions.
+MAX_ATTEMPTS = 3
+
+
+def resumed_prompt(req: Request, text_from_entry: bool) -> list[int]:
+    """The prompt the entry stage is resumed with: the client's prompt, plus the answer tokens the
+    client has when the entry stage writes the answer (else it starts the answer again)."""
+    assert req.submit is not None
+    tail = req.answer_tokens if text_from_entry else []
+    return [*req.submit.prompt_token_ids, *tail]
+
+
+def resumed_submit(req: Request, *, text_from_entry: bool, answer_finished: str | None) -> Submit:
+    """The Submit of ``req``'s current attempt (call after ``req.attempt`` and ``req.route`` were
+    set). ``answer_finished``: the entry stage's finish reason when it had finished the answer."""
+    base = req.submit
+    assert base is not None
+    k = len(req.answer_tokens) if text_from_entry else 0
+    left = base.sampling.max_tokens - k
+    finish = answer_finished if k else None
+    if k and left <= 0 and finish is None:
+        finish = "length"  # every token was sent; the finished output was lost with the replica
+    sampling = msgspec.structs.replace(base.sampling, max_tokens=1 if finish else left)
+    return msgspec.structs.replace(
+        base, request_id=req.wire_id, prompt_token_ids=resumed_prompt(req, text_from_entry),
+        sampling=sampling, route=dict(req.route), resumed_tokens=k, answer_finished=finish or "")
+
+
+def new_tokens(req: Request, token_ids: Sequence[int]) -> list[int]:
+    """Of an output's token ids, those the client does not have yet (recorded as sent)."""
+    drop = min(req.skip_tokens, len(token_ids))
+    req.skip_tokens -= drop
+    fresh = list(token_ids[drop:])
+    req.answer_tokens.extend(fresh)
+    return fresh
+
+
+def new_samples(req: Request, samples: np.ndarray) -> Any:
+    """Of an output's audio samples, those the client does not have yet (counted as sent)."""
+    drop = min(req.skip_samples, len(samples))
+    req.skip_samples -= drop
+    fresh = samples[drop:]
+    req.audio_samples += len(fresh)
+    return fresh
