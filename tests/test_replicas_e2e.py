@@ -108,7 +108,7 @@ def resumed_by(server) -> dict[tuple[str, str], float]:
 def stream_spoken(server, content: str, out: list, got: threading.Event, wait_for: str) -> None:
     """Stream a spoken answer into ``out``; set ``got`` once a chunk with ``wait_for`` (content,
     audio) arrived, or the stream ended."""
-    body = {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 48,
+    body = {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 128,
             "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
             "stream_options": {"include_usage": True}}
     try:
@@ -145,8 +145,8 @@ def spoken(events: list) -> tuple[str, int, int, str | None]:
 
 
 def eight_streams(server, wait_for: str, kill: str | None = None) -> list[tuple]:
-    """The 8 prompts streamed at once; with ``kill``, that replica is killed -9 once every stream
-    got a chunk with ``wait_for``, and every stream must still be running then."""
+    """The 8 prompts streamed at once; with ``kill``, that replica is killed -9 once a stream got
+    a chunk with ``wait_for``."""
     runs = []
     for content in PROMPTS:
         events: list = []
@@ -155,11 +155,13 @@ def eight_streams(server, wait_for: str, kill: str | None = None) -> list[tuple]
                                   daemon=True)
         thread.start()
         runs.append((thread, events, got))
-    for _, _, got in runs:
-        assert got.wait(300), f"no {wait_for} within 300 s"
     if kill is not None:
-        assert all(events[-1] != "[DONE]" for _, events, _ in runs), \
-            "an answer ended before the kill: make the answers longer"
+        # As soon as one stream got a chunk with ``wait_for``: the 8 started together, so the
+        # others are mid-answer (whether the victim served some is checked after: it resumed >= 1).
+        deadline = time.monotonic() + 300
+        while not any(got.is_set() for _, _, got in runs):
+            assert time.monotonic() < deadline, f"no {wait_for} within 300 s"
+            time.sleep(0.01)
         os.kill(server.orchestrator.stage_pids()[kill], signal.SIGKILL)
     for thread, _, _ in runs:
         thread.join(timeout=600)
@@ -200,7 +202,9 @@ def test_a_killed_replica_s_streams_go_on_elsewhere_as_if_nothing_happened(
     assert [a[1] for a in answers] == [a[1] for a in undisturbed]  # completion tokens (usage)
     assert [a[2] for a in answers] == [a[2] for a in undisturbed]  # audio bytes
     resumed = resumed_by(server).get((stage, replica), 0) - before
-    assert 1 <= resumed <= 8, resumed  # round robin: about half of them were on the victim
+    # round robin: about half of them were on the victim; none means the answers ended before
+    # the kill (make them longer)
+    assert 1 <= resumed <= 8, (resumed, [a[1] for a in undisturbed])
     back_and_routed_to(server, victim, old_pid)
 
     def ask() -> None:

@@ -86,7 +86,15 @@ from omni_cache.serving.metrics import (
 )
 from omni_cache.runtime.heap_trim import HeapTrimmer
 from omni_cache.runtime.requests import Request, RequestTable
-from omni_cache.runtime.resume import MAX_ATTEMPTS, new_samples, new_tokens, resumed_prompt, resumed_submit
+from omni_cache.runtime.resume import (
+    MAX_ATTEMPTS,
+    ResumedText,
+    held_back,
+    new_samples,
+    new_tokens,
+    resumed_prompt,
+    resumed_submit,
+)
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.routing import ReplicaRouter, reports_blocks
@@ -781,6 +789,8 @@ class Orchestrator:
         req.latents.clear()  # the new attempt sends every row and code from the start
         req.skip_tokens = len(req.answer_tokens)
         req.skip_samples = req.audio_samples
+        if req.resumed_text is None:
+            req.resumed_text = ResumedText(self.detokenize, held_back(self.detokenize, req.answer_tokens))
         req.route = self._route(req.participants,
                                 None if req.media else resumed_prompt(req, text_from_entry))
         msg = resumed_submit(req, text_from_entry=text_from_entry, answer_finished=answer_finished)
@@ -954,11 +964,12 @@ class Orchestrator:
         now = time.monotonic()
         # A resumed attempt sends again what its client has (omni_cache.runtime.resume).
         token_ids = new_tokens(req, msg.token_ids) if stage.final_output == "text" else []
-        if token_ids or (stage.final_output == "text" and msg.text):
+        text = msg.text if req.resumed_text is None else req.resumed_text.add(token_ids)
+        if token_ids or (stage.final_output == "text" and text):
             if not req.got_token:
                 req.got_token = True
                 self.metrics.observe(TTFT, stage.name, now - req.t0)
-            req.queue.put_nowait(TextDelta(msg.text, token_ids))
+            req.queue.put_nowait(TextDelta(text, token_ids))
         if stage.final_output == "audio":
             audio = tensors.get("audio")
             if audio is not None and audio.numel() > 0:

@@ -45,6 +45,8 @@ class Request:
     #: Of the current attempt's output, what the client already has from earlier attempts.
     skip_tokens: int = 0
     skip_samples: int = 0
+    #: A resumed request's text, decoded by the orchestrator (omni_cache.runtime.resume)
+    resumed_text: Any = None
 
     @property
     def wire_id(self) -> str:

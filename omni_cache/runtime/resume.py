@@ -15,6 +15,9 @@ it replaces are stale and dropped.
   downstream stages get their input again.
 * Downstream stages run the request from its start; the orchestrator drops the tokens and the
   audio samples the client already has (``skip_tokens``, ``skip_samples``).
+* The text of a resumed attempt is decoded here (:class:`ResumedText`), not taken from the
+  stage: vLLM's incremental detokenizer starts from a prompt whose end may be the middle of a
+  character (the answer's last bytes), and then writes the prompt's text again.
 
 With greedy sampling a client sees the answer an undisturbed run gives: no token or sample
 repeated or skipped. With sampling the text still continues from the client's tokens; the speech
@@ -27,6 +30,7 @@ died (a request that crashes its replica) fails with 503 rather than taking down
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
@@ -82,3 +86,42 @@ def new_samples(req: Request, samples: np.ndarray) -> Any:
     fresh = samples[drop:]
     req.audio_samples += len(fresh)
     return fresh
+
+
+#: What U+FFFD at the end of a decoded text means: bytes that are not (yet) a whole character.
+REPLACEMENT = "\ufffd"
+#: The longest run of answer tokens whose text can be held back: one character is at most 4
+#: bytes, each a token at worst.
+MAX_HELD_TOKENS = 4
+
+
+class ResumedText:
+    """The text of a resumed attempt's new tokens, written by the rule vLLM's incremental
+    detokenizer follows for byte-level BPE (chat_stream.py): the text of the tokens since the last
+    text written, once it does not end in the middle of a character; bytes still held back when
+    the answer ends are not text. ``held``: the answer's last tokens whose text the client does not
+    have yet (:func:`held_back`)."""
+
+    def __init__(self, detokenize: Callable[[Sequence[int]], str], held: list[int]) -> None:
+        self._detokenize = detokenize
+        self._pending = list(held)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """The text these new tokens complete ("" while it is held back)."""
+        if not token_ids:
+            return ""
+        self._pending.extend(token_ids)
+        text = self._detokenize(self._pending)
+        if text.endswith(REPLACEMENT):
+            return ""
+        self._pending.clear()
+        return text
+
+
+def held_back(detokenize: Callable[[Sequence[int]], str], answer: Sequence[int]) -> list[int]:
+    """The last tokens of ``answer`` whose text an incremental detokenizer still holds back: those
+    after the longest prefix whose text does not end in the middle of a character."""
+    for m in range(min(MAX_HELD_TOKENS, len(answer)) + 1):
+        if not detokenize(answer[:len(answer) - m]).endswith(REPLACEMENT):
+            return list(answer[len(answer) - m:])
+    return list(answer[len(answer) - MAX_HELD_TOKENS:])
