@@ -97,6 +97,7 @@ from omni_cache.runtime.resume import (
 )
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.affinity import AFFINITY_BLOCK_SIZE, PrefixAffinity
 from omni_cache.runtime.routing import ReplicaRouter, reports_blocks
 
 if TYPE_CHECKING:
@@ -270,6 +271,11 @@ class Orchestrator:
         self.prefix_index = PrefixIndex()
         self._prefix_routing = reports_blocks(config.server.routing, self.entry.name, self.entry.name,
                                               self.entry.replicas, self.entry.prefix_cache)
+        #: Later stages with a prefix cache of their own and several replicas, under ``prefix``
+        #: routing: where each thinker prompt prefix's work went (omni_cache.runtime.affinity).
+        self._affinity = {s.name: PrefixAffinity() for s in config.stages
+                          if config.server.routing == "prefix" and s.name != self.entry.name
+                          and s.replicas > 1 and s.is_autoregressive and s.prefix_cache}
         self._control_bind = config.server.control_bind_address
         self._auth: Any = None  # StageAuth when server.stage_auth_key_file is set (start())
 
@@ -457,6 +463,8 @@ class Orchestrator:
         self._reset_sender(stage)
         if replica.stage == self.entry.name:
             self.prefix_index.forget(replica.index)  # its cache died with it
+        if replica.stage in self._affinity:
+            self._affinity[replica.stage].forget(replica.index)
         hint = ("retry when it is back" if replica.stage in self._external
                 else "it is being restarted, retry shortly")
         for req in self._requests.served_by(replica.stage, replica.index):
@@ -742,11 +750,18 @@ class Orchestrator:
     def _route(self, participants: Sequence[str], prompt: Sequence[int] | None) -> dict[str, int]:
         """A replica of every participant (among those up: _check_available saw one of each).
         ``prompt``: the token ids the entry stage hashes as they are (None: a prompt with media)."""
-        return {stage: self.router.pick(stage, self.supervisor.up_replicas(stage),
-                                        self._requests.load(stage),
-                                        self._matched_blocks(prompt) if stage == self.entry.name
-                                        else None)
-                for stage in participants}
+        route = {}
+        for stage in participants:
+            up, load = self.supervisor.up_replicas(stage), self._requests.load(stage)
+            affinity = self._affinity.get(stage)
+            if affinity is not None and prompt is not None:
+                chain = prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None)
+                route[stage] = self.router.follow(stage, up, load, affinity.lookup(chain, up))
+                affinity.record(chain, route[stage])
+            else:
+                route[stage] = self.router.pick(
+                    stage, up, load, self._matched_blocks(prompt) if stage == self.entry.name else None)
+        return route
 
     def _matched_blocks(self, prompt: Sequence[int] | None) -> dict[int, int] | None:
         """entry replica -> leading blocks of ``prompt`` its prefix cache holds (prefix routing)."""

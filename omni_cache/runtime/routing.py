@@ -48,6 +48,10 @@ from collections.abc import Mapping, Sequence
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
 
+#: A later stage's replica that took a prompt's prefix before keeps it while it has at most this
+#: many times the requests of the least loaded replica, plus one.
+AFFINITY_LOAD_RATIO = 2
+
 
 class ReplicaRouter:
     """Picks replicas by one policy; remembers each stage's round-robin turn and counts decisions.
@@ -80,6 +84,25 @@ class ReplicaRouter:
             choice, decision = least_loaded(holding, load), "prefix_hit"
         else:  # least_loaded, and prefix when no replica holds any of the prompt
             choice, decision = least_loaded(up, load), "least_loaded"
+        self.decisions[(stage, choice, self.policy, decision)] += 1
+        return choice
+
+    def follow(self, stage: str, up: Sequence[int], load: Mapping[int, int],
+               preferred: int | None) -> int:
+        """A replica of a later stage under ``prefix`` (omni_cache.runtime.affinity):
+        ``preferred``, the replica that took the longest prefix of this prompt before, unless it
+        has more than ``AFFINITY_LOAD_RATIO`` times the requests of the least loaded, plus one
+        (decision ``prefix_affinity``); else the least loaded (decision ``least_loaded``)."""
+        if not up:
+            raise ValueError(f"no replica of stage {stage!r} is up")
+        if self._replicas.get(stage, 1) == 1:
+            return up[0]
+        quickest = least_loaded(up, load)
+        if preferred is not None and preferred in up and \
+                load.get(preferred, 0) <= AFFINITY_LOAD_RATIO * load.get(quickest, 0) + 1:
+            choice, decision = preferred, "prefix_affinity"
+        else:
+            choice, decision = quickest, "least_loaded"
         self.decisions[(stage, choice, self.policy, decision)] += 1
         return choice
 
