@@ -49,7 +49,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import yaml  # noqa: E402
 
-from benchmarks.workloads import Session, _content_sizes, random_text  # noqa: E402
+from benchmarks.workloads import Session, content_sizes, random_text  # noqa: E402
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
 
@@ -68,7 +68,7 @@ def build_requests(order: list[int], *, shared_tokens: int, unique_tokens: int, 
                    seed: int, round_: int, label: str) -> list[Session]:
     """The sessions of one turn: tenant prefixes seeded by (seed, round, label), so each policy's
     turn has prefixes no earlier turn cached; the unique parts are the round's (same per policy)."""
-    sys_chars, user_chars = _content_sizes(shared_tokens, unique_tokens)
+    sys_chars, user_chars = content_sizes(shared_tokens, unique_tokens)
     prefix_rng = random.Random(f"omni_cache-routing/tenants/{seed}/{round_}/{label}")
     systems = [random_text(prefix_rng, sys_chars) for _ in range(max(order) + 1)]
     user_rng = random.Random(f"omni_cache-routing/users/{seed}/{round_}")

@@ -175,6 +175,16 @@ class _CheckedRequest:
     media: tuple[MediaItem, ...] = ()
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
@@ -680,9 +690,11 @@ class Orchestrator:
             deadline=now + timeout,
             timeout_s=timeout,
             return_latents=return_latents,
-            route=self._route(checked.participants,
-                              None if checked.media else checked.prompt_token_ids),
         )
+        chains = self._prompt_chains(None if checked.media else checked.prompt_token_ids)
+        req.route, req.prefill_backlog = self._route(checked.participants, len(req.prompt_token_ids),
+                                                     chains)
+        req.block_hashes = chains
         self._requests.add(req)
         entry = self._replica_names[(self.entry.name, req.route[self.entry.name])]
         msg = Submit(
@@ -724,29 +736,74 @@ class Orchestrator:
                        stage=self.entry.name)
         return RequestHandle(self, req)
 
-    def _route(self, participants: Sequence[str], prompt: Sequence[int] | None) -> dict[str, int]:
-        """A replica of every participant (among those up: _check_available saw one of each).
-        ``prompt``: the token ids the entry stage hashes as they are (None: a prompt with media)."""
-        return {stage: self.router.pick(stage, self.supervisor.up_replicas(stage),
-                                        self._requests.load(stage),
-                                        self._matched_blocks(prompt) if stage == self.entry.name
-                                        else None)
-                for stage in participants}
+    def _route(self, participants: Sequence[str], prompt_tokens: int,
+               chains: dict[int, list[int]]) -> tuple[dict[str, int], int]:
+        """A replica of every participant (among those up: _check_available saw one of each),
+        and the prompt tokens the chosen entry replica is expected to compute (its prefill
+        backlog while the request waits there). ``chains``: the prompt's block hashes per block
+        size (empty: a prompt with media, or no prefix routing)."""
+        route: dict[str, int] = {}
+        uncached = prompt_tokens
+        for stage in participants:
+            up = self.supervisor.up_replicas(stage)
+            load = self._requests.load(stage)
+            if stage != self.entry.name or not self._prefix_routing:
+                route[stage] = self.router.pick(stage, up, load)
+                continue
+            matched, sizes = self._matched_blocks(up, chains)
+            backlog = self._prefill_backlog()
+            # One block size per pipeline in practice (the replicas are identical); a replica
+            # that reported none holds nothing known and has matched 0.
+            size = max(sizes.values(), default=0)
+            route[stage] = choice = self.router.pick(stage, up, load, matched if chains else None,
+                                                     backlog=backlog, prompt_tokens=prompt_tokens,
+                                                     block_size=size)
+            uncached = max(1, prompt_tokens - matched.get(choice, 0) * sizes.get(choice, 0))
+        return route, uncached
 
-    def _matched_blocks(self, prompt: Sequence[int] | None) -> dict[int, int] | None:
-        """entry replica -> leading blocks of ``prompt`` its prefix cache holds (prefix routing)."""
+    def _prompt_chains(self, prompt: Sequence[int] | None) -> dict[int, list[int]]:
+        """block size -> the hashes of ``prompt``'s full blocks, for every block size an entry
+        replica reported (prefix routing, prompts without media)."""
         if not self._prefix_routing or prompt is None:
-            return None
+            return {}
         seed = self.entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
-        out: dict[int, int] = {}
-        chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes
-        for replica in self.supervisor.up_replicas(self.entry.name):
+        return {size: prompt_block_hashes(prompt, size, seed)
+                for size in set(self.prefix_index.block_size.values())}
+
+    def _matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]]
+                        ) -> tuple[dict[int, int], dict[int, int]]:
+        """(entry replica -> leading blocks of the prompt it holds, replica -> its block size).
+
+        Held is what the replica reported (the prefix index) and also what the requests in
+        flight there are computing: vLLM caches a prompt's full blocks when it schedules them and
+        cannot evict them while their request runs, so a request routed there now hits them (in
+        the same step, even), though the replica reports them only after its step. Without this,
+        a tenant's second request that arrives during its first one's prefill would see nothing
+        held and be sent away, copying the prefix into the other replica's pool as well."""
+        matched: dict[int, int] = {}
+        sizes: dict[int, int] = {}
+        running = self._requests.served_by(self.entry.name)
+        for replica in up:
             size = self.prefix_index.block_size.get(replica)
-            if not size:
-                continue  # reported nothing yet: holds nothing known
-            if size not in chains:
-                chains[size] = prompt_block_hashes(prompt, size, seed)
-            out[replica] = self.prefix_index.matched_blocks(replica, chains[size])
+            chain = chains.get(size or 0)
+            if not size or chain is None:
+                continue
+            sizes[replica] = size
+            n = self.prefix_index.matched_blocks(replica, chain)
+            for r in running:
+                if r.route.get(self.entry.name, 0) == replica and n < len(chain):
+                    n = max(n, _common_prefix(chain, r.block_hashes.get(size, ())))
+            matched[replica] = n
+        return matched, sizes
+
+    def _prefill_backlog(self) -> dict[int, int]:
+        """entry replica -> the prompt tokens queued there: what its requests in flight that have
+        not produced their first output found uncached when they were routed."""
+        out: dict[int, int] = {}
+        for r in self._requests.served_by(self.entry.name):
+            if r.prefill_backlog:
+                i = r.route.get(self.entry.name, 0)
+                out[i] = out.get(i, 0) + r.prefill_backlog
         return out
 
     def _serving(self, req: Request, stage: str) -> str:
@@ -899,6 +956,8 @@ class Orchestrator:
                        f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})", stage=msg.stage)
             return
         now = time.monotonic()
+        if stage.name == self.entry.name:
+            req.prefill_backlog = 0  # its prefill is done: no longer queued work there
         if stage.final_output == "text" and (msg.token_ids or msg.text):
             if not req.got_token:
                 req.got_token = True
