@@ -56,7 +56,9 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
    a prompt's blocks when it schedules them and cannot evict them while their request runs, but
    the replica reports them only after its step, and a tenant's second request that arrives
    during the first one's prefill would otherwise be sent away from it.
-3. Not covered yet: prompts with images or audio (vLLM adds the media's hashes as extra keys),
+3. Not covered yet: prompts with images or audio (vLLM adds the media's identifiers and their
+   offsets in the *expanded* prompt as extra keys; only the thinker's processor knows the
+   expansion: README "Stage replicas" says what doing it exactly would take),
    hash algorithms other than vLLM's default ``sha256``, hybrid thinkers (several KV-cache groups),
    the talker's own prefix (its prompt is embeddings; its segments follow the request instead).
 
