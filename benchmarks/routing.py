@@ -239,6 +239,18 @@ def format_table(agg: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _git_commit() -> str | None:
+    """The checkout's commit (which router was measured), None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 # ---- command line -------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "omni_cache routing between thinker replicas (python -m benchmarks.routing)",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": harness.command_line("benchmarks.routing"),
+        "git_commit": _git_commit(),
         "wall_s": time.monotonic() - t_start,
         "machine": {**machine, "loadavg_end": list(os.getloadavg())},
         "config": config, **agg,
