@@ -32,6 +32,7 @@ __all__ = [
     "Session",
     "arrival_times",
     "build_workload",
+    "content_sizes",
     "image_data_url",
     "messages_for",
     "parse_mix",
@@ -131,7 +132,7 @@ def _nbytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def _content_sizes(shared: int, unique: int) -> tuple[int, int]:
+def content_sizes(shared: int, unique: int) -> tuple[int, int]:
     """(system chars, user chars) so that the prompt is ``shared + unique`` tokens and its first
     ``shared`` tokens are the system message plus the user message's header."""
     sys_chars = shared - TEMPLATE["system"] - TEMPLATE["user_head"]
@@ -194,7 +195,7 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
         raise ValueError("--num-requests must be >= 1")
     if sizes.turns < 1:
         raise ValueError("--turns must be >= 1")
-    sys_chars, user_chars = _content_sizes(sizes.shared_tokens, sizes.unique_tokens)
+    sys_chars, user_chars = content_sizes(sizes.shared_tokens, sizes.unique_tokens)
     rng = random.Random(f"omni_cache-e2e/{name}/{seed}")
     shared_system = random_text(rng, sys_chars)
     shared_image = image_data_url(sizes.shared_tokens, seed) if name == "image" else None

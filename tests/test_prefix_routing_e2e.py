@@ -109,3 +109,27 @@ def _holds(server, replica: int, letter: str) -> bool:
     ids = orch.tokenize_messages([{"role": "user", "content": prefix(letter) + "?"}])
     chain = prompt_block_hashes(ids, 32, os.environ.get("PYTHONHASHSEED"))
     return orch.prefix_index.matched_blocks(replica, chain) > 0
+
+
+def test_a_prefix_being_computed_draws_its_tenants_next_request(server):
+    """Two requests of a tenant nobody holds, sent at once: the second is routed while the first
+    is in flight (its replica has not reported the blocks yet, or just has), and goes where the
+    first went, not to the other, idle replica; one of them is served from the other's blocks."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    cached: list[int] = []
+
+    def ask(question: str) -> None:
+        r = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prefix("R") + question}], max_tokens=24)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+
+    before = decisions(server)
+    threads = [threading.Thread(target=ask, args=(q,)) for q in ("one?", "two?")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    routed = delta(before, decisions(server))
+    [replica] = {r for r, _ in routed}  # both on one replica
+    assert routed == {(replica, "least_loaded"): 1, (replica, "prefix_hit"): 1}
+    assert len(cached) == 2 and max(cached) >= 512, cached

@@ -91,8 +91,9 @@ class ServerConfig(_Base, kw_only=True):
     #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
     #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
     #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the
-    #: prompt, as its engine reports; "least_loaded" when none holds any). A request's later
-    #: messages to a stage go to the replica its first one went to.
+    #: prompt, as its engine reports, unless it is much busier: omni_cache/runtime/routing.py;
+    #: "least_loaded" when none holds any). A request's later messages to a stage go to the
+    #: replica its first one went to.
     routing: RoutingPolicy = "prefix"
 
 

@@ -187,6 +187,16 @@ class _CheckedRequest:
     media: tuple[MediaItem, ...] = ()
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
@@ -702,9 +712,12 @@ class Orchestrator:
             deadline=now + timeout,
             timeout_s=timeout,
             return_latents=return_latents,
-            route=self._route(checked.participants,
-                              None if checked.media else checked.prompt_token_ids),
         )
+        chains = self._prompt_chains(None if checked.media else checked.prompt_token_ids)
+        req.route, req.prefill_backlog = self._route(
+            checked.participants, len(req.prompt_token_ids), chains,
+            None if checked.media else checked.prompt_token_ids)
+        req.block_hashes = chains
         entry = self._replica_names[(self.entry.name, req.route[self.entry.name])]
         msg = Submit(
             request_id=req.request_id,
@@ -747,36 +760,82 @@ class Orchestrator:
                        stage=self.entry.name)
         return RequestHandle(self, req)
 
-    def _route(self, participants: Sequence[str], prompt: Sequence[int] | None) -> dict[str, int]:
-        """A replica of every participant (among those up: _check_available saw one of each).
-        ``prompt``: the token ids the entry stage hashes as they are (None: a prompt with media)."""
-        route = {}
+    def _route(self, participants: Sequence[str], prompt_tokens: int,
+               chains: dict[int, list[int]], prompt: Sequence[int] | None = None
+               ) -> tuple[dict[str, int], int]:
+        """A replica of every participant (among those up: _check_available saw one of each),
+        and the prompt tokens the chosen entry replica is expected to compute (its prefill
+        backlog while the request waits there). ``chains``: the prompt's block hashes per block
+        size (empty: a prompt with media, or no prefix routing); ``prompt``: its token ids (None:
+        it has media), for the later stages that follow a prefix (omni_cache.runtime.affinity)."""
+        route: dict[str, int] = {}
+        uncached = prompt_tokens
         for stage in participants:
-            up, load = self.supervisor.up_replicas(stage), self._requests.load(stage)
+            up = self.supervisor.up_replicas(stage)
+            load = self._requests.load(stage)
             affinity = self._affinity.get(stage)
             if affinity is not None and prompt is not None:
                 chain = prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None)
                 route[stage] = self.router.follow(stage, up, load, affinity.lookup(chain, up))
                 affinity.record(chain, route[stage])
-            else:
-                route[stage] = self.router.pick(
-                    stage, up, load, self._matched_blocks(prompt) if stage == self.entry.name else None)
-        return route
+                continue
+            if stage != self.entry.name or not self._prefix_routing:
+                route[stage] = self.router.pick(stage, up, load)
+                continue
+            matched, sizes = self._matched_blocks(up, chains)
+            backlog = self._prefill_backlog()
+            # One block size per pipeline in practice (the replicas are identical); a replica
+            # that reported none holds nothing known and has matched 0.
+            size = max(sizes.values(), default=0)
+            route[stage] = choice = self.router.pick(stage, up, load, matched if chains else None,
+                                                     backlog=backlog, prompt_tokens=prompt_tokens,
+                                                     block_size=size)
+            uncached = max(1, prompt_tokens - matched.get(choice, 0) * sizes.get(choice, 0))
+        return route, uncached
 
-    def _matched_blocks(self, prompt: Sequence[int] | None) -> dict[int, int] | None:
-        """entry replica -> leading blocks of ``prompt`` its prefix cache holds (prefix routing)."""
+    def _prompt_chains(self, prompt: Sequence[int] | None) -> dict[int, list[int]]:
+        """block size -> the hashes of ``prompt``'s full blocks, for every block size an entry
+        replica reported (prefix routing, prompts without media)."""
         if not self._prefix_routing or prompt is None:
-            return None
+            return {}
         seed = self.entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
-        out: dict[int, int] = {}
-        chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes
-        for replica in self.supervisor.up_replicas(self.entry.name):
+        return {size: prompt_block_hashes(prompt, size, seed)
+                for size in set(self.prefix_index.block_size.values())}
+
+    def _matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]]
+                        ) -> tuple[dict[int, int], dict[int, int]]:
+        """(entry replica -> leading blocks of the prompt it holds, replica -> its block size).
+
+        Held is what the replica reported (the prefix index) and also what the requests in
+        flight there are computing: vLLM caches a prompt's full blocks when it schedules them and
+        cannot evict them while their request runs, so a request routed there now hits them (in
+        the same step, even), though the replica reports them only after its step. Without this,
+        a tenant's second request that arrives during its first one's prefill would see nothing
+        held and be sent away, copying the prefix into the other replica's pool as well."""
+        matched: dict[int, int] = {}
+        sizes: dict[int, int] = {}
+        running = self._requests.served_by(self.entry.name)
+        for replica in up:
             size = self.prefix_index.block_size.get(replica)
-            if not size:
-                continue  # reported nothing yet: holds nothing known
-            if size not in chains:
-                chains[size] = prompt_block_hashes(prompt, size, seed)
-            out[replica] = self.prefix_index.matched_blocks(replica, chains[size])
+            chain = chains.get(size or 0)
+            if not size or chain is None:
+                continue
+            sizes[replica] = size
+            n = self.prefix_index.matched_blocks(replica, chain)
+            for r in running:
+                if r.route.get(self.entry.name, 0) == replica and n < len(chain):
+                    n = max(n, _common_prefix(chain, r.block_hashes.get(size, ())))
+            matched[replica] = n
+        return matched, sizes
+
+    def _prefill_backlog(self) -> dict[int, int]:
+        """entry replica -> the prompt tokens queued there: what its requests in flight that have
+        not produced their first output found uncached when they were routed."""
+        out: dict[int, int] = {}
+        for r in self._requests.served_by(self.entry.name):
+            if r.prefill_backlog:
+                i = r.route.get(self.entry.name, 0)
+                out[i] = out.get(i, 0) + r.prefill_backlog
         return out
 
     # ---- a replica died: the requests it served go on elsewhere (omni_cache.runtime.resume) ----
@@ -806,8 +865,11 @@ class Orchestrator:
         req.skip_samples = req.audio_samples
         if req.resumed_text is None:
             req.resumed_text = ResumedText(self.detokenize, held_back(self.detokenize, req.answer_tokens))
-        req.route = self._route(req.participants,
-                                None if req.media else resumed_prompt(req, text_from_entry))
+        prompt = resumed_prompt(req, text_from_entry)
+        chains = self._prompt_chains(None if req.media else prompt)
+        req.route, req.prefill_backlog = self._route(req.participants, len(prompt), chains,
+                                                     None if req.media else prompt)
+        req.block_hashes = chains
         msg = resumed_submit(req, text_from_entry=text_from_entry, answer_finished=answer_finished)
         self.metrics.request_resumed(dead.stage, dead.index)
         logger.warning("request %s: %s died while serving it; resumed as %s on %s after %d "
@@ -977,6 +1039,8 @@ class Orchestrator:
                        f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})", stage=msg.stage)
             return
         now = time.monotonic()
+        if stage.name == self.entry.name:
+            req.prefill_backlog = 0  # its prefill is done: no longer queued work there
         # A resumed attempt sends again what its client has (omni_cache.runtime.resume).
         token_ids = new_tokens(req, msg.token_ids) if stage.final_output == "text" else []
         text = msg.text if req.resumed_text is None else req.resumed_text.add(token_ids)

@@ -28,6 +28,12 @@ class Request:
     return_latents: bool
     #: stage -> the replica serving this request there (omni_cache.runtime.routing)
     route: dict[str, int] = field(default_factory=dict)
+    #: block size -> the prompt's block hashes (prefix routing; empty for a prompt with media):
+    #: what this request makes its entry replica hold while it runs there
+    block_hashes: dict[int, list[int]] = field(default_factory=dict)
+    #: prompt tokens its entry replica is expected to compute for it (not found cached when it
+    #: was routed); 0 once the entry stage sent its first output (routing's prefill backlog)
+    prefill_backlog: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # its client's events
     finished: dict[str, StageOutput] = field(default_factory=dict)  # stage -> its last output
     latents: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)

@@ -13,10 +13,30 @@ Policies, among the replicas that are up:
 * ``least_loaded``: the fewest of this orchestrator's requests in flight on the replica (routed
   there and not yet finished by that stage); ties go to the lowest index;
 * ``prefix`` (the default): the replica of the entry stage (the thinker) whose prefix cache holds
-  the longest prefix of the prompt, ties to the least loaded (decision ``prefix_hit``); when no
-  replica holds any block of it, or for a stage other than the entry, the prompt has media, or
-  the replicas cannot report (see below), as ``least_loaded`` (decision ``least_loaded``). The
-  load is not traded against the prefix yet: a longer prefix wins however busy its replica.
+  the longest prefix of the prompt (decision ``prefix_hit``), unless it is much busier (below:
+  decision ``load_over_prefix``); when no replica holds any block of it, or for a stage other
+  than the entry, the prompt has media, or the replicas cannot report (see below), as
+  ``least_loaded`` (decision ``least_loaded``).
+
+Trading the prefix against load (``prefix``). What a request waits for before its first token is
+mostly prefill: the prompt tokens its replica must compute, its own and those of the requests
+queued there before it. So each candidate replica ``i`` gets an estimate in tokens,
+
+    wait_i = backlog_i + max(1, prompt_tokens - matched_blocks_i * block_size)
+
+where ``backlog_i`` is the prefill still queued on ``i``: for each request in flight there that
+has not produced its first output yet, the prompt tokens it did not find cached when it was
+routed (decode steps are not counted: one token per request per step, small beside a prefill;
+vLLM recomputes at least a prompt's last token, hence the 1). Let P be the replica with the
+longest prefix (ties: the smaller wait, then the fewer requests, then the lower index) and F the
+replica with the smallest wait (same ties). The request goes to P unless
+``wait_P > LOAD_RATIO * wait_F``: then to F. With ``LOAD_RATIO`` 2, a replica holding a 2,000-token
+prefix keeps its tenant while one other 2,000-token miss is queued on it (wait 2,100 + 100 against
+an idle replica's 2,100), and gives the request up when two are (4,300 > 2 x 2,100). The factor is
+above 1 on purpose: moving a request to F copies its prefix into F's pool as well, which evicts
+something there and splits the tenant between replicas, so a plain minimum of the wait would win
+one request's latency and lose later hits. Without a backlog (a caller that passes none) the
+longest prefix wins however busy its replica.
 
 How ``prefix`` knows what a replica holds (nothing is guessed from past routing):
 
@@ -32,8 +52,13 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
    ``(parent hash, block tokens, extra keys)``, the first parent from ``PYTHONHASHSEED`` or vLLM's
    fixed seed, reported as the digest's low 64 bits; tests/test_block_hashes.py checks them
    against vLLM's functions). A replica holds a prompt's prefix for as many leading blocks as it
-   holds the hashes of.
-3. Not covered yet: prompts with images or audio (vLLM adds the media's hashes as extra keys),
+   holds the hashes of, or as one of its requests in flight shares with the prompt: vLLM caches
+   a prompt's blocks when it schedules them and cannot evict them while their request runs, but
+   the replica reports them only after its step, and a tenant's second request that arrives
+   during the first one's prefill would otherwise be sent away from it.
+3. Not covered yet: prompts with images or audio (vLLM adds the media's identifiers and their
+   offsets in the *expanded* prompt as extra keys; only the thinker's processor knows the
+   expansion: README "Stage replicas" says what doing it exactly would take),
    hash algorithms other than vLLM's default ``sha256``, hybrid thinkers (several KV-cache groups),
    the talker's own prefix (its prompt is embeddings; its segments follow the request instead).
 
@@ -47,6 +72,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
+
+#: ``prefix`` sends a request away from the replica with the longest prefix only when the prefill
+#: it would wait for there is more than this many times the one at the replica with the least.
+LOAD_RATIO = 2.0
 
 #: A later stage's replica that took a prompt's prefix before keeps it while it has at most this
 #: many times the requests of the least loaded replica, plus one.
@@ -68,10 +97,13 @@ class ReplicaRouter:
         self.decisions: Counter[tuple[str, int, str, str]] = Counter()
 
     def pick(self, stage: str, up: Sequence[int], load: Mapping[int, int],
-             matched: Mapping[int, int] | None = None) -> int:
+             matched: Mapping[int, int] | None = None, *, backlog: Mapping[int, int] | None = None,
+             prompt_tokens: int = 0, block_size: int = 0) -> int:
         """A replica of ``stage`` among ``up`` (the indices of its replicas that are up, not
         empty) given each one's ``load`` (requests in flight; missing = 0) and, for ``prefix``,
-        ``matched``: how many leading blocks of the prompt each replica holds (None: unknown)."""
+        ``matched``: how many leading blocks of the prompt each replica holds (None: unknown),
+        ``backlog``: prefill tokens queued on each replica (None: the load is not traded against
+        the prefix), the prompt's length and the blocks' size in tokens."""
         if not up:
             raise ValueError(f"no replica of stage {stage!r} is up")
         if self._replicas.get(stage, 1) == 1:
@@ -80,8 +112,23 @@ class ReplicaRouter:
         if self.policy == "round_robin":
             choice, decision = self._round_robin(stage, up), "round_robin"
         elif self.policy == "prefix" and best > 0:
-            holding = [i for i in up if matched.get(i, 0) == best]  # type: ignore[union-attr]
-            choice, decision = least_loaded(holding, load), "prefix_hit"
+            assert matched is not None
+            if backlog is None or block_size < 1:
+                holding = [i for i in up if matched.get(i, 0) == best]
+                choice, decision = least_loaded(holding, load), "prefix_hit"
+            else:
+                def wait(i: int) -> int:
+                    return backlog.get(i, 0) + max(1, prompt_tokens - matched.get(i, 0) * block_size)
+
+                def order(i: int) -> tuple[int, int, int]:
+                    return wait(i), load.get(i, 0), i
+
+                longest = min((i for i in up if matched.get(i, 0) == best), key=order)
+                quickest = min(up, key=order)
+                if wait(longest) > LOAD_RATIO * wait(quickest):
+                    choice, decision = quickest, "load_over_prefix"
+                else:
+                    choice, decision = longest, "prefix_hit"
         else:  # least_loaded, and prefix when no replica holds any of the prompt
             choice, decision = least_loaded(up, load), "least_loaded"
         self.decisions[(stage, choice, self.policy, decision)] += 1

@@ -1,0 +1,379 @@
+"""Routing between two thinker replicas: ``prefix`` against ``round_robin`` and ``least_loaded``
+(issue 22's benchmark), through the HTTP API of the real tiny pipeline.
+
+    .venv/bin/python -m benchmarks.routing --json benchmarks/results/routing.json [--rounds 2]
+
+Workload: ``--tenants`` (8) tenants, each with its own ``--shared-tokens`` (2,000) token prefix
+(system prompt + the user message's header); every request is one tenant's prefix + its own
+``--unique-tokens`` (100) tokens, ``--num-requests`` (64) of them, the same number per tenant, in a
+seeded random tenant order, streamed (text + audio) at ``--concurrency`` (4).
+
+Pipelines (one at a time, each a private copy of ``--stage-config``):
+
+* **two replicas**: the thinker runs as 2 replicas, each with a KV pool of ``--pool-blocks``
+  blocks (``engine_args.extra.num_gpu_blocks_override``; default: half the tenants' whole prompts,
+  so each replica holds about half of the prefixes); talker and decoder as configured. It starts
+  with ``server.routing: prefix``, so its thinker replicas report their block hashes; each policy
+  then gets its turn on the same running pipeline, the orchestrator's router swapped for one of
+  that policy (the replicas go on reporting, which only the ``prefix`` router reads). Every turn
+  sends tenants whose prefixes are new to the pipeline (seeded per round and policy), so nothing
+  cached by an earlier turn can hit; what earlier turns left in the pools is evicted as any cold
+  block is. Policies are interleaved by round (round r starts with policy r mod 3).
+* **reference**: ONE thinker replica whose pool is both pools combined (2 x pool - 1 blocks: each
+  pool keeps one null block), same requests: the hit rate a single cache that size reaches.
+
+Reported per policy (median over rounds, each round's value in the JSON): thinker prefix hit rate
+(cached prompt tokens / prompt tokens, from each response's ``usage``, i.e. the thinker's own
+count; the stage counters from ``/metrics`` are in the JSON too), time to first text and first
+audio p50 / p90, how many requests each replica got; targets: ``prefix`` hit rate >= 0.9 of the
+reference's, and TTFA p50 of ``round_robin`` / ``prefix`` >= 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import yaml  # noqa: E402
+
+from benchmarks.workloads import Session, content_sizes, random_text  # noqa: E402
+
+POLICIES = ("prefix", "round_robin", "least_loaded")
+
+
+# ---- the workload -------------------------------------------------------------------------------
+
+def tenant_order(tenants: int, num_requests: int, seed: int, round_: int) -> list[int]:
+    """Which tenant each request belongs to: every tenant equally often (the remainder to the
+    lowest), shuffled with a seed of its own per round (all policies of a round get this order)."""
+    order = [i % tenants for i in range(num_requests)]
+    random.Random(f"omni_cache-routing/order/{seed}/{round_}").shuffle(order)
+    return order
+
+
+def build_requests(order: list[int], *, shared_tokens: int, unique_tokens: int, max_tokens: int,
+                   seed: int, round_: int, label: str) -> list[Session]:
+    """The sessions of one turn: tenant prefixes seeded by (seed, round, label), so each policy's
+    turn has prefixes no earlier turn cached; the unique parts are the round's (same per policy)."""
+    sys_chars, user_chars = content_sizes(shared_tokens, unique_tokens)
+    prefix_rng = random.Random(f"omni_cache-routing/tenants/{seed}/{round_}/{label}")
+    systems = [random_text(prefix_rng, sys_chars) for _ in range(max(order) + 1)]
+    user_rng = random.Random(f"omni_cache-routing/users/{seed}/{round_}")
+    return [Session(i, f"tenant{t}", systems[t], [random_text(user_rng, user_chars)], max_tokens)
+            for i, t in enumerate(order)]
+
+
+def warmup_requests(n: int, max_tokens: int, seed: int) -> list[Session]:
+    """Short prompts nobody else sends, one per replica, sent at once (least loaded and prefix
+    put them on different replicas, round robin in turn): the first request of an engine pays
+    one-time costs that should not land in any policy's numbers."""
+    rng = random.Random(f"omni_cache-routing/warmup/{seed}")
+    return [Session(i, "warmup", random_text(rng, 200), [random_text(rng, 40)], max_tokens, warmup=True)
+            for i in range(n)]
+
+
+def default_pool_blocks(tenants: int, shared: int, unique: int, max_tokens: int, block_size: int) -> int:
+    """Blocks of one replica's pool that hold half of the tenants' whole requests (prompt and
+    answer), plus the null block vLLM keeps for itself."""
+    per_request = math.ceil((shared + unique + max_tokens) / block_size)
+    return math.ceil(tenants / 2) * per_request + 1
+
+
+# ---- the pipelines ------------------------------------------------------------------------------
+
+def routing_config(src: str, dst: Path, *, replicas: int, pool_blocks: int, dtype: str | None,
+                   request_timeout_s: float) -> Path:
+    """``src`` with the entry stage (the stage without inputs) as ``replicas`` replicas of
+    ``pool_blocks`` KV blocks each, ``prefix`` routing, and ``dtype`` for every vLLM stage."""
+    data = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
+    data.setdefault("server", {})["routing"] = "prefix"
+    data["server"]["request_timeout_s"] = request_timeout_s
+    if data.get("checkpoint_dir") and not os.path.isabs(str(data["checkpoint_dir"])):
+        data["checkpoint_dir"] = os.path.abspath(str(data["checkpoint_dir"]))
+    entry = [s for s in data["stages"] if not s.get("inputs")]
+    if len(entry) != 1:
+        raise ValueError(f"{src}: expected one entry stage, found {len(entry)}")
+    for stage in data["stages"]:
+        if stage.get("kind") == "autoregressive" and dtype:
+            stage.setdefault("engine_args", {})["dtype"] = dtype
+    thinker = entry[0]
+    thinker["replicas"] = replicas
+    args = thinker.setdefault("engine_args", {})
+    # vLLM refuses a pool that cannot hold one request of max_model_len tokens and keeps one
+    # block for itself (its null block).
+    slots = (pool_blocks - 1) * int(args.get("block_size") or 16)
+    if args.get("max_model_len") and args["max_model_len"] > slots:
+        args["max_model_len"] = slots
+    args.setdefault("extra", {})["num_gpu_blocks_override"] = pool_blocks
+    dst.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return dst
+
+
+def _decisions(text: str) -> dict[str, float]:
+    """"replica/decision" -> the thinker's routing decisions so far (from /metrics)."""
+    from omni_cache.serving.metrics import parse_metrics
+
+    return {f"{lab['replica']}/{lab['decision']}": v for n, lab, v in parse_metrics(text)
+            if n == "omni_cache_routing_decisions_total" and lab.get("stage") == "thinker"}
+
+
+async def _metrics_text(url: str) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        r = await client.get(url + "/metrics")
+        r.raise_for_status()
+        return r.text
+
+
+def run_turn(srv: Any, model: str, sessions: list[Session], *, concurrency: int, label: str,
+             policy: str | None, audio: bool) -> dict[str, Any]:
+    """Send ``sessions`` to a running pipeline with the router set to ``policy`` (None: leave it)."""
+    from benchmarks.client import Driver, counter_deltas, metric_counters
+    from benchmarks.harness import log
+    from omni_cache.runtime.routing import ReplicaRouter
+
+    orch = srv.server.orchestrator
+    if policy is not None:
+        # A fresh router: its round-robin turn and decision counts start over; the prefix index
+        # (what the replicas reported) is the orchestrator's and stays.
+        orch.router = ReplicaRouter(policy, {s.name: s.replicas for s in orch.config.stages})
+    before_text = asyncio.run(_metrics_text(srv.url))
+    driver = Driver(srv.url, model, concurrency=concurrency, audio=audio, request_timeout_s=900.0)
+    t0 = time.monotonic()
+    samples = asyncio.run(driver.run(sessions))
+    wall = time.monotonic() - t0
+    after_text = asyncio.run(_metrics_text(srv.url))
+    before, after = _decisions(before_text), _decisions(after_text)
+    out = {
+        "label": label, "policy": policy, "duration_s": wall,
+        "samples": [s.to_dict() for s in sorted(samples, key=lambda s: s.start_s)],
+        "counters": counter_deltas(metric_counters(before_text), metric_counters(after_text)),
+        "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)},
+    }
+    out["summary"] = summarize_turn(out["samples"])
+    s = out["summary"]
+    log(f"{label}: hit rate {s['hit_rate']:.3f}, TTFT p50 {s['ttft_p50_s']}, TTFA p50 "
+        f"{s['ttfa_p50_s']}, {s['errors']} error(s), {wall:.0f} s; decisions {out['decisions']}")
+    return out
+
+
+def summarize_turn(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Hit rate and latency percentiles of one turn's requests."""
+    from benchmarks.report import percentile
+
+    ok = [s for s in samples if s["ok"]]
+    prompt = sum(s["prompt_tokens"] or 0 for s in ok)
+    cached = sum(s["cached_tokens"] or 0 for s in ok)
+
+    def pct(key: str, q: float) -> float | None:
+        vals = [s[key] for s in ok if s.get(key) is not None]
+        return percentile(vals, q) if vals else None
+
+    return {
+        "requests": len(samples), "errors": len(samples) - len(ok),
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_s": pct("ttft_s", 50), "ttft_p90_s": pct("ttft_s", 90),
+        "ttfa_p50_s": pct("ttfa_s", 50), "ttfa_p90_s": pct("ttfa_s", 90),
+        "e2e_p50_s": pct("e2e_s", 50),
+    }
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def aggregate(turns: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per policy the median over rounds of every summary number; the reference's hit rate; the
+    targets."""
+    keys = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttfa_p50_s", "ttfa_p90_s", "e2e_p50_s")
+    policies: dict[str, Any] = {}
+    for policy in dict.fromkeys(t["policy"] for t in turns):
+        mine = [t["summary"] for t in turns if t["policy"] == policy]
+        policies[policy] = {k: _median([m[k] for m in mine]) for k in keys}
+        policies[policy]["rounds"] = len(mine)
+        policies[policy]["errors"] = sum(m["errors"] for m in mine)
+    ref_hit = _median([r["summary"]["hit_rate"] for r in reference]) if reference else None
+    targets = []
+    p = policies.get("prefix")
+    if p and ref_hit:
+        value = p["hit_rate"] / ref_hit
+        targets.append({"target": "prefix hit rate >= 0.9 x one replica with both pools",
+                        "value": value, "met": value >= 0.9})
+    rr = policies.get("round_robin")
+    if p and rr and p["ttfa_p50_s"] and rr["ttfa_p50_s"]:
+        value = rr["ttfa_p50_s"] / p["ttfa_p50_s"]
+        targets.append({"target": "TTFA p50 round_robin / prefix >= 3", "value": value,
+                        "met": value >= 3.0})
+    return {"policies": policies, "reference_hit_rate": ref_hit, "targets": targets}
+
+
+def format_table(agg: dict[str, Any]) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    lines = ["| policy | thinker hit rate | TTFT p50 / p90 (ms) | TTFA p50 / p90 (ms) | e2e p50 (ms) | rounds |",
+             "|---|---|---|---|---|---|"]
+    for name, p in agg["policies"].items():
+        lines.append(f"| {name} | {p['hit_rate']:.3f} | {ms(p['ttft_p50_s'])} / {ms(p['ttft_p90_s'])} | "
+                     f"{ms(p['ttfa_p50_s'])} / {ms(p['ttfa_p90_s'])} | {ms(p['e2e_p50_s'])} | {p['rounds']} |")
+    if agg["reference_hit_rate"] is not None:
+        lines.append(f"| one replica, both pools (reference) | {agg['reference_hit_rate']:.3f} | | | | |")
+    for t in agg["targets"]:
+        lines.append(f"\n{t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (which router was measured), None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage-config", default="stage_configs/tiny_omni.yaml")
+    p.add_argument("--checkpoint-dir", help="where tiny checkpoints live (default: the config's)")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--shared-tokens", type=int, default=2000)
+    p.add_argument("--unique-tokens", type=int, default=100)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16, help="text tokens per answer (default: %(default)s)")
+    p.add_argument("--pool-blocks", type=int,
+                   help="KV blocks of each thinker replica (default: half the tenants' whole requests + 1)")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--no-reference", action="store_true", help="skip the one-replica reference")
+    p.add_argument("--dtype", default="float32",
+                   help="dtype of the vLLM stages (default %(default)s: bfloat16 is emulated, ~3.5x "
+                        "slower, on CPUs without AVX512-BF16/AMX; '' keeps the config's)")
+    p.add_argument("--text-only", action="store_true", help="no audio (no TTFA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write every number and sample here")
+    args = p.parse_args(argv)
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if not args.policies or any(x not in POLICIES for x in args.policies):
+        p.error(f"--policies: a comma-separated list of {', '.join(POLICIES)}")
+    if args.tenants < 1 or args.num_requests < 1 or args.concurrency < 1 or args.rounds < 1:
+        p.error("--tenants, --num-requests, --concurrency and --rounds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from benchmarks import harness, report
+    from benchmarks.client import served_model
+
+    src = yaml.safe_load(Path(args.stage_config).read_text(encoding="utf-8"))
+    [entry] = [s for s in src["stages"] if not s.get("inputs")]
+    block_size = int((entry.get("engine_args") or {}).get("block_size") or 16)
+    pool = args.pool_blocks or default_pool_blocks(args.tenants, args.shared_tokens, args.unique_tokens,
+                                                   args.max_tokens, block_size)
+    tmp = Path(tempfile.mkdtemp(prefix="omni_cache_routing_"))
+    two = routing_config(args.stage_config, tmp / "two.yaml", replicas=2, pool_blocks=pool,
+                         dtype=args.dtype or None, request_timeout_s=900.0)
+    one = routing_config(args.stage_config, tmp / "one.yaml", replicas=1, pool_blocks=2 * pool - 1,
+                         dtype=args.dtype or None, request_timeout_s=900.0)
+    config = {k: getattr(args, k) for k in ("tenants", "shared_tokens", "unique_tokens", "num_requests",
+                                            "concurrency", "max_tokens", "policies", "rounds", "dtype",
+                                            "text_only", "seed")}
+    config.update(pool_blocks_per_replica=pool, reference_pool_blocks=2 * pool - 1, block_size=block_size,
+                  stage_config=os.path.abspath(args.stage_config),
+                  two_replica_yaml=two.read_text(), reference_yaml=one.read_text())
+    machine = harness.machine_info()
+    turns: list[dict[str, Any]] = []
+    reference: list[dict[str, Any]] = []
+    audio = not args.text_only
+    t_start = time.monotonic()
+    try:
+        for rnd in range(args.rounds):
+            order = tenant_order(args.tenants, args.num_requests, args.seed, rnd)
+            k = rnd % len(args.policies)
+            policies = args.policies[k:] + args.policies[:k]
+
+            def sessions(label: str) -> list[Session]:
+                return build_requests(order, shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
+                                      max_tokens=args.max_tokens, seed=args.seed, round_=rnd, label=label)
+
+            harness.log(f"round {rnd}: two thinker replicas of {pool} blocks each; policies {policies}")
+            with harness.ManagedServer(two, prefix_cache=True, tag=f"routing2-{rnd}",
+                                       checkpoint_dir=args.checkpoint_dir) as srv:
+                harness.log(f"ready after {srv.startup_s:.0f} s")
+                model = asyncio.run(served_model(srv.url, None))
+                run_turn(srv, model, warmup_requests(2, args.max_tokens, args.seed), concurrency=2,
+                         label="warm-up", policy="least_loaded", audio=audio)
+                for policy in policies:
+                    r = run_turn(srv, model, sessions(policy), concurrency=args.concurrency,
+                                 label=f"round {rnd} {policy}", policy=policy, audio=audio)
+                    r["round"] = rnd
+                    turns.append(r)
+            if not args.no_reference:
+                harness.log(f"round {rnd}: reference, one thinker of {2 * pool - 1} blocks")
+                with harness.ManagedServer(one, prefix_cache=True, tag=f"routing1-{rnd}",
+                                           checkpoint_dir=args.checkpoint_dir) as srv:
+                    model = asyncio.run(served_model(srv.url, None))
+                    run_turn(srv, model, warmup_requests(2, args.max_tokens, args.seed), concurrency=2,
+                             label="warm-up", policy=None, audio=audio)
+                    r = run_turn(srv, model, sessions("reference"), concurrency=args.concurrency,
+                                 label=f"round {rnd} reference", policy=None, audio=audio)
+                    r["round"] = rnd
+                    reference.append(r)
+    except KeyboardInterrupt:
+        print("benchmarks.routing: interrupted", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 -- keep what was measured, say what failed
+        print(f"benchmarks.routing: {type(e).__name__}: {e}", file=sys.stderr)
+        if not turns:
+            return 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    agg = aggregate(turns, reference)
+    result = {
+        "benchmark": "omni_cache routing between thinker replicas (python -m benchmarks.routing)",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": harness.command_line("benchmarks.routing"),
+        "git_commit": _git_commit(),
+        "wall_s": time.monotonic() - t_start,
+        "machine": {**machine, "loadavg_end": list(os.getloadavg())},
+        "config": config, **agg,
+        "per_round": [{"round": t["round"], "label": t["label"], **t["summary"], "decisions": t["decisions"],
+                       "counters": t["counters"], "duration_s": t["duration_s"]} for t in turns + reference],
+        "samples": {t["label"]: t["samples"] for t in turns + reference},
+    }
+    print()
+    print(f"routing: {args.tenants} tenants x {args.shared_tokens} shared + {args.unique_tokens} unique tokens, "
+          f"{args.num_requests} requests at concurrency {args.concurrency}, pool {pool} blocks per replica; "
+          f"{machine['cpu_model']}, {machine['nproc']} CPUs")
+    print(format_table(agg))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0 if turns and all(t["summary"]["errors"] == 0 for t in turns + reference) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
