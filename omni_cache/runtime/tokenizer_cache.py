@@ -12,7 +12,7 @@ each) that was ~19 MiB of glibc heap on this 2-CPU machine, outside Python's all
 (tracemalloc saw nothing grow), reached only after ~2,000 requests, about an hour at the ~30
 requests a minute of the AVX2-only test machine. That was the server's "leak" of ~0.5 MiB a minute
 (benchmarks/README.md, "Soak"); heaptrack put the peak of that backtrace at 2.7 MB after ~250
-requests. On a machine with many CPUs the bound of the default would be 36 threads' worth.
+requests. With more CPUs there are more such threads (up to 32), each with a cache of its own.
 
 Natural text repeats its words (a few thousand of them make up most of any text), so a small
 cache keeps most of the hits. :data:`WORD_CACHE_WORDS` words per thread bound the cache to ~1 MiB
