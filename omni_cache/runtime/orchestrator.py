@@ -99,6 +99,7 @@ from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.affinity import AFFINITY_BLOCK_SIZE, PrefixAffinity
 from omni_cache.runtime.routing import ReplicaRouter, reports_blocks
+from omni_cache.runtime.tokenizer_cache import load_tokenizer
 
 if TYPE_CHECKING:
     from omni_cache.serving.media import MediaItem
@@ -406,9 +407,9 @@ class Orchestrator:
             # Resolving the entry model first also generates a tiny checkpoint before the stage
             # process needs it (ensure_checkpoint is concurrency-safe either way).
             path = resolve_model(self.entry, self.config)
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            # Its word cache bounded: the server's memory would otherwise grow with every new
+            # word of every prompt for the first ~10,000 words (tokenizer_cache.py).
+            self._tokenizer = load_tokenizer(path)
             self.audio_input_rate = audio_input_rate(Path(path))
 
 
