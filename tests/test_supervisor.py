@@ -48,7 +48,7 @@ def test_a_spawned_stage_that_exits_is_reported_down_and_fails_the_start(thinker
     sup.add(thinker, [sys.executable, "-c", "print('bye'); raise SystemExit(3)"], dict(os.environ), False)
     sup.launch([thinker.name])
     sp = sup.stages[thinker.name]
-    sp.proc.wait()
+    assert sp.runner.wait(30)
     sup.poll()
     assert events.events == [("down", thinker.name, "died (exit code 3)")]
     assert not sp.up and sp.restart_at is None  # before the start completed: no restart
