@@ -113,7 +113,12 @@ def test_qwen_example_needs_no_path_check() -> None:
     talker = config.stage("talker")
     assert talker.submodel == "talker" and talker.model == thinker.model
     assert talker.handoff == "omni_cache.handoff.qwen3_omni_thinker_to_talker"
-    assert all(s.address.startswith("tcp://") for s in config.stages)
+    # Laid out for Ray: two thinker replicas on the thinker_gpu hosts, the audio stages together.
+    assert config.server.ray_address == "auto" and all(config.placed_by_ray(s) for s in config.stages)
+    assert all(s.address is None and s.ray is not None and s.ray.num_gpus == 1 for s in config.stages)
+    assert thinker.replicas == 2 and thinker.ray.for_replica(1) == {"thinker_gpu": 1}
+    assert {s.name: s.ray.resources for s in config.stages[1:]} == {
+        "talker": {"audio_gpu": 1}, "decoder": {"audio_gpu": 1}}
     assert config.stage("decoder").generation.device == "cuda"
     assert thinker.engine_args.to_vllm_kwargs()["limit_mm_per_prompt"] == {
         "image": 4, "audio": 2, "video": 1,
@@ -885,3 +890,13 @@ def test_explicit_replica_addresses(tmp_path: Path) -> None:
     assert_refused_naming(
         write_variant(tmp_path, THINKER_ADDRESS, "\n    replicas: 3" + both.split("replicas: 2")[1]),
         "stages[0].replica_addresses", "2 addresses for 3 replica(s)")
+
+
+def test_ray_assigns_the_gpus_of_a_placed_stage(tmp_path: Path) -> None:
+    """A GPU replica's devices come from Ray; a CUDA_VISIBLE_DEVICES in its env would override
+    them (refused only when Ray places the stage: spawned locally, it is how a GPU is chosen)."""
+    path = write_variant(tmp_path, '      OMP_NUM_THREADS: "1" ',
+                         '      CUDA_VISIBLE_DEVICES: "0"\n    ray: {num_gpus: 1}\n      #')
+    assert cli.main(["--stage-config", str(path), "--check"]) == 0
+    path.write_text(path.read_text().replace(CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL))
+    assert_refused_naming(path, "stages[0].env.CUDA_VISIBLE_DEVICES", "not with ray.num_gpus")

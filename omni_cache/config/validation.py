@@ -473,6 +473,11 @@ def _check_ray(config: PipelineConfig, issues: IssueCollector) -> None:
                                f"stage {up!r} is started by hand (external) and cannot reach "
                                f"{s.name!r}, whose address Ray decides at start; mark "
                                f"{s.name!r} external too, or let Ray place {up!r}")
+            gpus_asked = s.ray is not None and s.ray.num_gpus > 0
+            if gpus_asked and "CUDA_VISIBLE_DEVICES" in s.env:
+                issues.add((*base, "env", "CUDA_VISIBLE_DEVICES"),
+                           "not with ray.num_gpus: Ray gives each replica its GPUs (it sets "
+                           "CUDA_VISIBLE_DEVICES for the replica's actor); this would override it")
         if s.ray is None:
             continue
         ray_key = (*base, "ray")

@@ -361,9 +361,11 @@ class RayStageRunner:
 
     def signal(self, sig: int) -> None:
         run = self._run
-        if run is None or run.code is not None:
-            return
-        run.started.wait(CALL_TIMEOUT_S)  # a signal before the process exists would be lost
+        if run is None or self._actor_lost:
+            return  # nothing started, or nothing left to signal through
+        # Also after the exit: the group may still hold the stage's helpers (the supervisor
+        # SIGKILLs them then, as it does locally). Before the start a signal would be lost.
+        run.started.wait(CALL_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.get(self.placed.actor.signal.remote(int(sig)), timeout=10.0)
 
