@@ -24,7 +24,6 @@ from omni_cache.config import (
     PipelineConfig,
     checkpoint_root,
     load_config,
-    validate_config,
 )
 from omni_cache.config.replicas import replica_name, stage_replicas
 from omni_cache.serving.auth import API_KEY_ENV
@@ -284,9 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     check_paths = not args.no_path_check
     try:
-        config = load_config(args.stage_config, check_paths=check_paths)
-        apply_overrides(config, args)
-        validate_config(config, source=args.stage_config, check_paths=check_paths)
+        # The overrides come before the checks: a Ray address, say, changes what is required.
+        config = load_config(args.stage_config, check_paths=check_paths,
+                             overrides=lambda c: apply_overrides(c, args))
     except ConfigError as e:
         return _config_error(e)
 

@@ -834,6 +834,11 @@ def test_ray_placement_is_read_and_summarised(tmp_path: Path,
     # the flag does the same for a file without the key, and overrides the key
     assert cli.main(["--stage-config", str(path), "--check", "--ray-address", "10.0.0.1:6379"]) == 0
     assert "placed by:    Ray (10.0.0.1:6379)" in capsys.readouterr().out
+    no_key = tmp_path / "no_key.yaml"
+    no_key.write_text(no_address.read_text().replace("  ray_address: auto\n", ""))
+    assert cli.main(["--stage-config", str(no_key), "--check"]) == 2  # the thinker needs an address
+    assert "stages[0].address: missing" in capsys.readouterr().err
+    assert cli.main(["--stage-config", str(no_key), "--check", "--ray-address", "auto"]) == 0
 
 
 @pytest.mark.parametrize("old,new,key,words", [
