@@ -9,8 +9,9 @@ its own process: real Ray actors, real stage processes, real ZMQ, the ``openai``
 
 Checked: each thinker actor's Ray node id is the node its resource is on; a text answer and an
 audio answer come back; kill -9 of thinker#1's stage process is seen, the process is restarted
-through the same actor on the same node and address, and routed to again; stopping omni-serve
-leaves no stage process behind; the cluster is shut down whatever happened.
+through the same actor on the same node and address, and routed to again; so is a killed actor
+(replaced by a new one pinned to its node, same address); stopping omni-serve leaves no stage
+process behind; the cluster is shut down whatever happened.
 """
 
 from __future__ import annotations
@@ -225,3 +226,29 @@ def test_a_killed_stage_process_restarts_through_its_actor_at_the_same_address(c
             model=NAME, messages=[{"role": "user", "content": "after the restart"}], max_tokens=4)
     # the restarted replica's counter started again at 0: it took one of the two
     assert thinker_requests(server)["1"] == 1, counts
+
+
+def test_a_dead_actor_is_replaced_on_its_node_at_the_same_address(cluster, server):
+    """Actor death (what a lost node looks like to the server) takes the same path as a process
+    exit: reported down in Ray's words, then a new actor pinned to the same node runs the stage
+    at the same address (the talker was started with it)."""
+    import ray
+
+    _, nodes = cluster
+    old = ray.get_actor(f"{NAME}/thinker#1", namespace="omni_cache")
+    old_pid = actor_where("thinker#1")["stage_pid"]
+    ray.kill(old, no_restart=True)
+    server.wait_health(lambda h: "thinker#1" in h.get("replicas", {}), 60, "thinker#1 reported down")
+    server.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", RESTART_S,
+                       "thinker#1 back on a new actor")
+    log = server.log_path.read_text(errors="replace")
+    assert "stage thinker#1 (pid %d) its Ray actor on Ray node" % old_pid in log, server.log()
+    assert "stage thinker#1: new Ray actor on node" in log, server.log()
+    after = actor_where("thinker#1")  # the name now belongs to the new actor
+    assert after["node_id"] == nodes["node_b"] and after["stage_pid"] not in (None, old_pid)
+    server.stage_pids.append(after["stage_pid"])
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    for _ in range(2):  # round robin: one lands on the new thinker#1, at its old address
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "after a new actor"}], max_tokens=4)
+    assert thinker_requests(server)["1"] == 1
