@@ -879,6 +879,8 @@ def test_a_hand_started_stage_cannot_feed_a_ray_placed_one(tmp_path: Path) -> No
     path.write_text(path.read_text().replace(THINKER_ADDRESS, THINKER_ADDRESS + "\n    external: true  #"))
     assert_refused_naming(path, "stages[1].inputs", "'thinker' is started by hand (external) and "
                                                     "cannot reach 'talker'")
+    assert_refused_naming(path, "server.control_address", "needed with server.ray_address and "
+                                                          "stage(s) started by hand (thinker)")
 
 
 def test_explicit_replica_addresses(tmp_path: Path) -> None:

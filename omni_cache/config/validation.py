@@ -452,6 +452,12 @@ def _check_ray(config: PipelineConfig, issues: IssueCollector) -> None:
             issues.add(key, f"expected 'auto' or the Ray head's 'HOST:PORT' (ray start --head "
                             f"prints it; 6379 by default), got {address!r}")
         control = config.server.control_address
+        hand_started = [st.name for st in config.stages if st.external]
+        if control is None and hand_started:
+            issues.add(("server", "control_address"),
+                       f"needed with server.ray_address and stage(s) started by hand "
+                       f"({', '.join(hand_started)}): they announce themselves there (without it "
+                       "omni-serve binds a port the OS picks)")
         if control is not None and control.startswith("ipc://"):
             issues.add(("server", "control_address"),
                        f"{control!r}: with server.ray_address the stages may run on other "
