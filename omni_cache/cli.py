@@ -24,9 +24,8 @@ from omni_cache.config import (
     PipelineConfig,
     checkpoint_root,
     load_config,
-    validate_config,
 )
-from omni_cache.config.replicas import stage_replicas
+from omni_cache.config.replicas import replica_name, stage_replicas
 from omni_cache.serving.auth import API_KEY_ENV
 
 PROG = "omni-serve"
@@ -118,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=None,
+        help=(
+            "place every stage replica (but external ones) on this Ray cluster, 'auto' (the one "
+            "this host joined with ray start) or the head's HOST:PORT; each replica runs under a "
+            "Ray actor placed by its stage's 'ray' resources (overrides server.ray_address)"
+        ),
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn off prefix caching (vLLM APC and the hidden-state cache) in every stage",
@@ -138,6 +147,8 @@ def apply_overrides(config: PipelineConfig, args: argparse.Namespace) -> Pipelin
         config.server.host = args.host
     if getattr(args, "port", None) is not None:
         config.server.port = args.port
+    if getattr(args, "ray_address", None):
+        config.server.ray_address = args.ray_address
     if getattr(args, "checkpoint_dir", None):
         config.checkpoint_dir = args.checkpoint_dir
     if getattr(args, "no_prefix_cache", False):
@@ -200,9 +211,24 @@ def format_summary(
             lines.append(f"  inputs:       {', '.join(st.inputs)} (handoff {st.handoff})")
         else:
             lines.append("  inputs:       client request (entry stage)")
-        lines.append(f"  address:      {st.address}"
-                     + (f" (binds {st.bind_address})" if st.bind_address else ""))
-        if st.replicas > 1:
+        if config.placed_by_ray(st):
+            res = st.ray
+            asks = (f"{res.num_cpus:g} CPU, {res.num_gpus:g} GPU" if res is not None
+                    else "1 CPU, 0 GPU")
+            lines.append(f"  placed by:    Ray ({s.ray_address}): one actor per replica, asking "
+                         + asks + "; address: its node's IP, a port it picks"
+                         + (f" (the configured {st.address} is not used)" if st.address else ""))
+            if res is not None:
+                for i in range(st.replicas):
+                    if res.for_replica(i):
+                        lines.append(f"  resources:    {replica_name(st.name, i, st.replicas)}: "
+                                     + ", ".join(f"{k}={v:g}" for k, v in res.for_replica(i).items()))
+        else:
+            lines.append(f"  address:      {st.address}"
+                         + (f" (binds {st.bind_address})" if st.bind_address else ""))
+            if st.ray is not None and not st.external:
+                lines.append("  ray:          used only with --ray-address / server.ray_address")
+        if st.replicas > 1 and not config.placed_by_ray(st):
             lines.append(f"  replicas:     {st.replicas}: " + ", ".join(
                 f"{r.name} at {r.address}" for r in stage_replicas(st)))
         if st.external:
@@ -257,9 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     check_paths = not args.no_path_check
     try:
-        config = load_config(args.stage_config, check_paths=check_paths)
-        apply_overrides(config, args)
-        validate_config(config, source=args.stage_config, check_paths=check_paths)
+        # The overrides come before the checks: a Ray address, say, changes what is required.
+        config = load_config(args.stage_config, check_paths=check_paths,
+                             overrides=lambda c: apply_overrides(c, args))
     except ConfigError as e:
         return _config_error(e)
 

@@ -113,7 +113,12 @@ def test_qwen_example_needs_no_path_check() -> None:
     talker = config.stage("talker")
     assert talker.submodel == "talker" and talker.model == thinker.model
     assert talker.handoff == "omni_cache.handoff.qwen3_omni_thinker_to_talker"
-    assert all(s.address.startswith("tcp://") for s in config.stages)
+    # Laid out for Ray: two thinker replicas on the thinker_gpu hosts, the audio stages together.
+    assert config.server.ray_address == "auto" and all(config.placed_by_ray(s) for s in config.stages)
+    assert all(s.address is None and s.ray is not None and s.ray.num_gpus == 1 for s in config.stages)
+    assert thinker.replicas == 2 and thinker.ray.for_replica(1) == {"thinker_gpu": 1}
+    assert {s.name: s.ray.resources for s in config.stages[1:]} == {
+        "talker": {"audio_gpu": 1}, "decoder": {"audio_gpu": 1}}
     assert config.stage("decoder").generation.device == "cuda"
     assert thinker.engine_args.to_vllm_kwargs()["limit_mm_per_prompt"] == {
         "image": 4, "audio": 2, "video": 1,
@@ -797,3 +802,108 @@ def test_replicas_of_a_hand_started_stage_are_refused_from_the_command_line(
     path = write_variant(tmp_path, THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 2  #")
     assert cli.main(["--stage-config", str(path), "--check", "--external-stages", "thinker"]) == 2
     assert "stages[0].replicas: 2 replicas of a stage started by hand" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray placement (server.ray_address, a stage's ray key)
+# --------------------------------------------------------------------------------------------------
+
+CONTROL_NULL = "  control_address: null "
+THINKER_RAY = THINKER_ADDRESS + "\n    replicas: 2\n    ray: {num_cpus: 1, replica_resources: [{node_a: 1}, {node_b: 1}]}  #"
+
+
+def test_ray_placement_is_read_and_summarised(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Pinned replicas load; without a Ray address the stages are spawned here (ray unused), with
+    --ray-address (or server.ray_address) a stage needs no address and the summary says where
+    each replica is placed."""
+    path = write_variant(tmp_path, THINKER_ADDRESS, THINKER_RAY)
+    thinker = load_config(path).stage("thinker")
+    assert thinker.ray is not None and thinker.ray.num_gpus == 0
+    assert [thinker.ray.for_replica(i) for i in (0, 1)] == [{"node_a": 1}, {"node_b": 1}]
+    assert cli.main(["--stage-config", str(path), "--check"]) == 0
+    assert "ray:          used only with --ray-address" in capsys.readouterr().out
+    no_address = tmp_path / "no_address.yaml"
+    no_address.write_text(path.read_text().replace(THINKER_ADDRESS + "\n", "").replace(
+        CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL))
+    assert load_config(no_address).server.ray_address == "auto"
+    assert cli.main(["--stage-config", str(no_address), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "placed by:    Ray (auto): one actor per replica, asking 1 CPU, 0 GPU" in out
+    assert "resources:    thinker#1: node_b=1" in out
+    # the flag does the same for a file without the key, and overrides the key
+    assert cli.main(["--stage-config", str(path), "--check", "--ray-address", "10.0.0.1:6379"]) == 0
+    assert "placed by:    Ray (10.0.0.1:6379)" in capsys.readouterr().out
+    no_key = tmp_path / "no_key.yaml"
+    no_key.write_text(no_address.read_text().replace("  ray_address: auto\n", ""))
+    assert cli.main(["--stage-config", str(no_key), "--check"]) == 2  # the thinker needs an address
+    assert "stages[0].address: missing" in capsys.readouterr().err
+    assert cli.main(["--stage-config", str(no_key), "--check", "--ray-address", "auto"]) == 0
+
+
+@pytest.mark.parametrize("old,new,key,words", [
+    (THINKER_ADDRESS, "", "stages[0].address", "only a stage Ray places"),
+    (CONTROL_NULL, "  ray_address: ray://head:10001\n" + CONTROL_NULL, "server.ray_address",
+     "Ray Client addresses are not supported"),
+    (CONTROL_NULL, "  ray_address: head\n" + CONTROL_NULL, "server.ray_address",
+     "expected 'auto' or the Ray head's 'HOST:PORT'"),
+    (CONTROL_NULL, "  ray_address: auto\n  control_address: ipc:///tmp/x.sock #",
+     "server.control_address", "with server.ray_address the stages may run on other hosts"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {resources: {thinker_gpu: 1}}\n    external: true  #",
+     "stages[0].ray", "not for a stage started by hand (external)"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 3\n    ray: {replica_resources: [{node_a: 1}]}  #",
+     "stages[0].ray.replica_resources", "1 entries for 3 replica(s)"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {resources: {GPU: 1}}  #",
+     "stages[0].ray.resources.GPU", "Ray's own resource: set ray.num_gpus instead"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {num_gpus: 1.5}  #",
+     "stages[0].ray.num_gpus", "above 1, a whole number"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {num_cpus: -1}  #",
+     "stages[0].ray.num_cpus", "expected float >= 0.0, got -1"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {resources: {node_a: 0}}  #",
+     "stages[0].ray.resources.node_a", "expected an amount > 0, got 0"),
+    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {gpus: 1}  #", "stages[0].ray.gpus",
+     "unknown key (did you mean 'num_gpus'?)"),
+    ("      device: cpu                                  # torch device",
+     "      device: cuda\n    ray: {num_cpus: 1}  #", "stages[2].ray.num_gpus",
+     "ask Ray for the GPU the stage runs on"),
+])
+def test_bad_ray_placement_is_refused(tmp_path: Path, old: str, new: str, key: str,
+                                      words: str) -> None:
+    assert_refused_naming(write_variant(tmp_path, old, new), key, words)
+
+
+def test_a_hand_started_stage_cannot_feed_a_ray_placed_one(tmp_path: Path) -> None:
+    """The talker's address is decided by Ray at start: a thinker started by hand would not know it."""
+    path = write_variant(tmp_path, CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL)
+    assert cli.main(["--stage-config", str(path), "--check"]) == 0
+    path.write_text(path.read_text().replace(THINKER_ADDRESS, THINKER_ADDRESS + "\n    external: true  #"))
+    assert_refused_naming(path, "stages[1].inputs", "'thinker' is started by hand (external) and "
+                                                    "cannot reach 'talker'")
+    assert_refused_naming(path, "server.control_address", "needed with server.ray_address and "
+                                                          "stage(s) started by hand (thinker)")
+
+
+def test_explicit_replica_addresses(tmp_path: Path) -> None:
+    """What omni-serve writes for Ray-placed stages: one address per replica, each its own."""
+    from omni_cache.config.replicas import stage_replicas
+
+    both = "\n    replicas: 2\n    replica_addresses: [tcp://10.0.0.1:7000, tcp://10.0.0.2:7000]  #"
+    path = write_variant(tmp_path, THINKER_ADDRESS, both)
+    assert [r.address for r in stage_replicas(load_config(path).stage("thinker"))] == [
+        "tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000"]
+    assert_refused_naming(
+        write_variant(tmp_path, THINKER_ADDRESS, both.replace("10.0.0.2", "10.0.0.1")),
+        "stages[0].replica_addresses[1]", "is also the address of stages[0]")
+    assert_refused_naming(
+        write_variant(tmp_path, THINKER_ADDRESS, "\n    replicas: 3" + both.split("replicas: 2")[1]),
+        "stages[0].replica_addresses", "2 addresses for 3 replica(s)")
+
+
+def test_ray_assigns_the_gpus_of_a_placed_stage(tmp_path: Path) -> None:
+    """A GPU replica's devices come from Ray; a CUDA_VISIBLE_DEVICES in its env would override
+    them (refused only when Ray places the stage: spawned locally, it is how a GPU is chosen)."""
+    path = write_variant(tmp_path, '      OMP_NUM_THREADS: "1" ',
+                         '      CUDA_VISIBLE_DEVICES: "0"\n    ray: {num_gpus: 1}\n      #')
+    assert cli.main(["--stage-config", str(path), "--check"]) == 0
+    path.write_text(path.read_text().replace(CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL))
+    assert_refused_naming(path, "stages[0].env.CUDA_VISIBLE_DEVICES", "not with ray.num_gpus")

@@ -528,10 +528,13 @@ def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkey
 
 
 def test_shipped_several_hosts_configs():
-    for name in ("tiny_omni_hosts.yaml", "qwen3_omni_example.yaml"):
-        config = load_config(REPO / "stage_configs" / name, check_paths=False)
-        assert config.server.stage_auth_key_file and config.server.control_address.startswith("tcp://")
-        assert config.server.control_bind_address.startswith("tcp://0.0.0.0:")
-        for stage in config.stages:
-            assert stage.external and stage.address.startswith("tcp://")
-            assert stage.bind_address == "tcp://0.0.0.0:" + stage.address.rpartition(":")[2]
+    config = load_config(REPO / "stage_configs" / "tiny_omni_hosts.yaml", check_paths=False)
+    assert config.server.stage_auth_key_file and config.server.control_address.startswith("tcp://")
+    assert config.server.control_bind_address.startswith("tcp://0.0.0.0:")
+    for stage in config.stages:
+        assert stage.external and stage.address.startswith("tcp://")
+        assert stage.bind_address == "tcp://0.0.0.0:" + stage.address.rpartition(":")[2]
+    # The GPU example is placed by Ray (addresses from the actors), its stage traffic authenticated.
+    example = load_config(REPO / "stage_configs" / "qwen3_omni_example.yaml", check_paths=False)
+    assert example.server.stage_auth_key_file and example.server.ray_address == "auto"
+    assert all(example.placed_by_ray(s) and s.address is None for s in example.stages)

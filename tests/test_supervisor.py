@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def test_a_spawned_stage_that_exits_is_reported_down_and_fails_the_start(thinker
     sup.add(thinker, [sys.executable, "-c", "print('bye'); raise SystemExit(3)"], dict(os.environ), False)
     sup.launch([thinker.name])
     sp = sup.stages[thinker.name]
-    sp.proc.wait()
+    assert sp.runner.wait(30)
     sup.poll()
     assert events.events == [("down", thinker.name, "died (exit code 3)")]
     assert not sp.up and sp.restart_at is None  # before the start completed: no restart
@@ -113,3 +114,65 @@ def test_request_table_knows_deadlines_and_who_serves_what():
     table.remember("x")
     table.remember("y")
     assert not table.recently_answered("a")  # only the last ``recent_ids`` are kept
+
+
+class ElsewhereRunner:
+    """A StageRunner whose process runs somewhere the supervisor cannot see (as a Ray actor's
+    does): only what it reports. Real enough for the supervisor; Ray's own is tested end to end
+    (tests/test_ray_replicas_e2e.py)."""
+
+    def __init__(self) -> None:
+        self.argv = ["python", "-m", "workers", "--stage", "thinker"]
+        self.pid: int | None = None
+        self.code: int | None = None
+        self.starts = 0
+        self.signals: list[int] = []
+
+    def start(self, on_line) -> None:
+        self.starts += 1
+        self.pid, self.code = 1000 + self.starts, None
+        on_line(f"started {self.starts}")
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def describe_exit(self, code: int) -> str:
+        return "its Ray actor is gone (node lost)" if code == -1000 else f"exit code {code}"
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def wait(self, timeout: float) -> bool:
+        return self.code is not None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_runner_elsewhere_is_supervised_like_a_local_process(thinker):
+    """Down with the runner's own words, restarted through the same runner, its new pid's
+    announcement brings it back, the old pid's is stale; stopping signals and closes it."""
+    events = Recorder()
+    sup = make(events)
+    runner = ElsewhereRunner()
+    sup.add(thinker, runner, {}, False)
+    sup.launch([thinker.name])
+    sp = sup.stages[thinker.name]
+    assert sp.pid == 1001 and list(sp.tail) == ["started 1"] and sup.pids() == {thinker.name: 1001}
+    sup.on_announcement(StageReady(stage=thinker.name, pid=1001))
+    asyncio.run(sup.wait_ready(1.0))  # every stage up: from now on, restarts
+    runner.code = -1000
+    sup.poll()
+    assert events.events == [("up", thinker.name),
+                             ("down", thinker.name, "died (its Ray actor is gone (node lost))")]
+    assert sp.why_down().startswith("down (its Ray actor is gone (node lost)")
+    assert signal.SIGKILL in runner.signals  # what the dead process may have left behind
+    sup.poll()  # the restart is due at once (it had not crashed before)
+    assert runner.starts == 2 and sp.pid == 1002 and not sp.up
+    sup.on_announcement(StageReady(stage=thinker.name, pid=1001))  # late, from the old process
+    assert not sp.up
+    sup.on_announcement(StageReady(stage=thinker.name, pid=1002))
+    assert sp.up and events.events[-1] == ("up", thinker.name)
+    runner.code = 0  # it exits when told to stop
+    sup.stop_processes(0.1)
+    assert runner.closed and not sp.up

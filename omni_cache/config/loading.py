@@ -209,13 +209,17 @@ def _read_yaml(text: str, source: str) -> tuple[Any, dict[PathTokens, int]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str], *, check_paths: CheckPaths = True) -> PipelineConfig:
+def load_config(path: str | os.PathLike[str], *, check_paths: CheckPaths = True,
+                overrides: Callable[[PipelineConfig], Any] | None = None) -> PipelineConfig:
     """Read, convert and validate a stage config; ConfigError naming file and key path otherwise.
 
     ``check_paths=False`` skips the check that a ``model`` path (and the stage key file) exists;
     a set of stage names checks only those stages' models (a stage started by hand checks its
     own). For a config meant for
     another host, such as stage_configs/qwen3_omni_example.yaml).
+
+    ``overrides`` (the command line's) changes the converted config before it is checked, so
+    what is checked is what runs (``--ray-address`` makes a stage's ``address`` optional).
     """
     source = os.fspath(path)
     try:
@@ -226,11 +230,12 @@ def load_config(path: str | os.PathLike[str], *, check_paths: CheckPaths = True)
         raise ConfigError(ConfigIssue(source, None, "is a directory, expected a YAML file")) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(ConfigIssue(source, None, f"cannot read: {e}")) from None
-    return parse_config(text, source=source, check_paths=check_paths)
+    return parse_config(text, source=source, check_paths=check_paths, overrides=overrides)
 
 
 def parse_config(
-    text: str, *, source: str = "<config>", check_paths: CheckPaths = True
+    text: str, *, source: str = "<config>", check_paths: CheckPaths = True,
+    overrides: Callable[[PipelineConfig], Any] | None = None,
 ) -> PipelineConfig:
     """Like :func:`load_config` for YAML text; ``source`` names it in error messages."""
     data, lines = _read_yaml(text, source)
@@ -248,6 +253,8 @@ def parse_config(
         issues.add(tokens, message)
         issues.raise_if_any()
         raise AssertionError("unreachable")  # pragma: no cover
+    if overrides is not None:
+        overrides(config)
     collect_config_issues(config, issues, check_paths=check_paths)
     issues.raise_if_any()
     return config

@@ -5,7 +5,9 @@ own address, derived from the stage's ``address`` (and ``bind_address``):
 
 * replica 0 keeps the configured address unchanged (a one-replica stage is exactly what it was);
 * replica i > 0 of an ``ipc:///path`` stage listens at ``ipc:///path.i``;
-* replica i > 0 of a ``tcp://host:port`` stage listens at ``tcp://host:port+i``.
+* replica i > 0 of a ``tcp://host:port`` stage listens at ``tcp://host:port+i``;
+* a stage with ``replica_addresses`` (Ray-placed stages: omni-serve fills them with what the
+  replicas' actors reported) listens where that list says, and binds the same.
 
 Names: a stage with one replica keeps its plain name (``thinker``) in logs, errors, ``/health``
 and pids; a stage with N > 1 replicas calls them ``thinker#0`` .. ``thinker#N-1``. Metrics carry
@@ -56,8 +58,16 @@ def replica_address(address: str, index: int) -> str:
 
 
 def stage_replicas(stage: StageConfig) -> list[Replica]:
-    """Every replica of ``stage``, by index."""
+    """Every replica of ``stage``, by index. ValueError for a stage whose addresses are not known
+    yet (placed by Ray, before its actors reported them)."""
     n = stage.replicas
+    if stage.replica_addresses:
+        return [Replica(stage=stage.name, index=i, name=replica_name(stage.name, i, n),
+                        address=address, bind_address=None)
+                for i, address in enumerate(stage.replica_addresses)]
+    if stage.address is None:
+        raise ValueError(f"stage {stage.name!r} has no address yet (Ray places it: its replicas' "
+                         "addresses come from their actors)")
     return [
         Replica(stage=stage.name, index=i, name=replica_name(stage.name, i, n),
                 address=replica_address(stage.address, i),

@@ -95,6 +95,37 @@ class ServerConfig(_Base, kw_only=True):
     #: "least_loaded" when none holds any). A request's later messages to a stage go to the
     #: replica its first one went to.
     routing: RoutingPolicy = "prefix"
+    #: A Ray cluster to place the stage replicas on (``omni_cache.runtime.ray_placement``):
+    #: "auto" (the cluster this host joined with ``ray start``) or the head's "HOST:PORT". Every
+    #: replica of every stage not ``external`` then runs as a process owned by a Ray actor, placed
+    #: by the stage's ``ray`` resources, at its node's IP and a port its actor picks. None (the
+    #: default): stages are spawned on this machine. ``omni-serve --ray-address`` overrides it.
+    ray_address: str | None = None
+
+
+class RayResources(_Base, kw_only=True):
+    """What one replica of a stage asks of the Ray cluster (used only with ``server.ray_address``):
+    each replica is one actor, one bundle, on one node, placed where these are free."""
+
+    #: Logical CPUs one replica holds on its node (Ray's scheduling unit, not a thread limit).
+    num_cpus: Annotated[float, Meta(ge=0)] = 1.0
+    #: GPUs one replica holds; Ray gives its actor (and so the stage process) those devices
+    #: through CUDA_VISIBLE_DEVICES.
+    num_gpus: Annotated[float, Meta(ge=0)] = 0.0
+    #: Custom resources every replica needs (``{thinker_gpu: 1}``: only nodes started with
+    #: ``ray start --resources '{"thinker_gpu": N}'`` take it).
+    resources: dict[str, float] = {}
+    #: One map per replica, added to ``resources`` for that replica (``[{node_a: 1}, {node_b:
+    #: 1}]`` pins replica 0 and replica 1 to the nodes that have those); [] = all alike.
+    replica_resources: list[dict[str, float]] = []
+
+    def for_replica(self, index: int) -> dict[str, float]:
+        """The custom resources replica ``index`` asks for."""
+        out = dict(self.resources)
+        if self.replica_resources:
+            for key, value in self.replica_resources[index].items():
+                out[key] = out.get(key, 0.0) + value
+        return out
 
 
 class LatentSpec(_Base, kw_only=True):
@@ -211,10 +242,16 @@ class StageConfig(_Base, kw_only=True):
     submodel: Literal["talker"] | None = None
     #: Where the stage process listens and the others connect: "ipc:///abs/path" or
     #: "tcp://host:port" (on several hosts: a name the other hosts resolve to this one).
-    address: str
+    #: Required unless Ray places the stage (``server.ray_address``): its replicas then listen at
+    #: their node's IP and a port their actor picks, and this key is not used.
+    address: str | None = None
     #: What the stage binds when that differs from ``address`` (``tcp://0.0.0.0:5601``); None ->
-    #: bind ``address``.
+    #: bind ``address``. Not used when Ray places the stage.
     bind_address: str | None = None
+    #: The address of each replica, when they do not follow from ``address`` (omni-serve fills
+    #: it in the config it hands to Ray-placed stages, with what their actors reported); [] ->
+    #: derived from ``address`` (omni_cache.config.replicas).
+    replica_addresses: list[str] = []
     #: Started by hand (``python -m workers``), possibly on another host: omni-serve does not
     #: spawn it, waits for its announcement and watches its heartbeats.
     external: bool = False
@@ -236,6 +273,10 @@ class StageConfig(_Base, kw_only=True):
     generation: GenerationArgs | None = None
     #: Extra environment of the stage process (e.g. VLLM_CPU_KVCACHE_SPACE).
     env: dict[str, str] = {}
+    #: What each replica asks of the Ray cluster when Ray places the stages
+    #: (``server.ray_address``); None -> one logical CPU, no GPU, no custom resource. Ignored
+    #: when the stages are spawned locally; refused on an ``external`` stage.
+    ray: RayResources | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "generation" and self.generation is None:
@@ -290,6 +331,10 @@ class PipelineConfig(_Base, kw_only=True):
             if stage.name == name:
                 return stage
         raise KeyError(f"no stage {name!r} (stages: {', '.join(self.stage_names())})")
+
+    def placed_by_ray(self, stage: StageConfig) -> bool:
+        """Whether Ray places ``stage``'s replicas (a Ray address is set, the stage not external)."""
+        return self.server.ray_address is not None and not stage.external
 
     def stage_names(self) -> list[str]:
         return [s.name for s in self.stages]

@@ -88,6 +88,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
         _check_replicas(s, base, issues)
 
     _check_addresses(config, issues)
+    _check_ray(config, issues)
     _check_server(config, issues, check_paths=bool(check_paths))
 
     if graph_ok and len(first_index) == len(stages):
@@ -345,6 +346,16 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
 
     for i, s in enumerate(config.stages):
         key = ("stages", i, "address")
+        if config.placed_by_ray(s):
+            continue  # its replicas listen where their actors say (_check_ray)
+        if s.replica_addresses:
+            _check_replica_addresses(s, i, parsed, owner, issues)
+            continue
+        if s.address is None:
+            issues.add(key, "missing: where the stage listens ('ipc:///path' or 'tcp://host:port'); "
+                            "only a stage Ray places (server.ray_address, or omni-serve "
+                            "--ray-address) goes without one")
+            continue
         result = _parse_address(s.address)
         if isinstance(result, str):
             issues.add(key, result)
@@ -371,7 +382,7 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
                 break
             parsed.append((i, r, endpoint))
     for i, s in enumerate(config.stages):
-        if s.bind_address is not None:
+        if s.bind_address is not None and s.address is not None and not config.placed_by_ray(s):
             _check_bind_address(s.bind_address, s.address, ("stages", i, "bind_address"), issues)
             bound = _parse_address(s.bind_address)
             if not isinstance(bound, str) and bound[2] is not None and bound[2] + s.replicas - 1 > 65535:
@@ -395,6 +406,117 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
             if clash is not None:
                 issues.add(key, f"{config.server.control_address!r} is also the address of "
                                 f"{owner(*clash)}")
+
+
+def _check_replica_addresses(s: StageConfig, i: int,
+                             parsed: list[tuple[int, int, tuple[str, str, int | None]]],
+                             owner: Callable[[int, int], str], issues: IssueCollector) -> None:
+    """A stage with explicit per-replica addresses: one each, well-formed, none shared."""
+    key = ("stages", i, "replica_addresses")
+    if len(s.replica_addresses) != s.replicas:
+        issues.add(key, f"{len(s.replica_addresses)} addresses for {s.replicas} replica(s): one "
+                        "per replica")
+        return
+    if s.bind_address is not None:
+        issues.add(("stages", i, "bind_address"),
+                   "not with replica_addresses (each replica binds its own address)")
+    for r, address in enumerate(s.replica_addresses):
+        endpoint = _parse_address(address)
+        if isinstance(endpoint, str):
+            issues.add((*key, r), endpoint)
+            return
+        clash = next(((j, q) for j, q, other in parsed if _same_endpoint(endpoint, other)), None)
+        if clash is not None:
+            issues.add((*key, r), f"{address!r} is also the address of {owner(*clash)}; every "
+                                  "stage (and every replica) needs its own")
+            return
+        parsed.append((i, r, endpoint))
+
+
+#: Ray's own resource names: a stage asks for them through num_cpus / num_gpus, not ``resources``.
+_RAY_BUILTIN_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": None,
+                          "object_store_memory": None}
+
+
+def _check_ray(config: PipelineConfig, issues: IssueCollector) -> None:
+    """``server.ray_address`` and the stages' ``ray`` keys (omni_cache.runtime.ray_placement)."""
+    address = config.server.ray_address
+    if address is not None:
+        key = ("server", "ray_address")
+        host, sep, port = address.rpartition(":")
+        if address.startswith("ray://"):
+            issues.add(key, f"{address!r}: Ray Client addresses are not supported: the stages "
+                            "connect back to this server over ZMQ, so omni-serve runs on a node "
+                            "of the cluster; use 'auto' or the head's 'HOST:PORT'")
+        elif address != "auto" and not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+            issues.add(key, f"expected 'auto' or the Ray head's 'HOST:PORT' (ray start --head "
+                            f"prints it; 6379 by default), got {address!r}")
+        control = config.server.control_address
+        hand_started = [st.name for st in config.stages if st.external]
+        if control is None and hand_started:
+            issues.add(("server", "control_address"),
+                       f"needed with server.ray_address and stage(s) started by hand "
+                       f"({', '.join(hand_started)}): they announce themselves there (without it "
+                       "omni-serve binds a port the OS picks)")
+        if control is not None and control.startswith("ipc://"):
+            issues.add(("server", "control_address"),
+                       f"{control!r}: with server.ray_address the stages may run on other "
+                       "hosts; use tcp://HOST:PORT (or leave it unset: omni-serve then binds "
+                       "its node's IP on a free port)")
+    for i, s in enumerate(config.stages):
+        base: tuple[str | int, ...] = ("stages", i)
+        if s.ray is not None and s.external:
+            issues.add((*base, "ray"), "not for a stage started by hand (external): Ray does not "
+                                       "place it; drop external or the ray key")
+        if config.placed_by_ray(s):
+            if s.replica_addresses:
+                issues.add((*base, "replica_addresses"),
+                           "not with server.ray_address: the replicas' actors pick their addresses")
+            for up in s.inputs:
+                upstream = next((u for u in config.stages if u.name == up), None)
+                if upstream is not None and upstream.external:
+                    issues.add((*base, "inputs"),
+                               f"stage {up!r} is started by hand (external) and cannot reach "
+                               f"{s.name!r}, whose address Ray decides at start; mark "
+                               f"{s.name!r} external too, or let Ray place {up!r}")
+            gpus_asked = s.ray is not None and s.ray.num_gpus > 0
+            if gpus_asked and "CUDA_VISIBLE_DEVICES" in s.env:
+                issues.add((*base, "env", "CUDA_VISIBLE_DEVICES"),
+                           "not with ray.num_gpus: Ray gives each replica its GPUs (it sets "
+                           "CUDA_VISIBLE_DEVICES for the replica's actor); this would override it")
+        if s.ray is None:
+            continue
+        ray_key = (*base, "ray")
+        maps = [("resources", s.ray.resources)] + [
+            (("replica_resources", r), m) for r, m in enumerate(s.ray.replica_resources)]
+        for where, mapping in maps:
+            for name in mapping:
+                sub = (where,) if isinstance(where, str) else where
+                if not name.strip():
+                    issues.add((*ray_key, *sub), "an empty resource name")
+                elif mapping[name] <= 0:
+                    # checked here, not in the schema, so the message names the resource
+                    issues.add((*ray_key, *sub, name),
+                               f"expected an amount > 0, got {mapping[name]:g}")
+                elif name in _RAY_BUILTIN_RESOURCES:
+                    instead = _RAY_BUILTIN_RESOURCES[name]
+                    issues.add((*ray_key, *sub, name),
+                               f"Ray's own resource: set ray.{instead} instead" if instead else
+                               "Ray's own resource: not a placement constraint a stage sets")
+        if s.ray.replica_resources and len(s.ray.replica_resources) != s.replicas:
+            issues.add((*ray_key, "replica_resources"),
+                       f"{len(s.ray.replica_resources)} entries for {s.replicas} replica(s): one "
+                       "map per replica (or none)")
+        gpus = s.ray.num_gpus
+        if gpus > 1 and gpus != int(gpus):
+            issues.add((*ray_key, "num_gpus"),
+                       f"{gpus:g}: Ray gives fractions of one GPU only; above 1, a whole number")
+        if (s.kind == "generation" and s.generation is not None
+                and s.generation.device.startswith("cuda") and gpus == 0):
+            issues.add((*ray_key, "num_gpus"),
+                       f"0, but generation.device is {s.generation.device!r}: ask Ray for the GPU "
+                       "the stage runs on (else Ray may place it on a node without one, or on a GPU "
+                       "another replica holds)")
 
 
 def _replica_endpoint(endpoint: tuple[str, str, int | None], index: int) -> tuple[str, str, int | None]:

@@ -64,7 +64,7 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_model
-from omni_cache.config.replicas import Replica, all_replicas, stage_replicas
+from omni_cache.config.replicas import Replica, replica_name, stage_replicas
 from omni_cache.wire.ipc_claims import IpcClaims
 from omni_cache.wire.messages import (
     CODES_FRAME,
@@ -273,8 +273,17 @@ class Orchestrator:
             raise ValueError(f"external_stages: {several} have several replicas; omni-serve "
                              "spawns replicas itself (replicas of a stage started by hand are not "
                              "supported)")
+        #: Ray places the replicas of every stage not external (server.ray_address): their
+        #: addresses are known once their actors report them (start()); till then "".
+        self._ray_address = config.server.ray_address
+        self._placement: Any = None  # ray_placement.RayPlacement while Ray places stages
+        self._ray_connected = False  # start() joined the cluster (close() leaves it)
         #: Every stage replica by its name (omni_cache.config.replicas).
-        self._replicas: dict[str, Replica] = {r.name: r for r in all_replicas(config)}
+        self._replicas: dict[str, Replica] = {
+            r.name: r for stage in config.stages for r in (
+                [Replica(stage.name, i, replica_name(stage.name, i, stage.replicas), "", None)
+                 for i in range(stage.replicas)]
+                if config.placed_by_ray(stage) else stage_replicas(stage))}
         self._replica_names = {(r.stage, r.index): r.name for r in self._replicas.values()}
         self.router = ReplicaRouter(config.server.routing,
                                     {s.name: s.replicas for s in config.stages})
@@ -314,8 +323,11 @@ class Orchestrator:
         self._closing = False
         self._closed = False
         self._ready_event: asyncio.Event | None = None
-        self._claims = IpcClaims([self.control_address,
-                                  *(r.address for r in self._replicas.values())])
+        if self._ray_address is not None and control_addr is None and not config.server.control_address:
+            # Stages on other nodes reach the inbox over tcp: start() binds this node's IP.
+            self.control_address = ""
+        self._claims = IpcClaims([a for a in (self.control_address,
+                                              *(r.address for r in self._replicas.values())) if a])
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -344,21 +356,37 @@ class Orchestrator:
             self._auth = load_stage_auth(self.config)
             if self._auth is not None:
                 self._auth.guard(self._ctx)  # before the inbox binds
+            if self._ray_address is not None:
+                await asyncio.to_thread(self._join_ray)
             self._inbox = AsyncReceiver(self._ctx, self._control_bind or self.control_address,
                                         self._codec, bind=True, auth=self._auth)
+            if self.control_address.endswith(":*"):
+                self.control_address = self._inbox.address  # the port the OS picked
+            if self._placement is not None:
+                # Phase 1: the actors, and the addresses they report (module ray_placement).
+                await asyncio.to_thread(self._placement.place, self._start_timeout_s)
+                self._use_placed_addresses()
             for name in self._replicas:
                 self._senders[name] = self._new_sender(name)
             self._tasks.append(asyncio.create_task(self._recv_loop(), name="omni-cache-recv"))
             self._tasks.append(asyncio.create_task(self._deadline_loop(), name="omni-cache-deadlines"))
             self.supervisor.start_monitor()
 
-            await asyncio.to_thread(self._write_stage_config)
+            # Phase 2 (Ray): each actor gets the config text with every address filled in.
+            config_text = (self._ray_stage_config() if self._placement is not None else None)
+            if config_text is None:
+                await asyncio.to_thread(self._write_stage_config)
             for name in self.stage_names:
                 stage = self._stage_cfg[name]
                 env = {**os.environ, **stage.env, "PYTHONUNBUFFERED": "1"}
                 for replica in stage_replicas(stage):
-                    argv = None if name in self._external else self._stage_command(stage, replica)
-                    self.supervisor.add(stage, argv, env, self._echo, replica)
+                    if name in self._external:
+                        runner: Any = None
+                    elif config_text is not None:
+                        runner = self._ray_runner(stage, replica, config_text)
+                    else:
+                        runner = self._stage_command(stage, replica)
+                    self.supervisor.add(stage, runner, env, self._echo, replica)
             # The other stages start while the entry model is resolved (a tiny checkpoint is
             # generated here, once) and its tokenizer loaded; the entry stage starts after that.
             entry = [r.name for r in stage_replicas(self.entry)]
@@ -375,20 +403,73 @@ class Orchestrator:
 
     def _stage_command(self, stage: StageConfig, replica: Replica) -> list[str]:
         assert self._config_path is not None
+        return [*self._stage_argv, "--stage-config", self._config_path,
+                *self._stage_args(stage, replica), "--parent-pid", str(os.getpid())]
+
+    def _stage_args(self, stage: StageConfig, replica: Replica) -> list[str]:
+        """A stage process's arguments besides its config file and parent (the same for a local
+        spawn and a Ray actor, which adds those two on its node)."""
         argv = [
-            *self._stage_argv,
-            "--stage-config", self._config_path,
             "--stage", stage.name,
             "--replica", str(replica.index),
             # bound to 0.0.0.0 (control_bind_address): spawned stages use the advertised address
             "--orchestrator", self.control_address if self._control_bind else self._inbox.address,
-            "--parent-pid", str(os.getpid()),
         ]
         if self._checkpoint_dir:
             argv += ["--checkpoint-dir", self._checkpoint_dir]
         if not self._prefix_cache:
             argv.append("--no-prefix-cache")
         return argv
+
+    # ---- Ray placement (omni_cache.runtime.ray_placement) ----------------------------------------
+
+    def _join_ray(self) -> None:
+        from omni_cache.runtime import ray_placement  # ray is imported only when it is used
+
+        self._ray_connected = ray_placement.connect(self._ray_address)
+        if not self.control_address:
+            self.control_address = f"tcp://{ray_placement.node_ip()}:*"
+        self._placement = ray_placement.RayPlacement(self.config)
+
+    def _use_placed_addresses(self) -> None:
+        """The replicas listen where their actors said: the config and the senders follow."""
+        by_stage: dict[str, list[str]] = {}
+        for placed in sorted(self._placement.replicas.values(), key=lambda p: (p.stage, p.index)):
+            by_stage.setdefault(placed.stage, []).append(placed.address)
+            self._replicas[placed.name] = Replica(placed.stage, placed.index, placed.name,
+                                                  placed.address, None)
+        for name, addresses in by_stage.items():
+            self._stage_cfg[name].replica_addresses = addresses
+
+    def _ray_stage_config(self) -> str:
+        """The stage config every Ray-placed stage reads: the pipeline's, with every replica's
+        address filled in. It leaves out ray_address: a stage process does not place anything."""
+        import yaml
+
+        data = msgspec.to_builtins(self.config)
+        data["server"]["ray_address"] = None
+        for stage in data["stages"]:
+            if stage.get("replica_addresses"):  # placed: these replace address / bind_address
+                stage["address"] = stage["bind_address"] = None
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def _ray_runner(self, stage: StageConfig, replica: Replica, config_text: str) -> Any:
+        from omni_cache.runtime.ray_placement import RayStageRunner
+
+        default = self._stage_argv == default_stage_argv()
+        # The node's own Python runs the default command: hosts need not share a venv path.
+        return RayStageRunner(self._placement.replicas[replica.name],
+                              None if default else list(self._stage_argv),
+                              self._stage_args(stage, replica), config_text,
+                              {**stage.env})
+
+    def placement(self) -> dict[str, dict[str, str]]:
+        """Ray-placed replicas: replica name -> {"node_id", "ip", "host", "address"} ({} when
+        the stages are spawned locally)."""
+        if self._placement is None:
+            return {}
+        return {p.name: {"node_id": p.node_id, "ip": p.ip, "host": p.host, "address": p.address}
+                for p in self._placement.replicas.values()}
 
     def _write_stage_config(self) -> None:
         """The YAML the stage processes read: the given file, or the in-memory config dumped."""
@@ -436,6 +517,8 @@ class Orchestrator:
             )
         await asyncio.to_thread(self.supervisor.stop_processes, self._grace)
         await self.supervisor.close()
+        if self._placement is not None:
+            await asyncio.to_thread(self._leave_ray)
         for task in self._tasks + list(self._background):
             task.cancel()
         for task in self._tasks + list(self._background):
@@ -460,10 +543,21 @@ class Orchestrator:
         self._claims.release()
         self._closed = True
 
+    def _leave_ray(self) -> None:
+        from omni_cache.runtime import ray_placement
+
+        self._placement.close()
+        if self._ray_connected:
+            ray_placement.disconnect()
+            self._ray_connected = False
+
     def kill_all_sync(self, grace: float = 3.0) -> None:
         """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage
         process group, then SIGKILL after ``grace``."""
         self.supervisor.kill_all_sync(grace)
+        if self._placement is not None:
+            with contextlib.suppress(Exception):
+                self._leave_ray()
 
     # ---- what the supervisor reports -------------------------------------------------------------
 

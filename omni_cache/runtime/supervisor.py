@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import zmq
@@ -56,7 +56,7 @@ class StageStartError(RuntimeError):
     """A stage process did not come up (exited, or no StageReady in time)."""
 
 
-def _exit_words(code: int | None) -> str:
+def exit_words(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
@@ -67,33 +67,123 @@ def _exit_words(code: int | None) -> str:
     return f"exit code {code}"
 
 
+class StageRunner(Protocol):
+    """Where one stage replica's OS process runs: a child of this process (:class:`LocalProcess`)
+    or a process a Ray actor owns on some node of a cluster (``RayStageRunner`` in
+    :mod:`omni_cache.runtime.ray_placement`). The supervisor starts, watches, restarts and stops
+    spawned replicas only through these methods, so both are supervised alike."""
+
+    #: The command the process runs (for messages).
+    argv: list[str]
+    #: The current process's pid on its own host; None before the first start.
+    pid: int | None
+
+    def start(self, on_line: Callable[[str], None]) -> None:
+        """Start (or restart) the process; ``on_line`` gets each line of its output, from any
+        thread. Does not wait until the stage is ready (its StageReady says that)."""
+
+    def poll(self) -> int | None:
+        """Its exit code once the process started last is gone, else None."""
+
+    def describe_exit(self, code: int) -> str:
+        """``code`` (from :meth:`poll`) in words: "exit code 1", "killed by signal SIGKILL"."""
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process's whole process group (its helpers too)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the process is gone within ``timeout`` seconds."""
+
+    def close(self) -> None:
+        """Nothing of it is needed any more: release what holds it (after it exited)."""
+
+
+class LocalProcess:
+    """A stage process spawned on this machine, in its own process group."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        self.argv = argv
+        self.env = env
+        self.name = name
+        self.pid: int | None = None
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self, on_line: Callable[[str], None]) -> None:
+        self.popen = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: signals reach vLLM's helpers too
+        )
+        self.pid = self.popen.pid
+        threading.Thread(target=self._read_output, args=(self.popen, on_line),
+                         name=f"omni-cache-log-{self.name}", daemon=True).start()
+
+    @staticmethod
+    def _read_output(proc: subprocess.Popen[bytes], on_line: Callable[[str], None]) -> None:
+        assert proc.stdout is not None
+        with contextlib.suppress(Exception):
+            for raw in proc.stdout:
+                on_line(raw.decode("utf-8", errors="replace").rstrip("\n"))
+        with contextlib.suppress(Exception):
+            proc.stdout.close()
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def describe_exit(self, code: int) -> str:
+        return exit_words(code)
+
+    def signal(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def wait(self, timeout: float) -> bool:
+        if self.popen is None:
+            return True
+        try:
+            self.popen.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def close(self) -> None:
+        pass
+
+
 class StageProcess:
     """One stage replica's OS process (or, for an external stage, just its readiness), as the
-    supervisor sees it; read-only for everyone else."""
+    supervisor sees it; read-only for everyone else. ``runner`` runs the process (None: started
+    elsewhere, by hand)."""
 
-    def __init__(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str],
-                 echo: bool, replica: Replica | None = None) -> None:
+    def __init__(self, stage: StageConfig, runner: StageRunner | None, echo: bool,
+                 replica: Replica | None = None) -> None:
         replica = replica or stage_replicas(stage)[0]
         self.name = replica.name  # the stage's name when it has one replica
         self.stage = stage.name
         self.index = replica.index
         self.address = replica.address
-        self.argv = argv  # None: started elsewhere (external)
-        self.env = env
+        self.runner = runner
+        self.argv = runner.argv if runner is not None else None
         self.echo = echo
-        self.proc: subprocess.Popen[bytes] | None = None
+        #: Launched and its exit not handled yet.
+        self.running = False
         self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.up = False
         self.ever_ready = False
-        self.pid: int | None = None
+        self._pid: int | None = None  # a stage started elsewhere: the pid it announced
         self.max_model_len: int | None = None
         self.restarts = 0
         self.crashes_in_a_row = 0
         self.started_at = 0.0
         self.last_exit: int | None = None
+        self.last_exit_words = ""
         self.restart_at: float | None = None
         self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
-        self._reader: threading.Thread | None = None
         # Stages started elsewhere: who announced itself last, when, and why it is down.
         self.incarnation = ""
         self.host = ""
@@ -106,56 +196,53 @@ class StageProcess:
 
     @property
     def external(self) -> bool:
-        return self.argv is None
+        return self.runner is None
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of its (current or last) process, on the host it runs on."""
+        return self.runner.pid if self.runner is not None else self._pid
+
+    @pid.setter
+    def pid(self, value: int | None) -> None:
+        assert self.runner is None, "a spawned replica's pid is its runner's"
+        self._pid = value
 
     def launch(self) -> None:
-        assert self.argv is not None
+        assert self.runner is not None
         self.up = False
         self.last_exit = None
         self.restart_at = None
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: signals reach vLLM's helpers too
-        )
-        self.pid = self.proc.pid
-        logger.info("stage %s: started pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
-        self._reader = threading.Thread(
-            target=self._read_output, args=(self.proc,), name=f"omni-cache-log-{self.name}",
-            daemon=True,
-        )
-        self._reader.start()
+        self.runner.start(self._on_line)
+        self.running = True
+        logger.info("stage %s: started%s: %s", self.name,
+                    f" pid {self.pid}" if self.pid is not None else "", " ".join(self.runner.argv))
 
-    def _read_output(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        prefix = f"({self.name} pid={proc.pid}) "
-        with contextlib.suppress(Exception):
-            for raw in proc.stdout:
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                self.tail.append(line)
-                if self.echo:
-                    with contextlib.suppress(Exception):
-                        sys.stderr.write(prefix + line + "\n")
-                        sys.stderr.flush()
-        with contextlib.suppress(Exception):
-            proc.stdout.close()
+    def _on_line(self, line: str) -> None:
+        self.tail.append(line)
+        if self.echo:
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"({self.name} pid={self.runner.pid if self.runner else '?'}) "
+                                 + line + "\n")
+                sys.stderr.flush()
+
+    def poll(self) -> int | None:
+        """The exit code of the launched process once it is gone (None: running, or not launched)."""
+        if not self.running or self.runner is None:
+            return None
+        return self.runner.poll()
 
     def log_tail(self, n: int = 20) -> str:
         lines = list(self.tail)[-n:]
         return "\n".join("    " + line for line in lines) if lines else "    (no output)"
 
     def signal_group(self, sig: int) -> None:
-        if self.pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, sig)
+        if self.runner is not None:
+            self.runner.signal(sig)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.running and self.runner is not None and self.runner.poll() is None
 
     def why_down(self) -> str:
         """Why this stage is not serving (for /health and 503 messages); call it when not up."""
@@ -167,13 +254,13 @@ class StageProcess:
                     f"waiting for the connection to {self.address}")
         if self.external:
             return "started elsewhere, waiting for it to announce itself"
-        if self.proc is not None:
+        if self.running:
             return "restarting" if self.restarts else "starting"
         if self.last_exit is not None:
             when = ""
             if self.restart_at is not None:
                 when = f"; restart in {max(0.0, self.restart_at - time.monotonic()):.1f} s"
-            return f"down ({_exit_words(self.last_exit)}{when})"
+            return f"down ({self.last_exit_words or exit_words(self.last_exit)}{when})"
         return "down"
 
 
@@ -221,11 +308,18 @@ class StageSupervisor:
 
     # ---- the stages ------------------------------------------------------------------------------
 
-    def add(self, stage: StageConfig, argv: list[str] | None, env: dict[str, str], echo: bool,
-            replica: Replica | None = None) -> None:
-        """Supervise a replica of ``stage`` (default: replica 0): ``argv`` is its command, or None
-        when it is started elsewhere."""
-        sp = StageProcess(stage, argv, env, echo, replica)
+    def add(self, stage: StageConfig, argv: list[str] | StageRunner | None, env: dict[str, str],
+            echo: bool, replica: Replica | None = None) -> None:
+        """Supervise a replica of ``stage`` (default: replica 0): ``argv`` is its command (spawned
+        here with ``env``), a :class:`StageRunner` that runs it elsewhere (Ray), or None when it
+        is started by hand."""
+        replica = replica or stage_replicas(stage)[0]
+        runner: StageRunner | None
+        if isinstance(argv, list):
+            runner = LocalProcess(argv, env, replica.name)
+        else:
+            runner = argv
+        sp = StageProcess(stage, runner, echo, replica)
         self._stages[sp.name] = sp
         self._by_replica[(sp.stage, sp.index)] = sp.name
 
@@ -263,8 +357,9 @@ class StageSupervisor:
         return [sp.name for sp in self._stages.values() if sp.alive()]
 
     def pids(self) -> dict[str, int | None]:
-        """replica name -> pid of its running process (None while it is down)."""
-        return {n: (sp.proc.pid if sp.proc is not None else None) for n, sp in self._stages.items()}
+        """replica name -> pid of its running process (None while it is down); a Ray-placed
+        replica's pid is on its own node."""
+        return {n: (sp.pid if sp.running else None) for n, sp in self._stages.items()}
 
     # ---- readiness -------------------------------------------------------------------------------
 
@@ -280,7 +375,7 @@ class StageSupervisor:
             for sp in pending:
                 if not sp.ever_ready and not sp.external and sp.last_exit is not None:
                     raise StageStartError(
-                        f"stage {sp.name!r} exited before it was ready ({_exit_words(sp.last_exit)}); "
+                        f"stage {sp.name!r} exited before it was ready ({sp.last_exit_words}); "
                         f"command: {' '.join(sp.argv or [])}\nlast lines of its output:\n"
                         + sp.log_tail()
                     )
@@ -293,7 +388,10 @@ class StageSupervisor:
                     elif sp.external:
                         state = f"started elsewhere, never announced itself to {self._announce_to}"
                     else:
-                        state = f"pid {sp.pid} {_exit_words(sp.proc.poll() if sp.proc else sp.last_exit)}"
+                        code = sp.poll() if sp.running else sp.last_exit
+                        state = f"pid {sp.pid} " + (sp.runner.describe_exit(code)
+                                                    if sp.runner is not None and code is not None
+                                                    else "still running")
                     parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n"
                                  + sp.log_tail())
                 raise StageStartError(
@@ -313,7 +411,7 @@ class StageSupervisor:
             self._on_external_announcement(sp, msg)
             return
         # A spawned stage's heartbeats only confirm what its process handle says.
-        if msg.pid in sp.old_pids or sp.proc is None:
+        if msg.pid in sp.old_pids or not sp.running:
             logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored",
                          sp.name, msg.pid)
             return
@@ -440,8 +538,8 @@ class StageSupervisor:
         if self._started and not self._stopping:
             self._watch_external(now)
         for sp in self._stages.values():
-            if sp.proc is not None:
-                code = sp.proc.poll()
+            if sp.running:
+                code = sp.poll()
                 if code is not None and not self._stopping:
                     self._on_stage_exit(sp, code)
             elif (sp.restart_at is not None and now >= sp.restart_at and self._started
@@ -479,12 +577,13 @@ class StageSupervisor:
     def _on_stage_exit(self, sp: StageProcess, code: int) -> None:
         now = time.monotonic()
         uptime = now - sp.started_at
-        if sp.proc is not None:
-            sp.old_pids.add(sp.proc.pid)
-        sp.proc = None
+        if sp.pid is not None:
+            sp.old_pids.add(sp.pid)
+        sp.running = False
         sp.up = False
         sp.last_exit = code
-        what = _exit_words(code)
+        assert sp.runner is not None
+        what = sp.last_exit_words = sp.runner.describe_exit(code)
         logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
                      sp.name, sp.pid, what, uptime, sp.log_tail(10))
         sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
@@ -507,26 +606,31 @@ class StageSupervisor:
     def stop_processes(self, grace: float) -> None:
         """Blocking: wait ``grace`` for the stages to exit, then SIGTERM, then SIGKILL."""
         self._stopping = True
-        procs = [sp for sp in self._stages.values() if sp.proc is not None]
+        procs = [sp for sp in self._stages.values() if sp.running]
         end = time.monotonic() + grace
-        while time.monotonic() < end and any(sp.proc.poll() is None for sp in procs):  # type: ignore[union-attr]
+        while time.monotonic() < end and any(sp.poll() is None for sp in procs):
             time.sleep(0.05)
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            running = [sp for sp in procs if sp.proc.poll() is None]  # type: ignore[union-attr]
+            running = [sp for sp in procs if sp.poll() is None]
             if not running:
                 break
             logger.info("stopping stage(s) %s with %s", ", ".join(sp.name for sp in running), sig.name)
             for sp in running:
                 sp.signal_group(sig)
             end = time.monotonic() + grace
-            while time.monotonic() < end and any(sp.proc.poll() is None for sp in running):  # type: ignore[union-attr]
+            while time.monotonic() < end and any(sp.poll() is None for sp in running):
                 time.sleep(0.05)
         for sp in procs:
             # Leftovers in the stage's process group (helpers of a stage that already exited).
             sp.signal_group(signal.SIGKILL)
+            assert sp.runner is not None
             with contextlib.suppress(Exception):
-                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+                sp.runner.wait(1.0)
             sp.up = False
+        for sp in self._stages.values():
+            if sp.runner is not None:
+                with contextlib.suppress(Exception):
+                    sp.runner.close()
 
     async def close(self) -> None:
         """Cancel the monitor and the connection watchers (after :meth:`stop_processes`)."""
@@ -553,5 +657,10 @@ class StageSupervisor:
             time.sleep(0.05)
         for sp in procs:
             sp.signal_group(signal.SIGKILL)
+            assert sp.runner is not None
             with contextlib.suppress(Exception):
-                sp.proc.wait(timeout=1.0)  # type: ignore[union-attr]
+                sp.runner.wait(1.0)
+        for sp in self._stages.values():
+            if sp.runner is not None:
+                with contextlib.suppress(Exception):
+                    sp.runner.close()
