@@ -131,9 +131,10 @@ class StageActor:
                 "stage_pid": self._proc.pid if running and self._proc is not None else None}
 
     async def start(self, prefix: list[str] | None, args: list[str], config_text: str,
-                    env: dict[str, str]) -> int:
+                    env: dict[str, str]) -> tuple[int, int]:
         """Run the stage: ``prefix`` (default: this node's ``python -m workers``) plus the config
-        written here, ``args``, and this actor as its parent. Returns its pid."""
+        written here, ``args``, and this actor as its parent. Returns its pid, and the count of
+        output lines before its first (those are an earlier process's)."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"stage {self._name} is still running (pid {self._proc.pid})")
         path = os.path.join(self._dir, "stage_config.yaml")
@@ -145,8 +146,10 @@ class StageActor:
             argv, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)  # own process group: signals reach vLLM's helpers too
+        with self._lock:
+            seen = self._seen
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
-        return self._proc.pid
+        return self._proc.pid, seen
 
     def _read(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
@@ -314,8 +317,9 @@ class RayStageRunner:
             if self._actor_lost:
                 self._replace_actor()
             actor = self.placed.actor
-            self.pid = ray.get(actor.start.remote(self._prefix, self._args, self._config_text,
-                                                  self._env), timeout=CALL_TIMEOUT_S)
+            self.pid, seen = ray.get(actor.start.remote(self._prefix, self._args,
+                                                        self._config_text, self._env),
+                                     timeout=CALL_TIMEOUT_S)
             run.started.set()
             exited = actor.wait.remote()
             while True:
