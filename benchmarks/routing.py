@@ -22,6 +22,11 @@ Pipelines (one at a time, each a private copy of ``--stage-config``):
 * **reference**: ONE thinker replica whose pool is both pools combined (2 x pool - 1 blocks: each
   pool keeps one null block), same requests: the hit rate a single cache that size reaches.
 
+With ``--ray``, every round also runs the ``prefix`` turn on the same two-replica pipeline placed
+by Ray (``server.ray_address``) on a two-node cluster the benchmark starts on this machine
+(``ray.cluster_utils``; thinker#0 pinned to one node, thinker#1 to the other): label ``prefix
+(ray)``, against local spawn's ``prefix``, Ray's own cost per request.
+
 Reported per policy (median over rounds, each round's value in the JSON): thinker prefix hit rate
 (cached prompt tokens / prompt tokens, from each response's ``usage``, i.e. the thinker's own
 count; the stage counters from ``/metrics`` are in the JSON too), time to first text and first
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import random
@@ -42,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -52,6 +59,8 @@ import yaml  # noqa: E402
 from benchmarks.workloads import Session, content_sizes, random_text  # noqa: E402
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
+#: The policy label of the prefix turn on the Ray-placed pipeline (--ray).
+RAY_LABEL = "prefix (ray)"
 
 
 # ---- the workload -------------------------------------------------------------------------------
@@ -93,6 +102,74 @@ def default_pool_blocks(tenants: int, shared: int, unique: int, max_tokens: int,
 
 
 # ---- the pipelines ------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def ray_cluster() -> Iterator[str]:
+    """Two logical Ray nodes on this machine, offering ``node_a`` and ``node_b``; yields the
+    address, and shuts the cluster down whatever happens."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray process on 127.0.0.1
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"node_a": 1}})
+    try:
+        cluster.add_node(num_cpus=4, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        cluster.shutdown()
+
+
+def ray_config(src: Path, dst: Path, address: str, tag: str) -> Path:
+    """The two-replica config ``src`` placed by Ray at ``address``: the actors pick the addresses,
+    thinker#0 goes to node_a and thinker#1 to node_b, the other stages wherever Ray puts them."""
+    data = yaml.safe_load(src.read_text(encoding="utf-8"))
+    data["name"] = f"bench-{os.getpid()}-{tag}"
+    data["server"].update(ray_address=address, port=0, host="127.0.0.1", control_address=None)
+    for stage in data["stages"]:
+        stage.pop("address", None)
+        stage.pop("bind_address", None)
+        stage["ray"] = {"num_cpus": 1}
+        if not stage.get("inputs"):
+            stage["ray"]["replica_resources"] = [{"node_a": 1}, {"node_b": 1}]
+    dst.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return dst
+
+
+class RayServer:
+    """The pipeline of ``config`` (Ray-placed) served over HTTP from a background thread, shaped
+    like harness.ManagedServer for run_turn."""
+
+    def __init__(self, config: Path, start_timeout_s: float = 900.0) -> None:
+        self.config = config
+        self.start_timeout_s = start_timeout_s
+        self.server: Any = None
+        self.url = ""
+        self.startup_s = 0.0
+
+    def __enter__(self) -> RayServer:
+        from omni_cache.config import load_config
+        from omni_cache.runtime.orchestrator import Orchestrator
+        from omni_cache.serving.server import ServerThread
+
+        t0 = time.monotonic()
+        orch = Orchestrator(load_config(self.config), config_path=self.config, prefix_cache=True,
+                            echo_stage_logs=False)
+        self.server = ServerThread(orch, log_level="error").start()
+        self.url = self.server.url
+        try:
+            self.server.wait_ready(self.start_timeout_s)
+        except BaseException:
+            self.server.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
 
 def routing_config(src: str, dst: Path, *, replicas: int, pool_blocks: int, dtype: str | None,
                    request_timeout_s: float) -> Path:
@@ -220,7 +297,13 @@ def aggregate(turns: list[dict[str, Any]], reference: list[dict[str, Any]]) -> d
         value = rr["ttfa_p50_s"] / p["ttfa_p50_s"]
         targets.append({"target": "TTFA p50 round_robin / prefix >= 3", "value": value,
                         "met": value >= 3.0})
-    return {"policies": policies, "reference_hit_rate": ref_hit, "targets": targets}
+    ray = policies.get(RAY_LABEL)
+    ray_vs_local = None
+    if p and ray:
+        ray_vs_local = {k: ray[k] / p[k] for k in ("ttft_p50_s", "ttfa_p50_s", "e2e_p50_s")
+                        if ray[k] and p[k]}
+    return {"policies": policies, "reference_hit_rate": ref_hit, "targets": targets,
+            "ray_vs_local": ray_vs_local}
 
 
 def format_table(agg: dict[str, Any]) -> str:
@@ -234,6 +317,9 @@ def format_table(agg: dict[str, Any]) -> str:
                      f"{ms(p['ttfa_p50_s'])} / {ms(p['ttfa_p90_s'])} | {ms(p['e2e_p50_s'])} | {p['rounds']} |")
     if agg["reference_hit_rate"] is not None:
         lines.append(f"| one replica, both pools (reference) | {agg['reference_hit_rate']:.3f} | | | | |")
+    if agg.get("ray_vs_local"):
+        lines.append("\nprefix placed by Ray / local spawn: " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.2f}x" for k, v in agg["ray_vs_local"].items()))
     for t in agg["targets"]:
         lines.append(f"\n{t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})")
     return "\n".join(lines)
@@ -273,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dtype of the vLLM stages (default %(default)s: bfloat16 is emulated, ~3.5x "
                         "slower, on CPUs without AVX512-BF16/AMX; '' keeps the config's)")
     p.add_argument("--text-only", action="store_true", help="no audio (no TTFA)")
+    p.add_argument("--ray", action="store_true",
+                   help="also run the prefix turn with the replicas placed by Ray on a two-node "
+                        "cluster started here, against local spawn (Ray's own cost)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every number and sample here")
     args = p.parse_args(argv)
@@ -301,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                          dtype=args.dtype or None, request_timeout_s=900.0)
     config = {k: getattr(args, k) for k in ("tenants", "shared_tokens", "unique_tokens", "num_requests",
                                             "concurrency", "max_tokens", "policies", "rounds", "dtype",
-                                            "text_only", "seed")}
+                                            "text_only", "seed", "ray")}
     config.update(pool_blocks_per_replica=pool, reference_pool_blocks=2 * pool - 1, block_size=block_size,
                   stage_config=os.path.abspath(args.stage_config),
                   two_replica_yaml=two.read_text(), reference_yaml=one.read_text())
@@ -310,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     reference: list[dict[str, Any]] = []
     audio = not args.text_only
     t_start = time.monotonic()
+    stack = contextlib.ExitStack()
     try:
+        ray_address = stack.enter_context(ray_cluster()) if args.ray else None
         for rnd in range(args.rounds):
             order = tenant_order(args.tenants, args.num_requests, args.seed, rnd)
             k = rnd % len(args.policies)
@@ -343,6 +434,19 @@ def main(argv: list[str] | None = None) -> int:
                                  label=f"round {rnd} reference", policy=None, audio=audio)
                     r["round"] = rnd
                     reference.append(r)
+            if ray_address is not None:
+                harness.log(f"round {rnd}: the same two replicas placed by Ray")
+                placed = ray_config(two, tmp / f"ray-{rnd}.yaml", ray_address, f"routing-ray-{rnd}")
+                with RayServer(placed) as srv:
+                    harness.log(f"ready after {srv.startup_s:.0f} s")
+                    model = asyncio.run(served_model(srv.url, None))
+                    run_turn(srv, model, warmup_requests(2, args.max_tokens, args.seed), concurrency=2,
+                             label="warm-up", policy="least_loaded", audio=audio)
+                    # the local prefix turn's requests, on a pipeline as cold as its was
+                    r = run_turn(srv, model, sessions("prefix"), concurrency=args.concurrency,
+                                 label=f"round {rnd} prefix (ray)", policy="prefix", audio=audio)
+                    r["round"], r["policy"] = rnd, RAY_LABEL
+                    turns.append(r)
     except KeyboardInterrupt:
         print("benchmarks.routing: interrupted", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 -- keep what was measured, say what failed
@@ -350,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         if not turns:
             return 1
     finally:
+        stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
     agg = aggregate(turns, reference)
     result = {
