@@ -6,7 +6,6 @@ and taken again."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -26,6 +25,7 @@ from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.routing import ReplicaRouter
 from omni_cache.serving.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
+from sse_client import read_events
 
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
 API_KEY = "replica-test-key"
@@ -192,15 +192,9 @@ def stream_in_background(srv, content: str) -> tuple[threading.Thread, list]:
     body = {"model": srv.orchestrator.served_model_name, "stream": True, "max_tokens": 8,
             "messages": [{"role": "user", "content": content}]}
 
-    def read() -> None:
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, headers=HEADERS,
-                          timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: "):]
-                    events.append(data if data == "[DONE]" else json.loads(data))
-
-    thread = threading.Thread(target=read, daemon=True)
+    thread = threading.Thread(target=read_events, daemon=True,
+                              args=(srv.url + "/v1/chat/completions", body, HEADERS, events),
+                              kwargs={"timeout": 60})
     thread.start()
     return thread, events
 

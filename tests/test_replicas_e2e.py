@@ -9,7 +9,6 @@ again.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -23,6 +22,7 @@ import yaml
 
 from omni_cache.serving.metrics import parse_metrics
 from served_config import served
+from sse_client import read_events
 
 pytestmark = pytest.mark.vllm
 
@@ -111,16 +111,13 @@ def stream_spoken(server, content: str, out: list, got: threading.Event, wait_fo
     body = {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 128,
             "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
             "stream_options": {"include_usage": True}}
+
+    def watch(event) -> None:
+        if isinstance(event, dict) and any(c["delta"].get(wait_for) for c in event.get("choices", [])):
+            got.set()
+
     try:
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=HEADERS,
-                          timeout=600) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: "):]
-                    out.append(data if data == "[DONE]" else json.loads(data))
-                    if isinstance(out[-1], dict) and any(
-                            c["delta"].get(wait_for) for c in out[-1].get("choices", [])):
-                        got.set()
+        read_events(server.url + "/v1/chat/completions", body, HEADERS, out, timeout=600, on_event=watch)
     finally:
         got.set()
 

@@ -34,7 +34,7 @@ import bisect
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -278,13 +278,9 @@ class OrchestratorMetrics:
         for s in names:
             failed.add_metric([s], self.failed_requests.get(s, 0))
         yield failed
-        resumed = CounterMetricFamily(
-            "omni_cache_requests_resumed",
-            "Requests that went on from where their client was on live replicas because this "
-            "replica, serving them, died.", labels=["stage", "replica"])
-        for (stage, replica), n in sorted(self.resumed.items()):
-            resumed.add_metric([stage, str(replica)], n)
-        yield resumed
+        yield per_replica(CounterMetricFamily, "omni_cache_requests_resumed",
+                          "Requests that went on from where their client was on live replicas "
+                          "because this replica, serving them, died.", self.resumed)
         yield GaugeMetricFamily("omni_cache_requests_in_flight", "Requests accepted and not yet answered.",
                                 value=in_flight)
         answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.",
@@ -325,18 +321,12 @@ class OrchestratorMetrics:
             "policy and the rule that decided.", labels=["stage", "replica", "policy", "decision"])
         for (stage, replica, policy, decision), n in sorted(routing.decisions.items()):
             fam.add_metric([stage, str(replica), policy, decision], n)
-        load = GaugeMetricFamily(
-            "omni_cache_replica_requests_in_flight",
-            "The orchestrator's requests routed to the replica and not finished there (the load "
-            "least_loaded compares).", labels=["stage", "replica"])
-        for (stage, replica), n in sorted(routing.in_flight.items()):
-            load.add_metric([stage, str(replica)], n)
-        blocks = GaugeMetricFamily(
-            "omni_cache_prefix_index_blocks",
-            "Block hashes the entry replica reported its prefix cache holds (prefix routing).",
-            labels=["stage", "replica"])
-        for (stage, replica), n in sorted(routing.prefix_blocks.items()):
-            blocks.add_metric([stage, str(replica)], n)
+        load = per_replica(GaugeMetricFamily, "omni_cache_replica_requests_in_flight",
+                           "The orchestrator's requests routed to the replica and not finished "
+                           "there (the load least_loaded compares).", routing.in_flight)
+        blocks = per_replica(GaugeMetricFamily, "omni_cache_prefix_index_blocks",
+                             "Block hashes the entry replica reported its prefix cache holds "
+                             "(prefix routing).", routing.prefix_blocks)
         yield from (f for f in (fam, load, blocks) if f.samples)
 
     def _stage_counters(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
@@ -362,6 +352,15 @@ class OrchestratorMetrics:
                     fam.add_metric(self._replica_values(s, stages[s], False),
                                    float(stages[s].counters[key]))
             yield fam
+
+
+def per_replica(family: Any, name: str, help_text: str,
+                values: Mapping[tuple[str, int], float]) -> Metric:
+    """A metric family labelled ``stage`` and ``replica``, from (stage, replica) -> value."""
+    fam = family(name, help_text, labels=["stage", "replica"])
+    for (stage, replica), n in sorted(values.items()):
+        fam.add_metric([stage, str(replica)], n)
+    return fam
 
 
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
