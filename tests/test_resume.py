@@ -11,7 +11,7 @@ import torch
 
 from omni_cache.config.schema import Sampling
 from omni_cache.runtime.requests import Request, RequestTable
-from omni_cache.runtime.resume import ResumedText, held_back, new_samples, new_tokens, resumed_submit
+from omni_cache.runtime.resume import ResumedText, new_samples, new_tokens, resumed_submit
 from omni_cache.wire.messages import Submit
 from workers.ar_runner import resumed_as_undisturbed
 from workers.llm_stage import StepOutput
@@ -129,12 +129,12 @@ def byte_text(ids) -> str:
 
 
 def test_resumed_text_goes_on_from_the_client_s_text_across_a_split_character():
-    answer = list("ok é".encode())  # é is 2 bytes: the client got "ok " and é's first byte
-    held = held_back(byte_text, answer[:-1])
-    assert held == [0xC3]
-    text = ResumedText(byte_text, held)
+    # the client got "ok " and é's first byte (held back: no text for it yet)
+    text = ResumedText(byte_text, [0xC3])
     assert text.add([]) == ""
     assert text.add([0xA9]) == "é" and text.add(list(b"!")) == "!"
     # a character split over three new tokens is written once it is whole
     assert text.add([0xE2]) == "" and text.add([0x82]) == "" and text.add([0xAC]) == "€"
-    assert held_back(byte_text, list(b"plain")) == []
+    # invalid bytes are written (as U+FFFD) once later text follows, however many were held
+    text = ResumedText(byte_text, [0xFF] * 6)
+    assert text.add([0xFE]) == "" and text.add(list(b"a")) == "\ufffd" * 7 + "a"

@@ -89,7 +89,6 @@ from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.resume import (
     MAX_ATTEMPTS,
     ResumedText,
-    held_back,
     new_samples,
     new_tokens,
     resumed_prompt,
@@ -959,7 +958,7 @@ class Orchestrator:
         req.skip_tokens = len(req.answer_tokens)
         req.skip_samples = req.audio_samples
         if req.resumed_text is None:
-            req.resumed_text = ResumedText(self.detokenize, held_back(self.detokenize, req.answer_tokens))
+            req.resumed_text = ResumedText(self.detokenize, req.answer_tokens[req.text_tokens:])
         prompt = resumed_prompt(req, text_from_entry)
         chains = self._prompt_chains(None if req.media else prompt)
         req.route, req.prefill_backlog = self._route(req.participants, len(prompt), chains,
@@ -1139,6 +1138,8 @@ class Orchestrator:
         # A resumed attempt sends again what its client has (omni_cache.runtime.resume).
         token_ids = new_tokens(req, msg.token_ids) if stage.final_output == "text" else []
         text = msg.text if req.resumed_text is None else req.resumed_text.add(token_ids)
+        if text:
+            req.text_tokens = len(req.answer_tokens)
         if token_ids or (stage.final_output == "text" and text):
             if not req.got_token:
                 req.got_token = True

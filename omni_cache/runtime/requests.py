@@ -51,6 +51,9 @@ class Request:
     #: Of the current attempt's output, what the client already has from earlier attempts.
     skip_tokens: int = 0
     skip_samples: int = 0
+    #: How many of answer_tokens the client's text covers (those after it are held back: their
+    #: bytes are not a whole character yet)
+    text_tokens: int = 0
     #: A resumed request's text, decoded by the orchestrator (omni_cache.runtime.resume)
     resumed_text: Any = None
 

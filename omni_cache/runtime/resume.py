@@ -90,17 +90,12 @@ def new_samples(req: Request, samples: np.ndarray) -> Any:
 
 #: What U+FFFD at the end of a decoded text means: bytes that are not (yet) a whole character.
 REPLACEMENT = "\ufffd"
-#: The longest run of answer tokens whose text can be held back: one character is at most 4
-#: bytes, each a token at worst.
-MAX_HELD_TOKENS = 4
-
-
 class ResumedText:
     """The text of a resumed attempt's new tokens, written by the rule vLLM's incremental
     detokenizer follows for byte-level BPE (chat_stream.py): the text of the tokens since the last
     text written, once it does not end in the middle of a character; bytes still held back when
     the answer ends are not text. ``held``: the answer's last tokens whose text the client does not
-    have yet (:func:`held_back`)."""
+    have yet (those after the last delta with text: ``Request.text_tokens``)."""
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str], held: list[int]) -> None:
         self._detokenize = detokenize
@@ -116,12 +111,3 @@ class ResumedText:
             return ""
         self._pending.clear()
         return text
-
-
-def held_back(detokenize: Callable[[Sequence[int]], str], answer: Sequence[int]) -> list[int]:
-    """The last tokens of ``answer`` whose text an incremental detokenizer still holds back: those
-    after the longest prefix whose text does not end in the middle of a character."""
-    for m in range(min(MAX_HELD_TOKENS, len(answer)) + 1):
-        if not detokenize(answer[:len(answer) - m]).endswith(REPLACEMENT):
-            return list(answer[len(answer) - m:])
-    return list(answer[len(answer) - MAX_HELD_TOKENS:])
