@@ -807,11 +807,7 @@ class Orchestrator:
             timeout_s=timeout,
             return_latents=return_latents,
         )
-        chains = self._prompt_chains(None if checked.media else checked.prompt_token_ids)
-        req.route, req.prefill_backlog = self._route(
-            checked.participants, len(req.prompt_token_ids), chains,
-            None if checked.media else checked.prompt_token_ids)
-        req.block_hashes = chains
+        self._assign_route(req, checked.prompt_token_ids, has_media=bool(checked.media))
         entry = self._replica_names[(self.entry.name, req.route[self.entry.name])]
         msg = Submit(
             request_id=req.request_id,
@@ -853,6 +849,14 @@ class Orchestrator:
             self._fail(req, 503, f"could not hand the request to stage {self.entry.name!r}",
                        stage=self.entry.name)
         return RequestHandle(self, req)
+
+    def _assign_route(self, req: Request, prompt: Sequence[int], *, has_media: bool) -> None:
+        """Route ``req``, whose entry stage is sent ``prompt``: its replicas, the prefill it queues
+        on its entry replica, and the prompt's block hashes (prefix routing; none with media)."""
+        hashed = None if has_media else prompt
+        chains = self._prompt_chains(hashed)
+        req.route, req.prefill_backlog = self._route(req.participants, len(prompt), chains, hashed)
+        req.block_hashes = chains
 
     def _route(self, participants: Sequence[str], prompt_tokens: int,
                chains: dict[int, list[int]], prompt: Sequence[int] | None = None
@@ -959,11 +963,7 @@ class Orchestrator:
         req.skip_samples = req.audio_samples
         if req.resumed_text is None:
             req.resumed_text = ResumedText(self.detokenize, req.answer_tokens[req.text_tokens:])
-        prompt = resumed_prompt(req, text_from_entry)
-        chains = self._prompt_chains(None if req.media else prompt)
-        req.route, req.prefill_backlog = self._route(req.participants, len(prompt), chains,
-                                                     None if req.media else prompt)
-        req.block_hashes = chains
+        self._assign_route(req, resumed_prompt(req, text_from_entry), has_media=bool(req.media))
         msg = resumed_submit(req, text_from_entry=text_from_entry, answer_finished=answer_finished)
         self.metrics.request_resumed(dead.stage, dead.index)
         logger.warning("request %s: %s died while serving it; resumed as %s on %s after %d "
