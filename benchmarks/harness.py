@@ -15,6 +15,8 @@ import os
 import platform
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -263,6 +265,19 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
         def close(self) -> None: ...
 
     return _Quiet()
+
+
+def stop_omni_serve(proc: subprocess.Popen, wait_s: float, kill_wait_s: float) -> int | None:
+    """Stop an ``omni-serve`` process as Ctrl-C does (it stops its stages on SIGINT), SIGKILL it
+    if it has not exited within ``wait_s``; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(kill_wait_s)
+    return proc.returncode
 
 
 def log(msg: str) -> None:

@@ -48,7 +48,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +62,7 @@ from typing import Any
 import httpx
 import yaml
 
-from benchmarks.harness import ManagedServer, command_line, log, machine_info, private_config
+from benchmarks.harness import ManagedServer, command_line, log, machine_info, private_config, stop_omni_serve
 from benchmarks.workloads import random_text
 
 __all__ = ["KINDS", "Outcome", "PromptSource", "classify", "hit_rates", "percentile", "rss_growth", "summarize", "main"]
@@ -404,14 +403,8 @@ class ServedProcess:
         return dict(sorted(out.items()))
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)  # omni-serve stops its stages on SIGINT
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_omni_serve(self.proc, 60, 10)
 
 
 def loadavg() -> list[float]:

@@ -29,6 +29,7 @@ import openai
 import pytest
 import yaml
 
+from benchmarks.harness import stop_omni_serve
 from omni_cache.serving.metrics import parse_metrics
 
 pytestmark = pytest.mark.vllm
@@ -121,14 +122,7 @@ class Server:
             time.sleep(0.5)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # omni-serve stops its stages on SIGINT
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        return self.proc.returncode
+        return stop_omni_serve(self.proc, 120, 30)
 
 
 @pytest.fixture(scope="module")
