@@ -3,8 +3,9 @@
     .venv/bin/python -m benchmarks.thinker_cache --json OUT.json [--quick] [--rounds R] [--requests N]
                                                  [--retries K] [--idle-wait S] [--model qwen3-omni]
 
-Four modes, each its own in-process `LLMStage` engine on the tiny Qwen3 thinker (hidden 512, 8 layers),
-created, measured and shut down before the next one starts (one engine alive at a time):
+Four modes, each its own `LLMStage` engine on the tiny Qwen3 thinker (hidden 512, 8 layers), each in a
+process of its own (`EngineProcess`), all four alive during a round and driven one request at a time
+(only one engine works at any moment; see "Rounds"):
 
     plain          no latents,                                   prefix_cache=False
     plain_apc      no latents,                                   prefix_cache=True  (vLLM's APC)
@@ -51,6 +52,8 @@ Workloads (seeded; every mode sees the same prompts in the same order):
     zero_reuse     one warm-up request, then N requests, all 4,100 tokens, all distinct.
 
 Each engine first runs two short (256-token) requests (one-off initialisation), then the workloads.
+Each workload's warm-up is followed by EXTRA_WARMUPS (2) untimed requests of the measured shape (the
+first image / clip requests of an engine page-fault in the HF processor's buffers).
 The warm-ups run in every mode (the non-APC modes too) and are not measured. TTFT of a request is
 the time from `LLMStage.add` to the first `step()` output that carries a token (`time.perf_counter`);
 requests run one at a time (max_tokens=2, temperature 0, ignore_eos; each request then runs to its
@@ -66,27 +69,37 @@ generated token that differs (greedy argmax on bf16 logits can flip on a near ti
 engines; the row after a flipped token is another token's row, so it is not comparable; flips are
 counted in OUT.json).
 
-In-process timers: the engine runs in this process, so the benchmark wraps a few methods with
-perf_counter timers (microseconds per call) and records, per request up to its first token, the
+In-process timers: each engine's process wraps a few methods with perf_counter timers (microseconds per call) and records, per request up to its first token, the
 time in `LLMStage.add`/`step`, the model runner's `execute_model` (input preparation + forward, the
 same work in every mode), sampling, scheduling, and the latent path (`LatentCapture.on_step`, of
 which `LatentStore.write` and the mirror gathers, and `LLMStage._attach_latents`).
 
-Rounds: with `--rounds R` every round runs all four engines on fresh prompts (round r's prompts are
-identical across modes), in order plain, plain_apc, latents, latents_cache on even rounds and the
-reverse on odd ones (ABBA, so slow drift of the machine's load cancels). Each ratio is computed per
-round from that round's medians; the headline ratio is the median over rounds. Medians and p90s per
-mode and workload are also given pooled over all rounds.
+Rounds: with `--rounds R` every round starts four fresh engines and runs them on fresh prompts
+(round r's prompts are identical across modes). The modes are interleaved request by request: each
+workload's warm-up runs on every engine, then measured request i runs on every engine before request
+i + 1 runs on any, the first engine rotating with i (order plain, plain_apc, latents, latents_cache on
+even rounds, reversed on odd ones). This machine's speed drifts by 10-30% over tens of seconds (a
+4,100-token prefill took 236-266 ms for one minute and 257-343 ms the minute before, same engine,
+nothing else running); measuring one mode after the other for a minute each put that drift into
+every ratio, interleaving puts it into all four modes alike. Each ratio is computed per round from
+that round's medians; the headline ratio is the median over rounds. Medians and p90s per mode and
+workload are also given pooled over all rounds, and `paired` ratios: the median over requests of
+the ratio of the two modes' TTFTs for the same request index (neighbours in time).
 
-Contention (this is a shared 2-core machine): every request records how long this process's threads
-waited in the run queue during its TTFT (/proc/self/task/*/schedstat). With `--retries K` a request
+Contention (this is a shared 2-core machine): every request records how long its engine process's
+threads (gloo's TCP loop threads left out, see `runqueue_wait_s`) waited in the run queue during its
+TTFT (/proc/self/task/*/schedstat). With `--retries K` a request
 that waited more than 25% of its TTFT is measured again, up to K times (and until retries took
 --retry-budget seconds in all), with a spare prompt of the
 same shape (for shared_prefix: the same shared prefix + a new suffix; retry k of request i is the
 same prompt in every mode) and the least contended attempt is kept; all attempts are in OUT.json.
 With `--idle-wait S` each request first waits (untimed) up to S seconds for the other jobs to leave
-the CPUs idle. "Quiet" medians use only requests that waited < 25% of their TTFT (an idle machine
-shows 5-10% from the stage's own threads; other jobs' load shows 50-500%).
+the CPUs idle. That wait sleeps, and on these VMs the request after a sleep runs its memory-bound
+work slower (measured on an Intel Xeon guest: the mirror write of a 4,100-token prefill 1.0-1.5 ms
+back to back, 2-10 ms after each request waited; hits' run-queue waits ~50% of their TTFT against
+3-5%): use it on a machine that other jobs share, not on an idle one. "Quiet" medians use only
+requests that waited < 25% of their TTFT (an idle machine shows 3-10% from the stage's own threads;
+other jobs' load shows 50-500%).
 
 Ratios in OUT.json (top level; details, per-round values and cross-checks under "summary"):
     apc_speedup          = plain / plain_apc            (shared_prefix median TTFT)
@@ -113,6 +126,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import time
@@ -209,7 +223,7 @@ def latent_layers(model_path: str) -> tuple[int, ...]:
 VERDICT_MIN_ROUNDS, VERDICT_MIN_REQUESTS = 3, 10
 TARGET_ZERO_REUSE_OVERHEAD = 0.02
 # A request counts as "quiet" when its threads waited for a CPU less than this fraction of its TTFT
-# (on an otherwise idle machine a 4,100-token prefill shows 5-10%: the stage's own threads; under
+# (on an otherwise idle machine a 4,100-token prefill shows 3-10%: the stage's own threads; under
 # other jobs' load 50-500%);
 # quiet medians need at least MIN_QUIET such requests per mode and workload.
 QUIET_WAIT_FRACTION = 0.25
@@ -217,6 +231,8 @@ QUIET_WAIT_FRACTION = 0.25
 # is run again (with a spare prompt of the same shape).
 RETRY_WAIT_FRACTION = 0.25
 MIN_QUIET = 3
+# Untimed requests of the measured shape after each workload's warm-up, per engine.
+EXTRA_WARMUPS = 2
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -322,6 +338,9 @@ class PathTimers:
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_execute_mm_encoder"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
         ("workers.latent_capture", "LatentCapture", "on_step"),
         ("workers.latent_capture", "LatentCapture", "_gather_with"),
         ("omni_cache.cache.latent_store", "LatentStore", "write"),
@@ -362,13 +381,25 @@ class PathTimers:
         return dict(self.totals)
 
 
+_THREAD_NAMES: dict[str, str] = {}
+
+
 def runqueue_wait_s() -> float:
-    """Time this process's threads have spent runnable but waiting for a CPU (Linux schedstat):
-    how much other jobs on the machine delayed us."""
+    """Time this process's serving threads have spent runnable but waiting for a CPU (Linux
+    schedstat): how much other jobs on the machine delayed us. gloo's TCP loop threads (vLLM's
+    process group, dozens of them, woken briefly every step) are left out: they wait behind the
+    stage's own threads at every step (10-25 ms summed over a 25 ms prefix hit on an idle machine)
+    without delaying it, and counting them made every hit look contended."""
     total = 0
     try:
         for tid in os.listdir("/proc/self/task"):
             try:
+                name = _THREAD_NAMES.get(tid)
+                if name is None:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        name = _THREAD_NAMES[tid] = f.read().strip()
+                if name.startswith("gloo"):
+                    continue
                 with open(f"/proc/self/task/{tid}/schedstat") as f:
                     total += int(f.read().split()[1])
             except (OSError, IndexError, ValueError):
@@ -393,6 +424,9 @@ class RequestResult:
     latent_rows: int | None = None
     latents: dict[str, torch.Tensor] | None = None
     path_s: dict[str, float] = field(default_factory=dict)
+    # Minor page faults of this process over the TTFT span: memory the request touched for the
+    # first time (fresh heap pages, a first-touched mirror region).
+    ttft_minor_faults: int = 0
 
 
 def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, with_latents: bool,
@@ -409,6 +443,7 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
     encoder_before = stage.counters()["encoder_runs"]
     request = engine_prompt(prompt, rid, prefix_cache)
     w0 = runqueue_wait_s()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0 = time.process_time()
     t0 = time.perf_counter()
     stage.add(rid, request, params)
@@ -421,6 +456,7 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
                 ttft = time.perf_counter() - t0
                 ttft_cpu = time.process_time() - c0
                 ttft_wait = runqueue_wait_s() - w0
+                ttft_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 at_ttft = timers.snapshot() if timers else {}
             generated += len(out.token_ids)
             token_ids += out.token_ids
@@ -434,6 +470,7 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
         raise RuntimeError(f"{rid}: finished without a token")
     res = RequestResult(ttft, ttft_cpu, ttft_wait, total, cached, generated, token_ids, num_prompt,
                         stage.counters()["encoder_runs"] - encoder_before)
+    res.ttft_minor_faults = ttft_faults
     if timers:
         res.path_s = {k: at_ttft[k] - before.get(k, 0.0) for k in at_ttft}
     if with_latents:
@@ -550,92 +587,216 @@ def check_request(mode: str, wl: str, i: int, k: int, spec: dict[str, Any], r: R
     r.latents = None
 
 
-def run_mode(mode: str, model: str, rounds_prompts: dict[str, list[Prompt]], round_index: int,
-             reference: dict[tuple, tuple[dict[str, torch.Tensor], list[int]]], idle_wait: float = 0.0,
-             retries: int = 0, seed: int = 0, budget: dict[str, float] | None = None,
-             mspec: ModelSpec | None = None, layers: tuple[int, ...] = ()) -> dict[str, Any]:
+class EngineProcess:
+    """One mode's `LLMStage` in a process of its own, driven over a pipe (requests in, results out).
+
+    The four modes' engines live side by side so that a round can interleave them request by
+    request: this machine's speed drifts by 10-30% over tens of seconds (other guests of the host,
+    clock), and measuring mode after mode put that drift into the ratios. Only one engine works at
+    a time (the others block on their pipe); timing, scheduling wait and the in-process timers are
+    taken inside the engine's process, around `LLMStage.add` / `step` as before. The engine's
+    latents come back to this process for the checks, so the engine keeps nothing between requests
+    (as a stage that sends its rows on)."""
+
+    def __init__(self, mode: str, model: str, engine_args: dict[str, Any],
+                 layers: tuple[int, ...]) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.mode = mode
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_main, name=f"thinker_cache-{mode}", daemon=True,
+                                args=(child, mode, model, engine_args, layers))
+        self.proc.start()
+        child.close()
+        self.info: dict[str, Any] = {}
+
+    def ready(self) -> dict[str, Any]:
+        self.info = self._reply()
+        return self.info
+
+    def run(self, rid: str, prompt: Prompt | list[int], timed: bool) -> RequestResult:
+        self.conn.send(("run", rid, prompt, timed))
+        return self._reply()
+
+    def counters(self) -> dict[str, Any]:
+        self.conn.send(("counters",))
+        return self._reply()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+            self._reply()
+        except (EOFError, OSError, RuntimeError):
+            pass
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def _reply(self) -> Any:
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the {self.mode} engine process died (exit code {self.proc.exitcode})")
+        if status == "error":
+            raise RuntimeError(f"{self.mode} engine: {value}")
+        return value
+
+
+def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
+                 layers: tuple[int, ...]) -> None:
+    """Body of an EngineProcess: build the mode's stage, then serve requests until "stop"."""
+    import traceback
+
     from vllm import SamplingParams
 
     from workers.latent_capture import LatentOptions
     from workers.llm_stage import LLMStage
 
-    mspec = mspec or model_spec("thinker")
     spec = MODES[mode]
-    budget = budget if budget is not None else {"retry_s": float("inf")}
     # What the shipped pipeline's talker reads: the final hidden state for the tiny talker, the
     # layer taps alone for Qwen3-Omni's (stage_configs/qwen3_omni.yaml: hidden false).
     latents = (LatentOptions(hidden=not layers, layers=layers, cache=spec["prefix_cache"])
                if spec["latents"] else None)
     timers = PathTimers()
     timers.install()
-    t_start = time.perf_counter()
-    engine_args = dict(mspec.engine_args)
-    stage = LLMStage(model, engine_args, prefix_cache=spec["prefix_cache"], latents=latents)
-    startup_s = time.perf_counter() - t_start
-    threads = torch.get_num_threads()
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    out: dict[str, Any] = {"startup_s": startup_s, "torch_threads": threads, "workloads": {}}
-    block = engine_args["block_size"]
     try:
-        # Engine warm-up (first forward passes pay one-off initialisation); short, distinct tokens.
-        warm_rng = random.Random(f"engine-warmup/{round_index}")
-        for i in range(2):
-            run_request(stage, f"{mode}-r{round_index}-engine-warmup-{i}", _tokens(warm_rng, 256),
-                        params, spec["latents"], None, spec["prefix_cache"])
-        checks = {"max_rel_err": 0.0, "compared": 0, "token_divergences": 0}
-        for wl in rounds_prompts:
-            prompts = rounds_prompts[wl]
-            gc.collect()
-            wait_for_idle(idle_wait)
-            # The warm-up also pays the first run of this workload's encoder (and, with prefix
-            # caching, fills the cache).
-            warm = run_request(stage, f"{mode}-r{round_index}-{wl}-warmup", prompts[0], params,
-                               spec["latents"], timers, spec["prefix_cache"])
-            reqs, idle, attempts = [], [], []
-            for i in range(len(prompts) - 1):
-                tries = []
-                for k in range(1 + retries):
-                    if k > 0 and budget["retry_s"] <= 0:
-                        break
-                    t_try = time.perf_counter()
-                    prompt = prompts[1 + i] if k == 0 else spare_prompt(prompts, wl, seed, round_index, i, k)
+        t_start = time.perf_counter()
+        stage = LLMStage(model, dict(engine_args), prefix_cache=spec["prefix_cache"], latents=latents)
+        conn.send(("ok", {"startup_s": time.perf_counter() - t_start,
+                          "torch_threads": torch.get_num_threads()}))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    try:
+        while True:
+            op, *args = conn.recv()
+            try:
+                if op == "run":
+                    rid, prompt, timed = args
                     gc.collect()
-                    idle.append(wait_for_idle(idle_wait))
-                    r = run_request(stage, f"{mode}-r{round_index}-{wl}-{i}-{k}", prompt, params,
-                                    spec["latents"], timers, spec["prefix_cache"])
-                    check_request(mode, wl, i, k, spec, r, prompt, reference, checks, mspec.row_rtol, block)
-                    tries.append(r)
-                    if k > 0:
-                        budget["retry_s"] -= time.perf_counter() - t_try
-                    if r.ttft_wait_s <= RETRY_WAIT_FRACTION * r.ttft_s:
-                        break
-                attempts.append([{"ttft_s": t.ttft_s, "runqueue_wait_s": t.ttft_wait_s} for t in tries])
-                reqs.append(min(tries, key=lambda t: t.ttft_wait_s / t.ttft_s))
-            out["workloads"][wl] = {
-                "warmup_ttft_s": warm.ttft_s,
-                "ttft_s": [r.ttft_s for r in reqs],
-                "ttft_cpu_s": [r.ttft_cpu_s for r in reqs],
-                "ttft_runqueue_wait_s": [r.ttft_wait_s for r in reqs],
-                "total_s": [r.total_s for r in reqs],
-                "num_prompt_tokens": [r.num_prompt_tokens for r in reqs],
-                "num_cached_tokens": [r.num_cached_tokens for r in reqs],
-                "encoder_runs": [r.encoder_runs for r in reqs],
-                "warmup_encoder_runs": warm.encoder_runs,
-                "latent_rows": [r.latent_rows for r in reqs] if spec["latents"] else None,
-                "timers_s": {k: [r.path_s.get(k, 0.0) for r in reqs] for k in timers.totals},
-                "idle_wait": idle,
-                "attempts": attempts,
-            }
-        out["counters"] = stage.counters()
-        out["latents_vs_other_latents_mode"] = checks if spec["latents"] else None
-        if stage.capture is not None:
-            store = stage.capture.store
-            out["mirror"] = repr(store) if store is not None else None
+                    value: Any = run_request(stage, rid, prompt, params, spec["latents"],
+                                             timers if timed else None, spec["prefix_cache"])
+                elif op == "counters":
+                    store = stage.capture.store if stage.capture is not None else None
+                    value = {"counters": stage.counters(),
+                             "mirror": repr(store) if store is not None else None}
+                elif op == "stop":
+                    conn.send(("ok", None))
+                    return
+                else:
+                    raise ValueError(f"unknown operation {op!r}")
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+                continue
+            conn.send(("ok", value))
     finally:
         timers.uninstall()
         stage.engine.engine_core.shutdown()
-        del stage
-        gc.collect()
+
+
+def request_order(modes: list[str], i: int) -> list[str]:
+    """The engines' order for measured request i: `modes` rotated by i, so over len(modes)
+    consecutive requests every mode runs first, second, ... once."""
+    k = i % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def start_engines(modes: list[str], model: str, mspec: ModelSpec,
+                  layers: tuple[int, ...]) -> dict[str, EngineProcess]:
+    """All modes' engines, started together (each in its own process) and ready."""
+    engines = {m: EngineProcess(m, model, mspec.engine_args, layers) for m in modes}
+    try:
+        for e in engines.values():
+            e.ready()
+    except Exception:
+        for e in engines.values():
+            e.stop()
+        raise
+    return engines
+
+
+def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], round_index: int,
+              idle_wait: float = 0.0, retries: int = 0, seed: int = 0,
+              budget: dict[str, float] | None = None, mspec: ModelSpec | None = None,
+              layers: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One round: the modes' engines side by side; every workload's warm-up on each, then its
+    measured requests interleaved: request i runs on every engine before request i + 1 runs on
+    any, starting at engine i mod 4 of `modes` (so each mode goes first, second, ... equally often).
+    Returns {mode: that mode's figures} (the layout `summarize` reads)."""
+    mspec = mspec or model_spec("thinker")
+    budget = budget if budget is not None else {"retry_s": float("inf")}
+    block = mspec.engine_args["block_size"]
+    reference: dict[tuple, tuple[dict[str, torch.Tensor], list[int]]] = {}
+    checks = {m: {"max_rel_err": 0.0, "compared": 0, "token_divergences": 0} for m in modes}
+    out: dict[str, Any] = {}
+    engines = start_engines(modes, model, mspec, layers)
+    try:
+        for m, e in engines.items():
+            out[m] = {**e.info, "workloads": {}}
+            # Engine warm-up (first forward passes pay one-off initialisation); short, distinct tokens.
+            warm_rng = random.Random(f"engine-warmup/{round_index}")
+            for i in range(2):
+                e.run(f"{m}-r{round_index}-engine-warmup-{i}", _tokens(warm_rng, 256), False)
+        for wl, wl_prompts in prompts.items():
+            per_mode: dict[str, dict[str, list]] = {m: {"reqs": [], "idle": [], "attempts": []} for m in modes}
+            warm = {}
+            for m, e in engines.items():
+                wait_for_idle(idle_wait)
+                # The warm-up also pays the first run of this workload's encoder (and, with prefix
+                # caching, fills the cache).
+                warm[m] = e.run(f"{m}-r{round_index}-{wl}-warmup", wl_prompts[0], True)
+                # Then a few requests of the measured shape (hits where the cache is on): the first
+                # requests of an image or clip page-fault in the HF processor's buffers (26 MB of
+                # fresh pages, 20-40 ms, measured), until glibc keeps them on its heap.
+                for j in range(EXTRA_WARMUPS):
+                    e.run(f"{m}-r{round_index}-{wl}-warmup{j + 1}",
+                          spare_prompt(wl_prompts, wl, seed, round_index, -1, j), False)
+            for i in range(len(wl_prompts) - 1):
+                for m in request_order(modes, i):
+                    spec, acc, tries = MODES[m], per_mode[m], []
+                    for k in range(1 + retries):
+                        if k > 0 and budget["retry_s"] <= 0:
+                            break
+                        t_try = time.perf_counter()
+                        prompt = wl_prompts[1 + i] if k == 0 else spare_prompt(wl_prompts, wl, seed, round_index, i, k)
+                        acc["idle"].append(wait_for_idle(idle_wait))
+                        r = engines[m].run(f"{m}-r{round_index}-{wl}-{i}-{k}", prompt, True)
+                        check_request(m, wl, i, k, spec, r, prompt, reference, checks[m], mspec.row_rtol, block)
+                        tries.append(r)
+                        if k > 0:
+                            budget["retry_s"] -= time.perf_counter() - t_try
+                        if r.ttft_wait_s <= RETRY_WAIT_FRACTION * r.ttft_s:
+                            break
+                    acc["attempts"].append([{"ttft_s": t.ttft_s, "runqueue_wait_s": t.ttft_wait_s} for t in tries])
+                    acc["reqs"].append(min(tries, key=lambda t: t.ttft_wait_s / t.ttft_s))
+            for m in modes:
+                reqs = per_mode[m]["reqs"]
+                keys = sorted({k for r in reqs for k in r.path_s})
+                out[m]["workloads"][wl] = {
+                    "warmup_ttft_s": warm[m].ttft_s,
+                    "ttft_s": [r.ttft_s for r in reqs],
+                    "ttft_cpu_s": [r.ttft_cpu_s for r in reqs],
+                    "ttft_runqueue_wait_s": [r.ttft_wait_s for r in reqs],
+                    "ttft_minor_faults": [r.ttft_minor_faults for r in reqs],
+                    "total_s": [r.total_s for r in reqs],
+                    "num_prompt_tokens": [r.num_prompt_tokens for r in reqs],
+                    "num_cached_tokens": [r.num_cached_tokens for r in reqs],
+                    "encoder_runs": [r.encoder_runs for r in reqs],
+                    "warmup_encoder_runs": warm[m].encoder_runs,
+                    "latent_rows": [r.latent_rows for r in reqs] if MODES[m]["latents"] else None,
+                    "timers_s": {k: [r.path_s.get(k, 0.0) for r in reqs] for k in keys},
+                    "idle_wait": per_mode[m]["idle"],
+                    "attempts": per_mode[m]["attempts"],
+                }
+        for m, e in engines.items():
+            out[m].update(e.counters())
+            out[m]["latents_vs_other_latents_mode"] = checks[m] if MODES[m]["latents"] else None
+    finally:
+        for e in engines.values():
+            e.stop()
     return out
 
 
@@ -676,6 +837,9 @@ def summarize(rounds: list[dict[str, Any]], judge: bool = True,
                 entry["hit_rate"] = sum(hit) / sum(prompt)
             enc = [x for r in rounds for x in r["modes"][mode]["workloads"][wl].get("encoder_runs", [])]
             entry["encoder_runs"] = sum(enc)
+            faults = [x for r in rounds for x in r["modes"][mode]["workloads"][wl].get("ttft_minor_faults", [])]
+            if faults:
+                entry["median_ttft_minor_faults"] = statistics.median(faults)
             timers = [r["modes"][mode]["workloads"][wl]["timers_s"] for r in rounds]
             keys = sorted({k for t in timers for k in t})
             col = {k: [x for t in timers for x in t.get(k, [0.0] * len(t[FORWARD]))] for k in keys}
@@ -694,7 +858,10 @@ def summarize(rounds: list[dict[str, Any]], judge: bool = True,
             per_round.append(a / b - (1 if minus_one else 0))
         m1 = 1 if minus_one else 0
         a, b = modes[num][wl], modes[den][wl]
+        # Request i of a round ran on both engines next to each other (interleaved rounds).
+        pairs = [x / y for xs, ys in zip(a["ttft_s"], b["ttft_s"]) for x, y in zip(xs, ys)]
         return {"value": statistics.median(per_round), "per_round": per_round,
+                "paired_medians": statistics.median(pairs) - m1,
                 "pooled_medians": a["median_ttft_s"] / b["median_ttft_s"] - m1,
                 "pooled_mins": a["min_ttft_s"] / b["min_ttft_s"] - m1,
                 "pooled_cpu_time_medians": a["median_ttft_cpu_s"] / b["median_ttft_cpu_s"] - m1,
@@ -716,7 +883,7 @@ def summarize(rounds: list[dict[str, Any]], judge: bool = True,
     def around(num: str, den: str, wl: str) -> dict[str, Any]:
         a, b = modes[num][wl], modes[den][wl]
         return {"value": (a["around_forward_median_s"] - b["around_forward_median_s"]) / b["median_ttft_s"],
-                "per_round": [], "pooled_medians": None, "pooled_mins": None,
+                "per_round": [], "paired_medians": None, "pooled_medians": None, "pooled_mins": None,
                 "pooled_cpu_time_medians": None, "quiet_medians": None}
 
     ratios["zero_reuse_overhead_around_forward"] = around("latents_cache", "latents", "zero_reuse")
@@ -796,7 +963,8 @@ def print_table(res: dict[str, Any]) -> None:
             print(f"{name:<40} {r['value']:>8.4f}   (add + step - forward, timed in process)")
             continue
         q = f"{r['quiet_medians']:.3f}" if r["quiet_medians"] is not None else "n/a"
-        print(f"{name:<40} {r['value']:>8.3f}   (per round: {per}; pooled medians {r['pooled_medians']:.3f}, "
+        print(f"{name:<40} {r['value']:>8.3f}   (per round: {per}; paired {r['paired_medians']:.3f}, "
+              f"pooled medians {r['pooled_medians']:.3f}, "
               f"mins {r['pooled_mins']:.3f}, CPU-time medians {r['pooled_cpu_time_medians']:.3f}, "
               f"quiet medians {q})")
     print()
@@ -847,7 +1015,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop retrying once retries took S seconds in all (default 900)")
     ap.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
                     help="before each request (untimed), wait up to S seconds for other jobs to leave "
-                         "the CPUs idle (< 0.2 busy cores over 0.5 s); default 0 = off")
+                         "the CPUs idle (< 0.2 busy cores over 0.5 s); default 0 = off. It sleeps, "
+                         "which slows the next request's memory-bound work on a VM: for shared "
+                         "machines only")
     ap.add_argument("--modes", default=",".join(MODES), help=argparse.SUPPRESS)  # debugging only
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -887,17 +1057,16 @@ def main(argv: list[str] | None = None) -> int:
     for ri in range(rounds):
         prompts = make_workloads(args.seed, ri, requests, mspec.workloads)
         order = mode_names if ri % 2 == 0 else mode_names[::-1]
-        reference: dict[tuple, tuple[torch.Tensor, list[int]]] = {}
-        rnd: dict[str, Any] = {"order": order, "modes": {}}
+        tm = time.perf_counter()
+        modes = run_round(order, model, prompts, ri, args.idle_wait, args.retries, args.seed,
+                          budget, mspec, layers)
+        res["rounds"].append({"order": order, "modes": modes})
         for mode in order:
-            tm = time.perf_counter()
-            rnd["modes"][mode] = run_mode(mode, model, prompts, ri, reference, args.idle_wait,
-                                          args.retries, args.seed, budget, mspec, layers)
             print(f"[round {ri + 1}/{rounds}] {mode}: "
                   + ", ".join(f"{wl} median TTFT {statistics.median(w['ttft_s']) * 1e3:.1f} ms"
-                              for wl, w in rnd["modes"][mode]["workloads"].items())
-                  + f" ({time.perf_counter() - tm:.0f} s, load {os.getloadavg()[0]:.2f})", flush=True)
-        res["rounds"].append(rnd)
+                              for wl, w in modes[mode]["workloads"].items()), flush=True)
+        print(f"[round {ri + 1}/{rounds}] {time.perf_counter() - tm:.0f} s, load "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
     res["wall_s"] = time.perf_counter() - t0
     res["retry_budget_left_s"] = budget["retry_s"]
     res["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -675,3 +675,29 @@ def test_thinker_cache_summary_has_a_ratio_and_target_per_modality():
     img = s["modes"]["plain"]["shared_image"]
     assert img["encoder_runs"] == 6 and s["modes"]["plain_apc"]["shared_image"]["encoder_runs"] == 0
     assert s["modes"]["plain_apc"]["shared_image"]["hit_rate"] == pytest.approx(0.9)
+
+
+def test_thinker_cache_interleaves_modes_evenly():
+    from benchmarks import thinker_cache as tc
+
+    modes = list(tc.MODES)
+    orders = [tc.request_order(modes, i) for i in range(2 * len(modes))]
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    for pos in range(len(modes)):
+        # over every run of len(modes) consecutive requests, each mode holds each position once
+        assert sorted(o[pos] for o in orders[:len(modes)]) == sorted(modes)
+    assert orders[len(modes)] == orders[0] == modes
+
+
+def test_thinker_cache_paired_ratio_uses_neighbouring_requests():
+    from benchmarks import thinker_cache as tc
+
+    workloads = tc.model_spec("thinker").workloads
+    rnd = _thinker_cache_round({(m, wl): 1.0 for m in tc.MODES for wl in workloads}, workloads)
+    # Medians 3.0 and 2.5 give 1.2; request by request the ratios are 2.0 and 1.0, median 1.5.
+    rnd["modes"]["plain"]["workloads"]["shared_prefix"]["ttft_s"] = [2.0, 4.0]
+    rnd["modes"]["plain_apc"]["workloads"]["shared_prefix"]["ttft_s"] = [1.0, 4.0]
+    s = tc.summarize([rnd], False)
+    r = s["ratios"]["apc_speedup"]
+    assert r["value"] == pytest.approx(3.0 / 2.5)
+    assert r["paired_medians"] == pytest.approx((2.0 + 1.0) / 2)
