@@ -69,8 +69,8 @@ generated token that differs (greedy argmax on bf16 logits can flip on a near ti
 engines; the row after a flipped token is another token's row, so it is not comparable; flips are
 counted in OUT.json).
 
-In-process timers: each engine's process wraps a few methods with perf_counter timers (microseconds per call) and records, per request up to its first token, the
-time in `LLMStage.add`/`step`, the model runner's `execute_model` (input preparation + forward, the
+In-process timers: each engine's process wraps a few methods with perf_counter timers (microseconds
+per call) and records, per request up to its first token, the time in `LLMStage.add`/`step`, the model runner's `execute_model` (input preparation + forward, the
 same work in every mode), sampling, scheduling, and the latent path (`LatentCapture.on_step`, of
 which `LatentStore.write` and the mirror gathers, and `LLMStage._attach_latents`).
 
@@ -130,6 +130,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -469,8 +470,8 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
     if ttft is None:
         raise RuntimeError(f"{rid}: finished without a token")
     res = RequestResult(ttft, ttft_cpu, ttft_wait, total, cached, generated, token_ids, num_prompt,
-                        stage.counters()["encoder_runs"] - encoder_before)
-    res.ttft_minor_faults = ttft_faults
+                        stage.counters()["encoder_runs"] - encoder_before,
+                        ttft_minor_faults=ttft_faults)
     if timers:
         res.path_s = {k: at_ttft[k] - before.get(k, 0.0) for k in at_ttft}
     if with_latents:
@@ -704,6 +705,25 @@ def request_order(modes: list[str], i: int) -> list[str]:
     return modes[k:] + modes[:k]
 
 
+def measure_with_retries(attempt: Callable[[int], RequestResult], retries: int,
+                         budget: dict[str, float]) -> list[RequestResult]:
+    """Attempts 0, 1, ... of one measured request (`attempt(k)` runs and checks attempt k): again
+    while an attempt waited for a CPU more than RETRY_WAIT_FRACTION of its TTFT, up to `retries`
+    times and while the retry budget lasts (retries spend it)."""
+    tries: list[RequestResult] = []
+    for k in range(1 + retries):
+        if k > 0 and budget["retry_s"] <= 0:
+            break
+        t_try = time.perf_counter()
+        r = attempt(k)
+        tries.append(r)
+        if k > 0:
+            budget["retry_s"] -= time.perf_counter() - t_try
+        if r.ttft_wait_s <= RETRY_WAIT_FRACTION * r.ttft_s:
+            break
+    return tries
+
+
 def start_engines(modes: list[str], model: str, mspec: ModelSpec,
                   layers: tuple[int, ...]) -> dict[str, EngineProcess]:
     """All modes' engines, started together (each in its own process) and ready."""
@@ -756,20 +776,16 @@ def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], ro
                           spare_prompt(wl_prompts, wl, seed, round_index, -1, j), False)
             for i in range(len(wl_prompts) - 1):
                 for m in request_order(modes, i):
-                    spec, acc, tries = MODES[m], per_mode[m], []
-                    for k in range(1 + retries):
-                        if k > 0 and budget["retry_s"] <= 0:
-                            break
-                        t_try = time.perf_counter()
+                    acc = per_mode[m]
+
+                    def attempt(k: int, m: str = m, i: int = i) -> RequestResult:
                         prompt = wl_prompts[1 + i] if k == 0 else spare_prompt(wl_prompts, wl, seed, round_index, i, k)
                         acc["idle"].append(wait_for_idle(idle_wait))
                         r = engines[m].run(f"{m}-r{round_index}-{wl}-{i}-{k}", prompt, True)
-                        check_request(m, wl, i, k, spec, r, prompt, reference, checks[m], mspec.row_rtol, block)
-                        tries.append(r)
-                        if k > 0:
-                            budget["retry_s"] -= time.perf_counter() - t_try
-                        if r.ttft_wait_s <= RETRY_WAIT_FRACTION * r.ttft_s:
-                            break
+                        check_request(m, wl, i, k, MODES[m], r, prompt, reference, checks[m], mspec.row_rtol, block)
+                        return r
+
+                    tries = measure_with_retries(attempt, retries, budget)
                     acc["attempts"].append([{"ttft_s": t.ttft_s, "runqueue_wait_s": t.ttft_wait_s} for t in tries])
                     acc["reqs"].append(min(tries, key=lambda t: t.ttft_wait_s / t.ttft_s))
             for m in modes:

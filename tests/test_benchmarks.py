@@ -701,3 +701,19 @@ def test_thinker_cache_paired_ratio_uses_neighbouring_requests():
     r = s["ratios"]["apc_speedup"]
     assert r["value"] == pytest.approx(3.0 / 2.5)
     assert r["paired_medians"] == pytest.approx((2.0 + 1.0) / 2)
+
+
+def test_thinker_cache_retries_a_contended_request_within_the_budget():
+    from benchmarks import thinker_cache as tc
+
+    def result(wait_fraction: float) -> "tc.RequestResult":
+        return tc.RequestResult(ttft_s=1.0, ttft_cpu_s=1.0, ttft_wait_s=wait_fraction, total_s=1.0,
+                                num_cached_tokens=0, generated=1)
+
+    waits = {0: 0.9, 1: 0.5, 2: 0.1, 3: 0.0}
+    budget = {"retry_s": 100.0}
+    tries = tc.measure_with_retries(lambda k: result(waits[k]), 3, budget)
+    assert [t.ttft_wait_s for t in tries] == [0.9, 0.5, 0.1]  # stops at the first quiet attempt
+    assert budget["retry_s"] < 100.0
+    assert len(tc.measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 100.0})) == 3
+    assert len(tc.measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 0.0})) == 1

@@ -90,6 +90,8 @@ def new_samples(req: Request, samples: np.ndarray) -> Any:
 
 #: What U+FFFD at the end of a decoded text means: bytes that are not (yet) a whole character.
 REPLACEMENT = "\ufffd"
+
+
 class ResumedText:
     """The text of a resumed attempt's new tokens, written by the rule vLLM's incremental
     detokenizer follows for byte-level BPE (chat_stream.py): the text of the tokens since the last
