@@ -19,8 +19,10 @@ it replaces are stale and dropped.
   stage: vLLM's incremental detokenizer starts from a prompt whose end may be the middle of a
   character (the answer's last bytes), and then writes the prompt's text again.
 
-With greedy sampling a client sees the answer an undisturbed run gives: no token or sample
-repeated or skipped. With sampling the text still continues from the client's tokens; the speech
+With greedy sampling a client sees the answer an undisturbed run gives, no token or sample
+repeated or skipped, as far as the engine's numerics do not depend on the batch: the resumed
+tokens are computed in other batches (the answer so far re-prefilled), and where bfloat16 GEMMs
+round by batch shape (AVX512-BF16 CPUs; GPUs) a near tie can go the other way from there on. With sampling the text still continues from the client's tokens; the speech
 is sampled again from its start and only its part past what the client heard is sent, so it is
 continuous in length but may change voice texture at the seam.
 
