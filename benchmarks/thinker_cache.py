@@ -24,9 +24,10 @@ with image and audio workloads beside text. What differs:
     the checkpoint's cap) and `mm_processor_cache_gb=0` in every mode (the HF processor, resize /
     patchify / mel features, runs for every request in every mode: the same front-end work
     everywhere, so it is in every TTFT and in no ratio's favour);
-  - latents: layer taps 0 and the checkpoint's `talker_config.accept_hidden_layer`, what the
-    talker reads and what stage_configs/qwen3_omni.yaml emits (no final hidden state: the talker
-    does not read it); tap 0 is the input embeddings: encoder outputs at image / audio positions;
+  - latents: what stage_configs/qwen3_omni.yaml emits for the talker, one merged latent
+    (`latents.merged`): layer tap 0 (the input embeddings) at text positions, the checkpoint's
+    `talker_config.accept_hidden_layer` state at image / audio positions (no final hidden state:
+    the talker does not read it);
   - vLLM's encoder cache keys an image / clip by content hash and outlives requests, so in the
     cache-off modes (`plain`, `latents`) a repeated image would skip the encoder without any prefix
     hit. Those modes give each request's media a uuid of its own (`multi_modal_uuids`): the encoder
@@ -211,14 +212,23 @@ def model_spec(name: str) -> ModelSpec:
 WORKLOADS = model_spec("thinker").workloads
 
 
-def latent_layers(model_path: str) -> tuple[int, ...]:
-    """Layer taps beside the final hidden state. A Qwen3-Omni thinker's are what its talker reads:
-    layer 0 (the input embeddings, encoder outputs at image / audio positions) and the talker
-    config's `accept_hidden_layer`; the text-only thinker has none."""
+def latent_names(latents: dict[str, Any]) -> tuple[str, ...]:
+    from workers.latent_capture import LatentOptions
+
+    return LatentOptions(**latents).names
+
+
+def talker_latents(model_path: str) -> dict[str, Any]:
+    """The latents the shipped pipeline's next stage reads (`LatentOptions` keyword arguments): for a
+    Qwen3-Omni thinker, the merged latent of its talker (tap 0, the talker config's
+    `accept_hidden_layer` at media positions; stage_configs/qwen3_omni.yaml); for the text-only
+    thinker, the final hidden state (the tiny talker's input)."""
     with open(os.path.join(model_path, "config.json")) as f:
         cfg = json.load(f)
     talker = cfg.get("talker_config")
-    return (0, int(talker["accept_hidden_layer"])) if talker else ()
+    if talker:
+        return {"hidden": False, "layers": (), "merged": (0, int(talker["accept_hidden_layer"]))}
+    return {"hidden": True, "layers": (), "merged": None}
 # A verdict needs at least this much: with one round of 5 requests (--quick) a 2-core machine's noise
 # alone moved hidden_cache_speedup from 87% to 103% of APC's and zero-reuse overhead to -21%.
 VERDICT_MIN_ROUNDS, VERDICT_MIN_REQUESTS = 3, 10
@@ -600,14 +610,14 @@ class EngineProcess:
     (as a stage that sends its rows on)."""
 
     def __init__(self, mode: str, model: str, engine_args: dict[str, Any],
-                 layers: tuple[int, ...]) -> None:
+                 latents: dict[str, Any]) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self.mode = mode
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_main, name=f"thinker_cache-{mode}", daemon=True,
-                                args=(child, mode, model, engine_args, layers))
+                                args=(child, mode, model, engine_args, latents))
         self.proc.start()
         child.close()
         self.info: dict[str, Any] = {}
@@ -646,7 +656,7 @@ class EngineProcess:
 
 
 def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
-                 layers: tuple[int, ...]) -> None:
+                 talker: dict[str, Any]) -> None:
     """Body of an EngineProcess: build the mode's stage, then serve requests until "stop"."""
     import traceback
 
@@ -656,10 +666,8 @@ def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
     from workers.llm_stage import LLMStage
 
     spec = MODES[mode]
-    # What the shipped pipeline's talker reads: the final hidden state for the tiny talker, the
-    # layer taps alone for Qwen3-Omni's (stage_configs/qwen3_omni.yaml: hidden false).
-    latents = (LatentOptions(hidden=not layers, layers=layers, cache=spec["prefix_cache"])
-               if spec["latents"] else None)
+    # What the shipped pipeline's talker reads (talker_latents).
+    latents = LatentOptions(**talker, cache=spec["prefix_cache"]) if spec["latents"] else None
     timers = PathTimers()
     timers.install()
     try:
@@ -725,9 +733,9 @@ def measure_with_retries(attempt: Callable[[int], RequestResult], retries: int,
 
 
 def start_engines(modes: list[str], model: str, mspec: ModelSpec,
-                  layers: tuple[int, ...]) -> dict[str, EngineProcess]:
+                  latents: dict[str, Any]) -> dict[str, EngineProcess]:
     """All modes' engines, started together (each in its own process) and ready."""
-    engines = {m: EngineProcess(m, model, mspec.engine_args, layers) for m in modes}
+    engines = {m: EngineProcess(m, model, mspec.engine_args, latents) for m in modes}
     try:
         for e in engines.values():
             e.ready()
@@ -741,7 +749,7 @@ def start_engines(modes: list[str], model: str, mspec: ModelSpec,
 def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], round_index: int,
               idle_wait: float = 0.0, retries: int = 0, seed: int = 0,
               budget: dict[str, float] | None = None, mspec: ModelSpec | None = None,
-              layers: tuple[int, ...] = ()) -> dict[str, Any]:
+              latents: dict[str, Any] | None = None) -> dict[str, Any]:
     """One round: the modes' engines side by side; every workload's warm-up on each, then its
     measured requests interleaved: request i runs on every engine before request i + 1 runs on
     any, starting at engine i mod 4 of `modes` (so each mode goes first, second, ... equally often).
@@ -752,7 +760,7 @@ def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], ro
     reference: dict[tuple, tuple[dict[str, torch.Tensor], list[int]]] = {}
     checks = {m: {"max_rel_err": 0.0, "compared": 0, "token_divergences": 0} for m in modes}
     out: dict[str, Any] = {}
-    engines = start_engines(modes, model, mspec, layers)
+    engines = start_engines(modes, model, mspec, latents or {"hidden": True})
     try:
         for m, e in engines.items():
             out[m] = {**e.info, "workloads": {}}
@@ -1045,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mspec = model_spec(args.model)
     model = str(ensure_checkpoint(mspec.checkpoint))
-    layers = latent_layers(model)
+    latents = talker_latents(model)
     t0 = time.perf_counter()
     res: dict[str, Any] = {
         "command": " ".join([os.path.relpath(sys.executable) if sys.executable else "python",
@@ -1062,7 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
                    "retry_budget_s": args.retry_budget, "quiet_wait_fraction": QUIET_WAIT_FRACTION,
                    "modes": {m: dict(v) for m, v in MODES.items()},
                    "model": args.model, "workloads": list(mspec.workloads),
-                   "latent_names": ([] if layers else ["hidden"]) + [f"layer_{i}" for i in layers],
+                   "latent_names": list(latent_names(latents)),
                    "row_rtol": mspec.row_rtol, "target_fraction": mspec.target_fraction,
                    "mm_context_tokens": MM_CONTEXT_TOKENS, "mm_tail_tokens": MM_TAIL_TOKENS,
                    "image_side": IMAGE_SIDE, "audio_seconds": AUDIO_SECONDS},
@@ -1075,7 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
         order = mode_names if ri % 2 == 0 else mode_names[::-1]
         tm = time.perf_counter()
         modes = run_round(order, model, prompts, ri, args.idle_wait, args.retries, args.seed,
-                          budget, mspec, layers)
+                          budget, mspec, latents)
         res["rounds"].append({"order": order, "modes": modes})
         for mode in order:
             print(f"[round {ri + 1}/{rounds}] {mode}: "

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
+from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk, layer_name, merged_name
 from omni_cache.models.code_windows import CodeWindow, next_window
 from omni_cache.wire.messages import CODES_FRAME
 
@@ -173,15 +173,25 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
     is ahead of the thinker waits for its row (scheduler/streamed_rows.py), so the codes do not
     depend on timing.
 
-    Reads the thinker's layer taps 0 (input embeddings: encoder outputs at media positions) and
-    `accept_hidden_layer`, and its prompt token ids (sent with its first output).
+    Reads the thinker's layer tap 0 (input embeddings) at text positions and its
+    `accept_hidden_layer` state at image/audio positions, and its prompt token ids (sent with its
+    first output): from one merged latent (`latents.merged`, what stage_configs/qwen3_omni.yaml
+    emits) or from the two taps (`latents.layers`).
     """
     prompt = _qwen3_omni_prompt(ctx)
-    embeds = up.latents.get("layer_0")
-    accept = up.latents.get(f"layer_{prompt.accept_hidden_layer}")
+    accept_layer = prompt.accept_hidden_layer
+    merged = up.latents.get(merged_name(0, accept_layer))
+    if merged is not None:
+        # TalkerPrompt reads embeddings only at text positions, accept states only at media ones.
+        embeds = accept = merged
+    else:
+        embeds = up.latents.get(layer_name(0))
+        accept = up.latents.get(layer_name(accept_layer))
     if embeds is None or accept is None:
-        raise ValueError("the Qwen3-Omni talker needs the thinker's latents.layers "
-                         f"[0, {prompt.accept_hidden_layer}]")
+        raise ValueError(
+            "the Qwen3-Omni talker needs the thinker's latents.merged {layer: 0, media_layer: "
+            f"{accept_layer}}} (or latents.layers [0, {accept_layer}]); it sent "
+            f"{sorted(up.latents) or 'none'}")
     rows = embeds.shape[0]
     if not state.get("started"):
         if not up.prompt_token_ids:

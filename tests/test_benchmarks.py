@@ -628,13 +628,13 @@ def test_thinker_cache_expected_hit_counts_expanded_media_in_whole_blocks():
     assert tc.expected_hit(p, r, 32) == (1151 + 1023) // 32 * 32 == 2144
 
 
-def test_thinker_cache_latent_layers_are_the_talkers_inputs(tmp_path):
+def test_thinker_cache_latents_are_the_talkers_inputs(tmp_path):
     from benchmarks import thinker_cache as tc
 
     (tmp_path / "config.json").write_text(json.dumps({"talker_config": {"accept_hidden_layer": 3}}))
-    assert tc.latent_layers(str(tmp_path)) == (0, 3)
+    assert tc.latent_names(tc.talker_latents(str(tmp_path))) == ("layer_0_media_3",)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 512}))
-    assert tc.latent_layers(str(tmp_path)) == ()
+    assert tc.latent_names(tc.talker_latents(str(tmp_path))) == ("hidden",)
 
 
 def _thinker_cache_round(ttft: dict[tuple[str, str], float], workloads: tuple[str, ...]) -> dict:

@@ -109,7 +109,7 @@ def test_qwen_example_needs_no_path_check() -> None:
     assert "does not exist" in message and "--no-path-check" in message
     config = load_config(QWEN, check_paths=False)
     thinker = config.stage("thinker")
-    assert thinker.latents.layers == [0, 24]
+    assert thinker.latents.layers == [] and thinker.latents.merged.media_layer == 24
     talker = config.stage("talker")
     assert talker.submodel == "talker" and talker.model == thinker.model
     assert talker.handoff == "omni_cache.handoff.qwen3_omni_thinker_to_talker"
@@ -633,7 +633,7 @@ def test_cli_no_path_check_for_qwen_example() -> None:
     assert run_cli("--stage-config", str(QWEN), "--check").returncode == 2
     result = run_cli("--stage-config", str(QWEN), "--check", "--no-path-check")
     assert result.returncode == 0, result.stderr
-    assert "latents:      layers 0,24" in result.stdout
+    assert "latents:      layer 0, layer 24 at media positions (one latent)" in result.stdout
     assert "model:        /models/Qwen3-Omni-30B-A3B-Instruct (its talker)" in result.stdout
     assert "http://0.0.0.0:8091" in result.stdout
 

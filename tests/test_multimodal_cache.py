@@ -15,6 +15,10 @@ the same media and shared text, then another question, must:
   generated rows), relative L2 error per row <= ROW_RTOL as in test_hidden_cache.py (float32: MoE
   routing flips under bfloat16 rounding would make a bf16 comparison meaningless).
 
+The engines also emit the merged latent the shipped pipeline sends its talker (``latents.merged``:
+tap 0, with the accept-layer state at the prompt's media placeholders); it must equal the two taps
+chosen that way bitwise, in fresh rows and in rows a hit served.
+
 Tap 0 at text positions is an embedding lookup, so those rows must equal the checkpoint's embedding
 rows exactly, read after the request ran to its end: this is what caught rows aliasing vLLM's
 ``inputs_embeds`` buffer (a later step overwrote them before the stage read them).
@@ -68,7 +72,7 @@ def make_stage(path, taps, cache: bool):
         enforce_eager=True, gpu_memory_utilization=0.3, dtype="float32", block_size=32,
         max_model_len=2048, kv_cache_memory_bytes=256 * 2**20,
         limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0}),
-        prefix_cache=cache, latents=LatentOptions(hidden=True, layers=taps, cache=cache))
+        prefix_cache=cache, latents=LatentOptions(hidden=True, layers=taps, merged=taps, cache=cache))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +134,7 @@ def prompt(kind: str, seed: int, question: str) -> dict:
 
 MEDIA_START = (TOKEN_ID["<|vision_start|>"], TOKEN_ID["<|audio_start|>"])
 MEDIA_CLOSE = (TOKEN_ID["<|vision_end|>"], TOKEN_ID["<|audio_end|>"])
+MEDIA_PADS = (TOKEN_ID["<|image_pad|>"], TOKEN_ID["<|audio_pad|>"])
 
 
 def media_span(ids: list[int], result: Result) -> tuple[int, int]:
@@ -142,7 +147,7 @@ def media_span(ids: list[int], result: Result) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("kind", list(MEDIA))
-def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings):
+def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings, taps):
     on, off = engines
     seed = list(MEDIA).index(kind)
     first, second = prompt(kind, seed, "Q1?"), prompt(kind, seed, "Q2, another?")
@@ -171,6 +176,16 @@ def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings):
             assert float(rel.max()) <= ROW_RTOL, (
                 f"{kind}/{what}/{name}: row {int(rel.argmax())} off the cache-off engine by "
                 f"{float(rel.max()):.2e}")
+
+    # The merged latent: the accept-layer row exactly at the prompt's placeholder positions.
+    merged = f"layer_0_media_{taps[1]}"
+    for what, x in (("first", a_on), ("second", b_on), ("cache-off", b_off)):
+        ids = torch.tensor(x.prompt_token_ids + x.token_ids[:-1])
+        media = torch.isin(ids, torch.tensor(MEDIA_PADS))
+        media[x.num_prompt_tokens:] = False
+        assert int(media.sum()) > 0
+        want = torch.where(media[:, None], x.latents[f"layer_{taps[1]}"], x.latents["layer_0"])
+        assert torch.equal(x.latents[merged], want), f"{kind}/{what}: merged rows"
 
     # Tap 0 at text positions is the embedding of the token: the text before the media, and every
     # generated token but the last (row P + k was fed generated token k).

@@ -26,6 +26,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)  # as vLLM expanded it
     chunks: list[tuple[int, dict[str, torch.Tensor]]] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token: top-2 + sampled
 
@@ -73,6 +74,8 @@ def run(stage: LLMStage, prompts: dict[str, list[int] | dict], max_tokens: int =
             r.logprobs += out.logprobs or []
             r.num_cached_tokens = out.num_cached_tokens
             r.num_prompt_tokens = out.num_prompt_tokens
+            if out.prompt_token_ids:
+                r.prompt_token_ids = list(out.prompt_token_ids)
             if out.latents:
                 r.chunks.append((out.latent_start, out.latents))
     for rid, r in results.items():

@@ -111,8 +111,9 @@ class ARRunner(StageRunner):
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
         latents = None
-        if spec.hidden or spec.layers:
-            latents = LatentOptions(hidden=spec.hidden, layers=tuple(spec.layers),
+        if spec.any():
+            merged = (spec.merged.layer, spec.merged.media_layer) if spec.merged else None
+            latents = LatentOptions(hidden=spec.hidden, layers=tuple(spec.layers), merged=merged,
                                     cache=prefix_cache, storage=stage.latent_cache_device)
         engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
         async_scheduling = bool(engine_args.pop("async_scheduling", False))

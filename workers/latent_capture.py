@@ -20,15 +20,21 @@ from typing import Any
 
 import torch
 
-from omni_cache.cache.latent_rows import LatentChunk
+from omni_cache.cache.latent_rows import HIDDEN, LatentChunk, layer_name, merged_name
 
 logger = logging.getLogger("omni_cache.latents")
 
-HIDDEN = "hidden"
 
-
-def layer_name(index: int) -> str:
-    return f"layer_{index}"
+def media_token_ids(hf_config: Any) -> tuple[int, ...]:
+    """The placeholder ids whose input embeddings a multimodal model replaces with its encoders'
+    outputs (image, audio, video), read from the model's config or its thinker's."""
+    ids = set()
+    for cfg in (hf_config, getattr(hf_config, "thinker_config", None)):
+        for key in ("image_token_id", "audio_token_id", "video_token_id"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int):
+                ids.add(value)
+    return tuple(sorted(ids))
 
 
 def reused_storages(runner: Any) -> frozenset[int]:
@@ -48,6 +54,11 @@ class LatentOptions:
 
     hidden: bool = True
     layers: tuple[int, ...] = ()
+    #: (layer, media_layer): one latent whose row is tap `layer`'s, except at prompt positions
+    #: holding an image/audio/video placeholder, where it is tap `media_layer`'s. Qwen3-Omni's
+    #: talker reads exactly that (tap 0 at text, the accept-layer state at media positions), so
+    #: it costs half of emitting, mirroring and gathering both taps.
+    merged: tuple[int, int] | None = None
     cache: bool = False  # mirror vLLM's prefix cache (only meaningful with enable_prefix_caching)
     storage: str = "host"  # "host" | "device"
 
@@ -59,13 +70,20 @@ class LatentOptions:
         return cls(
             hidden=bool(raw.get("hidden", True)),
             layers=tuple(int(i) for i in raw.get("layers", ())),
+            merged=tuple(int(i) for i in raw["merged"]) if raw.get("merged") else None,
             cache=bool(raw.get("cache", False)) and bool(vllm_config.cache_config.enable_prefix_caching),
             storage=str(raw.get("storage", "host")),
         )
 
     @property
     def names(self) -> tuple[str, ...]:
-        return ((HIDDEN,) if self.hidden else ()) + tuple(layer_name(i) for i in self.layers)
+        merged = (merged_name(*self.merged),) if self.merged else ()
+        return ((HIDDEN,) if self.hidden else ()) + tuple(layer_name(i) for i in self.layers) + merged
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The layers the model must return states of, ascending (vLLM's aux-state order)."""
+        return tuple(sorted(set(self.layers) | set(self.merged or ())))
 
 
 @dataclass
@@ -91,6 +109,8 @@ class LatentCapture:
     #: the runner's `inputs_embeds` buffer itself) is copied before the step returns: the next
     #: step overwrites it while the stage may still hold the rows (see `reused_storages`).
     reused: frozenset[int] = frozenset()
+    #: The model's media placeholder ids (`media_token_ids`), for `options.merged`.
+    media_ids: torch.Tensor | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def bind_kv_cache(self, kv_cache_config: Any, max_step_tokens: int | None = None) -> None:
@@ -122,13 +142,20 @@ class LatentCapture:
         )
 
     # ---- per step --------------------------------------------------------------------------
-    def on_step(self, sched: Any, state: Any, req_ids: list[str]) -> None:
+    def on_step(self, sched: Any, state: Any, req_ids: list[str], token_ids: torch.Tensor | None = None,
+                prompt_lens: Any = None) -> None:
         """Called after the forward pass, before sampling. `state` is the runner's
-        ExecuteModelState; `req_ids` the batch order its token rows follow."""
+        ExecuteModelState; `req_ids` the batch order its token rows follow; `token_ids` the step's
+        input ids in that order and `prompt_lens[i]` the prompt length of `req_ids[i]` (read only
+        for `options.merged`)."""
         num_tokens = sched.total_num_scheduled_tokens
         if num_tokens == 0:
             return
-        computed = self._step_latents(state, num_tokens)
+        start_of = self._start_positions(sched)
+        media = None
+        if self.options.merged is not None:
+            media = self._media_rows(token_ids[:num_tokens], sched, req_ids, prompt_lens, start_of)
+        computed = self._step_latents(state, num_tokens, media)
         if self.store is not None:
             # A hit that ends inside a block (prefix_match_unit below the block size) gets a private
             # copy of the shared block: vLLM copies its KV before this step's forward, the mirror
@@ -143,7 +170,6 @@ class LatentCapture:
             hits = {}
         if computed and computed[next(iter(computed))].device.type != "cpu":
             computed = {n: t.to("cpu") for n, t in computed.items()}
-        start_of = self._start_positions(sched)
         offset = 0
         for req_id in req_ids:
             n = sched.num_scheduled_tokens.get(req_id, 0)
@@ -165,15 +191,42 @@ class LatentCapture:
         self.pending.pop(req_id, None)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _step_latents(self, state: Any, num_tokens: int) -> dict[str, torch.Tensor]:
+    def _step_latents(self, state: Any, num_tokens: int,
+                      media: torch.Tensor | None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         if self.options.hidden:
             out[HIDDEN] = state.hidden_states[:num_tokens]
-        if self.options.layers:
-            # vLLM returns aux hidden states in ascending layer order.
-            for idx, tensor in zip(sorted(self.options.layers), state.aux_hidden_states):
-                out[layer_name(idx)] = tensor[:num_tokens]
+        # vLLM returns aux hidden states in ascending layer order.
+        taps = {idx: t[:num_tokens] for idx, t in zip(self.options.taps, state.aux_hidden_states or ())}
+        for idx in self.options.layers:
+            out[layer_name(idx)] = taps[idx]
+        if self.options.merged is not None:
+            layer, media_layer = self.options.merged
+            rows = taps[layer]
+            if media is not None:
+                # A fresh tensor: no longer a view of a buffer the runner reuses.
+                rows = torch.where(media.to(rows.device)[:, None], taps[media_layer], rows)
+            out[merged_name(layer, media_layer)] = rows
         return {name: self._owned(t) for name, t in out.items()}
+
+    def _media_rows(self, token_ids: torch.Tensor, sched: Any, req_ids: list[str], prompt_lens: Any,
+                    start_of: dict[str, int]) -> torch.Tensor | None:
+        """Which of the step's rows are prompt positions holding a media placeholder (None: none).
+        Only prompt positions: a generated token is embedded as text even if it is a placeholder
+        id (vLLM places encoder outputs at the prompt's placeholder runs alone)."""
+        mask = torch.isin(token_ids, self.media_ids)
+        if not bool(mask.any()):
+            return None
+        offset = 0
+        for i, req_id in enumerate(req_ids):
+            n = sched.num_scheduled_tokens.get(req_id, 0)
+            if n == 0:
+                continue
+            # A decode step, or a resumed request re-prefilling its prompt and its answer so far.
+            generated_from = offset + max(0, int(prompt_lens[i]) - start_of[req_id])
+            mask[generated_from:offset + n] = False
+            offset += n
+        return mask
 
     def _owned(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows`, copied if they live in a buffer the runner reuses next step."""

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from workers.latent_capture import HIDDEN, LatentCapture, LatentOptions, layer_name, reused_storages
+from workers.latent_capture import (HIDDEN, LatentCapture, LatentOptions, layer_name, media_token_ids,
+                                    reused_storages)
 from workers.talker_steps import TalkerSteps
 
 
@@ -40,24 +41,32 @@ class LatentWorkerMixin:
             return
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
-        if options.layers:
+        if options.taps:
             if not hasattr(model, "set_aux_hidden_state_layers"):
                 raise RuntimeError(
                     f"{type(model).__name__} has no aux-hidden-state interface: layer taps "
-                    f"{list(options.layers)} are not available for this model"
+                    f"{list(options.taps)} are not available for this model"
                 )
             num_layers = self.vllm_config.model_config.get_num_layers(  # type: ignore[attr-defined]
                 self.vllm_config.parallel_config)  # type: ignore[attr-defined]
-            bad = [i for i in options.layers if not 0 <= i < num_layers]
+            bad = [i for i in options.taps if not 0 <= i < num_layers]
             if bad:
                 raise ValueError(f"layer taps {bad} out of range: the model has {num_layers} layers")
-            model.set_aux_hidden_state_layers(tuple(options.layers))
+            model.set_aux_hidden_state_layers(options.taps)
             runner.use_aux_hidden_state_outputs = True
+        media_ids = None
+        if options.merged is not None:
+            ids = media_token_ids(self.vllm_config.model_config.hf_config)  # type: ignore[attr-defined]
+            if not ids:
+                raise ValueError(
+                    f"latents.merged {list(options.merged)}: {type(model).__name__} has no image, "
+                    "audio or video placeholder ids in its config, so there is nothing to merge")
+            media_ids = torch.tensor(ids, dtype=runner.input_ids.cpu.dtype)
         hidden_size = self.vllm_config.model_config.get_hidden_size()  # type: ignore[attr-defined]
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
         dims = {name: (hidden_size, dtype) for name in options.names}
         self.latents = LatentCapture(options, dims, torch.device(runner.device),
-                                     reused=reused_storages(runner))
+                                     reused=reused_storages(runner), media_ids=media_ids)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -74,8 +83,11 @@ class LatentWorkerMixin:
         if self.talker is not None:
             self.talker.after_step(state)
         if self.latents is not None and state is not None:
-            self.latents.on_step(scheduler_output, state,
-                                 self.model_runner.input_batch.req_ids)  # type: ignore[attr-defined]
+            runner = self.model_runner  # type: ignore[attr-defined]
+            # The runner's CPU-side input ids hold every prompt token of the step (decode tokens
+            # may be on the device only, under async scheduling; they are never media rows).
+            self.latents.on_step(scheduler_output, state, runner.input_batch.req_ids,
+                                 runner.input_ids.cpu, runner.input_batch.num_prompt_tokens)
         return output
 
 

@@ -82,6 +82,7 @@ class LLMStage:
         if latents is not None:
             kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache": {
                 "hidden": latents.hidden, "layers": list(latents.layers),
+                "merged": list(latents.merged) if latents.merged else None,
                 "cache": latents.cache and prefix_cache, "storage": latents.storage}}
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}),
                                        "omni_cache_block_states": block_states}

@@ -17,6 +17,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Latent names, as stages emit them and hand-offs read them.
+HIDDEN = "hidden"  # the final hidden state
+
+
+def layer_name(index: int) -> str:
+    """Layer tap `index`: the residual stream entering decoder layer `index` (0: input embeddings)."""
+    return f"layer_{index}"
+
+
+def merged_name(layer: int, media_layer: int) -> str:
+    """Tap `layer`'s rows, with tap `media_layer`'s at the prompt's media placeholder positions
+    (the stage config's `latents.merged`)."""
+    return f"layer_{layer}_media_{media_layer}"
+
 
 @dataclass
 class LatentChunk:

@@ -128,6 +128,15 @@ class RayResources(_Base, kw_only=True):
         return out
 
 
+class MergedTaps(_Base, kw_only=True):
+    """One latent from two layer taps: ``layer``'s row at every position, except at the prompt's
+    image/audio/video placeholder positions, where it is ``media_layer``'s. Emitted (and cached)
+    as ``layer_<layer>_media_<media_layer>``."""
+
+    layer: Annotated[int, Meta(ge=0)] = 0
+    media_layer: Annotated[int, Meta(ge=0)]
+
+
 class LatentSpec(_Base, kw_only=True):
     """Which per-token latents an autoregressive stage emits (and caches) for the next stage."""
 
@@ -137,10 +146,16 @@ class LatentSpec(_Base, kw_only=True):
     #: Tap 0 is the input embeddings, which at image and audio placeholder positions are the
     #: encoder outputs: the per-token multimodal tensors a talker reads are rows of ``layer_0``.
     layers: list[Annotated[int, Meta(ge=0)]] = []
+    #: One row per position where the next stage reads one of two taps per position, chosen by
+    #: whether the token is a media placeholder: Qwen3-Omni's talker reads tap 0 at text positions
+    #: and its ``accept_hidden_layer`` state at image/audio positions, so ``{layer: 0,
+    #: media_layer: <accept>}`` carries what it reads in half the bytes of ``layers: [0, <accept>]``
+    #: (mirror, prefix-hit gather and hand-off alike).
+    merged: MergedTaps | None = None
 
     def any(self) -> bool:
         """Whether any latent is requested."""
-        return bool(self.hidden or self.layers)
+        return bool(self.hidden or self.layers or self.merged)
 
     def describe(self) -> str:
         parts = []
@@ -148,6 +163,9 @@ class LatentSpec(_Base, kw_only=True):
             parts.append("hidden")
         if self.layers:
             parts.append("layers " + ",".join(str(i) for i in self.layers))
+        if self.merged:
+            parts.append(f"layer {self.merged.layer}, layer {self.merged.media_layer} at media "
+                         "positions (one latent)")
         return "; ".join(parts) if parts else "none"
 
 

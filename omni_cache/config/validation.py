@@ -170,6 +170,11 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 (*base, "latents", "layers"),
                 f"layer indices must be unique, repeated: {', '.join(map(str, dupes))}",
             )
+        merged = s.latents.merged
+        if merged is not None and merged.layer == merged.media_layer:
+            issues.add((*base, "latents", "merged"),
+                       f"layer and media_layer are both {merged.layer}: that is `layers: "
+                       f"[{merged.layer}]`, not a merge")
         if s.submodel == "talker":
             if not s.inputs:
                 issues.add((*base, "submodel"),
