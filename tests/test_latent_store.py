@@ -256,6 +256,24 @@ def test_gather_into_given_buffers(device, storage, kw, store_factory):
         store.gather(torch.arange(12, 18), out=wrong)
 
 
+@pytest.mark.parametrize("device,storage,kw", CONFIGS)
+@pytest.mark.parametrize("num_tokens", [3, BLOCK_SIZE, 5 * BLOCK_SIZE, 5 * BLOCK_SIZE + 7])
+def test_gather_prefix_equals_gathering_its_slots(device, storage, kw, num_tokens, store_factory):
+    """gather_prefix (whole blocks at a time, then the tail row by row) gives exactly the rows of
+    the prefix's slots, for prefixes of part of a block, whole blocks, and blocks plus a tail."""
+    gen = torch.Generator().manual_seed(7)
+    store = store_factory(device, storage, kw)
+    store.write(torch.arange(NUM_SLOTS, device=device), random_latents(NUM_SLOTS, device, gen, raw_bits=True))
+    block_ids = torch.randperm(NUM_BLOCKS, generator=gen)[:6].tolist()
+    want = store.gather(LatentStore.prefix_slots(block_ids, BLOCK_SIZE, num_tokens), device="cpu")
+    out = {n: torch.full((num_tokens, d), 7, dtype=dt) for n, (d, dt) in SPECS.items()}
+    got = store.gather_prefix(block_ids, num_tokens, out)
+    assert all(got[n].data_ptr() == out[n].data_ptr() for n in SPECS)
+    assert_rows_equal(got, want)
+    with pytest.raises(ValueError, match="gather out"):
+        store.gather_prefix(block_ids, num_tokens, {n: t[1:] for n, t in out.items()})
+
+
 def test_prefix_slots():
     bs = 4
     table = [9, 2, 7]

@@ -256,15 +256,12 @@ class LatentCapture:
         `num_tokens`). One buffer per latent, in host memory since the rows leave the process:
         handing prefix and step rows out as two chunks would cost a second copy of the whole
         prefix when the stage joins them for its first message."""
-        from omni_cache.cache.latent_store import LatentStore
-
-        slots = LatentStore.prefix_slots(block_ids, self.block_size, num_tokens)
         out = {}
         for name, (dim, dtype) in self.store.specs.items():
             n = step_rows[name].shape[0]
             out[name] = torch.empty(num_tokens + n, dim, dtype=dtype)
             out[name][num_tokens:].copy_(step_rows[name])
-        self.store.gather(slots, out={name: t[:num_tokens] for name, t in out.items()})
+        self.store.gather_prefix(block_ids, num_tokens, {name: t[:num_tokens] for name, t in out.items()})
         self.counters.rows_served += num_tokens
         return LatentChunk(0, out)
 
