@@ -8,7 +8,10 @@ gathered from the mirror for a prefix vLLM skipped, then the rows this step comp
 
 Copies, per step: on CPU the computed rows are views of the model's fresh output tensor (no copy);
 one `index_copy_` per latent name writes them into the mirror; a hit costs one `index_select` per
-latent name. On CUDA the computed rows are also copied to host once, because they leave the process.
+latent name over the prefix's blocks (`LatentStore.gather_prefix`). A merged latent
+(`LatentOptions.merged`) is one `torch.where` over its two taps in a step with media placeholders,
+the tap itself otherwise. On CUDA the computed rows are also copied to host once, because they
+leave the process.
 """
 
 from __future__ import annotations
