@@ -438,16 +438,8 @@ class LatentStore:
         return out
 
     def _gather_into(self, slots: torch.Tensor, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        m = slots.shape[0]
-        for nm in self.names:
-            d, dt = self.specs[nm]
-            t = out[nm]
-            if t.shape != (m, d) or t.dtype != dt or not t.is_contiguous():
-                raise ValueError(f"gather out[{nm!r}]: expected contiguous [{m}, {d}] {dt}, "
-                                 f"got {tuple(t.shape)} {t.dtype}")
-        direct = not self._pipelined and not self._use_triton and all(
-            out[nm].device == self._flat[nm].device for nm in self.names)
-        if not direct:  # device and pipelined paths gather into their own buffers first
+        self._check_out(out, slots.shape[0])
+        if not self._direct(out):  # device and pipelined paths gather into their own buffers first
             rows = self.gather(slots, device=out[self.names[0]].device)
             for nm in self.names:
                 out[nm].copy_(rows[nm])
@@ -457,6 +449,19 @@ class LatentStore:
             self._index_select(nm, slots, out=out[nm])
         return dict(out)
 
+    def _check_out(self, out: Mapping[str, torch.Tensor], m: int) -> None:
+        for nm in self.names:
+            d, dt = self.specs[nm]
+            t = out[nm]
+            if t.shape != (m, d) or t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"gather out[{nm!r}]: expected contiguous [{m}, {d}] {dt}, "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+
+    def _direct(self, out: Mapping[str, torch.Tensor]) -> bool:
+        """Whether a gather can go straight from the mirror into `out` with torch on the CPU side."""
+        return not self._pipelined and not self._use_triton and all(
+            out[nm].device == self._flat[nm].device for nm in self.names)
+
     def gather_prefix(self, block_ids: Sequence[int], num_tokens: int,
                       out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rows of positions 0..num_tokens-1 of a request whose block table is `block_ids`, into
@@ -465,16 +470,9 @@ class LatentStore:
         view), which runs at memcpy speed where a row-by-row `index_select` of 1 KiB rows took up to
         twice as long; the tail of a partial last block goes row by row."""
         full = num_tokens // self.block_size
-        direct = not self._pipelined and not self._use_triton and all(
-            out[nm].device == self._flat[nm].device for nm in self.names)
-        if not direct or full == 0:
+        if full == 0 or not self._direct(out):
             return self.gather(self.prefix_slots(block_ids, self.block_size, num_tokens), out=out)
-        for nm in self.names:
-            d, dt = self.specs[nm]
-            t = out[nm]
-            if t.shape != (num_tokens, d) or t.dtype != dt or not t.is_contiguous():
-                raise ValueError(f"gather out[{nm!r}]: expected contiguous [{num_tokens}, {d}] {dt}, "
-                                 f"got {tuple(t.shape)} {t.dtype}")
+        self._check_out(out, num_tokens)
         blocks = torch.as_tensor(block_ids[:full], dtype=torch.int64)
         rows = full * self.block_size
         for nm in self.names:
