@@ -229,6 +229,8 @@ def talker_latents(model_path: str) -> dict[str, Any]:
     if talker:
         return {"hidden": False, "layers": (), "merged": (0, int(talker["accept_hidden_layer"]))}
     return {"hidden": True, "layers": (), "merged": None}
+
+
 # A verdict needs at least this much: with one round of 5 requests (--quick) a 2-core machine's noise
 # alone moved hidden_cache_speedup from 87% to 103% of APC's and zero-reuse overhead to -21%.
 VERDICT_MIN_ROUNDS, VERDICT_MIN_REQUESTS = 3, 10
@@ -656,7 +658,7 @@ class EngineProcess:
 
 
 def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
-                 talker: dict[str, Any]) -> None:
+                 latents: dict[str, Any]) -> None:
     """Body of an EngineProcess: build the mode's stage, then serve requests until "stop"."""
     import traceback
 
@@ -667,12 +669,12 @@ def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
 
     spec = MODES[mode]
     # What the shipped pipeline's talker reads (talker_latents).
-    latents = LatentOptions(**talker, cache=spec["prefix_cache"]) if spec["latents"] else None
+    options = LatentOptions(**latents, cache=spec["prefix_cache"]) if spec["latents"] else None
     timers = PathTimers()
     timers.install()
     try:
         t_start = time.perf_counter()
-        stage = LLMStage(model, dict(engine_args), prefix_cache=spec["prefix_cache"], latents=latents)
+        stage = LLMStage(model, dict(engine_args), prefix_cache=spec["prefix_cache"], latents=options)
         conn.send(("ok", {"startup_s": time.perf_counter() - t_start,
                           "torch_threads": torch.get_num_threads()}))
     except Exception:

@@ -22,9 +22,10 @@ it replaces are stale and dropped.
 With greedy sampling a client sees the answer an undisturbed run gives, no token or sample
 repeated or skipped, as far as the engine's numerics do not depend on the batch: the resumed
 tokens are computed in other batches (the answer so far re-prefilled), and where bfloat16 GEMMs
-round by batch shape (AVX512-BF16 CPUs; GPUs) a near tie can go the other way from there on. With sampling the text still continues from the client's tokens; the speech
-is sampled again from its start and only its part past what the client heard is sent, so it is
-continuous in length but may change voice texture at the seam.
+round by batch shape (AVX512-BF16 CPUs; GPUs) a near tie can go the other way from there on.
+With sampling the text still continues from the client's tokens; the speech is sampled again from
+its start and only its part past what the client heard is sent, so it is continuous in length but
+may change voice texture at the seam.
 
 A request gets at most ``MAX_ATTEMPTS`` attempts: one that was being served by every replica that
 died (a request that crashes its replica) fails with 503 rather than taking down every replica.
