@@ -31,8 +31,8 @@ class SpokenText:
     token), so the text a listener heard after ``ms`` of audio is the first ``ms / ms_per_token``
     tokens. The pace is measured: from this answer once it finished (all its audio over all its
     tokens), else from the session's earlier answers, else from this answer so far (audio sent
-    over tokens received: text runs ahead of audio, so this keeps less text, never text that was
-    not yet spoken)."""
+    over tokens received: text runs ahead of audio, so in a session's first answer this keeps the
+    text that had arrived, which may be a little more than was spoken)."""
 
     pieces: list[tuple[int, str]] = field(default_factory=list)  # (tokens so far, text so far)
     tokens: int = 0

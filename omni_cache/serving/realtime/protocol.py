@@ -77,8 +77,8 @@ def validation_error(e: ValidationError) -> EventError:
 
     The SDK's unions (session, item, turn_detection, audio format) are tried member by member, so
     pydantic reports each member's complaint; a member whose ``type``/``role`` literal did not
-    match is not the one the client meant and is dropped. Member names (capitalised class names)
-    are not fields and are dropped from the path."""
+    match is not the one the client meant and is dropped. Member names (class names, ``int``,
+    ``literal[...]``) are not fields and are dropped from the path."""
     errors = e.errors()
     by_member: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for err in errors:
@@ -97,8 +97,13 @@ def validation_error(e: ValidationError) -> EventError:
     return EventError(message, param=param, code="invalid_value")
 
 
+#: How pydantic names the members of a union that are not models (``int``, ``literal['inf']``).
+_SCALAR_MEMBERS = {"int", "str", "float", "bool", "none", "list", "dict"}
+
+
 def _is_member(part: Any) -> bool:
-    return isinstance(part, str) and part[:1].isupper()
+    """Whether a path element names a union member (a class, a scalar type) rather than a field."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in _SCALAR_MEMBERS)
 
 
 def _discriminator_mismatch(err: dict[str, Any]) -> bool:

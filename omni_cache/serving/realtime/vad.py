@@ -34,9 +34,13 @@ class VadEvent:
 
 def load_model() -> Any:
     """A fresh Silero model (its recurrent state is per session); ~0.1 s, call off the loop."""
+    import warnings
+
     from silero_vad import load_silero_vad
 
-    return load_silero_vad(onnx=False)
+    with warnings.catch_warnings():  # its loader's deprecated importlib/jit calls, not ours
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return load_silero_vad(onnx=False)
 
 
 class SpeechDetector:
