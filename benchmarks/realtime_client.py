@@ -18,8 +18,9 @@ from benchmarks.speech_clips import pcm16
 
 __all__ = ["Answer", "append_audio", "client", "connect", "next_event", "read_answer"]
 
-#: 20 ms of 24 kHz audio: a microphone's usual chunk.
-CHUNK_SAMPLES = 480
+#: 200 ms of 24 kHz audio per append: a clip sent faster than real time in 20 ms chunks would be
+#: hundreds of events at once, beyond server.realtime.max_events_per_s.
+CHUNK_SAMPLES = 4800
 
 
 def client(url: str, api_key: str = "unused") -> Any:
@@ -43,7 +44,7 @@ async def next_event(conn: Any, timeout: float = 120.0, skip: tuple[str, ...] = 
 
 
 async def append_audio(conn: Any, samples: np.ndarray, chunk: int = CHUNK_SAMPLES) -> None:
-    """``samples`` (24 kHz float) as a microphone streams them: 20 ms appends, sent at once."""
+    """``samples`` (24 kHz float) in appends of ``chunk`` samples, sent at once."""
     data = pcm16(samples)
     step = chunk * 2
     for i in range(0, len(data), step):
@@ -76,6 +77,8 @@ async def read_answer(conn: Any, t0: float | None = None, timeout: float = 300.0
     while True:
         event = await next_event(conn, max(0.1, end - time.monotonic()))
         answer.events.append(event)
+        if event.type == "error":
+            raise RuntimeError(f"the server answered an error: {event.error}")
         if event.type == "response.output_audio.delta":
             if answer.first_audio_s is None:
                 answer.first_audio_s = time.monotonic() - t0

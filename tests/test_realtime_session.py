@@ -12,11 +12,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,48 +21,16 @@ from websockets.exceptions import ConnectionClosed
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import silence, speech
-from omni_cache.config import load_config
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
-from test_server_unit import FAKE_STAGE, ByteTokenizer
+from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_config
 
-API_KEY = "rt-key"
-SAMPLES_PER_TOKEN = 240  # the fake decoder: 10 ms of 24 kHz audio per token
-
-
-def write_config(name: str, token_delay_s: float, realtime: str = "{}") -> Path:
-    d = tempfile.mkdtemp(prefix="ocr")  # short: ipc paths are limited to 107 bytes
-    path = Path(d) / "pipeline.yaml"
-    path.write_text(f"""
-name: {name}
-server: {{host: 127.0.0.1, port: 0, request_timeout_s: 60, realtime: {realtime}}}
-stages:
-  - name: thinker
-    kind: autoregressive
-    model: tiny:thinker
-    address: ipc://{d}/thinker.sock
-    final_output: text
-    engine_args: {{max_model_len: 2048}}
-    sampling: {{max_tokens: 16}}
-    env: {{FAKE_TOKEN_DELAY: "{token_delay_s}"}}
-  - name: decoder
-    kind: generation
-    model: tiny:decoder
-    inputs: [thinker]
-    handoff: omni_cache.handoff.talker_to_decoder
-    address: ipc://{d}/decoder.sock
-    final_output: audio
-""")
-    return path
 
 
 @contextlib.contextmanager
 def fake_server(token_delay_s: float, realtime: str = "{}"):
-    name = f"rt_{uuid.uuid4().hex[:8]}"
-    orch = Orchestrator(load_config(write_config(name, token_delay_s, realtime)),
-                        tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
-                        start_timeout_s=60, shutdown_grace_s=2, echo_stage_logs=False)
-    srv = ServerThread(orch, api_key=API_KEY).start()
+    path = write_config(f"rt_{uuid.uuid4().hex[:8]}", token_delay_s=token_delay_s, max_model_len=2048,
+                        timeout_s=60, server_extra=f", realtime: {realtime}")
+    srv = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
     try:
         srv.wait_ready(60)
         yield srv

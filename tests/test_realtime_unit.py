@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,3 +278,39 @@ def test_rate_limiter_allows_a_burst_then_the_rate():
     assert sum(limiter.allow() for _ in range(15)) == 10
     now[0] += 0.5
     assert sum(limiter.allow() for _ in range(15)) == 5
+
+
+# ---- config and benchmark bookkeeping ----------------------------------------------------------
+
+def test_a_bad_realtime_limit_names_its_key(tmp_path):
+    from omni_cache.config import ConfigError, load_config
+
+    text = Path("stage_configs/qwen3_omni.yaml").read_text().replace(
+        "    max_sessions: 64 ", "    max_sessions: 0 ")
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, check_paths=False)
+    assert "server.realtime.max_sessions" in str(e.value) and str(path) in str(e.value)
+
+
+def test_benchmark_config_and_summary(tmp_path):
+    from benchmarks.realtime import bench_config, summarize
+
+    path = bench_config("stage_configs/qwen3_omni.yaml", tmp_path / "b.yaml", turns=12,
+                        talker_max_tokens=50)
+    import yaml
+
+    stages = {s["name"]: s for s in yaml.safe_load(path.read_text())["stages"]}
+    assert stages["thinker"]["engine_args"]["extra"]["limit_mm_per_prompt"]["audio"] == 12
+    assert stages["talker"]["sampling"]["max_tokens"] == 50
+    side = {"sessions": [{"turns": [
+        {"turn": 1, "first_audio_s": fa1, "input_tokens": 50, "cached_tokens": 0},
+        {"turn": 2, "first_audio_s": fa2, "input_tokens": 100, "cached_tokens": 64}]}
+        for fa1, fa2 in ((0.1, 0.12), (0.2, 0.22), (0.3, 0.32))],
+        "counters": {"thinker": {"queried": 300.0, "hit": 192.0}, "decoder": {}}}
+    s = summarize(side)
+    assert [t["first_audio_p50_s"] for t in s["turns"]] == pytest.approx([0.2, 0.22])
+    assert s["turns"][1]["cached_share"] == pytest.approx(0.64)
+    assert s["last_over_first_p50"] == pytest.approx(1.1)
+    assert s["stage_hit_rates"] == {"thinker": pytest.approx(0.64)}

@@ -320,11 +320,8 @@ class RealtimeSession:
         modality, max_tokens, instructions = c.output_modalities[0], c.max_output_tokens, c.instructions
         fmt, metadata = c.output_format, None
         if params is not None:
+            session_config.refuse_tools_and_prompts(params, "response")
             refuse_unsupported([
-                ("response.tools", bool(params.tools)),
-                ("response.tool_choice", params.tool_choice not in (None, "auto", "none")),
-                ("response.prompt", params.prompt is not None),
-                ("response.reasoning", params.reasoning is not None),
                 ("response.input", params.input is not None),
                 ("response.conversation", params.conversation not in (None, "auto")),
             ], "a response answers the session's conversation")

@@ -19,7 +19,8 @@ from typing import Any
 from omni_cache.serving.realtime.audio_codecs import FORMATS, PCM, AudioFormat
 from omni_cache.serving.realtime.protocol import EventError, refuse_unsupported
 
-__all__ = ["MAX_OUTPUT_TOKENS", "SessionConfig", "TurnDetection", "VOICE", "describe", "updated"]
+__all__ = ["MAX_OUTPUT_TOKENS", "SessionConfig", "TurnDetection", "VOICE", "audio_format", "describe",
+           "max_output_tokens", "output_modalities", "refuse_tools_and_prompts", "updated", "voice"]
 
 VOICE = "default"
 #: The API's bound on max_output_tokens.
@@ -59,12 +60,9 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
                          "transcription sessions are not", param="session.type", code="unsupported")
     s = session
     given = s.model_fields_set
+    refuse_tools_and_prompts(s, "session")
     refuse_unsupported([
-        ("session.tools", bool(s.tools)),
-        ("session.tool_choice", s.tool_choice not in (None, "auto", "none")),
-        ("session.prompt", s.prompt is not None),
         ("session.tracing", s.tracing is not None),
-        ("session.reasoning", s.reasoning is not None),
         ("session.include", bool(s.include)),
         ("session.truncation", s.truncation not in (None, "disabled")),
     ], "this server answers with speech and text from the conversation")
@@ -81,6 +79,16 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
     if s.audio is not None:
         out = _audio_updated(out, s.audio)
     return out
+
+
+def refuse_tools_and_prompts(obj: Any, prefix: str) -> None:
+    """What a session and a response may both ask for and this server does not serve."""
+    refuse_unsupported([
+        (f"{prefix}.tools", bool(obj.tools)),
+        (f"{prefix}.tool_choice", obj.tool_choice not in (None, "auto", "none")),
+        (f"{prefix}.prompt", obj.prompt is not None),
+        (f"{prefix}.reasoning", obj.reasoning is not None),
+    ], "this server answers with speech and text from the conversation")
 
 
 def output_modalities(mods: list[str], param: str) -> tuple[str, ...]:
