@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from omni_cache.serving.media import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item
 from omni_cache.serving.realtime.protocol import make_event, new_id
+
+logger = logging.getLogger("omni_cache.serving.realtime")
 
 __all__ = ["ResponseOptions", "ResponseRun"]
 
@@ -104,8 +107,11 @@ class ResponseRun:
                              output_index=0, content_index=0, part=self._part()))
         try:
             await self._stream()
-        except RequestError as e:
+        except RequestError as e:  # refused (context length, a stage down) or failed in a stage
             self.status, self.error = "failed", e
+        except Exception as e:  # noqa: BLE001 -- e.g. a chat template refusing the conversation
+            logger.exception("realtime response %s failed", self.id)
+            self.status, self.error = "failed", RequestError(500, f"{type(e).__name__}: {e}")
         finally:
             if self.handle is not None and not self.handle.done:
                 self.handle.abort("the realtime session stopped waiting")
