@@ -143,8 +143,17 @@ def summarize(side: dict[str, Any]) -> dict[str, Any]:
         if c.get("queried"):
             hit_rates[stage] = c.get("hit", 0.0) / c["queried"]
     first, last = turns[0]["first_audio_p50_s"], turns[-1]["first_audio_p50_s"]
+    # A line through every turn's p50 says the growth with less noise than two points do.
+    xs = [t["turn"] for t in turns if t["first_audio_p50_s"] is not None]
+    ys = [t["first_audio_p50_s"] for t in turns if t["first_audio_p50_s"] is not None]
+    fit = None
+    if len(xs) >= 2:
+        slope, intercept = np.polyfit(xs, ys, 1)
+        at_first, at_last = intercept + slope * xs[0], intercept + slope * xs[-1]
+        fit = {"slope_ms_per_turn": 1000 * float(slope),
+               "last_over_first": float(at_last / at_first) if at_first > 0 else None}
     return {"turns": turns, "stage_hit_rates": hit_rates,
-            "last_over_first_p50": (last / first) if first and last else None}
+            "last_over_first_p50": (last / first) if first and last else None, "linear_fit": fit}
 
 
 def plot(path: str, result: dict[str, Any]) -> None:
@@ -227,14 +236,18 @@ def main(argv: list[str] | None = None) -> int:
                                                   "clip_seconds", "max_tokens", "talker_max_tokens",
                                                   "sides", "seed")},
         "target": {"turn_last_over_first_p50_max": TARGET_RATIO, "cache_on": on,
-                   "met": None if on is None else on <= TARGET_RATIO},
+                   "met": None if on is None else on <= TARGET_RATIO,
+                   "cache_on_linear_fit": (summary.get("on", {}).get("linear_fit") or {}).get("last_over_first")},
         "summary": summary, "sides": sides,
     }
     for side, s in summary.items():
         line = ", ".join(f"t{t['turn']} {t['first_audio_p50_s'] * 1000:.0f}/{t['first_audio_p90_s'] * 1000:.0f}"
                          for t in s["turns"])
         print(f"cache {side}: first audio p50/p90 ms by turn: {line}")
-        print(f"cache {side}: turn {s['turns'][-1]['turn']} / turn 1 (p50) = {s['last_over_first_p50']:.2f}; "
+        fit = s["linear_fit"] or {}
+        print(f"cache {side}: turn {s['turns'][-1]['turn']} / turn 1 (p50) = {s['last_over_first_p50']:.2f} "
+              f"(line through the p50s: {fit.get('slope_ms_per_turn', float('nan')):+.1f} ms/turn, "
+              f"{fit.get('last_over_first') or float('nan'):.2f}x); "
               f"hit rates {', '.join(f'{k} {v:.1%}' for k, v in s['stage_hit_rates'].items())}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -313,4 +313,5 @@ def test_benchmark_config_and_summary(tmp_path):
     assert [t["first_audio_p50_s"] for t in s["turns"]] == pytest.approx([0.2, 0.22])
     assert s["turns"][1]["cached_share"] == pytest.approx(0.64)
     assert s["last_over_first_p50"] == pytest.approx(1.1)
+    assert s["linear_fit"] == {"slope_ms_per_turn": pytest.approx(20.0), "last_over_first": pytest.approx(1.1)}
     assert s["stage_hit_rates"] == {"thinker": pytest.approx(0.64)}
