@@ -26,15 +26,16 @@ import torch
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
-from omni_cache.models.code_windows import CodeWindow, check_window, load_window_decoder
+from omni_cache.models.code_windows import CodeWindow, check_window
+from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.wire.messages import StageOutput
 from workers.runner import StageRunner
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
+class _DecodeRequest:
     upstream: Upstream
     deadline: float = 0.0
     handoff_state: dict = field(default_factory=dict)
@@ -54,7 +55,7 @@ class DecoderRunner(StageRunner):
             "samples_per_code": self.decoder.samples_per_code,
             "num_quantizers": self.decoder.num_quantizers,
             "codebook_size": self.decoder.codebook_size})
-        self.requests: OrderedDict[str, _Request] = OrderedDict()
+        self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -64,7 +65,7 @@ class DecoderRunner(StageRunner):
         if req is None:
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
-            req = self.requests[msg.request_id] = _Request(
+            req = self.requests[msg.request_id] = _DecodeRequest(
                 Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
@@ -76,7 +77,7 @@ class DecoderRunner(StageRunner):
         req.upstream.finished = msg.finished
         req.jobs.extend(self.handoff(self.handoff_ctx, req.upstream, req.handoff_state))
 
-    def _add_frame(self, req: _Request, tensors: dict[str, torch.Tensor]) -> None:
+    def _add_frame(self, req: _DecodeRequest, tensors: dict[str, torch.Tensor]) -> None:
         """Append a `codes` frame to the request's codes, checked whole on arrival: integers
         [num_quantizers, k], every code in its codebook."""
         if set(tensors) != {CODES_FRAME}:
