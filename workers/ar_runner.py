@@ -25,11 +25,11 @@ from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
+class _ARRequest:
     request_id: str
     modalities: list[str]
     sampling: Sampling | None
@@ -126,7 +126,7 @@ class ARRunner(StageRunner):
         self.max_model_len = self.llm.max_model_len
         self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
         self.handoff_ctx = HandoffContext(Path(model))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _ARRequest] = {}
         self.by_job: dict[str, str] = {}
         # vLLM's vllm:prompt_tokens / vllm:generation_tokens, summed over this stage's engine requests.
         self.prompt_tokens = 0
@@ -148,7 +148,7 @@ class ARRunner(StageRunner):
         if self.is_dead(msg.request_id, True, msg.deadline):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
-        req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
+        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
                        return_latents=msg.return_latents, route=dict(msg.route))
         if msg.resumed_tokens:
             req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
@@ -164,7 +164,7 @@ class ARRunner(StageRunner):
         if req is None:
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
-            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
+            req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
                            return_latents=msg.return_latents, route=dict(msg.route))
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
@@ -194,7 +194,7 @@ class ARRunner(StageRunner):
                 req.jobs.append(job)
         self._next_job(req)
 
-    def _feed(self, req: _Request, job: Job) -> None:
+    def _feed(self, req: _ARRequest, job: Job) -> None:
         """Streamed rows for the request's streaming job: to vLLM if it runs, else into the job."""
         target = req.active_job if req.active is not None else (req.jobs[-1] if req.jobs else None)
         if target is None or target.rows_pad is None:
@@ -207,7 +207,7 @@ class ARRunner(StageRunner):
             target.rows = job.rows if target.rows is None else torch.cat([target.rows, job.rows])
         target.rows_done = target.rows_done or job.rows_done
 
-    def _next_job(self, req: _Request) -> None:
+    def _next_job(self, req: _ARRequest) -> None:
         """Start the request's next job, unless one runs. On a stage fed by a hand-off the
         stage's `sampling.max_tokens` caps the whole answer: once its jobs wrote that many
         tokens, the remaining jobs are skipped and the request ends with the last one."""
@@ -222,7 +222,7 @@ class ARRunner(StageRunner):
                                            num_cached_tokens=0))
                 return
 
-    def _start(self, req: _Request, job: Job) -> None:
+    def _start(self, req: _ARRequest, job: Job) -> None:
         from vllm import SamplingParams
 
         defaults = self.stage.sampling
@@ -276,7 +276,7 @@ class ARRunner(StageRunner):
             # max_message_bytes) fails this request only.
             self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
-    def _emit(self, req: _Request, out: StepOutput) -> None:
+    def _emit(self, req: _ARRequest, out: StepOutput) -> None:
         if req.resumed_tail is not None:
             resumed_as_undisturbed(out, req.resumed_tail, req.answer_finished)
             req.resumed_tail = None

@@ -25,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from omni_cache.wire.messages import StageOutput
 from omni_cache.wire.transport import Codec, Sender
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 
 class Peer:

@@ -19,7 +19,7 @@ from typing import Any
 from omni_cache.config import StageConfig
 from omni_cache.wire.messages import StageError
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 #: Tombstones kept at most (oldest dropped first): bounds memory under an abort storm.
 MAX_TOMBSTONES = 65536

@@ -31,7 +31,7 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("omni_cache.runtime.tokenizer_cache")
+logger = logging.getLogger(__name__)
 
 __all__ = ["WORD_CACHE_WORDS", "bound_word_cache", "load_tokenizer"]
 
