@@ -49,7 +49,7 @@ from omni_cache.wire.messages import (
     StatsQuery,
     Submit,
 )
-from omni_cache.runtime.orchestrator import control_address
+from omni_cache.config.addresses import control_address
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 from workers.announcer import Announcer

@@ -28,7 +28,7 @@ import zmq
 from omni_cache.config import load_config
 from omni_cache.models.checkpoints import THINKER_HIDDEN
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageOutput
 from omni_cache.wire.transport import Codec, Sender
@@ -58,7 +58,7 @@ def server(tmp_path_factory):
             stage["sampling"]["max_tokens"] = TALKER_MAX_CODES
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False)
     srv = ServerThread(orch, api_key="test-key").start()
     srv.wait_ready(600)
     yield srv

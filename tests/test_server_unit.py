@@ -28,8 +28,10 @@ import openai
 import pytest
 
 from omni_cache.config import load_config
-from omni_cache.serving.metrics import parse_metrics
-from omni_cache.runtime.orchestrator import Orchestrator, StageStartError, control_address
+from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.config.addresses import control_address
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.process_runner import StageStartError
 from omni_cache.serving.server import ServerThread
 from omni_cache.serving.wav import decode_wav, encode_wav, to_pcm16
 
@@ -87,7 +89,7 @@ stages:
 
 def make_orchestrator(path: Path) -> Orchestrator:
     return Orchestrator(
-        load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+        load_config(path), tokenizer=ByteTokenizer(),
         stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
         echo_stage_logs=False,
     )

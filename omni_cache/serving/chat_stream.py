@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from omni_cache.runtime.orchestrator import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
+from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
 from omni_cache.serving.wav import to_pcm16
 
 __all__ = ["Answer", "collect_answer", "collect_unless_disconnected", "sse", "stream_chunks", "usage"]

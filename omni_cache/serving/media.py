@@ -42,12 +42,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from omni_cache.config.schema import MediaConfig
+from omni_cache.runtime.requests import AUDIO, IMAGE, MediaItem
 
 if TYPE_CHECKING:
     from omni_cache.serving.chat_request import MediaPart
 
-IMAGE = "image"
-AUDIO = "audio"
 #: Sample rates a clip may have (Hz): below, it is not audio; above, resampling costs too much.
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384000
 AUDIO_FORMATS = ("wav", "mp3")
@@ -61,17 +60,6 @@ class MediaError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass
-class MediaItem:
-    """One decoded item: an RGB image ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]``
-    (read-only when it came through a :class:`DecodedCache`: several requests share it)."""
-
-    kind: str  # IMAGE | AUDIO
-    array: np.ndarray
-    sample_rate: int = 0  # audio only
-    digest: str = ""  # sha256 hex of kind, target rate and encoded bytes ("" if not known)
 
 
 class DecodedCache:

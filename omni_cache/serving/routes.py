@@ -20,7 +20,7 @@ from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, rea
 from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
-from omni_cache.serving.metrics import CONTENT_TYPE
+from omni_cache.runtime.metrics import CONTENT_TYPE
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -81,7 +81,7 @@ async def chat_completions(request: Request):
     orch: Orchestrator = request.app.state.orchestrator
     body = await read_body(request, orch.config.server.max_message_bytes)
     chat = parse_chat_request(body, request.app.state.served_model_name)
-    if orch.tokenizer is None:
+    if orch.codec.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
     try:
@@ -123,7 +123,7 @@ def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator) -> Str
     base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": orch.served_model_name}
     return StreamingResponse(
-        stream_chunks(handle, base, entry_stage=orch.entry.name, include_usage=chat.include_usage,
+        stream_chunks(handle, base, entry_stage=orch.topology.entry.name, include_usage=chat.include_usage,
                       error_body=lambda e: APIError.from_request_error(e).body()),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -152,5 +152,5 @@ async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator
         "model": orch.served_model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
                      "logprobs": None}],
-        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.entry.name, 0)),
+        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.topology.entry.name, 0)),
     })

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("omni_cache.heap")
+logger = logging.getLogger(__name__)
 
 #: Seconds between two trims of a process's heap.
 TRIM_INTERVAL_S = 5.0
