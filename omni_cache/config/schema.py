@@ -46,7 +46,7 @@ class MediaConfig(_Base, kw_only=True):
     max_audio_seconds: PositiveFloat = 300.0
     #: Hosts whose http(s) image URLs the server fetches; none by default (data: URLs only).
     allowed_url_hosts: list[Annotated[str, Meta(min_length=1)]] = []
-    #: How long fetching one such URL may take.
+    #: How long fetching one such URL may take, all of it: connecting, the headers and the body.
     fetch_timeout_s: PositiveFloat = 10.0
     #: Decoded images and clips kept by content (sha256 of the encoded bytes), most recently used
     #: first, up to this many bytes of pixels / samples; 0 turns the cache off. A repeated image
