@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
 import re
 import subprocess
@@ -90,8 +89,6 @@ def test_tiny_thinker_engine_args() -> None:
         "gpu_memory_utilization": 0.3,
         "dtype": "bfloat16",
     }
-    full = config.stage("thinker").vllm_kwargs("/ckpt/thinker")
-    assert full["model"] == "/ckpt/thinker" and full["enable_prefix_caching"] is True
 
 
 def test_hybrid_thinker_leaves_block_size_to_vllm() -> None:
@@ -688,19 +685,6 @@ def test_cli_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--stage-config", str(TINY), "--port", "70000"]) == 2
 
 
-def test_cli_without_server_module(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(cli, "SERVER_MODULE", "omni_cache._no_such_server_module")
-    rc = cli.main(["--stage-config", str(TINY)])
-    captured = capsys.readouterr()
-    assert rc == 1
-    assert "pipeline: tiny_omni" in captured.out
-    assert "serving arrives with the pipeline (omni_cache._no_such_server_module not found)" in (
-        captured.err
-    )
-
-
 def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     seen = {}
     fake = types.ModuleType("omni_cache_test_fake_server")
@@ -710,7 +694,6 @@ def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
         return 0
 
     fake.serve = serve
-    fake.__spec__ = importlib.machinery.ModuleSpec(fake.__name__, None)
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(cli, "SERVER_MODULE", fake.__name__)
     assert cli.main(["--stage-config", str(TINY), "--log-level", "WARNING"]) == 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from omni_cache.config.schema import PipelineConfig, StageConfig
+from omni_cache.config.schema import StageConfig
 
 
 class Replica(NamedTuple):
@@ -75,8 +75,3 @@ def stage_replicas(stage: StageConfig) -> list[Replica]:
                               if stage.bind_address is not None else None))
         for i in range(n)
     ]
-
-
-def all_replicas(config: PipelineConfig) -> list[Replica]:
-    """Every replica of every stage, in config order."""
-    return [r for stage in config.stages for r in stage_replicas(stage)]
