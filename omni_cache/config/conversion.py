@@ -169,7 +169,8 @@ def _leaf_message(value: Any, tp: Any) -> str:
     same_kind = [t for t in options if _is_kind(value, t)]
     literals = _literal_values(tp)
     if same_kind and not isinstance(same_kind[0], mi.LiteralType):  # the kind is right: a bound
-        return f"expected {_WORDS[type(same_kind[0])]} {_bound(value, same_kind[0])}, got {_short_repr(value)}"
+        kind = same_kind[0]
+        return f"expected {_WORDS[type(kind)]} {_bound(value, kind)}, got {_short_repr(value)}"
     if literals:
         got = _short_repr(value) if same_kind else _got(value)
         return f"expected one of {', '.join(repr(v) for v in literals)}, got {got}"

@@ -221,7 +221,7 @@ class MediaDecoder:
     def _fetch(self, url: str, param: str) -> bytes:
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if host not in self.limits.allowed_url_hosts:
-            raise MediaError(f"image URL from host {host or '(none)'!r} is not fetched (this server "
+            raise MediaError(f"image_url from host {host or '(none)'!r} is not fetched (this server "
                              "fetches only from server.media.allowed_url_hosts); send a data: URL",
                              param)
         try:
