@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from omni_cache.config.schema import PipelineConfig, StageConfig
+from omni_cache.config.schema import StageConfig
 
 
 class Replica(NamedTuple):
@@ -75,11 +75,6 @@ def stage_replicas(stage: StageConfig) -> list[Replica]:
                               if stage.bind_address is not None else None))
         for i in range(n)
     ]
-
-
-def all_replicas(config: PipelineConfig) -> list[Replica]:
-    """Every replica of every stage, in config order."""
-    return [r for stage in config.stages for r in stage_replicas(stage)]
 
 
 def reports_blocks(policy: str, stage: str, entry: str, replicas: int, prefix_cache: bool) -> bool:
