@@ -194,8 +194,3 @@ def serve_stage(config: PipelineConfig, stage_name: str, *, orchestrator: str | 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return StageProcess(config, stage, orchestrator=orchestrator, parent_pid=parent_pid,
                         prefix_cache=prefix_cache, replica=replica).run()
-
-
-def wait_forever_guard() -> None:  # pragma: no cover - debugging aid
-    while True:
-        time.sleep(3600)
