@@ -58,7 +58,7 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
    during the first one's prefill would otherwise be sent away from it.
 3. Not covered yet: prompts with images or audio (vLLM adds the media's identifiers and their
    offsets in the *expanded* prompt as extra keys; only the thinker's processor knows the
-   expansion: README "Stage replicas" says what doing it exactly would take),
+   expansion: docs/replicas.md, "Routing", says what doing it exactly would take),
    hash algorithms other than vLLM's default ``sha256``, hybrid thinkers (several KV-cache groups),
    the talker's own prefix (its prompt is embeddings; its segments follow the request instead).
 
