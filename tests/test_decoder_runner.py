@@ -18,7 +18,7 @@ from omni_cache.config import load_config, resolve_model
 from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES
 from omni_cache.models.codec_decoder import CodecDecoder
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
-from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput
+from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Receiver
 from workers.decoder_runner import DecoderRunner
 from workers.outbox import Outbox
@@ -56,9 +56,10 @@ def codes(seed: int, n: int) -> list[int]:
 
 def feed(runner: DecoderRunner, rid: str, seq: int, ids: list[int], finished: bool,
          deadline: float = 0.0) -> None:
-    runner.guarded(rid, lambda: runner.accept(StageOutput(
-        request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished,
-        deadline=deadline), {}))
+    msg = StageOutput(request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished)
+    if seq == 0:  # a stream opens with its StreamStart
+        msg = StreamStart.opening(msg, deadline=deadline)
+    runner.guarded(rid, lambda: runner.accept(msg, {}))
 
 
 def run(runner: DecoderRunner) -> None:
@@ -196,7 +197,8 @@ def frames(seed: int, n: int, q: int = 4) -> torch.Tensor:
 
 
 def feed_frame(runner: DecoderRunner, rid: str, seq: int, codes: torch.Tensor, finished: bool) -> None:
-    runner.guarded(rid, lambda: runner.accept(StageOutput(
+    cls = StreamStart if seq == 0 else StageOutput  # a stream opens with its StreamStart
+    runner.guarded(rid, lambda: runner.accept(cls(
         request_id=rid, stage="talker", seq=seq, finished=finished), {CODES_FRAME: codes}))
 
 
@@ -266,7 +268,7 @@ def test_code2wav_stage_bad_codes_fail_that_request_alone(q3_runner):
     streams = {"good": good, "range": bad}
     stream_frames(runner, streams, [50, 50])
     feed_frame(runner, "shape", 0, frames(7, 10, q=3), finished=True)
-    runner.guarded("ids", lambda: runner.accept(StageOutput(
+    runner.guarded("ids", lambda: runner.accept(StreamStart(
         request_id="ids", stage="talker", seq=0, token_ids=[1, 2, 3], finished=True), {}))
     audio, errors = received(runner)
     assert set(audio) == {"good"} and set(errors) == {"range", "shape", "ids"}

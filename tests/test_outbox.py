@@ -9,13 +9,14 @@ import time
 import pytest
 import zmq
 
-from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput
+from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Receiver
 from workers.outbox import Outbox
 
 
 def out(rid: str, seq: int, finished: bool = False) -> StageOutput:
-    return StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[seq], finished=finished)
+    cls = StreamStart if seq == 0 else StageOutput  # a stream opens with its StreamStart
+    return cls(request_id=rid, stage="thinker", seq=seq, token_ids=[seq], finished=finished)
 
 
 def test_restarted_peer_gets_nothing_meant_for_its_predecessor(tmp_path):
@@ -72,8 +73,8 @@ def test_a_stream_goes_to_the_replica_its_route_names_and_stays_there(tmp_path):
     replicas = [Receiver(ctx, a, codec) for a in addresses]
     outbox = Outbox(ctx, codec, {"talker": addresses}, None)
 
-    def first(rid: str, replica: int) -> StageOutput:
-        return StageOutput(request_id=rid, stage="thinker", seq=0, token_ids=[0],
+    def first(rid: str, replica: int) -> StreamStart:
+        return StreamStart(request_id=rid, stage="thinker", seq=0, token_ids=[0],
                            route={"talker": replica})
 
     try:
