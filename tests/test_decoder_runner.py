@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from omni_cache.config import load_config, resolve_model
-from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES
+from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES, GenerateJob
 from omni_cache.models.codec_decoder import CodecDecoder
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
 from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput, StreamStart
@@ -150,6 +150,39 @@ def test_a_window_the_codec_rejects_fails_alone(runner):
     audio, errors = received(runner)
     assert set(audio) == {"good"} and set(errors) == {"bad"}
     assert "outside the codebook" in errors["bad"].message
+    assert torch.equal(audio["good"], whole(runner, good).float())
+
+
+def test_a_request_opens_only_on_a_stream_start(runner):
+    """A plain StageOutput for a request the stage does not hold is the rest of a stream whose
+    StreamStart it never saw (even at seq 0): dropped, nothing starts."""
+    runner.guarded("headless", lambda: runner.accept(StageOutput(
+        request_id="headless", stage="talker", seq=0, token_ids=codes(1, 30), finished=True), {}))
+    assert runner.requests == {} and not runner.has_work() and runner.total_requests == 0
+    feed(runner, "opened", 0, codes(1, 30), finished=True)
+    run(runner)
+    audio, errors = received(runner)
+    assert set(audio) == {"opened"} and not errors
+
+
+def test_a_hand_off_job_of_the_wrong_kind_fails_its_request_alone(runner):
+    """The decoder runs DecodeJobs: a hand-off that returns another kind fails the request it
+    returned it for (500, naming the type); the request beside it gets all its audio."""
+    handoff = runner.handoff
+
+    def mixed_up(ctx, up, state):
+        if up.token_ids[:1] == [7]:
+            return [GenerateJob(prompt_token_ids=[1])]
+        return handoff(ctx, up, state)
+
+    runner.handoff = mixed_up
+    good = codes(2, 30)
+    feed(runner, "good", 0, good, finished=True)
+    feed(runner, "wrong", 0, [7, 8, 9], finished=True)
+    run(runner)
+    audio, errors = received(runner)
+    assert set(audio) == {"good"} and set(errors) == {"wrong"}
+    assert errors["wrong"].status == 500 and "GenerateJob" in errors["wrong"].message
     assert torch.equal(audio["good"], whole(runner, good).float())
 
 
