@@ -327,7 +327,8 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[De
         if last:
             break
     if up.finished and not (jobs and jobs[-1].last):
-        jobs.append(DecodeJob(last=True))  # every code already decoded (or none came): end the stream
+        # Every code already decoded (or none came): an empty window ends the stream.
+        jobs.append(DecodeJob(last=True))
     state["emitted"], state["done"] = emitted, up.finished
     return jobs
 
