@@ -250,7 +250,7 @@ class Driver:
 
 # ---- /metrics ---------------------------------------------------------------------------------
 
-#: Counters read from /metrics, per stage (names in omni_cache/serving/metrics.py).
+#: Counters read from /metrics, per stage (names in omni_cache/runtime/metrics.py).
 COUNTERS = {
     "queried": "vllm:prefix_cache_queries_total",
     "hit": "vllm:prefix_cache_hits_total",
@@ -264,7 +264,7 @@ COUNTERS = {
 def metric_counters(text: str) -> dict[str, dict[str, float]]:
     """stage -> {queried, hit, latent_rows, requests, restarts, fresh} from Prometheus text; a
     stage's replicas summed (``fresh``: 1 only when every replica answered)."""
-    from omni_cache.serving.metrics import parse_metrics
+    from omni_cache.runtime.metrics import parse_metrics
 
     by_name = {v: k for k, v in COUNTERS.items()}
     out: dict[str, dict[str, float]] = {}

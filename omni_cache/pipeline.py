@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_cache.config import PipelineConfig, load_config
-from omni_cache.runtime.orchestrator import GenerationResult, Orchestrator, RequestError
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.results import GenerationResult, RequestError
 
 __all__ = ["GenerationError", "GenerationResult", "Pipeline"]
 
@@ -68,14 +69,13 @@ class Pipeline:
     ready. ``close()`` (or leaving the ``with`` block) stops them.
     """
 
-    def __init__(self, config: PipelineConfig, *, config_path: str | os.PathLike[str] | None = None,
-                 prefix_cache: bool = True, checkpoint_dir: str | os.PathLike[str] | None = None,
+    def __init__(self, config: PipelineConfig, *, prefix_cache: bool = True,
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
                  **orchestrator_kwargs: Any) -> None:
-        self.config = config
-        self.orchestrator = Orchestrator(
-            config, config_path=config_path, checkpoint_dir=checkpoint_dir,
-            prefix_cache=prefix_cache, **orchestrator_kwargs,
-        )
+        self.orchestrator = Orchestrator(config, checkpoint_dir=checkpoint_dir,
+                                         prefix_cache=prefix_cache, **orchestrator_kwargs)
+        #: The config it runs: ``config`` with the overrides applied (a copy).
+        self.config = self.orchestrator.config
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="omni-cache-pipeline",
                                         daemon=True)
@@ -94,12 +94,9 @@ class Pipeline:
         :class:`~omni_cache.runtime.orchestrator.Orchestrator` (e.g. ``start_timeout_s``,
         ``echo_stage_logs``).
         """
-        if isinstance(path, PipelineConfig):
-            config, config_path = path, None
-        else:
-            config, config_path = load_config(path), path
-        pipe = cls(config, config_path=config_path, prefix_cache=prefix_cache,
-                   checkpoint_dir=checkpoint_dir, **orchestrator_kwargs)
+        config = path if isinstance(path, PipelineConfig) else load_config(path)
+        pipe = cls(config, prefix_cache=prefix_cache, checkpoint_dir=checkpoint_dir,
+                   **orchestrator_kwargs)
         pipe.start()
         return pipe
 
@@ -194,7 +191,7 @@ class Pipeline:
         if self._closed or not self._started:
             raise RuntimeError("the pipeline is not running")
         if modalities is _ALL:
-            modalities = ("text", "audio") if self.orchestrator.audio_stage is not None else ("text",)
+            modalities = ("text", "audio") if self.orchestrator.topology.audio_stage is not None else ("text",)
         items = _normalize_prompts(prompts)
         token_lists = []
         for i, p in enumerate(items):

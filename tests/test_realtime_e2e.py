@@ -23,7 +23,7 @@ from benchmarks.realtime_client import append_audio, connect, next_event, read_a
 from benchmarks.speech_clips import silence, speech, turn_clip
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from test_pipeline_e2e import write_pipeline_config
 
@@ -36,7 +36,7 @@ MAX_TOKENS = 10  # thinker tokens per answer: short turns
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), MODEL, "qwen3_omni.yaml")
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False)
     srv = ServerThread(orch).start()
     srv.wait_ready(600)
     yield srv

@@ -16,7 +16,7 @@ import pytest
 from benchmarks.speech_clips import silence, speech
 from omni_cache.serving.realtime import audio_codecs as ac
 from omni_cache.serving.realtime.connection import RateLimiter
-from omni_cache.serving.realtime.conversation import ContentPart, Conversation, Item, SpokenText, audio_item
+from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
 from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
@@ -220,11 +220,11 @@ def test_input_buffer_clock_limit_and_padding():
 def test_conversation_prompt_holds_every_turn_with_stable_audio():
     conv = Conversation(max_items=10)
     clip = speech(1.0, seed=1, rate=16000)
-    user = Item("user", [ContentPart("input_audio", media=audio_item(clip, 16000))])
+    user = Item("user", [ItemPart("input_audio", media=audio_item(clip, 16000))])
     conv.add(user)
-    answer = Item("assistant", [ContentPart("output_audio", "hello there")], spoken=SpokenText(finished=True))
+    answer = Item("assistant", [ItemPart("output_audio", "hello there")], spoken=SpokenText(finished=True))
     conv.add(answer)
-    conv.add(Item("user", [ContentPart("input_text", "and?")]))
+    conv.add(Item("user", [ItemPart("input_text", "and?")]))
     messages, media = conv.prompt("be brief")
     assert messages == [
         {"role": "system", "content": "be brief"},
@@ -240,17 +240,17 @@ def test_conversation_prompt_holds_every_turn_with_stable_audio():
 
 def test_conversation_insert_delete_and_limits():
     conv = Conversation(max_items=3)
-    a, b, c = (Item("user", [ContentPart("input_text", t)]) for t in "abc")
+    a, b, c = (Item("user", [ItemPart("input_text", t)]) for t in "abc")
     assert conv.add(a) is None
     assert conv.add(b) == a.id
     assert conv.add(c, previous_item_id=a.id) == a.id
     assert [i.id for i in conv.items] == [a.id, c.id, b.id]
     with pytest.raises(EventError) as e:
-        conv.add(Item("user", [ContentPart("input_text", "d")]))
+        conv.add(Item("user", [ItemPart("input_text", "d")]))
     assert e.value.code == "conversation_full"
     conv.delete(c.id)
     with pytest.raises(EventError) as e:
-        conv.add(Item("user", [ContentPart("input_text", "d")]), previous_item_id="item_nope")
+        conv.add(Item("user", [ItemPart("input_text", "d")]), previous_item_id="item_nope")
     assert e.value.param == "previous_item_id"
     with pytest.raises(EventError) as e:
         conv.get("item_nope")

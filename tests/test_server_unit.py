@@ -26,12 +26,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 
 from omni_cache.config import load_config
-from omni_cache.serving.metrics import parse_metrics
-from omni_cache.runtime.orchestrator import Orchestrator, StageStartError, control_address
+from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.config.addresses import control_address
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.process_runner import StageStartError
 from omni_cache.serving.server import ServerThread
-from omni_cache.serving.wav import decode_wav, encode_wav, to_pcm16
+from omni_cache.serving.audio_formats import encode_audio
+from omni_cache.serving.wav import to_pcm16
 
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
 API_KEY = "unit-test-key"
@@ -90,7 +94,7 @@ stages:
 
 def make_orchestrator(path: Path) -> Orchestrator:
     return Orchestrator(
-        load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+        load_config(path), tokenizer=ByteTokenizer(),
         stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
         echo_stage_logs=False,
     )
@@ -183,10 +187,10 @@ def test_control_address_default():
 def test_wav_roundtrip():
     t = np.arange(2400) / 24000
     x = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-    data = encode_wav(x, 24000)
+    data = encode_audio(x, 24000, "wav")
     with wave.open(io.BytesIO(data)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (24000, 1, 2, 2400)
-    y, rate = decode_wav(data)
+    y, rate = soundfile.read(io.BytesIO(data), dtype="float32")
     assert rate == 24000 and np.max(np.abs(x - y)) < 1e-4
     assert len(to_pcm16(x[:1200], 12000)) == 2 * 2400  # resampled to 24 kHz
 

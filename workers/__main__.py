@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     # omni-serve sets it for the stages it spawns, a stage started by hand sets it here.
     os.environ.update(stage.env)
     if args.orchestrator is None:
-        from omni_cache.runtime.orchestrator import control_address
+        from omni_cache.config.addresses import control_address
 
         args.orchestrator = control_address(config)
     _die_with_parent(args.parent_pid)

@@ -21,7 +21,7 @@ import zmq
 from omni_cache.wire.messages import StageReady
 from omni_cache.wire.transport import Codec
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 
 class Announcer:

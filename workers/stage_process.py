@@ -20,18 +20,17 @@ import torch
 import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
-from omni_cache.config.replicas import stage_replicas
-from omni_cache.runtime.routing import reports_blocks
+from omni_cache.config.replicas import reports_blocks, stage_replicas
 from omni_cache.wire.messages import (
     MESSAGE_TYPES, Abort, BlockEvents, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
 )
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
-from omni_cache.runtime.heap_trim import HeapTrimmer
+from omni_cache.heap_trim import HeapTrimmer
 from workers.outbox import Outbox
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 #: How often the loop looks for requests past their deadline and for peers that went away.
 HOUSEKEEPING_INTERVAL_S = 0.1
@@ -195,8 +194,3 @@ def serve_stage(config: PipelineConfig, stage_name: str, *, orchestrator: str | 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return StageProcess(config, stage, orchestrator=orchestrator, parent_pid=parent_pid,
                         prefix_cache=prefix_cache, replica=replica).run()
-
-
-def wait_forever_guard() -> None:  # pragma: no cover - debugging aid
-    while True:
-        time.sleep(3600)

@@ -46,7 +46,7 @@ class MediaConfig(_Base, kw_only=True):
     max_audio_seconds: PositiveFloat = 300.0
     #: Hosts whose http(s) image URLs the server fetches; none by default (data: URLs only).
     allowed_url_hosts: list[Annotated[str, Meta(min_length=1)]] = []
-    #: How long fetching one such URL may take.
+    #: How long fetching one such URL may take, all of it: connecting, the headers and the body.
     fetch_timeout_s: PositiveFloat = 10.0
     #: Decoded images and clips kept by content (sha256 of the encoded bytes), most recently used
     #: first, up to this many bytes of pixels / samples; 0 turns the cache off. A repeated image
@@ -224,7 +224,7 @@ class EngineArgs(_Base, kw_only=True):
         """The keyword arguments for ``vllm.EngineArgs``: the fields that are set, plus ``extra``.
 
         ``enable_prefix_caching`` is not among them: it comes from ``StageConfig.prefix_cache``
-        (see :meth:`StageConfig.vllm_kwargs`).
+        (the stage's engine sets it, workers/llm_stage.py).
         """
         out: dict[str, Any] = {}
         for name in self.__struct_fields__:
@@ -331,22 +331,6 @@ class StageConfig(_Base, kw_only=True):
         """Whether prefix caching (vLLM APC + the hidden-state cache) is on for this stage."""
         return self.kind == "autoregressive" and self.prefix_cache
 
-    @property
-    def is_entry(self) -> bool:
-        """Whether this stage takes the client's request."""
-        return not self.inputs
-
-    def vllm_kwargs(self, model: str) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.EngineArgs`` of this (autoregressive) stage.
-
-        ``model`` is the resolved model path (see :func:`resolve_model`).
-        """
-        if self.engine_args is None:
-            raise ValueError(f"stage {self.name!r} ({self.kind}) has no engine_args")
-        kwargs = self.engine_args.to_vllm_kwargs()
-        kwargs["model"] = model
-        kwargs["enable_prefix_caching"] = self.prefix_cache
-        return kwargs
 
 
 class PipelineConfig(_Base, kw_only=True):

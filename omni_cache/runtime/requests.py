@@ -4,14 +4,36 @@ and the ids recently answered (so a stage's late output for one is recognised, n
 from __future__ import annotations
 
 import asyncio
+import time
+import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_cache.wire.messages import StageOutput, Submit
+import numpy as np
+
+from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
 
 #: How many answered request ids are remembered (late outputs of those are dropped quietly).
 RECENT_IDS = 10000
+
+
+#: MediaItem kinds.
+IMAGE, AUDIO = "image", "audio"
+
+
+@dataclass
+class MediaItem:
+    """One decoded image or clip a request carries for its prompt's placeholders: an RGB image
+    ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]`` (read-only when it came through the
+    server's decoded-media cache: several requests share it). Decoding is the server's
+    (omni_cache/serving/media.py); the orchestrator only sends these as tensor frames."""
+
+    kind: str  # IMAGE | AUDIO
+    array: np.ndarray
+    sample_rate: int = 0  # audio only
+    digest: str = ""  # sha256 hex of kind, target rate and encoded bytes ("" if not known)
 
 
 @dataclass(eq=False)
@@ -134,3 +156,34 @@ class RequestTable:
             i = r.route.get(stage, 0)
             out[i] = out.get(i, 0) + 1
         return out
+
+
+def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem],
+                   timeout: float) -> Submit:
+    """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
+    :func:`media_frames` makes. Stages drop it ``timeout`` seconds from now."""
+    return Submit(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=sampling,
+        modalities=list(req.modalities),
+        return_latents=req.return_latents,
+        deadline=time.time() + timeout,
+        media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest)
+               for i, m in enumerate(media)],
+        route=dict(req.route),
+    )
+
+
+def media_frames(media: Sequence[MediaItem]) -> dict[str, Any]:
+    """The tensor frames of a request's media (``media.<i>``)."""
+    if not media:
+        return {}
+    import torch
+
+    # Decoded media are shared read-only arrays (serving/media.py's DecodedCache); these tensors
+    # are only read (sent as frames), so torch's warning about a non-writable array does not
+    # apply, and it would otherwise land in the server log once.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {f"media.{i}": torch.from_numpy(m.array) for i, m in enumerate(media)}

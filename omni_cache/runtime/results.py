@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from omni_cache.runtime.orchestrator import Orchestrator
     from omni_cache.runtime.requests import Request
 
 
@@ -84,10 +83,23 @@ class GenerationResult:
     num_prompt_tokens: int = 0
 
 
+class HandleOwner(Protocol):
+    """What a handle asks of whoever accepted its request (the orchestrator)."""
+
+    #: The rate of the audio stage's output (for a result whose audio was empty).
+    audio_sample_rate: int
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Drop the request and tell its stages."""
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Token ids -> text."""
+
+
 class RequestHandle:
     """The client side of one accepted request: its events (streaming) or its result."""
 
-    def __init__(self, orchestrator: Orchestrator, request: Request) -> None:
+    def __init__(self, orchestrator: HandleOwner, request: Request) -> None:
         self._orch = orchestrator
         self._req = request
         self.request_id = request.request_id

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omni_cache.runtime.results import RequestError
 
 # The server's logger: "internal error" lines keep the name they were always logged under.
-logger = logging.getLogger("omni_cache.serving.server")
+logger = logging.getLogger(__name__)
 
 __all__ = ["APIError", "add_error_handlers", "invalid_request"]
 

@@ -4,8 +4,10 @@ Two content-part types carry media, as in OpenAI's chat API:
 
 * ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``: PNG, JPEG, WebP,
   GIF (first frame) or BMP, decoded by Pillow into ``uint8 [H, W, 3]`` RGB. ``http(s)://`` URLs
-  are fetched only from the hosts ``server.media.allowed_url_hosts`` lists (none by default);
-  ``file://`` and every other scheme are refused.
+  are fetched (by httpx) only from the hosts ``server.media.allowed_url_hosts`` lists (none by
+  default), without following redirects (one could lead to another host), within
+  ``fetch_timeout_s`` for the whole download and ``max_item_bytes``; ``file://`` and every other
+  scheme are refused.
 * ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav" | "mp3"}}``:
   decoded by libsndfile (``soundfile``), mixed down to mono and resampled with libsoxr to the
   thinker's feature-extractor rate (16 kHz for Qwen3-Omni), ``float32 [n]``.
@@ -26,28 +28,27 @@ and prefix-cache keys use the UUID). Clients cannot set it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
 import io
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import httpx
 import numpy as np
 
 from omni_cache.config.schema import MediaConfig
+from omni_cache.runtime.requests import AUDIO, IMAGE, MediaItem
 
 if TYPE_CHECKING:
     from omni_cache.serving.chat_request import MediaPart
 
-IMAGE = "image"
-AUDIO = "audio"
 #: Sample rates a clip may have (Hz): below, it is not audio; above, resampling costs too much.
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384000
 AUDIO_FORMATS = ("wav", "mp3")
@@ -61,17 +62,6 @@ class MediaError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass
-class MediaItem:
-    """One decoded item: an RGB image ``uint8 [H, W, 3]`` or a mono clip ``float32 [n]``
-    (read-only when it came through a :class:`DecodedCache`: several requests share it)."""
-
-    kind: str  # IMAGE | AUDIO
-    array: np.ndarray
-    sample_rate: int = 0  # audio only
-    digest: str = ""  # sha256 hex of kind, target rate and encoded bytes ("" if not known)
 
 
 class DecodedCache:
@@ -222,26 +212,41 @@ class MediaDecoder:
             raise MediaError(f"image_url from host {host or '(none)'!r} is not fetched (this server "
                              "fetches only from server.media.allowed_url_hosts); send a data: URL",
                              param)
-        opener = urllib.request.build_opener(_NoRedirect)
         try:
-            with opener.open(url, timeout=self.limits.fetch_timeout_s) as resp:
-                data = resp.read(self.limits.max_item_bytes + 1)
-        except OSError as e:
-            raise MediaError(f"image URL could not be fetched ({e})", param) from None
-        if len(data) > self.limits.max_item_bytes:
-            raise MediaError(self._too_large(), param)
-        return data
+            # httpx's timeouts bound each operation (connect, each read); a server trickling a
+            # byte at a time would pass them all. The deadline bounds the whole download.
+            return asyncio.run(asyncio.wait_for(self._download(url, param), self.limits.fetch_timeout_s))
+        except TimeoutError:
+            raise MediaError(f"image URL could not be fetched within {self.limits.fetch_timeout_s:g} s "
+                             "(server.media.fetch_timeout_s)", param) from None
+        except httpx.HTTPError as e:
+            raise MediaError(f"image URL could not be fetched ({type(e).__name__}: {e})", param) from None
+
+    async def _download(self, url: str, param: str) -> bytes:
+        """The body of a 200 answer at ``url``, refused once it exceeds ``max_item_bytes``."""
+        limit = self.limits.max_item_bytes
+        async with (httpx.AsyncClient(follow_redirects=False, timeout=self.limits.fetch_timeout_s) as client,
+                    client.stream("GET", url) as resp):
+            if resp.is_redirect:
+                raise MediaError(f"image URL could not be fetched (redirect to "
+                                 f"{resp.headers.get('location', '?')} refused: it could lead off "
+                                 "server.media.allowed_url_hosts)", param)
+            if resp.status_code != 200:
+                raise MediaError(f"image URL could not be fetched (HTTP {resp.status_code} "
+                                 f"{resp.reason_phrase})", param)
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise MediaError(self._too_large(), param)
+            data = bytearray()
+            async for chunk in resp.aiter_bytes():  # decompressed: the limit is on what is kept
+                data += chunk
+                if len(data) > limit:
+                    raise MediaError(self._too_large(), param)
+            return bytes(data)
 
     def _too_large(self) -> str:
         return (f"media item larger than {self.limits.max_item_bytes} bytes "
                 "(server.media.max_item_bytes)")
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect could lead off the allowed hosts: refuse it instead of following."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
-        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
 
 
 def _digest(kind: str, rate: int, data: bytes) -> str:

@@ -20,8 +20,9 @@ from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, rea
 from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
-from omni_cache.serving.metrics import CONTENT_TYPE
+from omni_cache.runtime.metrics import CONTENT_TYPE
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
+from omni_cache.serving.realtime.protocol import EventError
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -82,7 +83,7 @@ async def chat_completions(request: Request):
     orch: Orchestrator = request.app.state.orchestrator
     body = await read_body(request, orch.config.server.max_message_bytes)
     chat = parse_chat_request(body, request.app.state.served_model_name)
-    if orch.tokenizer is None:
+    if orch.codec.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
     try:
@@ -115,8 +116,17 @@ async def realtime(websocket: WebSocket) -> None:
         await websocket.close(code=CLOSE_POLICY, reason=problem)  # before accept: HTTP 403
         return
     orch: Orchestrator = state.orchestrator
+    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
+                           cache=state.media_cache)
+
+    def decode_image(url: str, param: str) -> MediaItem:
+        try:
+            return decoder.image(url, param)
+        except MediaError as e:
+            raise EventError(str(e), param=e.param or param, code="invalid_value") from None
+
     await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
-                         media_limits=orch.config.server.media, served_model=state.served_model_name)
+                         served_model=state.served_model_name, decode_image=decode_image)
 
 
 async def _decoded_media(chat: ChatRequest, orch: Orchestrator, cache: DecodedCache) -> list[MediaItem]:
@@ -137,7 +147,7 @@ def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator) -> Str
     base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": orch.served_model_name}
     return StreamingResponse(
-        stream_chunks(handle, base, entry_stage=orch.entry.name, include_usage=chat.include_usage,
+        stream_chunks(handle, base, entry_stage=orch.topology.entry.name, include_usage=chat.include_usage,
                       error_body=lambda e: APIError.from_request_error(e).body()),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -166,5 +176,5 @@ async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator
         "model": orch.served_model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
                      "logprobs": None}],
-        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.entry.name, 0)),
+        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.topology.entry.name, 0)),
     })

@@ -50,7 +50,7 @@ from omni_cache.serving.media import DecodedCache
 from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.routes import router
 
-logger = logging.getLogger("omni_cache.serving.server")
+logger = logging.getLogger(__name__)
 
 __all__ = ["ServerThread", "create_app", "serve"]
 
@@ -151,12 +151,8 @@ def serve(config: Any, args: Any) -> int:
     import uvicorn
 
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
-    orch = Orchestrator(
-        config,
-        config_path=getattr(args, "stage_config", None),
-        checkpoint_dir=getattr(args, "checkpoint_dir", None),
-        prefix_cache=not getattr(args, "no_prefix_cache", False),
-    )
+    orch = Orchestrator(config, checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                        prefix_cache=not getattr(args, "no_prefix_cache", False))
     host, port = config.server.host, config.server.port
     holder: dict[str, Any] = {}
     failures: list[BaseException] = []

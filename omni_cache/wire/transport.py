@@ -39,7 +39,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-logger = logging.getLogger("omni_cache.wire.transport")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 DEFAULT_HWM = 1000  # messages queued per socket before send blocks (backpressure)

@@ -1,7 +1,7 @@
 """``/v1/realtime``: one WebSocket connection carrying one :class:`RealtimeSession`.
 
 The connection reads client events one at a time and hands them to the session; server events go
-out through one writer task in the order they were queued (:class:`Outbox`). It enforces the
+out through one writer task in the order they were queued (:class:`EventWriter`). It enforces the
 session limits (``server.realtime``): sessions open at once, session length, idle time between
 client events, client events per second. A client that goes away (closed socket, dropped TCP)
 ends the session: the response in flight is cancelled, its pipeline request aborted, the
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
@@ -24,7 +25,7 @@ from omni_cache.serving.realtime.session import RealtimeSession
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
-__all__ = ["CLOSE_NORMAL", "CLOSE_POLICY", "CLOSE_TRY_LATER", "Outbox", "RateLimiter", "SessionRegistry",
+__all__ = ["CLOSE_NORMAL", "CLOSE_POLICY", "CLOSE_TRY_LATER", "EventWriter", "RateLimiter", "SessionRegistry",
            "serve_realtime"]
 
 #: WebSocket close codes: normal, policy (auth, model), try again later (full, starting).
@@ -59,7 +60,7 @@ class RateLimiter:
         return False
 
 
-class Outbox:
+class EventWriter:
     """Server events written in order by one task (two concurrent sends could interleave)."""
 
     def __init__(self, websocket: WebSocket) -> None:
@@ -92,7 +93,8 @@ class Outbox:
 
 
 async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig,
-                         registry: SessionRegistry, *, media_limits: Any, served_model: str) -> None:
+                         registry: SessionRegistry, *, served_model: str,
+                         decode_image: Callable[[str, str], Any] | None = None) -> None:
     """Run one connection's session until the client leaves or a limit ends it."""
     await websocket.accept()
     model = websocket.query_params.get("model")
@@ -107,13 +109,13 @@ async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig
         refusal = (EventError(f"{limits.max_sessions} realtime sessions are open "
                               "(server.realtime.max_sessions); retry later",
                               code="session_limit_reached", type="server_error"), CLOSE_TRY_LATER)
-    outbox = Outbox(websocket)
+    outbox = EventWriter(websocket)
     if refusal is not None:
         outbox.send(error_event(refusal[0], None))
         await _close(websocket, outbox, refusal[1], refusal[0].code or "")
         return
-    session = RealtimeSession(orch, outbox.send, limits=limits, media_limits=media_limits,
-                              served_model=served_model)
+    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model,
+                              decode_image=decode_image)
     registry.sessions[session.id] = session
     try:
         await session.open()
@@ -128,7 +130,7 @@ async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig
         await outbox.close()
 
 
-async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: Outbox,
+async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: EventWriter,
                        limits: RealtimeConfig) -> EventError | None:
     """Client events until the client leaves (None) or a limit ends the session (its error)."""
     limiter = RateLimiter(limits.max_events_per_s)
@@ -176,7 +178,7 @@ async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: O
             receiving.cancel()
 
 
-async def _handle(raw: str | bytes, session: RealtimeSession, outbox: Outbox) -> None:
+async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWriter) -> None:
     event_id = None
     try:
         event, event_id = parse_client_event(raw)
@@ -189,7 +191,7 @@ async def _handle(raw: str | bytes, session: RealtimeSession, outbox: Outbox) ->
                                            type="server_error", code="internal_error"), event_id))
 
 
-async def _close(websocket: WebSocket, outbox: Outbox, code: int, reason: str) -> None:
+async def _close(websocket: WebSocket, outbox: EventWriter, code: int, reason: str) -> None:
     await outbox.close()
     if websocket.application_state == WebSocketState.CONNECTED:
         with contextlib.suppress(Exception):

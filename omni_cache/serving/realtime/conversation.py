@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.serving.media import AUDIO, IMAGE, MediaItem
+from omni_cache.runtime.requests import AUDIO, MediaItem
 from omni_cache.serving.realtime.protocol import EventError, new_id
 
-__all__ = ["ContentPart", "Conversation", "Item", "SpokenText", "audio_item"]
+__all__ = ["ItemPart", "Conversation", "Item", "SpokenText", "audio_item"]
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SpokenText:
 
 
 @dataclass
-class ContentPart:
+class ItemPart:
     #: input_text | input_audio | input_image | output_text | output_audio
     type: str
     text: str = ""  # the text, or an audio part's transcript
@@ -79,7 +79,7 @@ class ContentPart:
 @dataclass
 class Item:
     role: str  # system | user | assistant
-    content: list[ContentPart]
+    content: list[ItemPart]
     id: str = field(default_factory=lambda: new_id("item"))
     status: str = "completed"
     #: Assistant audio: what was sent, the text beside it, and where it was truncated.

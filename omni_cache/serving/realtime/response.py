@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, TextDelta
-from omni_cache.serving.media import MediaItem
+from omni_cache.runtime.requests import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item
 from omni_cache.serving.realtime.protocol import make_event, new_id
@@ -181,7 +181,7 @@ class ResponseRun:
         if self._resampler is not None:  # the resampler's tail
             self._on_audio(np.zeros(0, np.float32), self._resampler.in_rate, last=True)
         self.item.spoken.finished = True
-        cached = ev.cached_tokens.get(self.pipeline.entry.name, 0)
+        cached = ev.cached_tokens.get(self.pipeline.topology.entry.name, 0)
         out_tokens = self.item.spoken.tokens
         self.usage = RealtimeResponseUsage(
             input_tokens=ev.num_prompt_tokens, output_tokens=out_tokens,

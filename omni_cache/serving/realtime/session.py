@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.config.schema import MediaConfig, RealtimeConfig
-from omni_cache.serving.media import MediaDecoder, MediaError
+from omni_cache.config.schema import RealtimeConfig
 from omni_cache.serving.realtime import session_config, vad
 from omni_cache.serving.realtime.audio_codecs import StreamResampler
-from omni_cache.serving.realtime.conversation import ContentPart, Conversation, Item, SpokenText, audio_item
+from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, make_event, new_id, refuse_unsupported
 from omni_cache.serving.realtime.response import ResponseOptions, ResponseRun
@@ -45,11 +44,13 @@ MIN_COMMIT_MS = 100
 
 class RealtimeSession:
     def __init__(self, pipeline: Any, send: Callable[[Any], None], *, limits: RealtimeConfig,
-                 media_limits: MediaConfig, served_model: str) -> None:
+                 served_model: str, decode_image: Callable[[str, str], Any] | None = None) -> None:
         self.id = new_id("sess")
         self.pipeline, self.send = pipeline, send
         self.served_model = served_model
-        self.media_limits = media_limits
+        # (data URL, param) -> the decoded image (the server's media decoder, with its limits and
+        # cache); EventError naming param when it cannot be. None: images are refused.
+        self.decode_image = decode_image
         self.config = SessionConfig()
         self.rate = int(pipeline.audio_input_rate)
         self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
@@ -187,7 +188,7 @@ class RealtimeSession:
             ConversationItemAdded, ConversationItemDone, InputAudioBufferCommittedEvent,
         )
 
-        item = Item("user", [ContentPart("input_audio", media=audio_item(self.buffer.take(), self.rate))],
+        item = Item("user", [ItemPart("input_audio", media=audio_item(self.buffer.take(), self.rate))],
                     id=item_id)
         previous = self.conversation.add(item)
         self.send(make_event(InputAudioBufferCommittedEvent, item_id=item.id, previous_item_id=previous))
@@ -225,7 +226,7 @@ class RealtimeSession:
                              "server serves no tools)", param="item.type", code="unsupported")
         if not sdk_item.content:
             raise EventError("a message needs content", param="item.content", code="invalid_value")
-        parts: list[ContentPart] = []
+        parts: list[ItemPart] = []
         for i, c in enumerate(sdk_item.content):
             param = f"item.content.{i}"
             kind = c.type or ("input_text" if role != "assistant" else "output_text")
@@ -233,19 +234,19 @@ class RealtimeSession:
                 if c.text is None:
                     raise EventError(f"a {kind} part needs 'text'", param=param + ".text",
                                      code="invalid_value")
-                parts.append(ContentPart(kind, c.text))
+                parts.append(ItemPart(kind, c.text))
             elif kind == "input_audio":
                 if c.audio is None:
                     raise EventError("an input_audio part needs 'audio' (base64, in the session's "
                                      "input format)", param=param + ".audio", code="invalid_value")
                 samples = StreamResampler(self.config.input_format.rate, self.rate)(
                     self._decode_audio(c.audio, param + ".audio"), last=True)
-                parts.append(ContentPart(kind, c.transcript or "", media=audio_item(samples, self.rate)))
+                parts.append(ItemPart(kind, c.transcript or "", media=audio_item(samples, self.rate)))
             elif kind == "input_image":
-                parts.append(ContentPart(kind, media=await self._image(c.image_url, param + ".image_url")))
+                parts.append(ItemPart(kind, media=await self._image(c.image_url, param + ".image_url")))
             elif kind == "output_audio":
                 # An assistant turn the client supplies: its transcript is what the user heard.
-                parts.append(ContentPart(kind, c.transcript or ""))
+                parts.append(ItemPart(kind, c.transcript or ""))
             else:
                 raise EventError(f"content type {kind!r} is not supported", param=param + ".type",
                                  code="unsupported")
@@ -255,14 +256,12 @@ class RealtimeSession:
         return item
 
     async def _image(self, url: str | None, param: str) -> Any:
+        if self.decode_image is None:
+            raise EventError("images are not taken by this server", param=param, code="unsupported")
         if not url:
             raise EventError("an input_image part needs 'image_url' (a data: URL)", param=param,
                              code="invalid_value")
-        decoder = MediaDecoder(self.media_limits, audio_sample_rate=self.rate)
-        try:
-            return await asyncio.to_thread(decoder.image, url, param)
-        except MediaError as e:
-            raise EventError(str(e), param=e.param or param, code="invalid_value") from None
+        return await asyncio.to_thread(self.decode_image, url, param)
 
     def on_conversation_item_delete(self, event: Any) -> None:
         from openai.types.realtime import ConversationItemDeletedEvent
@@ -352,7 +351,7 @@ class RealtimeSession:
             raise EventError("the conversation has no user or assistant item to answer",
                              code="conversation_empty")
         kind = "output_audio" if options.modality == "audio" else "output_text"
-        item = Item("assistant", [ContentPart(kind)], status="in_progress", spoken=SpokenText())
+        item = Item("assistant", [ItemPart(kind)], status="in_progress", spoken=SpokenText())
         self.conversation.add(item)
         self.response = run = ResponseRun(self.pipeline, self.send, item, options, messages, media,
                                           pace=self.pace, received_at=time.monotonic())
