@@ -53,8 +53,10 @@ class ResponseRun:
 
     def __init__(self, pipeline: Any, send: Callable[[Any], None], item: Item,
                  options: ResponseOptions, messages: Sequence[dict[str, Any]],
-                 media: Sequence[MediaItem], *, pace: float | None, received_at: float) -> None:
+                 media: Sequence[MediaItem], *, pace: float | None, received_at: float,
+                 session_id: str) -> None:
         self.id = new_id("resp")
+        self.session_id = session_id
         self.pipeline, self.send, self.item, self.options = pipeline, send, item, options
         self.messages, self.media = list(messages), list(media)
         self.pace = pace  # the session's measured ms per token (conversation.SpokenText)
@@ -121,12 +123,11 @@ class ResponseRun:
         prompt = await asyncio.to_thread(self.pipeline.tokenize_messages, self.messages)
         if self.reason is not None:
             return
-        # FOLLOW-UP (lead): pass session_id=<the session's id> once Orchestrator.submit takes it,
-        # so every turn of a session goes to the replicas that hold its prefix (prompts with media
-        # are not prefix-hashed, so prefix routing cannot follow them).
+        # session_id: every turn of a session goes to the replicas that hold its prefix (prompts
+        # with media are not prefix-hashed, so prefix routing alone cannot follow them).
         self.handle = await self.pipeline.submit(
             prompt, max_tokens=self.options.max_tokens, modalities=self.options.pipeline_modalities,
-            media=self.media, received_at=self.received_at)
+            media=self.media, received_at=self.received_at, session_id=self.session_id)
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")
         async for ev in self.handle.events():

@@ -84,6 +84,7 @@ class RealtimeSession:
             with contextlib.suppress(BaseException):
                 await self._response_task
         self.buffer.clear()
+        self.pipeline.end_session(self.id)  # its replicas are no longer kept for it
 
     @property
     def responding(self) -> bool:
@@ -354,7 +355,8 @@ class RealtimeSession:
         item = Item("assistant", [ItemPart(kind)], status="in_progress", spoken=SpokenText())
         self.conversation.add(item)
         self.response = run = ResponseRun(self.pipeline, self.send, item, options, messages, media,
-                                          pace=self.pace, received_at=time.monotonic())
+                                          pace=self.pace, received_at=time.monotonic(),
+                                          session_id=self.id)
         self._response_task = asyncio.create_task(self._run(run), name=f"realtime-{run.id}")
 
     async def _run(self, run: ResponseRun) -> None:
