@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from omni_cache.config.engine_args_extra import extra_problems
 from omni_cache.config.errors import IssueCollector
 from omni_cache.config.schema import (
     EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle,
@@ -183,7 +184,7 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 issues.add((*base, "latents"),
                            "the talker emits codes, not latents: leave latents off")
         if s.engine_args is not None:
-            _check_extra(s.engine_args, (*base, "engine_args", "extra"), issues)
+            _check_extra(s.engine_args, s.submodel, (*base, "engine_args", "extra"), issues)
             tp = s.engine_args.tensor_parallel_size
             if tp is not None and tp > 1:
                 # The stage runs vLLM's engine core and its one worker in its own process, where
@@ -239,19 +240,11 @@ def _check_sampling(s: StageConfig, base: tuple[str | int, ...], issues: IssueCo
             return
 
 
-_EXTRA_RESERVED = {
-    "enable_prefix_caching": "set the stage's prefix_cache instead",
-    "model": "set the stage's model instead",
-}
-
-
-def _check_extra(args: EngineArgs, base: tuple[str | int, ...], issues: IssueCollector) -> None:
+def _check_extra(args: EngineArgs, submodel: str | None, base: tuple[str | int, ...],
+                 issues: IssueCollector) -> None:
     typed = set(args.__struct_fields__) - {"extra"}
-    for key in args.extra:
-        if key in _EXTRA_RESERVED:
-            issues.add((*base, key), f"not allowed here: {_EXTRA_RESERVED[key]}")
-        elif key in typed:
-            issues.add((*base, key), f"not allowed here: set engine_args.{key} instead")
+    for key_path, message in extra_problems(args.extra, typed=typed, submodel=submodel):
+        issues.add((*base, *key_path), message)
 
 
 def _check_model(
