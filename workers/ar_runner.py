@@ -23,7 +23,7 @@ from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in, time_left
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class _ARRequest:
     request_id: str
     modalities: list[str]
     sampling: Sampling | None
-    deadline: float = 0.0
+    deadline: float = 0.0  # time.monotonic(); 0 = none
     return_latents: bool = False
     route: dict[str, int] = field(default_factory=dict)  # forwarded downstream with seq 0
     seq: int = 0
@@ -145,11 +145,12 @@ class ARRunner(StageRunner):
                              f"({len(msg.prompt_token_ids)} tokens)")
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
-        if self.is_dead(msg.request_id, True, msg.deadline):
+        if self.is_dead(msg.request_id, True, msg.time_left_s):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
-        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                       return_latents=msg.return_latents, route=dict(msg.route))
+        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
+                         deadline=deadline_in(msg.time_left_s),
+                         return_latents=msg.return_latents, route=dict(msg.route))
         if msg.resumed_tokens:
             req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
             req.answer_finished = msg.answer_finished
@@ -162,10 +163,11 @@ class ARRunner(StageRunner):
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
-            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+            if self.is_dead(msg.request_id, msg.seq == 0, msg.time_left_s):
                 return
-            req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                           return_latents=msg.return_latents, route=dict(msg.route))
+            req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
+                             deadline=deadline_in(msg.time_left_s),
+                             return_latents=msg.return_latents, route=dict(msg.route))
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
@@ -303,7 +305,7 @@ class ARRunner(StageRunner):
             image_grids=(out.image_grids or []) if self.downstream else [],
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
-            deadline=req.deadline if req.seq == 0 else 0.0,
+            time_left_s=time_left(req.deadline) if req.seq == 0 else None,
             return_latents=req.return_latents and req.seq == 0,
             route=req.route if req.seq == 0 else {})
         req.seq += 1

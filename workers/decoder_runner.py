@@ -29,7 +29,7 @@ from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.wire.messages import StageOutput
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _DecodeRequest:
     upstream: Upstream
-    deadline: float = 0.0
+    deadline: float = 0.0  # time.monotonic(); 0 = none
     handoff_state: dict = field(default_factory=dict)
     jobs: deque[Job] = field(default_factory=deque)
     seq: int = 0
@@ -63,10 +63,11 @@ class DecoderRunner(StageRunner):
             raise ValueError(f"the decoder stage takes stage outputs, not {type(msg).__name__}")
         req = self.requests.get(msg.request_id)
         if req is None:
-            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+            if self.is_dead(msg.request_id, msg.seq == 0, msg.time_left_s):
                 return
             req = self.requests[msg.request_id] = _DecodeRequest(
-                Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
+                Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False),
+                deadline=deadline_in(msg.time_left_s))
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
         if bad:

@@ -17,7 +17,10 @@ FinalOutput = Literal["text", "audio"]
 #: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing).
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
-_STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+#: A stage's name: lowercase letters, digits, '_' and '-', at most STAGE_NAME_MAX_LENGTH of them
+#: (it travels in every message, omni_cache/wire/messages.py, and names the stage's socket file).
+STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+STAGE_NAME_MAX_LENGTH = 64
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -244,8 +247,8 @@ class GenerationArgs(_Base, kw_only=True):
 class StageConfig(_Base, kw_only=True):
     """One stage of the pipeline, run in its own process."""
 
-    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'.
-    name: Annotated[str, Meta(pattern=_STAGE_NAME_RE)]
+    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'; at most 64 characters.
+    name: Annotated[str, Meta(pattern=STAGE_NAME_RE, max_length=STAGE_NAME_MAX_LENGTH)]
     #: "autoregressive": a vLLM engine; "generation": a non-AR network (the codec decoder).
     kind: StageKind
     #: "tiny:<name>" (a checkpoint the project generates) or a filesystem path.

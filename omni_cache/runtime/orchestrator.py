@@ -45,7 +45,9 @@ from omni_cache.runtime.admission import CLOSED, OPEN, Admission
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
-from omni_cache.runtime.requests import MediaItem, Request, RequestTable, media_frames, submit_message
+from omni_cache.runtime.requests import (
+    MediaItem, Request, RequestTable, media_frames, submit_message, with_time_left,
+)
 from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
 from omni_cache.runtime.results import Failed, RequestError, RequestHandle
 from omni_cache.runtime.route_planner import RoutePlanner
@@ -278,7 +280,7 @@ class Orchestrator:
                       deadline=now + timeout, timeout_s=timeout, return_latents=return_latents)
         self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
                            session_id=session_id)
-        req.submit = submit_message(req, admitted.sampling, admitted.media, timeout)
+        req.submit = submit_message(req, admitted.sampling, admitted.media)
         req.media = media_frames(admitted.media)
         self.requests.add(req)
         await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
@@ -289,7 +291,8 @@ class Orchestrator:
         (unless a later attempt replaced it meanwhile)."""
         entry = self.topology.entry.name
         try:
-            sent = await self.fleet.send(self._serving(req, entry), msg, req.media, timeout=timeout)
+            sent = await self.fleet.send(self._serving(req, entry), with_time_left(msg, req),
+                                         req.media, timeout=timeout)
         except MessageTooLarge as e:
             self._fail(req, 400, f"the request is too large to send to stage {entry!r} ({e}); "
                                  "send less media or raise server.max_message_bytes", stage=entry)

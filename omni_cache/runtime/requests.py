@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
@@ -158,21 +159,26 @@ class RequestTable:
         return out
 
 
-def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem],
-                   timeout: float) -> Submit:
+def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem]) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
-    :func:`media_frames` makes. Stages drop it ``timeout`` seconds from now."""
+    :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`)."""
     return Submit(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         sampling=sampling,
         modalities=list(req.modalities),
         return_latents=req.return_latents,
-        deadline=time.time() + timeout,
         media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest)
                for i, m in enumerate(media)],
         route=dict(req.route),
     )
+
+
+def with_time_left(msg: Submit, req: Request, now: float | None = None) -> Submit:
+    """``msg`` carrying what is left of ``req``'s time now (its deadline is this process's
+    monotonic clock; the stages turn the time left into deadlines on theirs)."""
+    now = time.monotonic() if now is None else now
+    return msgspec.structs.replace(msg, time_left_s=max(0.0, req.deadline - now))
 
 
 def media_frames(media: Sequence[MediaItem]) -> dict[str, Any]:
