@@ -70,8 +70,9 @@ class ServerConfig(_Base, kw_only=True):
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
     served_model_name: str | None = None
     #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
-    #: "tcp://host:port"); ``None`` -> ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock.
-    #: Stages on other hosts need a tcp address here, one they can reach (the host's name).
+    #: "tcp://host:port"); ``None`` -> a socket in a directory of the server's own
+    #: (omni_cache/config/addresses.py). Stages on other hosts need a tcp address here, one they
+    #: can reach (the host's name); stages started by hand need it set.
     control_address: str | None = None
     #: What the orchestrator binds when that differs from the address stages connect to
     #: (``tcp://0.0.0.0:5600`` behind ``control_address: tcp://server-host:5600``); None -> bind
@@ -263,8 +264,10 @@ class StageConfig(_Base, kw_only=True):
     submodel: Literal["talker"] | None = None
     #: Where the stage process listens and the others connect: "ipc:///abs/path" or
     #: "tcp://host:port" (on several hosts: a name the other hosts resolve to this one).
-    #: Required unless Ray places the stage (``server.ray_address``): its replicas then listen at
-    #: their node's IP and a port their actor picks, and this key is not used.
+    #: ``None`` -> a socket in a directory of the server's own, chosen when it starts
+    #: (omni_cache/config/addresses.py); required on a stage started by hand and on the stages it
+    #: sends to. When Ray places the stage (``server.ray_address``) its replicas listen at their
+    #: node's IP and a port their actor picks, and this key is not used.
     address: str | None = None
     #: What the stage binds when that differs from ``address`` (``tcp://0.0.0.0:5601``); None ->
     #: bind ``address``. Not used when Ray places the stage.

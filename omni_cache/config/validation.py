@@ -89,6 +89,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
         _check_replicas(s, base, issues)
 
     _check_addresses(config, issues)
+    check_hand_started(config, {s.name for s in stages if s.external}, issues)
     _check_ray(config, issues)
     _check_server(config, issues, check_paths=bool(check_paths))
 
@@ -350,10 +351,7 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
             _check_replica_addresses(s, i, parsed, owner, issues)
             continue
         if s.address is None:
-            issues.add(key, "missing: where the stage listens ('ipc:///path' or 'tcp://host:port'); "
-                            "only a stage Ray places (server.ray_address, or omni-serve "
-                            "--ray-address) goes without one")
-            continue
+            continue  # the server chooses one (omni_cache/config/addresses.py); check_hand_started
         result = _parse_address(s.address)
         if isinstance(result, str):
             issues.add(key, result)
@@ -404,6 +402,33 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
             if clash is not None:
                 issues.add(key, f"{config.server.control_address!r} is also the address of "
                                 f"{owner(*clash)}")
+
+
+def check_hand_started(config: PipelineConfig, names: Collection[str], issues: IssueCollector, *,
+                       announces_to_config: bool = True) -> None:
+    """The stages ``names`` are started by hand (``external``): they cannot learn an address the
+    server chooses when it starts (omni_cache/config/addresses.py), so each needs its own
+    address, the stages it sends to theirs, and (``announces_to_config``: not given on its
+    command line) the orchestrator's inbox."""
+    why = ("the server chooses a missing address when it starts, which a stage started by hand "
+           "cannot learn")
+    for i, s in enumerate(config.stages):
+        if s.name not in names:
+            continue
+        if s.address is None and not s.replica_addresses:
+            issues.add(("stages", i, "address"),
+                       f"needed for a stage started by hand (external): {why}")
+        for j, d in enumerate(config.stages):
+            if (s.name in d.inputs and d.name not in names and d.address is None
+                    and not d.replica_addresses and not config.placed_by_ray(d)):
+                issues.add(("stages", j, "address"),
+                           f"needed: stage {s.name!r}, started by hand (external), sends to this "
+                           f"stage; {why}")
+    if names and announces_to_config and config.server.control_address is None \
+            and config.server.ray_address is None:  # with Ray: _check_ray says so
+        issues.add(("server", "control_address"),
+                   f"needed with stage(s) started by hand ({', '.join(sorted(names))}): they "
+                   f"announce themselves there; {why}")
 
 
 def _check_replica_addresses(s: StageConfig, i: int,

@@ -37,6 +37,7 @@ from typing import Any
 
 
 from omni_cache.config import PipelineConfig, resolve_model
+from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
 from omni_cache.config.replicas import Replica
 from omni_cache.heap_trim import HeapTrimmer
@@ -77,12 +78,15 @@ class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
     ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the
-    copy, which every stage process is started with (:mod:`omni_cache.runtime.placement`).
+    copy, and the addresses it leaves unset are sockets in a directory of this server's
+    (:mod:`omni_cache.config.addresses`); every stage process is started with that copy
+    (:mod:`omni_cache.runtime.placement`).
     ``tokenizer``: anything with ``apply_chat_template`` (default: the entry stage's).
     ``stage_argv``: the command of a stage process before its arguments (default
     ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
     those the config marks ``external`` (not spawned; watched through their announcements and
-    connections). ``control_addr``: the inbox's address (default: :func:`control_address`).
+    connections). ``control_addr``: the inbox's address (default: ``server.control_address``, else a socket in
+    this server's directory).
     """
 
     def __init__(
@@ -99,12 +103,16 @@ class Orchestrator:
         control_addr: str | None = None,
         shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     ) -> None:
-        self.config = config = with_overrides(config, checkpoint_dir=checkpoint_dir,
-                                              prefix_cache=prefix_cache)
+        # Stages started by hand need the addresses the config spells out: checked before the
+        # server chooses the others (sockets in a directory of its own).
+        external = external_stages_of(config, external_stages)
+        run_dir = new_run_dir(config)
+        self.config = config = with_default_addresses(
+            with_overrides(config, checkpoint_dir=checkpoint_dir, prefix_cache=prefix_cache), run_dir)
         self.topology = topology = Topology.of(config)
         self.served_model_name = config.server.served_model_name or config.name
-        self.fleet = StageFleet(config, self, stage_argv=stage_argv,
-                                external=external_stages_of(config, external_stages),
+        self.fleet = StageFleet(config, self, run_dir=run_dir, stage_argv=stage_argv,
+                                external=external,
                                 control_addr=control_addr, echo_stage_logs=echo_stage_logs,
                                 start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None
                                                  else float(start_timeout_s)),

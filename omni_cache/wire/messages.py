@@ -1,7 +1,7 @@
 """The messages stages and the orchestrator exchange (frame 0 of every ZMQ message).
 
 Topology: every stage binds a PULL socket at its `address` (its inbox); the orchestrator binds one
-PULL socket at `control_address(config)` (its inbox). A stage PUSHes its output to the inboxes of
+PULL socket at `server.control_address` (its inbox). A stage PUSHes its output to the inboxes of
 its downstream stages and, when its output is final (or the request asked for latents), to the
 orchestrator. The orchestrator PUSHes `Submit` to the entry stage and `Abort`/`StatsQuery` to every
 stage.
