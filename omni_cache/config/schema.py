@@ -65,6 +65,15 @@ class ServerConfig(_Base, kw_only=True):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8091
     #: Largest ZMQ message (header + tensor frames) a stage accepts.
     max_message_bytes: PositiveInt = 256 * 1024 * 1024
+    #: Largest HTTP request body; a longer one is refused (413) while it is read.
+    max_body_bytes: PositiveInt = 64 * 1024 * 1024
+    #: Requests in flight at once: from before their body is read until they are answered
+    #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
+    max_requests_in_flight: PositiveInt = 64
+    #: Decoded images and clips (pixels x 3 bytes, samples x 4 bytes) the requests in flight hold
+    #: together, reserved from each item's header before it is decoded. Past it 429 with
+    #: Retry-After; a request whose media alone exceed it, 413.
+    max_media_bytes_in_flight: PositiveInt = 1024 * 1024 * 1024
     #: Deadline of one client request, end to end.
     request_timeout_s: PositiveFloat = 300.0
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).

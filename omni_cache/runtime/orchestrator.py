@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,12 +41,12 @@ from omni_cache.config.overrides import with_overrides
 from omni_cache.config.replicas import Replica
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, audio_input_rate
-from omni_cache.runtime.admission import CLOSED, OPEN, Admission
+from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
 from omni_cache.runtime.requests import (
-    MediaItem, Request, RequestTable, media_frames, submit_message, with_time_left,
+    MediaItem, Request, RequestTable, media_frames, new_request, submit_message, with_time_left,
 )
 from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
 from omni_cache.runtime.results import Failed, RequestError, RequestHandle
@@ -264,6 +263,7 @@ class Orchestrator:
         timeout_s: float | None = None,
         received_at: float | None = None,
         session_id: str | None = None,
+        ticket: Ticket | None = None,
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage.
 
@@ -274,23 +274,31 @@ class Orchestrator:
         ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
         histograms (default: now); the deadline counts from it too. ``session_id``: requests of
         one session (a realtime conversation) stay on the replicas its first request went to.
+        ``ticket``: its place in the server's bounds, taken before its body was read (None: here).
 
         Raises :class:`RequestError` when it is refused up front (:mod:`omni_cache.runtime.admission`).
         Otherwise the returned handle gets exactly one terminal event.
         """
-        admitted = self.admission.check(prompt_token_ids, max_tokens=max_tokens,
-                                        temperature=temperature, top_p=top_p, seed=seed,
-                                        modalities=modalities, media=media)
-        timeout = float(timeout_s or self.config.server.request_timeout_s)
-        now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
-        req = Request(request_id=uuid.uuid4().hex, prompt_token_ids=admitted.prompt_token_ids,
-                      modalities=admitted.modalities, participants=admitted.participants, t0=now,
-                      deadline=now + timeout, timeout_s=timeout, return_latents=return_latents)
-        self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
-                           session_id=session_id)
-        req.submit = submit_message(req, admitted.sampling, admitted.media)
-        req.media = media_frames(admitted.media)
-        self.requests.add(req)
+        ticket = ticket or self.admission.enter()
+        try:
+            admitted = self.admission.check(prompt_token_ids, ticket=ticket, max_tokens=max_tokens,
+                                            temperature=temperature, top_p=top_p, seed=seed,
+                                            modalities=modalities, media=media)
+            # Hashing grows with the prompt: off the event loop (omni_cache.runtime.route_planner).
+            hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids,
+                                                                has_media=bool(admitted.media)))
+            timeout = float(timeout_s or self.config.server.request_timeout_s)
+            req = new_request(admitted.prompt_token_ids, admitted.modalities, admitted.participants,
+                              received_at=received_at, timeout=timeout,
+                              return_latents=return_latents, ticket=ticket)
+            self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
+                               session_id=session_id, hashes=hashes)
+            req.submit = submit_message(req, admitted.sampling, admitted.media)
+            req.media = media_frames(admitted.media)
+            self.requests.add(req)
+        except BaseException:
+            ticket.release()  # refused (or cancelled) before it was accepted
+            raise
         await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
         return RequestHandle(self, req)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -79,6 +80,9 @@ class Request:
     text_tokens: int = 0
     #: A resumed request's text, decoded by the orchestrator (omni_cache.runtime.resume)
     resumed_text: Any = None
+    #: Its share of the server's bounds (omni_cache.runtime.admission.Ticket), given back when
+    #: it is answered.
+    ticket: Any = None
 
     @property
     def wire_id(self) -> str:
@@ -126,10 +130,13 @@ class RequestTable:
         return list(self._requests.values())
 
     def answered(self, req: Request) -> None:
-        """``req`` got its terminal event: forget it, remember its id."""
+        """``req`` got its terminal event: forget it, remember its id, give its share of the
+        server's bounds back (its ticket)."""
         self._requests.pop(req.wire_id, None)
         self._clients.pop(req.request_id, None)
         self.remember(req.wire_id)
+        if req.ticket is not None:
+            req.ticket.release()
 
     def remember(self, request_id: str) -> None:
         self._recent[request_id] = None
@@ -157,6 +164,18 @@ class RequestTable:
             i = r.route.get(stage, 0)
             out[i] = out.get(i, 0) + 1
         return out
+
+
+def new_request(prompt_token_ids: list[int], modalities: tuple[str, ...],
+                participants: tuple[str, ...], *, received_at: float | None, timeout: float,
+                return_latents: bool, ticket: Any) -> Request:
+    """A request accepted now: a new id, its deadline ``timeout`` seconds after it was received
+    (``received_at``, ``time.monotonic()``; None: now)."""
+    now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
+    return Request(request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids,
+                   modalities=modalities, participants=participants, t0=now,
+                   deadline=now + timeout, timeout_s=timeout, return_latents=return_latents,
+                   ticket=ticket)
 
 
 def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem]) -> Submit:

@@ -104,10 +104,9 @@ VOICES = ("default",)
 
 
 async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused (413) past ``limit`` bytes before more of it is read: what it
-    carries goes to the entry stage in one message, which may not exceed
-    ``server.max_message_bytes`` anyway."""
-    too_large = APIError(413, f"the request body is over {limit} bytes (server.max_message_bytes)")
+    """The request body, refused (413) past ``limit`` bytes (``server.max_body_bytes``) before
+    more of it is read."""
+    too_large = APIError(413, f"the request body is over {limit} bytes (server.max_body_bytes)")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large

@@ -1,0 +1,249 @@
+"""The server under a flood of the most media a request may carry: its event loop's lag, what it
+refuses, its memory (a probe, not a test).
+
+    .venv/bin/python -m benchmarks.admission_flood [--clients 16] [--seconds 30] [--json OUT.json]
+
+The server (the orchestrator and the HTTP app under uvicorn, as ``omni-serve`` runs them) runs in
+this process's event loop. Its stages are the fake stages of ``tests/fake_stage.py`` (real
+processes and ZMQ sockets; the thinker answers ``--answer-tokens`` tokens at ``--token-delay``
+seconds each without a model), so what is measured is the server's own work: reading bodies,
+parsing them, tokenizing (the tiny Qwen3-Omni checkpoint's tokenizer and chat template), reading
+and decoding media, routing, streaming answers back. A probe task on the same event loop sleeps
+``--probe-interval`` seconds at a time and records how much later than that it wakes: the loop's
+lag, which every stream's next chunk and every ``/health`` answer waits behind.
+
+The clients run in another process (they would otherwise compete for this process's GIL): each of
+``--clients`` posts, again and again for ``--seconds``, a chat request with ``--items`` one-colour
+PNG images of ``--side`` x ``--side`` pixels (a few KiB each, ``side * side * 3`` bytes decoded:
+the most decoded media ``server.media`` lets one request carry), ignoring Retry-After, while a
+poller asks ``/health`` every 100 ms. Limits: ``server.max_media_bytes_in_flight`` is
+``--media-requests`` requests' worth of media, ``server.max_requests_in_flight`` is
+``--max-in-flight``.
+
+Prints and writes (``--json``) the lag's percentiles idle and under the flood, the answers by
+status, ``/health``'s latency, and the server process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_STAGE = ROOT / "tests" / "fake_stage.py"
+MIB = 1 << 20
+
+
+def flood_config(directory: Path, args: argparse.Namespace) -> Path:
+    request_media = args.items * args.side * args.side * 3
+    data = {
+        "name": f"flood-{os.getpid()}",
+        "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 60,
+                   "max_message_bytes": max(256 * MIB, 2 * request_media),
+                   "max_requests_in_flight": args.max_in_flight,
+                   "max_media_bytes_in_flight": args.media_requests * request_media,
+                   "media": {"max_items": args.items, "max_image_pixels": args.side * args.side}},
+        "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:qwen3-omni",
+                    "final_output": "text", "engine_args": {"max_model_len": 8192},
+                    "sampling": {"max_tokens": args.answer_tokens},
+                    "env": {"FAKE_TOKEN_DELAY": str(args.token_delay)}}],
+    }
+    path = directory / "flood.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"n": len(ordered), "p50": at(0.50), "p90": at(0.90), "p99": at(0.99),
+            "max": ordered[-1], "mean": statistics.fmean(ordered)}
+
+
+async def probe(lags: list[tuple[float, float]], interval: float, stop: asyncio.Event) -> None:
+    """(when, lag): how much later than ``interval`` each sleep of the event loop woke."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(interval)
+        t1 = time.perf_counter()
+        lags.append((t1, t1 - t0 - interval))
+
+
+# ---- the clients (another process) ---------------------------------------------------------------
+
+def flat_png_data_url(side: int, colour: tuple[int, int, int]) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), colour).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def run_clients(url: str, model: str, args: dict[str, Any], out: Any) -> None:
+    """``args['clients']`` threads posting media requests back to back, a /health poller, for
+    ``args['seconds']``; puts (statuses, latencies, health latencies, health statuses) on ``out``."""
+    import httpx
+
+    bodies = []
+    for c in range(args["clients"]):
+        parts = [{"type": "text", "text": "what is in these pictures?"}]
+        parts += [{"type": "image_url", "image_url": {"url": flat_png_data_url(
+            args["side"], (c * 13 % 256, i * 51 % 256, 7))}} for i in range(args["items"])]
+        bodies.append({"model": model, "messages": [{"role": "user", "content": parts}],
+                       "max_tokens": args["answer_tokens"]})
+    end = time.monotonic() + args["seconds"]
+    statuses: list[int] = []
+    latencies: list[float] = []
+    health: list[float] = []
+    health_codes: list[int] = []
+    lock = threading.Lock()
+
+    def client(body: dict) -> None:
+        with httpx.Client(timeout=120) as http:
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                code = http.post(url + "/v1/chat/completions", json=body).status_code
+                with lock:
+                    statuses.append(code)
+                    latencies.append(time.perf_counter() - t0)
+
+    def poll_health() -> None:
+        with httpx.Client(timeout=120) as http:
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                code = http.get(url + "/health").status_code
+                health.append(time.perf_counter() - t0)
+                health_codes.append(code)
+                time.sleep(0.1)
+
+    threads = [threading.Thread(target=client, args=(b,)) for b in bodies]
+    threads.append(threading.Thread(target=poll_health))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put((statuses, latencies, health, health_codes))
+
+
+# ---- the server (this process) -------------------------------------------------------------------
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
+    import uvicorn
+
+    from omni_cache.config import load_config
+    from omni_cache.runtime.orchestrator import Orchestrator
+    from omni_cache.serving.server import create_app
+
+    config = load_config(flood_config(Path(tempfile.mkdtemp(prefix="flood")), args))
+    orch = Orchestrator(config, stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=300,
+                        shutdown_grace_s=2, echo_stage_logs=False)
+    app = create_app(orch, manage_lifecycle=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    await orch.start()
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    lags: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    probing = asyncio.create_task(probe(lags, args.probe_interval, stop))
+    try:
+        await asyncio.sleep(args.idle_seconds)  # the idle baseline
+        flood_start = time.perf_counter()
+        rss_before = peak_rss()
+        out: Any = multiprocessing.get_context("spawn").Queue()
+        clients = multiprocessing.get_context("spawn").Process(target=run_clients, args=(
+            url, orch.served_model_name, {
+                "clients": args.clients, "seconds": args.seconds, "items": args.items,
+                "side": args.side, "answer_tokens": args.answer_tokens}, out))
+        clients.start()
+        while clients.is_alive() and out.empty():
+            await asyncio.sleep(0.2)
+        statuses, latencies, health, health_codes = await asyncio.to_thread(out.get)
+        await asyncio.to_thread(clients.join)
+        flood_end = time.perf_counter()
+    finally:
+        stop.set()
+        await probing
+        server.should_exit = True
+        await serving
+        await orch.close()
+    idle = [lag for when, lag in lags if when < flood_start]
+    flooded = [lag for when, lag in lags if flood_start <= when <= flood_end]
+    by_status: dict[str, int] = {}
+    for code in statuses:
+        by_status[str(code)] = by_status.get(str(code), 0) + 1
+    return {
+        "loop_lag_idle_s": percentiles(idle), "loop_lag_flood_s": percentiles(flooded),
+        "answers_by_status": by_status, "requests_per_s": len(statuses) / (flood_end - flood_start),
+        "latency_s": {str(code): percentiles([lat for c, lat in zip(statuses, latencies) if c == code])
+                      for code in sorted(set(statuses))},
+        "health_latency_s": percentiles(health), "health_statuses": sorted(set(health_codes)),
+        "server_peak_rss_mib": peak_rss() / MIB, "server_rss_before_flood_mib": rss_before / MIB,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=30.0, help="how long the flood lasts")
+    ap.add_argument("--idle-seconds", type=float, default=3.0, help="the idle baseline before it")
+    ap.add_argument("--items", type=int, default=4, help="images per request (server.media.max_items)")
+    ap.add_argument("--side", type=int, default=2048,
+                    help="image width = height (server.media.max_image_pixels is side^2)")
+    ap.add_argument("--media-requests", type=int, default=4,
+                    help="server.max_media_bytes_in_flight in requests' worth of media")
+    ap.add_argument("--max-in-flight", type=int, default=64, help="server.max_requests_in_flight")
+    ap.add_argument("--answer-tokens", type=int, default=20)
+    ap.add_argument("--token-delay", type=float, default=0.02, help="the fake thinker's pace (s)")
+    ap.add_argument("--probe-interval", type=float, default=0.01)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from benchmarks.harness import machine_info
+
+    result = {"args": vars(args) | {"json": str(args.json) if args.json else None},
+              "machine": machine_info(), **asyncio.run(serve_and_flood(args))}
+    lag, idle = result["loop_lag_flood_s"], result["loop_lag_idle_s"]
+    print(f"event loop lag under the flood: p50 {lag['p50'] * 1e3:.1f} ms, p99 "
+          f"{lag['p99'] * 1e3:.1f} ms, max {lag['max'] * 1e3:.1f} ms ({lag['n']} probes; idle p99 "
+          f"{idle['p99'] * 1e3:.1f} ms)")
+    print(f"answers: {result['answers_by_status']} ({result['requests_per_s']:.1f}/s); /health p99 "
+          f"{result['health_latency_s']['p99'] * 1e3:.1f} ms, statuses {result['health_statuses']}; "
+          f"server peak RSS {result['server_peak_rss_mib']:.0f} MiB "
+          f"({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
