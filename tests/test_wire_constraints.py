@@ -27,7 +27,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.messages import (
     MAX_ERROR_MESSAGE, MAX_SAMPLE_RATE, MESSAGE_TYPES, Abort, BlockEvents, MediaRef, Shutdown,
-    StageError, StageOutput, StageReady, StageStats, Submit,
+    StageError, StageOutput, StageReady, StageStats, StreamStart, Submit,
 )
 from omni_cache.wire.transport import Codec, Receiver
 
@@ -38,9 +38,11 @@ GOOD: dict[str, msgspec.Struct] = {
     "submit": Submit(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=Sampling(),
                      modalities=["text", "audio"], time_left_s=30.0, route={"thinker": 1},
                      media=[MediaRef(kind="audio", tensor="media.0", sample_rate=16000)]),
-    "output": StageOutput(request_id="r1", stage="thinker", seq=0, token_ids=[5], latent_start=3,
-                          num_prompt_tokens=3, image_grids=[[1, 4, 4]], sample_rate=24000,
-                          time_left_s=12.5, finish_reason="stop"),
+    "output": StageOutput(request_id="r1", stage="thinker", seq=1, token_ids=[5], latent_start=3,
+                          num_prompt_tokens=3, sample_rate=24000, finish_reason="stop"),
+    "start": StreamStart(request_id="r1", stage="thinker", seq=0, token_ids=[5],
+                         modalities=["text", "audio"], sampling=Sampling(), time_left_s=12.5,
+                         route={"talker": 0}, prompt_token_ids=[1, 2], image_grids=[[1, 4, 4]]),
     "error": StageError(request_id="r1", stage="talker", message="bad", status=400),
     "abort": Abort(request_id="r1"),
     "ready": StageReady(stage="thinker", pid=123, replica=1, max_model_len=8192, host="h"),
@@ -60,7 +62,10 @@ BAD: list[tuple[str, str, str, Any]] = [
     ("token id past int32", "output", "token_ids", [2**31]),
     ("unknown modality", "submit", "modalities", ["text", "video"]),
     ("negative time left", "submit", "time_left_s", -1.0),
-    ("NaN time left", "output", "time_left_s", float("nan")),
+    ("NaN time left", "start", "time_left_s", float("nan")),
+    ("negative time left downstream", "start", "time_left_s", -0.5),
+    ("negative prompt token", "start", "prompt_token_ids", [3, -3]),
+    ("negative replica downstream", "start", "route", {"talker": -1}),
     ("negative resumed tokens", "submit", "resumed_tokens", -2),
     ("negative replica in a route", "submit", "route", {"thinker": -1}),
     ("not a stage name in a route", "submit", "route", {"Thinker!": 0}),
@@ -76,8 +81,8 @@ BAD: list[tuple[str, str, str, Any]] = [
     ("negative cached tokens", "output", "num_cached_tokens", -1),
     ("negative sample rate", "output", "sample_rate", -24000),
     ("sample rate out of range", "output", "sample_rate", 10**9),
-    ("patch grid of two", "output", "image_grids", [[1, 2]]),
-    ("negative patch grid", "output", "image_grids", [[1, -2, 3]]),
+    ("patch grid of two", "start", "image_grids", [[1, 2]]),
+    ("negative patch grid", "start", "image_grids", [[1, -2, 3]]),
     ("status below 100", "error", "status", 0),
     ("status above 599", "error", "status", 700),
     ("over-long error message", "error", "message", "e" * (MAX_ERROR_MESSAGE + 1)),

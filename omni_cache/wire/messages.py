@@ -6,6 +6,23 @@ its downstream stages and, when its output is final (or the request asked for la
 orchestrator. The orchestrator PUSHes `Submit` to the entry stage and `Abort`/`StatsQuery` to every
 stage.
 
+Messages by kind (as vLLM keeps `EngineCoreRequest` apart from `EngineCoreOutputs`): a request's
+stream from one stage to a downstream stage opens with a `StreamStart` and goes on with
+`StageOutput`s.
+- `StageOutput` is one delta: what every output carries (tokens and text new since the previous
+  one, where its latent rows start, whether and why the request finished here) and the usage so
+  far (`num_prompt_tokens`, `num_cached_tokens`: the orchestrator reads them from the stage's final
+  output, so they travel with every delta rather than once).
+- `StreamStart` is the stream's first delta (a `StageOutput` subclass with its own tag, so code
+  that reads deltas takes it as one) plus what travels once per (request, stage): the request's
+  context (`modalities`, `sampling`, `time_left_s`, `return_latents`, `route`, as its `Submit` gave
+  them) and the prompt as this stage's engine saw it (`prompt_token_ids`, `image_grids`). A
+  downstream stage opens a request on a `StreamStart` and drops a `StageOutput` for a request it
+  does not hold (the rest of a stream whose start it never saw). Only stages get it: the
+  orchestrator wrote the request's context itself, and takes plain `StageOutput`s.
+A separate header sent before the first delta would cost a second message per stream and an
+ordering rule between the two; the subclass keeps one message and one order.
+
 Tensors never go in these headers; they travel as frames next to them (see transport.py):
 - `StageOutput` from an autoregressive stage: its latents by name ("hidden", "layer_<k>", ...),
   rows for token positions `latent_start ..`;
@@ -27,7 +44,7 @@ into its own deadline on receipt, and forwards what is left of it downstream the
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -86,7 +103,8 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     request_id: RequestId
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)]
     sampling: Sampling
-    modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])  # "audio": run downstream
+    # "audio": run the stages downstream too.
+    modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
     #: The time the request has left (its stages drop it once that passed, after a grace).
     time_left_s: TimeLeft = None
@@ -105,7 +123,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
-    """A stage's streamed output for one request: what is new since its previous StageOutput."""
+    """A stage's streamed output for one request: what is new since its previous output."""
 
     request_id: RequestId
     stage: StageName
@@ -116,25 +134,36 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: Count = 0
-    # The prompt as the stage's engine saw it (media placeholders expanded); first output only,
-    # and only to a downstream stage (Qwen3-Omni's talker finds the user turn and media in it).
-    prompt_token_ids: list[TokenId] = []
-    # Per image of that prompt, its (t, h, w) patch grid (first output, to a downstream stage).
-    image_grids: list[PatchGrid] = []
     num_cached_tokens: Count = 0  # prompt tokens this stage's prefix cache let it skip (so far)
     sample_rate: SampleRate = 0  # decoder output only
-    # carried along so downstream stages know what to produce
+
+
+class StreamStart(StageOutput, tag="start", kw_only=True):
+    """Stage -> downstream stage: a request's first output (seq 0), with what the stage it goes to
+    needs once to run the request."""
+
+    # The request's Submit.modalities: a stage forwards downstream only when "audio" is asked for.
     modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
-    sampling: Sampling | None = None  # the client's sampling, forwarded with the first output
-    # What is left of the request's time when the stage sends its first output (the stage's own
-    # deadline, from its input's time_left_s); None after the first output.
+    sampling: Sampling | None = None  # the client's sampling (Submit.sampling)
+    # What is left of the request's time when the stage sends it (the stage's own deadline, from
+    # its input's time_left_s): the receiver's deadline is that much from when it arrives.
     time_left_s: TimeLeft = None
-    # The request's Submit.return_latents, forwarded with the first output: every autoregressive
-    # stage then also sends its tensors (latents, a talker's codes) to the orchestrator.
+    # The request's Submit.return_latents: every autoregressive stage then also sends its tensors
+    # (latents, a talker's codes) to the orchestrator.
     return_latents: bool = False
-    # The request's Submit.route, forwarded with the first output (seq 0) downstream: it picks the
-    # downstream replica; the rest of the stream follows the first message (workers/outbox.py).
+    # The request's Submit.route: it picks the downstream replica this message goes to; the rest
+    # of the stream follows it there (workers/outbox.py).
     route: dict[StageName, Count] = {}
+    # The prompt as the stage's engine saw it (media placeholders expanded): Qwen3-Omni's talker
+    # finds the user turn and media in it.
+    prompt_token_ids: list[TokenId] = []
+    # Per image of that prompt, its (t, h, w) patch grid.
+    image_grids: list[PatchGrid] = []
+
+    @classmethod
+    def opening(cls, first: StageOutput, **once: Any) -> StreamStart:
+        """The stream's first delta ``first`` with what travels once (the fields above)."""
+        return cls(**msgspec.structs.asdict(first), **once)
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):
@@ -172,7 +201,7 @@ class StageReady(msgspec.Struct, tag="ready", kw_only=True):
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
-    reply_to: str = ""  # unused for now: replies go to the orchestrator inbox
+    """Orchestrator -> stage: send your counters (a StageStats, to the orchestrator's inbox)."""
 
 
 class StageStats(msgspec.Struct, tag="stats", kw_only=True):
@@ -204,7 +233,7 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     block_size: Annotated[int, Meta(ge=1)]
 
 
-Message = (Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats
-           | Shutdown | BlockEvents)
-MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown,
-                 BlockEvents)
+Message = (Submit | StreamStart | StageOutput | StageError | Abort | StageReady | StatsQuery
+           | StageStats | Shutdown | BlockEvents)
+MESSAGE_TYPES = (Submit, StreamStart, StageOutput, StageError, Abort, StageReady, StatsQuery,
+                 StageStats, Shutdown, BlockEvents)
