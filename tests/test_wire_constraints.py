@@ -20,6 +20,7 @@ import httpx
 import msgspec
 import pytest
 import torch
+import yaml
 import zmq
 
 from omni_cache.config import Sampling, load_config
@@ -30,6 +31,8 @@ from omni_cache.wire.messages import (
     StageError, StageOutput, StageReady, StageStats, StreamStart, Submit,
 )
 from omni_cache.wire.transport import Codec, Receiver
+from test_default_addresses import fake_pipeline_config
+from test_server_unit import FAKE_STAGE, ByteTokenizer
 
 CODEC = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
 
@@ -158,33 +161,13 @@ def test_a_tensor_frame_with_a_negative_dimension_is_dropped():
 
 # ---- a running orchestrator ----------------------------------------------------------------------
 
-FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
-
-
-class ByteTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-
 def test_a_peers_block_size_of_minus_one_is_dropped_and_requests_are_answered():
-    d = tempfile.mkdtemp(prefix="ocw")  # short: ipc paths are limited to 107 bytes
-    path = Path(d) / "pipeline.yaml"
-    path.write_text(f"""
-name: wire_{uuid.uuid4().hex[:8]}
-server: {{host: 127.0.0.1, port: 0, request_timeout_s: 30, routing: prefix}}
-stages:
-  - name: thinker
-    kind: autoregressive
-    model: tiny:thinker
-    address: ipc://{d}/thinker.sock
-    replicas: 2
-    final_output: text
-    engine_args: {{max_model_len: 512}}
-    sampling: {{max_tokens: 8}}
-""")
+    data = yaml.safe_load(fake_pipeline_config(Path(tempfile.mkdtemp(prefix="ocw")),
+                                               f"wire_{uuid.uuid4().hex[:8]}").read_text())
+    data["server"]["routing"] = "prefix"
+    data["stages"] = [{**data["stages"][0], "replicas": 2}]  # two thinkers, no decoder
+    path = Path(tempfile.mkdtemp(prefix="ocw")) / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
     orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
                         stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
                         shutdown_grace_s=2, echo_stage_logs=False)
