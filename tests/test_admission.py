@@ -270,3 +270,18 @@ def test_media_that_can_never_fit_are_a_413_and_the_body_limit_holds_while_readi
         r = httpx.post(srv.url + "/v1/chat/completions", json=media_body(srv, 3), timeout=60)
         assert r.status_code == 413 and "server.max_message_bytes" in r.json()["error"]["message"]
         wait_idle(srv)
+
+
+def test_the_python_api_waits_for_room_instead_of_failing(tmp_path: Path):
+    """Pipeline.generate with more prompts than server.max_requests_in_flight: the extra ones
+    wait until one of its own requests ended, and all are answered."""
+    from omni_cache import Pipeline
+
+    path = write_config(tmp_path, max_requests_in_flight=2)
+    with Pipeline.from_config(path, tokenizer=ByteTokenizer(),
+                              stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
+                              shutdown_grace_s=2, echo_stage_logs=False) as pipe:
+        prompts = [f"prompt {i}" for i in range(5)]
+        results = pipe.generate(prompts, max_tokens=4)
+        assert [r.text for r in results] == [f"user: prompt {i}\n"[:4] for i in range(5)]
+        assert pipe.orchestrator.admission.bounds.requests == 0
