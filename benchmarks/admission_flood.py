@@ -18,7 +18,8 @@ PNG images of ``--side`` x ``--side`` pixels (a few KiB each, ``side * side * 3`
 the most decoded media ``server.media`` lets one request carry), ignoring Retry-After, while a
 poller asks ``/health`` every 100 ms. Limits: ``server.max_media_bytes_in_flight`` is
 ``--media-requests`` requests' worth of media, ``server.max_requests_in_flight`` is
-``--max-in-flight``.
+``--max-in-flight``. With ``--noise`` the images are random pixels instead: every body is about as
+large as the pixels (the server then also reads and parses that much per request).
 
 Prints and writes (``--json``) the lag's percentiles idle and under the flood, the answers by
 status, ``/health``'s latency, and the server process's peak RSS.
@@ -55,6 +56,7 @@ def flood_config(directory: Path, args: argparse.Namespace) -> Path:
         "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 60,
                    "max_message_bytes": max(256 * MIB, 2 * request_media),
                    "max_requests_in_flight": args.max_in_flight,
+                   "max_body_bytes": max(64 * MIB, 2 * request_media),
                    "max_media_bytes_in_flight": args.media_requests * request_media,
                    "media": {"max_items": args.items, "max_image_pixels": args.side * args.side}},
         "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:qwen3-omni",
@@ -90,11 +92,19 @@ async def probe(lags: list[tuple[float, float]], interval: float, stop: asyncio.
 
 # ---- the clients (another process) ---------------------------------------------------------------
 
-def flat_png_data_url(side: int, colour: tuple[int, int, int]) -> str:
+def png_data_url(side: int, seed: int, noise: bool) -> str:
+    """One colour (a few KiB: the most decoded bytes for the least sent) or, with ``noise``,
+    random pixels (incompressible: the largest body for the pixels)."""
+    import numpy as np
     from PIL import Image
 
+    rng = np.random.default_rng(seed)
+    if noise:
+        img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+    else:
+        img = Image.new("RGB", (side, side), tuple(int(c) for c in rng.integers(0, 256, 3)))
     buf = io.BytesIO()
-    Image.new("RGB", (side, side), colour).save(buf, format="PNG")
+    img.save(buf, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -106,8 +116,8 @@ def run_clients(url: str, model: str, args: dict[str, Any], out: Any) -> None:
     bodies = []
     for c in range(args["clients"]):
         parts = [{"type": "text", "text": "what is in these pictures?"}]
-        parts += [{"type": "image_url", "image_url": {"url": flat_png_data_url(
-            args["side"], (c * 13 % 256, i * 51 % 256, 7))}} for i in range(args["items"])]
+        parts += [{"type": "image_url", "image_url": {"url": png_data_url(
+            args["side"], c * 100 + i, args["noise"])}} for i in range(args["items"])]
         bodies.append({"model": model, "messages": [{"role": "user", "content": parts}],
                        "max_tokens": args["answer_tokens"]})
     end = time.monotonic() + args["seconds"]
@@ -183,7 +193,7 @@ async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
         clients = multiprocessing.get_context("spawn").Process(target=run_clients, args=(
             url, orch.served_model_name, {
                 "clients": args.clients, "seconds": args.seconds, "items": args.items,
-                "side": args.side, "answer_tokens": args.answer_tokens}, out))
+                "side": args.side, "answer_tokens": args.answer_tokens, "noise": args.noise}, out))
         clients.start()
         while clients.is_alive() and out.empty():
             await asyncio.sleep(0.2)
@@ -219,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--items", type=int, default=4, help="images per request (server.media.max_items)")
     ap.add_argument("--side", type=int, default=2048,
                     help="image width = height (server.media.max_image_pixels is side^2)")
+    ap.add_argument("--noise", action="store_true",
+                    help="random-pixel images (bodies of about items * side^2 * 4 bytes) instead "
+                         "of one-colour ones (a few KiB)")
     ap.add_argument("--media-requests", type=int, default=4,
                     help="server.max_media_bytes_in_flight in requests' worth of media")
     ap.add_argument("--max-in-flight", type=int, default=64, help="server.max_requests_in_flight")
