@@ -89,6 +89,21 @@ def test_media_bytes_are_reserved_against_what_the_others_hold():
     assert bounds.media_bytes == 0 and bounds.requests == 0
 
 
+def test_body_bytes_are_held_until_released_and_refused_past_the_bound():
+    bounds = InFlightBounds(max_requests=10, max_media_bytes=100, max_body_bytes=50)
+    a, b = bounds.enter(), bounds.enter()
+    a.hold_body(30)
+    with pytest.raises(RequestError) as info:
+        b.hold_body(30)
+    assert info.value.status == 429 and "server.max_body_bytes_in_flight" in info.value.message
+    a.release_body()  # parsed and submitted: a keeps its place, not its body
+    b.hold_body(30)
+    assert (bounds.body_bytes, bounds.requests) == (30, 2)
+    b.release()
+    a.release()
+    assert (bounds.body_bytes, bounds.requests) == (0, 0)
+
+
 # ---- a server of fake stages -------------------------------------------------------------------
 
 
@@ -286,3 +301,39 @@ def test_the_python_api_waits_for_room_instead_of_failing(tmp_path: Path):
         results = pipe.generate(prompts, max_tokens=4)
         assert [r.text for r in results] == [f"user: prompt {i}\n"[:4] for i in range(5)]
         assert pipe.orchestrator.admission.bounds.requests == 0
+
+
+def test_bodies_being_read_are_bounded_and_their_bytes_given_back_once_submitted():
+    """server.max_body_bytes_in_flight: while one body of 3 MiB is being read (its client has not
+    sent the rest), another declaring 2 MiB does not fit in 4 MiB and gets 429 before it is read;
+    once the first was submitted its bytes are free (it keeps no body while it is answered)."""
+    with fake_server(max_body_bytes=4 * MIB, max_body_bytes_in_flight=4 * MIB) as srv:
+        model = srv.orchestrator.served_model_name
+        bounds = srv.orchestrator.admission.bounds
+        go_on = threading.Event()
+        head = b'{"model": "' + model.encode() + b'", "max_tokens": 3, "messages": [{"role": '
+        padding = b" " * (3 * MIB)
+
+        def slow_body():
+            yield head + padding  # JSON allows whitespace between tokens
+            go_on.wait(60)
+            yield b'"user", "content": "slow"}]}'
+
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(httpx.post, srv.url + "/v1/chat/completions", content=slow_body(),
+                               headers={"Content-Type": "application/json"}, timeout=60)
+            end = time.monotonic() + 30
+            while bounds.body_bytes < 3 * MIB:
+                assert time.monotonic() < end, bounds.body_bytes
+                time.sleep(0.02)
+            other = {"model": model, "max_tokens": 3,
+                     "messages": [{"role": "user", "content": "x" * (2 * MIB)}]}
+            r = httpx.post(srv.url + "/v1/chat/completions", json=other, timeout=30)
+            assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER_S), r.text
+            assert "server.max_body_bytes_in_flight" in r.json()["error"]["message"]
+            go_on.set()
+            assert slow.result().status_code == 200
+        wait_idle(srv)
+        assert bounds.body_bytes == 0
+        r = httpx.post(srv.url + "/v1/chat/completions", json=other, timeout=30)
+        assert r.status_code == 400, r.text  # fits now; only too long for the context (4096)

@@ -67,6 +67,10 @@ class ServerConfig(_Base, kw_only=True):
     max_message_bytes: PositiveInt = 256 * 1024 * 1024
     #: Largest HTTP request body; a longer one is refused (413) while it is read.
     max_body_bytes: PositiveInt = 64 * 1024 * 1024
+    #: HTTP bodies being read, parsed and decoded at once (a body's bytes count from when they
+    #: are read until its request was submitted); past it 429 with Retry-After. At least
+    #: max_body_bytes.
+    max_body_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
     #: Requests in flight at once: from before their body is read until they are answered
     #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
     max_requests_in_flight: PositiveInt = 64

@@ -584,6 +584,10 @@ def _check_bind_address(bind: str, address: str, key: tuple[str | int, ...], iss
 
 def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths: bool) -> None:
     server = config.server
+    if server.max_body_bytes_in_flight < server.max_body_bytes:
+        issues.add(("server", "max_body_bytes_in_flight"),
+                   f"must be at least server.max_body_bytes ({server.max_body_bytes}), got "
+                   f"{server.max_body_bytes_in_flight}: no body of that size could be read")
     if server.heartbeat_timeout_s <= server.heartbeat_interval_s:
         issues.add(("server", "heartbeat_timeout_s"),
                    f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "

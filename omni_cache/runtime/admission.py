@@ -9,8 +9,10 @@ is an :class:`AdmittedRequest`, which the orchestrator routes and sends.
 
 The bounds (:class:`InFlightBounds`) keep the server's memory bounded under any load: at most
 ``server.max_requests_in_flight`` requests at once, counted from before their body is read until
-they are answered, and at most ``server.max_media_bytes_in_flight`` of decoded images and clips
-held by them, reserved from each item's header before it is decoded. Each request holds a
+they are answered; at most ``server.max_body_bytes_in_flight`` of HTTP bodies being read, parsed
+and decoded (each body's bytes are held until its request was submitted); and at most
+``server.max_media_bytes_in_flight`` of decoded images and clips held by the requests, reserved
+from each item's header before it is decoded. Each request holds a
 :class:`Ticket` for its share; it is given back exactly once, when the request is answered or
 refused.
 """
@@ -42,25 +44,38 @@ class Ticket:
     def __init__(self, bounds: InFlightBounds) -> None:
         self.bounds = bounds
         self.media_bytes = 0
+        self.body_bytes = 0
         self.released = False
 
     def hold_media(self, nbytes: int) -> None:
         """Reserve ``nbytes`` more of decoded media (:meth:`InFlightBounds.hold`)."""
         self.bounds.hold(self, nbytes)
 
+    def hold_body(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` more of the request's HTTP body (:meth:`InFlightBounds.hold_body`)."""
+        self.bounds.hold_body(self, nbytes)
+
+    def release_body(self) -> None:
+        """The body was parsed and dropped: its bytes are free again."""
+        self.bounds.release_body(self)
+
     def release(self) -> None:
         self.bounds.release(self)
 
 
 class InFlightBounds:
-    """What the requests in flight hold, against ``server.max_requests_in_flight`` and
-    ``server.max_media_bytes_in_flight`` (event-loop thread only)."""
+    """What the requests in flight hold, against ``server.max_requests_in_flight``,
+    ``server.max_media_bytes_in_flight`` and ``server.max_body_bytes_in_flight`` (event-loop
+    thread only)."""
 
-    def __init__(self, max_requests: int, max_media_bytes: int) -> None:
+    def __init__(self, max_requests: int, max_media_bytes: int,
+                 max_body_bytes: int = 2**62) -> None:
         self.max_requests = max_requests
         self.max_media_bytes = max_media_bytes
+        self.max_body_bytes = max_body_bytes
         self.requests = 0
         self.media_bytes = 0
+        self.body_bytes = 0
 
     def enter(self) -> Ticket:
         """A place for one more request, or 429 when every place is taken."""
@@ -89,12 +104,28 @@ class InFlightBounds:
         ticket.media_bytes = mine
         self.media_bytes += nbytes
 
+    def hold_body(self, ticket: Ticket, nbytes: int) -> None:
+        """Reserve ``nbytes`` more of an HTTP body being read: 429 when the bodies being read and
+        parsed now hold too much already."""
+        if self.body_bytes + nbytes > self.max_body_bytes:
+            raise RequestError(429, f"the requests being read hold {self.body_bytes} bytes of "
+                               f"body; {nbytes} more would pass the server's limit of "
+                               f"{self.max_body_bytes} (server.max_body_bytes_in_flight); retry in "
+                               f"{RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+        ticket.body_bytes += nbytes
+        self.body_bytes += nbytes
+
+    def release_body(self, ticket: Ticket) -> None:
+        self.body_bytes -= ticket.body_bytes
+        ticket.body_bytes = 0
+
     def release(self, ticket: Ticket) -> None:
         if ticket.released:
             return
         ticket.released = True
         self.requests -= 1
         self.media_bytes -= ticket.media_bytes
+        self.release_body(ticket)
 
 
 @dataclass
@@ -120,7 +151,8 @@ class Admission:
         self.state = STARTING
         #: What the requests in flight hold (their tickets).
         self.bounds = InFlightBounds(config.server.max_requests_in_flight,
-                                     config.server.max_media_bytes_in_flight)
+                                     config.server.max_media_bytes_in_flight,
+                                     config.server.max_body_bytes_in_flight)
         #: The entry stage's context length as its engine reported it (StageReady); None before.
         self.context_len: int | None = None
 

@@ -4,9 +4,10 @@
 
 A chat request takes its place among the requests in flight before anything of its body is read
 (429 when there is none: omni_cache/runtime/admission.py), reads its body up to
-``server.max_body_bytes``, and does its heavy work off the event loop: parsing the JSON,
-tokenizing, reading and decoding its media (whose decoded size is reserved from their headers
-before they are decoded) run in worker threads.
+``server.max_body_bytes`` (each byte held against ``server.max_body_bytes_in_flight`` until the
+request was submitted; after that it keeps neither body nor messages), and does its heavy work
+off the event loop: parsing the JSON, tokenizing, reading and decoding its media (whose decoded
+size is reserved from their headers before they are decoded) run in worker threads.
 """
 
 from __future__ import annotations
@@ -100,8 +101,18 @@ async def chat_completions(request: Request):
 
 async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
                   received_at: float) -> tuple[RequestHandle, ChatRequest]:
-    """Read, check and submit one chat request holding ``ticket``."""
-    body = await read_body(request, orch.config.server.max_body_bytes)
+    """Read, check and submit one chat request holding ``ticket``; its body's bytes are held on
+    the ticket until it was submitted (``server.max_body_bytes_in_flight``)."""
+    try:
+        handle, chat = await _read_and_submit(request, orch, ticket, received_at)
+        return handle, chat.without_content()
+    finally:
+        ticket.release_body()
+
+
+async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
+                           received_at: float) -> tuple[RequestHandle, ChatRequest]:
+    body = await read_body(request, orch.config.server.max_body_bytes, reserve=ticket.hold_body)
     chat = await asyncio.to_thread(parse_chat_request, body, request.app.state.served_model_name)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
