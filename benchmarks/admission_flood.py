@@ -15,14 +15,15 @@ lag, which every stream's next chunk and every ``/health`` answer waits behind.
 The clients run in another process (they would otherwise compete for this process's GIL): each of
 ``--clients`` posts, again and again for ``--seconds``, a chat request with ``--items`` one-colour
 PNG images of ``--side`` x ``--side`` pixels (a few KiB each, ``side * side * 3`` bytes decoded:
-the most decoded media ``server.media`` lets one request carry), ignoring Retry-After, while a
-poller asks ``/health`` every 100 ms. Limits: ``server.max_media_bytes_in_flight`` is
+the most decoded media ``server.media`` lets one request carry; each body is encoded once before
+the flood), ignoring Retry-After, while a poller in a third process asks ``/health`` every 100 ms. Limits: ``server.max_media_bytes_in_flight`` is
 ``--media-requests`` requests' worth of media, ``server.max_requests_in_flight`` is
 ``--max-in-flight``. With ``--noise`` the images are random pixels instead: every body is about as
 large as the pixels (the server then also reads and parses that much per request).
 
 Prints and writes (``--json``) the lag's percentiles idle and under the flood, the answers by
-status, ``/health``'s latency, and the server process's peak RSS.
+status, ``/health``'s latency, and the server process's RSS before the flood and its peak during
+it. The decoded-item cache (``server.media.decoded_cache_bytes``, 256 MiB) is on, as by default.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def png_data_url(side: int, seed: int, noise: bool) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def run_clients(url: str, model: str, args: dict[str, Any], out: Any) -> None:
-    """``args['clients']`` threads posting media requests back to back, a /health poller, for
-    ``args['seconds']``; puts (statuses, latencies, health latencies, health statuses) on ``out``."""
+def run_clients(url: str, model: str, args: dict[str, Any], go: Any, out: Any) -> None:
+    """``args['clients']`` threads posting media requests back to back for ``args['seconds']``
+    from ``go`` on (each body encoded once, before: "ready" on ``out``); puts (statuses,
+    latencies) on ``out``."""
     import httpx
 
     bodies = []
@@ -118,47 +120,56 @@ def run_clients(url: str, model: str, args: dict[str, Any], out: Any) -> None:
         parts = [{"type": "text", "text": "what is in these pictures?"}]
         parts += [{"type": "image_url", "image_url": {"url": png_data_url(
             args["side"], c * 100 + i, args["noise"])}} for i in range(args["items"])]
-        bodies.append({"model": model, "messages": [{"role": "user", "content": parts}],
-                       "max_tokens": args["answer_tokens"]})
+        bodies.append(json.dumps({"model": model, "max_tokens": args["answer_tokens"],
+                                  "messages": [{"role": "user", "content": parts}]}).encode())
+    out.put("ready")
+    go.wait()
     end = time.monotonic() + args["seconds"]
     statuses: list[int] = []
     latencies: list[float] = []
-    health: list[float] = []
-    health_codes: list[int] = []
     lock = threading.Lock()
 
-    def client(body: dict) -> None:
-        with httpx.Client(timeout=120) as http:
+    def client(body: bytes) -> None:
+        with httpx.Client(timeout=120, headers={"Content-Type": "application/json"}) as http:
             while time.monotonic() < end:
                 t0 = time.perf_counter()
-                code = http.post(url + "/v1/chat/completions", json=body).status_code
+                code = http.post(url + "/v1/chat/completions", content=body).status_code
                 with lock:
                     statuses.append(code)
                     latencies.append(time.perf_counter() - t0)
 
-    def poll_health() -> None:
-        with httpx.Client(timeout=120) as http:
-            while time.monotonic() < end:
-                t0 = time.perf_counter()
-                code = http.get(url + "/health").status_code
-                health.append(time.perf_counter() - t0)
-                health_codes.append(code)
-                time.sleep(0.1)
-
     threads = [threading.Thread(target=client, args=(b,)) for b in bodies]
-    threads.append(threading.Thread(target=poll_health))
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    out.put((statuses, latencies, health, health_codes))
+    out.put((statuses, latencies))
+
+
+def poll_health(url: str, seconds: float, go: Any, out: Any) -> None:
+    """GET /health every 100 ms for ``seconds`` from ``go`` on (a process of its own: the
+    uploading clients do not delay it); puts (latencies, statuses) on ``out``."""
+    import httpx
+
+    latencies: list[float] = []
+    codes: list[int] = []
+    go.wait()
+    end = time.monotonic() + seconds
+    with httpx.Client(timeout=120) as http:
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            codes.append(http.get(url + "/health").status_code)
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.1)
+    out.put((latencies, codes))
 
 
 # ---- the server (this process) -------------------------------------------------------------------
 
-def peak_rss() -> int:
+def rss(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -182,24 +193,31 @@ async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    spawn = multiprocessing.get_context("spawn")
+    out: Any = spawn.Queue()
+    health_out: Any = spawn.Queue()
+    go = spawn.Event()
+    clients = spawn.Process(target=run_clients, args=(url, orch.served_model_name, {
+        "clients": args.clients, "seconds": args.seconds, "items": args.items, "side": args.side,
+        "answer_tokens": args.answer_tokens, "noise": args.noise}, go, out))
+    poller = spawn.Process(target=poll_health, args=(url, args.seconds, go, health_out))
+    clients.start()
+    poller.start()
+    assert await asyncio.to_thread(out.get) == "ready"  # the bodies are encoded
     lags: list[tuple[float, float]] = []
     stop = asyncio.Event()
     probing = asyncio.create_task(probe(lags, args.probe_interval, stop))
     try:
         await asyncio.sleep(args.idle_seconds)  # the idle baseline
+        rss_before = rss("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
         flood_start = time.perf_counter()
-        rss_before = peak_rss()
-        out: Any = multiprocessing.get_context("spawn").Queue()
-        clients = multiprocessing.get_context("spawn").Process(target=run_clients, args=(
-            url, orch.served_model_name, {
-                "clients": args.clients, "seconds": args.seconds, "items": args.items,
-                "side": args.side, "answer_tokens": args.answer_tokens, "noise": args.noise}, out))
-        clients.start()
-        while clients.is_alive() and out.empty():
-            await asyncio.sleep(0.2)
-        statuses, latencies, health, health_codes = await asyncio.to_thread(out.get)
-        await asyncio.to_thread(clients.join)
+        go.set()
+        statuses, latencies = await asyncio.to_thread(out.get)
+        health, health_codes = await asyncio.to_thread(health_out.get)
         flood_end = time.perf_counter()
+        await asyncio.to_thread(clients.join)
+        await asyncio.to_thread(poller.join)
     finally:
         stop.set()
         await probing
@@ -217,7 +235,8 @@ async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
         "latency_s": {str(code): percentiles([lat for c, lat in zip(statuses, latencies) if c == code])
                       for code in sorted(set(statuses))},
         "health_latency_s": percentiles(health), "health_statuses": sorted(set(health_codes)),
-        "server_peak_rss_mib": peak_rss() / MIB, "server_rss_before_flood_mib": rss_before / MIB,
+        "server_rss_before_flood_mib": rss_before / MIB,
+        "server_peak_rss_during_flood_mib": rss("VmHWM") / MIB,
     }
 
 
@@ -251,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{idle['p99'] * 1e3:.1f} ms)")
     print(f"answers: {result['answers_by_status']} ({result['requests_per_s']:.1f}/s); /health p99 "
           f"{result['health_latency_s']['p99'] * 1e3:.1f} ms, statuses {result['health_statuses']}; "
-          f"server peak RSS {result['server_peak_rss_mib']:.0f} MiB "
+          f"server RSS {result['server_rss_before_flood_mib']:.0f} MiB before, peak "
+          f"{result['server_peak_rss_during_flood_mib']:.0f} MiB during the flood "
           f"({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

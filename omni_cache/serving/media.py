@@ -193,7 +193,8 @@ class MediaDecoder:
 
         try:
             with Image.open(io.BytesIO(item.data)) as img:
-                rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)
+                # convert() copies even an RGB image: only one that is not RGB is converted
+                rgb = np.asarray(img if img.mode == "RGB" else img.convert("RGB"), dtype=np.uint8)
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise MediaError(_undecodable_image(e), item.param) from None
         if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
