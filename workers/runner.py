@@ -6,6 +6,11 @@ until it finishes there, fails there, is aborted or passes its deadline; nothing
 that. Ending it early leaves a tombstone: upstream output for it that is still on its way (or
 that arrives before the request was ever created here, when the Abort overtook it) is dropped
 instead of starting the request again.
+
+Deadlines: a request's input carries the time it has left (``time_left_s``: hosts' clocks
+differ, so no point in time crosses the wire); the stage turns it into a deadline on its own
+monotonic clock when the request arrives (:func:`deadline_in`) and forwards what is left of it
+downstream (:func:`time_left`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_cache.config import StageConfig
-from omni_cache.wire.messages import StageError, StageOutput, StreamStart, Submit
+from omni_cache.wire.messages import MAX_ERROR_MESSAGE, StageError, StageOutput, StreamStart, Submit
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,21 @@ STATUS_DEADLINE = 504
 #: aborts the stages) at the deadline itself; a stage's own expiry is the backstop for a request
 #: whose Abort never came (lost, or the orchestrator restarted).
 DEADLINE_GRACE_S = 1.0
+
+
+def deadline_in(time_left_s: float | None, now: float | None = None) -> float:
+    """A received time left as this process's deadline (``time.monotonic()``; 0 = none)."""
+    if time_left_s is None:
+        return 0.0
+    return (time.monotonic() if now is None else now) + time_left_s
+
+
+def time_left(deadline: float, now: float | None = None) -> float | None:
+    """What is left until ``deadline`` (from :func:`deadline_in`) as a message carries it: None
+    for none, never negative."""
+    if not deadline:
+        return None
+    return max(0.0, deadline - (time.monotonic() if now is None else now))
 
 
 class DeadlineExpired(Exception):
@@ -54,14 +74,16 @@ def error_message(stage: str, request_id: str, exc: BaseException) -> StageError
         status = STATUS_DEADLINE
     else:
         status = 400 if is_client_error(exc) else 500
-    return StageError(request_id=request_id, stage=stage, message=f"{type(exc).__name__}: {exc}",
-                      status=status)
+    message = f"{type(exc).__name__}: {exc}"
+    if len(message) > MAX_ERROR_MESSAGE:  # longer would not decode (the wire bounds it)
+        message = message[:MAX_ERROR_MESSAGE - 3] + "..."
+    return StageError(request_id=request_id, stage=stage, message=message, status=status)
 
 
 class StageRunner:
     """Base of the runners: subclasses keep their in-flight requests in `requests` (values with a
-    `deadline` attribute: unix time, 0 = none) and implement `drop` (forget one request and stop
-    its work in the model)."""
+    `deadline` attribute: ``time.monotonic()``, 0 = none; :func:`deadline_in`) and implement `drop`
+    (forget one request and stop its work in the model)."""
 
     def __init__(self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float) -> None:
         self.stage, self.outbox = stage, outbox
@@ -107,27 +129,26 @@ class StageRunner:
     def expire(self, now: float | None = None) -> None:
         """Drop the requests past their deadline (the orchestrator answers their clients 504; this
         keeps a stage from working on, or holding, a request nobody waits for)."""
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now - DEADLINE_GRACE_S]
         for request_id in late:
             self.expired += 1
             logger.info("stage %s: request %s passed its deadline, dropped", self.stage.name,
                         request_id)
             self.fail(request_id, DeadlineExpired(f"deadline passed in stage {self.stage.name!r}"))
-        mono = time.monotonic()
-        while self.tombstones and next(iter(self.tombstones.values())) <= mono:
+        while self.tombstones and next(iter(self.tombstones.values())) <= now:
             self.tombstones.popitem(last=False)
 
     def is_dead(self, msg: Submit | StageOutput) -> bool:
         """Whether input for a request this stage does not hold must be dropped: it ended here
         (tombstone), it is the rest of a stream whose start this stage never saw (not a Submit
-        or StreamStart), or its deadline has passed."""
+        or StreamStart), or it arrives with no time left (its sender was past its deadline)."""
         if self.tombstones.pop(msg.request_id, None) is not None:
             # Seen once: the rest of its stream has no StreamStart and is dropped without it.
             return True
         if not isinstance(msg, (Submit, StreamStart)):
             return True
-        return 0 < msg.deadline <= time.time() - DEADLINE_GRACE_S
+        return msg.time_left_s is not None and msg.time_left_s <= 0
 
     def _bury(self, request_id: str) -> None:
         self.tombstones[request_id] = time.monotonic() + self.tombstone_ttl_s
