@@ -24,7 +24,7 @@ from omni_cache.config import load_config
 from omni_cache.config.schema import Sampling
 from omni_cache.wire.messages import (
     MESSAGE_TYPES, Abort, Shutdown, StageError, StageOutput, StageReady, StageStats, StatsQuery,
-    Submit,
+    StreamStart, Submit,
 )
 from omni_cache.wire.transport import Codec, Receiver, Sender
 from workers.runner import StageRunner
@@ -88,9 +88,11 @@ class ScriptedRunner(StageRunner):
         finished = seq + 1 == self.tokens
         if req.audio:
             for k in range(self.burst):
-                self.outbox.to_downstream(StageOutput(
-                    request_id=rid, stage=self.stage.name, seq=seq * self.burst + k,
-                    token_ids=[seq], finished=finished and k == self.burst - 1))
+                n = seq * self.burst + k
+                kind = StreamStart if n == 0 else StageOutput
+                self.outbox.to_downstream(kind(
+                    request_id=rid, stage=self.stage.name, seq=n, token_ids=[seq],
+                    finished=finished and k == self.burst - 1))
         self.outbox.to_orchestrator(StageOutput(request_id=rid, stage=self.stage.name, seq=seq,
                                                 token_ids=[seq], finished=finished))
         req.seq += 1
