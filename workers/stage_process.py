@@ -83,7 +83,8 @@ class StageProcess:
         self.next_housekeeping = 0.0
         self.heap = HeapTrimmer()
         self.progress = LoopProgress()
-        #: Failures outside any request (each logged); and, per loop path, how many in a row.
+        #: Failures outside any request (each logged); and, per loop path (a fixed set of
+        #: names), how many in a row.
         self.loop_errors = 0
         self.failing: dict[str, int] = {}
 
@@ -217,8 +218,8 @@ class StageProcess:
         elif isinstance(msg, StatsQuery):
             self._outside_requests("answering a stats query", self._send_stats)
         elif isinstance(msg, Abort):
-            self._outside_requests(f"aborting request {msg.request_id}",
-                                   lambda: self.runner.abort(msg.request_id))
+            # The request is forgotten here even when this raises (StageRunner.abort).
+            self._outside_requests("handling an Abort", lambda: self.runner.abort(msg.request_id))
         else:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 
