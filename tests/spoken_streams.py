@@ -4,16 +4,41 @@ its own, with what the stages hold (/metrics) and the checks that the pipeline a
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
+import yaml
 
 from omni_cache.runtime.metrics import parse_metrics
+from served_config import served
 from sse_client import read_events
 
 #: Bound of the waits for a restart (vLLM start-up) and for an answer.
 WAIT_S = 300.0
+QWEN3_OMNI = Path(__file__).resolve().parents[1] / "stage_configs" / "qwen3_omni.yaml"
+
+
+def qwen3_omni_server(name: str, heartbeat_timeout_s: float) -> Any:
+    """A module-scoped fixture: the shipped Qwen3-Omni pipeline served under its own name, ipc
+    paths and a free port, with this heartbeat timeout."""
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        data = yaml.safe_load(QWEN3_OMNI.read_text())
+        data["name"] = name
+        data["server"]["port"] = 0
+        data["server"]["heartbeat_timeout_s"] = heartbeat_timeout_s
+        for stage in data["stages"]:
+            stage["address"] = f"ipc:///tmp/omni_cache/{name}-{os.getpid()}/{stage['name']}.sock"
+        with served(data, tmp_path_factory.mktemp("cfg")) as srv:
+            yield srv
+
+    return server
 
 
 def spoken(server, content: str, max_tokens: int) -> dict:

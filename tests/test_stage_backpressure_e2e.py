@@ -16,19 +16,17 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from served_config import served
-from spoken_streams import WAIT_S, Stream, answers_again, spoken, wait_until_no_stage_holds_anything
+from spoken_streams import (
+    WAIT_S, Stream, answers_again, qwen3_omni_server, spoken, wait_until_no_stage_holds_anything,
+)
 from sse_client import read_events
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "q3press"
 HEARTBEAT_TIMEOUT_S = 60.0  # the stopped decoder is not replaced while the test runs
 CONCURRENT = 8  # spoken answers in flight when the decoder stops
@@ -36,16 +34,7 @@ LONG_ANSWER = 1024  # thinker tokens: the talker speaks them, one code step each
 MAX_STREAMS = 64  # spoken answers sent at most while the talker's queue fills
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
-    data["name"] = NAME
-    data["server"]["port"] = 0
-    data["server"]["heartbeat_timeout_s"] = HEARTBEAT_TIMEOUT_S
-    for stage in data["stages"]:
-        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
-    with served(data, tmp_path_factory.mktemp("cfg")) as srv:
-        yield srv
+server = qwen3_omni_server(NAME, HEARTBEAT_TIMEOUT_S)
 
 
 def stopped_reading(stream: Stream) -> bool:

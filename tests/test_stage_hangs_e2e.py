@@ -14,34 +14,23 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from served_config import served
-from spoken_streams import WAIT_S, Stream, answers_again, wait_until_no_stage_holds_anything
+from spoken_streams import (
+    WAIT_S, Stream, answers_again, qwen3_omni_server, wait_until_no_stage_holds_anything,
+)
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "q3hang"
 HEARTBEAT_TIMEOUT_S = 3.0
 STREAMS = 4
 LONG_ANSWER = 1024  # thinker tokens: answers still written and spoken when the stage stops
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
-    data["name"] = NAME
-    data["server"]["port"] = 0
-    data["server"]["heartbeat_timeout_s"] = HEARTBEAT_TIMEOUT_S
-    for stage in data["stages"]:
-        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
-    with served(data, tmp_path_factory.mktemp("cfg")) as srv:
-        yield srv
+server = qwen3_omni_server(NAME, HEARTBEAT_TIMEOUT_S)
 
 
 def alive(pid: int) -> bool:
