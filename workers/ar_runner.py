@@ -277,9 +277,17 @@ class ARRunner(StageRunner):
             request_id = self.by_job.get(out.request_id)
             req = self.requests.get(request_id) if request_id else None
             if req is None:
+                if out.error is not None:
+                    self.llm.abort(out.request_id)  # nothing of it stays in the engine
+                continue
+            if out.error is not None:  # its output could not be assembled: it fails alone
+                logger.error("stage %s: request %s: its step output failed: %s: %s",
+                             self.stage.name, req.request_id, type(out.error).__name__, out.error,
+                             exc_info=out.error)
+                self.fail(req.request_id, out.error)
                 continue
             # Starting its next job (vLLM may refuse it) or sending its output (too large for
-            # max_message_bytes) fails this request only.
+            # max_message_bytes, or a peer that stopped reading) fails this request only.
             self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
     def _emit(self, req: _ARRequest, out: StepOutput) -> None:

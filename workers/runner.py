@@ -23,6 +23,7 @@ from typing import Any
 
 from omni_cache.config import StageConfig
 from omni_cache.wire.messages import MAX_ERROR_MESSAGE, StageError, StageOutput, StreamStart, Submit
+from omni_cache.wire.transport import SendTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 MAX_TOMBSTONES = 65536
 #: Status of a request a stage dropped at its deadline (the orchestrator's own 504).
 STATUS_DEADLINE = 504
+#: Status of a request whose output a peer (a downstream stage) stopped taking: the pipeline
+#: cannot serve it now.
+STATUS_PEER_STUCK = 503
 #: Stages drop a request this long after its deadline: the orchestrator answers the client (and
 #: aborts the stages) at the deadline itself; a stage's own expiry is the backstop for a request
 #: whose Abort never came (lost, or the orchestrator restarted).
@@ -69,9 +73,12 @@ def is_client_error(exc: BaseException) -> bool:
 
 def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:
     """The orchestrator's view of a failed request: bad input is HTTP 400 (:func:`is_client_error`),
-    a passed deadline is 504, anything else is the stage's fault (500)."""
+    a passed deadline is 504, a peer that stopped taking its output 503, anything else is the
+    stage's fault (500)."""
     if isinstance(exc, DeadlineExpired):
         status = STATUS_DEADLINE
+    elif isinstance(exc, SendTimeout):
+        status = STATUS_PEER_STUCK
     else:
         status = 400 if is_client_error(exc) else 500
     message = f"{type(exc).__name__}: {exc}"
@@ -102,15 +109,30 @@ class StageRunner:
 
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        """Forget the request, and drop whatever of it still arrives from upstream."""
-        self.drop(request_id)
-        self._bury(request_id)
-        self.outbox.forget(request_id)
+        """Forget the request, and drop whatever of it still arrives from upstream (also when
+        stopping its work in the model raises, which it then passes on)."""
+        try:
+            self.drop(request_id)
+        finally:
+            self.requests.pop(request_id, None)
+            self._bury(request_id)
+            self.outbox.forget(request_id)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
+        """End the request here and tell the orchestrator why (a StageError). Never raises: what
+        goes wrong on the way is logged, and the orchestrator's deadline answers the client if
+        the error cannot reach it."""
         self.errors += 1
-        self.abort(request_id)
-        self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
+        try:
+            self.abort(request_id)
+        except Exception:  # noqa: BLE001 -- it is forgotten here all the same
+            logger.exception("stage %s: dropping failed request %s raised", self.stage.name,
+                             request_id)
+        try:
+            self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
+        except Exception as send_exc:  # noqa: BLE001 -- SendTimeout: the orchestrator is stuck
+            logger.error("stage %s: could not report request %s's failure (%s): %s",
+                         self.stage.name, request_id, exc, send_exc)
 
     def guarded(self, request_id: str, work: Callable[[], Any]) -> None:
         """Run one request's work; if it raises, that request fails (StageError naming this stage
@@ -119,7 +141,8 @@ class StageRunner:
             work()
         except Exception as exc:  # noqa: BLE001 -- one request must not take the stage down
             logger.warning("stage %s: request %s failed: %s: %s", self.stage.name, request_id,
-                           type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+                           type(exc).__name__, exc,
+                           exc_info=not isinstance(exc, (ValueError, SendTimeout)))
             self.fail(request_id, exc)
 
     def fail_all(self, exc: BaseException) -> None:

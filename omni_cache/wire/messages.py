@@ -187,7 +187,8 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
     """Stage -> orchestrator, once its model is loaded and it serves, then again every
     ``server.heartbeat_interval_s``: the announcement doubles as heartbeat, so a server started
-    (or restarted) after its stages finds them, and a silent stage started elsewhere is noticed."""
+    (or restarted) after its stages finds them, a silent stage is noticed, and (``busy``,
+    ``stalled_s``) a stage whose loop stopped moving while it works is noticed too."""
 
     stage: StageName
     pid: Count
@@ -198,6 +199,11 @@ class StageReady(msgspec.Struct, tag="ready", kw_only=True):
     #: across hosts).
     incarnation: Annotated[str, Meta(max_length=64)] = ""
     host: Annotated[str, Meta(max_length=255)] = ""  # the stage's hostname, for messages
+    #: Whether the stage's loop was working (not waiting for input while it holds nothing) at its
+    #: last progress stamp (workers/loop_progress.py).
+    busy: bool = False
+    #: Seconds since the stage's loop last moved, on the stage's own clock when it sent this.
+    stalled_s: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
