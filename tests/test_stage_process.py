@@ -27,7 +27,7 @@ from omni_cache.wire.messages import (
     StreamStart, Submit,
 )
 from omni_cache.wire.transport import Codec, Receiver, Sender
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in
 from workers.stage_process import MAX_FAILED_STEPS, StageProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ class ScriptedRunner(StageRunner):
     def accept(self, msg, tensors) -> None:
         if "bad" in msg.request_id:
             raise ValueError(f"request {msg.request_id} is malformed")
-        self.requests[msg.request_id] = Held(msg.deadline, "audio" in msg.modalities)
+        self.requests[msg.request_id] = Held(deadline_in(msg.time_left_s), "audio" in msg.modalities)
         self.total_requests += 1
 
     def has_work(self) -> bool:
