@@ -77,15 +77,20 @@ def test_a_stopped_stage_is_noticed_and_replaced(server, stage):
             assert s.events[-1] == "[DONE]"
             if s.error is not None:
                 message = s.error["message"]
-                hung = (message.startswith(f"stage {stage!r} hung (its loop made no progress for ")
-                        and "while it held work" in message and "was killed" in message)
+                # Judged by its last heartbeat (busy, loop not moving) or by silence (no
+                # heartbeat at all): a stopped process is either, depending on its last beat.
+                hung = ((message.startswith(f"stage {stage!r} hung (its loop made no progress for ")
+                         and "while it held work" in message)
+                        or message.startswith(f"stage {stage!r} stopped answering (no heartbeat for ")
+                        ) and "was killed" in message
                 not_reading = (f"SendTimeout: stage {stage!r} took no message for" in message
                                and "stopped reading" in message)
                 assert hung or not_reading, message
         # /health says so (the streams may have ended sooner, failed by the stage's upstream).
         while True:
             health = httpx.get(server.url + "/health", timeout=30)
-            if health.status_code == 503 and "hung" in health.json()["stages"].get(stage, ""):
+            why = health.json()["stages"].get(stage, "") if health.status_code == 503 else ""
+            if "hung (" in why or "stopped answering (" in why:
                 break
             assert time.monotonic() - stopped_at <= HEARTBEAT_TIMEOUT_S + 5, health.text
             time.sleep(0.1)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from omni_cache.config import load_config
+from omni_cache.config.addresses import with_default_addresses
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.supervisor import StageStartError, StageSupervisor
 from omni_cache.wire.messages import StageOutput, StageReady
@@ -36,8 +37,9 @@ class Recorder:
 
 
 @pytest.fixture
-def thinker():
-    return load_config(CONFIG).stages[0]
+def thinker(tmp_path):
+    # The shipped config leaves its addresses to the server; give them as the server would.
+    return with_default_addresses(load_config(CONFIG), str(tmp_path)).stages[0]
 
 
 def make(events: Recorder) -> StageSupervisor:
