@@ -23,7 +23,8 @@ large as the pixels (the server then also reads and parses that much per request
 
 Prints and writes (``--json``) the lag's percentiles idle and under the flood, the answers by
 status, ``/health``'s latency, and the server process's RSS before the flood and its peak during
-it. The decoded-item cache (``server.media.decoded_cache_bytes``, 256 MiB) is on, as by default.
+it. The decoded-item cache (``server.media.decoded_cache_bytes``) holds ``--decoded-cache-mib``
+(256 MiB, as by default; 0 turns it off): it is part of the server's RSS under the flood.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def flood_config(directory: Path, args: argparse.Namespace) -> Path:
                    "max_requests_in_flight": args.max_in_flight,
                    "max_body_bytes": max(64 * MIB, 2 * request_media),
                    "max_media_bytes_in_flight": args.media_requests * request_media,
-                   "media": {"max_items": args.items, "max_image_pixels": args.side * args.side}},
+                   "media": {"max_items": args.items, "max_image_pixels": args.side * args.side,
+                             "decoded_cache_bytes": args.decoded_cache_mib * MIB}},
         "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:qwen3-omni",
                     "final_output": "text", "engine_args": {"max_model_len": 8192},
                     "sampling": {"max_tokens": args.answer_tokens},
@@ -254,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--media-requests", type=int, default=4,
                     help="server.max_media_bytes_in_flight in requests' worth of media")
     ap.add_argument("--max-in-flight", type=int, default=64, help="server.max_requests_in_flight")
+    ap.add_argument("--decoded-cache-mib", type=int, default=256,
+                    help="server.media.decoded_cache_bytes in MiB (0: off)")
     ap.add_argument("--answer-tokens", type=int, default=20)
     ap.add_argument("--token-delay", type=float, default=0.02, help="the fake thinker's pace (s)")
     ap.add_argument("--probe-interval", type=float, default=0.01)

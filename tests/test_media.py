@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import http.server
+import io
 import threading
 import time
 
@@ -11,7 +13,8 @@ import numpy as np
 import pytest
 
 from omni_cache.config.schema import MediaConfig
-from omni_cache.serving.media import AUDIO, IMAGE, DecodedCache, MediaDecoder, MediaError
+from omni_cache.serving.media import (AUDIO, B64_SLICE_CHARS, IMAGE, DecodedCache, MediaDecoder,
+                                      MediaError)
 from media_samples import clip_b64, png_data_url
 
 
@@ -51,6 +54,25 @@ def test_bad_images_are_refused_with_a_reason(url, words):
     with pytest.raises(MediaError, match=words) as e:
         MediaDecoder().image(url, "messages.0.content.1")
     assert e.value.param == "messages.0.content.1"
+
+
+def test_a_large_item_decoded_in_slices_is_what_one_base64_call_gives():
+    """Items over B64_SLICE_CHARS are base64-decoded a slice at a time (the event loop's thread
+    gets the GIL between slices): the stdlib's one call is the oracle for what is accepted."""
+    from PIL import Image
+
+    url = png_data_url(700, 700)  # random pixels: ~1.5 MB of PNG, ~2 M base64 characters
+    payload = url.partition(",")[2]
+    assert len(payload) > B64_SLICE_CHARS
+    item = MediaDecoder().image(url, "p")
+    with Image.open(io.BytesIO(base64.b64decode(payload, validate=True))) as img:
+        assert np.array_equal(item.array, np.asarray(img.convert("RGB")))
+    # padding that ends a slice is data after padding in the whole: refused as the one call does
+    padded_mid = "QUJD" * ((B64_SLICE_CHARS - 4) // 4) + "YQ==" + "QUJD"
+    with pytest.raises(binascii.Error):
+        base64.b64decode(padded_mid, validate=True)
+    with pytest.raises(MediaError, match="not valid base64"):
+        MediaDecoder().image("data:image/png;base64," + padded_mid, "p")
 
 
 def test_image_limits_are_read_from_the_header():
