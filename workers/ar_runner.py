@@ -3,12 +3,16 @@
 The entry stage (thinker) turns each `Submit` into one vLLM request. A downstream stage (talker)
 turns its upstream's streamed outputs into jobs through the configured hand-off function and runs a
 request's jobs one after the other (`<request_id>/<k>` in vLLM), so their outputs stay in order.
+
+With `pacing:` every streamed spoken answer gets a playback clock (scheduler/pacing.py) that all of
+its vLLM requests carry; each output moves it by the tokens emitted times `token_audio_s`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +24,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
+from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
@@ -51,6 +56,8 @@ class _Request:
     #: sent again with its first output; None once sent.
     resumed_tail: list[int] | None = None
     answer_finished: str = ""  # Submit.answer_finished
+    stream: bool = False  # Submit.stream, forwarded downstream with seq 0
+    clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
 
 
 def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -118,9 +125,12 @@ class ARRunner(StageRunner):
         engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
+        self.pacer = None
+        if stage.pacing is not None:
+            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled))
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
                             async_scheduling=async_scheduling, submodel=stage.submodel,
-                            report_blocks=report_blocks)
+                            report_blocks=report_blocks, pacer=self.pacer)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
         self.max_model_len = self.llm.max_model_len
@@ -149,7 +159,8 @@ class ARRunner(StageRunner):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                       return_latents=msg.return_latents, route=dict(msg.route))
+                       return_latents=msg.return_latents, route=dict(msg.route), stream=msg.stream)
+        req.clock = self._clock(req)
         if msg.resumed_tokens:
             req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
             req.answer_finished = msg.answer_finished
@@ -165,7 +176,9 @@ class ARRunner(StageRunner):
             if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
                 return
             req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                           return_latents=msg.return_latents, route=dict(msg.route))
+                           return_latents=msg.return_latents, route=dict(msg.route),
+                           stream=msg.stream)
+            req.clock = self._clock(req)
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
@@ -193,6 +206,12 @@ class ARRunner(StageRunner):
             else:
                 req.jobs.append(job)
         self._next_job(req)
+
+    def _clock(self, req: _Request) -> PlaybackClock | None:
+        """A playback clock for a spoken answer its client streams, when this stage paces."""
+        if self.pacer is None or not req.stream or "audio" not in req.modalities:
+            return None
+        return self.pacer.clock()
 
     def _feed(self, req: _Request, job: Job) -> None:
         """Streamed rows for the request's streaming job: to vLLM if it runs, else into the job."""
@@ -258,7 +277,8 @@ class ARRunner(StageRunner):
         positions = None
         if job.prompt_positions is not None:
             positions = (job.prompt_positions, job.position_delta)
-        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions)
+        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions,
+                     clock=req.clock)
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 
@@ -282,6 +302,11 @@ class ARRunner(StageRunner):
             req.resumed_tail = None
         job_done = out.finished
         finished = False
+        if req.clock is not None:
+            # A multi-codebook talker's audio is its code frames (its sampled end of speech is
+            # none); any other stage's is its tokens.
+            n = out.codes.shape[-1] if out.codes is not None else len(out.token_ids)
+            req.clock.emit(n * self.stage.pacing.token_audio_s, time.monotonic())
         self.generation_tokens += len(out.token_ids)
         req.generated += len(out.token_ids)
         if job_done:
@@ -305,7 +330,7 @@ class ARRunner(StageRunner):
             modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
             deadline=req.deadline if req.seq == 0 else 0.0,
             return_latents=req.return_latents and req.seq == 0,
-            route=req.route if req.seq == 0 else {})
+            route=req.route if req.seq == 0 else {}, stream=req.stream and req.seq == 0)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -340,5 +365,6 @@ class ARRunner(StageRunner):
     def counters(self) -> dict[str, float]:
         running, waiting = self.llm.scheduler.get_request_counts()
         return {**super().counters(), **self.llm.counters(),
+                **(self.pacer.stats.counters() if self.pacer is not None else {}),
                 "num_requests_running": running, "num_requests_waiting": waiting,
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens}

@@ -11,11 +11,17 @@ queued for the next steps, and a request served now goes behind those that were 
 (a request's first audio) go before all others, in batches of their own. Every window
 is checked (shape, each codebook's code range) before the batch runs; if a batched pass fails,
 each window of it is decoded alone, so only the request whose window fails is failed.
+
+With `pacing:` (scheduler/pacing.py) every streamed answer has a playback clock moved by the samples
+the stage emits: an answer more than the lead ahead of its playback yields its turn while another
+answer's window is due, and the others go by least slack instead of round-robin; when every ready
+answer is ahead, they all run.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +34,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window, load_window_decoder
 from omni_cache.wire.messages import StageOutput
+from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
 from workers.runner import StageRunner
 
 logger = logging.getLogger("omni_cache.stage")
@@ -41,6 +48,7 @@ class _Request:
     jobs: deque[Job] = field(default_factory=deque)
     seq: int = 0
     frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
+    clock: PlaybackClock | None = None  # a streamed answer's playback as this stage emits it
 
 
 class DecoderRunner(StageRunner):
@@ -56,6 +64,9 @@ class DecoderRunner(StageRunner):
             "codebook_size": self.decoder.codebook_size})
         self.requests: OrderedDict[str, _Request] = OrderedDict()
         self.max_model_len = 0
+        self.pacer = None
+        if stage.pacing is not None:
+            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled))
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):
@@ -66,6 +77,8 @@ class DecoderRunner(StageRunner):
                 return
             req = self.requests[msg.request_id] = _Request(
                 Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
+            if self.pacer is not None and msg.stream:
+                req.clock = self.pacer.clock()
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
@@ -126,8 +139,16 @@ class DecoderRunner(StageRunner):
         requests served go to the back of the line, the others keep their windows queued.
         First windows (of requests with no audio out yet) go alone, ahead of the rest: they are
         a few codes each, and a batch takes as long as its longest window, so a new request's
-        first audio does not wait behind other requests' full chunks."""
+        first audio does not wait behind other requests' full chunks. With pacing, answers far
+        ahead of their playback yield while others are due, and the rest go by least slack."""
+        now = time.monotonic()
         ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        if self.pacer is not None:
+            held = set(self.pacer.hold([(rid, req.clock) for rid, req in ready], now))
+            ready = [(rid, req) for rid, req in ready if rid not in held]
+            if self.pacer.policy.enabled:
+                ready = self.pacer.order(ready, lambda item: item[1].clock,
+                                         lambda item: item[1].seq > 0, now)
         first = [(rid, req) for rid, req in ready if req.seq == 0]
         batch = []
         for rid, req in first or ready:
@@ -136,6 +157,8 @@ class DecoderRunner(StageRunner):
             batch.append((rid, req.jobs.popleft()))
         for rid, _ in batch:
             self.requests.move_to_end(rid)
+        if self.pacer is not None:
+            self.pacer.note_step((self.requests[rid].clock for rid, _ in batch), now)
         return batch
 
     def _decode(self, group: list[tuple[str, Job]]) -> list[torch.Tensor]:
@@ -152,6 +175,8 @@ class DecoderRunner(StageRunner):
 
     def _emit(self, request_id: str, job: Job, audio: torch.Tensor) -> None:
         req = self.requests[request_id]
+        if req.clock is not None:
+            req.clock.emit(audio.shape[0] / self.decoder.sample_rate, time.monotonic())
         self.outbox.to_orchestrator(StageOutput(
             request_id=request_id, stage=self.stage.name, seq=req.seq, finished=job.last,
             finish_reason="stop" if job.last else None, sample_rate=self.decoder.sample_rate),
@@ -162,3 +187,7 @@ class DecoderRunner(StageRunner):
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def counters(self) -> dict[str, float]:
+        return {**super().counters(),
+                **(self.pacer.stats.counters() if self.pacer is not None else {})}

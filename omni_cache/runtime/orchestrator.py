@@ -185,6 +185,7 @@ class _CheckedRequest:
     sampling: Sampling
     participants: tuple[str, ...]
     media: tuple[MediaItem, ...] = ()
+    stream: bool = False  # Submit.stream: the client streams (stages pace its audio)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -695,6 +696,7 @@ class Orchestrator:
         return_latents: bool = False,
         timeout_s: float | None = None,
         received_at: float | None = None,
+        stream: bool = False,
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage.
 
@@ -715,6 +717,7 @@ class Orchestrator:
             seed=seed, modalities=modalities,
         )
         checked.media = tuple(media)
+        checked.stream = bool(stream)  # ``stream``: the client streams (Submit.stream)
         return await self._send_request(checked, return_latents=return_latents,
                                         timeout_s=timeout_s, received_at=received_at)
 
@@ -820,6 +823,7 @@ class Orchestrator:
                             uuid=m.digest)
                    for i, m in enumerate(checked.media)],
             route=dict(req.route),
+            stream=checked.stream,
         )
         from omni_cache.wire.transport import MessageTooLarge
 

@@ -99,6 +99,7 @@ async def chat_completions(request: Request):
         modalities=chat.modalities,
         media=media,
         received_at=received_at,
+        stream=bool(req.stream),
     )
     if req.stream:
         return _stream(handle, chat, orch)

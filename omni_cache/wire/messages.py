@@ -65,6 +65,9 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     #: With ``resumed_tokens``: the answer was complete (this finish reason); the stage recomputes
     #: it for the stages downstream and generates nothing new.
     answer_finished: str = ""
+    #: The client streams the answer (it plays audio as it comes): stages with ``pacing`` pace
+    #: its audio to playback (scheduler/pacing.py). Forwarded downstream with the first output.
+    stream: bool = False
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
@@ -96,6 +99,9 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     # The request's Submit.route, forwarded with the first output (seq 0) downstream: it picks the
     # downstream replica; the rest of the stream follows the first message (workers/outbox.py).
     route: dict[str, int] = {}
+    # The request's Submit.stream, forwarded with the first output (seq 0): the client streams,
+    # so the stages downstream pace its audio to playback.
+    stream: bool = False
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):
