@@ -72,6 +72,9 @@ class Sample:
     #: Arrival times (s after sending) of every text / audio chunk.
     text_times: list[float] = field(default_factory=list)
     audio_times: list[float] = field(default_factory=list)
+    #: Decoded bytes (16-bit PCM) of every audio chunk, in arrival order (a listener's playback:
+    #: benchmarks/listener.py).
+    audio_sizes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,7 +140,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
                     if audio and audio.get("data"):
                         sample.audio_chunks += 1
                         sample.audio_times.append(round(now, 6))
-                        sample.audio_bytes += audio_bytes_of_b64(audio["data"])
+                        sample.audio_sizes.append(audio_bytes_of_b64(audio["data"]))
+                        sample.audio_bytes += sample.audio_sizes[-1]
                         if sample.ttfa_s is None:
                             sample.ttfa_s = now
                     if choice.get("finish_reason"):
@@ -258,12 +262,16 @@ COUNTERS = {
     "requests": "omni_cache_stage_requests_total",
     "restarts": "omni_cache_stage_restarts_total",
     "fresh": "omni_cache_stage_stats_fresh",
+    # Playback pacing (stages with `pacing:`; omni_cache/serving/pacing_metrics.py).
+    "paced": "omni_cache_stage_paced_requests_total",
+    "underruns": "omni_cache_stage_audio_underruns_total",
+    "first_audio_shared_steps": "omni_cache_stage_first_audio_shared_steps_total",
 }
 
 
 def metric_counters(text: str) -> dict[str, dict[str, float]]:
-    """stage -> {queried, hit, latent_rows, requests, restarts, fresh} from Prometheus text; a
-    stage's replicas summed (``fresh``: 1 only when every replica answered)."""
+    """stage -> {queried, hit, latent_rows, requests, restarts, fresh, the pacing counters} from
+    Prometheus text; a stage's replicas summed (``fresh``: 1 only when every replica answered)."""
     from omni_cache.serving.metrics import parse_metrics
 
     by_name = {v: k for k, v in COUNTERS.items()}

@@ -304,6 +304,23 @@ def test_decoder_serves_the_due_answer_while_answers_far_ahead_wait(decoder):
     assert emitted_in_next_step(runner, inbox) == {"a", "b", "due"}
 
 
+def test_decoder_runs_work_ahead_of_time_in_small_batches_least_slack_first(decoder):
+    """With nothing due, the answers ahead run ahead_batch_size windows a batch (a window that
+    becomes due waits for at most that), those closest to their playback first."""
+    runner, inbox = decoder
+    runner.stage.pacing.ahead_batch_size = 2
+    for rid in ("a", "b", "c", "d"):
+        stream_codes(runner, rid, seq=0, n=40)
+    assert len(emitted_in_next_step(runner, inbox)) == 4  # first windows: alone, all of them
+    for rid, extra in (("a", 30.0), ("b", 10.0), ("c", 20.0), ("d", 40.0)):
+        runner.requests[rid].clock.emit(extra, time.monotonic())
+        stream_codes(runner, rid, seq=1, n=80)
+    assert emitted_in_next_step(runner, inbox) == {"b", "c"}
+    for rid in ("b", "c"):
+        runner.requests[rid].clock.emit(100.0, time.monotonic())
+    assert emitted_in_next_step(runner, inbox) == {"a", "d"}
+
+
 def test_decoder_keeps_no_clock_for_an_answer_not_streamed(decoder):
     runner, inbox = decoder
     stream_codes(runner, "whole", seq=0, n=20, stream=False)
@@ -332,6 +349,8 @@ def pipeline_with(tmp_path, stage: str, pacing: str):
     ("decoder", "{token_audio_s: 0.08}", "stages[2].pacing.token_audio_s: only for autoregressive"),
     ("talker", "{lead_s: 0, token_audio_s: 0.08}", "lead_s"),
     ("talker", "{lead: 1}", "lead"),
+    ("talker", "{token_audio_s: 0.08, ahead_batch_size: 2}",
+     "stages[1].pacing.ahead_batch_size: only for generation stages"),
 ])
 def test_bad_pacing_names_the_key(tmp_path, stage, pacing, message):
     with pytest.raises(ConfigError) as e:

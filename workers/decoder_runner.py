@@ -15,7 +15,8 @@ each window of it is decoded alone, so only the request whose window fails is fa
 With `pacing:` (scheduler/pacing.py) every streamed answer has a playback clock moved by the samples
 the stage emits: an answer more than the lead ahead of its playback yields its turn while another
 answer's window is due, and the others go by least slack instead of round-robin; when every ready
-answer is ahead, they all run.
+answer is ahead, they all run, `pacing.ahead_batch_size` windows a batch (a batch cannot be
+interrupted: a small one lets the next due window, a new answer's first audio, start soon).
 """
 
 from __future__ import annotations
@@ -143,16 +144,20 @@ class DecoderRunner(StageRunner):
         ahead of their playback yield while others are due, and the rest go by least slack."""
         now = time.monotonic()
         ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        size = self.args.max_batch_size
         if self.pacer is not None:
             held = set(self.pacer.hold([(rid, req.clock) for rid, req in ready], now))
             ready = [(rid, req) for rid, req in ready if rid not in held]
             if self.pacer.policy.enabled:
                 ready = self.pacer.order(ready, lambda item: item[1].clock,
                                          lambda item: item[1].seq > 0, now)
+                if self.stage.pacing.ahead_batch_size and all(
+                        self.pacer.is_ahead(req.clock, now) for _, req in ready):
+                    size = self.stage.pacing.ahead_batch_size
         first = [(rid, req) for rid, req in ready if req.seq == 0]
         batch = []
         for rid, req in first or ready:
-            if len(batch) == self.args.max_batch_size:
+            if len(batch) == size:
                 break
             batch.append((rid, req.jobs.popleft()))
         for rid, _ in batch:

@@ -255,6 +255,11 @@ class PacingConfig(_Base, kw_only=True):
     #: one code of its 12.5 Hz codec, 0.08; its thinker: one text row per talker step, 0.08).
     #: A generation stage counts the samples it emits: leave it unset there.
     token_audio_s: PositiveFloat | None = None
+    #: Generation stages: windows decoded together when every ready answer is ahead (nothing is
+    #: due); None: ``generation.max_batch_size``. A batch cannot be interrupted, so a small one
+    #: keeps the window that becomes due next (a new answer's first audio) from waiting behind a
+    #: long batch of work that was not due.
+    ahead_batch_size: PositiveInt | None = None
 
 
 class StageConfig(_Base, kw_only=True):

@@ -246,6 +246,9 @@ def _check_pacing(config: PipelineConfig, issues: IssueCollector) -> None:
         elif s.kind == "generation" and s.pacing.token_audio_s is not None:
             issues.add((*key, "token_audio_s"), "only for autoregressive stages (a generation "
                        "stage counts the audio samples it emits)")
+        if s.kind == "autoregressive" and s.pacing.ahead_batch_size is not None:
+            issues.add((*key, "ahead_batch_size"), "only for generation stages (vLLM sizes an "
+                       "autoregressive stage's batches)")
         if not _reaches_audio(config, s.name, names):
             issues.add(key, f"stage {s.name!r} feeds no audio output (no stage with final_output "
                        "'audio' is it or reads from it): there is nothing to pace")
