@@ -247,28 +247,12 @@ def test_running_requests_go_by_least_slack(make_scheduler):
 
 @pytest.fixture
 def decoder(tmp_path):
-    import zmq
+    from test_decoder_runner import make_runner
 
-    from omni_cache.config import resolve_model
-    from omni_cache.wire.messages import MESSAGE_TYPES
-    from omni_cache.wire.transport import Codec, Receiver
-    from workers.decoder_runner import DecoderRunner
-    from workers.outbox import Outbox
-
-    config = load_config(ROOT / "stage_configs" / "tiny_omni.yaml")
-    stage = config.stage("decoder")
-    stage.generation.max_batch_size = 4
-    stage.pacing = PacingConfig(lead_s=LEAD)
-    ctx = zmq.Context()
-    codec = Codec(MESSAGE_TYPES)
-    address = f"ipc://{tmp_path}/orchestrator.sock"
-    inbox = Receiver(ctx, address, codec, bind=True)
-    outbox = Outbox(ctx, codec, {}, address)
-    runner = DecoderRunner(config, stage, resolve_model(stage, config), outbox)
-    yield runner, inbox
-    outbox.close()
-    inbox.close()
-    ctx.term()
+    runner, close = make_runner(tmp_path, "tiny:decoder", max_batch_size=4,
+                                pacing=PacingConfig(lead_s=LEAD))
+    yield runner, runner.inbox
+    close()
 
 
 def stream_codes(runner, rid: str, seq: int, n: int, stream: bool = True) -> None:
