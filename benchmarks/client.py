@@ -165,7 +165,7 @@ class Driver:
     def __init__(self, url: str, model: str, *, api_key: str | None = None, concurrency: int | None = None,
                  rate: float | None = None, request_timeout_s: float = 600.0,
                  on_done: Callable[[Sample], None] | None = None, audio: bool = True,
-                 one_message: bool = False) -> None:
+                 one_message: bool = False, stagger_s: float = 0.0) -> None:
         self.url = url.rstrip("/")
         self.audio = audio
         #: Single-turn requests as one user message (system + user text), the way vllm bench
@@ -175,6 +175,9 @@ class Driver:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
         self.rate = rate
+        #: Closed loop: client k sends its first request k * stagger_s after the start (0: all
+        #: at once), so requests of equal length do not keep arriving in waves.
+        self.stagger_s = stagger_s
         self.timeout = httpx.Timeout(request_timeout_s, connect=30.0)
         self.on_done = on_done
         self.samples: list[Sample] = []
@@ -238,7 +241,8 @@ class Driver:
                 for s in sessions:
                     queue.put_nowait(s)
 
-                async def worker() -> None:
+                async def worker(k: int) -> None:
+                    await asyncio.sleep(k * self.stagger_s)
                     while True:
                         try:
                             s = queue.get_nowait()
@@ -246,7 +250,7 @@ class Driver:
                             return
                         await self._session(client, s, out)
 
-                await asyncio.gather(*(worker() for _ in range(max(1, self.concurrency or 1))))
+                await asyncio.gather(*(worker(k) for k in range(max(1, self.concurrency or 1))))
             self.t_end = time.perf_counter()
         self.samples = out
         return out

@@ -8,8 +8,9 @@ playback pacing on and off (issue 36; docs/pacing.md).
 Each round starts the pipeline once per side (``on``: the config's ``pacing`` blocks enabled;
 ``off``: ``enabled: false``, so the stages still count slack and underruns but change no order),
 the sides alternating (on, off, then off, on, ...). Per side and workload: a warm-up request, then
-the sweep: for each arrival mode (``closed``: C streams in flight; ``poisson``: sessions arrive at
-C times ``--rate-per-stream``) and each level C, ``max(--min-requests, --requests-per-stream x C)``
+the sweep: for each arrival mode (``closed``: C streams in flight, the C clients starting
+1 / ``--rate-per-stream`` / C seconds apart; ``poisson``: sessions arrive at C times
+``--rate-per-stream``) and each level C, ``max(--min-requests, --requests-per-stream x C)``
 streamed spoken answers (``"stream": true``, text + audio), prompts distinct across the points of
 a round and the same on both sides. ``--url`` runs the same sweep against any running
 OpenAI-compatible server (one side, "server"). ``--merge A.json B.json`` pools runs made
@@ -81,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate-per-stream", default="",
                    help="Poisson sessions/s per stream of the level, per workload (shared-prefix=0.35,image=0.12); "
                         "default: the first closed-loop concurrency-1 throughput of the run")
+    p.add_argument("--no-stagger", dest="stagger", action="store_false",
+                   help="closed loop: start all C clients at once (default: 1 / rate-per-stream / C apart)")
     p.add_argument("--jitter-ms", type=float, default=DEFAULT_JITTER_S * 1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="said in the JSON (e.g. that the machine was shared)")
@@ -151,8 +154,12 @@ def run_point(url: str, model: str, sessions: list, arrival: str, level: int, ra
         assert rate is not None
         for s, t in zip(sessions, arrival_times(len(sessions), rate * level, seed)):
             s.arrival_s = t
+    # Closed loop: the clients start one unloaded answer time apart / C (1 / rate: rate is the
+    # concurrency-1 throughput), as clients that came one by one would; started at once, answers
+    # of equal length (the image workload's) keep ending, and starting again, in waves of C.
+    stagger = 1.0 / rate / level if arrival == "closed" and rate and args.stagger else 0.0
     driver = Driver(url, model, api_key=args.api_key, concurrency=level if arrival == "closed" else None,
-                    rate=rate * level if arrival == "poisson" else None)
+                    rate=rate * level if arrival == "poisson" else None, stagger_s=stagger)
     before = asyncio.run(scrape_metrics(url, args.api_key))
     if monitor is not None:
         monitor.begin(list(stage_pids().values()))
@@ -162,6 +169,7 @@ def run_point(url: str, model: str, sessions: list, arrival: str, level: int, ra
     ok = sum(s.ok for s in samples)
     log(f"  {arrival} C={level}: {ok}/{len(samples)} ok in {driver.t_end - driver.t_base:.1f} s")
     return {"arrival": arrival, "level": level, "rate": rate * level if arrival == "poisson" else None,
+            "stagger_s": stagger,
             "duration_s": driver.t_end - driver.t_base, "samples": [s.to_dict() for s in samples],
             "counters": counter_deltas(before, after), "resources": resources}
 
@@ -317,7 +325,7 @@ def run_config(args: argparse.Namespace, rates: Mapping[str, float]) -> dict[str
             "jitter_s": args.jitter_ms / 1000, "requests_per_stream": args.requests_per_stream,
             "min_requests": args.min_requests, "shared_tokens": args.shared_tokens,
             "unique_tokens": args.unique_tokens, "max_tokens": args.max_tokens,
-            "rate_per_stream": dict(rates), "url": args.url,
+            "rate_per_stream": dict(rates), "stagger": args.stagger, "url": args.url,
             "stage_config": None if args.url else os.path.abspath(args.stage_config),
             "stage_config_yaml": None if args.url else Path(args.stage_config).read_text()}
 
