@@ -10,8 +10,8 @@ uses with async scheduling; the stage picks the one matching `async_scheduling`.
 Both also hold back requests fed by streamed rows (the Qwen3-Omni talker) whose next row has not
 arrived yet (scheduler/streamed_rows.py), and hand the worker each scheduled request's rows. With a
 `pacer` (scheduler/pacing.py, the stage's `pacing:`), streamed spoken answers more than the lead
-ahead of their playback sit a step out the same way while other work is due, and the running
-requests go in pacing's order (no audio yet first, then least slack). A request held back stays in
+ahead of their playback sit a step out the same way while other work is due (an answer that is due
+but starved counts: the stage then waits for its row), and the running requests go in pacing's order (no audio yet first, then least slack). A request held back stays in
 `running` and keeps its slot: vLLM skips it this step (`next_decode_eligible_step`, the hook vLLM's
 own schedulers use to skip a running request), so no new request is admitted past `max_num_seqs`.
 
@@ -114,12 +114,12 @@ class OmniSchedulerMixin:
         yielding: set[int] = set()
         if self.pacer is not None:
             # A waiting request can run only if a slot is free: with none, it is not due work
-            # that the running answers could yield to (they would sit out for nothing).
-            free = (self.max_num_active_reqs - len(running)  # type: ignore[attr-defined]
-                    - self.num_waiting_for_streaming_input)  # type: ignore[attr-defined]
-            candidates = running + waiting if free > 0 else running
+            # that the running answers could yield to (they would sit out for nothing). A
+            # starved one (blocked) is due work if its answer is due (Pacer.hold).
+            candidates = running + waiting if self._free_slots() > 0 else running
             runnable = [(r, pacing.of(r)) for r in candidates if id(r) not in starved]
-            yielding = {id(r) for r in self.pacer.hold(runnable, now)}
+            blocked = [pacing.of(r) for r in running + waiting if id(r) in starved]
+            yielding = {id(r) for r in self.pacer.hold(runnable, now, blocked)}
             if self.pacer.policy.enabled:
                 self.running[:] = self.pacer.order(  # type: ignore[attr-defined]
                     running, pacing.of, lambda r: r.num_output_tokens > 0, now)
@@ -128,14 +128,25 @@ class OmniSchedulerMixin:
                 [r for r in waiting if id(r) in out])
 
     def has_runnable_requests(self) -> bool:
-        """Whether a step would do anything: False when every unfinished request is starved (the
-        stage then waits for input instead of spinning through empty steps)."""
+        """Whether a step would do anything: False when every unfinished request is starved or
+        yields to an answer that waits for its input (the stage then waits for input instead of
+        spinning through empty steps)."""
         if not self.has_unfinished_requests():  # type: ignore[attr-defined]
             return False
         queued = list(self.running) + list(self.waiting)  # type: ignore[attr-defined]
         if len(queued) < self.get_num_unfinished_requests():  # type: ignore[attr-defined]
             return True  # requests in queues this check does not know about: let vLLM decide
-        return any(not streamed_rows.is_starved(r) for r in queued)
+        held, held_waiting = self._held(time.monotonic())
+        out = {id(r) for r in held + held_waiting}
+        candidates = list(self.running)  # type: ignore[attr-defined]
+        if self._free_slots() > 0:
+            candidates += list(self.waiting)  # type: ignore[attr-defined]
+        return any(id(r) not in out for r in candidates)
+
+    def _free_slots(self) -> int:
+        """Requests vLLM would still admit from the waiting queue this step."""
+        return (self.max_num_active_reqs - len(self.running)  # type: ignore[attr-defined]
+                - self.num_waiting_for_streaming_input)  # type: ignore[attr-defined]
 
 
 class OmniScheduler(OmniSchedulerMixin, Scheduler):

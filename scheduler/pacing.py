@@ -17,9 +17,12 @@ ahead of their listeners. Pacing reorders the stages' work by who needs audio fi
   row has not arrived does (scheduler/streamed_rows.py), so its output does not depend on when
   it ran. Among the rest, answers with no audio yet go first (a new request's prefill and first
   steps), then the least slack (:meth:`Pacer.priority`).
-* Nothing starves: when every runnable answer is ahead, nothing is due and they all run (the
-  stage never idles for pacing's sake, so throughput stays what it was). Answers whose client
-  does not stream are never held: they want the whole answer soonest.
+* Nothing starves: when no answer is due, the answers ahead all run. An answer that is due but
+  waiting for its input (the talker short of a thinker row, the decoder short of codes) is due
+  too: the answers ahead wait for it rather than take the machine from the stage upstream that
+  is writing that input; they wait at most until it comes or until they are only ``lead_s``
+  ahead. Answers whose client does not stream are never held: they want the whole answer
+  soonest.
 
 ``PacingPolicy.enabled = False`` keeps the clocks and counters (slack, underruns, first-audio
 steps shared with ahead-of-time work) without changing any order: the benchmark's baseline.
@@ -151,14 +154,23 @@ class Pacer:
             return (0, 0.0)
         return (1, clock.ahead(now))
 
-    def hold(self, runnable: Sequence[tuple[T, PlaybackClock | None]], now: float) -> list[T]:
+    def hold(self, runnable: Sequence[tuple[T, PlaybackClock | None]], now: float,
+             waiting: Iterable[PlaybackClock | None] = ()) -> list[T]:
         """Of the work that could run now (item, its answer's clock or None), what yields: the
         answers more than ``lead_s`` ahead, if anything else is due; nothing when pacing is off or
-        when all of it is ahead (then the ahead-of-time work runs: nothing starves)."""
+        when nothing else is due (then the ahead-of-time work runs: nothing starves).
+
+        ``waiting``: the answers that cannot run now because their input has not arrived (a
+        talker request short of its thinker row, a decoder request short of codes). One that is
+        due is due work too: the answers ahead yield to it even if the stage then has nothing to
+        run, because on a shared machine their steps would slow down the upstream stage that is
+        writing its input. They wait at most until its input comes or until they are no more than
+        ``lead_s`` ahead themselves (then they are due): nothing starves."""
         if not self.policy.enabled:
             return []
         ahead = [(item, clock) for item, clock in runnable if self.is_ahead(clock, now)]
-        if len(ahead) == len(runnable):
+        due_waiting = any(not self.is_ahead(clock, now) for clock in waiting)
+        if len(ahead) == len(runnable) and not due_waiting:
             return []
         for _, clock in ahead:
             assert clock is not None

@@ -204,13 +204,27 @@ def test_scheduler_never_starves_an_answer_ahead(make_scheduler):
         assert sched.step() == {"a", "b"}  # nothing else is due: the work ahead of time runs
 
 
-def test_scheduler_treats_a_starved_request_as_not_due(make_scheduler):
-    """A talker request waiting for its thinker row is no work to yield to."""
+def test_answers_ahead_wait_for_a_due_answer_short_of_its_row(make_scheduler):
+    """A talker answer that is due but waits for its thinker row is due work: the answer far
+    ahead does not take the step (the stage waits for the row instead), and the due one runs
+    as soon as its row is there."""
+    from scheduler import streamed_rows
+
     sched, pacer = make_scheduler(PacingPolicy(LEAD))
     sched.start("ahead", far_ahead(pacer))
-    starved = sched.start("starved", just_started(pacer, ahead=0.0), starve=True)
+    due = sched.start("due", just_started(pacer, ahead=0.0), starve=True)
+    assert not sched.sched.has_runnable_requests()
+    assert sched.step() == set()
+    assert due in sched.running  # skipped, not removed: it keeps its slot
+    streamed_rows.of(due).add(torch.zeros(1, 4))  # its row arrives
+    assert sched.sched.has_runnable_requests() and sched.step() == {"due"}
+
+
+def test_a_starved_answer_far_ahead_is_no_due_work(make_scheduler):
+    sched, pacer = make_scheduler(PacingPolicy(LEAD))
+    sched.start("ahead", far_ahead(pacer))
+    sched.start("starved", far_ahead(pacer), starve=True)
     assert sched.step() == {"ahead"}
-    assert starved in sched.running  # skipped, not removed: it keeps its slot
 
 
 def test_an_unstreamed_answer_goes_before_one_far_ahead(make_scheduler):
@@ -303,6 +317,21 @@ def test_decoder_runs_work_ahead_of_time_in_small_batches_least_slack_first(deco
     for rid in ("b", "c"):
         runner.requests[rid].clock.emit(100.0, time.monotonic())
     assert emitted_in_next_step(runner, inbox) == {"a", "d"}
+
+
+def test_decoder_waits_for_the_codes_of_a_due_answer(decoder):
+    """An answer that is due with no window ready (its codes are on the way) is due work: the
+    answer far ahead waits (the stage has no work) until its window is there."""
+    runner, inbox = decoder
+    for rid in ("ahead", "due"):
+        stream_codes(runner, rid, seq=0, n=4)  # one window: 1 code and its 2 of lookahead
+    assert emitted_in_next_step(runner, inbox) == {"ahead", "due"}
+    assert not runner.requests["due"].jobs
+    runner.requests["ahead"].clock.emit(100.0, time.monotonic())
+    stream_codes(runner, "ahead", seq=1, n=40)
+    assert not runner.has_work()
+    stream_codes(runner, "due", seq=1, n=4)
+    assert runner.has_work() and emitted_in_next_step(runner, inbox) == {"due"}
 
 
 def test_decoder_keeps_no_clock_for_an_answer_not_streamed(decoder):

@@ -107,7 +107,7 @@ class DecoderRunner(StageRunner):
         req.upstream.latents = {CODES_FRAME: req.frames.view()[CODES_FRAME].T}
 
     def has_work(self) -> bool:
-        return any(r.jobs for r in self.requests.values())
+        return bool(self._runnable(time.monotonic())[0])
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -143,17 +143,7 @@ class DecoderRunner(StageRunner):
         first audio does not wait behind other requests' full chunks. With pacing, answers far
         ahead of their playback yield while others are due, and the rest go by least slack."""
         now = time.monotonic()
-        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
-        size = self.args.max_batch_size
-        if self.pacer is not None:
-            held = set(self.pacer.hold([(rid, req.clock) for rid, req in ready], now))
-            ready = [(rid, req) for rid, req in ready if rid not in held]
-            if self.pacer.policy.enabled:
-                ready = self.pacer.order(ready, lambda item: item[1].clock,
-                                         lambda item: item[1].seq > 0, now)
-                if self.stage.pacing.ahead_batch_size and all(
-                        self.pacer.is_ahead(req.clock, now) for _, req in ready):
-                    size = self.stage.pacing.ahead_batch_size
+        ready, size = self._runnable(now)
         first = [(rid, req) for rid, req in ready if req.seq == 0]
         batch = []
         for rid, req in first or ready:
@@ -165,6 +155,23 @@ class DecoderRunner(StageRunner):
         if self.pacer is not None:
             self.pacer.note_step((self.requests[rid].clock for rid, _ in batch), now)
         return batch
+
+    def _runnable(self, now: float) -> tuple[list[tuple[str, _Request]], int]:
+        """The requests whose next window may run now, in the order they go, and the batch size.
+        With pacing on: no answer far ahead while another is due (one waiting for codes too:
+        Pacer.hold), by least slack, and ahead-of-time work ahead_batch_size windows a batch."""
+        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        if self.pacer is None:
+            return ready, self.args.max_batch_size
+        waiting = [req.clock for req in self.requests.values() if not req.jobs]
+        held = set(self.pacer.hold([(rid, req.clock) for rid, req in ready], now, waiting))
+        ready = [(rid, req) for rid, req in ready if rid not in held]
+        if not self.pacer.policy.enabled:
+            return ready, self.args.max_batch_size
+        ready = self.pacer.order(ready, lambda item: item[1].clock, lambda item: item[1].seq > 0, now)
+        ahead_only = all(self.pacer.is_ahead(req.clock, now) for _, req in ready)
+        return ready, (self.stage.pacing.ahead_batch_size or self.args.max_batch_size
+                       if ahead_only else self.args.max_batch_size)
 
     def _decode(self, group: list[tuple[str, Job]]) -> list[torch.Tensor]:
         return self.decoder.decode_windows([job.window for _, job in group])
