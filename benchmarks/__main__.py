@@ -14,7 +14,7 @@ audio seconds/s), the thinker's prefix-cache hit rate and hidden-state rows serv
 (``/metrics`` deltas over the measured phase), stage CPU time per request; on/off ratios: speedup =
 off / on (latencies), throughput change = on / off - 1. Prints a table, writes ``--json`` (every
 sample, the machine, the command, the config) and ``--plot`` (latency CDFs of both sides).
-See benchmarks/README.md for results.
+Results: docs/benchmarks.md (tables) and benchmarks/results/ (run logs).
 """
 
 from __future__ import annotations

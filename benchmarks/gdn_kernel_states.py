@@ -5,7 +5,7 @@
 DIR holds the `fla` package of flash-linear-attention (the kernel vLLM vendors for GatedDeltaNet
 prefill on CUDA; vLLM itself cannot be installed on the lent GPU machines, so its vendored copy
 cannot be imported there). Nothing of it is in this repository: the device run carries it from a
-checkout (benchmarks/README.md has the command).
+checkout (docs/benchmarks.md has the command).
 
 For a varlen batch of prefill sequences (bfloat16 q, k, v; float32 log-decays g; random float32
 initial states) with block boundaries every `block` tokens:

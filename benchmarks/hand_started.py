@@ -1,6 +1,6 @@
 """A pipeline whose stages are started by hand, and how fast their death reaches the clients.
 
-:class:`HandStartedPipeline` does what the README's "Stages on several hosts" section tells a user
+:class:`HandStartedPipeline` does what docs/external-stages.md tells a user
 to do, on one machine with tcp://127.0.0.1 standing in for the hosts: a copy of a stage config
 with tcp addresses, a control address and a stage key file (stage_configs/tiny_omni_hosts.yaml,
 on free ports); ``omni-serve``;
@@ -47,7 +47,7 @@ def _with_port(address: str, port: int) -> str:
 
 
 class HandStartedPipeline:
-    """``base`` (stage_configs/tiny_omni_hosts.yaml) as the README runs it, on free ports (each
+    """``base`` (stage_configs/tiny_omni_hosts.yaml) as docs/external-stages.md runs it, on free ports (each
     address keeps its host) and, with ``auth``, a fresh stage key file (else none); a server and
     stages started as separate processes."""
 

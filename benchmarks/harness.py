@@ -97,7 +97,7 @@ class ManagedServer:
         try:
             path = private_config(self.config_path, self._tmp, self.tag, self.stage_env)
             t0 = time.monotonic()
-            orch = Orchestrator(load_config(path), config_path=path, prefix_cache=self.prefix_cache,
+            orch = Orchestrator(load_config(path), prefix_cache=self.prefix_cache,
                                 checkpoint_dir=self.checkpoint_dir, echo_stage_logs=False)
             self.server = ServerThread(orch, log_level="error").start()
             self.url = self.server.url

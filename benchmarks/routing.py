@@ -155,7 +155,7 @@ class RayServer:
         from omni_cache.serving.server import ServerThread
 
         t0 = time.monotonic()
-        orch = Orchestrator(load_config(self.config), config_path=self.config, prefix_cache=True,
+        orch = Orchestrator(load_config(self.config), prefix_cache=True,
                             echo_stage_logs=False)
         self.server = ServerThread(orch, log_level="error").start()
         self.url = self.server.url
@@ -201,7 +201,7 @@ def routing_config(src: str, dst: Path, *, replicas: int, pool_blocks: int, dtyp
 
 def _decisions(text: str) -> dict[str, float]:
     """"replica/decision" -> the thinker's routing decisions so far (from /metrics)."""
-    from omni_cache.serving.metrics import parse_metrics
+    from omni_cache.runtime.metrics import parse_metrics
 
     return {f"{lab['replica']}/{lab['decision']}": v for n, lab, v in parse_metrics(text)
             if n == "omni_cache_routing_decisions_total" and lab.get("stage") == "thinker"}
@@ -221,13 +221,10 @@ def run_turn(srv: Any, model: str, sessions: list[Session], *, concurrency: int,
     """Send ``sessions`` to a running pipeline with the router set to ``policy`` (None: leave it)."""
     from benchmarks.client import Driver, counter_deltas, metric_counters
     from benchmarks.harness import log
-    from omni_cache.runtime.routing import ReplicaRouter
 
     orch = srv.server.orchestrator
     if policy is not None:
-        # A fresh router: its round-robin turn and decision counts start over; the prefix index
-        # (what the replicas reported) is the orchestrator's and stays.
-        orch.router = ReplicaRouter(policy, {s.name: s.replicas for s in orch.config.stages})
+        orch.routes.use_policy(policy)
     before_text = asyncio.run(_metrics_text(srv.url))
     driver = Driver(srv.url, model, concurrency=concurrency, audio=audio, request_timeout_s=900.0)
     t0 = time.monotonic()

@@ -7,7 +7,7 @@ Starts the pipeline (spawned stages, as `omni-serve` does), then `--repeat` time
 answer with audio, sends SIGKILL to the stage's process as soon as the first audio chunk arrives
 (the stage is then mid-answer), and records the time from the kill to the stream's error event.
 Waits for the supervisor to restart the stage and checks that a request succeeds before the next
-round. Prints the median and the largest delay: the README's kill-to-error figure.
+round. Prints the median and the largest delay: the kill-to-error figure of docs/benchmarks.md.
 """
 
 from __future__ import annotations

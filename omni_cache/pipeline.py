@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_cache.config import PipelineConfig, load_config
-from omni_cache.runtime.orchestrator import GenerationResult, Orchestrator, RequestError
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.results import GenerationResult, RequestError
 
 __all__ = ["GenerationError", "GenerationResult", "Pipeline"]
 
@@ -68,14 +69,13 @@ class Pipeline:
     ready. ``close()`` (or leaving the ``with`` block) stops them.
     """
 
-    def __init__(self, config: PipelineConfig, *, config_path: str | os.PathLike[str] | None = None,
-                 prefix_cache: bool = True, checkpoint_dir: str | os.PathLike[str] | None = None,
+    def __init__(self, config: PipelineConfig, *, prefix_cache: bool = True,
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
                  **orchestrator_kwargs: Any) -> None:
-        self.config = config
-        self.orchestrator = Orchestrator(
-            config, config_path=config_path, checkpoint_dir=checkpoint_dir,
-            prefix_cache=prefix_cache, **orchestrator_kwargs,
-        )
+        self.orchestrator = Orchestrator(config, checkpoint_dir=checkpoint_dir,
+                                         prefix_cache=prefix_cache, **orchestrator_kwargs)
+        #: The config it runs: ``config`` with the overrides applied (a copy).
+        self.config = self.orchestrator.config
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="omni-cache-pipeline",
                                         daemon=True)
@@ -94,12 +94,9 @@ class Pipeline:
         :class:`~omni_cache.runtime.orchestrator.Orchestrator` (e.g. ``start_timeout_s``,
         ``echo_stage_logs``).
         """
-        if isinstance(path, PipelineConfig):
-            config, config_path = path, None
-        else:
-            config, config_path = load_config(path), path
-        pipe = cls(config, config_path=config_path, prefix_cache=prefix_cache,
-                   checkpoint_dir=checkpoint_dir, **orchestrator_kwargs)
+        config = path if isinstance(path, PipelineConfig) else load_config(path)
+        pipe = cls(config, prefix_cache=prefix_cache, checkpoint_dir=checkpoint_dir,
+                   **orchestrator_kwargs)
         pipe.start()
         return pipe
 
@@ -182,7 +179,8 @@ class Pipeline:
 
         A prompt is a string (one user message, through the chat template), a list of chat
         messages (``{"role", "content"}`` dicts) or a list of token ids (used as is). All prompts
-        are submitted together, so the stages batch them. ``modalities`` defaults to every
+        are submitted together, so the stages batch them (when the server's bounds on what is in
+        flight are reached, the next prompt waits until one of these ended). ``modalities`` defaults to every
         output the pipeline has (``("text", "audio")`` for the default pipelines).
         ``return_latents`` adds the thinker's latents (name -> tensor, one row per token: prompt
         and generated), and a later autoregressive stage's as ``"<stage>.<name>"`` (Qwen3-Omni's
@@ -198,7 +196,7 @@ class Pipeline:
         if self._closed or not self._started:
             raise RuntimeError("the pipeline is not running")
         if modalities is _ALL:
-            modalities = ("text", "audio") if self.orchestrator.audio_stage is not None else ("text",)
+            modalities = ("text", "audio") if self.orchestrator.topology.audio_stage is not None else ("text",)
         items = _normalize_prompts(prompts)
         token_lists = []
         for i, p in enumerate(items):
@@ -228,15 +226,24 @@ class Pipeline:
                         media: Sequence[Sequence[Any]] | None = None) -> list[Any]:
         orch = self.orchestrator
         handles: list[Any] = []
+        results: list[asyncio.Future] = []  # each accepted request's result, as it is awaited
         try:
             for i, ids in enumerate(token_lists):
-                try:
-                    items = tuple(media[i]) if media is not None else ()
-                    handles.append(await orch.submit(ids, media=items, **kwargs))
-                except RequestError as e:
-                    handles.append(e)
-            waits = [h.result() for h in handles if not isinstance(h, RequestError)]
-            done = iter(await asyncio.gather(*waits, return_exceptions=True))
+                items = tuple(media[i]) if media is not None else ()
+                while True:
+                    try:
+                        handles.append(await orch.submit(ids, media=items, **kwargs))
+                        results.append(asyncio.ensure_future(handles[-1].result()))
+                        break
+                    except RequestError as e:
+                        running = [r for r in results if not r.done()]
+                        if e.status != 429 or not running:
+                            handles.append(e)
+                            break
+                        # The server is full (server.max_requests_in_flight, or its media bound):
+                        # one of these prompts' own requests ending makes room for the next.
+                        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            done = iter(await asyncio.gather(*results, return_exceptions=True))
             return [h if isinstance(h, RequestError) else next(done) for h in handles]
         except BaseException:
             for h in handles:

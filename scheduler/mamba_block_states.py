@@ -82,15 +82,15 @@ def block_states_supported(vllm_config: Any) -> str | None:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.platforms import current_platform
 
-    from workers.models.gdn_block_states import BlockStateGatedDeltaNet
-
     cache = vllm_config.cache_config
     if not cache.enable_prefix_caching or cache.mamba_cache_mode != "align":
         return "prefix caching is off or not in align mode"
     if not set(vllm_config.model_config.architectures or ()) & BLOCK_STATE_ARCHITECTURES:
         return f"architecture {vllm_config.model_config.architectures} is not one of " \
                f"{sorted(BLOCK_STATE_ARCHITECTURES)}"
-    if op_registry_oot.get("QwenGatedDeltaNetAttention") is not BlockStateGatedDeltaNet:
+    # The plugin's layer says it writes block states (workers/models/gdn_block_states.py); the
+    # scheduler does not import the workers package, which imports this one.
+    if not getattr(op_registry_oot.get("QwenGatedDeltaNetAttention"), "WRITES_BLOCK_STATES", False):
         return "the omni_cache vLLM plugin (workers.models:register) is not loaded"
     if not current_platform.is_cpu():
         return "only vLLM's CPU GatedDeltaNet path writes block states"

@@ -21,7 +21,7 @@ def served(data: dict[str, Any], directory: Path, *, api_key: str | None = None,
            ready_timeout_s: float = 600) -> Iterator[ServerThread]:
     path = directory / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False)
     srv = ServerThread(orch, api_key=api_key).start()
     try:
         srv.wait_ready(ready_timeout_s)

@@ -10,10 +10,9 @@ of the repository (``omni_cache/``, ``workers/``, ``scheduler/``, ``benchmarks/`
 Third-party private attributes (``torch._C``) are another project's business and are not flagged;
 ``from vllm... import _y`` is (it imports a private name all the same).
 
-NOTE FOR THE LEAD: until branch "api" renames the config package's private names
-(``_Issues``, ``_validate``, ``_import_handoff``, ``_find_cycle``, ``_DOTTED_RE``,
-``_MAX_IPC_PATH_BYTES``), ``test_no_private_name_crosses_a_module`` FAILS on those lines only
-(omni_cache/config/*). That failure is expected on this branch alone.
+And the layout: no import cycle between modules or packages, the stage processes' packages
+(workers/, scheduler/) import nothing of the server side, no two classes of the product share a
+name, and the runtime's modules stay readable whole (at most 500 lines).
 """
 
 from __future__ import annotations
@@ -116,3 +115,138 @@ def test_checker_flags_private_imports(source: str) -> None:
 ])
 def test_checker_accepts_public_use(source: str) -> None:
     assert private_imports(source, "sample.py", FIRST_PARTY) == [], source
+
+
+# ---- the import graph -------------------------------------------------------------------------------
+
+PRODUCT = ("omni_cache", "workers", "scheduler")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """The node a module is in the graph of packages: a package (its ``__init__`` and its
+    modules), except that a module at the top of ``omni_cache/`` (cli.py, pipeline.py,
+    handoff.py, ...) stands for itself: those are layers of their own, not one package."""
+    if _is_package(module) or module.count(".") == 1 and module.split(".")[0] == "omni_cache":
+        return module
+    return module.rpartition(".")[0]
+
+
+def _is_package(module: str) -> bool:
+    return (ROOT / Path(*module.split(".")) / "__init__.py").is_file()
+
+
+def product_imports() -> dict[str, set[str]]:
+    """module -> the product modules it imports (anywhere in it: at the top, in functions, under
+    TYPE_CHECKING). ``from pkg import name`` counts as importing ``pkg.name`` when that is a
+    module, else ``pkg``."""
+    files = [p for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))]
+    modules = {module_name(p) for p in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        me = module_name(path)
+        here = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != me:
+                    found.add(t)
+        graph[me] = found
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that ends where it starts, else None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(product_imports())
+    assert cycle is None, "modules import each other in a circle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_packages():
+    packages: dict[str, set[str]] = {}
+    for module, targets in product_imports().items():
+        mine = package_of(module)
+        packages.setdefault(mine, set()).update(
+            p for p in (package_of(t) for t in targets) if p != mine)
+    cycle = find_cycle(packages)
+    assert cycle is None, "packages import each other in a circle: " + " -> ".join(cycle)
+
+
+def test_the_checker_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_stage_processes_import_nothing_of_the_server():
+    """workers/ and scheduler/ run in the stage processes: the HTTP side and the orchestrator are
+    not theirs to import (they would load them into every stage)."""
+    server_side = ("omni_cache.serving", "omni_cache.runtime")
+    bad = [f"{m} imports {t}" for m, targets in product_imports().items()
+           if m.split(".")[0] in ("workers", "scheduler")
+           for t in targets if t.startswith(server_side)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_two_product_classes_share_a_name():
+    where: dict[str, list[str]] = {}
+    for pkg in PRODUCT:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    shared = {name: places for name, places in where.items() if len(places) > 1}
+    assert not shared, shared
+
+
+#: The runtime's modules stay small enough to read whole (issue 32: the orchestrator in parts).
+MAX_RUNTIME_MODULE_LINES = 500
+
+
+def test_no_runtime_module_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "omni_cache" / "runtime").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_RUNTIME_MODULE_LINES}
+    assert not long, long

@@ -11,9 +11,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, fake_server
+from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, fake_server, sse_events
 
 from omni_cache.serving.audio_formats import FORMATS, UnsupportedFormat, check_format, encode_audio
+from omni_cache.serving.wav import PcmStream, resample, to_pcm16
 
 RATE = 24000
 #: libsndfile's name of each container, as the decoder reports it.
@@ -63,6 +64,48 @@ def test_other_rates_are_resampled_to_24khz(fmt):
     assert rate == RATE and len(y) == 2400
 
 
+def amplitude_db(x: np.ndarray, rate: int, band: tuple[float, float] = (0.0, float("inf"))) -> float:
+    """The largest sinusoid amplitude in ``band`` (Hz), in dB of full scale (Hann-windowed FFT:
+    the abrupt start and end of a clip do not smear energy over the spectrum)."""
+    window = np.hanning(len(x))
+    spectrum = 2 * np.abs(np.fft.rfft(x.astype(np.float64) * window)) / window.sum()
+    hz = np.fft.rfftfreq(len(x), 1 / rate)
+    return float(20 * np.log10(spectrum[(hz >= band[0]) & (hz <= band[1])].max() + 1e-30))
+
+
+def test_resampling_removes_what_lies_above_the_new_nyquist_and_keeps_the_rest():
+    """24 kHz -> 16 kHz: a 10 kHz tone is above the new 8 kHz Nyquist frequency, so nothing of it
+    may remain (interpolation folds it to 16 - 10 = 6 kHz at nearly full level); a 1 kHz tone
+    keeps its level and frequency."""
+    high, low = sine(24000, hz=10000.0), sine(24000, hz=1000.0)
+    level = amplitude_db(high, RATE)  # 0.5 -> -6 dB
+    assert amplitude_db(resample(high, RATE, 16000), 16000) < level - 60
+    t_in, t_out = np.arange(24000) / RATE, np.arange(16000) / 16000
+    assert amplitude_db(np.interp(t_out, t_in, high), 16000, (5900, 6100)) > level - 6  # what soxr avoids
+    kept = resample(low, RATE, 16000)
+    assert len(kept) == 16000
+    assert abs(amplitude_db(kept, 16000, (990, 1010)) - amplitude_db(low, RATE)) < 0.01
+    assert np.sum(kept.astype(np.float64) ** 2) / 16000 == pytest.approx(
+        np.sum(low.astype(np.float64) ** 2) / 24000, rel=1e-3)  # the same power
+
+
+def test_a_stream_resampled_chunk_by_chunk_is_the_whole_clip_resampled():
+    """One soxr stream across the chunks: no seams, and flush() hands out what the filter held."""
+    x = sine(16000, 16000)
+    stream, pieces, start = PcmStream(), [], 0
+    for size in (1, 240, 999, 4000, 3, 7000):  # uneven, as a decoder's chunks may be
+        pieces.append(stream.chunk(x[start:start + size], 16000))
+        start += size
+    pieces.append(stream.chunk(x[start:], 16000))
+    pieces.append(stream.flush())
+    assert b"".join(pieces) == to_pcm16(x, 16000) and len(b"".join(pieces)) == 2 * 24000
+    assert stream.flush() == b""
+    # At 24 kHz nothing is held back; a change of rate flushes the old rate's stream first.
+    assert stream.chunk(x[:100], RATE) == to_pcm16(x[:100])
+    held = stream.chunk(x[:8000], 16000)
+    assert held + stream.chunk(x[:10], RATE) == to_pcm16(x[:8000], 16000) + to_pcm16(x[:10])
+
+
 def test_out_of_range_samples_are_clipped_not_wrapped():
     y, _ = decode(encode_audio(np.array([2.0, -3.0, np.nan] * 100, np.float32), RATE, "flac"), "flac")
     assert np.max(y) > 0.99 and np.min(y) < -0.99 and np.all(np.abs(y) <= 1.0)
@@ -93,6 +136,26 @@ def test_openai_sdk_gets_each_format(srv, oai, fmt):
     samples, rate = decode(base64.b64decode(msg.audio.data), fmt)
     assert rate == RATE and len(samples) == max_tokens * SAMPLES_PER_TOKEN
     assert np.max(np.abs(samples)) > 0.3  # the fake decoder's sines, not silence
+
+
+def test_streamed_audio_at_another_rate_is_the_answers_audio_sample_for_sample():
+    """A decoder at 16 kHz: the streamed pcm16 chunks, joined, are the non-streamed answer's pcm16
+    (the stream resampled as one clip, the filter's tail sent before the finishing chunk)."""
+    with fake_server("rate16k", decoder_env='{FAKE_SAMPLE_RATE: "16000"}') as server, \
+            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=30) as http:
+        body = {"model": server.orchestrator.served_model_name, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "sing"}], "modalities": ["text", "audio"],
+                "audio": {"voice": "default", "format": "pcm16"}}
+        whole = base64.b64decode(http.post("/v1/chat/completions", json=body).json()
+                                 ["choices"][0]["message"]["audio"]["data"])
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [c for c in sse_events(r.iter_lines())[:-1] if c["choices"]]
+    audio = [i for i, c in enumerate(chunks) if "audio" in c["choices"][0]["delta"]]
+    streamed = b"".join(base64.b64decode(chunks[i]["choices"][0]["delta"]["audio"]["data"])
+                        for i in audio)
+    assert len(whole) == 2 * 8 * SAMPLES_PER_TOKEN * 3 // 2 and streamed == whole
+    assert audio[-1] < len(chunks) - 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("fmt, stream, needle", [

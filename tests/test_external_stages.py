@@ -31,7 +31,7 @@ from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
 from omni_cache.wire.messages import MESSAGE_TYPES, Sampling, StageReady, Submit
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
 from omni_cache.wire.transport import Codec, Receiver
@@ -125,7 +125,7 @@ def with_suppress_kill(proc: subprocess.Popen) -> None:
 
 
 def server_for(path: Path) -> ServerThread:
-    orch = Orchestrator(load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
                         start_timeout_s=WAIT_S, echo_stage_logs=False)
     return ServerThread(orch).start()
 
@@ -506,6 +506,7 @@ def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkey
     path = tmp_path / "p.yaml"
     path.write_text(textwrap.dedent("""
         name: p
+        server: {control_address: "tcp://127.0.0.1:8"}
         stages:
           - name: decoder
             kind: generation

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from omni_cache.runtime.heap_trim import HeapTrimmer, find_malloc_trim
+from omni_cache.heap_trim import HeapTrimmer, find_malloc_trim
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

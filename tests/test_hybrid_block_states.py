@@ -23,6 +23,9 @@ from thinker_harness import NAMES, close, comparable_rows, make_stage, run
 
 from omni_cache.models.checkpoints import ensure_checkpoint
 
+# Starts two in-process vLLM engines (the module fixture): skipped by -m "not vllm".
+pytestmark = pytest.mark.vllm
+
 STATE_RTOL = 2.0**-5
 # One chunk holds every prompt here, so a single-chunk prefill is what is tested.
 ENGINE = dict(HYBRID, max_num_batched_tokens=8192)

@@ -23,7 +23,7 @@ MIB = 2**20
 
 def test_engine_argument_wins_and_the_variable_is_dropped(caplog):
     env = {ENV_VAR: "2", "OTHER": "x"}
-    with caplog.at_level("WARNING", logger="omni_cache.stage"):
+    with caplog.at_level("WARNING", logger="workers.kv_cache_sizing"):
         source = resolve_kv_cache_size("thinker", {"kv_cache_memory_bytes": 64 * MIB}, env)
     assert env == {"OTHER": "x"}
     assert source.startswith("engine_args kv_cache_memory_bytes=67108864") and "ignored" in source
@@ -39,7 +39,7 @@ def test_engine_argument_wins_and_the_variable_is_dropped(caplog):
 ])
 def test_one_setting_is_left_alone(args, env, needle, caplog):
     before = dict(env)
-    with caplog.at_level("WARNING", logger="omni_cache.stage"):
+    with caplog.at_level("WARNING", logger="workers.kv_cache_sizing"):
         assert needle in resolve_kv_cache_size("talker", args, env)
     assert env == before and not caplog.records
 

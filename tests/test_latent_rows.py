@@ -1,4 +1,4 @@
-"""LatentRows: overlapping and late chunks, take_new ranges, truncate (pure tensor code, no vLLM)."""
+"""LatentRows: overlapping and late chunks, take_new ranges (pure tensor code, no vLLM)."""
 
 import pytest
 import torch
@@ -48,17 +48,6 @@ def test_gap_raises():
     rows.add(chunk(0, 2))
     with pytest.raises(RuntimeError, match="rows 2..3 are missing"):
         rows.add(chunk(4, 1))
-
-
-def test_truncate_then_take_new():
-    rows = LatentRows(("hidden", "tap"))
-    for s in range(6):
-        rows.add(chunk(s, 1))
-    assert positions(rows.take_new()[1]) == list(range(6))
-    rows.truncate(4)
-    assert rows.num_rows == 4 and positions(rows.all()) == [0, 1, 2, 3]
-    rows.add(chunk(4, 2))
-    assert positions(rows.take_new()[1]) == [4, 5]
 
 
 # ---- LatentBuffer: the receiving side ------------------------------------------------------------

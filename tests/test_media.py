@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import http.server
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +76,10 @@ def test_audio_duration_limit():
         MediaDecoder(MediaConfig(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")
 
 
+#: Bytes the /trickle answer sends, one every TRICKLE_GAP_S: each read is quick, the whole is not.
+TRICKLE_BYTES, TRICKLE_GAP_S = 400, 0.01
+
+
 @pytest.fixture
 def image_host():
     png = base64.b64decode(png_data_url(8, 8).split(",", 1)[1])
@@ -85,16 +90,32 @@ def image_host():
                 self.send_response(302)
                 self.send_header("Location", "http://127.0.0.2/x.png")
                 self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.end_headers()
-            self.wfile.write(png)
+            elif self.path == "/missing":
+                self.send_error(404)
+            elif self.path == "/big":  # no Content-Length: the size shows only while reading
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(png + b"\0" * 4096)
+            elif self.path == "/trickle":
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(TRICKLE_BYTES):
+                        self.wfile.write(b"\0")
+                        self.wfile.flush()
+                        time.sleep(TRICKLE_GAP_S)
+                except OSError:  # the client gave up
+                    pass
+            else:
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(png)
 
         def log_message(self, *args):
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
@@ -107,6 +128,21 @@ def test_urls_are_fetched_only_from_allowed_hosts_and_not_redirected(image_host)
         allowed.image(image_host + "/moved", "p")
     with pytest.raises(MediaError, match="allowed_url_hosts"):
         MediaDecoder().image(image_host + "/x.png", "p")
+
+
+def test_a_url_fetch_has_a_status_a_size_limit_and_a_deadline_for_the_whole_download(image_host):
+    """The deadline covers the whole download: /trickle answers every read at once (its gaps are
+    far below the per-read timeout) but needs TRICKLE_BYTES * TRICKLE_GAP_S = 4 s in all."""
+    limits = dict(allowed_url_hosts=["127.0.0.1"], max_item_bytes=1024)
+    with pytest.raises(MediaError, match="HTTP 404") as e:
+        MediaDecoder(MediaConfig(**limits)).image(image_host + "/missing", "p")
+    assert e.value.param == "p"
+    with pytest.raises(MediaError, match="max_item_bytes"):
+        MediaDecoder(MediaConfig(**limits)).image(image_host + "/big", "p")
+    assert MediaDecoder(MediaConfig(**{**limits, "max_item_bytes": 8192})).image(
+        image_host + "/big", "p").array.shape == (8, 8, 3)  # PNG ignores what follows its end
+    with pytest.raises(MediaError, match="within 0.5 s \\(server.media.fetch_timeout_s\\)"):
+        MediaDecoder(MediaConfig(**limits, fetch_timeout_s=0.5)).image(image_host + "/trickle", "p")
 
 
 def test_a_repeated_item_is_decoded_once_and_keeps_its_digest():

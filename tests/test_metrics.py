@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cache.serving.metrics import (
+from omni_cache.runtime.metrics import (
     STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, RoutingSnapshot, StageSnapshot, parse_metrics,
 )
 
@@ -117,3 +117,19 @@ def test_replicas_of_a_stage_are_samples_of_their_own_and_routing_is_counted():
 def test_malformed_text_is_a_value_error():
     with pytest.raises(ValueError):
         parse_metrics('vllm:prefix_cache_hits_total{stage="x"} not-a-number\n')
+
+
+def test_a_model_name_set_after_observations_makes_vllms_histograms_again_with_its_label():
+    """A histogram's label names are fixed when it is made: vLLM's are made again with the
+    model_name label (what they held before is dropped), ours keep theirs."""
+    m = OrchestratorMetrics(["thinker", "decoder"])
+    m.observe(TTFT, "thinker", 0.1)
+    m.observe(TTFA, "decoder", 0.2)
+    m.model_name = "served"
+    m.observe(TTFT, "thinker", 0.3)
+    counts = {(n, tuple(sorted(lab.items()))): v for n, lab, v in parse_metrics(m.render({}, in_flight=0))
+              if n.endswith("_count")}
+    assert counts == {
+        ("vllm:time_to_first_token_seconds_count", (("model_name", "served"), ("stage", "thinker"))): 1,
+        ("omni_cache_time_to_first_audio_seconds_count", (("stage", "decoder"),)): 1,
+    }

@@ -30,7 +30,7 @@ CONTEXT = "Please look at this carefully; every question about it repeats this s
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), "mm", "qwen3_omni_thinker.yaml")
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False)
     srv = ServerThread(orch).start()
     srv.wait_ready(600)
     yield srv

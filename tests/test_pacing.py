@@ -16,7 +16,7 @@ import torch
 
 from omni_cache.config import PacingConfig, load_config, validate_config
 from omni_cache.config.errors import ConfigError
-from omni_cache.serving.metrics import OrchestratorMetrics, StageSnapshot, parse_metrics
+from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot, parse_metrics
 from scheduler import pacing
 from scheduler.pacing import SLACK_BUCKETS, Pacer, PacingPolicy, PacingStats, PlaybackClock
 

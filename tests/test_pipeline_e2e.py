@@ -50,7 +50,7 @@ def write_pipeline_config(tmp: Path, name: str, source: str = "tiny_omni.yaml") 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), "e2e")
-    orch = Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False)
     srv = ServerThread(orch, api_key="test-key").start()
     srv.wait_ready(600)
     yield srv
@@ -227,7 +227,7 @@ def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(serv
     """A long prompt nobody sent before takes seconds to prefill: the stream's first chunk must
     wait for the first token (load generators time it as TTFT), and the streamed text (random
     bytes, mostly invalid UTF-8, as vLLM's detokenizer writes them) equals the non-streamed one."""
-    from omni_cache.serving.metrics import parse_metrics
+    from omni_cache.runtime.metrics import parse_metrics
 
     h = {"Authorization": "Bearer test-key"}
 

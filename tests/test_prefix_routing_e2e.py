@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from served_config import served
 
 pytestmark = pytest.mark.vllm
@@ -84,7 +84,7 @@ def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(se
     ask(prefix("Q") + "second?", "Q")
     assert delta(before, decisions(server)) == {("0", "prefix_hit"): 1, ("1", "prefix_hit"): 1}
     assert cached["P"] >= 512 and cached["Q"] >= 512, cached
-    held = server.orchestrator.prefix_index
+    held = server.orchestrator.routes.prefix_index
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
                      timeout=30).text
     gauge = {lab["replica"]: v for n, lab, v in parse_metrics(text)
@@ -108,7 +108,7 @@ def _holds(server, replica: int, letter: str) -> bool:
     orch = server.orchestrator
     ids = orch.tokenize_messages([{"role": "user", "content": prefix(letter) + "?"}])
     chain = prompt_block_hashes(ids, 32, os.environ.get("PYTHONHASHSEED"))
-    return orch.prefix_index.matched_blocks(replica, chain) > 0
+    return orch.routes.prefix_index.matched_blocks(replica, chain) > 0
 
 
 def test_a_prefix_being_computed_draws_its_tenants_next_request(server):

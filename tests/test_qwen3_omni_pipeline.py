@@ -73,7 +73,7 @@ def pipeline(checkpoint, tmp_path_factory):
             stage["sampling"]["max_tokens"] = TALKER_STEPS
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
-    with Pipeline(load_config(path), config_path=path).start() as pipe:
+    with Pipeline(load_config(path)).start() as pipe:
         yield pipe
 
 

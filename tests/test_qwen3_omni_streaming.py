@@ -19,7 +19,7 @@ import yaml
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 
 pytestmark = [
@@ -41,7 +41,7 @@ def server(tmp_path_factory):
         stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("cfg") / f"{NAME}.yaml"
     path.write_text(yaml.safe_dump(data))
-    srv = ServerThread(Orchestrator(load_config(path), config_path=path, echo_stage_logs=False)).start()
+    srv = ServerThread(Orchestrator(load_config(path), echo_stage_logs=False)).start()
     srv.wait_ready(600)
     yield srv
     srv.stop()

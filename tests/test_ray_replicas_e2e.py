@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from benchmarks.harness import stop_omni_serve
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 
 pytestmark = pytest.mark.vllm
 

@@ -23,7 +23,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.routing import ReplicaRouter
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from sse_client import read_events
 
@@ -151,7 +151,7 @@ stages:
     address: ipc://{d}/decoder.sock
     final_output: audio
 """)
-    orch = Orchestrator(load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
                         stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
                         shutdown_grace_s=2, echo_stage_logs=False)
     server = ServerThread(orch, api_key=API_KEY).start()

@@ -20,7 +20,7 @@ import openai
 import pytest
 import yaml
 
-from omni_cache.serving.metrics import parse_metrics
+from omni_cache.runtime.metrics import parse_metrics
 from served_config import served
 from sse_client import read_events
 

@@ -5,8 +5,6 @@ alone, and an orchestrator that was built but not started."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from omni_cache.config import load_config
@@ -62,23 +60,23 @@ stages:
     final_output: text
     engine_args: {{max_model_len: 4096}}
 """)
-    o = Orchestrator(load_config(path), config_path=path, tokenizer=object(), echo_stage_logs=False)
+    o = Orchestrator(load_config(path), tokenizer=object(), echo_stage_logs=False)
     o.supervisor.up_replicas = lambda stage: [0, 1]  # type: ignore[method-assign]
     for i in (0, 1):
-        o.prefix_index.apply(i, stored=[], removed=[], block_size=BS)
+        o.routes.prefix_index.apply(i, stored=[], removed=[], block_size=BS)
     return o
 
 
 def _submit(o: Orchestrator, prompt: list[int]):
-    """Route ``prompt`` as _send_request does and record it in flight; the request."""
+    """Route ``prompt`` as submit() does and record it in flight; the request."""
     from omni_cache.runtime.requests import Request
 
-    chains = o._prompt_chains(prompt)
-    req = Request(request_id=f"r{len(o._requests)}", prompt_token_ids=prompt, modalities=("text",),
+    chains = o.routes.prompt_chains(prompt)
+    req = Request(request_id=f"r{len(o.requests)}", prompt_token_ids=prompt, modalities=("text",),
                   participants=("thinker",), t0=0.0, deadline=1e9, timeout_s=1.0, return_latents=False)
-    req.route, req.prefill_backlog = o._route(req.participants, len(prompt), chains)
+    req.route, req.prefill_backlog = o.routes.route(req.participants, len(prompt), chains)
     req.block_hashes = chains
-    o._requests.add(req)
+    o.requests.add(req)
     return req
 
 
@@ -91,38 +89,64 @@ def test_a_prefix_in_flight_counts_as_held_and_its_prefill_as_backlog(orch):
     # counts only its own tail as backlog (62 blocks = 1,984 tokens hit).
     second = _submit(orch, tenant + [2] * 100)
     assert second.route == {"thinker": 0} and second.prefill_backlog == 2100 - 62 * BS
-    assert orch._prefill_backlog() == {0: 2100 + 116}
+    assert orch.routes.prefill_backlog() == {0: 2100 + 116}
     # Another tenant: nobody holds it; least loaded (replica 1).
     other = _submit(orch, [9] * 2100)
     assert other.route == {"thinker": 1}
     # The first output of a request ends its backlog.
-    orch._on_output(StageOutput(request_id=first.request_id, stage="thinker", seq=0, token_ids=[5], text="x"), {})
-    assert orch._prefill_backlog() == {0: 116, 1: 2100}
-    assert orch.router.decisions[("thinker", 0, "prefix", "prefix_hit")] == 1
+    orch.on_message(StageOutput(request_id=first.request_id, stage="thinker", seq=0, token_ids=[5], text="x"), {})
+    assert orch.routes.prefill_backlog() == {0: 116, 1: 2100}
+    assert orch.routes.router.decisions[("thinker", 0, "prefix", "prefix_hit")] == 1
 
 
 def test_a_replica_much_busier_than_another_gives_up_its_prefix(orch):
     tenant = [7] * 2000
     chain = prompt_block_hashes(tenant, BS)
-    orch.prefix_index.apply(0, stored=chain, removed=[])  # replica 0 reported the tenant
+    orch.routes.prefix_index.apply(0, stored=chain, removed=[])  # replica 0 reported the tenant
     # Two other misses queued on replica 0 (4,200 tokens of prefill), replica 1 idle.
     for k in (3, 4):
         r = _submit(orch, [k] * 2100)
         r.route["thinker"] = 0
         r.prefill_backlog = 2100
-    assert orch._prefill_backlog() == {0: 4200}
+    assert orch.routes.prefill_backlog() == {0: 4200}
     req = _submit(orch, tenant + [1] * 100)
     assert req.route == {"thinker": 1} and req.prefill_backlog == 2100  # 4,316 > 2 x 2,100
-    assert orch.router.decisions[("thinker", 1, "prefix", "load_over_prefix")] == 1
+    assert orch.routes.router.decisions[("thinker", 1, "prefix", "load_over_prefix")] == 1
     # Once that request is answered (its blocks on replica 1 unreported here) and one of the
     # two misses is done with its prefill, the tenant stays where its prefix is.
-    orch._requests.answered(req)
-    orch._on_output(StageOutput(request_id="r0", stage="thinker", seq=0, token_ids=[5], text="x"), {})
+    orch.requests.answered(req)
+    orch.on_message(StageOutput(request_id="r0", stage="thinker", seq=0, token_ids=[5], text="x"), {})
     again = _submit(orch, tenant + [2] * 100)
     assert again.route == {"thinker": 0}
 
 
 def test_prompts_with_media_and_other_policies_do_not_hash(orch, tmp_path):
-    assert orch._prompt_chains(None) == {}
-    orch._prefix_routing = False
-    assert orch._prompt_chains([1] * 64) == {}
+    assert orch.routes.prompt_chains(None) == {}
+    orch.routes.prefix_routing = False
+    assert orch.routes.prompt_chains([1] * 64) == {}
+
+
+def test_a_session_stays_on_its_replicas_while_they_are_up(orch):
+    """Requests of one session (a realtime conversation: prompts with audio, not prefix-hashed)
+    go where its first request went, though least_loaded would send them elsewhere."""
+    from omni_cache.runtime.requests import Request
+
+    def route(session: str | None) -> Request:
+        req = Request(request_id=f"r{len(orch.requests)}", prompt_token_ids=[1] * 64,
+                      modalities=("text",), participants=("thinker",), t0=0.0, deadline=1e9,
+                      timeout_s=1.0, return_latents=False)
+        orch.routes.assign(req, req.prompt_token_ids, has_media=True, session_id=session)
+        orch.requests.add(req)
+        return req
+
+    assert route("s1").route == {"thinker": 0}
+    assert route("s1").route == {"thinker": 0}  # replica 0 has 1 in flight, replica 1 none
+    assert route("s2").route == {"thinker": 1}
+    assert route(None).route == {"thinker": 1}  # 2 in flight on 0, 1 on 1
+    assert orch.routes.router.decisions[("thinker", 0, "prefix", "session")] == 1
+    orch.supervisor.up_replicas = lambda stage: [1]  # type: ignore[method-assign]
+    assert route("s1").route == {"thinker": 1}  # its replica died: it moves, and stays there
+    orch.supervisor.up_replicas = lambda stage: [0, 1]  # type: ignore[method-assign]
+    assert route("s1").route == {"thinker": 1}
+    orch.routes.end_session("s1")
+    assert route("s1").route == {"thinker": 0}  # a new session: the least loaded again

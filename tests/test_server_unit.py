@@ -26,18 +26,23 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 
 from omni_cache.config import load_config
-from omni_cache.serving.metrics import parse_metrics
-from omni_cache.runtime.orchestrator import Orchestrator, StageStartError, control_address
+from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.config.addresses import control_address
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.process_runner import StageStartError
 from omni_cache.serving.server import ServerThread
-from omni_cache.serving.wav import decode_wav, encode_wav, to_pcm16
+from omni_cache.serving.audio_formats import encode_audio
+from omni_cache.serving.wav import to_pcm16
 
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
 API_KEY = "unit-test-key"
 MAX_MODEL_LEN = 512
 TIMEOUT_S = 4.0
-MAX_MESSAGE_BYTES = 2**20  # server.max_message_bytes: also the largest request body
+MAX_MESSAGE_BYTES = 2**21  # server.max_message_bytes
+MAX_BODY_BYTES = 2**20  # server.max_body_bytes: the largest request body
 TOKEN_DELAY_S = 0.02
 SAMPLES_PER_TOKEN = 240  # fake decoder: 10 ms of audio per token
 
@@ -58,21 +63,25 @@ def echo(content: str, max_tokens: int) -> str:
     return f"user: {content}\n".encode()[:max_tokens].decode(errors="replace")
 
 
-def write_config(name: str, decoder_env: str = "{}") -> Path:
+def write_config(name: str, decoder_env: str = "{}", *, token_delay_s: float = TOKEN_DELAY_S,
+                 max_model_len: int = MAX_MODEL_LEN, timeout_s: float = TIMEOUT_S,
+                 server_extra: str = "") -> Path:
+    """The fake pipeline's config; ``server_extra``: more ``server`` keys (", key: value")."""
     d = tempfile.mkdtemp(prefix="ocu")  # short: ipc paths are limited to 107 bytes
     path = Path(d) / "pipeline.yaml"
     path.write_text(f"""
 name: {name}
-server: {{host: 127.0.0.1, port: 0, request_timeout_s: {TIMEOUT_S}, max_message_bytes: {MAX_MESSAGE_BYTES}}}
+server: {{host: 127.0.0.1, port: 0, request_timeout_s: {timeout_s}, max_message_bytes: {MAX_MESSAGE_BYTES},
+          max_body_bytes: {MAX_BODY_BYTES}{server_extra}}}
 stages:
   - name: thinker
     kind: autoregressive
     model: tiny:thinker
     address: ipc://{d}/thinker.sock
     final_output: text
-    engine_args: {{max_model_len: {MAX_MODEL_LEN}}}
+    engine_args: {{max_model_len: {max_model_len}}}
     sampling: {{max_tokens: 16}}
-    env: {{FAKE_TOKEN_DELAY: "{TOKEN_DELAY_S}"}}
+    env: {{FAKE_TOKEN_DELAY: "{token_delay_s}"}}
   - name: decoder
     kind: generation
     model: tiny:decoder
@@ -87,7 +96,7 @@ stages:
 
 def make_orchestrator(path: Path) -> Orchestrator:
     return Orchestrator(
-        load_config(path), config_path=path, tokenizer=ByteTokenizer(),
+        load_config(path), tokenizer=ByteTokenizer(),
         stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
         echo_stage_logs=False,
     )
@@ -174,16 +183,16 @@ def wait_healthy(srv, timeout=30.0):
 
 def test_control_address_default():
     config = load_config(write_config("addr_test"))
-    assert control_address(config) == "ipc:///tmp/omni_cache/addr_test/orchestrator.sock"
+    assert control_address(config) is None  # the server chooses it (tests/test_default_addresses.py)
 
 
 def test_wav_roundtrip():
     t = np.arange(2400) / 24000
     x = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-    data = encode_wav(x, 24000)
+    data = encode_audio(x, 24000, "wav")
     with wave.open(io.BytesIO(data)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (24000, 1, 2, 2400)
-    y, rate = decode_wav(data)
+    y, rate = soundfile.read(io.BytesIO(data), dtype="float32")
     assert rate == 24000 and np.max(np.abs(x - y)) < 1e-4
     assert len(to_pcm16(x[:1200], 12000)) == 2 * 2400  # resampled to 24 kHz
 
@@ -292,8 +301,8 @@ def test_stream_with_openai_client(srv, oai):
      404, "no-such-model"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
                  "audio": {"voice": "alloy", "format": "wav"}}).encode(), 400, "voice 'alloy' is not available"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_MESSAGE_BYTES}]}).encode(),
-     413, f"over {MAX_MESSAGE_BYTES} bytes"),
+    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}).encode(),
+     413, f"over {MAX_BODY_BYTES} bytes (server.max_body_bytes)"),
 ])
 def test_bad_requests_get_clear_errors(srv, http, body, status, needle):
     body = body.replace(b'"M"', json.dumps(model(srv)).encode())
@@ -320,7 +329,7 @@ def test_oversized_body_without_a_length_is_refused_while_read(srv, http):
     it all; the server keeps serving."""
     def chunks():
         yield b'{"model": "' + model(srv).encode() + b'", "messages": [{"role": "user", "content": "'
-        for _ in range(4 * MAX_MESSAGE_BYTES // 65536):
+        for _ in range(4 * MAX_BODY_BYTES // 65536):
             yield b"x" * 65536
         yield b'"}]}'
 

@@ -49,7 +49,7 @@ def pipe(tmp_path_factory):
         stage["address"] = f"ipc:///tmp/omni_cache/{name}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
     path.write_text(yaml.safe_dump(data))
-    with Pipeline(load_config(path), config_path=path).start() as p:
+    with Pipeline(load_config(path)).start() as p:
         yield p
 
 

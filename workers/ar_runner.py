@@ -1,8 +1,10 @@
 """Runner of an autoregressive (vLLM) stage: thinker or talker.
 
 The entry stage (thinker) turns each `Submit` into one vLLM request. A downstream stage (talker)
-turns its upstream's streamed outputs into jobs through the configured hand-off function and runs a
-request's jobs one after the other (`<request_id>/<k>` in vLLM), so their outputs stay in order.
+opens a request on its upstream's `StreamStart`, turns that and the `StageOutput`s that follow into
+jobs through the configured hand-off function, and runs a request's `GenerateJob`s one after the
+other (`<request_id>/<k>` in vLLM), so their outputs stay in order; a `FeedJob`'s rows go to the
+request's streaming job. Its own stream downstream opens with a `StreamStart` in turn.
 
 With `pacing:` every streamed spoken answer gets a playback clock (scheduler/pacing.py) that all of
 its vLLM requests carry; each output moves it by the tokens emitted times `token_audio_s`.
@@ -21,42 +23,42 @@ from typing import Any
 import torch
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
-from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
+from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
-from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
+from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, StreamStart, Submit
 from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in, time_left
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
+class _ARRequest:
     request_id: str
     modalities: list[str]
     sampling: Sampling | None
-    deadline: float = 0.0
+    deadline: float = 0.0  # time.monotonic(); 0 = none
     return_latents: bool = False
-    route: dict[str, int] = field(default_factory=dict)  # forwarded downstream with seq 0
+    route: dict[str, int] = field(default_factory=dict)  # forwarded with the StreamStart
     seq: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     upstream: Upstream | None = None
     upstream_rows: LatentBuffer | None = None
     handoff_state: dict = field(default_factory=dict)
-    jobs: deque[Job] = field(default_factory=deque)
+    jobs: deque[GenerateJob] = field(default_factory=deque)
     active: str | None = None  # vLLM request id of the job running now
-    active_job: Job | None = None
+    active_job: GenerateJob | None = None
     num_jobs: int = 0
     generated: int = 0  # tokens this stage wrote for the request, over all its jobs
     #: A resumed request (Submit.resumed_tokens): the answer tokens at the end of its prompt,
     #: sent again with its first output; None once sent.
     resumed_tail: list[int] | None = None
     answer_finished: str = ""  # Submit.answer_finished
-    stream: bool = False  # Submit.stream, forwarded downstream with seq 0
+    stream: bool = False  # Submit.stream, forwarded downstream in the StreamStart
     clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
 
 
@@ -136,7 +138,7 @@ class ARRunner(StageRunner):
         self.max_model_len = self.llm.max_model_len
         self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
         self.handoff_ctx = HandoffContext(Path(model))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _ARRequest] = {}
         self.by_job: dict[str, str] = {}
         # vLLM's vllm:prompt_tokens / vllm:generation_tokens, summed over this stage's engine requests.
         self.prompt_tokens = 0
@@ -155,33 +157,30 @@ class ARRunner(StageRunner):
                              f"({len(msg.prompt_token_ids)} tokens)")
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
-        if self.is_dead(msg.request_id, True, msg.deadline):
+        if self.is_dead(msg):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
-        req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                       return_latents=msg.return_latents, route=dict(msg.route), stream=msg.stream)
+        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
+                         deadline=deadline_in(msg.time_left_s),
+                         return_latents=msg.return_latents, route=dict(msg.route),
+                         stream=msg.stream)
         req.clock = self._clock(req)
         if msg.resumed_tokens:
             req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
             req.answer_finished = msg.answer_finished
         self.requests[msg.request_id] = req
         self.total_requests += 1
-        self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
-                             multi_modal_uuids=multi_modal_uuids(msg.media),
-                             max_tokens=msg.sampling.max_tokens, last=True))
+        self._start(req, GenerateJob(prompt_token_ids=list(msg.prompt_token_ids),
+                                     multi_modal_data=media,
+                                     multi_modal_uuids=multi_modal_uuids(msg.media),
+                                     max_tokens=msg.sampling.max_tokens, last=True))
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
-            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+            if self.is_dead(msg):
                 return
-            req = _Request(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                           return_latents=msg.return_latents, route=dict(msg.route),
-                           stream=msg.stream)
-            req.clock = self._clock(req)
-            req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
-            self.requests[msg.request_id] = req
-            self.total_requests += 1
+            req = self._open(msg)  # a StreamStart: is_dead drops the rest of an unseen stream
         up = req.upstream
         # What an upstream sends for one request is bounded by what this stage can take in.
         if len(up.token_ids) + len(msg.token_ids) > self.max_model_len:
@@ -189,9 +188,6 @@ class ARRunner(StageRunner):
                              f"({self.max_model_len}) tokens")
         up.token_ids.extend(msg.token_ids)
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
-        if msg.prompt_token_ids:
-            up.prompt_token_ids = list(msg.prompt_token_ids)
-            up.image_grids = [list(g) for g in msg.image_grids]
         if tensors:
             if req.upstream_rows is None:
                 req.upstream_rows = LatentBuffer(tuple(tensors), max_rows=self.max_model_len)
@@ -201,32 +197,45 @@ class ARRunner(StageRunner):
             up.latents = req.upstream_rows.view()
         up.finished = msg.finished
         for job in self.handoff(self.handoff_ctx, up, req.handoff_state):
-            if job.feed:
+            if isinstance(job, FeedJob):
                 self._feed(req, job)
-            else:
+            elif isinstance(job, GenerateJob):
                 req.jobs.append(job)
+            else:
+                raise TypeError(f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
+                                "an autoregressive stage runs GenerateJob and FeedJob")
         self._next_job(req)
 
-    def _clock(self, req: _Request) -> PlaybackClock | None:
+    def _clock(self, req: _ARRequest) -> PlaybackClock | None:
         """A playback clock for a spoken answer its client streams, when this stage paces."""
         if self.pacer is None or not req.stream or "audio" not in req.modalities:
             return None
         return self.pacer.clock()
 
-    def _feed(self, req: _Request, job: Job) -> None:
+    def _open(self, start: StreamStart) -> _ARRequest:
+        """A request from its upstream's first output, with the context that came with it."""
+        req = _ARRequest(start.request_id, list(start.modalities), start.sampling,
+                         deadline=deadline_in(start.time_left_s),
+                         return_latents=start.return_latents, route=dict(start.route),
+                         upstream=Upstream.opened_by(start), stream=start.stream)
+        req.clock = self._clock(req)
+        self.requests[start.request_id] = req
+        self.total_requests += 1
+        return req
+
+    def _feed(self, req: _ARRequest, job: FeedJob) -> None:
         """Streamed rows for the request's streaming job: to vLLM if it runs, else into the job."""
         target = req.active_job if req.active is not None else (req.jobs[-1] if req.jobs else None)
-        if target is None or target.rows_pad is None:
+        if target is None or target.stream is None:
             raise ValueError(f"hand-off fed rows to request {req.request_id!r}, which has no "
                              "streaming job")
         if req.active is not None:
-            self.llm.feed(req.active, job.rows, job.rows_done)
+            self.llm.feed(req.active, job.rows, job.done)
             return
-        if job.rows is not None:
-            target.rows = job.rows if target.rows is None else torch.cat([target.rows, job.rows])
-        target.rows_done = target.rows_done or job.rows_done
+        target.stream.rows = torch.cat([target.stream.rows, job.rows])
+        target.stream.done = target.stream.done or job.done
 
-    def _next_job(self, req: _Request) -> None:
+    def _next_job(self, req: _ARRequest) -> None:
         """Start the request's next job, unless one runs. On a stage fed by a hand-off the
         stage's `sampling.max_tokens` caps the whole answer: once its jobs wrote that many
         tokens, the remaining jobs are skipped and the request ends with the last one."""
@@ -241,7 +250,7 @@ class ARRunner(StageRunner):
                                            num_cached_tokens=0))
                 return
 
-    def _start(self, req: _Request, job: Job) -> None:
+    def _start(self, req: _ARRequest, job: GenerateJob) -> None:
         from vllm import SamplingParams
 
         defaults = self.stage.sampling
@@ -269,15 +278,12 @@ class ARRunner(StageRunner):
         vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
         req.num_jobs += 1
         streamed = None
-        if job.rows_pad is not None:
+        if job.stream is not None:
             from scheduler.streamed_rows import StreamedRows
 
-            streamed = StreamedRows(job.rows_pad, max_rows=self.max_model_len)
-            streamed.add(job.rows, job.rows_done)
-        positions = None
-        if job.prompt_positions is not None:
-            positions = (job.prompt_positions, job.position_delta)
-        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions,
+            streamed = StreamedRows(job.stream.pad, max_rows=self.max_model_len)
+            streamed.add(job.stream.rows, job.stream.done)
+        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions,
                      clock=req.clock)
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
@@ -291,12 +297,20 @@ class ARRunner(StageRunner):
             request_id = self.by_job.get(out.request_id)
             req = self.requests.get(request_id) if request_id else None
             if req is None:
+                if out.error is not None:
+                    self.llm.abort(out.request_id)  # nothing of it stays in the engine
+                continue
+            if out.error is not None:  # its output could not be assembled: it fails alone
+                logger.error("stage %s: request %s: its step output failed: %s: %s",
+                             self.stage.name, req.request_id, type(out.error).__name__, out.error,
+                             exc_info=out.error)
+                self.fail(req.request_id, out.error)
                 continue
             # Starting its next job (vLLM may refuse it) or sending its output (too large for
-            # max_message_bytes) fails this request only.
+            # max_message_bytes, or a peer that stopped reading) fails this request only.
             self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
-    def _emit(self, req: _Request, out: StepOutput) -> None:
+    def _emit(self, req: _ARRequest, out: StepOutput) -> None:
         if req.resumed_tail is not None:
             resumed_as_undisturbed(out, req.resumed_tail, req.answer_finished)
             req.resumed_tail = None
@@ -324,13 +338,7 @@ class ARRunner(StageRunner):
             text=out.text, latent_start=out.latent_start,
             finished=finished, finish_reason=out.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
-            prompt_token_ids=(out.prompt_token_ids or []) if self.downstream else [],
-            image_grids=(out.image_grids or []) if self.downstream else [],
-            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
-            modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
-            deadline=req.deadline if req.seq == 0 else 0.0,
-            return_latents=req.return_latents and req.seq == 0,
-            route=req.route if req.seq == 0 else {}, stream=req.stream and req.seq == 0)
+            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -346,11 +354,23 @@ class ARRunner(StageRunner):
                 request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
         if self.downstream and "audio" in req.modalities:
-            self.outbox.to_downstream(msg, tensors)
+            self.outbox.to_downstream(self._stream_start(req, msg, out) if msg.seq == 0 else msg,
+                                      tensors)
         if finished:
             del self.requests[req.request_id]
         elif job_done:
             self._next_job(req)  # after this output: its seq comes first
+
+    @staticmethod
+    def _stream_start(req: _ARRequest, first: StageOutput, out: StepOutput) -> StreamStart:
+        """The request's first output downstream, with its context and the prompt this stage's
+        engine saw (vLLM reports it with a request's first output)."""
+        return StreamStart.opening(
+            first, modalities=req.modalities, sampling=req.sampling,
+            time_left_s=time_left(req.deadline),
+            return_latents=req.return_latents, route=req.route,
+            prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [],
+            stream=req.stream)
 
     # ---- control ---------------------------------------------------------------------------
     def drop(self, request_id: str) -> None:

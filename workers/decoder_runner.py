@@ -32,21 +32,22 @@ import torch
 
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
-from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
-from omni_cache.models.code_windows import CodeWindow, check_window, load_window_decoder
+from omni_cache.handoff import CODES_FRAME, DecodeJob, HandoffContext, Upstream
+from omni_cache.models.code_windows import CodeWindow, check_window
+from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.wire.messages import StageOutput
 from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
+class _DecodeRequest:
     upstream: Upstream
-    deadline: float = 0.0
+    deadline: float = 0.0  # time.monotonic(); 0 = none
     handoff_state: dict = field(default_factory=dict)
-    jobs: deque[Job] = field(default_factory=deque)
+    jobs: deque[DecodeJob] = field(default_factory=deque)
     seq: int = 0
     frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
     clock: PlaybackClock | None = None  # a streamed answer's playback as this stage emits it
@@ -63,7 +64,7 @@ class DecoderRunner(StageRunner):
             "samples_per_code": self.decoder.samples_per_code,
             "num_quantizers": self.decoder.num_quantizers,
             "codebook_size": self.decoder.codebook_size})
-        self.requests: OrderedDict[str, _Request] = OrderedDict()
+        self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
         self.pacer = None
         if stage.pacing is not None:
@@ -74,10 +75,11 @@ class DecoderRunner(StageRunner):
             raise ValueError(f"the decoder stage takes stage outputs, not {type(msg).__name__}")
         req = self.requests.get(msg.request_id)
         if req is None:
-            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+            if self.is_dead(msg):
                 return
-            req = self.requests[msg.request_id] = _Request(
-                Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
+            # A StreamStart: is_dead drops the rest of a stream whose start this stage never saw.
+            req = self.requests[msg.request_id] = _DecodeRequest(
+                Upstream.opened_by(msg), deadline=deadline_in(msg.time_left_s))
             if self.pacer is not None and msg.stream:
                 req.clock = self.pacer.clock()
             self.total_requests += 1
@@ -88,9 +90,13 @@ class DecoderRunner(StageRunner):
             self._add_frame(req, tensors)
         req.upstream.token_ids.extend(msg.token_ids)
         req.upstream.finished = msg.finished
-        req.jobs.extend(self.handoff(self.handoff_ctx, req.upstream, req.handoff_state))
+        for job in self.handoff(self.handoff_ctx, req.upstream, req.handoff_state):
+            if not isinstance(job, DecodeJob):
+                raise TypeError(f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
+                                "the decoder stage runs DecodeJob")
+            req.jobs.append(job)
 
-    def _add_frame(self, req: _Request, tensors: dict[str, torch.Tensor]) -> None:
+    def _add_frame(self, req: _DecodeRequest, tensors: dict[str, torch.Tensor]) -> None:
         """Append a `codes` frame to the request's codes, checked whole on arrival: integers
         [num_quantizers, k], every code in its codebook."""
         if set(tensors) != {CODES_FRAME}:
@@ -135,7 +141,7 @@ class DecoderRunner(StageRunner):
             return
         self._emit_all(group, wavs)
 
-    def _take_batch(self) -> list[tuple[str, Job]]:
+    def _take_batch(self) -> list[tuple[str, DecodeJob]]:
         """Up to max_batch_size windows, one per request, oldest-served requests first; the
         requests served go to the back of the line, the others keep their windows queued.
         First windows (of requests with no audio out yet) go alone, ahead of the rest: they are
@@ -156,7 +162,7 @@ class DecoderRunner(StageRunner):
             self.pacer.note_step((self.requests[rid].clock for rid, _ in batch), now)
         return batch
 
-    def _runnable(self, now: float) -> tuple[list[tuple[str, _Request]], int]:
+    def _runnable(self, now: float) -> tuple[list[tuple[str, _DecodeRequest]], int]:
         """The requests whose next window may run now, in the order they go, and the batch size.
         With pacing on: no answer far ahead while another is due (one waiting for codes too:
         Pacer.hold), by least slack, and ahead-of-time work ahead_batch_size windows a batch."""
@@ -173,19 +179,19 @@ class DecoderRunner(StageRunner):
         return ready, (self.stage.pacing.ahead_batch_size or self.args.max_batch_size
                        if ahead_only else self.args.max_batch_size)
 
-    def _decode(self, group: list[tuple[str, Job]]) -> list[torch.Tensor]:
+    def _decode(self, group: list[tuple[str, DecodeJob]]) -> list[torch.Tensor]:
         return self.decoder.decode_windows([job.window for _, job in group])
 
-    def _decode_and_emit(self, group: list[tuple[str, Job]]) -> None:
+    def _decode_and_emit(self, group: list[tuple[str, DecodeJob]]) -> None:
         self._emit_all(group, self._decode(group))
 
-    def _emit_all(self, group: list[tuple[str, Job]], wavs: list[torch.Tensor]) -> None:
+    def _emit_all(self, group: list[tuple[str, DecodeJob]], wavs: list[torch.Tensor]) -> None:
         for (rid, job), wav in zip(group, wavs):
             # The transport sends host memory: a decoder on CUDA hands over a CPU copy.
             audio = wav.float().cpu().contiguous()
             self.guarded(rid, lambda rid=rid, job=job, audio=audio: self._emit(rid, job, audio))
 
-    def _emit(self, request_id: str, job: Job, audio: torch.Tensor) -> None:
+    def _emit(self, request_id: str, job: DecodeJob, audio: torch.Tensor) -> None:
         req = self.requests[request_id]
         if req.clock is not None:
             req.clock.emit(audio.shape[0] / self.decoder.sample_rate, time.monotonic())

@@ -15,7 +15,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
-logger = logging.getLogger("omni_cache.stage")
+logger = logging.getLogger(__name__)
 
 __all__ = ["ENV_VAR", "describe_pool", "resolve_kv_cache_size"]
 

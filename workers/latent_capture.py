@@ -25,7 +25,7 @@ import torch
 
 from omni_cache.cache.latent_rows import HIDDEN, LatentChunk, layer_name, merged_name
 
-logger = logging.getLogger("omni_cache.latents")
+logger = logging.getLogger(__name__)
 
 
 def media_token_ids(hf_config: Any) -> tuple[int, ...]:

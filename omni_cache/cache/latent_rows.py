@@ -72,15 +72,6 @@ class LatentRows:
         self.chunks.append({n: chunk.tensors[n][skip:] for n in self.names})
         self.num_rows = chunk.start + chunk.num_rows
 
-    def truncate(self, num_rows: int) -> None:
-        """Drop rows past `num_rows` (positions computed for tokens the request never kept)."""
-        if num_rows >= self.num_rows:
-            return
-        merged = self.all()
-        self.chunks = [{n: t[:num_rows] for n, t in merged.items()}]
-        self.num_rows = num_rows
-        self._taken = min(self._taken, num_rows)
-
     def all(self) -> dict[str, torch.Tensor]:
         if len(self.chunks) != 1:
             self.chunks = [self._concat(self.chunks)]

@@ -1,10 +1,11 @@
 """The pipeline's stage-config schema, its loader and its validation.
 
 One YAML file describes a whole pipeline: the HTTP server, and the stages (thinker, talker,
-decoder, ...), each run in its own process and joined by ZMQ. The file is read with
-``yaml.safe_load`` and converted with ``msgspec.convert`` into the typed structs of the schema; unknown keys
-are errors. Checks that span fields or stages (the input graph, addresses, hand-off functions,
-model references) run after the conversion, in :func:`validate_config`.
+decoder, ...), each run in its own process and joined by ZMQ. The file is read with a YAML safe
+loader (duplicate keys refused), checked key by key against the typed structs of the schema
+(unknown keys are errors; every problem is reported) and converted with ``msgspec.convert``.
+Checks that span fields or stages (the input graph, addresses, hand-off functions, model
+references) run after the conversion, in :func:`validate_config`.
 
 Every error names the file, the key path and what was expected::
 
@@ -12,7 +13,8 @@ Every error names the file, the key path and what was expected::
 
 The parts live in their own modules and are re-exported here: the schema
 (:mod:`omni_cache.config.schema`), errors (:mod:`omni_cache.config.errors`), reading
-(:mod:`omni_cache.config.loading`) and the cross-field checks (:mod:`omni_cache.config.validation`);
+(:mod:`omni_cache.config.loading`), the key-by-key conversion (:mod:`omni_cache.config.conversion`)
+and the cross-field checks (:mod:`omni_cache.config.validation`);
 this module resolves what a config names (hand-off functions, model paths).
 
 Nothing here imports vLLM or torch: loading a config is cheap and safe in any process.

@@ -1,122 +1,23 @@
-"""Reading a stage config: YAML (duplicate keys refused, a line number for every key path),
-conversion into the schema with msgspec, and msgspec's validation errors translated into
-``<file>: <key path>: <message> (line N)``. The cross-field checks run afterwards
+"""Reading a stage config: YAML (duplicate keys refused, a line number for every key path), then
+conversion into the schema (:mod:`omni_cache.config.conversion`: every problem as
+``<file>: <key path>: <message> (line N)``), then the cross-field checks
 (:mod:`omni_cache.config.validation`).
 """
 
 from __future__ import annotations
 
-import difflib
 import os
-import re
-import types
-import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-import msgspec
 import yaml
-from msgspec import Struct
 
-from omni_cache.config.errors import ConfigError, ConfigIssue, PathTokens, IssueCollector
+from omni_cache.config.conversion import convert_config
+from omni_cache.config.errors import ConfigError, ConfigIssue, IssueCollector, PathTokens
 from omni_cache.config.schema import PipelineConfig
 from omni_cache.config.validation import CheckPaths, collect_config_issues
 
-
-# --------------------------------------------------------------------------------------------------
-# Key paths
-# --------------------------------------------------------------------------------------------------
-
-
-_MSGSPEC_PATH_TOKEN_RE = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]|\[(\.\.\.)\]")
-_MISSING = object()
-
-def _parse_msgspec_path(path: str) -> list[str | int | None]:
-    """``$.stages[1].env[...]`` -> ``["stages", 1, "env", None]`` (None: an unnamed dict key)."""
-    tokens: list[str | int | None] = []
-    for m in _MSGSPEC_PATH_TOKEN_RE.finditer(path.removeprefix("$")):
-        if m.group(1) is not None:
-            tokens.append(m.group(1))
-        elif m.group(2) is not None:
-            tokens.append(int(m.group(2)))
-        else:
-            tokens.append(None)
-    return tokens
-
-
-def _value_at(data: Any, tokens: Iterable[str | int]) -> Any:
-    cur = data
-    for tok in tokens:
-        if isinstance(tok, int) and isinstance(cur, list) and 0 <= tok < len(cur):
-            cur = cur[tok]
-        elif isinstance(cur, dict) and tok in cur:
-            cur = cur[tok]
-        else:
-            return _MISSING
-    return cur
-
-
-def _unwrap(tp: Any) -> Any:
-    """Strip ``Annotated`` and ``| None`` from a type."""
-    while True:
-        origin = typing.get_origin(tp)
-        if origin is Annotated:
-            tp = typing.get_args(tp)[0]
-            continue
-        if origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) == 1:
-                tp = args[0]
-                continue
-        return tp
-
-
-def _type_at(tokens: Iterable[str | int | None]) -> Any:
-    """The declared type at a key path of a PipelineConfig, or None if unknown."""
-    tp: Any = PipelineConfig
-    for tok in tokens:
-        tp = _unwrap(tp)
-        origin = typing.get_origin(tp)
-        if isinstance(tp, type) and issubclass(tp, Struct) and isinstance(tok, str):
-            hints = typing.get_type_hints(tp, include_extras=True)
-            if tok not in hints:
-                return None
-            tp = hints[tok]
-        elif origin is list and (isinstance(tok, int) or tok is None):
-            tp = typing.get_args(tp)[0]
-        elif origin is dict:
-            tp = typing.get_args(tp)[1]
-        else:
-            return None
-    return _unwrap(tp)
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_TYPE_WORDS = {"object": "mapping", "array": "list"}
-
-
-def _type_word(name: str) -> str:
-    return _TYPE_WORDS.get(name, name)
-
-
-def _expected_words(expected: str, got: str | None) -> str:
-    # "int | null" -> "int": an optional key is only reported when something else was given.
-    parts = [p.strip() for p in expected.split("|")]
-    if got != "null":
-        parts = [p for p in parts if p != "null"] or parts
-    return " or ".join(_type_word(p) for p in parts)
-
-
-def _got_words(got: str, value: Any) -> str:
-    word = _type_word(got)
-    if value is not _MISSING and isinstance(value, (str, int, float, bool)):
-        return f"{word} {_short_repr(value)}"
-    return word
 
 # --------------------------------------------------------------------------------------------------
 # YAML reading with line numbers
@@ -246,131 +147,9 @@ def parse_config(
     if not isinstance(data, dict):
         issues.add((), f"expected a mapping at the top level, got {type(data).__name__}")
         issues.raise_if_any()
-    try:
-        config = msgspec.convert(data, PipelineConfig)
-    except msgspec.ValidationError as e:
-        tokens, message = _translate_validation_error(str(e), data)
-        issues.add(tokens, message)
-        issues.raise_if_any()
-        raise AssertionError("unreachable")  # pragma: no cover
+    config = convert_config(data, issues)
     if overrides is not None:
         overrides(config)
     collect_config_issues(config, issues, check_paths=check_paths)
     issues.raise_if_any()
     return config
-
-
-def _translate_validation_error(text: str, data: Any) -> tuple[list[str | int], str]:
-    """msgspec's "Expected `int`, got `str` - at `$.a[1].b`" -> (["a", 1, "b"], "expected int, ...")."""
-    body, tokens, key_error = _locate(text, data)
-    if key_error:
-        return tokens, _non_string_key_message(body, _value_at(data, tokens))
-    value = _value_at(data, tokens)
-    for pattern, build in _MESSAGES:
-        m = pattern.fullmatch(body)
-        if m:
-            return build(m, tokens, value)
-    return tokens, body[:1].lower() + body[1:]
-
-
-def _locate(text: str, data: Any) -> tuple[str, list[str | int], bool]:
-    """Split msgspec's text into (message body, key path, whether a mapping *key* is at fault)."""
-    at_key_in = re.fullmatch(r"(?s)(.*) - at `key` in `(\$[^`]*)`", text)
-    at = re.fullmatch(r"(?s)(.*) - at `(\$[^`]*)`", text)
-    if at_key_in:
-        body, raw_path = at_key_in.groups()
-        key_error = True
-    elif at:
-        body, raw_path = at.groups()
-        key_error = False
-    else:
-        body, raw_path, key_error = text, "$", False
-    ptoks = _parse_msgspec_path(raw_path)
-
-    # Name the dict key msgspec leaves out ("env[...]"): the first entry whose value fails.
-    tokens: list[str | int] = []
-    for i, tok in enumerate(ptoks):
-        if tok is None:
-            parent = _value_at(data, tokens)
-            tp = _type_at(ptoks[: i + 1])
-            found = None
-            if isinstance(parent, dict) and tp is not None:
-                for k, v in parent.items():
-                    try:
-                        msgspec.convert(v, tp)
-                    except (msgspec.ValidationError, TypeError):
-                        found = k
-                        break
-            tokens.append(found if found is not None else "...")
-        else:
-            tokens.append(tok)
-    return body, tokens, key_error
-
-
-def _non_string_key_message(body: str, parent: Any) -> str:
-    bad = [k for k in parent if not isinstance(k, str)] if isinstance(parent, dict) else []
-    m = re.match(r"Expected `([^`]*)`, got `([^`]*)`", body)
-    got = f" ({', '.join(_short_repr(k) for k in bad)})" if bad else ""
-    what = m.group(2) if m else "another type"
-    return f"keys must be strings, got {_type_word(what)}{got}"
-
-
-# One builder per kind of msgspec message: (match, key path, value there) -> (key path, message).
-Builder = Callable[[re.Match[str], list[str | int], Any], tuple[list[str | int], str]]
-
-
-def _unknown_key(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
-    key = m.group(1)
-    tp = _type_at(tokens)
-    hint = ""
-    if isinstance(tp, type) and issubclass(tp, Struct):
-        known = list(tp.__struct_fields__)
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
-    return [*tokens, key], "unknown key" + hint
-
-
-def _missing_key(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
-    return [*tokens, m.group(1)], "missing required key"
-
-
-def _allowed(tp: Any) -> str:
-    return ", ".join(repr(a) for a in typing.get_args(tp))
-
-
-def _invalid_enum(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
-    tp = _type_at(tokens)
-    if typing.get_origin(tp) is Literal:
-        return tokens, f"expected one of {_allowed(tp)}, got {m.group(1)}"
-    return tokens, f"invalid value {m.group(1)}"
-
-
-def _wrong_type(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
-    expected, got = m.groups()
-    tp = _type_at(tokens)
-    if typing.get_origin(tp) is Literal and got != "null":
-        return tokens, f"expected one of {_allowed(tp)}, got {_got_words(got, value)}"
-    message = f"expected {_expected_words(expected, got)}, got {_got_words(got, value)}"
-    if len(tokens) >= 2 and tokens[-2] == "env":
-        message += " (environment values are strings: quote them in YAML)"
-    return tokens, message
-
-
-def _constraint(m: re.Match[str], tokens: list[str | int], value: Any) -> tuple[list[str | int], str]:
-    expected, rest = m.groups()
-    message = f"expected {_expected_words(expected, None)}{rest}"
-    if value is not _MISSING:
-        message += f", got {_short_repr(value)}"
-    return tokens, message
-
-
-# Tried in order; the first whose pattern matches the whole message body builds the message.
-_MESSAGES: tuple[tuple[re.Pattern[str], Builder], ...] = (
-    (re.compile(r"Object contains unknown field `([^`]*)`"), _unknown_key),
-    (re.compile(r"Object missing required field `([^`]*)`"), _missing_key),
-    (re.compile(r"Invalid enum value (.*)"), _invalid_enum),
-    (re.compile(r"Expected `([^`]*)`, got `([^`]*)`"), _wrong_type),
-    # Constraint errors: "Expected `int` >= 0", "Expected `str` matching regex '...'",
-    # "Expected `array` of length >= 1", ...
-    (re.compile(r"Expected `([^`]*)`(.*)", flags=re.S), _constraint),
-)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from omni_cache.config.schema import PipelineConfig, StageConfig
+from omni_cache.config.schema import StageConfig
 
 
 class Replica(NamedTuple):
@@ -77,6 +77,7 @@ def stage_replicas(stage: StageConfig) -> list[Replica]:
     ]
 
 
-def all_replicas(config: PipelineConfig) -> list[Replica]:
-    """Every replica of every stage, in config order."""
-    return [r for stage in config.stages for r in stage_replicas(stage)]
+def reports_blocks(policy: str, stage: str, entry: str, replicas: int, prefix_cache: bool) -> bool:
+    """Whether a replica of ``stage`` reports the blocks its prefix cache holds: the entry stage
+    with several replicas, prefix caching on and ``prefix`` routing (nobody else reads them)."""
+    return policy == "prefix" and stage == entry and replicas > 1 and prefix_cache

@@ -17,7 +17,10 @@ FinalOutput = Literal["text", "audio"]
 #: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing).
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
-_STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+#: A stage's name: lowercase letters, digits, '_' and '-', at most STAGE_NAME_MAX_LENGTH of them
+#: (it travels in every message, omni_cache/wire/messages.py, and names the stage's socket file).
+STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+STAGE_NAME_MAX_LENGTH = 64
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -46,12 +49,32 @@ class MediaConfig(_Base, kw_only=True):
     max_audio_seconds: PositiveFloat = 300.0
     #: Hosts whose http(s) image URLs the server fetches; none by default (data: URLs only).
     allowed_url_hosts: list[Annotated[str, Meta(min_length=1)]] = []
-    #: How long fetching one such URL may take.
+    #: How long fetching one such URL may take, all of it: connecting, the headers and the body.
     fetch_timeout_s: PositiveFloat = 10.0
     #: Decoded images and clips kept by content (sha256 of the encoded bytes), most recently used
     #: first, up to this many bytes of pixels / samples; 0 turns the cache off. A repeated image
     #: is then neither decoded again nor hashed again by vLLM (its digest is the item's vLLM UUID).
     decoded_cache_bytes: NonNegativeInt = 256 * 1024 * 1024
+
+
+class RealtimeConfig(_Base, kw_only=True):
+    """Limits of one ``/v1/realtime`` WebSocket session (omni_cache.serving.realtime)."""
+
+    #: Sessions open at once; a connection beyond them is closed at once (code 1013, try later).
+    max_sessions: PositiveInt = 64
+    #: A session is closed (after an ``error`` event, code ``session_expired``) this long after it
+    #: opened, whatever it is doing.
+    max_session_s: PositiveFloat = 1800.0
+    #: A session that received no client event for this long is closed (code ``idle_timeout``).
+    idle_timeout_s: PositiveFloat = 300.0
+    #: Audio the input buffer holds before a commit, in seconds; an append beyond it is refused
+    #: (``error`` naming ``audio``, code ``input_audio_buffer_full``) and the buffer is kept.
+    max_buffer_s: PositiveFloat = 60.0
+    #: Client events per second, sustained (a burst of as many is allowed); an event beyond it is
+    #: dropped and answered with ``error`` (code ``rate_limit_exceeded``).
+    max_events_per_s: PositiveFloat = 200.0
+    #: Items (messages) one conversation may hold; creating one more is refused.
+    max_items: PositiveInt = 256
 
 
 class ServerConfig(_Base, kw_only=True):
@@ -62,13 +85,27 @@ class ServerConfig(_Base, kw_only=True):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8091
     #: Largest ZMQ message (header + tensor frames) a stage accepts.
     max_message_bytes: PositiveInt = 256 * 1024 * 1024
+    #: Largest HTTP request body; a longer one is refused (413) while it is read.
+    max_body_bytes: PositiveInt = 64 * 1024 * 1024
+    #: HTTP bodies being read, parsed and decoded at once (a body's bytes count from when they
+    #: are read until its request was submitted); past it 429 with Retry-After. At least
+    #: max_body_bytes.
+    max_body_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
+    #: Requests in flight at once: from before their body is read until they are answered
+    #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
+    max_requests_in_flight: PositiveInt = 64
+    #: Decoded images and clips (pixels x 3 bytes, samples x 4 bytes) the requests in flight hold
+    #: together, reserved from each item's header before it is decoded. Past it 429 with
+    #: Retry-After; a request whose media alone exceed it, 413.
+    max_media_bytes_in_flight: PositiveInt = 1024 * 1024 * 1024
     #: Deadline of one client request, end to end.
     request_timeout_s: PositiveFloat = 300.0
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
     served_model_name: str | None = None
     #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
-    #: "tcp://host:port"); ``None`` -> ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock.
-    #: Stages on other hosts need a tcp address here, one they can reach (the host's name).
+    #: "tcp://host:port"); ``None`` -> a socket in a directory of the server's own
+    #: (omni_cache/config/addresses.py). Stages on other hosts need a tcp address here, one they
+    #: can reach (the host's name); stages started by hand need it set.
     control_address: str | None = None
     #: What the orchestrator binds when that differs from the address stages connect to
     #: (``tcp://0.0.0.0:5600`` behind ``control_address: tcp://server-host:5600``); None -> bind
@@ -88,6 +125,8 @@ class ServerConfig(_Base, kw_only=True):
     heartbeat_timeout_s: PositiveFloat = 10.0
     #: Limits on the images and audio clips a chat request may carry.
     media: MediaConfig = field(default_factory=MediaConfig)
+    #: Limits of the realtime voice sessions (``/v1/realtime``).
+    realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
     #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
     #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
     #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the
@@ -202,7 +241,7 @@ class EngineArgs(_Base, kw_only=True):
         """The keyword arguments for ``vllm.EngineArgs``: the fields that are set, plus ``extra``.
 
         ``enable_prefix_caching`` is not among them: it comes from ``StageConfig.prefix_cache``
-        (see :meth:`StageConfig.vllm_kwargs`).
+        (the stage's engine sets it, workers/llm_stage.py).
         """
         out: dict[str, Any] = {}
         for name in self.__struct_fields__:
@@ -265,8 +304,8 @@ class PacingConfig(_Base, kw_only=True):
 class StageConfig(_Base, kw_only=True):
     """One stage of the pipeline, run in its own process."""
 
-    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'.
-    name: Annotated[str, Meta(pattern=_STAGE_NAME_RE)]
+    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'; at most 64 characters.
+    name: Annotated[str, Meta(pattern=STAGE_NAME_RE, max_length=STAGE_NAME_MAX_LENGTH)]
     #: "autoregressive": a vLLM engine; "generation": a non-AR network (the codec decoder).
     kind: StageKind
     #: "tiny:<name>" (a checkpoint the project generates) or a filesystem path.
@@ -281,8 +320,10 @@ class StageConfig(_Base, kw_only=True):
     submodel: Literal["talker"] | None = None
     #: Where the stage process listens and the others connect: "ipc:///abs/path" or
     #: "tcp://host:port" (on several hosts: a name the other hosts resolve to this one).
-    #: Required unless Ray places the stage (``server.ray_address``): its replicas then listen at
-    #: their node's IP and a port their actor picks, and this key is not used.
+    #: ``None`` -> a socket in a directory of the server's own, chosen when it starts
+    #: (omni_cache/config/addresses.py); required on a stage started by hand and on the stages it
+    #: sends to. When Ray places the stage (``server.ray_address``) its replicas listen at their
+    #: node's IP and a port their actor picks, and this key is not used.
     address: str | None = None
     #: What the stage binds when that differs from ``address`` (``tcp://0.0.0.0:5601``); None ->
     #: bind ``address``. Not used when Ray places the stage.
@@ -332,22 +373,6 @@ class StageConfig(_Base, kw_only=True):
         """Whether prefix caching (vLLM APC + the hidden-state cache) is on for this stage."""
         return self.kind == "autoregressive" and self.prefix_cache
 
-    @property
-    def is_entry(self) -> bool:
-        """Whether this stage takes the client's request."""
-        return not self.inputs
-
-    def vllm_kwargs(self, model: str) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.EngineArgs`` of this (autoregressive) stage.
-
-        ``model`` is the resolved model path (see :func:`resolve_model`).
-        """
-        if self.engine_args is None:
-            raise ValueError(f"stage {self.name!r} ({self.kind}) has no engine_args")
-        kwargs = self.engine_args.to_vllm_kwargs()
-        kwargs["model"] = model
-        kwargs["enable_prefix_caching"] = self.prefix_cache
-        return kwargs
 
 
 class PipelineConfig(_Base, kw_only=True):

@@ -7,19 +7,18 @@ that contract: the decoder stage (``workers/decoder_runner.py``) and the talker 
 use only it. Two decoders satisfy it: Qwen3-Omni's code2wav
 (:class:`~omni_cache.models.qwen3_omni_code2wav.Code2WavDecoder`) and the tiny one-codebook codec
 through its adapter (:class:`~omni_cache.models.codec_decoder.CodecWindowDecoder`);
-:func:`load_window_decoder` picks one from a checkpoint folder's ``config.json``.
+:func:`omni_cache.models.window_decoders.load_window_decoder` picks one from a checkpoint
+folder's ``config.json``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["CodeWindow", "ReceptiveField", "WindowDecoder", "check_window", "load_window_decoder",
+__all__ = ["CodeWindow", "ReceptiveField", "WindowDecoder", "check_window",
            "next_window"]
 
 
@@ -145,21 +144,3 @@ def check_window(decoder: WindowDecoder, w: CodeWindow) -> None:
             f"a non-final window needs {right} code(s) of lookahead after stop={w.stop}, "
             f"got {length - w.stop}"
         )
-
-
-def load_window_decoder(path: str | Path, device: str | torch.device = "cpu") -> WindowDecoder:
-    """The decoder a checkpoint folder holds: a Qwen3-Omni folder (``model_type`` ``qwen3_omni_moe``)
-    -> its code2wav, in float32; anything else -> the tiny codec (``tiny:decoder``)."""
-    path = Path(path)
-    config = path / "config.json"
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{config}: cannot read the decoder's config ({e})") from e
-    if model_type == "qwen3_omni_moe":
-        from omni_cache.models.qwen3_omni_code2wav import Code2WavDecoder
-
-        return Code2WavDecoder.from_pretrained(path, device=device)
-    from omni_cache.models.codec_decoder import CodecDecoder, CodecWindowDecoder
-
-    return CodecWindowDecoder(CodecDecoder.from_pretrained(path, device=device))

@@ -10,11 +10,11 @@ two phases because stages send to each other directly (the thinker to the talker
    its node (Ray's node id and IP) and a free TCP port on that node: the replica's address is
    ``tcp://NODE_IP:PORT``;
 2. the orchestrator fills the stage config with those addresses (``replica_addresses``) and hands
-   each replica's :class:`RayStageRunner` to its supervisor, which starts the process through the
+   each replica's :class:`RayRunner` to its supervisor, which starts the process through the
    actor: the actor writes the config text it is given to a file on its own node (nodes need not
    share a filesystem) and runs the stage with it.
 
-Supervision is the local one (:class:`omni_cache.runtime.supervisor.StageRunner`): a process that
+Supervision is the local one (:class:`omni_cache.runtime.process_runner.ProcessRunner`): a process that
 exits is reported as a local one is and restarted through the same actor, on the same node and
 port, so its address stays and the other stages still reach it. An actor that dies (``ray.kill``,
 its node lost) is reported the same way; its restart creates a new actor pinned to the same node
@@ -47,9 +47,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from omni_cache.config import PipelineConfig, RayResources
 from omni_cache.config.replicas import replica_name
-from omni_cache.runtime.supervisor import StageStartError, exit_words
+from omni_cache.runtime.process_runner import StageStartError, exit_words
 
-logger = logging.getLogger("omni_cache.runtime.orchestrator")
+logger = logging.getLogger(__name__)
 
 #: The Ray namespace the actors are named in (``<pipeline>/<replica>``).
 NAMESPACE = "omni_cache"
@@ -59,7 +59,7 @@ ACTOR_LINES = 2000
 LINES_INTERVAL_S = 0.5
 #: How long one control call to an actor (start, signal) may take before it counts as lost.
 CALL_TIMEOUT_S = 60.0
-#: :meth:`RayStageRunner.poll`'s code for "the actor itself is gone" (not a process exit code).
+#: :meth:`RayRunner.poll`'s code for "the actor itself is gone" (not a process exit code).
 ACTOR_LOST = -1000
 
 
@@ -68,7 +68,7 @@ def connect(address: str) -> bool:
     already connected (then it is not ours to disconnect)."""
     if ray.is_initialized():
         return False
-    # The stages' output reaches the server through RayStageRunner (its echo and error tails),
+    # The stages' output reaches the server through RayRunner (its echo and error tails),
     # not through Ray's log forwarding, which would print every line a second time.
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
              configure_logging=False)
@@ -99,7 +99,7 @@ def _free_port(ip: str, port: int | None) -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(max_restarts=0)  # a dead actor is replaced by RayStageRunner, pinned to its node
+@ray.remote(max_restarts=0)  # a dead actor is replaced by RayRunner, pinned to its node
 class StageActor:
     """Owns one stage replica's process on the node Ray placed it on.
 
@@ -281,8 +281,8 @@ class _Run:
     started: threading.Event = field(default_factory=threading.Event)
 
 
-class RayStageRunner:
-    """A :class:`~omni_cache.runtime.supervisor.StageRunner` whose process a :class:`StageActor`
+class RayRunner:
+    """A :class:`~omni_cache.runtime.process_runner.ProcessRunner` whose process a :class:`StageActor`
     owns. ``args``: the stage's arguments besides its config and parent (the actor adds those);
     ``prefix``: the command before them (None: the node's ``python -m workers``);
     ``config_text``: the stage config, as YAML."""
@@ -387,6 +387,6 @@ class RayStageRunner:
 
 
 __all__ = [
-    "ACTOR_LOST", "NAMESPACE", "PlacedReplica", "RayPlacement", "RayStageRunner", "StageActor",
+    "ACTOR_LOST", "NAMESPACE", "PlacedReplica", "RayPlacement", "RayRunner", "StageActor",
     "connect", "disconnect", "node_ip",
 ]

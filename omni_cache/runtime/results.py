@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from omni_cache.runtime.orchestrator import Orchestrator
     from omni_cache.runtime.requests import Request
 
 
 class RequestError(Exception):
-    """A request that ended in an error; ``status`` is the HTTP status the client should see."""
+    """A request that ended in an error; ``status`` is the HTTP status the client should see,
+    ``retry_after`` (seconds) when it may try again then (429)."""
 
     def __init__(self, status: int, message: str, *, stage: str | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.stage = stage
         self.request_id = request_id
+        self.retry_after = retry_after
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.message!r}, stage={self.stage!r})"
@@ -84,10 +86,23 @@ class GenerationResult:
     num_prompt_tokens: int = 0
 
 
+class HandleOwner(Protocol):
+    """What a handle asks of whoever accepted its request (the orchestrator)."""
+
+    #: The rate of the audio stage's output (for a result whose audio was empty).
+    audio_sample_rate: int
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Drop the request and tell its stages."""
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Token ids -> text."""
+
+
 class RequestHandle:
     """The client side of one accepted request: its events (streaming) or its result."""
 
-    def __init__(self, orchestrator: Orchestrator, request: Request) -> None:
+    def __init__(self, orchestrator: HandleOwner, request: Request) -> None:
         self._orch = orchestrator
         self._req = request
         self.request_id = request.request_id
@@ -128,7 +143,8 @@ class RequestHandle:
                     assert isinstance(event, Completed)
                     joined = "".join(text)
                     if not joined and token_ids:
-                        joined = self._orch.detokenize(token_ids)
+                        # Off the event loop: a whole answer, behind the tokenizer's lock.
+                        joined = await asyncio.to_thread(self._orch.detokenize, token_ids)
                     wants_audio = "audio" in self.modalities
                     return GenerationResult(
                         request_id=self.request_id,

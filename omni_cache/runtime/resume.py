@@ -49,6 +49,19 @@ if TYPE_CHECKING:
 MAX_ATTEMPTS = 3
 
 
+def next_attempt(req: Request, detokenize: Callable[[Sequence[int]], str]) -> None:
+    """Make ``req``'s state that of a new attempt (call once its old attempt's stages were told
+    to drop it): a new wire id, nothing finished or received yet, the client's tokens and samples
+    to be skipped when the new attempt sends them again, its text decoded here from now on."""
+    req.attempt += 1
+    req.finished.clear()
+    req.latents.clear()  # the new attempt sends every row and code from the start
+    req.skip_tokens = len(req.answer_tokens)
+    req.skip_samples = req.audio_samples
+    if req.resumed_text is None:
+        req.resumed_text = ResumedText(detokenize, req.answer_tokens[req.text_tokens:])
+
+
 def resumed_prompt(req: Request, text_from_entry: bool) -> list[int]:
     """The prompt the entry stage is resumed with: the client's prompt, plus the answer tokens the
     client has when the entry stage writes the answer (else it starts the answer again)."""

@@ -58,9 +58,13 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
    during the first one's prefill would otherwise be sent away from it.
 3. Not covered yet: prompts with images or audio (vLLM adds the media's identifiers and their
    offsets in the *expanded* prompt as extra keys; only the thinker's processor knows the
-   expansion: README "Stage replicas" says what doing it exactly would take),
+   expansion: docs/replicas.md, "Routing", says what doing it exactly would take),
    hash algorithms other than vLLM's default ``sha256``, hybrid thinkers (several KV-cache groups),
    the talker's own prefix (its prompt is embeddings; its segments follow the request instead).
+
+Under every policy, the requests of one session (``Orchestrator.submit(session_id=...)``: a
+realtime conversation) stay on the replicas its earlier requests went to while those are up
+(decision ``session``; omni_cache/runtime/route_planner.py).
 
 Every decision for a stage with more than one replica is counted by (stage, replica, policy,
 decision) and exposed as ``omni_cache_routing_decisions_total``.
@@ -153,6 +157,13 @@ class ReplicaRouter:
         self.decisions[(stage, choice, self.policy, decision)] += 1
         return choice
 
+    def keep(self, stage: str, replica: int) -> int:
+        """``replica``, which a session's earlier requests went to and which is up (decision
+        ``session``): a conversation's caches are there."""
+        if self._replicas.get(stage, 1) > 1:
+            self.decisions[(stage, replica, self.policy, "session")] += 1
+        return replica
+
     def _round_robin(self, stage: str, up: Sequence[int]) -> int:
         turn = self._turn.get(stage, 0)
         ordered = sorted(up)
@@ -164,9 +175,3 @@ class ReplicaRouter:
 def least_loaded(up: Sequence[int], load: Mapping[int, int]) -> int:
     """The replica in ``up`` with the fewest requests in flight; ties to the lowest index."""
     return min(up, key=lambda i: (load.get(i, 0), i))
-
-
-def reports_blocks(policy: str, stage: str, entry: str, replicas: int, prefix_cache: bool) -> bool:
-    """Whether a replica of ``stage`` reports the blocks its prefix cache holds: the entry stage
-    with several replicas, prefix caching on and ``prefix`` routing (nobody else reads them)."""
-    return policy == "prefix" and stage == entry and replicas > 1 and prefix_cache

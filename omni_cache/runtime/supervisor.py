@@ -1,8 +1,9 @@
 """Stage process supervision: launching stage processes, waiting until they are ready, noticing
-when one exits or (started elsewhere) goes silent or closes its connection, restarting it with
-back-off, stopping them all.
+when one exits, hangs (its loop stopped moving while it works, or it went silent:
+:mod:`omni_cache.runtime.hang_watch`) or (started elsewhere) closes its connection, restarting it
+with back-off (a hung process is killed first), stopping them all.
 
-:class:`StageSupervisor` owns one :class:`StageProcess` per stage replica (a stage with
+:class:`StageSupervisor` owns one :class:`SupervisedReplica` per stage replica (a stage with
 ``replicas: N`` has N, each supervised and restarted on its own, named as
 :mod:`omni_cache.config.replicas` says: ``thinker`` for a one-replica stage, ``thinker#0`` ..
 otherwise) and knows nothing of requests:
@@ -16,23 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import zmq
 import zmq.utils.monitor
+
 from omni_cache.config import StageConfig
 from omni_cache.config.replicas import Replica, stage_replicas
+from omni_cache.runtime.hang_watch import HangWatch
+from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
+from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.wire.messages import StageReady
 
-logger = logging.getLogger("omni_cache.runtime.orchestrator")
+logger = logging.getLogger(__name__)
 
 #: How often stage processes are polled and deadlines checked.
 POLL_INTERVAL_S = 0.1
@@ -40,240 +40,21 @@ POLL_INTERVAL_S = 0.1
 DEFAULT_START_TIMEOUT_S = 600.0
 #: Grace after Shutdown before SIGTERM, and after SIGTERM before SIGKILL.
 SHUTDOWN_GRACE_S = 5.0
-#: Lines of each stage's output kept for error messages.
-LOG_TAIL_LINES = 40
 #: A stage that ran at least this long before dying is restarted at once; faster crashes back off.
 STABLE_UPTIME_S = 60.0
 MAX_RESTART_DELAY_S = 30.0
 
 
-def default_stage_argv() -> list[str]:
-    """The command a stage process runs, before its ``--stage-config ...`` arguments."""
-    return [sys.executable, "-m", "workers"]
-
-
-class StageStartError(RuntimeError):
-    """A stage process did not come up (exited, or no StageReady in time)."""
-
-
-def exit_words(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-class StageRunner(Protocol):
-    """Where one stage replica's OS process runs: a child of this process (:class:`LocalProcess`)
-    or a process a Ray actor owns on some node of a cluster (``RayStageRunner`` in
-    :mod:`omni_cache.runtime.ray_placement`). The supervisor starts, watches, restarts and stops
-    spawned replicas only through these methods, so both are supervised alike."""
-
-    #: The command the process runs (for messages).
-    argv: list[str]
-    #: The current process's pid on its own host; None before the first start.
-    pid: int | None
-
-    def start(self, on_line: Callable[[str], None]) -> None:
-        """Start (or restart) the process; ``on_line`` gets each line of its output, from any
-        thread. Does not wait until the stage is ready (its StageReady says that)."""
-
-    def poll(self) -> int | None:
-        """Its exit code once the process started last is gone, else None."""
-
-    def describe_exit(self, code: int) -> str:
-        """``code`` (from :meth:`poll`) in words: "exit code 1", "killed by signal SIGKILL"."""
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the process's whole process group (its helpers too)."""
-
-    def wait(self, timeout: float) -> bool:
-        """Whether the process is gone within ``timeout`` seconds."""
-
-    def close(self) -> None:
-        """Nothing of it is needed any more: release what holds it (after it exited)."""
-
-
-class LocalProcess:
-    """A stage process spawned on this machine, in its own process group."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
-        self.argv = argv
-        self.env = env
-        self.name = name
-        self.pid: int | None = None
-        self.popen: subprocess.Popen[bytes] | None = None
-
-    def start(self, on_line: Callable[[str], None]) -> None:
-        self.popen = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: signals reach vLLM's helpers too
-        )
-        self.pid = self.popen.pid
-        threading.Thread(target=self._read_output, args=(self.popen, on_line),
-                         name=f"omni-cache-log-{self.name}", daemon=True).start()
-
-    @staticmethod
-    def _read_output(proc: subprocess.Popen[bytes], on_line: Callable[[str], None]) -> None:
-        assert proc.stdout is not None
-        with contextlib.suppress(Exception):
-            for raw in proc.stdout:
-                on_line(raw.decode("utf-8", errors="replace").rstrip("\n"))
-        with contextlib.suppress(Exception):
-            proc.stdout.close()
-
-    def poll(self) -> int | None:
-        return self.popen.poll() if self.popen is not None else None
-
-    def describe_exit(self, code: int) -> str:
-        return exit_words(code)
-
-    def signal(self, sig: int) -> None:
-        if self.pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, sig)
-
-    def wait(self, timeout: float) -> bool:
-        if self.popen is None:
-            return True
-        try:
-            self.popen.wait(timeout=timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
-    def close(self) -> None:
-        pass
-
-
-class StageProcess:
-    """One stage replica's OS process (or, for an external stage, just its readiness), as the
-    supervisor sees it; read-only for everyone else. ``runner`` runs the process (None: started
-    elsewhere, by hand)."""
-
-    def __init__(self, stage: StageConfig, runner: StageRunner | None, echo: bool,
-                 replica: Replica | None = None) -> None:
-        replica = replica or stage_replicas(stage)[0]
-        self.name = replica.name  # the stage's name when it has one replica
-        self.stage = stage.name
-        self.index = replica.index
-        self.address = replica.address
-        self.runner = runner
-        self.argv = runner.argv if runner is not None else None
-        self.echo = echo
-        #: Launched and its exit not handled yet.
-        self.running = False
-        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-        self.up = False
-        self.ever_ready = False
-        self._pid: int | None = None  # a stage started elsewhere: the pid it announced
-        self.max_model_len: int | None = None
-        self.restarts = 0
-        self.crashes_in_a_row = 0
-        self.started_at = 0.0
-        self.last_exit: int | None = None
-        self.last_exit_words = ""
-        self.restart_at: float | None = None
-        self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
-        # Stages started elsewhere: who announced itself last, when, and why it is down.
-        self.incarnation = ""
-        self.host = ""
-        self.last_seen = 0.0
-        self.lost_reason: str | None = None
-        self.announced = False  # announced itself since it was last lost
-        # Our connection to it failed or closed (and has not connected since): an announcement
-        # alone does not make it up, or a death before we connect would go unnoticed.
-        self.connection_down = False
-
-    @property
-    def external(self) -> bool:
-        return self.runner is None
-
-    @property
-    def pid(self) -> int | None:
-        """The pid of its (current or last) process, on the host it runs on."""
-        return self.runner.pid if self.runner is not None else self._pid
-
-    @pid.setter
-    def pid(self, value: int | None) -> None:
-        assert self.runner is None, "a spawned replica's pid is its runner's"
-        self._pid = value
-
-    def launch(self) -> None:
-        assert self.runner is not None
-        self.up = False
-        self.last_exit = None
-        self.restart_at = None
-        self.started_at = time.monotonic()
-        self.runner.start(self._on_line)
-        self.running = True
-        logger.info("stage %s: started%s: %s", self.name,
-                    f" pid {self.pid}" if self.pid is not None else "", " ".join(self.runner.argv))
-
-    def _on_line(self, line: str) -> None:
-        self.tail.append(line)
-        if self.echo:
-            with contextlib.suppress(Exception):
-                sys.stderr.write(f"({self.name} pid={self.runner.pid if self.runner else '?'}) "
-                                 + line + "\n")
-                sys.stderr.flush()
-
-    def poll(self) -> int | None:
-        """The exit code of the launched process once it is gone (None: running, or not launched)."""
-        if not self.running or self.runner is None:
-            return None
-        return self.runner.poll()
-
-    def log_tail(self, n: int = 20) -> str:
-        lines = list(self.tail)[-n:]
-        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
-
-    def signal_group(self, sig: int) -> None:
-        if self.runner is not None:
-            self.runner.signal(sig)
-
-    def alive(self) -> bool:
-        return self.running and self.runner is not None and self.runner.poll() is None
-
-    def why_down(self) -> str:
-        """Why this stage is not serving (for /health and 503 messages); call it when not up."""
-        if self.external and self.lost_reason:
-            return (f"started elsewhere (last pid {self.pid} on {self.host or '?'}), "
-                    f"{self.lost_reason}; waiting for it to announce itself again")
-        if self.external and self.announced:
-            return (f"started elsewhere (pid {self.pid} on {self.host or '?'}), announced itself; "
-                    f"waiting for the connection to {self.address}")
-        if self.external:
-            return "started elsewhere, waiting for it to announce itself"
-        if self.running:
-            return "restarting" if self.restarts else "starting"
-        if self.last_exit is not None:
-            when = ""
-            if self.restart_at is not None:
-                when = f"; restart in {max(0.0, self.restart_at - time.monotonic()):.1f} s"
-            return f"down ({self.last_exit_words or exit_words(self.last_exit)}{when})"
-        return "down"
-
-
-
 class StageEvents(Protocol):
     """What the supervisor tells its owner. Both are called on the event loop's thread, after the
-    stage's :class:`StageProcess` already shows the new state."""
+    stage's :class:`SupervisedReplica` already shows the new state."""
 
     def on_stage_down(self, stage: str, why: str) -> None:
         """Replica ``stage`` (its stage's name when the stage has one replica, else
         ``name#index``; ``supervisor.stages[stage]`` has both) stopped serving: its process exited
-        (``why``: "died (exit code 1)") or, started elsewhere, it went silent, closed its
-        connection or was replaced (``why``: "(started elsewhere, pid 12 on host) closed its
+        (``why``: "died (exit code 1)"), hung ("hung (its loop made no progress for 3.2 s while
+        it held work; ...) and was killed") or, started elsewhere, it hung, went silent, closed
+        its connection or was replaced (``why``: "(started elsewhere, pid 12 on host) closed its
         connection (its process is gone)")."""
 
     def on_stage_up(self, stage: str) -> None:
@@ -285,55 +66,57 @@ class StageSupervisor:
     """Owns the pipeline's stage processes: launches them, waits until they are ready, polls them
     (a monitor task, every :data:`POLL_INTERVAL_S`), restarts a dead one with back-off, stops them.
 
-    Spawned stages are watched through their processes (exit -> down, restart). Stages started
-    elsewhere (``external``) are watched through their announcements: each StageReady (sent every
-    ``server.heartbeat_interval_s``) marks the stage up (as soon as our connection to it is not
-    known to be down); one more than ``heartbeat_timeout_s``
-    late, one from a new incarnation, or their connection closing (:meth:`watch_connection`)
-    means the process we knew is gone: it is down until it announces itself again. It never
-    restarts or stops those.
+    Spawned stages (here or placed by Ray) are watched through their processes (exit -> down,
+    restart) and their heartbeats: one that hangs (:mod:`omni_cache.runtime.hang_watch`) is
+    marked down at once and its process group killed (SIGKILL reaches a stopped process too); its
+    exit then restarts it. Stages started elsewhere (``external``) are watched through their
+    announcements: each StageReady (sent every ``server.heartbeat_interval_s``) marks the stage
+    up (as soon as our connection to it is not known to be down); one that hangs, one from a new
+    incarnation, or their connection closing (:meth:`watch_connection`) means the process we knew
+    is gone or stuck: it is down until it announces itself again with its loop moving. It never
+    kills, restarts or stops those.
     """
 
     def __init__(self, events: StageEvents, *, heartbeat_timeout_s: float, announce_to: str) -> None:
         self._events = events
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._announce_to = announce_to  # the address external stages announce themselves to
-        self._stages: dict[str, StageProcess] = {}  # replica name -> its process
+        self._stages: dict[str, SupervisedReplica] = {}  # replica name -> its process
         self._by_replica: dict[tuple[str, int], str] = {}  # (stage, index) -> replica name
         self._started = False  # every stage was ready once: restarts from now on
         self._stopping = False  # shutting down: exits are expected, nothing is restarted
-        self._last_tick = 0.0  # when the monitor last judged the external stages' silence
+        self._hangs = HangWatch(heartbeat_timeout_s, POLL_INTERVAL_S)
         self._monitor: asyncio.Task | None = None
         self._watchers: dict[str, tuple[Any, asyncio.Task]] = {}  # external stage -> (socket, task)
 
     # ---- the stages ------------------------------------------------------------------------------
 
-    def add(self, stage: StageConfig, argv: list[str] | StageRunner | None, env: dict[str, str],
+    def add(self, stage: StageConfig, argv: list[str] | ProcessRunner | None, env: dict[str, str],
             echo: bool, replica: Replica | None = None) -> None:
         """Supervise a replica of ``stage`` (default: replica 0): ``argv`` is its command (spawned
-        here with ``env``), a :class:`StageRunner` that runs it elsewhere (Ray), or None when it
+        here with ``env``), a :class:`ProcessRunner` that runs it elsewhere (Ray), or None when it
         is started by hand."""
         replica = replica or stage_replicas(stage)[0]
-        runner: StageRunner | None
+        runner: ProcessRunner | None
         if isinstance(argv, list):
-            runner = LocalProcess(argv, env, replica.name)
+            runner = LocalRunner(argv, env, replica.name)
         else:
             runner = argv
-        sp = StageProcess(stage, runner, echo, replica)
+        sp = SupervisedReplica(stage, runner, echo, replica)
         self._stages[sp.name] = sp
         self._by_replica[(sp.stage, sp.index)] = sp.name
 
     @property
-    def stages(self) -> Mapping[str, StageProcess]:
+    def stages(self) -> Mapping[str, SupervisedReplica]:
         """Replica name -> its process, in the order they were added."""
         return self._stages
 
-    def replicas_of(self, stage: str) -> list[StageProcess]:
+    def replicas_of(self, stage: str) -> list[SupervisedReplica]:
         """The replicas of ``stage``, by index."""
         return sorted((sp for sp in self._stages.values() if sp.stage == stage),
                       key=lambda sp: sp.index)
 
-    def replica(self, stage: str, index: int) -> StageProcess | None:
+    def replica(self, stage: str, index: int) -> SupervisedReplica | None:
         name = self._by_replica.get((stage, index))
         return self._stages.get(name) if name is not None else None
 
@@ -355,6 +138,31 @@ class StageSupervisor:
     def alive(self) -> list[str]:
         """The replicas whose process is running."""
         return [sp.name for sp in self._stages.values() if sp.alive()]
+
+    def not_ready(self, stage_names: Iterable[str], *, entry: str,
+                  starting: bool) -> dict[str, str]:
+        """stage -> why it is not serving: the stages none of whose replicas is up; while
+        ``starting`` (the server takes requests once every replica was ready), also those with a
+        replica not up yet, and the entry stage while the server itself is still starting. A stage
+        with several replicas: each one's reason that is down, ``thinker#1: starting; ...``."""
+        out: dict[str, str] = {}
+        for name in stage_names:
+            replicas = self.replicas_of(name)
+            down = [sp for sp in replicas if not sp.up]
+            if not replicas:
+                out[name] = "not started"
+            elif len(down) == len(replicas) or (down and starting):
+                out[name] = (down[0].why_down() if len(replicas) == 1
+                             else "; ".join(f"{sp.name}: {sp.why_down()}" for sp in down))
+            elif name == entry and starting:
+                # Stages started elsewhere can be up before the server loaded its tokenizer.
+                out[name] = "up; the server is still starting (loading the tokenizer)"
+        return out
+
+    def replicas_not_ready(self) -> dict[str, str]:
+        """replica name -> why it is not serving, for every replica that is not up, also where
+        another replica of its stage serves."""
+        return {sp.name: sp.why_down() for sp in self._stages.values() if not sp.up}
 
     def pids(self) -> dict[str, int | None]:
         """replica name -> pid of its running process (None while it is down); a Ray-placed
@@ -410,12 +218,13 @@ class StageSupervisor:
         if sp.external:
             self._on_external_announcement(sp, msg)
             return
-        # A spawned stage's heartbeats only confirm what its process handle says.
-        if msg.pid in sp.old_pids or not sp.running:
+        # A spawned stage's heartbeats confirm what its process handle says, and whether its
+        # loop moves.
+        if msg.pid in sp.old_pids or not sp.running or sp.hung:
             logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored",
                          sp.name, msg.pid)
             return
-        sp.last_seen = time.monotonic()
+        sp.liveness.beat(msg, time.monotonic())
         if msg.max_model_len:
             sp.max_model_len = msg.max_model_len
         if not sp.up:
@@ -425,19 +234,24 @@ class StageSupervisor:
                         f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
             self._events.on_stage_up(sp.name)
 
-    def _on_external_announcement(self, sp: StageProcess, msg: StageReady) -> None:
+    def _on_external_announcement(self, sp: SupervisedReplica, msg: StageReady) -> None:
         now = time.monotonic()
         if sp.incarnation and msg.incarnation != sp.incarnation:
             if sp.up:  # restarted faster than the heartbeat timeout: the old process is gone
                 self._stage_lost(sp, f"was replaced by a new process (pid {msg.pid} on {msg.host or '?'})")
             sp.restarts += 1
         elif sp.up:
-            sp.last_seen = now
+            sp.liveness.beat(msg, now)
             return
         sp.incarnation = msg.incarnation
         sp.pid = msg.pid
         sp.host = msg.host
-        sp.last_seen = now
+        sp.liveness.beat(msg, now)
+        stuck = sp.liveness.hang(now, self._heartbeat_timeout_s)
+        if stuck is not None:
+            # Alive, but its loop is still stuck: down until it moves again.
+            sp.lost_reason = stuck
+            return
         sp.lost_reason = None
         if msg.max_model_len:
             sp.max_model_len = msg.max_model_len
@@ -448,7 +262,7 @@ class StageSupervisor:
             return
         self._external_up(sp)
 
-    def _external_up(self, sp: StageProcess) -> None:
+    def _external_up(self, sp: SupervisedReplica) -> None:
         sp.up = True
         sp.ever_ready = True
         logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, sp.pid,
@@ -461,7 +275,7 @@ class StageSupervisor:
         found by it."""
         sp = self._stages.get(name)
         if sp is not None and sp.up:
-            sp.last_seen = time.monotonic()
+            sp.liveness.last_seen = time.monotonic()
 
     # ---- watching --------------------------------------------------------------------------------
 
@@ -511,7 +325,7 @@ class StageSupervisor:
             return
         if event == zmq.EVENT_CONNECTED:
             sp.connection_down = False
-            fresh = time.monotonic() - sp.last_seen <= self._heartbeat_timeout_s
+            fresh = time.monotonic() - sp.liveness.last_seen <= self._heartbeat_timeout_s
             if sp.announced and not sp.up and fresh:
                 self._external_up(sp)
             return
@@ -533,10 +347,10 @@ class StageSupervisor:
                 logger.exception("supervisor: monitoring step failed")
 
     def poll(self) -> None:
-        """One monitoring step: silent external stages, exited processes, due restarts."""
+        """One monitoring step: hung stages, exited processes, due restarts."""
         now = time.monotonic()
         if self._started and not self._stopping:
-            self._watch_external(now)
+            self._watch_heartbeats(now)
         for sp in self._stages.values():
             if sp.running:
                 code = sp.poll()
@@ -552,21 +366,27 @@ class StageSupervisor:
                     logger.error("stage %s: restart failed: %s", sp.name, e)
                     sp.restart_at = now + MAX_RESTART_DELAY_S
 
-    def _watch_external(self, now: float) -> None:
-        # A stalled event loop (a long tokenization, a burst of outputs) has not read the
-        # announcements waiting in its inbox yet: judge silence only on a punctual tick.
-        late = now - self._last_tick > 5 * POLL_INTERVAL_S
-        self._last_tick = now
-        if late:
-            return
-        timeout = self._heartbeat_timeout_s
-        for sp in self._stages.values():
-            if sp.external and sp.up and now - sp.last_seen > timeout:
-                self._stage_lost(sp, f"stopped answering (no heartbeat for {now - sp.last_seen:.1f} s, "
-                                     f"server.heartbeat_timeout_s is {timeout:g} s)")
+    def _watch_heartbeats(self, now: float) -> None:
+        for sp, why in self._hangs.hung(self._stages.values(), now):
+            sp.hangs += 1
+            if sp.external:
+                self._stage_lost(sp, why)
+            else:
+                self._kill_hung(sp, why)
 
-    def _stage_lost(self, sp: StageProcess, why: str) -> None:
-        """An external stage's process is gone: it is down until it announces itself again."""
+    def _kill_hung(self, sp: SupervisedReplica, why: str) -> None:
+        """A spawned replica hangs: down now (its requests end or move at once), then its process
+        group is killed; its exit (:meth:`_on_stage_exit`) restarts it."""
+        sp.up = False
+        sp.hung = why
+        logger.error("stage %s (pid %s) %s: killing its process group; last lines of its "
+                     "output:\n%s", sp.name, sp.pid, why, sp.log_tail(10))
+        self._events.on_stage_down(sp.name, f"{why} and was killed")
+        sp.signal_group(signal.SIGKILL)
+
+    def _stage_lost(self, sp: SupervisedReplica, why: str) -> None:
+        """An external stage's process is gone or stuck: it is down until it announces itself
+        again (with its loop moving)."""
         sp.up = False
         sp.announced = False
         sp.lost_reason = why
@@ -574,7 +394,7 @@ class StageSupervisor:
         logger.error("stage %s (started elsewhere, %s) %s", sp.name, where, why)
         self._events.on_stage_down(sp.name, f"(started elsewhere, {where}) {why}")
 
-    def _on_stage_exit(self, sp: StageProcess, code: int) -> None:
+    def _on_stage_exit(self, sp: SupervisedReplica, code: int) -> None:
         now = time.monotonic()
         uptime = now - sp.started_at
         if sp.pid is not None:
@@ -584,10 +404,14 @@ class StageSupervisor:
         sp.last_exit = code
         assert sp.runner is not None
         what = sp.last_exit_words = sp.runner.describe_exit(code)
+        hung, sp.hung = sp.hung, None
+        if hung is not None:
+            what = sp.last_exit_words = f"{what} after it {hung}"
         logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
                      sp.name, sp.pid, what, uptime, sp.log_tail(10))
         sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
-        self._events.on_stage_down(sp.name, f"died ({what})")
+        if hung is None:  # a hung one was reported down when it was found
+            self._events.on_stage_down(sp.name, f"died ({what})")
         if not self._started:
             return  # wait_ready() reports it
         if uptime >= STABLE_UPTIME_S and sp.ever_ready:

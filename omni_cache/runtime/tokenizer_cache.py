@@ -11,7 +11,7 @@ word until every thread's cache was full: under the soak's random-text prompts (
 each) that was ~19 MiB of glibc heap on this 2-CPU machine, outside Python's allocator
 (tracemalloc saw nothing grow), reached only after ~2,000 requests, about an hour at the ~30
 requests a minute of the AVX2-only test machine. That was the server's "leak" of ~0.5 MiB a minute
-(benchmarks/README.md, "Soak"); heaptrack put the peak of that backtrace at 2.7 MB after ~250
+(benchmarks/results/soak.md); heaptrack put the peak of that backtrace at 2.7 MB after ~250
 requests. With more CPUs there are more such threads (up to 32), each with a cache of its own.
 
 Natural text repeats its words (a few thousand of them make up most of any text), so a small
@@ -31,7 +31,7 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("omni_cache.runtime.tokenizer_cache")
+logger = logging.getLogger(__name__)
 
 __all__ = ["WORD_CACHE_WORDS", "bound_word_cache", "load_tokenizer"]
 

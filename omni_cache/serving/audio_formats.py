@@ -2,7 +2,8 @@
 
 ``audio.format`` is one of ``wav``, ``flac``, ``mp3``, ``opus`` (in an Ogg container) or ``pcm16``
 (raw little-endian 16-bit samples, no header). Everything is 24 kHz mono: the decoder stage's float
-waveform is resampled if its rate differs and clipped to [-1, 1] (:mod:`omni_cache.serving.wav`). The
+waveform is resampled by libsoxr if its rate differs and clipped to [-1, 1]
+(:mod:`omni_cache.serving.wav`). The
 container formats are encoded by libsndfile (the ``soundfile`` package, whose wheels bundle it with
 FLAC, LAME/mpg123 and Opus). Streamed audio is always ``pcm16``, as OpenAI's API requires: chunks
 of a compressed stream would not decode on their own. OpenAI's ``aac`` has no encoder in
@@ -15,7 +16,7 @@ import io
 
 import numpy as np
 
-from omni_cache.serving.wav import SAMPLE_RATE, resample, to_pcm16
+from omni_cache.serving.wav import SAMPLE_RATE, clipped, resample, to_pcm16
 
 __all__ = ["FORMATS", "STREAM_FORMAT", "UnsupportedFormat", "check_format", "encode_audio"]
 
@@ -53,8 +54,7 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
 
     container, subtype = _CONTAINERS[fmt]
     # libsndfile quantizes to 16 bits from float itself; clip first so it cannot wrap.
-    x = np.clip(np.nan_to_num(resample(samples, sample_rate, SAMPLE_RATE), nan=0.0, posinf=1.0,
-                              neginf=-1.0), -1.0, 1.0)
     buf = io.BytesIO()
-    soundfile.write(buf, x, SAMPLE_RATE, format=container, subtype=subtype)
+    soundfile.write(buf, clipped(resample(samples, sample_rate)), SAMPLE_RATE, format=container,
+                    subtype=subtype)
     return buf.getvalue()

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from omni_cache.runtime.orchestrator import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
-from omni_cache.serving.wav import to_pcm16
+from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
+from omni_cache.serving.wav import PcmStream
 
 __all__ = ["Answer", "collect_answer", "collect_unless_disconnected", "sse", "stream_chunks", "usage"]
 
@@ -108,9 +108,11 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], *, entry_st
     """The SSE lines of a streamed answer, ending with ``data: [DONE]``.
 
     ``base`` holds the fields every chunk repeats (id, object, created, model). Audio deltas are
-    base64 ``pcm16`` (24 kHz mono 16-bit little-endian).
+    base64 ``pcm16`` (24 kHz mono 16-bit little-endian), resampled by one stream for the whole
+    answer; what its filter still holds goes out before the finishing chunk.
     """
     audio_id = f"audio_{handle.request_id}"
+    pcm_stream = PcmStream()
     sent_role = False
     completion_tokens = 0
 
@@ -122,6 +124,10 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], *, entry_st
         return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                           "finish_reason": finish_reason}]})
 
+    def audio(pcm: bytes) -> str:
+        return chunk({"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"),
+                                "transcript": ""}})
+
     try:
         async for event in handle.events():
             if isinstance(event, TextDelta):
@@ -129,11 +135,13 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], *, entry_st
                 if event.text:
                     yield chunk({"content": event.text})
             elif isinstance(event, AudioDelta):
-                pcm = to_pcm16(event.audio, event.sample_rate)
+                pcm = pcm_stream.chunk(event.audio, event.sample_rate)
                 if pcm:
-                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"),
-                                           "transcript": ""}})
+                    yield audio(pcm)
             elif isinstance(event, Completed):
+                tail = pcm_stream.flush()
+                if tail:
+                    yield audio(tail)
                 yield chunk({}, event.finish_reason)
                 if include_usage:
                     yield sse({**base, "choices": [], "usage": usage(

@@ -1,6 +1,14 @@
-"""The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics and
-/v1/chat/completions. They find the orchestrator, the served model name and the API key on
-``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`)."""
+"""The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics,
+/v1/chat/completions and the /v1/realtime WebSocket. They find the orchestrator, the served model
+name and the API key on ``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`).
+
+A chat request takes its place among the requests in flight before anything of its body is read
+(429 when there is none: omni_cache/runtime/admission.py), reads its body up to
+``server.max_body_bytes`` (each byte held against ``server.max_body_bytes_in_flight`` until the
+request was submitted; after that it keeps neither body nor messages), and does its heavy work
+off the event loop: parsing the JSON, tokenizing, reading and decoding its media (whose decoded
+size is reserved from their headers before they are decoded) run in worker threads.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,10 @@ import base64
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from omni_cache.runtime.admission import Ticket
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
@@ -20,7 +29,9 @@ from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, rea
 from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
-from omni_cache.serving.metrics import CONTENT_TYPE
+from omni_cache.runtime.metrics import CONTENT_TYPE
+from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
+from omni_cache.serving.realtime.protocol import EventError
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -79,16 +90,41 @@ async def metrics(request: Request) -> PlainTextResponse:
 async def chat_completions(request: Request):
     received_at = time.monotonic()
     orch: Orchestrator = request.app.state.orchestrator
-    body = await read_body(request, orch.config.server.max_message_bytes)
-    chat = parse_chat_request(body, request.app.state.served_model_name)
-    if orch.tokenizer is None:
+    ticket = orch.admission.enter()  # 429 before anything of the body is read
+    try:
+        handle, chat = await _accept(request, orch, ticket, received_at)
+    except BaseException:
+        ticket.release()  # refused (or the client went away) before it was accepted
+        raise
+    if chat.body.stream:
+        return _stream(handle, chat, orch)
+    return await _complete(handle, chat, orch, request)
+
+
+async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
+                  received_at: float) -> tuple[RequestHandle, ChatRequest]:
+    """Read, check and submit one chat request holding ``ticket``; its body's bytes are held on
+    the ticket until it was submitted (``server.max_body_bytes_in_flight``)."""
+    try:
+        handle, chat = await _read_and_submit(request, orch, ticket, received_at)
+        return handle, chat.without_content()
+    finally:
+        ticket.release_body()
+
+
+async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
+                           received_at: float) -> tuple[RequestHandle, ChatRequest]:
+    body = await read_body(request, orch.config.server.max_body_bytes, reserve=ticket.hold_body)
+    chat = await asyncio.to_thread(parse_chat_request, body, request.app.state.served_model_name)
+    del body  # parsed: what is left of it lives in `chat`
+    if orch.codec.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
     try:
         prompt = await asyncio.to_thread(orch.tokenize_messages, chat.messages)
     except Exception as e:  # noqa: BLE001 -- a chat template may raise on odd conversations
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    media = await _decoded_media(chat, orch, request.app.state.media_cache)
+    media = await _decoded_media(chat, orch, ticket, request.app.state.media_cache)
     req = chat.body
     handle = await orch.submit(
         prompt,
@@ -100,21 +136,47 @@ async def chat_completions(request: Request):
         media=media,
         received_at=received_at,
         stream=bool(req.stream),
+        ticket=ticket,
     )
-    if req.stream:
-        return _stream(handle, chat, orch)
-    return await _complete(handle, chat, orch, request)
+    return handle, chat
 
 
-async def _decoded_media(chat: ChatRequest, orch: Orchestrator, cache: DecodedCache) -> list[MediaItem]:
-    """The request's images and clips decoded (off the event loop: decoding takes milliseconds
-    to seconds), each checked against ``server.media``; a bad one is a 400 naming its part."""
+@router.websocket("/v1/realtime")
+async def realtime(websocket: WebSocket) -> None:
+    """A voice session speaking OpenAI's Realtime API (omni_cache/serving/realtime/, docs/realtime.md)."""
+    state = websocket.app.state
+    problem = bearer_token_problem(websocket.headers.get("authorization", ""), state.api_key)
+    if problem is not None:
+        await websocket.close(code=CLOSE_POLICY, reason=problem)  # before accept: HTTP 403
+        return
+    orch: Orchestrator = state.orchestrator
+    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
+                           cache=state.media_cache)
+
+    def decode_image(url: str, param: str) -> MediaItem:
+        try:
+            return decoder.image(url, param)
+        except MediaError as e:
+            raise EventError(str(e), param=e.param or param, code="invalid_value") from None
+
+    await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
+                         served_model=state.served_model_name, decode_image=decode_image)
+
+
+async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
+                         cache: DecodedCache) -> list[MediaItem]:
+    """The request's images and clips, each checked against ``server.media`` from its header,
+    their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/admission.py), then
+    decoded; reading and decoding run off the event loop (milliseconds to seconds). A bad item is
+    a 400 naming its part."""
     if not chat.media:
         return []
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
                            cache=cache)
     try:
-        return await asyncio.to_thread(decoder.decode_all, chat.media)
+        encoded = await asyncio.to_thread(decoder.read_all, chat.media)
+        orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
+        return await asyncio.to_thread(decoder.decode_all, encoded)
     except MediaError as e:
         raise APIError(400, str(e), param=e.param) from None
 
@@ -124,7 +186,7 @@ def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator) -> Str
     base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": orch.served_model_name}
     return StreamingResponse(
-        stream_chunks(handle, base, entry_stage=orch.entry.name, include_usage=chat.include_usage,
+        stream_chunks(handle, base, entry_stage=orch.topology.entry.name, include_usage=chat.include_usage,
                       error_body=lambda e: APIError.from_request_error(e).body()),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -153,5 +215,5 @@ async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator
         "model": orch.served_model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
                      "logprobs": None}],
-        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.entry.name, 0)),
+        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.topology.entry.name, 0)),
     })

@@ -19,8 +19,11 @@ Routes (FastAPI, served by uvicorn on ``server.host:server.port``, 127.0.0.1:809
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON /
 fields / over-long prompt, 401 missing or wrong API key (every route but /health, when a key is
-set), 404 unknown model, 503 a stage is down or died, 504 deadline. Streams report errors that
-happen after the first byte as an SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+set), 404 unknown model, 413 a body over ``server.max_body_bytes`` or media that can never fit,
+429 with ``Retry-After`` past the bounds on requests and decoded media in flight
+(:mod:`omni_cache.runtime.admission`), 503 a stage is down or died, 504 deadline. Streams
+report errors that happen after the first byte as an SSE event ``data: {"error": {...}}``
+followed by ``data: [DONE]``.
 
 This module assembles the app (:func:`create_app`) and runs it (:func:`serve`, :class:`ServerThread`);
 the routes are in :mod:`omni_cache.serving.routes`, the request checks in
@@ -47,9 +50,10 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
+from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.routes import router
 
-logger = logging.getLogger("omni_cache.serving.server")
+logger = logging.getLogger(__name__)
 
 __all__ = ["ServerThread", "create_app", "serve"]
 
@@ -83,6 +87,7 @@ def create_app(
     app.state.api_key = api_key
     app.state.startup_error = None
     app.state.media_cache = DecodedCache(orch.config.server.media.decoded_cache_bytes)
+    app.state.realtime_sessions = SessionRegistry()  # /v1/realtime's open sessions
     add_error_handlers(app)
     app.include_router(router)
     return app
@@ -149,12 +154,8 @@ def serve(config: Any, args: Any) -> int:
     import uvicorn
 
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
-    orch = Orchestrator(
-        config,
-        config_path=getattr(args, "stage_config", None),
-        checkpoint_dir=getattr(args, "checkpoint_dir", None),
-        prefix_cache=not getattr(args, "no_prefix_cache", False),
-    )
+    orch = Orchestrator(config, checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                        prefix_cache=not getattr(args, "no_prefix_cache", False))
     host, port = config.server.host, config.server.port
     holder: dict[str, Any] = {}
     failures: list[BaseException] = []

@@ -1,64 +1,83 @@
-"""Audio for the HTTP API: float waveforms -> 16-bit PCM and WAV files (stdlib ``wave``).
+"""Audio for the HTTP API: float waveforms -> 24 kHz 16-bit PCM, resampled by libsoxr.
 
-OpenAI's audio output is 24 kHz mono 16-bit PCM: a whole WAV file for a non-streamed answer,
-raw little-endian PCM chunks for streamed deltas. The decoder stage produces float32 samples in
-[-1, 1] at its own sample rate; :func:`to_pcm16` converts (resampling to 24 kHz when the stage's
-rate differs) and :func:`encode_wav` wraps the result in a WAV container.
+OpenAI's audio output is 24 kHz mono 16-bit PCM: a whole file for a non-streamed answer
+(:mod:`omni_cache.serving.audio_formats`), raw little-endian PCM chunks for streamed deltas. The
+decoder stage produces float32 samples in [-1, 1] at its own sample rate; when that is not 24 kHz
+the samples are resampled by libsoxr (the ``soxr`` package, which also resamples the audio
+prompts), whose band-limited filter removes what lies above the new Nyquist frequency instead of
+folding it back into the audible band as interpolation would.
+
+A streamed answer's chunks go through one :class:`PcmStream`: one soxr stream carries the filter's
+state across the chunks, so the concatenated chunks are the same samples as the whole answer
+resampled at once (no clicks at the seams), and the samples the filter still holds at the end
+come out of :meth:`PcmStream.flush`.
 """
 
 from __future__ import annotations
 
-import io
-import wave
-
 import numpy as np
+import soxr
 
-__all__ = ["SAMPLE_RATE", "decode_wav", "encode_wav", "resample", "to_pcm16"]
+__all__ = ["SAMPLE_RATE", "PcmStream", "clipped", "pcm16", "resample", "to_pcm16"]
 
-#: The sample rate of every WAV/PCM the API returns (OpenAI's audio output format).
+#: The sample rate of every file and PCM stream the API returns (OpenAI's audio output format).
 SAMPLE_RATE = 24000
 
 
+def _mono(samples: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(samples, dtype=np.float32).reshape(-1))
+
+
 def resample(samples: np.ndarray, src_rate: int, dst_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Linear-interpolation resampling of a mono float waveform (a no-op when the rates match)."""
-    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
-    if src_rate <= 0 or src_rate == dst_rate or samples.size == 0:
-        return samples
-    n_out = int(round(samples.size * dst_rate / src_rate))
-    if n_out <= 0:
-        return np.zeros(0, dtype=np.float32)
-    src_t = np.arange(samples.size, dtype=np.float64) / src_rate
-    dst_t = np.arange(n_out, dtype=np.float64) / dst_rate
-    return np.interp(dst_t, src_t, samples).astype(np.float32)
+    """A whole mono float waveform at ``dst_rate`` (the same array when the rates match)."""
+    x = _mono(samples)
+    if src_rate == dst_rate or x.size == 0:
+        return x
+    return soxr.resample(x, src_rate, dst_rate)
+
+
+def clipped(samples: np.ndarray) -> np.ndarray:
+    """NaN -> 0 and everything clipped to [-1, 1]: a 16-bit quantizer then cannot wrap."""
+    return np.clip(np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """Float samples as little-endian 16-bit PCM (after :func:`clipped`)."""
+    return np.round(clipped(samples) * 32767.0).astype("<i2").tobytes()
 
 
 def to_pcm16(samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
-    """Float samples (clipped to [-1, 1]) -> little-endian 16-bit PCM bytes at 24 kHz."""
-    x = resample(samples, sample_rate, SAMPLE_RATE)
-    x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
-    pcm = np.round(np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2")
-    return pcm.tobytes()
+    """A whole clip (float, mono, at ``sample_rate``) as 24 kHz 16-bit PCM bytes."""
+    return pcm16(resample(samples, sample_rate))
 
 
-def encode_wav(samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
-    """A complete WAV file (24 kHz, mono, 16-bit PCM) holding ``samples``."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
-        w.writeframes(to_pcm16(samples, sample_rate))
-    return buf.getvalue()
+class PcmStream:
+    """One streamed answer's audio as 24 kHz pcm16 chunks, resampled by one soxr stream.
 
+    The filter delays its output by a few milliseconds: a chunk may come out shorter than its
+    input implies, and :meth:`flush` hands out the rest when the answer ends. Should the stage's
+    rate change mid-answer, the stream of the old rate is flushed first.
+    """
 
-def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """``(float32 samples, sample_rate)`` of a mono 16-bit WAV (for tests and clients)."""
-    with wave.open(io.BytesIO(data), "rb") as w:
-        if w.getsampwidth() != 2 or w.getnchannels() != 1:
-            raise ValueError(
-                f"expected mono 16-bit PCM, got {w.getnchannels()} channel(s) of "
-                f"{8 * w.getsampwidth()} bit"
-            )
-        frames = w.readframes(w.getnframes())
-        rate = w.getframerate()
-    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32767.0, rate
+    def __init__(self) -> None:
+        self._rate = SAMPLE_RATE
+        self._stream: soxr.ResampleStream | None = None
+
+    def chunk(self, samples: np.ndarray, sample_rate: int) -> bytes:
+        """The pcm16 bytes of ``samples`` (at ``sample_rate``) that are ready."""
+        head = self.flush() if sample_rate != self._rate else b""
+        self._rate = sample_rate
+        x = _mono(samples)
+        if sample_rate == SAMPLE_RATE:
+            return head + pcm16(x)
+        if self._stream is None:
+            self._stream = soxr.ResampleStream(sample_rate, SAMPLE_RATE, 1, dtype="float32")
+        return head + pcm16(self._stream.resample_chunk(x))
+
+    def flush(self) -> bytes:
+        """What the filter still holds, as pcm16 bytes; the stream starts afresh after it."""
+        if self._stream is None:
+            return b""
+        tail = self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
+        self._stream = None
+        return pcm16(tail)

@@ -165,6 +165,10 @@ class BlockStateGatedDeltaNet(QwenGatedDeltaNetAttention):
     PluggableLayer mechanism, see workers/models/__init__.py); it adds no weights or state.
     """
 
+    #: What the scheduler checks for (scheduler/mamba_block_states.py) to know the layer that
+    #: writes block states is the one registered, without importing this package.
+    WRITES_BLOCK_STATES = True
+
     def get_attn_backend(self):
         return BlockStateGDNBackend
 

@@ -9,7 +9,7 @@ its state block: no second pass, no cut.
 Limits: a boundary must fall on a 64-token chunk edge of its sequence (block sizes and chunk starts
 that are multiples of 64: 384 and 640 are, Qwen3-Next-80B's 544 is not), and `h` is kept in the
 kernel's input dtype (bfloat16), so these states are bfloat16-rounded where the final state is
-float32. Measured on an H100/H200 by benchmarks/gdn_kernel_states.py (benchmarks/README.md).
+float32. Measured on an H100/H200 by benchmarks/gdn_kernel_states.py (benchmarks/results/hybrid_block_states.md).
 Not wired into the vLLM engine: vLLM cannot be installed on the GPU machines this project can
 test on, so the engine keeps block states to its CPU path (scheduler/mamba_block_states.py).
 """

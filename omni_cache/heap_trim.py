@@ -6,7 +6,7 @@ mmapped is freed, so after warm-up a stage's per-step tensors (hidden rows, prom
 logits, all of sizes that vary with the batch) come from the main heap. Freed, they leave free
 chunks in the middle of the heap; glibc only gives memory back from the heap's top, so the pages of
 those chunks stay resident, and the heap's resident size creeps up as the mix of sizes changes
-(benchmarks/README.md, "Soak": the thinker +27% and the talker +8% from minute 5 to 30 before this,
+(benchmarks/results/soak.md: the thinker +27% and the talker +8% from minute 5 to 30 before this,
 in ``[heap]``, with nothing kept alive). The server churns the same way through audio frames,
 base64 and JSON bodies of varying size, on several threads (each with its own glibc arena; the
 trim walks all of them): the soak saw it grow ~0.5 MiB a minute under load while idle it stayed flat. ``malloc_trim(0)`` also releases whole free pages inside
@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("omni_cache.heap")
+logger = logging.getLogger(__name__)
 
 #: Seconds between two trims of a process's heap.
 TRIM_INTERVAL_S = 5.0

@@ -22,34 +22,32 @@ requests in flight and answered, and for stages with several replicas what routi
 ``omni_cache_prefix_index_blocks`` (block hashes an entry replica reported it holds, ``prefix``).
 
 Stages with ``pacing:`` add requests paced, audio underruns and a slack histogram
-(omni_cache/serving/pacing_metrics.py).
+(omni_cache/runtime/pacing_metrics.py).
 
 Two sources feed a scrape: the stages' cumulative counters (``StatsQuery`` -> ``StageStats``, passed
 to :meth:`OrchestratorMetrics.render` as :class:`StageSnapshot`) and what the orchestrator measures
-itself (histograms, failures). Each orchestrator has its own ``CollectorRegistry`` (several
-orchestrators can live in one process: tests, notebooks), so nothing goes into the
-process-global default registry.
+itself (latency histograms: ``prometheus_client``'s ``Histogram``; failures). Each orchestrator
+has its own ``CollectorRegistry`` (several orchestrators can live in one process: tests,
+notebooks), so nothing goes into the process-global default registry.
 """
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
     UnknownMetricFamily,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cache.serving.pacing_metrics import is_pacing_key, pacing_families
+from omni_cache.runtime.pacing_metrics import is_pacing_key, pacing_families
 
 __all__ = [
     "CONTENT_TYPE",
@@ -57,7 +55,6 @@ __all__ = [
     "STAGE_METRICS",
     "TTFA",
     "TTFT",
-    "Histogram",
     "LatencyMetric",
     "OrchestratorMetrics",
     "StageSnapshot",
@@ -141,34 +138,6 @@ STAGE_METRICS: dict[str, StageMetric] = {
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def _le(bound: float) -> str:
-    return repr(float(bound))
-
-
-class Histogram:
-    """A cumulative latency histogram (seconds)."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # last: above every bucket
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """``[(le, count of observations <= le), ..., ("+Inf", count)]``."""
-        out, running = [], 0
-        for bound, n in zip(self.buckets, self.counts):
-            running += n
-            out.append((_le(bound), running))
-        out.append(("+Inf", self.count))
-        return out
-
-
 @dataclass
 class RoutingSnapshot:
     """What the router sees at scrape time, for stages with several replicas."""
@@ -187,6 +156,8 @@ class StageSnapshot:
 
     up: bool
     restarts: int = 0
+    #: Times it was found hung (omni_cache/runtime/hang_watch.py) and marked down.
+    hangs: int = 0
     #: The replica's counters (the last ones it reported; empty if it never answered).
     counters: dict[str, float] = field(default_factory=dict)
     #: False when the replica did not answer this scrape's StatsQuery in time (counters are older).
@@ -201,10 +172,9 @@ class OrchestratorMetrics:
 
     def __init__(self, stage_names: Sequence[str]) -> None:
         self.stage_names = list(stage_names)
-        #: The served model name, for vLLM's ``model_name`` label (the HTTP server sets it).
-        self.model_name: str | None = None
-        self.histograms: dict[tuple[str, str], Histogram] = {}
-        self._latency: dict[str, LatencyMetric] = {}
+        self._model_name: str | None = None
+        #: Each latency metric's histogram (in ``registry``), made at its first observation.
+        self.histograms: dict[LatencyMetric, Histogram] = {}
         self.failed_requests: dict[str, int] = {s: 0 for s in stage_names}
         #: (stage, replica) -> requests resumed elsewhere because that replica died
         self.resumed: dict[tuple[str, int], int] = {}
@@ -215,13 +185,28 @@ class OrchestratorMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
+    @property
+    def model_name(self) -> str | None:
+        """The served model name, for vLLM's ``model_name`` label (the HTTP server sets it)."""
+        return self._model_name
+
+    @model_name.setter
+    def model_name(self, name: str | None) -> None:
+        # A histogram's label names are fixed when it is made: vLLM's, whose labels include the
+        # model name, are made again (empty) when it changes. The server sets the name when it
+        # is created, before it answers a request.
+        if name != self._model_name:
+            for metric in [m for m in self.histograms if m.vllm]:
+                self.registry.unregister(self.histograms.pop(metric))
+            self._model_name = name
+
     def observe(self, metric: LatencyMetric, stage: str, seconds: float) -> None:
-        key = (metric.name, stage)
-        hist = self.histograms.get(key)
+        hist = self.histograms.get(metric)
         if hist is None:
-            hist = self.histograms[key] = Histogram(metric.buckets)
-            self._latency[metric.name] = metric
-        hist.observe(seconds)
+            hist = self.histograms[metric] = Histogram(
+                metric.name, metric.help, self._labels(metric.vllm), buckets=metric.buckets,
+                registry=self.registry)
+        hist.labels(*self._values(stage, metric.vllm)).observe(seconds)
 
     def stage_failed_request(self, stage: str) -> None:
         self.failed_requests[stage] = self.failed_requests.get(stage, 0) + 1
@@ -271,13 +256,6 @@ class OrchestratorMetrics:
         yield from pacing_families({s: stages[s].counters for s in names}, self._replica_labels(False),
                                    lambda s: self._replica_values(s, stages[s], False))
         yield from self._routing(routing)
-        for metric_name in sorted(self._latency):
-            metric = self._latency[metric_name]
-            fam = HistogramMetricFamily(metric.name, metric.help, labels=self._labels(metric.vllm))
-            for (name, stage), hist in sorted(self.histograms.items()):
-                if name == metric.name:
-                    fam.add_metric(self._values(stage, metric.vllm), hist.cumulative(), hist.sum)
-            yield fam
         failed = CounterMetricFamily(
             "omni_cache_stage_failed_requests",
             "Requests the orchestrator failed because of this stage (died, error, timeout).",
@@ -310,6 +288,10 @@ class OrchestratorMetrics:
         restarts = CounterMetricFamily("omni_cache_stage_restarts",
                                        "Times the orchestrator restarted the stage replica's process.",
                                        labels=labels)
+        hangs = CounterMetricFamily(
+            "omni_cache_stage_hangs",
+            "Times the stage replica was found hung (its loop stopped moving while it held work, "
+            "or its heartbeats stopped) and marked down.", labels=labels)
         fresh = GaugeMetricFamily(
             "omni_cache_stage_stats_fresh",
             "1 when the stage replica answered this scrape's stats query (else its last known "
@@ -318,8 +300,9 @@ class OrchestratorMetrics:
             values = self._replica_values(s, stages[s], False)
             up.add_metric(values, 1 if stages[s].up else 0)
             restarts.add_metric(values, stages[s].restarts)
+            hangs.add_metric(values, stages[s].hangs)
             fresh.add_metric(values, 1 if stages[s].fresh else 0)
-        yield from (up, restarts, fresh)
+        yield from (up, restarts, hangs, fresh)
 
     def _routing(self, routing: RoutingSnapshot) -> Iterator[Metric]:
         fam = CounterMetricFamily(

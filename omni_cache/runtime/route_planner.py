@@ -1,0 +1,254 @@
+"""Routing state: what each replica holds and is busy with, turned into one route per request.
+
+:class:`RoutePlanner` owns what routing knows and the policy that decides
+(:class:`~omni_cache.runtime.routing.ReplicaRouter`, module routing.py says how it trades prefix
+against load):
+
+* the entry replicas' prefix caches, as they report them (:class:`PrefixIndex`, from
+  ``BlockEvents``), plus the prompts their requests in flight are computing now;
+* the prefill queued on each entry replica (its requests that have not produced a first output);
+* for later stages with a prefix cache of their own, where each thinker prompt prefix's work went
+  (:class:`PrefixAffinity`);
+* sessions: requests that name the same ``session_id`` (a realtime conversation) stay on the
+  replicas their session's first request was routed to while those are up. Prompts with media
+  are not hashed (their block hashes depend on the thinker's processor), so without this a
+  conversation with audio turns would have no affinity at all.
+
+It reads the in-flight requests (:class:`RequestTable`) and which replicas are up (the supervisor)
+and writes nothing but its own state and the route fields of the request it routes.
+
+Hashing a prompt (SHA-256 per block, for every block size the entry replicas report, and for the
+later stages' affinity) grows with its length: the orchestrator runs it in a worker thread
+(:meth:`RoutePlanner.hasher` gives a function that reads nothing the event loop changes) and
+hands the result to :meth:`RoutePlanner.assign`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from omni_cache.config import PipelineConfig
+from omni_cache.config.replicas import Replica, reports_blocks
+from omni_cache.runtime.affinity import AFFINITY_BLOCK_SIZE, PrefixAffinity
+from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.metrics import RoutingSnapshot
+from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.requests import Request, RequestTable
+from omni_cache.runtime.routing import ReplicaRouter
+from omni_cache.runtime.supervisor import StageSupervisor
+from omni_cache.runtime.topology import Topology
+from omni_cache.wire.messages import BlockEvents
+
+#: Sessions remembered (the least recently routed are forgotten first).
+MAX_SESSIONS = 65536
+
+
+@dataclass(frozen=True)
+class PromptHashes:
+    """What routing reads of a prompt's content (nothing for a prompt with media)."""
+
+    #: block size -> the hashes of the prompt's full blocks (prefix routing).
+    chains: dict[int, list[int]]
+    #: Its hashes in AFFINITY_BLOCK_SIZE blocks (later stages that follow a prefix); None: none.
+    affinity: list[int] | None = None
+
+
+def hash_prompt(prompt: Sequence[int] | None, block_sizes: Sequence[int], seed: str | None,
+                affinity: bool) -> PromptHashes:
+    """``prompt``'s hashes in each of ``block_sizes`` (vLLM's, with the entry engines' ``seed``)
+    and, with ``affinity``, in AFFINITY_BLOCK_SIZE blocks; nothing for None (a prompt with media)."""
+    if prompt is None:
+        return PromptHashes({})
+    return PromptHashes({size: prompt_block_hashes(prompt, size, seed) for size in block_sizes},
+                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None) if affinity else None)
+
+
+class RoutePlanner:
+    def __init__(self, config: PipelineConfig, topology: Topology, supervisor: StageSupervisor,
+                 requests: RequestTable) -> None:
+        self._config = config
+        self._entry = topology.entry
+        self._supervisor = supervisor
+        self._requests = requests
+        self.router = ReplicaRouter(config.server.routing, {s.name: s.replicas for s in config.stages})
+        #: What each entry replica's prefix cache holds, as it reports (prefix routing only).
+        self.prefix_index = PrefixIndex()
+        #: Whether the entry replicas report their blocks (and prompts are hashed to match them).
+        self.prefix_routing = reports_blocks(config.server.routing, self._entry.name,
+                                             self._entry.name, self._entry.replicas,
+                                             self._entry.prefix_cache)
+        self._affinity = {s.name: PrefixAffinity() for s in config.stages
+                          if config.server.routing == "prefix" and s.name != self._entry.name
+                          and s.replicas > 1 and s.is_autoregressive and s.prefix_cache}
+        self._sessions: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self._hash_seed = self._entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
+
+    # ---- routing a request -----------------------------------------------------------------------
+
+    def hasher(self, prompt: Sequence[int], *, has_media: bool) -> Callable[[], PromptHashes]:
+        """The hashing :meth:`assign` needs for ``prompt``, as a function a worker thread can run:
+        the block sizes it hashes by are read now."""
+        sizes = sorted(set(self.prefix_index.block_size.values())) if self.prefix_routing else []
+        return functools.partial(hash_prompt, None if has_media else list(prompt), sizes,
+                                 self._hash_seed, bool(self._affinity))
+
+    def assign(self, req: Request, prompt: Sequence[int], *, has_media: bool,
+               session_id: str | None = None, hashes: PromptHashes | None = None) -> None:
+        """Route ``req``, whose entry stage is sent ``prompt``: its replicas, the prefill it queues
+        on its entry replica, and the prompt's block hashes (prefix routing; none with media).
+        ``hashes``: what :meth:`hasher` computed (else it is computed here)."""
+        hashed = None if has_media else prompt
+        if hashes is None:
+            hashes = self.hasher(prompt, has_media=has_media)()
+        pinned = self._sessions.get(session_id) if session_id is not None else None
+        req.route, req.prefill_backlog = self.route(req.participants, len(prompt), hashes.chains,
+                                                    hashed, pinned=pinned,
+                                                    affinity_chain=hashes.affinity)
+        req.block_hashes = hashes.chains
+        if session_id is not None:
+            self._remember_session(session_id, req.route)
+
+    def route(self, participants: Sequence[str], prompt_tokens: int,
+              chains: dict[int, list[int]], prompt: Sequence[int] | None = None, *,
+              pinned: Mapping[str, int] | None = None,
+              affinity_chain: list[int] | None = None) -> tuple[dict[str, int], int]:
+        """A replica of every participant (among those up: admission saw one of each), and the
+        prompt tokens the chosen entry replica is expected to compute (its prefill backlog while
+        the request waits there). ``chains``: the prompt's block hashes per block size (empty: a
+        prompt with media, or no prefix routing); ``prompt``: its token ids (None: it has media),
+        for the later stages that follow a prefix (``affinity_chain``: its hashes for them, when
+        already computed); ``pinned``: the session's replicas."""
+        route: dict[str, int] = {}
+        uncached = prompt_tokens
+        for stage in participants:
+            up = self._supervisor.up_replicas(stage)
+            load = self._requests.load(stage)
+            if pinned is not None and pinned.get(stage) in up:
+                route[stage] = self.router.keep(stage, pinned[stage])
+                continue
+            affinity = self._affinity.get(stage)
+            if affinity is not None and prompt is not None:
+                chain = (affinity_chain if affinity_chain is not None
+                         else prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None))
+                route[stage] = self.router.follow(stage, up, load, affinity.lookup(chain, up))
+                affinity.record(chain, route[stage])
+                continue
+            if stage != self._entry.name or not self.prefix_routing:
+                route[stage] = self.router.pick(stage, up, load)
+                continue
+            matched, sizes = self.matched_blocks(up, chains)
+            # One block size per pipeline in practice (the replicas are identical); a replica
+            # that reported none holds nothing known and has matched 0.
+            size = max(sizes.values(), default=0)
+            route[stage] = choice = self.router.pick(
+                stage, up, load, matched if chains else None, backlog=self.prefill_backlog(),
+                prompt_tokens=prompt_tokens, block_size=size)
+            uncached = max(1, prompt_tokens - matched.get(choice, 0) * sizes.get(choice, 0))
+        return route, uncached
+
+    def prompt_chains(self, prompt: Sequence[int] | None) -> dict[int, list[int]]:
+        """block size -> the hashes of ``prompt``'s full blocks, for every block size an entry
+        replica reported (prefix routing, prompts without media)."""
+        if not self.prefix_routing or prompt is None:
+            return {}
+        return self.hasher(prompt, has_media=False)().chains
+
+    def matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]]
+                       ) -> tuple[dict[int, int], dict[int, int]]:
+        """(entry replica -> leading blocks of the prompt it holds, replica -> its block size).
+
+        Held is what the replica reported (the prefix index) and also what the requests in
+        flight there are computing: vLLM caches a prompt's full blocks when it schedules them and
+        cannot evict them while their request runs, so a request routed there now hits them (in
+        the same step, even), though the replica reports them only after its step. Without this,
+        a tenant's second request that arrives during its first one's prefill would see nothing
+        held and be sent away, copying the prefix into the other replica's pool as well."""
+        matched: dict[int, int] = {}
+        sizes: dict[int, int] = {}
+        running = self._requests.served_by(self._entry.name)
+        for replica in up:
+            size = self.prefix_index.block_size.get(replica)
+            chain = chains.get(size or 0)
+            if not size or chain is None:
+                continue
+            sizes[replica] = size
+            n = self.prefix_index.matched_blocks(replica, chain)
+            for r in running:
+                if r.route.get(self._entry.name, 0) == replica and n < len(chain):
+                    n = max(n, common_prefix(chain, r.block_hashes.get(size, ())))
+            matched[replica] = n
+        return matched, sizes
+
+    def prefill_backlog(self) -> dict[int, int]:
+        """entry replica -> the prompt tokens queued there: what its requests in flight that have
+        not produced their first output found uncached when they were routed."""
+        out: dict[int, int] = {}
+        for r in self._requests.served_by(self._entry.name):
+            if r.prefill_backlog:
+                i = r.route.get(self._entry.name, 0)
+                out[i] = out.get(i, 0) + r.prefill_backlog
+        return out
+
+    def _remember_session(self, session_id: str, route: Mapping[str, int]) -> None:
+        known = self._sessions.setdefault(session_id, {})
+        known.update(route)
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def end_session(self, session_id: str) -> None:
+        """The session is over: its replicas are no longer kept for it."""
+        self._sessions.pop(session_id, None)
+
+    # ---- what the replicas report ----------------------------------------------------------------
+
+    def output_seen(self, req: Request, stage: str) -> None:
+        """``req``'s stage ``stage`` sent an output: once the entry stage did, its prefill is done
+        and no longer queued work there."""
+        if stage == self._entry.name:
+            req.prefill_backlog = 0
+
+    def on_block_events(self, msg: BlockEvents) -> None:
+        sp = self._supervisor.replica(msg.stage, msg.replica)
+        if msg.stage != self._entry.name or sp is None or not sp.up:
+            return  # a replica that is down holds nothing (a late report from its old process)
+        self.prefix_index.apply(msg.replica, msg.stored, msg.removed, cleared=msg.cleared,
+                                block_size=msg.block_size)
+
+    def forget(self, replica: Replica) -> None:
+        """``replica`` went down: its caches died with it."""
+        if replica.stage == self._entry.name:
+            self.prefix_index.forget(replica.index)
+        if replica.stage in self._affinity:
+            self._affinity[replica.stage].forget(replica.index)
+
+    def use_policy(self, policy: str) -> None:
+        """A fresh router with ``policy``: its round-robin turn and decision counts start over;
+        what the replicas reported stays (benchmarks compare policies on one running pipeline)."""
+        self.router = ReplicaRouter(policy, {s.name: s.replicas for s in self._config.stages})
+
+    def snapshot(self) -> RoutingSnapshot:
+        """What /metrics shows of routing: decisions, load and held blocks per replica."""
+        in_flight = {}
+        for stage in self._config.stages:
+            if stage.replicas > 1:
+                load = self._requests.load(stage.name)
+                in_flight.update({(stage.name, i): load.get(i, 0) for i in range(stage.replicas)})
+        blocks = ({(self._entry.name, i): self.prefix_index.blocks(i)
+                   for i in range(self._entry.replicas)} if self.prefix_routing else {})
+        return RoutingSnapshot(decisions=dict(self.router.decisions), in_flight=in_flight,
+                               prefix_blocks=blocks)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,52 @@
+"""Which stages a request passes, read once from the pipeline's shape.
+
+The entry stage (the thinker) takes every request; the stages downstream of it take part only when
+"audio" is among the request's modalities (the entry stage forwards to them only then). The text a
+client reads comes from the stage whose ``final_output`` is "text" (else the entry stage), its audio
+from the stage whose ``final_output`` is "audio".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from omni_cache.config import PipelineConfig, StageConfig
+
+
+@dataclass(frozen=True)
+class Topology:
+    #: Every stage's name, upstream before downstream.
+    stage_names: tuple[str, ...]
+    entry: StageConfig
+    text_stage: StageConfig
+    audio_stage: StageConfig | None
+    #: The stages a request with audio passes after the entry stage.
+    downstream_of_entry: frozenset[str]
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> Topology:
+        entry = config.entry_stage()
+        text = [s for s in config.stages if s.final_output == "text"]
+        audio = [s for s in config.stages if s.final_output == "audio"]
+        return cls(stage_names=tuple(s.name for s in config.topological_order()), entry=entry,
+                   text_stage=text[0] if text else entry, audio_stage=audio[0] if audio else None,
+                   downstream_of_entry=frozenset(_reachable(config, entry.name)))
+
+    def participants(self, modalities: Iterable[str]) -> tuple[str, ...]:
+        """The stages a request with these modalities needs, in topological order."""
+        names = {self.entry.name}
+        if "audio" in modalities:
+            names |= self.downstream_of_entry
+        return tuple(n for n in self.stage_names if n in names)
+
+
+def _reachable(config: PipelineConfig, name: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for d in config.downstream(todo.pop()):
+            if d.name not in seen:
+                seen.add(d.name)
+                todo.append(d.name)
+    return seen
