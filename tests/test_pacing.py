@@ -270,11 +270,15 @@ def decoder(tmp_path):
 
 
 def stream_codes(runner, rid: str, seq: int, n: int, stream: bool = True) -> None:
-    from omni_cache.wire.messages import StageOutput
+    """The talker's codes for ``rid``; its stream opens with a StreamStart saying whether the
+    client streams."""
+    from omni_cache.wire.messages import StageOutput, StreamStart
 
     ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seq)).tolist()
-    runner.guarded(rid, lambda: runner.accept(StageOutput(
-        request_id=rid, stage="talker", seq=seq, token_ids=ids, stream=stream and seq == 0), {}))
+    msg = StageOutput(request_id=rid, stage="talker", seq=seq, token_ids=ids)
+    if seq == 0:
+        msg = StreamStart.opening(msg, stream=stream)
+    runner.guarded(rid, lambda: runner.accept(msg, {}))
 
 
 def emitted_in_next_step(runner, inbox) -> set[str]:
