@@ -356,9 +356,9 @@ def _ms(v: float | None) -> str:
 
 
 def format_table(result: Mapping[str, Any]) -> str:
-    lines = [f"{'side':<10} {'workload':<14} {'arrival':<8} {'C':>3} {'ok':>7} {'TTFA p50':>9} "
-             f"{'p90':>6} {'p99':>6} {'stalls':>6} {'stall s':>8} {'req/s':>6} {'audio s/s':>9} "
-             f"{'paced':>5} {'shared':>6}"]
+    lines = [(f"{'side':<10} {'workload':<14} {'arrival':<8} {'C':>3} {'ok':>7} {'TTFA p50':>9} "
+              f"{'p90':>6} {'p99':>6} {'stalls':>6} {'stall s':>8} {'req/s':>6} {'audio s/s':>9} "
+              f"{'paced':>5} {'shared':>6}")]
     for r in result["rows"]:
         t = r["ttfa_s"]
         talker = r["counters"].get("talker", {})

@@ -29,13 +29,13 @@ __all__ = ["COUNTERS", "HISTOGRAM", "is_pacing_key", "pacing_families"]
 #: Stage counter key -> (metric name, help).
 COUNTERS: dict[str, tuple[str, str]] = {
     "paced_requests": ("omni_cache_stage_paced_requests",
-                       "Streamed spoken answers that yielded their turn because they were more "
-                       "than pacing.lead_s ahead of their playback."),
+                       ("Streamed spoken answers that yielded their turn because they were more "
+                        "than pacing.lead_s ahead of their playback.")),
     "audio_underruns": ("omni_cache_stage_audio_underruns",
                         "Streamed spoken answers whose emitted audio fell behind their playback."),
     "first_audio_shared_steps": ("omni_cache_stage_first_audio_shared_steps",
-                                 "Steps that ran a streamed answer's first-audio work beside "
-                                 "another answer's ahead-of-time work."),
+                                 ("Steps that ran a streamed answer's first-audio work beside "
+                                  "another answer's ahead-of-time work.")),
 }
 #: The histogram's counter-key prefix and its metric.
 HISTOGRAM = "pacing_slack_seconds"
