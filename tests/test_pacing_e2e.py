@@ -61,7 +61,7 @@ def pipe(tmp_path_factory):
             stage["sampling"]["max_tokens"] = TALKER_STEPS
     path = tmp_path_factory.mktemp("cfg") / "qwen3_omni_paced.yaml"
     path.write_text(yaml.safe_dump(data))
-    with Pipeline(load_config(path), config_path=path).start() as p:
+    with Pipeline(load_config(path)).start() as p:
         yield p
 
 
