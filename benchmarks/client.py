@@ -72,6 +72,9 @@ class Sample:
     #: Arrival times (s after sending) of every text / audio chunk.
     text_times: list[float] = field(default_factory=list)
     audio_times: list[float] = field(default_factory=list)
+    #: Decoded bytes (16-bit PCM) of every audio chunk, in arrival order (a listener's playback:
+    #: benchmarks/listener.py).
+    audio_sizes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,7 +140,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
                     if audio and audio.get("data"):
                         sample.audio_chunks += 1
                         sample.audio_times.append(round(now, 6))
-                        sample.audio_bytes += audio_bytes_of_b64(audio["data"])
+                        sample.audio_sizes.append(audio_bytes_of_b64(audio["data"]))
+                        sample.audio_bytes += sample.audio_sizes[-1]
                         if sample.ttfa_s is None:
                             sample.ttfa_s = now
                     if choice.get("finish_reason"):
@@ -161,7 +165,7 @@ class Driver:
     def __init__(self, url: str, model: str, *, api_key: str | None = None, concurrency: int | None = None,
                  rate: float | None = None, request_timeout_s: float = 600.0,
                  on_done: Callable[[Sample], None] | None = None, audio: bool = True,
-                 one_message: bool = False) -> None:
+                 one_message: bool = False, stagger_s: float = 0.0) -> None:
         self.url = url.rstrip("/")
         self.audio = audio
         #: Single-turn requests as one user message (system + user text), the way vllm bench
@@ -171,6 +175,9 @@ class Driver:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
         self.rate = rate
+        #: Closed loop: client k sends its first request k * stagger_s after the start (0: all
+        #: at once), so requests of equal length do not keep arriving in waves.
+        self.stagger_s = stagger_s
         self.timeout = httpx.Timeout(request_timeout_s, connect=30.0)
         self.on_done = on_done
         self.samples: list[Sample] = []
@@ -234,7 +241,8 @@ class Driver:
                 for s in sessions:
                     queue.put_nowait(s)
 
-                async def worker() -> None:
+                async def worker(k: int) -> None:
+                    await asyncio.sleep(k * self.stagger_s)
                     while True:
                         try:
                             s = queue.get_nowait()
@@ -242,7 +250,7 @@ class Driver:
                             return
                         await self._session(client, s, out)
 
-                await asyncio.gather(*(worker() for _ in range(max(1, self.concurrency or 1))))
+                await asyncio.gather(*(worker(k) for k in range(max(1, self.concurrency or 1))))
             self.t_end = time.perf_counter()
         self.samples = out
         return out
@@ -258,12 +266,16 @@ COUNTERS = {
     "requests": "omni_cache_stage_requests_total",
     "restarts": "omni_cache_stage_restarts_total",
     "fresh": "omni_cache_stage_stats_fresh",
+    # Playback pacing (stages with `pacing:`; omni_cache/runtime/pacing_metrics.py).
+    "paced": "omni_cache_stage_paced_requests_total",
+    "underruns": "omni_cache_stage_audio_underruns_total",
+    "first_audio_shared_steps": "omni_cache_stage_first_audio_shared_steps_total",
 }
 
 
 def metric_counters(text: str) -> dict[str, dict[str, float]]:
-    """stage -> {queried, hit, latent_rows, requests, restarts, fresh} from Prometheus text; a
-    stage's replicas summed (``fresh``: 1 only when every replica answered)."""
+    """stage -> {queried, hit, latent_rows, requests, restarts, fresh, the pacing counters} from
+    Prometheus text; a stage's replicas summed (``fresh``: 1 only when every replica answered)."""
     from omni_cache.runtime.metrics import parse_metrics
 
     by_name = {v: k for k, v in COUNTERS.items()}

@@ -264,6 +264,13 @@ def format_summary(
                     f"  generation:   max_batch_size={g.max_batch_size}, "
                     f"chunk_size={g.chunk_size}, device={g.device}"
                 )
+        if st.pacing is not None:
+            pace = st.pacing
+            lines.append(f"  pacing:       {'on' if pace.enabled else 'measured only'}, "
+                         f"lead {pace.lead_s:g} s"
+                         + (f", {pace.token_audio_s:g} s of audio per token" if pace.token_audio_s else "")
+                         + (f", {pace.ahead_batch_size} windows a batch ahead of time"
+                            if pace.ahead_batch_size else ""))
         if st.env:
             lines.append("  env:          " + ", ".join(f"{k}={v}" for k, v in st.env.items()))
         lines.append(f"  final output: {st.final_output or 'none (feeds the next stage)'}")

@@ -173,6 +173,7 @@ class Pipeline:
         return_latents: bool = False,
         timeout_s: float | None = None,
         media: Sequence[Sequence[Any]] | None = None,
+        stream: bool = False,
     ) -> list[GenerationResult]:
         """Run prompts through the pipeline; one :class:`GenerationResult` per prompt, in order.
 
@@ -186,6 +187,9 @@ class Pipeline:
         talker: ``"talker.codes"``, every codebook, [num_code_groups, steps]).
         ``max_tokens=None`` uses the thinker's configured default. ``media``: per prompt, the
         decoded images and clips (``omni_cache.serving.media.MediaItem``) for its placeholders.
+        ``stream=True`` submits them as answers a client streams (``Submit.stream``): stages with
+        ``pacing`` then pace their audio to playback, as for an HTTP client with ``"stream":
+        true``; the results are still whole answers.
 
         Raises :class:`GenerationError` if any request failed (after all of them ended).
         """
@@ -206,7 +210,8 @@ class Pipeline:
         if media is not None and len(media) != len(token_lists):
             raise ValueError(f"media: {len(media)} lists for {len(token_lists)} prompts")
         kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                      modalities=tuple(modalities), return_latents=return_latents, timeout_s=timeout_s)
+                      modalities=tuple(modalities), return_latents=return_latents, timeout_s=timeout_s,
+                      stream=stream)
         outcomes = self._run(self._generate(token_lists, kwargs, media))
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
         if errors:

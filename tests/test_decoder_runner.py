@@ -27,12 +27,14 @@ from workers.runner import DEADLINE_GRACE_S, time_left
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_runner(tmp_path, model: str):
-    """A DecoderRunner for `model` whose orchestrator socket is the test's (`runner.inbox`)."""
+def make_runner(tmp_path, model: str, max_batch_size: int = 2, pacing=None):
+    """A DecoderRunner for `model` whose orchestrator socket is the test's (`runner.inbox`);
+    `pacing`: the stage's PacingConfig (tests/test_pacing.py)."""
     config = load_config(ROOT / "stage_configs" / "tiny_omni.yaml")
     stage = config.stage("decoder")
     stage.model = model
-    stage.generation.max_batch_size = 2
+    stage.generation.max_batch_size = max_batch_size
+    stage.pacing = pacing
     ctx = zmq.Context()
     codec = Codec(MESSAGE_TYPES)
     address = f"ipc://{tmp_path}/orchestrator.sock"

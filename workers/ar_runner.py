@@ -5,12 +5,16 @@ opens a request on its upstream's `StreamStart`, turns that and the `StageOutput
 jobs through the configured hand-off function, and runs a request's `GenerateJob`s one after the
 other (`<request_id>/<k>` in vLLM), so their outputs stay in order; a `FeedJob`'s rows go to the
 request's streaming job. Its own stream downstream opens with a `StreamStart` in turn.
+
+With `pacing:` every streamed spoken answer gets a playback clock (scheduler/pacing.py) that all of
+its vLLM requests carry; each output moves it by the tokens emitted times `token_audio_s`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +26,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, StreamStart, Submit
+from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
@@ -53,6 +58,8 @@ class _ARRequest:
     #: sent again with its first output; None once sent.
     resumed_tail: list[int] | None = None
     answer_finished: str = ""  # Submit.answer_finished
+    stream: bool = False  # Submit.stream, forwarded downstream in the StreamStart
+    clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
 
 
 def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -120,9 +127,12 @@ class ARRunner(StageRunner):
         engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
+        self.pacer = None
+        if stage.pacing is not None:
+            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled))
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
                             async_scheduling=async_scheduling, submodel=stage.submodel,
-                            report_blocks=report_blocks)
+                            report_blocks=report_blocks, pacer=self.pacer)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
         self.max_model_len = self.llm.max_model_len
@@ -152,7 +162,9 @@ class ARRunner(StageRunner):
         media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
                          deadline=deadline_in(msg.time_left_s),
-                         return_latents=msg.return_latents, route=dict(msg.route))
+                         return_latents=msg.return_latents, route=dict(msg.route),
+                         stream=msg.stream)
+        req.clock = self._clock(req)
         if msg.resumed_tokens:
             req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
             req.answer_finished = msg.answer_finished
@@ -194,12 +206,19 @@ class ARRunner(StageRunner):
                                 "an autoregressive stage runs GenerateJob and FeedJob")
         self._next_job(req)
 
+    def _clock(self, req: _ARRequest) -> PlaybackClock | None:
+        """A playback clock for a spoken answer its client streams, when this stage paces."""
+        if self.pacer is None or not req.stream or "audio" not in req.modalities:
+            return None
+        return self.pacer.clock()
+
     def _open(self, start: StreamStart) -> _ARRequest:
         """A request from its upstream's first output, with the context that came with it."""
         req = _ARRequest(start.request_id, list(start.modalities), start.sampling,
                          deadline=deadline_in(start.time_left_s),
                          return_latents=start.return_latents, route=dict(start.route),
-                         upstream=Upstream.opened_by(start))
+                         upstream=Upstream.opened_by(start), stream=start.stream)
+        req.clock = self._clock(req)
         self.requests[start.request_id] = req
         self.total_requests += 1
         return req
@@ -264,7 +283,8 @@ class ARRunner(StageRunner):
 
             streamed = StreamedRows(job.stream.pad, max_rows=self.max_model_len)
             streamed.add(job.stream.rows, job.stream.done)
-        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions)
+        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions,
+                     clock=req.clock)
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 
@@ -296,6 +316,11 @@ class ARRunner(StageRunner):
             req.resumed_tail = None
         job_done = out.finished
         finished = False
+        if req.clock is not None:
+            # A multi-codebook talker's audio is its code frames (its sampled end of speech is
+            # none); any other stage's is its tokens.
+            n = out.codes.shape[-1] if out.codes is not None else len(out.token_ids)
+            req.clock.emit(n * self.stage.pacing.token_audio_s, time.monotonic())
         self.generation_tokens += len(out.token_ids)
         req.generated += len(out.token_ids)
         if job_done:
@@ -344,7 +369,8 @@ class ARRunner(StageRunner):
             first, modalities=req.modalities, sampling=req.sampling,
             time_left_s=time_left(req.deadline),
             return_latents=req.return_latents, route=req.route,
-            prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [])
+            prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [],
+            stream=req.stream)
 
     # ---- control ---------------------------------------------------------------------------
     def drop(self, request_id: str) -> None:
@@ -359,5 +385,6 @@ class ARRunner(StageRunner):
     def counters(self) -> dict[str, float]:
         running, waiting = self.llm.scheduler.get_request_counts()
         return {**super().counters(), **self.llm.counters(),
+                **(self.pacer.stats.counters() if self.pacer is not None else {}),
                 "num_requests_running": running, "num_requests_waiting": waiting,
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens}

@@ -11,11 +11,18 @@ queued for the next steps, and a request served now goes behind those that were 
 (a request's first audio) go before all others, in batches of their own. Every window
 is checked (shape, each codebook's code range) before the batch runs; if a batched pass fails,
 each window of it is decoded alone, so only the request whose window fails is failed.
+
+With `pacing:` (scheduler/pacing.py) every streamed answer has a playback clock moved by the samples
+the stage emits: an answer more than the lead ahead of its playback yields its turn while another
+answer's window is due, and the others go by least slack instead of round-robin; when every ready
+answer is ahead, they all run, `pacing.ahead_batch_size` windows a batch (a batch cannot be
+interrupted: a small one lets the next due window, a new answer's first audio, start soon).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +36,7 @@ from omni_cache.handoff import CODES_FRAME, DecodeJob, HandoffContext, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.wire.messages import StageOutput
+from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
 from workers.runner import StageRunner, deadline_in
 
 logger = logging.getLogger(__name__)
@@ -42,6 +50,7 @@ class _DecodeRequest:
     jobs: deque[DecodeJob] = field(default_factory=deque)
     seq: int = 0
     frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
+    clock: PlaybackClock | None = None  # a streamed answer's playback as this stage emits it
 
 
 class DecoderRunner(StageRunner):
@@ -57,6 +66,9 @@ class DecoderRunner(StageRunner):
             "codebook_size": self.decoder.codebook_size})
         self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
+        self.pacer = None
+        if stage.pacing is not None:
+            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled))
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):
@@ -68,6 +80,8 @@ class DecoderRunner(StageRunner):
             # A StreamStart: is_dead drops the rest of a stream whose start this stage never saw.
             req = self.requests[msg.request_id] = _DecodeRequest(
                 Upstream.opened_by(msg), deadline=deadline_in(msg.time_left_s))
+            if self.pacer is not None and msg.stream:
+                req.clock = self.pacer.clock()
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
@@ -99,7 +113,7 @@ class DecoderRunner(StageRunner):
         req.upstream.latents = {CODES_FRAME: req.frames.view()[CODES_FRAME].T}
 
     def has_work(self) -> bool:
-        return any(r.jobs for r in self.requests.values())
+        return bool(self._runnable(time.monotonic())[0])
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -132,17 +146,38 @@ class DecoderRunner(StageRunner):
         requests served go to the back of the line, the others keep their windows queued.
         First windows (of requests with no audio out yet) go alone, ahead of the rest: they are
         a few codes each, and a batch takes as long as its longest window, so a new request's
-        first audio does not wait behind other requests' full chunks."""
-        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        first audio does not wait behind other requests' full chunks. With pacing, answers far
+        ahead of their playback yield while others are due, and the rest go by least slack."""
+        now = time.monotonic()
+        ready, size = self._runnable(now)
         first = [(rid, req) for rid, req in ready if req.seq == 0]
         batch = []
         for rid, req in first or ready:
-            if len(batch) == self.args.max_batch_size:
+            if len(batch) == size:
                 break
             batch.append((rid, req.jobs.popleft()))
         for rid, _ in batch:
             self.requests.move_to_end(rid)
+        if self.pacer is not None:
+            self.pacer.note_step((self.requests[rid].clock for rid, _ in batch), now)
         return batch
+
+    def _runnable(self, now: float) -> tuple[list[tuple[str, _DecodeRequest]], int]:
+        """The requests whose next window may run now, in the order they go, and the batch size.
+        With pacing on: no answer far ahead while another is due (one waiting for codes too:
+        Pacer.hold), by least slack, and ahead-of-time work ahead_batch_size windows a batch."""
+        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        if self.pacer is None:
+            return ready, self.args.max_batch_size
+        waiting = [req.clock for req in self.requests.values() if not req.jobs]
+        held = set(self.pacer.hold([(rid, req.clock) for rid, req in ready], now, waiting))
+        ready = [(rid, req) for rid, req in ready if rid not in held]
+        if not self.pacer.policy.enabled:
+            return ready, self.args.max_batch_size
+        ready = self.pacer.order(ready, lambda item: item[1].clock, lambda item: item[1].seq > 0, now)
+        ahead_only = all(self.pacer.is_ahead(req.clock, now) for _, req in ready)
+        return ready, (self.stage.pacing.ahead_batch_size or self.args.max_batch_size
+                       if ahead_only else self.args.max_batch_size)
 
     def _decode(self, group: list[tuple[str, DecodeJob]]) -> list[torch.Tensor]:
         return self.decoder.decode_windows([job.window for _, job in group])
@@ -158,6 +193,8 @@ class DecoderRunner(StageRunner):
 
     def _emit(self, request_id: str, job: DecodeJob, audio: torch.Tensor) -> None:
         req = self.requests[request_id]
+        if req.clock is not None:
+            req.clock.emit(audio.shape[0] / self.decoder.sample_rate, time.monotonic())
         self.outbox.to_orchestrator(StageOutput(
             request_id=request_id, stage=self.stage.name, seq=req.seq, finished=job.last,
             finish_reason="stop" if job.last else None, sample_rate=self.decoder.sample_rate),
@@ -168,3 +205,7 @@ class DecoderRunner(StageRunner):
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def counters(self) -> dict[str, float]:
+        return {**super().counters(),
+                **(self.pacer.stats.counters() if self.pacer is not None else {})}

@@ -65,12 +65,14 @@ class LLMStage:
     def __init__(self, model: str, engine_args: dict[str, Any], *, prefix_cache: bool = True,
                  latents: LatentOptions | None = None, async_scheduling: bool = False,
                  block_states: bool = True, submodel: str | None = None,
-                 report_blocks: bool = False) -> None:
+                 report_blocks: bool = False, pacer: Any = None) -> None:
         """block_states=False keeps vLLM's plain align mode on a hybrid thinker (states only where a
         chunk ends; benchmarks compare against it). It changes nothing for other models.
         submodel="talker" runs Qwen3-Omni's talker from the checkpoint folder (StageConfig.submodel).
         report_blocks=True turns vLLM's KV-cache events on and keeps the block hashes its prefix
-        cache gains and loses in `block_events` (scheduler/block_events.py), for prefix routing."""
+        cache gains and loses in `block_events` (scheduler/block_events.py), for prefix routing.
+        pacer: the stage's scheduler/pacing.py Pacer; its scheduler then paces the requests `add`
+        gives a playback clock."""
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -116,6 +118,7 @@ class LLMStage:
         self._tracked: dict[str, _Tracked] = {}
         core = self.engine.engine_core.engine_core  # in-process EngineCore
         self.scheduler = core.scheduler
+        self.scheduler.pacer = pacer
         from scheduler import block_events
 
         self.block_events = block_events.install(self.scheduler) if report_blocks else None
@@ -126,11 +129,14 @@ class LLMStage:
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request_id: str, prompt: dict[str, Any], params: Any,
-            streamed: Any = None, positions: tuple[torch.Tensor, int] | None = None) -> None:
+            streamed: Any = None, positions: tuple[torch.Tensor, int] | None = None,
+            clock: Any = None) -> None:
         """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}.
         streamed: the request's StreamedRows (scheduler/streamed_rows.py), for a talker whose
         decode steps consume rows that keep arriving (`feed`). positions: M-RoPE prompt positions
-        [3, L] and decode delta, when not plain text positions (a talker prompt with an image)."""
+        [3, L] and decode delta, when not plain text positions (a talker prompt with an image).
+        clock: the PlaybackClock of the streamed answer the request belongs to (scheduler/pacing.py),
+        for the scheduler's pacer."""
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._tracked:
@@ -151,6 +157,10 @@ class LLMStage:
                 streamed_rows.attach(request, streamed)
             if positions is not None:
                 streamed_rows.attach_positions(request, *positions)
+        if clock is not None:
+            from scheduler import pacing
+
+            pacing.attach(self.scheduler.requests[internal], clock)
 
     def feed(self, request_id: str, rows: torch.Tensor | None, done: bool) -> None:
         """More streamed rows for a running request (its scheduler lets it step again)."""

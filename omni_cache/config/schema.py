@@ -280,6 +280,27 @@ class GenerationArgs(_Base, kw_only=True):
     device: Annotated[str, Meta(min_length=1)] = "cpu"
 
 
+class PacingConfig(_Base, kw_only=True):
+    """Playback pacing of streamed spoken answers in one stage (scheduler/pacing.py): an answer
+    whose audio this stage has emitted more than ``lead_s`` ahead of its playback yields its turn
+    to answers that are due (no audio yet first, then the least slack); when nothing else is due it
+    runs anyway. Only answers whose client streams (``"stream": true``) and asks for audio."""
+
+    #: False: keep the clocks and the pacing counters in /metrics, change no order (a baseline).
+    enabled: bool = True
+    #: Seconds of audio an answer may be ahead of its playback before it yields.
+    lead_s: PositiveFloat = 1.0
+    #: Autoregressive stages: seconds of audio one generated token stands for (Qwen3-Omni's talker:
+    #: one code of its 12.5 Hz codec, 0.08; its thinker: one text row per talker step, 0.08).
+    #: A generation stage counts the samples it emits: leave it unset there.
+    token_audio_s: PositiveFloat | None = None
+    #: Generation stages: windows decoded together when every ready answer is ahead (nothing is
+    #: due); None: ``generation.max_batch_size``. A batch cannot be interrupted, so a small one
+    #: keeps the window that becomes due next (a new answer's first audio) from waiting behind a
+    #: long batch of work that was not due.
+    ahead_batch_size: PositiveInt | None = None
+
+
 class StageConfig(_Base, kw_only=True):
     """One stage of the pipeline, run in its own process."""
 
@@ -336,6 +357,8 @@ class StageConfig(_Base, kw_only=True):
     #: (``server.ray_address``); None -> one logical CPU, no GPU, no custom resource. Ignored
     #: when the stages are spawned locally; refused on an ``external`` stage.
     ray: RayResources | None = None
+    #: Playback pacing of streamed spoken answers; None: this stage does not pace.
+    pacing: PacingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "generation" and self.generation is None:

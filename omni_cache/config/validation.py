@@ -88,6 +88,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
         _check_sampling(s, base, issues)
         _check_replicas(s, base, issues)
 
+    _check_pacing(config, issues)
     _check_addresses(config, issues)
     check_hand_started(config, {s.name for s in stages if s.external}, issues)
     _check_ray(config, issues)
@@ -231,6 +232,41 @@ _SAMPLING_RANGES: tuple[tuple[str, str, Callable[[float], bool], str], ...] = (
     ("top_p", "float", lambda v: v <= 1, "<= 1.0"),
     ("max_tokens", "int", lambda v: v >= 1, ">= 1"),
 )
+
+
+def _check_pacing(config: PipelineConfig, issues: IssueCollector) -> None:
+    """A stage paces only answers that become audio, counted in its own units: tokens (stated
+    in ``token_audio_s``) for an autoregressive stage, samples for a generation stage."""
+    names = {s.name for s in config.stages}
+    for i, s in enumerate(config.stages):
+        if s.pacing is None:
+            continue
+        key = ("stages", i, "pacing")
+        if s.kind == "autoregressive" and s.pacing.token_audio_s is None:
+            issues.add((*key, "token_audio_s"), "missing: an autoregressive stage paces by its "
+                       "tokens and needs the seconds of audio one token stands for (Qwen3-Omni: 0.08)")
+        elif s.kind == "generation" and s.pacing.token_audio_s is not None:
+            issues.add((*key, "token_audio_s"), "only for autoregressive stages (a generation "
+                       "stage counts the audio samples it emits)")
+        if s.kind == "autoregressive" and s.pacing.ahead_batch_size is not None:
+            issues.add((*key, "ahead_batch_size"), "only for generation stages (vLLM sizes an "
+                       "autoregressive stage's batches)")
+        if not _reaches_audio(config, s.name, names):
+            issues.add(key, f"stage {s.name!r} feeds no audio output (no stage with final_output "
+                       "'audio' is it or reads from it): there is nothing to pace")
+
+
+def _reaches_audio(config: PipelineConfig, name: str, names: set[str]) -> bool:
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in names:
+            continue
+        seen.add(current)
+        if config.stage(current).final_output == "audio":
+            return True
+        todo.extend(s.name for s in config.stages if current in s.inputs)
+    return False
 
 
 def _check_sampling(s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector) -> None:

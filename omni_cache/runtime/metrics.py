@@ -21,6 +21,9 @@ requests in flight and answered, and for stages with several replicas what routi
 ``omni_cache_replica_requests_in_flight`` (the load ``least_loaded`` compares) and
 ``omni_cache_prefix_index_blocks`` (block hashes an entry replica reported it holds, ``prefix``).
 
+Stages with ``pacing:`` add requests paced, audio underruns and a slack histogram
+(omni_cache/runtime/pacing_metrics.py).
+
 Two sources feed a scrape: the stages' cumulative counters (``StatsQuery`` -> ``StageStats``, passed
 to :meth:`OrchestratorMetrics.render` as :class:`StageSnapshot`) and what the orchestrator measures
 itself (latency histograms: ``prometheus_client``'s ``Histogram``; failures). Each orchestrator
@@ -43,6 +46,8 @@ from prometheus_client.core import (
     UnknownMetricFamily,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+from omni_cache.runtime.pacing_metrics import is_pacing_key, pacing_families
 
 __all__ = [
     "CONTENT_TYPE",
@@ -248,6 +253,8 @@ class OrchestratorMetrics:
         names = list(stages)
         yield from self._stage_state(stages, names)
         yield from self._stage_counters(stages, names)
+        yield from pacing_families({s: stages[s].counters for s in names}, self._replica_labels(False),
+                                   lambda s: self._replica_values(s, stages[s], False))
         yield from self._routing(routing)
         failed = CounterMetricFamily(
             "omni_cache_stage_failed_requests",
@@ -325,7 +332,8 @@ class OrchestratorMetrics:
                                    float(counters.get(key, 0.0)))
             if fam.samples:
                 yield fam
-        extra = sorted({k for s in names for k in stages[s].counters} - set(STAGE_METRICS))
+        extra = sorted({k for s in names for k in stages[s].counters
+                        if not is_pacing_key(k)} - set(STAGE_METRICS))
         for key in extra:
             fam = UnknownMetricFamily("omni_cache_stage_" + _NAME_RE.sub("_", key),
                                       f"Stage counter {key!r} as the stage reports it.",

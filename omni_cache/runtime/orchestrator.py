@@ -254,9 +254,7 @@ class Orchestrator:
         prompt_token_ids: Sequence[int],
         *,
         max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
+        temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
         modalities: Iterable[str] = ("text",),
         media: Sequence[MediaItem] = (),
         return_latents: bool = False,
@@ -264,6 +262,7 @@ class Orchestrator:
         received_at: float | None = None,
         session_id: str | None = None,
         ticket: Ticket | None = None,
+        stream: bool = False,
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage.
 
@@ -274,10 +273,11 @@ class Orchestrator:
         ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
         histograms (default: now); the deadline counts from it too. ``session_id``: requests of
         one session (a realtime conversation) stay on the replicas its first request went to.
-        ``ticket``: its place in the server's bounds, taken before its body was read (None: here).
+        ``ticket``: its place in the server's bounds, taken before its body was read (None: here);
+        ``stream``: its client plays it as it comes (stages pace its audio: docs/pacing.md).
 
-        Raises :class:`RequestError` when it is refused up front (:mod:`omni_cache.runtime.admission`).
-        Otherwise the returned handle gets exactly one terminal event.
+        Raises :class:`RequestError` when it is refused up front (:mod:`omni_cache.runtime.admission`);
+        otherwise the returned handle gets exactly one terminal event.
         """
         ticket = ticket or self.admission.enter()
         try:
@@ -293,7 +293,7 @@ class Orchestrator:
                               return_latents=return_latents, ticket=ticket)
             self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
                                session_id=session_id, hashes=hashes)
-            req.submit = submit_message(req, admitted.sampling, admitted.media)
+            req.submit = submit_message(req, admitted.sampling, admitted.media, stream=stream)
             req.media = media_frames(admitted.media)
             self.requests.add(req)
         except BaseException:

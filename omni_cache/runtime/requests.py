@@ -178,9 +178,11 @@ def new_request(prompt_token_ids: list[int], modalities: tuple[str, ...],
                    ticket=ticket)
 
 
-def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem]) -> Submit:
+def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem], *,
+                   stream: bool = False) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
-    :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`)."""
+    :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`).
+    ``stream``: its client streams the answer (stages pace its audio)."""
     return Submit(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
@@ -190,6 +192,7 @@ def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem])
         media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest)
                for i, m in enumerate(media)],
         route=dict(req.route),
+        stream=stream,
     )
 
 

@@ -135,6 +135,7 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
         modalities=chat.modalities,
         media=media,
         received_at=received_at,
+        stream=bool(req.stream),
         ticket=ticket,
     )
     return handle, chat

@@ -120,6 +120,9 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     #: With ``resumed_tokens``: the answer was complete (this finish reason); the stage recomputes
     #: it for the stages downstream and generates nothing new.
     answer_finished: FinishReason = ""
+    #: The client streams the answer (it plays audio as it comes): stages with ``pacing`` pace
+    #: its audio to playback (scheduler/pacing.py). Forwarded downstream in the StreamStart.
+    stream: bool = False
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
@@ -159,6 +162,9 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
     prompt_token_ids: list[TokenId] = []
     # Per image of that prompt, its (t, h, w) patch grid.
     image_grids: list[PatchGrid] = []
+    # The request's Submit.stream: the client streams, so the stages downstream pace its audio to
+    # playback.
+    stream: bool = False
 
     @classmethod
     def opening(cls, first: StageOutput, **once: Any) -> StreamStart:

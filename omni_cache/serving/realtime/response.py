@@ -125,9 +125,11 @@ class ResponseRun:
             return
         # session_id: every turn of a session goes to the replicas that hold its prefix (prompts
         # with media are not prefix-hashed, so prefix routing alone cannot follow them).
+        # stream: the client plays the audio deltas as they come, so stages pace them to playback.
         self.handle = await self.pipeline.submit(
             prompt, max_tokens=self.options.max_tokens, modalities=self.options.pipeline_modalities,
-            media=self.media, received_at=self.received_at, session_id=self.session_id)
+            media=self.media, received_at=self.received_at, session_id=self.session_id,
+            stream=True)
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")
         async for ev in self.handle.events():

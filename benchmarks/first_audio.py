@@ -1,0 +1,459 @@
+"""Time to first audio and playback stalls as listeners hear them, over a concurrency sweep, with
+playback pacing on and off (issue 36; docs/pacing.md).
+
+    .venv/bin/python -m benchmarks.first_audio --stage-config stage_configs/qwen3_omni.yaml \\
+        --workloads shared-prefix,image --concurrency 1,2,4,8,16 --arrivals closed,poisson \\
+        --sides on,off --rounds 2 --json OUT.json --plot OUT.png
+
+Each round starts the pipeline once per side (``on``: the config's ``pacing`` blocks enabled;
+``off``: ``enabled: false``, so the stages still count slack and underruns but change no order),
+the sides alternating (on, off, then off, on, ...). Per side and workload: a warm-up request, then
+the sweep: for each arrival mode (``closed``: C streams in flight, the C clients starting
+1 / ``--rate-per-stream`` / C seconds apart; ``poisson``: sessions arrive at C times
+``--rate-per-stream``) and each level C, ``max(--min-requests, --requests-per-stream x C)``
+streamed spoken answers (``"stream": true``, text + audio), prompts distinct across the points of
+a round and the same on both sides. ``--url`` runs the same sweep against any running
+OpenAI-compatible server (one side, "server"). ``--merge A.json B.json`` pools runs made
+separately (e.g. one command per round) into one result.
+
+Per answer, a listener (benchmarks/listener.py): time to first audio, and the stalls of a player
+that starts ``--jitter-ms`` after the first audio (count and seconds). Per point: TTFA p50/p90/p99,
+stalls, answers that stalled, requests/s and audio s/s over its wall time, the stages' pacing
+counters (``/metrics`` deltas), stage CPU and run-queue time. Per side: capacity, the highest level
+up to which no answer stalled. Verdicts (closed loop, pacing on): TTFA p90 at 8 within 1.5x of
+1 with 0 stalls; capacity and throughput no lower than with pacing off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.client import Driver, counter_deltas, scrape_metrics, served_model
+from benchmarks.listener import DEFAULT_JITTER_S, listen
+from benchmarks.report import distribution, write_json
+from benchmarks.workloads import Sizes, arrival_times, build_workload
+
+__all__ = ["capacity", "main", "plan", "side_config", "summarize", "verdicts"]
+
+LEVELS = (1, 2, 4, 8, 16)
+ARRIVALS = ("closed", "poisson")
+SIDES = ("on", "off")
+LABELS = {"on": "pacing on", "off": "pacing off", "server": "server"}
+#: Issue 36's targets.
+TARGET_TTFA_P90_RATIO = 1.5  # TTFA p90 at concurrency 8 / at 1
+TARGET_LEVEL = 8
+
+
+# ---- what to run --------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.first_audio",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage-config", default="stage_configs/qwen3_omni.yaml")
+    p.add_argument("--url", help="sweep this running OpenAI-compatible server instead (one side)")
+    p.add_argument("--api-key", default=os.environ.get("OMNI_CACHE_API_KEY"))
+    p.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
+    p.add_argument("--sides", default="on,off", help="pacing on, off or both, in this order (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, sides alternating order (default: 1)")
+    p.add_argument("--first-round", type=int, default=0,
+                   help="index of the first round (its prompts and side order): runs made apart keep distinct rounds")
+    p.add_argument("--workloads", default="shared-prefix,image")
+    p.add_argument("--concurrency", default=",".join(map(str, LEVELS)), help="levels (default: %(default)s)")
+    p.add_argument("--arrivals", default=",".join(ARRIVALS), help="closed, poisson or both (default: %(default)s)")
+    p.add_argument("--requests-per-stream", type=int, default=3,
+                   help="requests per point: this many per stream of the level ... (default: 3)")
+    p.add_argument("--min-requests", type=int, default=8, help="... and at least this many (default: 8)")
+    p.add_argument("--shared-tokens", type=int, default=4000)
+    p.add_argument("--unique-tokens", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rate-per-stream", default="",
+                   help="Poisson sessions/s per stream of the level, per workload (shared-prefix=0.35,image=0.12); "
+                        "default: the first closed-loop concurrency-1 throughput of the run")
+    p.add_argument("--no-stagger", dest="stagger", action="store_false",
+                   help="closed loop: start all C clients at once (default: 1 / rate-per-stream / C apart)")
+    p.add_argument("--jitter-ms", type=float, default=DEFAULT_JITTER_S * 1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default="", help="said in the JSON (e.g. that the machine was shared)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="pool these results instead of running")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.levels = sorted({int(c) for c in args.concurrency.split(",") if c})
+    args.arrivals = [a for a in args.arrivals.split(",") if a]
+    args.sides = ["server"] if args.url else [s for s in args.sides.split(",") if s]
+    if any(a not in ARRIVALS for a in args.arrivals):
+        p.error(f"--arrivals: {', '.join(ARRIVALS)}")
+    if not args.url and any(s not in SIDES for s in args.sides):
+        p.error("--sides: on, off")
+    if not args.levels or min(args.levels) < 1:
+        p.error("--concurrency: levels >= 1")
+    args.rates = {}
+    for item in filter(None, args.rate_per_stream.split(",")):
+        name, _, value = item.partition("=")
+        args.rates[name] = float(value)
+    return args
+
+
+def requests_at(level: int, per_stream: int, minimum: int) -> int:
+    return max(minimum, per_stream * level)
+
+
+def plan(workload: str, args: argparse.Namespace, round_index: int) -> tuple[list, dict]:
+    """The warm-up and, per (arrival, level), the sessions of one round of one workload: one
+    workload built for all of them (one shared prefix or image, a distinct question each), the
+    same on every side."""
+    points = [(a, c) for a in args.arrivals for c in args.levels]
+    sizes = [requests_at(c, args.requests_per_stream, args.min_requests) for _, c in points]
+    warmup, sessions = build_workload(workload, Sizes(
+        num_requests=sum(sizes), shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
+        max_tokens=args.max_tokens), seed=args.seed * 1000 + round_index)
+    out, start = {}, 0
+    for point, n in zip(points, sizes):
+        out[point] = sessions[start:start + n]
+        start += n
+    return warmup, out
+
+
+def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLike[str]) -> Path:
+    """A copy of the stage config whose pacing blocks are enabled (``on``) or only measure
+    (``off``); ValueError if no stage paces."""
+    data = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
+    paced = [s for s in data.get("stages") or [] if s.get("pacing") is not None]
+    if not paced:
+        raise ValueError(f"{src}: no stage has a pacing block: nothing to turn on or off")
+    for stage in paced:
+        stage["pacing"]["enabled"] = side == "on"
+    path = Path(dst_dir) / f"pacing-{side}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+def run_point(url: str, model: str, sessions: list, arrival: str, level: int, rate: float | None,
+              args: argparse.Namespace, seed: int, monitor: Any = None,
+              stage_pids: Any = None) -> dict[str, Any]:
+    """One (arrival, level) point: drive its sessions, with /metrics and resources around it."""
+    from benchmarks.harness import log
+
+    if arrival == "poisson":
+        assert rate is not None
+        for s, t in zip(sessions, arrival_times(len(sessions), rate * level, seed)):
+            s.arrival_s = t
+    # Closed loop: the clients start one unloaded answer time apart / C (1 / rate: rate is the
+    # concurrency-1 throughput), as clients that came one by one would; started at once, answers
+    # of equal length (the image workload's) keep ending, and starting again, in waves of C.
+    stagger = 1.0 / rate / level if arrival == "closed" and rate and args.stagger else 0.0
+    driver = Driver(url, model, api_key=args.api_key, concurrency=level if arrival == "closed" else None,
+                    rate=rate * level if arrival == "poisson" else None, stagger_s=stagger)
+    before = asyncio.run(scrape_metrics(url, args.api_key))
+    if monitor is not None:
+        monitor.begin(list(stage_pids().values()))
+    samples = asyncio.run(driver.run(sessions))
+    resources = monitor.end() if monitor is not None else None
+    after = asyncio.run(scrape_metrics(url, args.api_key))
+    ok = sum(s.ok for s in samples)
+    log(f"  {arrival} C={level}: {ok}/{len(samples)} ok in {driver.t_end - driver.t_base:.1f} s")
+    return {"arrival": arrival, "level": level, "rate": rate * level if arrival == "poisson" else None,
+            "stagger_s": stagger,
+            "duration_s": driver.t_end - driver.t_base, "samples": [s.to_dict() for s in samples],
+            "counters": counter_deltas(before, after), "resources": resources}
+
+
+def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates: dict[str, float],
+          monitor: Any = None, stage_pids: Any = None) -> list[dict[str, Any]]:
+    """Every workload's warm-up and points on one running server."""
+    from benchmarks.harness import log
+
+    model = args.model or asyncio.run(served_model(url, args.api_key))
+    points = []
+    for workload in args.workloads:
+        warmup, sessions = plan(workload, args, round_index)
+        warm = asyncio.run(Driver(url, model, api_key=args.api_key).warmup(warmup))
+        if not all(w.ok for w in warm):
+            raise RuntimeError(f"{workload}: the warm-up request failed: {warm[0].error}")
+        log(f"{LABELS.get(side, side)}, round {round_index}, {workload}")
+        for (arrival, level), todo in sessions.items():
+            if arrival == "poisson" and workload not in rates:
+                raise RuntimeError(f"{workload}: no --rate-per-stream and no closed-loop "
+                                   "concurrency-1 run before the Poisson points to derive it from")
+            point = run_point(url, model, todo, arrival, level, rates.get(workload), args,
+                              args.seed * 1000 + round_index * 100 + level, monitor, stage_pids)
+            point.update(side=side, round=round_index, workload=workload)
+            points.append(point)
+            if arrival == "closed" and level == 1 and workload not in rates:
+                ok = sum(s["ok"] for s in point["samples"])
+                rates[workload] = ok / point["duration_s"]
+                log(f"  Poisson rate per stream ({workload}): {rates[workload]:.3f}/s (closed loop, C=1)")
+    return points
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    from benchmarks.harness import ManagedServer, Monitor
+
+    rates = dict(args.rates)
+    points: list[dict[str, Any]] = []
+    if args.url:
+        for r in range(args.first_round, args.first_round + args.rounds):
+            points += sweep(args.url, args, "server", r, rates)
+        return points, rates
+    with Monitor() as monitor, tempfile.TemporaryDirectory(prefix="omni_cache_pacing_") as tmp:
+        for r in range(args.first_round, args.first_round + args.rounds):
+            for side in (args.sides if r % 2 == 0 else list(reversed(args.sides))):
+                with ManagedServer(side_config(args.stage_config, side, tmp), prefix_cache=True,
+                                   tag=f"pace-{side}") as srv:
+                    points += sweep(srv.url, args, side, r, rates, monitor, srv.stage_pids)
+    return points, rates
+
+
+# ---- results ------------------------------------------------------------------------------------
+
+def _sum_counters(points: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for p in points:
+        for stage, values in (p.get("counters") or {}).items():
+            acc = out.setdefault(stage, {})
+            for k, v in values.items():
+                if k != "fresh":
+                    acc[k] = acc.get(k, 0.0) + v
+    return out
+
+
+def summarize(points: Sequence[Mapping[str, Any]], jitter_s: float) -> list[dict[str, Any]]:
+    """One row per (side, workload, arrival, level), its rounds pooled."""
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["side"], p["workload"], p["arrival"], p["level"]), []).append(p)
+    rows = []
+    for (side, workload, arrival, level), mine in sorted(groups.items()):
+        samples = [s for p in mine for s in p["samples"]]
+        ok = [s for s in samples if s.get("ok")]
+        plays = [listen(s, jitter_s) for s in ok]
+        duration = sum(p["duration_s"] for p in mine)
+        audio = sum(pl.audio_s for pl in plays)
+        cpu = [p["resources"] for p in mine if p.get("resources")]
+        rows.append({
+            "side": side, "workload": workload, "arrival": arrival, "level": level,
+            "rounds": len(mine), "rate": mine[0].get("rate"),
+            "requests": len(samples), "ok": len(ok), "duration_s": duration,
+            "ttfa_s": distribution(pl.ttfa_s for pl in plays),
+            "missing_audio": sum(pl.ttfa_s is None for pl in plays),
+            "stalls": sum(pl.stalls for pl in plays),
+            "stall_s": sum(pl.stall_s for pl in plays),
+            "answers_stalled": sum(pl.stalls > 0 for pl in plays),
+            "min_buffer_s": distribution(pl.min_buffer_s for pl in plays),
+            "requests_per_s": len(ok) / duration if duration else math.nan,
+            "audio_s_per_s": audio / duration if duration else math.nan,
+            "audio_s": audio,
+            "counters": _sum_counters(mine),
+            "stage_cpu_s": sum(c.get("stage_cpu_s", 0.0) for c in cpu) if cpu else None,
+            "stage_runqueue_wait_s": sum(c.get("stage_runqueue_wait_s", 0.0) for c in cpu) if cpu else None,
+            "loadavg_mean": sum(c.get("loadavg_mean", 0.0) for c in cpu) / len(cpu) if cpu else None,
+        })
+    return rows
+
+
+def _row(rows: Sequence[Mapping[str, Any]], side: str, workload: str, arrival: str,
+         level: int) -> Mapping[str, Any] | None:
+    for r in rows:
+        if (r["side"], r["workload"], r["arrival"], r["level"]) == (side, workload, arrival, level):
+            return r
+    return None
+
+
+def capacity(rows: Sequence[Mapping[str, Any]], side: str, workload: str, arrival: str) -> int:
+    """The highest level up to which every answer was served without a stall (0: none)."""
+    best = 0
+    for r in sorted((r for r in rows if (r["side"], r["workload"], r["arrival"]) == (side, workload, arrival)),
+                    key=lambda r: r["level"]):
+        if r["stalls"] or r["ok"] < r["requests"] or r["missing_audio"]:
+            break
+        best = r["level"]
+    return best
+
+
+def _total(rows: Sequence[Mapping[str, Any]], side: str, workload: str, arrival: str) -> dict[str, float]:
+    mine = [r for r in rows if (r["side"], r["workload"], r["arrival"]) == (side, workload, arrival)]
+    duration = sum(r["duration_s"] for r in mine)
+    return {"requests_per_s": sum(r["ok"] for r in mine) / duration if duration else math.nan,
+            "audio_s_per_s": sum(r["audio_s"] for r in mine) / duration if duration else math.nan}
+
+
+def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 36's targets per workload (closed loop), where the run has what they need."""
+    out = []
+    for workload in sorted({r["workload"] for r in rows}):
+        on1, on8 = (_row(rows, "on", workload, "closed", c) for c in (1, TARGET_LEVEL))
+        if on1 and on8:
+            ratio = on8["ttfa_s"]["p90"] / on1["ttfa_s"]["p90"]
+            out.append({"workload": workload, "name": "TTFA p90 at 8 / at 1 (pacing on), 0 stalls at 8",
+                        "value": ratio, "stalls": on8["stalls"],
+                        "target": f"<= {TARGET_TTFA_P90_RATIO:g}, 0 stalls",
+                        "met": bool(ratio <= TARGET_TTFA_P90_RATIO and on8["stalls"] == 0)})
+        if any(r["side"] == "off" and r["workload"] == workload for r in rows) and \
+                any(r["side"] == "on" and r["workload"] == workload for r in rows):
+            for arrival in sorted({r["arrival"] for r in rows if r["workload"] == workload}):
+                con, coff = capacity(rows, "on", workload, arrival), capacity(rows, "off", workload, arrival)
+                out.append({"workload": workload, "name": f"capacity ({arrival}): highest level with 0 stalls",
+                            "value": con, "baseline": coff, "target": ">= pacing off",
+                            "met": con >= coff})
+                ton, toff = _total(rows, "on", workload, arrival), _total(rows, "off", workload, arrival)
+                for key in ("requests_per_s", "audio_s_per_s"):
+                    out.append({"workload": workload, "name": f"throughput ({arrival}, {key}, whole sweep)",
+                                "value": ton[key], "baseline": toff[key], "target": ">= pacing off",
+                                "change": ton[key] / toff[key] - 1 if toff[key] else math.nan,
+                                "met": ton[key] >= toff[key]})
+    return out
+
+
+def run_config(args: argparse.Namespace, rates: Mapping[str, float]) -> dict[str, Any]:
+    return {"workloads": args.workloads, "levels": args.levels, "arrivals": args.arrivals,
+            "jitter_s": args.jitter_ms / 1000, "requests_per_stream": args.requests_per_stream,
+            "min_requests": args.min_requests, "shared_tokens": args.shared_tokens,
+            "unique_tokens": args.unique_tokens, "max_tokens": args.max_tokens,
+            "rate_per_stream": dict(rates), "stagger": args.stagger, "url": args.url,
+            "stage_config": None if args.url else os.path.abspath(args.stage_config),
+            "stage_config_yaml": None if args.url else Path(args.stage_config).read_text()}
+
+
+def assemble(points: list[dict[str, Any]], config: Mapping[str, Any], note: str,
+             machine: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    from benchmarks.harness import command_line
+
+    rows = summarize(points, config["jitter_s"])
+    return {
+        "benchmark": "omni_cache first audio under load (python -m benchmarks.first_audio)",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command_line("benchmarks.first_audio"),
+        "note": note,
+        "machine": dict(machine),
+        "config": {**config, "sides": sorted({p["side"] for p in points})},
+        **(extra or {}),
+        "rows": rows,
+        "capacity": {f"{s}/{w}/{a}": capacity(rows, s, w, a)
+                     for s, w, a in sorted({(r["side"], r["workload"], r["arrival"]) for r in rows})},
+        "targets": verdicts(rows),
+        "points": points,
+    }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v * 1000:.0f}"
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    lines = [(f"{'side':<10} {'workload':<14} {'arrival':<8} {'C':>3} {'ok':>7} {'TTFA p50':>9} "
+              f"{'p90':>6} {'p99':>6} {'stalls':>6} {'stall s':>8} {'req/s':>6} {'audio s/s':>9} "
+              f"{'paced':>5} {'shared':>6}")]
+    for r in result["rows"]:
+        t = r["ttfa_s"]
+        talker = r["counters"].get("talker", {})
+        lines.append(
+            f"{LABELS.get(r['side'], r['side']):<10} {r['workload']:<14} {r['arrival']:<8} {r['level']:>3} "
+            f"{str(r['ok']) + '/' + str(r['requests']):>7} {_ms(t['p50']):>9} {_ms(t['p90']):>6} "
+            f"{_ms(t['p99']):>6} {r['stalls']:>6} {r['stall_s']:>8.2f} {r['requests_per_s']:>6.3f} "
+            f"{r['audio_s_per_s']:>9.2f} {talker.get('paced', 0):>5.0f} "
+            f"{talker.get('first_audio_shared_steps', 0):>6.0f}")
+    lines.append("capacity (highest level with 0 stalls): " + ", ".join(
+        f"{k} {v}" for k, v in result["capacity"].items()))
+    for t in result["targets"]:
+        base = f" (pacing off {t['baseline']:.3g})" if "baseline" in t else ""
+        lines.append(f"target [{t['workload']}] {t['name']}: {t['value']:.3g}{base}, want {t['target']}: "
+                     + ("MET" if t["met"] else "NOT MET"))
+    return "\n".join(lines)
+
+
+def plot(path: str | os.PathLike[str], result: Mapping[str, Any]) -> None:
+    """TTFA p50/p90 and stall seconds against the level: one row per workload, solid closed
+    loop, dashed Poisson; one colour per side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    workloads = sorted({r["workload"] for r in rows})
+    colors = {"on": "#1f77b4", "off": "#d62728", "server": "#2ca02c"}
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.8 * len(workloads)), squeeze=False)
+    for i, workload in enumerate(workloads):
+        ax_t, ax_s = axes[i]
+        for side in sorted({r["side"] for r in rows}):
+            for arrival, style in (("closed", "-"), ("poisson", "--")):
+                mine = sorted((r for r in rows if (r["side"], r["workload"], r["arrival"]) ==
+                               (side, workload, arrival)), key=lambda r: r["level"])
+                if not mine:
+                    continue
+                xs = [r["level"] for r in mine]
+                label = f"{LABELS.get(side, side)}, {arrival}"
+                ax_t.plot(xs, [r["ttfa_s"]["p90"] * 1000 for r in mine], style, marker="o",
+                          color=colors.get(side), label=label + " p90")
+                ax_t.plot(xs, [r["ttfa_s"]["p50"] * 1000 for r in mine], style, marker=".",
+                          color=colors.get(side), alpha=0.45, label=label + " p50")
+                ax_s.plot(xs, [r["stall_s"] for r in mine], style, marker="o", color=colors.get(side),
+                          label=f"{label} ({sum(r['stalls'] for r in mine)} stalls)")
+        for ax in (ax_t, ax_s):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency (streams)")
+            ax.grid(alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel("time to first audio (ms)")
+        ax_t.set_title(f"{workload}: time to first audio")
+        ax_s.set_ylabel(f"stall seconds (all answers, jitter buffer {result['config']['jitter_s'] * 1000:.0f} ms)")
+        ax_s.set_title(f"{workload}: playback stalls")
+        ax_t.legend(fontsize=7)
+        ax_s.legend(fontsize=7)
+    fig.suptitle(f"{result['benchmark']}, {result['machine'].get('cpu_model', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    args = parse_args(argv)
+    from benchmarks.harness import machine_info
+
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        points = [p for part in parts for p in part["points"]]
+        config = {**parts[0]["config"], "rate_per_stream": {
+            k: v for part in parts for k, v in part["config"]["rate_per_stream"].items()}}
+        if args.jitter_ms != DEFAULT_JITTER_S * 1000:
+            config["jitter_s"] = args.jitter_ms / 1000
+        machine = parts[0]["machine"]
+        note = args.note or parts[0].get("note", "")
+        extra = {"merged_from": [{"file": str(f), "date": part["date"], "command": part["command"],
+                                  "note": part.get("note", ""), "machine": part["machine"]}
+                                 for f, part in zip(args.merge, parts)]}
+    else:
+        machine = machine_info()
+        points, rates = run(args)
+        machine = {**machine, "loadavg_end": list(os.getloadavg())}
+        config, note, extra = run_config(args, rates), args.note, None
+    result = assemble(points, config, note, machine, extra)
+    print(format_table(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, result)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
