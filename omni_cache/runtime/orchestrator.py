@@ -57,6 +57,7 @@ from omni_cache.runtime.topology import Topology
 from omni_cache.wire.messages import (
     Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit,
 )
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Orchestrator:
         self.codec = TextCodec(tokenizer)
         #: The rate the entry model's audio inputs are resampled to (its feature extractor's).
         self.audio_input_rate = DEFAULT_AUDIO_INPUT_RATE
+        #: The entry stage's model folder, once resolved ("" before start()).
+        self.entry_model_path = ""
         self.admission = Admission(config, topology, self.supervisor)
         #: The requests in flight (the only copy of each).
         self.requests = RequestTable()
@@ -140,9 +143,11 @@ class Orchestrator:
         """Whether start() completed (every stage was ready once)."""
         return self._started
 
-    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], *,
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Chat messages -> prompt token ids through the thinker's chat template (thread-safe)."""
-        return self.codec.tokenize_messages(messages)
+        return self.codec.tokenize_messages(messages, tools=tools, template_kwargs=template_kwargs)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.codec.detokenize(token_ids)
@@ -180,6 +185,7 @@ class Orchestrator:
         # Resolving the entry model first also generates a tiny checkpoint before the stage
         # process needs it (ensure_checkpoint is concurrency-safe either way).
         path = resolve_model(self.topology.entry, self.config)
+        self.entry_model_path = str(path)
         self.codec.load(path)
         self.audio_input_rate = audio_input_rate(path)
 
@@ -244,6 +250,7 @@ class Orchestrator:
         self,
         prompt_token_ids: Sequence[int],
         *,
+        sampling: EngineSampling | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -261,6 +268,10 @@ class Orchestrator:
         stage's vLLM processor expands the placeholders, so the context-length check here counts
         the prompt before expansion; the stage refuses (400) a prompt whose expansion does not fit.
 
+        ``sampling``: the entry stage's sampling as the server resolved it (vLLM's
+        ``SamplingParams`` fields); without it, the entry stage's configured defaults with
+        ``max_tokens``, ``temperature``, ``top_p`` and ``seed`` where given.
+
         ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
         histograms (default: now); the deadline counts from it too. ``session_id``: requests of
         one session (a realtime conversation) stay on the replicas its first request went to.
@@ -268,7 +279,7 @@ class Orchestrator:
         Raises :class:`RequestError` when it is refused up front (:mod:`omni_cache.runtime.admission`).
         Otherwise the returned handle gets exactly one terminal event.
         """
-        admitted = self.admission.check(prompt_token_ids, max_tokens=max_tokens,
+        admitted = self.admission.check(prompt_token_ids, sampling=sampling, max_tokens=max_tokens,
                                         temperature=temperature, top_p=top_p, seed=seed,
                                         modalities=modalities, media=media)
         timeout = float(timeout_s or self.config.server.request_timeout_s)

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
+from omni_cache.wire.messages import MediaRef, StageOutput, Submit
+from omni_cache.wire.sampling import EngineSampling
 
 #: How many answered request ids are remembered (late outputs of those are dropped quietly).
 RECENT_IDS = 10000
@@ -158,7 +159,7 @@ class RequestTable:
         return out
 
 
-def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem],
+def submit_message(req: Request, sampling: EngineSampling, media: Sequence[MediaItem],
                    timeout: float) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
     :func:`media_frames` makes. Stages drop it ``timeout`` seconds from now."""

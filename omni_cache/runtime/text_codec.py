@@ -29,13 +29,17 @@ class TextCodec:
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(model_path)
 
-    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Chat messages -> prompt token ids, with the generation prompt added."""
+    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], *,
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Chat messages -> prompt token ids through the chat template, given ``tools`` and the
+        template's other arguments (default: only the generation prompt added)."""
         if self.tokenizer is None:
             raise RuntimeError("the tokenizer is not loaded yet (start() has not run)")
+        kwargs = {"add_generation_prompt": True} if template_kwargs is None else dict(template_kwargs)
         with self._lock:
             out = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+                [dict(m) for m in messages], tools=tools, tokenize=True, **kwargs)
         if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
         if hasattr(out, "tolist"):
@@ -43,6 +47,13 @@ class TextCodec:
         if out and isinstance(out[0], (list, tuple)):
             out = out[0]
         return [int(t) for t in out]
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens included (a log-probability's token)."""
+        if self.tokenizer is None:
+            return ""
+        with self._lock:
+            return str(self.tokenizer.decode([int(token_id)]))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Token ids -> text, special tokens left out ("" without a tokenizer that decodes)."""

@@ -39,8 +39,7 @@ from typing import Any
 
 import msgspec
 
-# The client's sampling travels as the same struct that holds a stage's configured defaults.
-from omni_cache.config.schema import Sampling
+from omni_cache.wire.sampling import EngineSampling
 
 
 # Talker -> decoder: a multi-codebook talker (Qwen3-Omni's) sends, with each StageOutput, the
@@ -68,7 +67,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: EngineSampling
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])  # "audio": run downstream
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
     deadline: float = 0.0  # unix time after which stages drop the request (0 = none)
@@ -86,8 +85,22 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     answer_finished: str = ""
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One entry of a generated position's log-probabilities, as vLLM's output processor made
+    it: the id, its log-probability and its decoded text (None where vLLM did not decode it)."""
+
+    token_id: int
+    logprob: float
+    token: str | None = None
+
+
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
-    """A stage's streamed output for one request: what is new since its previous output."""
+    """A stage's streamed output for one request: what is new since its previous output.
+
+    The entry stage sends the orchestrator every token it generated and the client's text (vLLM's
+    detokenizer output: stop strings cut, held back while a stop string may still be forming). A
+    stage that speaks gets only the tokens whose text the client has (their text in ``text``), so
+    it never speaks a stop string or what follows it (workers/spoken_text.py)."""
 
     request_id: str
     stage: str
@@ -97,9 +110,17 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     latent_start: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    #: vLLM's stop reason with a "stop" finish: the stop string, or the stop token id (None: EOS).
+    stop_reason: int | str | None = None
+    #: Per token of ``token_ids``, its log-probabilities in vLLM's order (the sampled token first,
+    #: then the top ones); None when the request asked for none.
+    logprobs: list[list[TokenLogprob]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens this stage's prefix cache let it skip (so far)
     sample_rate: int = 0  # decoder output only
+    #: A downstream stage's final output to the orchestrator: the text of the upstream tokens it
+    #: took in (a talker: the text it was given to speak; the answer's audio transcript).
+    input_text: str = ""
 
 
 class StreamStart(StageOutput, tag="start", kw_only=True):
@@ -108,7 +129,7 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
 
     # The request's Submit.modalities: a stage forwards downstream only when "audio" is asked for.
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
-    sampling: Sampling | None = None  # the client's sampling (Submit.sampling)
+    sampling: EngineSampling | None = None  # the client's sampling (Submit.sampling)
     deadline: float = 0.0  # the request's Submit.deadline
     # The request's Submit.return_latents: every autoregressive stage then also sends its tensors
     # (latents, a talker's codes) to the orchestrator.
