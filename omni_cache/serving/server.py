@@ -49,6 +49,7 @@ from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.chat_output import parser_class
 from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
+from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.routes import router
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def create_app(
                                              orch.served_model_name)
     except TypeError as e:
         raise ValueError(f"server.tool_call_parser: {e}") from None
+    app.state.realtime_sessions = SessionRegistry()  # /v1/realtime's open sessions
     add_error_handlers(app)
     app.include_router(router)
     return app
