@@ -218,7 +218,7 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream,
     emits) or from the two taps (`latents.layers`). The answer's rows are its tokens' input
     embeddings, read by id from the checkpoint (`TalkerPrompt.embedding_rows`; bitwise the
     thinker's tap 0 there): the thinker hands over only the tokens whose text its client has
-    (workers/spoken_text.py), and the last token of an answer cut by `max_tokens` has no tap row
+    (workers/spoken_tokens.py), and the last token of an answer cut by `max_tokens` has no tap row
     (it was never fed through the thinker), so the talker speaks exactly the client's text.
     """
     prompt = _qwen3_omni_prompt(ctx)

@@ -29,7 +29,7 @@ from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner
-from workers.spoken_text import Spoken
+from workers.spoken_tokens import SpokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +109,11 @@ def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: st
         out.latents = {name: rows[:-1] for name, rows in out.latents.items()}
         if out.spoken is not None:
             # The token that stopped the answer is not spoken (its text the client never got).
-            out.spoken = Spoken(list(tail[:-1] if answer_finished == "stop" else tail))
+            out.spoken = SpokenDelta(list(tail[:-1] if answer_finished == "stop" else tail))
     else:
         out.token_ids = [*tail, *out.token_ids]
         if out.spoken is not None:
-            out.spoken = Spoken([*tail, *out.spoken.token_ids], out.spoken.text)
+            out.spoken = SpokenDelta([*tail, *out.spoken.token_ids], out.spoken.text)
 
 
 class ARRunner(StageRunner):
@@ -272,7 +272,7 @@ class ARRunner(StageRunner):
 
             streamed = StreamedRows(job.stream.pad, max_rows=self.max_model_len)
             streamed.add(job.stream.rows, job.stream.done)
-        # The entry stage hands downstream only what the client's text covers (spoken_text.py).
+        # The entry stage hands downstream only what the client's text covers (spoken_tokens.py).
         spoken = self.handoff is None and self.downstream and "audio" in req.modalities
         self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions,
                      spoken=spoken)

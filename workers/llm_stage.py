@@ -18,7 +18,7 @@ import torch
 from omni_cache.cache.latent_rows import LatentRows
 from omni_cache.wire.messages import TokenLogprob
 from workers.latent_capture import LatentOptions
-from workers.spoken_text import Spoken, SpokenText
+from workers.spoken_tokens import SpokenDelta, SpokenTokens
 
 # Must be set before vLLM is imported in this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -51,8 +51,8 @@ class StepOutput:
     # when the request's SamplingParams asked for `logprobs`.
     logprobs: list[list[TokenLogprob]] | None = None
     # A request whose tokens a downstream stage speaks: the tokens of this step's output whose
-    # text the client now has, and that text (workers/spoken_text.py).
-    spoken: Spoken | None = None
+    # text the client now has, and that text (workers/spoken_tokens.py).
+    spoken: SpokenDelta | None = None
 
 
 @dataclass
@@ -65,7 +65,7 @@ class _Tracked:
     image_grids: list[list[int]] = field(default_factory=list)
     # Set for a request a downstream stage speaks: its latent rows go out only as far as the
     # spoken tokens reach.
-    spoken: SpokenText | None = None
+    spoken: SpokenTokens | None = None
 
 
 class LLMStage:
@@ -150,7 +150,7 @@ class LLMStage:
         internal = self.engine.add_request(request_id, prompt, params)
         tracked = self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
         if spoken:
-            tracked.spoken = SpokenText(params, self.engine.tokenizer)
+            tracked.spoken = SpokenTokens(params, self.engine.tokenizer)
         if prompt.get("multi_modal_data"):
             tracked.image_grids = _image_grids(self.scheduler.requests[internal])
         if streamed is not None or positions is not None:

@@ -100,7 +100,7 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     The entry stage sends the orchestrator every token it generated and the client's text (vLLM's
     detokenizer output: stop strings cut, held back while a stop string may still be forming). A
     stage that speaks gets only the tokens whose text the client has (their text in ``text``), so
-    it never speaks a stop string or what follows it (workers/spoken_text.py)."""
+    it never speaks a stop string or what follows it (workers/spoken_tokens.py)."""
 
     request_id: str
     stage: str

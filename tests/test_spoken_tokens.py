@@ -1,4 +1,4 @@
-"""Which tokens the thinker hands its talker (workers/spoken_text.py): exactly those whose text the
+"""Which tokens the thinker hands its talker (workers/spoken_tokens.py): exactly those whose text the
 client receives, checked against vLLM's own incremental detokenizer with the request's stop
 strings (the output processor's text, step by step) on the tiny Qwen3-Omni checkpoint's
 byte-level tokenizer. No engine: vLLM's detokenizer class and a tokenizer."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from omni_cache.models.checkpoints import ensure_checkpoint
-from workers.spoken_text import SpokenText
+from workers.spoken_tokens import SpokenTokens
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def tokenizer(tmp_path_factory):
 
 def run(tokenizer, text: str, *, eos: bool = False, **params):
     """Feed vLLM's detokenizer (with stops) one token per step as its output processor does, and
-    SpokenText with what each step outputs. -> (client text, spoken token ids, spoken text,
+    SpokenTokens with what each step outputs. -> (client text, spoken token ids, spoken text,
     the spoken text was never ahead of the client's text)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
@@ -33,7 +33,7 @@ def run(tokenizer, text: str, *, eos: bool = False, **params):
                                 sampling_params=sp, pooling_params=None, arrival_time=0.0,
                                 lora_request=None, cache_salt=None, data_parallel_rank=None)
     client = IncrementalDetokenizer.from_new_request(tokenizer, request)
-    spoken = SpokenText(sp, tokenizer)
+    spoken = SpokenTokens(sp, tokenizer)
     tokens = tokenizer.encode(text) + ([tokenizer.eos_token_id] if eos else [])
     client_text, ids, said, never_ahead = "", [], "", True
     for i, token in enumerate(tokens):
@@ -85,7 +85,7 @@ def test_held_back_text_holds_back_its_tokens(tokenizer):
     from vllm.sampling_params import SamplingParams
 
     sp = SamplingParams(stop=["<370>"])
-    spoken = SpokenText(sp, tokenizer)
+    spoken = SpokenTokens(sp, tokenizer)
     prompt = tokenizer.encode("hi")
     out = spoken.add(prompt, tokenizer.encode("ab<37"), "a", None, None)  # vLLM held back "b<37"
     assert (out.token_ids, out.text, spoken.count) == (tokenizer.encode("a"), "a", 1)

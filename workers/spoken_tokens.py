@@ -27,14 +27,14 @@ from typing import Any
 
 
 @dataclass
-class Spoken:
+class SpokenDelta:
     """Tokens newly handed downstream, and their text."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
 
 
-class SpokenText:
+class SpokenTokens:
     """One request's spoken prefix of its generated tokens (see the module docstring)."""
 
     def __init__(self, params: Any, tokenizer: Any) -> None:
@@ -50,7 +50,7 @@ class SpokenText:
         self.count = 0  # tokens spoken so far
 
     def add(self, prompt_token_ids: list[int] | None, token_ids: list[int], text: str,
-            finish_reason: str | None, stop_reason: int | str | None) -> Spoken:
+            finish_reason: str | None, stop_reason: int | str | None) -> SpokenDelta:
         """What one output of vLLM (new ``token_ids`` and client ``text``) adds to the spoken
         tokens. ``prompt_token_ids``: the prompt as vLLM saw it (the first output has it)."""
         stop_token = finish_reason == "stop" and not isinstance(stop_reason, str)
@@ -59,7 +59,7 @@ class SpokenText:
             if stop_token and spoken and not self._keep_stop_token:
                 spoken.pop()
             self.count += len(spoken)
-            return Spoken(spoken, text)
+            return SpokenDelta(spoken, text)
         if self._detokenizer is None:
             self._detokenizer = self._shadow_detokenizer(prompt_token_ids or [])
         for token in token_ids:
@@ -84,7 +84,7 @@ class SpokenText:
         self.count = count
         begin = self._ends[start - 1] if start else 0
         end = self._ends[count - 1] if count else 0
-        return Spoken(self._tokens[start:count], self._detokenizer.output_text[begin:end])
+        return SpokenDelta(self._tokens[start:count], self._detokenizer.output_text[begin:end])
 
     def _shadow_detokenizer(self, prompt_token_ids: list[int]) -> Any:
         """vLLM's incremental detokenizer for this request, without its stop strings."""
