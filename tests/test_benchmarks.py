@@ -717,3 +717,11 @@ def test_thinker_cache_retries_a_contended_request_within_the_budget():
     assert budget["retry_s"] < 100.0
     assert len(tc.measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 100.0})) == 3
     assert len(tc.measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 0.0})) == 1
+
+
+def test_soak_pause_schedule_takes_the_stages_in_turn_while_the_run_lasts():
+    assert soak.pause_schedule(30, 300, ["thinker", "talker", "decoder"]) == [
+        (300, "thinker"), (600, "talker"), (900, "decoder"), (1200, "thinker"), (1500, "talker")]
+    assert soak.pause_schedule(31, 300, ["decoder"])[-1] == (1800, "decoder")
+    assert soak.pause_schedule(4, 300, ["thinker"]) == []
+    assert soak.pause_schedule(30, 300, []) == []

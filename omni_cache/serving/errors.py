@@ -36,9 +36,18 @@ _VLLM_TYPES = {
     503: "ServiceUnavailableError",
 }
 
+#: Statuses ``vllm serve`` never answers, in OpenAI's own body (a rate limit's: the SDK and
+#: OpenAI's clients read its ``type`` and ``code``): status -> (type, code).
+_OPENAI_ERRORS = {
+    429: ("requests", "rate_limit_exceeded"),
+}
+
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """vLLM's ``ErrorResponse`` body for an error of this status."""
+    """vLLM's ``ErrorResponse`` body for an error of this status (OpenAI's for a rate limit)."""
+    if status in _OPENAI_ERRORS:
+        kind, code = _OPENAI_ERRORS[status]
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     kind = _VLLM_TYPES.get(status) or HTTPStatus(status).phrase
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
@@ -46,21 +55,27 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 class APIError(Exception):
     """An error answered as vLLM's error body with the HTTP status ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        #: Seconds until the client may try again: the ``Retry-After`` header.
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> APIError:
-        return cls(e.status, e.message)
+        return cls(e.status, e.message, retry_after=e.retry_after)
 
     @classmethod
     def from_vllm(cls, exc: Exception) -> APIError:

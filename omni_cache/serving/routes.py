@@ -1,17 +1,26 @@
 """The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics,
-/v1/chat/completions and the /v1/realtime WebSocket. They find the orchestrator, the served model name and the API key on
-``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`)."""
+/v1/chat/completions and the /v1/realtime WebSocket. They find the orchestrator, the served model
+name and the API key on ``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`).
+
+A chat request takes its place among the requests in flight before anything of its body is read
+(429 when there is none: omni_cache/runtime/admission.py), reads its body up to
+``server.max_body_bytes`` (each byte held against ``server.max_body_bytes_in_flight`` until the
+request was submitted; after that it keeps neither body nor messages), and does its heavy work
+off the event loop: parsing the JSON, tokenizing, reading and decoding its media (whose decoded
+size is reserved from their headers before they are decoded) run in worker threads.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from omni_cache.runtime.admission import Ticket
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
@@ -82,7 +91,7 @@ async def models(request: Request) -> JSONResponse:
     from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
 
     orch: Orchestrator = request.app.state.orchestrator
-    card = ModelCard(id=request.app.state.served_model_name, root=orch.entry_model_path or None,
+    card = ModelCard(id=request.app.state.served_model_name, root=orch.codec.model_path or None,
                      max_model_len=orch.admission.max_model_len, permission=[ModelPermission()])
     return JSONResponse(ModelList(data=[card]).model_dump())
 
@@ -96,29 +105,63 @@ async def metrics(request: Request) -> PlainTextResponse:
 @router.post("/v1/chat/completions", dependencies=[*_auth, Depends(_json_body)])
 async def chat_completions(request: Request):
     received_at = time.monotonic()
+    orch: Orchestrator = request.app.state.orchestrator
+    ticket = orch.admission.enter()  # 429 before anything of the body is read
+    try:
+        a = await _accept(request, orch, ticket, received_at)
+    except BaseException:
+        ticket.release()  # refused (or the client went away) before it was accepted
+        raise
+    if a.chat.body.stream:
+        return _stream(a.handle, a.chat, orch, a.writer, a.answer_id, a.prompt)
+    return await _complete(a.handle, a.chat, orch, request, a.writer, a.answer_id, a.prompt)
+
+
+@dataclass
+class _Accepted:
+    """A submitted chat request and what answering it reads (without its messages and media)."""
+
+    handle: RequestHandle
+    chat: ChatRequest
+    writer: ChoiceWriter
+    answer_id: str
+    prompt: list[int]
+
+
+async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
+                  received_at: float) -> _Accepted:
+    """Read, check and submit one chat request holding ``ticket``; its body's bytes are held on
+    the ticket until it was submitted (``server.max_body_bytes_in_flight``)."""
+    try:
+        return await _read_and_submit(request, orch, ticket, received_at)
+    finally:
+        ticket.release_body()
+
+
+async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
+                           received_at: float) -> _Accepted:
     state = request.app.state
-    orch: Orchestrator = state.orchestrator
-    body = await read_body(request, orch.config.server.max_message_bytes)
-    chat = parse_chat_request(body, state.served_model_name)
+    body = await read_body(request, orch.config.server.max_body_bytes, reserve=ticket.hold_body)
+    chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name)
+    del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
     prompt = await asyncio.to_thread(rendered_prompt, orch, chat, state.tool_parser)
+    parser = tool_parser(orch, chat, state.tool_parser)  # adjusts chat.body: before sampling
     req = chat.body
-    parser = tool_parser(orch, chat, state.tool_parser)
     sampling = engine_sampling(req, prompt_len=len(prompt),
                                max_model_len=orch.admission.max_model_len or _UNBOUNDED,
                                defaults=orch.admission.default_sampling())
-    media = await _decoded_media(chat, orch, state.media_cache)
+    media = await _decoded_media(chat, orch, ticket, state.media_cache)
     handle = await orch.submit(prompt, sampling=sampling, modalities=chat.modalities, media=media,
-                               received_at=received_at, session_id=req.session_id)
-    writer = ChoiceWriter(req, parser, orch.codec.decode_token, prompt)
+                               received_at=received_at, session_id=req.session_id, ticket=ticket)
+    chat = chat.without_content()
     # vLLM names the answer after the request's id (default: a random one).
     answer_id = f"chatcmpl-{req.request_id}" if "request_id" in req.model_fields_set \
         else f"chatcmpl-{handle.request_id}"
-    if req.stream:
-        return _stream(handle, chat, orch, writer, answer_id, prompt)
-    return await _complete(handle, chat, orch, request, writer, answer_id, prompt)
+    writer = ChoiceWriter(chat.body, parser, orch.codec.decode_token, prompt)
+    return _Accepted(handle, chat, writer, answer_id, prompt)
 
 
 #: The context length used before the entry stage reported one (vLLM then still checks its own).
@@ -147,15 +190,20 @@ async def realtime(websocket: WebSocket) -> None:
                          served_model=state.served_model_name, decode_image=decode_image)
 
 
-async def _decoded_media(chat: ChatRequest, orch: Orchestrator, cache: DecodedCache) -> list[MediaItem]:
-    """The request's images and clips decoded (off the event loop: decoding takes milliseconds
-    to seconds), each checked against ``server.media``; a bad one is a 400 naming its part."""
+async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
+                         cache: DecodedCache) -> list[MediaItem]:
+    """The request's images and clips, each checked against ``server.media`` from its header,
+    their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/admission.py), then
+    decoded; reading and decoding run off the event loop (milliseconds to seconds). A bad item is
+    a 400 naming its part."""
     if not chat.media:
         return []
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
                            cache=cache)
     try:
-        return await asyncio.to_thread(decoder.decode_all, chat.media)
+        encoded = await asyncio.to_thread(decoder.read_all, chat.media)
+        orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
+        return await asyncio.to_thread(decoder.decode_all, encoded)
     except MediaError as e:
         raise APIError(400, str(e), param=e.param) from None
 
