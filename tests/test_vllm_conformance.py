@@ -98,7 +98,6 @@ def pipeline_config(tmp_path_factory):
     data["server"]["port"] = 0
     for stage in data["stages"]:
         stage["model"] = str(checkpoint)
-        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
         if stage["name"] == "talker":
             stage["sampling"]["max_tokens"] = TALKER_STEPS
     return data
@@ -306,6 +305,17 @@ def test_the_same_request_gets_the_same_answer(clients, case):
         assert want["content"] in ("yes", "no")
     if case == "eos first":
         assert (want["content"], want["finish_reason"]) == ("", "stop")
+
+
+def test_continuous_usage_is_on_every_chunk(clients):
+    fields = {"model": NAME, "messages": USER, **GREEDY, "stream": True,
+              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for name, client in clients.items():
+        chunks = list(client.chat.completions.create(**fields))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert None not in counts, name
+        assert counts == sorted(counts) and counts[-1] == GREEDY["max_tokens"], (name, counts)
+        assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length", name
 
 
 @pytest.mark.parametrize("case", STREAMED)
