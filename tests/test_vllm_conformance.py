@@ -54,12 +54,14 @@ LOGPROB_ATOL = 1e-4
 TALKER_STEPS = 64  # code steps per spoken answer (random weights rarely end speech themselves)
 START_S = 600
 USER = [{"role": "user", "content": "Tell me about the sea, briefly."}]
+# `strict`: vLLM's structural tag then holds the arguments to the schema too (without it only the
+# call's envelope, and random weights write arguments that do not parse).
 WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather now.",
+    "name": "get_weather", "strict": True, "description": "The weather now.",
     "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
                    "required": ["unit"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "The time now.",
+    "name": "get_time", "strict": True, "description": "The time now.",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "local"]}},
                    "required": ["zone"], "additionalProperties": False}}}
 EOS = 258  # <|im_end|> in the tiny checkpoint's vocabulary

@@ -146,7 +146,9 @@ class ChoiceWriter:
 
         self._parsed_last = self._parsed_last or last
         if self.parser is None:
-            return DeltaMessage(content=text)
+            # No chunk for tokens without text yet (bytes held back until they form UTF-8): every
+            # chunk carries text, tool calls, logprobs or token ids.
+            return DeltaMessage(content=text) if text else None
         message = self.parser.parse_delta(delta_text=text, delta_token_ids=list(token_ids),
                                           request=self.req,
                                           prompt_token_ids=self._prompt_token_ids, finished=last)

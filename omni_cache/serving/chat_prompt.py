@@ -3,8 +3,8 @@ template applied with the request's ``tools`` and vLLM's template arguments
 (``add_generation_prompt``, ``continue_final_message``, ``documents``, ``reasoning_effort``,
 ``chat_template_kwargs``, filtered by vLLM's ``resolve_chat_template_kwargs``), and vLLM's parser
 for ``server.tool_call_parser``, which first adjusts the request: for ``tool_choice`` "required"
-or a named function it constrains the answer to a tool call through structured outputs, so the
-call is well formed whatever the weights."""
+or a named function it constrains the answer to a tool call through structured outputs (the
+arguments too for a tool with ``strict: true``), so the call holds whatever the weights."""
 
 from __future__ import annotations
 
