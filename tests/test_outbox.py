@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput, StreamStart
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver
 from workers.outbox import Outbox
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cache.wire.sampling import EngineSampling
 from omni_cache.runtime.requests import Request, RequestTable, with_time_left
 from omni_cache.runtime.resume import ResumedText, new_samples, new_tokens, resumed_submit
 from omni_cache.wire.messages import Submit
+from omni_cache.wire.sampling import EngineSampling
 from workers.ar_runner import resumed_as_undisturbed
 from workers.llm_stage import StepOutput
 

@@ -21,11 +21,11 @@ import pytest
 import zmq
 
 from omni_cache.config import load_config
-from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.messages import (
     MESSAGE_TYPES, Abort, Shutdown, StageError, StageOutput, StageReady, StageStats, StatsQuery,
     StreamStart, Submit,
 )
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver, Sender
 from workers.runner import StageRunner, deadline_in
 from workers.stage_process import MAX_FAILED_STEPS, StageProcess
