@@ -162,12 +162,21 @@ def _logprob_entry(e: Any) -> dict[str, Any]:
             "top": [(t.token, t.logprob, t.bytes) for t in e.top_logprobs or []]}
 
 
+def _arguments(text: str) -> Any:
+    """A call's arguments as data (so key order and spacing do not matter), else as sent (a call
+    that max_tokens cut streams arguments that do not parse)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def whole(r: Any) -> dict[str, Any]:
     c = r.choices[0]
     extra = c.model_extra or {}
     return {
         "content": c.message.content or "",
-        "tool_calls": [(t.function.name, json.loads(t.function.arguments))
+        "tool_calls": [(t.function.name, _arguments(t.function.arguments))
                        for t in c.message.tool_calls or []],
         "finish_reason": c.finish_reason, "stop_reason": extra.get("stop_reason"),
         "token_ids": extra.get("token_ids"),
@@ -196,7 +205,7 @@ def streamed(chunks: list[Any]) -> dict[str, Any]:
             if c.finish_reason is not None:
                 finish, stop_reason = c.finish_reason, extra.get("stop_reason")
     return {"content": content,
-            "tool_calls": [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())],
+            "tool_calls": [(n, _arguments(a)) for _, (n, a) in sorted(calls.items())],
             "finish_reason": finish, "stop_reason": stop_reason, "token_ids": token_ids,
             "logprobs": logprobs, "usage": usage}
 
@@ -284,8 +293,12 @@ CASES = {
         {"role": "user", "content": "Go on."}]},
     "user and metadata": {**GREEDY, "user": "u-1", "metadata": {"team": "a"}, "n": 1},
 }
-STREAMED = ["greedy", "seeded", "logprobs", "return_token_ids", "json_schema", "tools required",
-            "tool named", "eos first"]
+# With parallel calls allowed ("tools required"), random weights go on calling until max_tokens
+# cuts a call, which vLLM's parser then cannot parse: both servers answer alike (the matrix compares
+# them), but the streamed answer is not the whole one (vLLM streams the calls it parsed so far, and
+# answers the whole text as content), so the streamed cases take one call.
+STREAMED = ["greedy", "seeded", "logprobs", "return_token_ids", "json_schema",
+            "tools required one", "tool named", "eos first"]
 
 
 def test_models_list_is_vllms(vllm_url, omni_url):
@@ -299,7 +312,7 @@ def test_models_list_is_vllms(vllm_url, omni_url):
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_same_request_gets_the_same_answer(clients, case):
     want = both(clients, CASES[case], case)
-    if case.startswith("tools required") or case == "tool named":
+    if case in ("tools required one", "tool named"):
         assert want["tool_calls"], f"{case}: structured outputs made no tool call"
     if case == "tools required one":
         assert len(want["tool_calls"]) == 1
