@@ -89,6 +89,7 @@ class FakeStage:
         self.orchestrator, self.codec = orchestrator, codec
         self.tasks: dict[str, asyncio.Task] = {}
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
+        self.spoken: dict[str, str] = {}  # decoder: request -> the text it was given
         self.aborted: set[str] = set()
         self.seen: list[list[int]] = []
         self.delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.01"))
@@ -197,7 +198,7 @@ class FakeStage:
             await self.orch.send(msg, tensors)
             if audio:
                 fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks,
-                                  finished=last)
+                                  text=text, finished=last)
                 if i == 0:
                     fwd = StreamStart.opening(fwd, modalities=list(sub.modalities),
                                               sampling=sub.sampling)
@@ -212,6 +213,8 @@ class FakeStage:
         if rid in self.aborted:
             return
         seq = self.decoding.setdefault(rid, 0)
+        # What it was given to speak, reported with its last output (the answer's transcript).
+        self.spoken[rid] = self.spoken.get(rid, "") + up.text
         for tok in up.token_ids:
             t = np.arange(SAMPLES_PER_TOKEN, dtype=np.float32) / SAMPLE_RATE
             wave = 0.5 * np.sin(2 * np.pi * (200 + 4 * tok) * t).astype(np.float32)
@@ -225,7 +228,8 @@ class FakeStage:
             self.decoding.pop(rid, None)
             self.counters["requests"] += 1
             await self.orch.send(StageOutput(request_id=rid, stage=self.name, seq=seq, finished=True,
-                                             sample_rate=SAMPLE_RATE))
+                                             sample_rate=SAMPLE_RATE,
+                                             input_text=self.spoken.pop(rid, "")))
 
 
 def main() -> int:

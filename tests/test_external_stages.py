@@ -29,7 +29,8 @@ import zmq.utils.monitor
 
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
-from omni_cache.wire.messages import MESSAGE_TYPES, Sampling, StageReady, Submit
+from omni_cache.wire.messages import MESSAGE_TYPES, StageReady, Submit
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
@@ -44,7 +45,10 @@ WAIT_S = 60.0
 
 
 class ByteTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    chat_template = ""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None,
+                            **template_kwargs):
         return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
 
     def decode(self, ids, skip_special_tokens=True):
@@ -378,7 +382,7 @@ def inject(ctx: zmq.Context, address: str, codec: Codec, auth: StageAuth | None,
     sock.connect(address)
     try:
         sock.send_multipart(codec.encode(Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"),
-                                                sampling=Sampling(max_tokens=4))))
+                                                sampling=EngineSampling(max_tokens=4))))
         done = {zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
         deadline = time.monotonic() + WAIT_S

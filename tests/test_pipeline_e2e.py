@@ -210,7 +210,7 @@ def test_killed_stage_fails_in_flight_request_and_recovers(client, server):
     assert killed, "the answer ended before any audio arrived"
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
-    assert err["code"] == "stage_unavailable" and "talker" in err["message"], err
+    assert err["code"] == 503 and "talker" in err["message"], err
     # The stage comes back; the next request succeeds.
     deadline = time.monotonic() + 300
     while httpx.get(server.url + "/health").status_code != 200:

@@ -87,7 +87,13 @@ def reference_model(checkpoint):
 
 def reference(model, token_ids: list[int], **inputs) -> tuple[list[int], torch.Tensor, np.ndarray]:
     """Generated text ids, talker codes [G, steps] and waveform of transformers' generate
-    (`inputs`: the processor's media tensors for an expanded prompt)."""
+    (`inputs`: the processor's media tensors for an expanded prompt) for an answer of
+    THINKER_TOKENS tokens.
+
+    The reference's talker speaks the tokens its thinker fed through the model, which are all but
+    the last one sampled; the pipeline's talker speaks the client's whole text, the last token of
+    an answer cut by max_tokens included (omni_cache/handoff.py). So the reference writes one token
+    more, and its first THINKER_TOKENS are the answer (an end of sequence stops both alike)."""
     captured = {}
     talker_generate = model.talker.generate
 
@@ -100,14 +106,15 @@ def reference(model, token_ids: list[int], **inputs) -> tuple[list[int], torch.T
     try:
         ids = torch.tensor([token_ids])
         sequences, wav = model.generate(
-            input_ids=ids, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
+            input_ids=ids, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS + 1,
             thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
             talker_do_sample=False, talker_max_new_tokens=TALKER_STEPS, **inputs)
     finally:
         model.talker.generate = talker_generate
     hidden = captured["out"].hidden_states
     codes = torch.stack([h[-1][0] for h in hidden if h[-1] is not None], dim=-1)  # [G, steps]
-    return sequences[0, len(token_ids):].tolist(), codes, wav.reshape(-1).float().numpy()
+    answer = sequences[0, len(token_ids):len(token_ids) + THINKER_TOKENS].tolist()
+    return answer, codes, wav.reshape(-1).float().numpy()
 
 
 def strip_eos(ids: list[int], eos: int) -> list[int]:

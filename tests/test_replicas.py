@@ -119,7 +119,10 @@ def test_request_table_load_counts_what_each_replica_has_not_finished():
 
 
 class ByteTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    chat_template = ""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None,
+                            **template_kwargs):
         return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
 
     def decode(self, ids, skip_special_tokens=True):

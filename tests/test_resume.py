@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cache.config.schema import Sampling
 from omni_cache.runtime.requests import Request, RequestTable, with_time_left
 from omni_cache.runtime.resume import ResumedText, new_samples, new_tokens, resumed_submit
 from omni_cache.wire.messages import Submit
+from omni_cache.wire.sampling import EngineSampling
 from workers.ar_runner import resumed_as_undisturbed
 from workers.llm_stage import StepOutput
 
@@ -22,7 +22,7 @@ def request(max_tokens: int = 10) -> Request:
                   participants=("thinker", "talker"), t0=0.0, deadline=1e9, timeout_s=60.0,
                   return_latents=False, route={"thinker": 1, "talker": 0})
     req.submit = Submit(request_id="abc", prompt_token_ids=[1, 2, 3],
-                        sampling=Sampling(max_tokens=max_tokens, temperature=0.7, seed=5),
+                        sampling=EngineSampling(max_tokens=max_tokens, temperature=0.7, seed=5),
                         modalities=["text", "audio"], route=dict(req.route))
     return req
 
@@ -122,7 +122,7 @@ def test_a_stage_refuses_resumed_tokens_outside_the_prompt(k, prompt):
     from workers.ar_runner import ARRunner
 
     runner = ARRunner.__new__(ARRunner)  # the check comes first: no engine is needed to reach it
-    msg = Submit(request_id="x", prompt_token_ids=prompt, sampling=Sampling(), resumed_tokens=k)
+    msg = Submit(request_id="x", prompt_token_ids=prompt, sampling=EngineSampling(), resumed_tokens=k)
     with pytest.raises(ValueError, match="resumed_tokens"):
         runner.accept(msg, {})
 

@@ -21,11 +21,11 @@ import pytest
 import zmq
 
 from omni_cache.config import load_config
-from omni_cache.config.schema import Sampling
 from omni_cache.wire.messages import (
     MESSAGE_TYPES, Abort, Shutdown, StageError, StageOutput, StageReady, StageStats, StatsQuery,
     StreamStart, Submit,
 )
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver, Sender
 from workers.runner import StageRunner, deadline_in
 from workers.stage_process import MAX_FAILED_STEPS, StageProcess
@@ -152,7 +152,7 @@ class Harness:
         self.to_stage.send(msg)
 
     def submit(self, rid: str, audio: bool = False) -> None:
-        self.send(Submit(request_id=rid, prompt_token_ids=[1, 2], sampling=Sampling(),
+        self.send(Submit(request_id=rid, prompt_token_ids=[1, 2], sampling=EngineSampling(),
                          modalities=["text", "audio"] if audio else ["text"]))
 
     def expect(self, kind, match=lambda m: True):

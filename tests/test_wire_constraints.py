@@ -23,13 +23,14 @@ import torch
 import yaml
 import zmq
 
-from omni_cache.config import Sampling, load_config
+from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.messages import (
     MAX_ERROR_MESSAGE, MAX_SAMPLE_RATE, MESSAGE_TYPES, Abort, BlockEvents, MediaRef, Shutdown,
     StageError, StageOutput, StageReady, StageStats, StreamStart, Submit,
 )
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver
 from test_default_addresses import fake_pipeline_config
 from test_server_unit import FAKE_STAGE, ByteTokenizer
@@ -38,13 +39,13 @@ CODEC = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
 
 #: One valid message of each kind; each bad case changes one field of one of them.
 GOOD: dict[str, msgspec.Struct] = {
-    "submit": Submit(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=Sampling(),
+    "submit": Submit(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=EngineSampling(),
                      modalities=["text", "audio"], time_left_s=30.0, route={"thinker": 1},
                      media=[MediaRef(kind="audio", tensor="media.0", sample_rate=16000)]),
     "output": StageOutput(request_id="r1", stage="thinker", seq=1, token_ids=[5], latent_start=3,
                           num_prompt_tokens=3, sample_rate=24000, finish_reason="stop"),
     "start": StreamStart(request_id="r1", stage="thinker", seq=0, token_ids=[5],
-                         modalities=["text", "audio"], sampling=Sampling(), time_left_s=12.5,
+                         modalities=["text", "audio"], sampling=EngineSampling(), time_left_s=12.5,
                          route={"talker": 0}, prompt_token_ids=[1, 2], image_grids=[[1, 4, 4]]),
     "error": StageError(request_id="r1", stage="talker", message="bad", status=400),
     "abort": Abort(request_id="r1"),
@@ -79,6 +80,9 @@ BAD: list[tuple[str, str, str, Any]] = [
     ("not a stage name", "output", "stage", "Thinker!"),
     ("over-long stage name", "output", "stage", "s" * 65),
     ("negative seq", "output", "seq", -1),
+    ("negative stop token id", "output", "stop_reason", -1),
+    ("over-long stop string", "output", "stop_reason", "s" * (2**16 + 1)),
+    ("negative token id in logprobs", "output", "logprobs", [[[-1, -0.5, "x"]]]),
     ("negative latent start", "output", "latent_start", -1),
     ("negative prompt length", "output", "num_prompt_tokens", -5),
     ("negative cached tokens", "output", "num_cached_tokens", -1),

@@ -73,7 +73,7 @@ def run(stage: LLMStage, prompts: dict[str, list[int] | dict], max_tokens: int =
                 continue
             r = results[out.request_id]
             r.token_ids += out.token_ids
-            r.logprobs += out.logprobs or []
+            r.logprobs += [{e.token_id: e.logprob for e in pos} for pos in out.logprobs or []]
             r.num_cached_tokens = out.num_cached_tokens
             r.num_prompt_tokens = out.num_prompt_tokens
             if out.prompt_token_ids:

@@ -20,17 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
-from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, StreamStart, Submit
+from omni_cache.wire.messages import MediaRef, StageOutput, StreamStart, Submit
+from omni_cache.wire.sampling import EngineSampling
 from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
+from workers.entry_sampling import sampling_params
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner, deadline_in, time_left
+from workers.spoken_tokens import SpokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ logger = logging.getLogger(__name__)
 class _ARRequest:
     request_id: str
     modalities: list[str]
-    sampling: Sampling | None
+    sampling: EngineSampling | None
     deadline: float = 0.0  # time.monotonic(); 0 = none
     return_latents: bool = False
     route: dict[str, int] = field(default_factory=dict)  # forwarded with the StreamStart
@@ -48,6 +52,7 @@ class _ARRequest:
     num_cached_tokens: int = 0
     upstream: Upstream | None = None
     upstream_rows: LatentBuffer | None = None
+    upstream_text: list[str] = field(default_factory=list)  # the text of the upstream's tokens
     handoff_state: dict = field(default_factory=dict)
     jobs: deque[GenerateJob] = field(default_factory=deque)
     active: str | None = None  # vLLM request id of the job running now
@@ -109,8 +114,13 @@ def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: st
         out.token_ids, out.text = list(tail), ""
         out.finished, out.finish_reason = True, answer_finished
         out.latents = {name: rows[:-1] for name, rows in out.latents.items()}
+        if out.spoken is not None:
+            # The token that stopped the answer is not spoken (its text the client never got).
+            out.spoken = SpokenDelta(list(tail[:-1] if answer_finished == "stop" else tail))
     else:
         out.token_ids = [*tail, *out.token_ids]
+        if out.spoken is not None:
+            out.spoken = SpokenDelta([*tail, *out.spoken.token_ids], out.spoken.text)
 
 
 class ARRunner(StageRunner):
@@ -187,6 +197,7 @@ class ARRunner(StageRunner):
             raise ValueError(f"stage {msg.stage!r} sent more than max_model_len "
                              f"({self.max_model_len}) tokens")
         up.token_ids.extend(msg.token_ids)
+        req.upstream_text.append(msg.text)
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
         if tensors:
             if req.upstream_rows is None:
@@ -250,23 +261,22 @@ class ARRunner(StageRunner):
                                            num_cached_tokens=0))
                 return
 
-    def _start(self, req: _ARRequest, job: GenerateJob) -> None:
+    def _params(self, req: _ARRequest, job: GenerateJob) -> Any:
+        """vLLM's SamplingParams of a job: the client's (Submit.sampling) on the entry stage, the
+        stage's configured sampling and the job's own rules on a stage fed by a hand-off."""
         from vllm import SamplingParams
 
+        if self.handoff is None:
+            return sampling_params(req.sampling)
         defaults = self.stage.sampling
-        client = req.sampling if self.handoff is None else None  # clients sample the entry stage
-        max_tokens = job.max_tokens or defaults.max_tokens
-        if self.handoff is not None:
-            max_tokens = min(max_tokens, defaults.max_tokens - req.generated)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=client.temperature if client else defaults.temperature,
-            top_p=client.top_p if client else defaults.top_p,
-            seed=client.seed if client and client.seed is not None else defaults.seed,
-            extra_args=job.extra_args,
-            stop_token_ids=job.stop_token_ids,
-            allowed_token_ids=job.allowed_token_ids,
-        )
+        max_tokens = min(job.max_tokens or defaults.max_tokens, defaults.max_tokens - req.generated)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=defaults.temperature, top_p=defaults.top_p,
+            seed=defaults.seed, extra_args=job.extra_args, stop_token_ids=job.stop_token_ids,
+            allowed_token_ids=job.allowed_token_ids)
+
+    def _start(self, req: _ARRequest, job: GenerateJob) -> None:
+        params = self._params(req, job)
         if job.prompt_embeds is not None:
             prompt = {"prompt_embeds": job.prompt_embeds}
         else:
@@ -283,8 +293,10 @@ class ARRunner(StageRunner):
 
             streamed = StreamedRows(job.stream.pad, max_rows=self.max_model_len)
             streamed.add(job.stream.rows, job.stream.done)
+        # The entry stage hands downstream only what the client's text covers (spoken_tokens.py).
+        spoken = self.handoff is None and self.downstream and "audio" in req.modalities
         self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions,
-                     clock=req.clock)
+                     clock=req.clock, spoken=spoken)
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 
@@ -337,8 +349,10 @@ class ARRunner(StageRunner):
             token_ids=[] if self.llm.talker is not None else out.token_ids,
             text=out.text, latent_start=out.latent_start,
             finished=finished, finish_reason=out.finish_reason if finished else None,
+            stop_reason=out.stop_reason if finished else None, logprobs=out.logprobs,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
+            input_text=self._input_text(req) if finished else "")
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -352,14 +366,24 @@ class ARRunner(StageRunner):
             # their prefix cache saved), without the payload.
             self.outbox.to_orchestrator(StageOutput(
                 request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                input_text=msg.input_text))
         if self.downstream and "audio" in req.modalities:
-            self.outbox.to_downstream(self._stream_start(req, msg, out) if msg.seq == 0 else msg,
+            down = msg
+            if out.spoken is not None:  # only the tokens whose text the client has
+                down = msgspec.structs.replace(msg, token_ids=out.spoken.token_ids,
+                                               text=out.spoken.text, logprobs=None)
+            self.outbox.to_downstream(self._stream_start(req, down, out) if msg.seq == 0 else down,
                                       tensors)
         if finished:
             del self.requests[req.request_id]
         elif job_done:
             self._next_job(req)  # after this output: its seq comes first
+
+    @staticmethod
+    def _input_text(req: _ARRequest) -> str:
+        """The text of the tokens the upstream handed this request ("" on the entry stage)."""
+        return "".join(req.upstream_text)
 
     @staticmethod
     def _stream_start(req: _ARRequest, first: StageOutput, out: StepOutput) -> StreamStart:

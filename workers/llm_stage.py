@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from omni_cache.cache.latent_rows import LatentRows
+from omni_cache.wire.messages import TokenLogprob
 from workers.latent_capture import LatentOptions
+from workers.spoken_tokens import SpokenDelta, SpokenTokens
 
 # Must be set before vLLM is imported in this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -43,9 +45,14 @@ class StepOutput:
     prompt_token_ids: list[int] | None = None
     # Per image of the prompt, its (t, h, w) patch grid; first output only.
     image_grids: list[list[int]] | None = None
-    # Per new token, {token id: logprob} of the sampled and top-k tokens; only when the request's
-    # SamplingParams asked for `logprobs`.
-    logprobs: list[dict[int, float]] | None = None
+    # vLLM's stop reason with a "stop" finish: the stop string, or the stop token id.
+    stop_reason: int | str | None = None
+    # Per new token, its log-probabilities as vLLM ranked them (the sampled token first); only
+    # when the request's SamplingParams asked for `logprobs`.
+    logprobs: list[list[TokenLogprob]] | None = None
+    # A request whose tokens a downstream stage speaks: the tokens of this step's output whose
+    # text the client now has, and that text (workers/spoken_tokens.py).
+    spoken: SpokenDelta | None = None
     # Assembling this request's output failed (its latent rows, its codes): the request must
     # fail alone; the other fields are not to be used then.
     error: Exception | None = None
@@ -59,6 +66,9 @@ class _Tracked:
     num_generated: int = 0
     sent_prompt: bool = False
     image_grids: list[list[int]] = field(default_factory=list)
+    # Set for a request a downstream stage speaks: its latent rows go out only as far as the
+    # spoken tokens reach.
+    spoken: SpokenTokens | None = None
 
 
 class LLMStage:
@@ -130,13 +140,14 @@ class LLMStage:
     # ---- requests --------------------------------------------------------------------------
     def add(self, request_id: str, prompt: dict[str, Any], params: Any,
             streamed: Any = None, positions: tuple[torch.Tensor, int] | None = None,
-            clock: Any = None) -> None:
+            clock: Any = None, spoken: bool = False) -> None:
         """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}.
         streamed: the request's StreamedRows (scheduler/streamed_rows.py), for a talker whose
         decode steps consume rows that keep arriving (`feed`). positions: M-RoPE prompt positions
         [3, L] and decode delta, when not plain text positions (a talker prompt with an image).
         clock: the PlaybackClock of the streamed answer the request belongs to (scheduler/pacing.py),
-        for the scheduler's pacer."""
+        for the scheduler's pacer. spoken: a downstream stage speaks its tokens (each output then
+        says which it may speak, `StepOutput.spoken`, and its latent rows stop where those do)."""
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._tracked:
@@ -145,6 +156,8 @@ class LLMStage:
         params.output_kind = RequestOutputKind.DELTA
         internal = self.engine.add_request(request_id, prompt, params)
         tracked = self._tracked[request_id] = _Tracked(internal, LatentRows(self._names))
+        if spoken:
+            tracked.spoken = SpokenTokens(params, self.engine.tokenizer)
         if prompt.get("multi_modal_data"):
             tracked.image_grids = _image_grids(self.scheduler.requests[internal])
         if streamed is not None or positions is not None:
@@ -222,7 +235,12 @@ class LLMStage:
             finish_reason=completion.finish_reason,
             num_prompt_tokens=tracked.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens or 0,
-            logprobs=_plain_logprobs(completion.logprobs))
+            stop_reason=completion.stop_reason,
+            logprobs=_ranked_logprobs(completion.logprobs))
+        if tracked.spoken is not None:
+            result.spoken = tracked.spoken.add(
+                None if tracked.sent_prompt else list(out.prompt_token_ids or ()),
+                result.token_ids, result.text, result.finish_reason, result.stop_reason)
         if not tracked.sent_prompt:
             result.prompt_token_ids = list(out.prompt_token_ids or ())
             result.image_grids = tracked.image_grids
@@ -246,6 +264,8 @@ class LLMStage:
             tracked.rows.add(chunk)
         # Every token but the last sampled one has been fed through the model.
         processed = tracked.num_prompt_tokens + tracked.num_generated - 1
+        if tracked.spoken is not None:
+            processed = min(processed, tracked.num_prompt_tokens + tracked.spoken.count)
         result.latent_start, result.latents = tracked.rows.take_new(upto=processed)
 
     # ---- counters --------------------------------------------------------------------------
@@ -276,8 +296,11 @@ def _image_grids(request: Any) -> list[list[int]]:
     return grids
 
 
-def _plain_logprobs(logprobs: Any) -> list[dict[int, float]] | None:
-    """vLLM's per-token {id: Logprob} mappings as plain {id: float} (None when not requested)."""
+def _ranked_logprobs(logprobs: Any) -> list[list[TokenLogprob]] | None:
+    """vLLM's per-token {id: Logprob} mappings, in their order (the sampled token first, then the
+    top ones: the order vLLM's server reads `top_logprobs` in), with vLLM's decoded text of each
+    (None when not requested)."""
     if logprobs is None:
         return None
-    return [{tid: lp.logprob for tid, lp in position.items()} for position in logprobs]
+    return [[TokenLogprob(tid, lp.logprob, lp.decoded_token) for tid, lp in position.items()]
+            for position in logprobs]

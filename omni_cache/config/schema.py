@@ -102,6 +102,10 @@ class ServerConfig(_Base, kw_only=True):
     request_timeout_s: PositiveFloat = 300.0
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
     served_model_name: str | None = None
+    #: vLLM's tool-call parser for the thinker's output (``vllm serve --tool-call-parser``, with
+    #: ``--enable-auto-tool-choice``): "hermes" for Qwen3-Omni. None: requests with tools and a
+    #: ``tool_choice`` other than "none" are refused, as by ``vllm serve`` without the flag.
+    tool_call_parser: Annotated[str, Meta(min_length=1)] | None = None
     #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
     #: "tcp://host:port"); ``None`` -> a socket in a directory of the server's own
     #: (omni_cache/config/addresses.py). Stages on other hosts need a tcp address here, one they
@@ -255,13 +259,13 @@ class EngineArgs(_Base, kw_only=True):
 
 
 class Sampling(_Base, kw_only=True):
-    """How a stage samples: a stage's configured defaults (``sampling:``), and on the wire the
-    client's values in ``Submit`` (:mod:`omni_cache.wire.messages`).
+    """How a stage samples when its request does not say: a stage's configured defaults
+    (``sampling:``). The entry stage's are the server's defaults for clients (vLLM's
+    ``default_sampling_params``); a request's own sampling travels as
+    :class:`omni_cache.wire.sampling.EngineSampling`.
 
-    The ranges (temperature >= 0, 0 < top_p <= 1, max_tokens >= 1) are checked for the config by
-    :mod:`omni_cache.config.validation`, not declared here: the wire decodes this struct too, and
-    a client's out-of-range value must reach the stage and come back as a 400 naming it, not be
-    dropped as a malformed message.
+    The ranges (temperature >= 0, 0 < top_p <= 1, max_tokens >= 1) are checked by
+    :mod:`omni_cache.config.validation`, with the key path of the value.
     """
 
     temperature: float = 0.0

@@ -3,7 +3,9 @@
 
 From the thinker, per token: its id, its input embedding (layer tap 0: the embedding row at text
 positions, the encoder output at image/audio positions) and its hidden state after the talker's
-`accept_hidden_layer`. From those:
+`accept_hidden_layer`. At a text position the input embedding is the checkpoint's thinker embedding
+row of the token (`EmbeddingRows`), bitwise what the thinker's tap holds, so the text of the answer
+needs only its token ids. From those:
 
 * the talker prompt: the user turns only (system turns and earlier assistant turns are dropped),
   each position projected into the talker's space, by `hidden_projection` of the accept-layer
@@ -15,7 +17,8 @@ positions, the encoder output at image/audio positions) and its hidden state aft
   input embedding (`text`), then `tts_eos`, then `tts_pad` for ever.
 
 Torch only (no vLLM): the talker stage's hand-off calls it (`omni_cache.handoff`). Only the tensors
-it needs are read from the checkpoint's weight file (two small MLPs and a few embedding rows).
+it needs are read from the checkpoint's weight file (two small MLPs and a few embedding rows; the
+thinker's embedding rows are read from the memory-mapped file one token at a time).
 M-RoPE positions (`positions`): plain positions along the talker's own sequence (user turns, then
 the assistant rows), except at an image's tokens, which take its grid's (t, h, w) positions, the
 text after it going on from their maximum plus one, as the reference's rope index does. Audio
@@ -49,10 +52,31 @@ class _Projection:
         return torch.nn.functional.linear(torch.nn.functional.silu(x), self.fc2_weight, self.fc2_bias)
 
 
+class EmbeddingRows:
+    """Rows of one embedding table in a safetensors file, read on demand from the memory-mapped
+    file (Qwen3-Omni-30B's thinker table is 0.6 GB; a talker stage reads a few rows per step)."""
+
+    def __init__(self, file: Path, name: str) -> None:
+        from safetensors import safe_open
+
+        self._table = safe_open(str(file), "pt").get_slice(name)
+
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        """[len(token_ids), dim], in the file's dtype."""
+        if not token_ids:
+            return self._table[0:0]
+        return torch.cat([self._table[t:t + 1] for t in token_ids])
+
+
+#: The thinker's input embedding table in the checkpoint.
+THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
+
+
 class TalkerPrompt:
     """Everything the talker's inputs need from the checkpoint, loaded once per stage."""
 
-    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 embedding_rows: EmbeddingRows) -> None:
         thinker, talker = config["thinker_config"], config["talker_config"]
         self.accept_hidden_layer = int(talker["accept_hidden_layer"])
         self.im_start_id = config["im_start_token_id"]
@@ -67,8 +91,10 @@ class TalkerPrompt:
         self.talker_vocab_size = talker["text_config"]["vocab_size"]
         self.text_projection = _projection(tensors, "talker.text_projection", dtype)
         self.hidden_projection = _projection(tensors, "talker.hidden_projection", dtype)
-        embed = tensors["thinker.model.embed_tokens.weight"]
-        tts = embed[[config["tts_bos_token_id"], config["tts_eos_token_id"], config["tts_pad_token_id"]]]
+        #: token ids -> the thinker's input embedding rows (its tap 0 at text positions).
+        self.embedding_rows = embedding_rows
+        tts = embedding_rows([config["tts_bos_token_id"], config["tts_eos_token_id"],
+                              config["tts_pad_token_id"]])
         self.tts_bos, self.tts_eos, self.tts_pad = self.text_projection(tts.to(dtype))
         self._codec_table = tensors["talker.model.codec_embedding.weight"].to(dtype)
         self._codec_specials = [talker["codec_nothink_id"], talker["codec_think_bos_id"],
@@ -82,14 +108,19 @@ class TalkerPrompt:
         folder = Path(folder)
         config = json.loads((folder / "config.json").read_text())
         wanted = ("talker.text_projection.", "talker.hidden_projection.",
-                  "thinker.model.embed_tokens.weight", "talker.model.codec_embedding.weight")
+                  "talker.model.codec_embedding.weight")
         tensors: dict[str, torch.Tensor] = {}
+        embeddings: EmbeddingRows | None = None
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():
-                    if name.startswith(wanted):
+                    if name == THINKER_EMBEDDINGS:
+                        embeddings = EmbeddingRows(file, name)
+                    elif name.startswith(wanted):
                         tensors[name] = f.get_tensor(name)
-        return cls(config, tensors, dtype)
+        if embeddings is None:
+            raise ValueError(f"{folder}: no {THINKER_EMBEDDINGS} in its safetensors files")
+        return cls(config, tensors, dtype, embeddings)
 
     # ---- the prompt --------------------------------------------------------------------------
     def assistant_start(self, token_ids: list[int]) -> int:

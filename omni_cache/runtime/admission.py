@@ -29,7 +29,7 @@ from omni_cache.runtime.requests import MediaItem
 from omni_cache.runtime.results import RequestError
 from omni_cache.runtime.supervisor import StageSupervisor
 from omni_cache.runtime.topology import Topology
-from omni_cache.wire.messages import Sampling
+from omni_cache.wire.sampling import EngineSampling
 
 #: Admission's states: before every stage was ready once, serving, shutting down.
 STARTING, OPEN, CLOSED = "starting", "open", "closed"
@@ -134,7 +134,7 @@ class AdmittedRequest:
 
     prompt_token_ids: list[int]
     modalities: tuple[str, ...]
-    sampling: Sampling
+    sampling: EngineSampling
     participants: tuple[str, ...]
     media: tuple[MediaItem, ...] = ()
 
@@ -164,9 +164,12 @@ class Admission:
         ea = self._topology.entry.engine_args
         return ea.max_model_len if ea is not None else None
 
-    def default_sampling(self) -> Sampling:
+    def default_sampling(self) -> EngineSampling:
+        """The entry stage's configured ``sampling`` (the server hands the same values to vLLM's
+        ``to_sampling_params`` as its defaults: omni_cache/serving/chat_sampling.py)."""
         d = self._topology.entry.sampling
-        return Sampling(temperature=d.temperature, top_p=d.top_p, max_tokens=d.max_tokens, seed=d.seed)
+        return EngineSampling(temperature=d.temperature, top_p=d.top_p, max_tokens=d.max_tokens,
+                              seed=d.seed)
 
     def enter(self) -> Ticket:
         """A place among the requests in flight (429 when none is free); take it before reading
@@ -186,11 +189,14 @@ class Admission:
         ticket.hold_media(total - ticket.media_bytes)
 
     def check(self, prompt_token_ids: Sequence[int], *, ticket: Ticket | None = None,
+              sampling: EngineSampling | None = None,
               max_tokens: int | None = None, temperature: float | None = None,
               top_p: float | None = None, seed: int | None = None,
               modalities: Iterable[str] = ("text",),
               media: Sequence[MediaItem] = ()) -> AdmittedRequest:
         """The admitted request, or :class:`RequestError` for the first check it fails.
+        ``sampling``: the request's, as the server resolved it; without it the entry stage's
+        defaults with ``max_tokens``, ``temperature``, ``top_p`` and ``seed`` where given.
         ``ticket``: the request's place in the bounds; its media are held on it (what they hold
         decoded, beyond what was reserved from their headers)."""
         if ticket is not None:
@@ -199,8 +205,13 @@ class Admission:
             raise RequestError(503, "the server is shutting down")
         mods = self._modalities(modalities)
         ids = _prompt(prompt_token_ids)
-        sampling = self._sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  seed=seed)
+        if sampling is None:
+            sampling = self.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                     seed=seed)
+        elif (max_tokens, temperature, top_p, seed) != (None, None, None, None):
+            raise TypeError("check() takes sampling= or its fields, not both")
+        if sampling.max_tokens < 1:
+            raise RequestError(400, f"max_tokens must be at least 1, got {sampling.max_tokens}")
         self._context_length(len(ids), sampling.max_tokens)
         participants = self._topology.participants(mods)
         self._available(participants)
@@ -215,9 +226,9 @@ class Admission:
             raise RequestError(400, f"pipeline {self._config.name!r} has no audio output stage")
         return mods
 
-    def _sampling(self, *, max_tokens: int | None, temperature: float | None,
-                  top_p: float | None, seed: int | None) -> Sampling:
-        """The entry stage's defaults with the request's overrides."""
+    def sampling(self, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> EngineSampling:
+        """The entry stage's defaults with these overrides (the Python API's sampling)."""
         sampling = self.default_sampling()
         if max_tokens is not None:
             sampling.max_tokens = int(max_tokens)
@@ -227,8 +238,6 @@ class Admission:
             sampling.top_p = float(top_p)
         if seed is not None:
             sampling.seed = int(seed)
-        if sampling.max_tokens < 1:
-            raise RequestError(400, f"max_tokens must be at least 1, got {sampling.max_tokens}")
         return sampling
 
     def _context_length(self, n_prompt: int, max_tokens: int) -> None:

@@ -34,7 +34,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-
 from omni_cache.config import PipelineConfig, resolve_model
 from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
@@ -59,6 +58,7 @@ from omni_cache.runtime.topology import Topology
 from omni_cache.wire.messages import (
     Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit,
 )
+from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
 
 logger = logging.getLogger(__name__)
@@ -149,9 +149,10 @@ class Orchestrator:
         """Whether start() completed (every stage was ready once)."""
         return self._started
 
-    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Chat messages -> prompt token ids through the thinker's chat template (thread-safe)."""
-        return self.codec.tokenize_messages(messages)
+    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], **template: Any) -> list[int]:
+        """Chat messages -> prompt token ids through the thinker's chat template (thread-safe);
+        ``template``: its ``tools`` and ``template_kwargs`` (omni_cache/runtime/text_codec.py)."""
+        return self.codec.tokenize_messages(messages, **template)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.codec.detokenize(token_ids)
@@ -253,6 +254,7 @@ class Orchestrator:
         self,
         prompt_token_ids: Sequence[int],
         *,
+        sampling: EngineSampling | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
         modalities: Iterable[str] = ("text",),
@@ -264,25 +266,23 @@ class Orchestrator:
         ticket: Ticket | None = None,
         stream: bool = False,
     ) -> RequestHandle:
-        """Accept a request and send it to the entry stage.
-
-        ``media``: decoded images and clips for the prompt's placeholders, in order. The entry
-        stage's vLLM processor expands the placeholders, so the context-length check here counts
-        the prompt before expansion; the stage refuses (400) a prompt whose expansion does not fit.
-
-        ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
-        histograms (default: now); the deadline counts from it too. ``session_id``: requests of
-        one session (a realtime conversation) stay on the replicas its first request went to.
-        ``ticket``: its place in the server's bounds, taken before its body was read (None: here);
-        ``stream``: its client plays it as it comes (stages pace its audio: docs/pacing.md).
-
-        Raises :class:`RequestError` when it is refused up front (:mod:`omni_cache.runtime.admission`);
-        otherwise the returned handle gets exactly one terminal event.
-        """
+        """Accept a request and send it to the entry stage; :class:`RequestError` when it is
+        refused up front (:mod:`omni_cache.runtime.admission`), else a handle that gets exactly
+        one terminal event. ``sampling``: the entry stage's, as the server resolved it (vLLM's
+        ``SamplingParams`` fields); without it, the stage's defaults with ``max_tokens`` ...
+        ``seed`` where given. ``media``: decoded images and clips for the prompt's placeholders,
+        in order; the context-length check counts the prompt before the entry stage's processor
+        expands them (the stage refuses, 400, a prompt whose expansion does not fit).
+        ``received_at`` (``time.monotonic()``): when the request arrived (latency histograms; the
+        deadline counts from it). ``session_id``: requests of one session (a realtime
+        conversation) stay on the replicas its first request went to. ``ticket``: its place in
+        the server's bounds, taken before its body was read (None: here). ``stream``: its client
+        plays it as it comes (stages pace its audio: docs/pacing.md)."""
         ticket = ticket or self.admission.enter()
         try:
-            admitted = self.admission.check(prompt_token_ids, ticket=ticket, max_tokens=max_tokens,
-                                            temperature=temperature, top_p=top_p, seed=seed,
+            admitted = self.admission.check(prompt_token_ids, ticket=ticket, sampling=sampling,
+                                            max_tokens=max_tokens, temperature=temperature,
+                                            top_p=top_p, seed=seed,
                                             modalities=modalities, media=media)
             # Hashing grows with the prompt: off the event loop (omni_cache.runtime.route_planner).
             hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids,

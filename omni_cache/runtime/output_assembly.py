@@ -66,11 +66,16 @@ class OutputAssembler:
         text = msg.text if req.resumed_text is None else req.resumed_text.add(token_ids)
         if text:
             req.text_tokens = len(req.answer_tokens)
-        if token_ids or (stage.final_output == "text" and text):
-            if not req.got_token:
+        last = stage.final_output == "text" and msg.finished
+        if token_ids or (stage.final_output == "text" and text) or last:
+            if not req.got_token and (token_ids or text):
                 req.got_token = True
                 self._metrics.observe(TTFT, stage.name, now - req.t0)
-            req.queue.put_nowait(TextDelta(text, token_ids))
+            # The log-probabilities of the tokens passed on (a resumed attempt's first ones are
+            # the client's already).
+            logprobs = msg.logprobs[len(msg.logprobs) - len(token_ids):] if msg.logprobs else None
+            req.queue.put_nowait(TextDelta(text, token_ids, logprobs, last=last,
+                                           num_prompt_tokens=msg.num_prompt_tokens))
 
     def _audio(self, req: Request, stage: StageConfig, msg: StageOutput, tensors: dict[str, Any],
                now: float) -> None:
@@ -106,7 +111,17 @@ class OutputAssembler:
             num_prompt_tokens=(entry_out.num_prompt_tokens if entry_out else 0) or len(req.prompt_token_ids),
             cached_tokens={n: m.num_cached_tokens for n, m in req.finished.items()},
             latents=joined_latents(req.latents),
+            stop_reason=text_out.stop_reason if text_out else None,
+            transcript=self._transcript(req),
         )
+
+    def _transcript(self, req: Request) -> str | None:
+        """What the stage that speaks the text stage's output was given to speak (its final
+        output says), or None when the request has no audio."""
+        speaker = self._topology.speaker
+        if "audio" not in req.modalities or speaker is None or speaker not in req.finished:
+            return None
+        return req.finished[speaker].input_text
 
 
 def joined_latents(parts_by_name: dict[str, list[tuple[int, Any]]]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
+from omni_cache.wire.messages import MediaRef, StageOutput, Submit
+from omni_cache.wire.sampling import EngineSampling
 
 #: How many answered request ids are remembered (late outputs of those are dropped quietly).
 RECENT_IDS = 10000
@@ -178,7 +179,7 @@ def new_request(prompt_token_ids: list[int], modalities: tuple[str, ...],
                    ticket=ticket)
 
 
-def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem], *,
+def submit_message(req: Request, sampling: EngineSampling, media: Sequence[MediaItem], *,
                    stream: bool = False) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
     :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`).

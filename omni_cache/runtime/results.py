@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from omni_cache.wire.messages import TokenLogprob
+
 if TYPE_CHECKING:
     from omni_cache.runtime.requests import Request
 
@@ -32,10 +34,18 @@ class RequestError(Exception):
 
 @dataclass
 class TextDelta:
-    """New text of the text stage (``text`` may be empty while a UTF-8 sequence is incomplete)."""
+    """New text of the text stage (``text`` may be empty while a UTF-8 sequence is incomplete,
+    or while a stop string may still be forming)."""
 
     text: str
     token_ids: list[int]
+    #: Per token of ``token_ids``, its log-probabilities (vLLM's order: the sampled token first,
+    #: then the top ones); None when the request asked for none.
+    logprobs: list[list[TokenLogprob]] | None = None
+    #: The text stage's last output for the request.
+    last: bool = False
+    #: The prompt's tokens as the text stage's engine counted them (media expanded).
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -56,6 +66,11 @@ class Completed:
     cached_tokens: dict[str, int]
     #: The entry stage's latents (only when asked for), name -> [tokens, dim] tensor.
     latents: dict[str, Any]
+    #: vLLM's stop reason with a "stop" finish: the stop string, or the stop token id (None:
+    #: end of sequence).
+    stop_reason: int | str | None = None
+    #: The text the stage that speaks the answer was given (its transcript); None without audio.
+    transcript: str | None = None
 
 
 @dataclass

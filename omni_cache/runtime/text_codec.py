@@ -28,10 +28,13 @@ class TextCodec:
         self._lock = threading.Lock()
         self._decoder: Any = None  # the copy detokenizing uses (load())
         self._decode_lock = threading.Lock()
+        #: The folder the tokenizer came from ("" before load()): ``/v1/models``' ``root``.
+        self.model_path = ""
 
     def load(self, model_path: str) -> None:
         """Load ``model_path``'s tokenizer unless one was given, and its copy for detokenizing
         (blocking)."""
+        self.model_path = str(model_path)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(model_path)
         try:
@@ -39,13 +42,17 @@ class TextCodec:
         except Exception:  # noqa: BLE001 -- one that cannot be copied shares the tokenize lock
             self._decoder, self._decode_lock = self.tokenizer, self._lock
 
-    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Chat messages -> prompt token ids, with the generation prompt added."""
+    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], *,
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Chat messages -> prompt token ids through the chat template, given ``tools`` and the
+        template's other arguments (default: only the generation prompt added)."""
         if self.tokenizer is None:
             raise RuntimeError("the tokenizer is not loaded yet (start() has not run)")
+        kwargs = {"add_generation_prompt": True} if template_kwargs is None else dict(template_kwargs)
         with self._lock:
             out = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+                [dict(m) for m in messages], tools=tools, tokenize=True, **kwargs)
         if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
         if hasattr(out, "tolist"):
@@ -53,6 +60,15 @@ class TextCodec:
         if out and isinstance(out[0], (list, tuple)):
             out = out[0]
         return [int(t) for t in out]
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens included (a log-probability's token); on the
+        detokenizing copy, so the event loop does not wait for a tokenization."""
+        decoder = self._decoder if self._decoder is not None else self.tokenizer
+        if decoder is None:
+            return ""
+        with self._decode_lock:
+            return str(decoder.decode([int(token_id)]))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Token ids -> text, special tokens left out ("" without a tokenizer that decodes)."""

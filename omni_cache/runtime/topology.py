@@ -23,15 +23,20 @@ class Topology:
     audio_stage: StageConfig | None
     #: The stages a request with audio passes after the entry stage.
     downstream_of_entry: frozenset[str]
+    #: The stage that speaks the text stage's output (reads it directly), if any.
+    speaker: str | None = None
 
     @classmethod
     def of(cls, config: PipelineConfig) -> Topology:
         entry = config.entry_stage()
         text = [s for s in config.stages if s.final_output == "text"]
         audio = [s for s in config.stages if s.final_output == "audio"]
+        text_stage = text[0] if text else entry
+        speakers = config.downstream(text_stage.name)
         return cls(stage_names=tuple(s.name for s in config.topological_order()), entry=entry,
-                   text_stage=text[0] if text else entry, audio_stage=audio[0] if audio else None,
-                   downstream_of_entry=frozenset(_reachable(config, entry.name)))
+                   text_stage=text_stage, audio_stage=audio[0] if audio else None,
+                   downstream_of_entry=frozenset(_reachable(config, entry.name)),
+                   speaker=speakers[0].name if speakers else None)
 
     def participants(self, modalities: Iterable[str]) -> tuple[str, ...]:
         """The stages a request with these modalities needs, in topological order."""

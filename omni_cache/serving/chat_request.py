@@ -1,90 +1,42 @@
-"""A chat-completions request: its schema (pydantic, OpenAI's fields) and the checks that turn a
-body into what the handler needs (model, n, modalities, audio format, plain chat messages), each
-failure an :class:`~omni_cache.serving.errors.APIError` naming the field."""
+"""A chat-completions request: parsed and validated by vLLM's own ``ChatCompletionRequest`` (its
+types, its validators, so its 4xx messages), then checked against what this server does with each
+field (:mod:`omni_cache.serving.chat_fields`), with this API's own fields (``modalities``,
+``audio``) read from the fields vLLM does not know. The result holds what the handler needs: the
+request, its modalities and audio format, its messages as the chat template takes them and its
+images and clips (not decoded yet)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.exceptions import RequestValidationError
 
 from omni_cache.serving.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format
-from omni_cache.serving.errors import APIError, invalid_request
+from omni_cache.serving.chat_fields import refusal
+from omni_cache.serving.errors import APIError
 
-__all__ = ["ChatCompletionRequest", "ChatRequest", "MediaPart", "parse_chat_request"]
-
-_INT64 = 2**63 - 1
-
-
-class _Model(BaseModel):
-    # strict: "5" is not an int, 1 is not a bool (OpenAI rejects both); unknown fields are ignored.
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class ImageURL(_Model):
-    url: str
-    detail: str | None = None  # accepted and not used: the processor decides the resolution
-
-
-class InputAudio(_Model):
-    data: str
-    format: str
-
-
-class ContentPart(_Model):
-    type: str
-    text: str | None = None
-    image_url: ImageURL | None = None
-    input_audio: InputAudio | None = None
-
-
-class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-
-class AudioOptions(_Model):
-    voice: str | None = None
-    # Default: "wav", or "pcm16" when streaming (the only format a stream can carry).
-    format: str | None = None
-
-
-class StreamOptions(_Model):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(_Model):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=2**31)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
-    audio: AudioOptions | None = None
-    n: int | None = Field(default=None, ge=1)
+__all__ = ["ChatRequest", "MediaPart", "parse_chat_request", "read_body"]
 
 
 @dataclass(frozen=True)
 class MediaPart:
-    """An image or audio clip of the request, not decoded yet; ``param`` names its content part."""
+    """An image or audio clip of the request, not decoded yet; ``param`` names its content part.
+    ``part`` is the content part as the client sent it (``image_url: {url}`` or ``input_audio:
+    {data, format}``)."""
 
     kind: str  # "image" | "audio"
-    part: ContentPart
+    part: dict[str, Any]
     param: str
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A request that passed every check: the body plus what was derived from it."""
+    """A request that passed every check: vLLM's request plus what was derived from it."""
 
-    body: ChatCompletionRequest
+    body: Any  # vllm's ChatCompletionRequest
     modalities: tuple[str, ...]
     audio_format: str
     messages: list[dict[str, Any]]
@@ -94,10 +46,6 @@ class ChatRequest:
     @property
     def wants_audio(self) -> bool:
         return "audio" in self.modalities
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
     def without_content(self) -> ChatRequest:
         """This request without its messages and media (what answering it still reads): once it
@@ -134,67 +82,124 @@ async def read_body(request: Any, limit: int,
     return body
 
 
+def validated_request(raw: bytes) -> Any:
+    """vLLM's ``ChatCompletionRequest`` of a JSON body. A body that does not parse or validate
+    raises what FastAPI raises for vLLM's route (``RequestValidationError``, answered by vLLM's
+    handler); vLLM's validators raise their ``VLLMValidationError`` as under ``vllm serve``."""
+    import pydantic
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        pos = getattr(e, "pos", getattr(e, "start", 0))
+        raise RequestValidationError([{
+            "type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+            "input": {}, "ctx": {"error": getattr(e, "msg", str(e))}}]) from None
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors(include_url=False)]) from None
+
+
 def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     """Validate a chat-completions body for the model this server serves; APIError otherwise."""
-    try:
-        req = ChatCompletionRequest.model_validate_json(raw)
-    except ValidationError as e:
-        raise invalid_request(e) from None
-    if req.model != served_model:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_model!r}",
-                       param="model", code="model_not_found")
-    if req.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", param="n")
-    modalities = tuple(dict.fromkeys(req.modalities or ["text"]))
-    audio_format = (req.audio.format if req.audio else None) or (STREAM_FORMAT if req.stream else "wav")
-    voice = req.audio.voice if req.audio else None
+    req = validated_request(raw)
+    if req.model is not None and req.model != served_model:
+        raise APIError(404, f"The model `{req.model}` does not exist. Valid aliases: "
+                       f"{served_model}.", param="model")
+    extras = dict(req.model_extra or {})
+    modalities = _modalities(extras.get("modalities"))
+    refused = refusal(req, extras, "audio" in modalities)
+    if refused is not None:
+        field, why = refused
+        raise APIError(400, f"{field} is not supported by this server: {why}", param=field)
+    audio = extras.get("audio") or {}
+    if not isinstance(audio, dict):
+        raise APIError(400, "audio must be an object {voice, format}", param="audio")
+    audio_format = audio.get("format") or (STREAM_FORMAT if req.stream else "wav")
+    voice = audio.get("voice")
     if voice is not None and voice not in VOICES:
         raise APIError(400, f"voice {voice!r} is not available; this pipeline speaks with "
                        + ", ".join(repr(v) for v in VOICES), param="audio.voice")
     if "audio" in modalities:
         try:
-            check_format(audio_format, stream=req.stream)
+            check_format(audio_format, stream=bool(req.stream))
         except UnsupportedFormat as e:
             raise APIError(400, str(e), param="audio.format") from None
+    if not req.messages:
+        raise APIError(400, "Cannot apply chat template to an empty conversation. Provide at "
+                       "least one message.", param="messages")
     media: list[MediaPart] = []
     messages = [_message_dict(i, m, media) for i, m in enumerate(req.messages)]
     return ChatRequest(req, modalities, audio_format, messages, tuple(media))
 
 
-#: Content-part type -> (the field that carries it, the media kind, the chat template's part type).
+def _modalities(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ("text",)
+    if not isinstance(value, list) or not all(m in ("text", "audio") for m in value):
+        raise APIError(400, 'modalities must be a list of "text" and "audio"', param="modalities")
+    return tuple(dict.fromkeys(["text", *value]))
+
+
+#: Content-part type -> (the field that carries it, the media kind).
 MEDIA_PARTS = {"image_url": ("image_url", "image"), "input_audio": ("input_audio", "audio")}
 SUPPORTED_PARTS = ("text", *MEDIA_PARTS)
 
 
-def _message_dict(i: int, m: ChatMessage, media: list[MediaPart]) -> dict[str, Any]:
-    """A chat message as the chat template takes it (developer -> system). Text-only content stays
-    one string; content with images or clips is a list of parts, ``{"type": "image"}`` /
-    ``{"type": "audio"}`` where the template writes the placeholders. The media go to ``media``."""
-    if m.content is None or isinstance(m.content, str):
-        content: Any = m.content or ""
+def _message_dict(i: int, m: dict[str, Any], media: list[MediaPart]) -> dict[str, Any]:
+    """A chat message as the chat template takes it (as vLLM hands messages to templates: the
+    role as sent, a tool message's text parts joined by newlines, an assistant's tool-call
+    arguments as objects). Text-only content is one string; content with images or clips is a
+    list of parts, ``{"type": "image"}`` / ``{"type": "audio"}`` where the template writes the
+    placeholders. The media go to ``media``."""
+    content = m.get("content")
+    if content is None or isinstance(content, str):
+        content = content or ""
     else:
         parts: list[dict[str, Any]] = []
-        for j, part in enumerate(m.content):
+        for j, part in enumerate(content):
             param = f"messages.{i}.content.{j}"
-            if part.type == "text":
-                if part.text is None:
-                    raise APIError(400, "a text content part needs 'text'", param=param + ".text")
-                parts.append({"type": "text", "text": part.text})
-            elif part.type in MEDIA_PARTS:
-                field_name, kind = MEDIA_PARTS[part.type]
-                if getattr(part, field_name) is None:
-                    raise APIError(400, f"a {part.type} content part needs {field_name!r}",
+            kind = part.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text") or ""})
+            elif kind in MEDIA_PARTS:
+                field_name, media_kind = MEDIA_PARTS[kind]
+                if not isinstance(part.get(field_name), dict):
+                    raise APIError(400, f"a {kind} content part needs {field_name!r}",
                                    param=f"{param}.{field_name}")
-                media.append(MediaPart(kind, part, param))
-                parts.append({"type": kind})
+                media.append(MediaPart(media_kind, part, param))
+                parts.append({"type": media_kind})
             else:
-                raise APIError(400, f"content part type {part.type!r} is not supported (supported: "
+                raise APIError(400, f"content part type {kind!r} is not supported (supported: "
                                f"{', '.join(SUPPORTED_PARTS)})", param=param + ".type")
         if all(p["type"] == "text" for p in parts):
-            content = "".join(p["text"] for p in parts)
+            joiner = "\n" if m["role"] == "tool" else ""
+            content = joiner.join(p["text"] for p in parts)
         else:
             content = parts
-    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-    if m.name:
-        d["name"] = m.name
+    d: dict[str, Any] = {"role": m["role"], "content": content}
+    for key in ("name", "tool_call_id", "reasoning"):
+        if m.get(key) is not None:
+            d[key] = m[key]
+    if m.get("tool_calls"):
+        d["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
     return d
+
+
+def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call with its arguments as an object (chat templates read them
+    so; vLLM converts them the same way, an unparsable string becoming ``{}``)."""
+    call = dict(call)
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args else {}
+        except json.JSONDecodeError:
+            args = {}
+    function["arguments"] = args if isinstance(args, dict) else {}
+    call["function"] = function
+    return call

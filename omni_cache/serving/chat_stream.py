@@ -1,18 +1,21 @@
-"""One request's events as an OpenAI chat answer: SSE chunks (streamed) or one message (not).
+"""One request's events as an OpenAI chat answer: SSE chunks (streamed) or one message (not), in
+vLLM's response types, its choice written by :class:`~omni_cache.serving.chat_output.ChoiceWriter`.
 
-Both forms are built from the same events by the same rule, so the text of a streamed answer is
+Both forms are built from the same events by the same rules, so the text of a streamed answer is
 exactly the text of the same answer not streamed:
 
 * the text is the concatenation of the text stage's deltas, as its detokenizer wrote them (vLLM's
   incremental detokenizer holds back bytes that do not yet form valid UTF-8 and writes U+FFFD for
-  invalid ones once later text follows; bytes still held back when the answer ends are not text);
-  there is no second decoding of the token ids;
-* a delta with no new text (bytes held back) sends no chunk.
+  invalid ones once later text follows; bytes still held back when the answer ends are not text;
+  with stop strings it holds back what may still become one and cuts the text before it); there
+  is no second decoding of the token ids;
+* a delta that vLLM's server would not send (no new text or tool call, no log-probabilities, no
+  token ids asked for) sends no chunk.
 
 Streams send nothing before the first real content: the first chunk carries the first text (or
-the first audio, when audio comes first) with ``role: "assistant"`` in the same delta, as vLLM's
-server does. Load generators such as ``vllm bench serve`` time the first chunk that has
-``choices`` as the first token; a role-only chunk sent on acceptance would make that time
+the first audio, when audio comes first) with ``role: "assistant"`` in the same delta. Load
+generators such as ``vllm bench serve`` time the first chunk that has ``choices`` as the first
+token; a role-only chunk sent on acceptance (as ``vllm serve`` sends) would make that time
 meaningless.
 """
 
@@ -29,7 +32,9 @@ import numpy as np
 from starlette.requests import Request
 
 from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
+from omni_cache.serving.chat_output import ChoiceWriter
 from omni_cache.serving.wav import PcmStream
+from omni_cache.wire.messages import TokenLogprob
 
 __all__ = ["Answer", "collect_answer", "collect_unless_disconnected", "sse", "stream_chunks", "usage"]
 
@@ -38,13 +43,14 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Any:
+    """vLLM's ``UsageInfo``; ``prompt_tokens_details.cached_tokens``: the prompt tokens the
+    thinker's prefix cache served."""
+    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
+
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
 
 
 @dataclass
@@ -52,10 +58,16 @@ class Answer:
     """A whole answer, from the same events a stream is made of."""
 
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    #: Per token, its log-probabilities (empty when none were asked for).
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     audio: list[np.ndarray] = field(default_factory=list)
     sample_rate: int = 0
     completed: Completed | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     def samples(self) -> np.ndarray:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
@@ -68,7 +80,8 @@ async def collect_answer(handle: RequestHandle) -> Answer:
         async for event in handle.events():
             if isinstance(event, TextDelta):
                 texts.append(event.text)
-                answer.num_tokens += len(event.token_ids)
+                answer.token_ids.extend(event.token_ids)
+                answer.logprobs.extend(event.logprobs or [])
             elif isinstance(event, AudioDelta):
                 answer.audio.append(event.audio)
                 answer.sample_rate = event.sample_rate
@@ -102,38 +115,60 @@ async def collect_unless_disconnected(handle: RequestHandle, request: Request) -
             handle.abort("the request handler was cancelled")
 
 
-async def stream_chunks(handle: RequestHandle, base: dict[str, Any], *, entry_stage: str,
-                        include_usage: bool, error_body: Callable[[RequestError], dict[str, Any]]
-                        ) -> AsyncIterator[str]:
+@dataclass
+class StreamOptions:
+    """What a stream adds besides its choices (vLLM's ``stream_options``, ``return_token_ids``)."""
+
+    include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (continuous_usage_stats)
+    prompt_token_ids: list[int] | None = None  # on the first chunk (return_token_ids)
+
+
+async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: ChoiceWriter, *,
+                        entry_stage: str, options: StreamOptions,
+                        error_body: Callable[[RequestError], dict[str, Any]]) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer, ending with ``data: [DONE]``.
 
-    ``base`` holds the fields every chunk repeats (id, object, created, model). Audio deltas are
-    base64 ``pcm16`` (24 kHz mono 16-bit little-endian), resampled by one stream for the whole
-    answer; what its filter still holds goes out before the finishing chunk.
+    ``base`` holds the fields every chunk repeats (id, created, model). Audio deltas are base64
+    ``pcm16`` (24 kHz mono 16-bit little-endian), resampled by one stream for the whole answer;
+    what its filter still holds goes out before the finishing chunk.
     """
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+    )
+
     audio_id = f"audio_{handle.request_id}"
     pcm_stream = PcmStream()
-    sent_role = False
-    completion_tokens = 0
+    sent_first = False
+    prompt_tokens = len(handle.prompt_token_ids)
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        nonlocal sent_role
-        if not sent_role:
-            delta = {"role": "assistant", **delta}
-            sent_role = True
-        return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish_reason}]})
+    def chunk(choice: Any) -> str:
+        nonlocal sent_first
+        response = ChatCompletionStreamResponse(**base, choices=[choice])
+        if not sent_first:
+            choice.delta.role = "assistant"
+            if options.prompt_token_ids is not None:
+                response.prompt_token_ids = options.prompt_token_ids
+            sent_first = True
+        if options.continuous_usage:
+            response.usage = usage(prompt_tokens, writer.num_tokens, 0)
+            response.usage.prompt_tokens_details = None
+        return f"data: {response.model_dump_json(exclude_unset=True)}\n\n"
 
     def audio(pcm: bytes) -> str:
-        return chunk({"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"),
-                                "transcript": ""}})
+        delta = DeltaMessage(audio={"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"),
+                                    "transcript": ""})
+        return chunk(ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None,
+                                                        finish_reason=None))
 
     try:
         async for event in handle.events():
             if isinstance(event, TextDelta):
-                completion_tokens += len(event.token_ids)
-                if event.text:
-                    yield chunk({"content": event.text})
+                prompt_tokens = event.num_prompt_tokens or prompt_tokens
+                choice = writer.delta(event.text, event.token_ids, event.logprobs, last=event.last)
+                if choice is not None:
+                    yield chunk(choice)
             elif isinstance(event, AudioDelta):
                 pcm = pcm_stream.chunk(event.audio, event.sample_rate)
                 if pcm:
@@ -142,10 +177,13 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], *, entry_st
                 tail = pcm_stream.flush()
                 if tail:
                     yield audio(tail)
-                yield chunk({}, event.finish_reason)
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(
-                        event.num_prompt_tokens, completion_tokens, event.cached_tokens.get(entry_stage, 0))})
+                prompt_tokens = event.num_prompt_tokens
+                yield chunk(writer.finish(event.finish_reason, event.stop_reason))
+                if options.include_usage:
+                    final = ChatCompletionStreamResponse(**base, choices=[], usage=usage(
+                        event.num_prompt_tokens, writer.num_tokens,
+                        event.cached_tokens.get(entry_stage, 0)))
+                    yield f"data: {final.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
             elif isinstance(event, Failed):
                 yield sse(error_body(event.error))
         yield "data: [DONE]\n\n"

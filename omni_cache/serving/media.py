@@ -136,9 +136,10 @@ class MediaDecoder:
         if len(parts) > self.limits.max_items:
             raise MediaError(f"the request has {len(parts)} images and audio clips; at most "
                              f"{self.limits.max_items} are accepted (server.media.max_items)", "messages")
-        return [self.read_image(p.part.image_url.url, p.param + ".image_url.url") if p.kind == IMAGE
-                else self.read_audio(p.part.input_audio.data, p.part.input_audio.format,
-                                     p.param + ".input_audio")
+        return [self.read_image(p.part["image_url"].get("url") or "", p.param + ".image_url.url")
+                if p.kind == IMAGE
+                else self.read_audio(p.part["input_audio"].get("data") or "",
+                                     p.part["input_audio"].get("format") or "", p.param + ".input_audio")
                 for p in parts]
 
     def decode_all(self, items: Sequence[EncodedItem]) -> list[MediaItem]:

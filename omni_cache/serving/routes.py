@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -25,9 +25,14 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.auth import bearer_token_problem
+from omni_cache.serving.chat_output import ChoiceWriter
+from omni_cache.serving.chat_prompt import rendered_prompt, tool_parser
 from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, read_body
-from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_chunks, usage
-from omni_cache.serving.errors import APIError
+from omni_cache.serving.chat_sampling import engine_sampling
+from omni_cache.serving.chat_stream import (
+    StreamOptions, collect_unless_disconnected, stream_chunks, usage,
+)
+from omni_cache.serving.errors import APIError, Unauthorized
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.runtime.metrics import CONTENT_TYPE
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
@@ -42,7 +47,14 @@ AUDIO_TTL_S = 3600
 async def require_api_key(request: Request) -> None:
     problem = bearer_token_problem(request.headers.get("authorization", ""), request.app.state.api_key)
     if problem is not None:
-        raise APIError(401, problem)
+        raise Unauthorized(problem)
+
+
+async def _json_body(request: Request) -> None:
+    """vLLM's check of the body's content type (its route's ``validate_json_request``)."""
+    from vllm.entrypoints.serve.utils.api_utils import validate_json_request
+
+    await validate_json_request(request)
 
 
 router = APIRouter()
@@ -74,10 +86,14 @@ async def health(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/models", dependencies=_auth)
-async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [
-        {"id": request.app.state.served_model_name, "object": "model", "created": 0,
-         "owned_by": "omni_cache"}]}
+async def models(request: Request) -> JSONResponse:
+    """vLLM's model list: the one model served, its folder as ``root``, the thinker's context."""
+    from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
+
+    orch: Orchestrator = request.app.state.orchestrator
+    card = ModelCard(id=request.app.state.served_model_name, root=orch.codec.model_path or None,
+                     max_model_len=orch.admission.max_model_len, permission=[ModelPermission()])
+    return JSONResponse(ModelList(data=[card]).model_dump())
 
 
 @router.get("/metrics", dependencies=_auth)
@@ -86,59 +102,71 @@ async def metrics(request: Request) -> PlainTextResponse:
                              media_type=CONTENT_TYPE)
 
 
-@router.post("/v1/chat/completions", dependencies=_auth)
+@router.post("/v1/chat/completions", dependencies=[*_auth, Depends(_json_body)])
 async def chat_completions(request: Request):
     received_at = time.monotonic()
     orch: Orchestrator = request.app.state.orchestrator
     ticket = orch.admission.enter()  # 429 before anything of the body is read
     try:
-        handle, chat = await _accept(request, orch, ticket, received_at)
+        a = await _accept(request, orch, ticket, received_at)
     except BaseException:
         ticket.release()  # refused (or the client went away) before it was accepted
         raise
-    if chat.body.stream:
-        return _stream(handle, chat, orch)
-    return await _complete(handle, chat, orch, request)
+    if a.chat.body.stream:
+        return _stream(a.handle, a.chat, orch, a.writer, a.answer_id, a.prompt)
+    return await _complete(a.handle, a.chat, orch, request, a.writer, a.answer_id, a.prompt)
+
+
+@dataclass
+class _Accepted:
+    """A submitted chat request and what answering it reads (without its messages and media)."""
+
+    handle: RequestHandle
+    chat: ChatRequest
+    writer: ChoiceWriter
+    answer_id: str
+    prompt: list[int]
 
 
 async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
-                  received_at: float) -> tuple[RequestHandle, ChatRequest]:
+                  received_at: float) -> _Accepted:
     """Read, check and submit one chat request holding ``ticket``; its body's bytes are held on
     the ticket until it was submitted (``server.max_body_bytes_in_flight``)."""
     try:
-        handle, chat = await _read_and_submit(request, orch, ticket, received_at)
-        return handle, chat.without_content()
+        return await _read_and_submit(request, orch, ticket, received_at)
     finally:
         ticket.release_body()
 
 
 async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
-                           received_at: float) -> tuple[RequestHandle, ChatRequest]:
+                           received_at: float) -> _Accepted:
+    state = request.app.state
     body = await read_body(request, orch.config.server.max_body_bytes, reserve=ticket.hold_body)
-    chat = await asyncio.to_thread(parse_chat_request, body, request.app.state.served_model_name)
+    chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
-    try:
-        prompt = await asyncio.to_thread(orch.tokenize_messages, chat.messages)
-    except Exception as e:  # noqa: BLE001 -- a chat template may raise on odd conversations
-        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    media = await _decoded_media(chat, orch, ticket, request.app.state.media_cache)
+    prompt = await asyncio.to_thread(rendered_prompt, orch, chat, state.tool_parser)
+    parser = tool_parser(orch, chat, state.tool_parser)  # adjusts chat.body: before sampling
     req = chat.body
-    handle = await orch.submit(
-        prompt,
-        max_tokens=req.max_completion_tokens or req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        modalities=chat.modalities,
-        media=media,
-        received_at=received_at,
-        stream=bool(req.stream),
-        ticket=ticket,
-    )
-    return handle, chat
+    sampling = engine_sampling(req, prompt_len=len(prompt),
+                               max_model_len=orch.admission.max_model_len or _UNBOUNDED,
+                               defaults=orch.admission.default_sampling())
+    media = await _decoded_media(chat, orch, ticket, state.media_cache)
+    handle = await orch.submit(prompt, sampling=sampling, modalities=chat.modalities, media=media,
+                               received_at=received_at, session_id=req.session_id, ticket=ticket,
+                               stream=bool(req.stream))
+    chat = chat.without_content()
+    # vLLM names the answer after the request's id (default: a random one).
+    answer_id = f"chatcmpl-{req.request_id}" if "request_id" in req.model_fields_set \
+        else f"chatcmpl-{handle.request_id}"
+    writer = ChoiceWriter(chat.body, parser, orch.codec.decode_token, prompt)
+    return _Accepted(handle, chat, writer, answer_id, prompt)
+
+
+#: The context length used before the entry stage reported one (vLLM then still checks its own).
+_UNBOUNDED = 2**31
 
 
 @router.websocket("/v1/realtime")
@@ -181,39 +209,47 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
         raise APIError(400, str(e), param=e.param) from None
 
 
-def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator) -> StreamingResponse:
+def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter,
+            answer_id: str, prompt: list[int]) -> StreamingResponse:
     """The answer as SSE chunks (:mod:`omni_cache.serving.chat_stream`)."""
-    base = {"id": f"chatcmpl-{handle.request_id}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": orch.served_model_name}
+    req = chat.body
+    base = {"id": answer_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": orch.served_model_name}
+    so = req.stream_options
+    options = StreamOptions(
+        include_usage=bool(so and so.include_usage),
+        continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
+        prompt_token_ids=prompt if req.return_token_ids else None)
     return StreamingResponse(
-        stream_chunks(handle, base, entry_stage=orch.topology.entry.name, include_usage=chat.include_usage,
+        stream_chunks(handle, base, writer, entry_stage=orch.topology.entry.name, options=options,
                       error_body=lambda e: APIError.from_request_error(e).body()),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request) -> JSONResponse:
+async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request,
+                    writer: ChoiceWriter, answer_id: str, prompt: list[int]) -> JSONResponse:
     """The whole answer as one chat.completion (audio encoded in the requested format)."""
+    from openai.types.chat.chat_completion_audio import ChatCompletionAudio
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+
     created = int(time.time())
     answer = await collect_unless_disconnected(handle, request)
     done = answer.completed
-    message: dict[str, Any] = {"role": "assistant", "content": answer.text}
+    audio = None
     if chat.wants_audio:
         data = await asyncio.to_thread(encode_audio, answer.samples(),
                                        answer.sample_rate or orch.audio_sample_rate, chat.audio_format)
-        message["audio"] = {
-            "id": f"audio_{handle.request_id}",
-            "data": base64.b64encode(data).decode("ascii"),
-            "expires_at": created + AUDIO_TTL_S,
-            "transcript": answer.text,
-        }
-    return JSONResponse({
-        "id": f"chatcmpl-{handle.request_id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": orch.served_model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
-                     "logprobs": None}],
-        "usage": usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.topology.entry.name, 0)),
-    })
+        audio = ChatCompletionAudio(id=f"audio_{handle.request_id}",
+                                    data=base64.b64encode(data).decode("ascii"),
+                                    expires_at=created + AUDIO_TTL_S,
+                                    transcript=done.transcript or "")
+    choice = writer.choice(answer.text, answer.token_ids, answer.logprobs, done.finish_reason,
+                           done.stop_reason, audio=audio)
+    response = ChatCompletionResponse(
+        id=answer_id, created=created, model=orch.served_model_name, choices=[choice],
+        usage=usage(done.num_prompt_tokens, answer.num_tokens,
+                    done.cached_tokens.get(orch.topology.entry.name, 0)),
+        prompt_token_ids=prompt if chat.body.return_token_ids else None)
+    return JSONResponse(response.model_dump())

@@ -3,27 +3,28 @@
 Routes (FastAPI, served by uvicorn on ``server.host:server.port``, 127.0.0.1:8091 by default):
 
 ``POST /v1/chat/completions``
-    OpenAI chat completions: ``model`` (the served model name), ``messages``, ``max_tokens`` /
-    ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream``
-    (+ ``stream_options.include_usage``), ``modalities`` (``["text"]`` default, ``["text",
-    "audio"]`` adds audio), ``audio: {voice, format}``. With audio the message carries
-    ``audio: {id, data, expires_at, transcript}``, ``data`` base64 24 kHz mono audio in
+    OpenAI chat completions as ``vllm serve`` takes them: the body is vLLM's
+    ``ChatCompletionRequest``, every field of it supported, refused by name or ignored where vLLM
+    ignores it (:mod:`omni_cache.serving.chat_fields`), plus ``modalities`` (``["text"]`` default,
+    ``["text", "audio"]`` adds audio) and ``audio: {voice, format}``. With audio the message
+    carries ``audio: {id, data, expires_at, transcript}``, ``data`` base64 24 kHz mono audio in
     ``audio.format``: ``wav`` (default), ``flac``, ``mp3``, ``opus`` or ``pcm16``
-    (:mod:`omni_cache.serving.audio_formats`). Streamed (:mod:`omni_cache.serving.chat_stream`), the first chunk
-    carries the first text or audio together with the role, and ``delta.audio.data`` holds base64
-    ``pcm16`` chunks (the only format a stream takes). Unknown fields are ignored.
+    (:mod:`omni_cache.serving.audio_formats`). Streamed (:mod:`omni_cache.serving.chat_stream`),
+    the first chunk carries the first text or audio together with the role, and
+    ``delta.audio.data`` holds base64 ``pcm16`` chunks (the only format a stream takes).
 ``GET /health``   200 ``{"status": "ok"}`` when every stage replica is up; 200 ``"degraded"`` naming
                   the replicas that are down while every stage has one up; else 503 naming the
                   stages that have none.
-``GET /v1/models``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models`` (vLLM's model list), ``GET /metrics`` (Prometheus text).
 
-Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON /
-fields / over-long prompt, 401 missing or wrong API key (every route but /health, when a key is
-set), 404 unknown model, 413 a body over ``server.max_body_bytes`` or media that can never fit,
-429 with ``Retry-After`` past the bounds on requests and decoded media in flight
-(:mod:`omni_cache.runtime.admission`), 503 a stage is down or died, 504 deadline. Streams
-report errors that happen after the first byte as an SSE event ``data: {"error": {...}}``
-followed by ``data: [DONE]``.
+Errors are vLLM's bodies ``{"error": {"message", "type", "param", "code"}}``
+(:mod:`omni_cache.serving.errors`): 400 bad JSON / fields / a refused parameter / an over-long
+prompt, 401 missing or wrong API key (every route but /health, when a key is set), 404 unknown
+model, 413 a body over ``server.max_body_bytes`` or media that can never fit, 429 (OpenAI's rate
+limit body) with ``Retry-After`` past the bounds on requests and decoded media in flight
+(:mod:`omni_cache.runtime.admission`), 503 a stage is down or died, 504 deadline. Streams report
+errors that happen after the first byte as an SSE event ``data: {"error": {...}}`` followed by
+``data: [DONE]``.
 
 This module assembles the app (:func:`create_app`) and runs it (:func:`serve`, :class:`ServerThread`);
 the routes are in :mod:`omni_cache.serving.routes`, the request checks in
@@ -48,6 +49,7 @@ from fastapi import FastAPI
 
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
+from omni_cache.serving.chat_output import parser_class
 from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
 from omni_cache.serving.realtime.connection import SessionRegistry
@@ -87,6 +89,11 @@ def create_app(
     app.state.api_key = api_key
     app.state.startup_error = None
     app.state.media_cache = DecodedCache(orch.config.server.media.decoded_cache_bytes)
+    try:
+        app.state.tool_parser = parser_class(orch.config.server.tool_call_parser,
+                                             orch.served_model_name)
+    except TypeError as e:
+        raise ValueError(f"server.tool_call_parser: {e}") from None
     app.state.realtime_sessions = SessionRegistry()  # /v1/realtime's open sessions
     add_error_handlers(app)
     app.include_router(router)

@@ -49,8 +49,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-# The client's sampling travels as the same struct that holds a stage's configured defaults.
-from omni_cache.config.schema import STAGE_NAME_MAX_LENGTH, STAGE_NAME_RE, Sampling
+from omni_cache.config.schema import STAGE_NAME_MAX_LENGTH, STAGE_NAME_RE
+from omni_cache.wire.sampling import EngineSampling
 
 #: The highest audio rate on the wire (a client's clip, a stage's audio), Hz.
 MAX_SAMPLE_RATE = 384_000
@@ -66,6 +66,8 @@ TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 #: 0: not audio (or not known).
 SampleRate = Annotated[int, Meta(ge=0, le=MAX_SAMPLE_RATE)]
 Modality = Literal["text", "audio"]
+#: A stop string the client sent (its length is vLLM's to judge; this bounds the frame).
+StopString = Annotated[str, Meta(max_length=1 << 16)]
 #: A vLLM finish reason ("stop", "length", ...).
 FinishReason = Annotated[str, Meta(max_length=32)]
 #: Seconds a request has left when the message carrying it is sent (None: no deadline).
@@ -102,7 +104,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
 
     request_id: RequestId
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)]
-    sampling: Sampling
+    sampling: EngineSampling
     # "audio": run the stages downstream too.
     modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
@@ -125,8 +127,22 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     stream: bool = False
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One entry of a generated position's log-probabilities, as vLLM's output processor made
+    it: the id, its log-probability and its decoded text (None where vLLM did not decode it)."""
+
+    token_id: TokenId
+    logprob: float  # -inf for a token the sampler had excluded
+    token: str | None = None
+
+
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
-    """A stage's streamed output for one request: what is new since its previous output."""
+    """A stage's streamed output for one request: what is new since its previous output.
+
+    The entry stage sends the orchestrator every token it generated and the client's text (vLLM's
+    detokenizer output: stop strings cut, held back while a stop string may still be forming). A
+    stage that speaks gets only the tokens whose text the client has (their text in ``text``), so
+    it never speaks a stop string or what follows it (workers/spoken_tokens.py)."""
 
     request_id: RequestId
     stage: StageName
@@ -136,9 +152,17 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     latent_start: Count = 0
     finished: bool = False
     finish_reason: FinishReason | None = None
+    #: vLLM's stop reason with a "stop" finish: the stop string, or the stop token id (None: EOS).
+    stop_reason: TokenId | StopString | None = None
+    #: Per token of ``token_ids``, its log-probabilities in vLLM's order (the sampled token first,
+    #: then the top ones); None when the request asked for none.
+    logprobs: list[list[TokenLogprob]] | None = None
     num_prompt_tokens: Count = 0
     num_cached_tokens: Count = 0  # prompt tokens this stage's prefix cache let it skip (so far)
     sample_rate: SampleRate = 0  # decoder output only
+    #: A downstream stage's final output to the orchestrator: the text of the upstream tokens it
+    #: took in (a talker: the text it was given to speak; the answer's audio transcript).
+    input_text: str = ""
 
 
 class StreamStart(StageOutput, tag="start", kw_only=True):
@@ -147,7 +171,7 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
 
     # The request's Submit.modalities: a stage forwards downstream only when "audio" is asked for.
     modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
-    sampling: Sampling | None = None  # the client's sampling (Submit.sampling)
+    sampling: EngineSampling | None = None  # the client's sampling (Submit.sampling)
     # What is left of the request's time when the stage sends it (the stage's own deadline, from
     # its input's time_left_s): the receiver's deadline is that much from when it arrives.
     time_left_s: TimeLeft = None
