@@ -18,7 +18,7 @@ from omni_cache.config import load_config, resolve_model
 from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES, GenerateJob
 from omni_cache.models.codec_decoder import CodecDecoder
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
-from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput, StreamStart
+from omni_cache.wire.messages import MESSAGE_TYPES, StageError, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Receiver
 from workers.decoder_runner import DecoderRunner
 from workers.outbox import Outbox

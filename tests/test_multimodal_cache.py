@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import json
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image

@@ -5,7 +5,6 @@ vLLM's request objects), and the pipeline answers again afterwards."""
 
 from __future__ import annotations
 
-import base64
 import importlib.util
 import json
 import os
