@@ -19,6 +19,7 @@ import torch
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
@@ -26,6 +27,9 @@ from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner
 
 logger = logging.getLogger(__name__)
+
+#: A request's first outputs (and upstream inputs) whose times its timeline records.
+TIMELINE_OUTPUTS = 4
 
 
 @dataclass
@@ -106,8 +110,9 @@ def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: st
 
 class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
-                 prefix_cache: bool, report_blocks: bool = False) -> None:
-        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
+                 prefix_cache: bool, report_blocks: bool = False, timeline: Timeline | None = None) -> None:
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s,
+                         timeline=timeline)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
         latents = None
@@ -155,6 +160,7 @@ class ARRunner(StageRunner):
             req.answer_finished = msg.answer_finished
         self.requests[msg.request_id] = req
         self.total_requests += 1
+        self.timeline.mark(req.request_id, "input")
         self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
                              multi_modal_uuids=multi_modal_uuids(msg.media),
                              max_tokens=msg.sampling.max_tokens, last=True))
@@ -169,6 +175,9 @@ class ARRunner(StageRunner):
             req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
             self.requests[msg.request_id] = req
             self.total_requests += 1
+        self.timeline.mark(req.request_id, "input")
+        if msg.seq < TIMELINE_OUTPUTS:
+            self.timeline.mark(req.request_id, f"input{msg.seq}")
         up = req.upstream
         # What an upstream sends for one request is bounded by what this stage can take in.
         if len(up.token_ids) + len(msg.token_ids) > self.max_model_len:
@@ -259,6 +268,7 @@ class ARRunner(StageRunner):
         if job.prompt_positions is not None:
             positions = (job.prompt_positions, job.position_delta)
         self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions)
+        self.timeline.mark(req.request_id, "job")
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 
@@ -306,6 +316,7 @@ class ARRunner(StageRunner):
             deadline=req.deadline if req.seq == 0 else 0.0,
             return_latents=req.return_latents and req.seq == 0,
             route=req.route if req.seq == 0 else {})
+        self._mark_output(req, out)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -326,6 +337,17 @@ class ARRunner(StageRunner):
             del self.requests[req.request_id]
         elif job_done:
             self._next_job(req)  # after this output: its seq comes first
+
+    def _mark_output(self, req: _ARRequest, out: StepOutput) -> None:
+        """Timeline points of an output about to be sent (omni_cache/timeline.py)."""
+        if not self.timeline.on:
+            return
+        for event, t in (out.engine_times or {}).items():
+            self.timeline.mark(req.request_id, event, t)
+        if req.seq < TIMELINE_OUTPUTS:
+            self.timeline.mark(req.request_id, f"out{req.seq}")
+        if out.codes is not None and out.codes.numel():
+            self.timeline.mark(req.request_id, "codes_out")
 
     # ---- control ---------------------------------------------------------------------------
     def drop(self, request_id: str) -> None:

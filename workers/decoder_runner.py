@@ -28,6 +28,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import StageOutput
 from workers.runner import StageRunner
 
@@ -45,8 +46,10 @@ class _DecodeRequest:
 
 
 class DecoderRunner(StageRunner):
-    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any) -> None:
-        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
+    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
+                 timeline: Timeline | None = None) -> None:
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s,
+                         timeline=timeline)
         self.args = stage.generation
         self.decoder = load_window_decoder(model, device=self.args.device)
         self.handoff = resolve_handoff(stage.handoff)
@@ -68,6 +71,7 @@ class DecoderRunner(StageRunner):
             req = self.requests[msg.request_id] = _DecodeRequest(
                 Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
             self.total_requests += 1
+        self.timeline.mark(msg.request_id, "input")
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
             raise ValueError(f"code {bad[0]} from stage {msg.stage!r} is negative")
@@ -140,7 +144,13 @@ class DecoderRunner(StageRunner):
         return batch
 
     def _decode(self, group: list[tuple[str, Job]]) -> list[torch.Tensor]:
-        return self.decoder.decode_windows([job.window for _, job in group])
+        first = [rid for rid, _ in group if self.requests[rid].seq == 0] if self.timeline.on else []
+        for rid in first:
+            self.timeline.mark(rid, "window_start")
+        wavs = self.decoder.decode_windows([job.window for _, job in group])
+        for rid in first:
+            self.timeline.mark(rid, "window_end")
+        return wavs
 
     def _decode_and_emit(self, group: list[tuple[str, Job]]) -> None:
         self._emit_all(group, self._decode(group))
@@ -157,6 +167,8 @@ class DecoderRunner(StageRunner):
             request_id=request_id, stage=self.stage.name, seq=req.seq, finished=job.last,
             finish_reason="stop" if job.last else None, sample_rate=self.decoder.sample_rate),
             {"audio": audio})
+        if audio.numel():
+            self.timeline.mark(request_id, "audio_out")
         req.seq += 1
         if job.last:
             del self.requests[request_id]

@@ -46,6 +46,9 @@ class StepOutput:
     # Per new token, {token id: logprob} of the sampled and top-k tokens; only when the request's
     # SamplingParams asked for `logprobs`.
     logprobs: list[dict[int, float]] | None = None
+    # vLLM's timestamps of the request (time.monotonic()): queued, first scheduled, first token;
+    # first output only (omni_cache/timeline.py).
+    engine_times: dict[str, float] | None = None
 
 
 @dataclass
@@ -194,6 +197,7 @@ class LLMStage:
             if not tracked.sent_prompt:
                 result.prompt_token_ids = list(out.prompt_token_ids or ())
                 result.image_grids = tracked.image_grids
+                result.engine_times = _engine_times(out.metrics)
                 tracked.sent_prompt = True
             if self.capture is not None:
                 self._attach_latents(tracked, result)
@@ -241,6 +245,13 @@ def _image_grids(request: Any) -> list[list[int]]:
             if grid is not None:
                 grids.append([int(x) for x in torch.as_tensor(grid).reshape(-1)[:3]])
     return grids
+
+
+def _engine_times(stats: Any) -> dict[str, float] | None:
+    """vLLM's per-request timestamps (RequestStateStats, kept while it logs stats) by name."""
+    names = {"queued": "queued_ts", "scheduled": "scheduled_ts", "first_token": "first_token_ts"}
+    times = {k: float(getattr(stats, a, 0.0) or 0.0) for k, a in names.items()}
+    return {k: t for k, t in times.items() if t > 0} or None
 
 
 def _plain_logprobs(logprobs: Any) -> list[dict[int, float]] | None:

@@ -54,6 +54,7 @@ from omni_cache.runtime.stats import StageStatsBoard
 from omni_cache.runtime.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRACE_S
 from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import (
     Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit,
 )
@@ -121,6 +122,9 @@ class Orchestrator:
         self._stats = StageStatsBoard()
         # The server's own heap: see omni_cache/heap_trim.py (trimmed from the deadline loop).
         self.heap = HeapTrimmer()
+        #: When requests passed the server (omni_cache/timeline.py; off unless
+        #: OMNI_CACHE_TIMELINE_DIR is set).
+        self.timeline = Timeline("server")
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -204,6 +208,7 @@ class Orchestrator:
                 await task
         self._tasks.clear()
         await self.fleet.close()
+        self.timeline.close()
         self._closed = True
 
     def kill_all_sync(self, grace: float = 3.0) -> None:
@@ -281,7 +286,9 @@ class Orchestrator:
         req.submit = submit_message(req, admitted.sampling, admitted.media, timeout)
         req.media = media_frames(admitted.media)
         self.requests.add(req)
+        self.timeline.mark(req.request_id, "received", now)
         await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
+        self.timeline.mark(req.request_id, "submitted")
         return RequestHandle(self, req)
 
     async def _hand_to_entry(self, req: Request, msg: Submit, *, timeout: float) -> None:
@@ -437,6 +444,8 @@ class Orchestrator:
             logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
             return
         self.routes.output_seen(req, msg.stage)
+        if self.timeline.on:
+            self._mark_output(req, msg, tensors)
         try:
             complete = self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic())
         except BadOutput as e:
@@ -444,6 +453,15 @@ class Orchestrator:
             return
         if complete:
             self._complete(req)
+
+    def _mark_output(self, req: Request, msg: StageOutput, tensors: dict[str, Any]) -> None:
+        """The first text and the first audio reaching the server (omni_cache/timeline.py)."""
+        final = self.config.stage(msg.stage).final_output
+        if final == "text" and msg.token_ids:
+            self.timeline.mark(req.request_id, "text_in")
+        audio = tensors.get("audio")
+        if final == "audio" and audio is not None and audio.numel():
+            self.timeline.mark(req.request_id, "audio_in")
 
     def _on_error(self, msg: StageError) -> None:
         req = self.requests.get(msg.request_id)
