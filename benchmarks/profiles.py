@@ -27,21 +27,22 @@ from typing import Any
 
 __all__ = ["PARTS", "Recorder", "format_summary", "parse_collapsed", "summarize", "summarize_dir"]
 
-#: Parts of a stage's or the server's work, by a frame the stack passes through (first match
-#: from the top of this list wins, so an outer part does not swallow an inner one): label ->
-#: regular expression over "function (file)" frames.
+#: Parts of a stage's or the server's work, by a frame the stack passes through (py-spy names a
+#: frame "Class.method (path)"; the first part of this list that matches wins, so an inner part
+#: goes before the one around it): label -> regular expression.
 PARTS: dict[str, str] = {
-    "model forward": r"^forward \(.*(vllm/model_executor|workers/models)",
-    "code2wav decode": r"^decode_windows \(",
-    "latent capture (mirror write, gathers)": r"^on_step \(.*latent_capture",
-    "sampling": r"^(sample_tokens|_sample) \(",
-    "scheduler": r"^schedule \(.*(scheduler|sched)",
-    "prefix-cache hashing": r"(hash_request_tokens|request_block_hasher|_hash_block|hash_block_tokens|update_block_hashes)",
+    "talker code predictor": r"residual_codes \(",
+    "latent capture (mirror write, gathers)": r"LatentCapture\.on_step \(",
+    "model forward": r"(_model_forward|Code2WavDecoder\.decode_windows) \(",
+    "sampling": r"(sample_tokens|Sampler\.forward) \(",
+    "model inputs": r"_prepare_inputs \(",
+    "prefix-cache hashing": r"(hash_request_tokens|block_hasher|hash_block_tokens|cache_full_blocks) \(",
+    "scheduler": r"Scheduler\.(schedule|update_from_output) \(",
+    "engine outputs": r"OutputProcessor\.process_outputs \(",
     "hand-off function": r"^(qwen3_omni_thinker_to_talker|thinker_to_talker|talker_to_decoder) \(",
-    "engine step (other)": r"^step \(.*(vllm/v1/engine|workers/llm_stage)",
-    "zmq send / receive": r"^(send|send_multipart|recv|recv_multipart|_send|poll) \(.*(zmq|wire/transport)",
-    "HTTP + SSE": r"(uvicorn|starlette|fastapi|serving/)",
-    "tokenizer": r"(tokenization_utils|tokenizers|text_codec)",
+    "messages (zmq, wire)": r"(zmq/|wire/transport\.py|workers/outbox\.py)",
+    "HTTP + SSE": r"(uvicorn/|starlette/|fastapi/|serving/)",
+    "tokenizer": r"(tokenization_utils|tokenizers|text_codec\.py)",
 }
 
 

@@ -860,10 +860,11 @@ def test_profile_summary_attributes_parts(tmp_path):
 
     raw = ("process 1:\"python\";thread (0x1);run (workers/stage_process.py:10);"
            "step (/x/site-packages/vllm/v1/engine/llm_engine.py:5);"
-           "forward (/x/site-packages/vllm/model_executor/models/qwen3.py:9);matmul (torch.py:1) 30\n"
+           "GPUModelRunner._model_forward (/x/site-packages/vllm/v1/worker/gpu_model_runner.py:9);"
+           "matmul (torch.py:1) 30\n"
            "process 1:\"python\";thread (0x1);run (workers/stage_process.py:10);"
            "step (/x/site-packages/vllm/v1/engine/llm_engine.py:5);"
-           "schedule (/x/site-packages/vllm/v1/core/sched/scheduler.py:3) 10\n"
+           "Scheduler.schedule (/x/site-packages/vllm/v1/core/sched/scheduler.py:3) 10\n"
            "garbage line\n")
     (tmp_path / "on-r0-thinker.txt").write_text(raw)
     (tmp_path / "on-r1-thinker.txt").write_text(raw)
