@@ -17,8 +17,8 @@ Events (the stage's name is the file's ``process``):
   output), ``input<k>`` (the upstream's k-th output, k < 4), ``job`` (the first engine request was
   added), ``queued`` / ``scheduled`` / ``first_token`` (vLLM's timestamps of that request),
   ``out<k>`` (the k-th output sent, k < 4), ``codes_out`` (a talker's first codes sent);
-* decoder: ``input`` (first codes), ``window_start`` / ``window_end`` (the first window's decode),
-  ``audio_out`` (the first audio sent).
+* decoder: ``codes_in`` (the first codes arrived), ``window_start`` / ``window_end`` (the first
+  window's decode), ``audio_out`` (the first audio sent).
 """
 
 from __future__ import annotations

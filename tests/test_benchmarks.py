@@ -808,7 +808,7 @@ def _timeline(t0: float) -> dict:
                         "out0": t0 + 0.101, "out1": t0 + 0.120, "out2": t0 + 0.140},
             "talker": {"input": t0 + 0.103, "job": t0 + 0.125, "scheduled": t0 + 0.127,
                        "first_token": t0 + 0.180, "codes_out": t0 + 0.200},
-            "decoder": {"input": t0 + 0.202, "window_start": t0 + 0.203, "window_end": t0 + 0.290,
+            "decoder": {"codes_in": t0 + 0.202, "window_start": t0 + 0.203, "window_end": t0 + 0.290,
                         "audio_out": t0 + 0.295}}
 
 

@@ -71,13 +71,14 @@ class DecoderRunner(StageRunner):
             req = self.requests[msg.request_id] = _DecodeRequest(
                 Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
             self.total_requests += 1
-        self.timeline.mark(msg.request_id, "input")
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
             raise ValueError(f"code {bad[0]} from stage {msg.stage!r} is negative")
         if tensors:
             self._add_frame(req, tensors)
         req.upstream.token_ids.extend(msg.token_ids)
+        if msg.token_ids or (req.frames is not None and req.frames.num_rows):
+            self.timeline.mark(msg.request_id, "codes_in")
         req.upstream.finished = msg.finished
         req.jobs.extend(self.handoff(self.handoff_ctx, req.upstream, req.handoff_state))
 
