@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -60,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="API key of --url (default: $OMNI_CACHE_API_KEY)")
     target.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
     target.add_argument("--sides", default="on,off",
-                        help="which pipelines to start, in order: on, off or both (default: %(default)s)")
+                        help="which pipelines to start, in order: on, off or both (default: %(default)s); "
+                             "off,off2 (or on,on2) starts two of the same setting: an A/A run, whose "
+                             "ratios show what the machine alone moves")
     target.add_argument("--rounds", type=int, default=1,
                         help="rounds of --num-requests fresh requests per side, the sides' order "
                              "alternating (on,off / off,on / ...); both pipelines stay up throughout; "
@@ -127,8 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.url and (args.rounds > 1 or args.profile or args.timeline):
         p.error("--rounds, --profile and --timeline apply to the pipelines this command starts, not to --url")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or any(s not in ("on", "off") for s in sides) or len(set(sides)) != len(sides):
-        p.error("--sides: a comma-separated list of 'on' and 'off'")
+    if not sides or any(not re.fullmatch(r"(on|off)\d*", s) for s in sides) or len(set(sides)) != len(sides):
+        p.error("--sides: a comma-separated list of 'on' and 'off' (or on2, off2, ...: a second "
+                "pipeline of the same setting, for an A/A run)")
     args.sides = sides
     env = {}
     for item in args.stage_env:

@@ -474,6 +474,20 @@ def drive(url: str, model: str | None, warmup: list[Session], sessions: list[Ses
     return {**out, "warmup": warm}
 
 
+def cache_of(side: str) -> bool:
+    """Whether a side runs with the prefix cache: ``on``, ``on2``, ... do, ``off``, ``off2``, ...
+    do not (two sides of the same setting measure the machine's own spread: an A/A run)."""
+    return side.startswith("on")
+
+
+def compared_sides(sides: Sequence[str]) -> tuple[str, str] | None:
+    """The two sides whose ratios a run reports, (first, second): ``on`` and ``off`` when both ran
+    (speedup = off / on), else the two sides of a two-side run in the order given."""
+    if "on" in sides and "off" in sides:
+        return "on", "off"
+    return (sides[0], sides[1]) if len(sides) == 2 else None
+
+
 def side_order(sides: list[str], round_index: int) -> list[str]:
     """The order the sides run in round ``round_index``: as given in even rounds, reversed in odd
     ones, so that over two rounds each side runs first once (a side that ran second would
@@ -509,7 +523,7 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
             env = {TIMELINE_DIR_ENV: os.path.join(timeline_dir, side)} if timeline_dir else None
             path = private_config(config_path, tmp, side, stage_env)
             servers[side] = stack.enter_context(ServerProcess(
-                path, prefix_cache=side == "on", checkpoint_dir=checkpoint_dir, env=env))
+                path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir, env=env))
             log(f"cache {side}: ready after {servers[side].startup_s:.1f} s at {servers[side].url}")
         models = {side: asyncio.run(served_model(srv.url)) for side, srv in servers.items()}
         for side, srv in servers.items():
@@ -600,17 +614,20 @@ def assemble(config: dict[str, Any], machine: dict[str, Any], runs: list[dict[st
         "config": config,
         "sides": sides,
     }
-    if "on" in sides and "off" in sides:
-        result["ratios"] = ratios(sides["on"], sides["off"])
+    pair = compared_sides(list(sides))
+    if pair is not None:
+        first, second = pair
+        result["compared"] = {"first": first, "second": second}
+        result["ratios"] = ratios(sides[first], sides[second])
         per_round = []
         for rnd in sorted({r["round"] for r in runs}):
-            on = [r for r in runs if r["side"] == "on" and r["round"] == rnd]
-            off = [r for r in runs if r["side"] == "off" and r["round"] == rnd]
-            if on and off:
-                per_round.append({"round": rnd, **ratios(_summary(on), _summary(off))})
+            a = [r for r in runs if r["side"] == first and r["round"] == rnd]
+            b = [r for r in runs if r["side"] == second and r["round"] == rnd]
+            if a and b:
+                per_round.append({"round": rnd, **ratios(_summary(a), _summary(b))})
         result["ratios_per_round"] = per_round
         result["paired_ratios"] = paired_ratios(per_round)
-        result["answers_identical"] = answers_identical(samples["on"], samples["off"])
+        result["answers_identical"] = answers_identical(samples[first], samples[second])
         result["targets"] = evaluate_targets(config.get("workload", ""), result["paired_ratios"],
                                              config.get("sizes"), sides=sides)
     result["runs"] = [{k: v for k, v in r.items() if k != "samples"} for r in runs]

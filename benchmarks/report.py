@@ -245,7 +245,9 @@ def format_table(result: Mapping[str, Any]) -> str:
     # The median of the per-round ratios, beside the pooled one, when there were rounds to pair.
     paired = result.get("paired_ratios") if (result.get("paired_ratios") or {}).get("rounds", 0) > 1 else None
     w0 = 30
-    head = f"{'':<{w0}}" + "".join(f"{LABELS.get(s, s):>18}" for s in sides) + (f"{'off/on':>10}" if rat else "")
+    pair = result.get("compared") or {"first": "on", "second": "off"}
+    head = f"{'':<{w0}}" + "".join(f"{LABELS.get(s, s):>18}" for s in sides) \
+        + (f"{pair['second'] + '/' + pair['first']:>10}" if rat else "")
     if paired:
         head += f"{'paired':>10}"
     lines = [head, "-" * len(head)]

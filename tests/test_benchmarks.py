@@ -874,3 +874,17 @@ def test_profile_summary_attributes_parts(tmp_path):
     assert thinker["parts"]["model forward"] == pytest.approx(0.75)
     assert thinker["parts"]["scheduler"] == pytest.approx(0.25)
     assert thinker["top_self"][0] == ["matmul (torch.py)", 0.75]
+
+
+def test_an_a_a_run_compares_two_pipelines_of_one_setting():
+    from benchmarks.harness import cache_of, compared_sides
+
+    assert [cache_of(s) for s in ("on", "on2", "off", "off2")] == [True, True, False, False]
+    assert compared_sides(["on", "off"]) == ("on", "off") and compared_sides(["off", "on"]) == ("on", "off")
+    assert compared_sides(["off", "off2"]) == ("off", "off2") and compared_sides(["on"]) is None
+    runs = _round_runs({"off": [1.0, 2.0], "off2": [1.05, 2.1]}, {"off": [4.0, 8.0], "off2": [4.0, 8.0]})
+    config = {"workload": "zero-reuse", "sizes": {"num_requests": 4}, "concurrency": 1, "rate": None}
+    result = assemble(config, {"cpu_model": "Test CPU", "nproc": 2}, runs, None)
+    assert result["compared"] == {"first": "off", "second": "off2"}
+    assert result["paired_ratios"]["speedup"]["ttfa_s"]["p50"] == pytest.approx(1.05)
+    assert "off2/off" in report.format_table(result)
