@@ -269,6 +269,28 @@ def _cpu_s(procs: Sequence[Any]) -> float:
     return total
 
 
+def _faults(procs: Sequence[Any]) -> tuple[int, int]:
+    """Minor and major page faults of the processes (all their threads), from /proc/<pid>/stat."""
+    minor = major = 0
+    for p in procs:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            minor += int(fields[7])  # field 10 of proc(5): minflt
+            major += int(fields[9])  # field 12: majflt
+    return minor, major
+
+
+def _sys_cpu_s(procs: Sequence[Any]) -> float:
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.cpu_times().system
+    return total
+
+
 def _runqueue_wait_s(procs: Sequence[Any]) -> float:
     """Seconds the processes' threads spent runnable but waiting for a CPU (schedstat)."""
     total = 0
@@ -283,8 +305,9 @@ def _runqueue_wait_s(procs: Sequence[Any]) -> float:
 
 class Monitor:
     """Samples the machine's load once a second, and between :meth:`begin` and :meth:`end` the CPU
-    and run-queue time of the processes it is given (by name: the stages, ``server``), each on its
-    own and the stages together, and of this process (the client)."""
+    time (of it, in the kernel), run-queue time and page faults of the processes it is given (by
+    name: the stages, ``server``), each on its own and the stages together, and the CPU time of
+    this process (the client)."""
 
     def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s
@@ -320,6 +343,8 @@ class Monitor:
         self._procs = {name: _proc_tree(pid, named - {pid}) for name, pid in processes.items()}
         self._begin = {"t": time.time(), "own_cpu_s": _cpu_s([psutil.Process()]),
                        "cpu": {n: _cpu_s(p) for n, p in self._procs.items()},
+                       "sys": {n: _sys_cpu_s(p) for n, p in self._procs.items()},
+                       "faults": {n: _faults(p) for n, p in self._procs.items()},
                        "wait": {n: _runqueue_wait_s(p) for n, p in self._procs.items()}}
 
     def end(self) -> dict[str, Any]:
@@ -328,12 +353,18 @@ class Monitor:
         t = time.time()
         cpu = {n: _cpu_s(p) - self._begin["cpu"].get(n, 0.0) for n, p in self._procs.items()}
         wait = {n: _runqueue_wait_s(p) - self._begin["wait"].get(n, 0.0) for n, p in self._procs.items()}
+        sys_cpu = {n: _sys_cpu_s(p) - self._begin["sys"].get(n, 0.0) for n, p in self._procs.items()}
+        faults = {n: _faults(p) for n, p in self._procs.items()}
+        minor = {n: f[0] - self._begin["faults"].get(n, (0, 0))[0] for n, f in faults.items()}
+        major = {n: f[1] - self._begin["faults"].get(n, (0, 0))[1] for n, f in faults.items()}
         stages = [n for n in cpu if n != SERVER]
         out: dict[str, Any] = {
             "stage_cpu_s": sum(cpu[n] for n in stages),
             "stage_runqueue_wait_s": sum(wait[n] for n in stages),
             "client_process_cpu_s": _cpu_s([psutil.Process()]) - self._begin.get("own_cpu_s", 0.0),
             "cpu_s_by_process": cpu, "runqueue_wait_s_by_process": wait,
+            "system_cpu_s_by_process": sys_cpu, "minor_faults_by_process": minor,
+            "major_faults_by_process": major,
         }
         if SERVER in cpu:
             out["server_cpu_s"] = cpu[SERVER]

@@ -289,6 +289,11 @@ def format_table(result: Mapping[str, Any]) -> str:
         for name in procs:
             lines.append(f"{'  CPU s / request, ' + name:<{w0}}" + "".join(
                 f"{_f(_per_request(summ[s], 'cpu_s_by_process', name), '.3f'):>18}" for s in sides))
+        for key, label, fmt in (("system_cpu_s_by_process", "  of it in the kernel", ".3f"),
+                                ("minor_faults_by_process", "  page faults / request", ".0f")):
+            if all(key in (summ[s].get("resources") or {}) for s in sides):
+                lines.append(f"{label:<{w0}}" + "".join(
+                    f"{_f(sum(_per_request(summ[s], key, n) for n in procs), fmt):>18}" for s in sides))
         lines.append(f"{'machine load (1-min avg)':<{w0}}" + "".join(
             f"{_f(summ[s]['resources'].get('loadavg_mean', math.nan), '.1f'):>18}" for s in sides))
     lines.append(f"{'ok requests without text/audio':<{w0}}" + "".join(

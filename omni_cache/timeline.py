@@ -11,14 +11,19 @@ however long its answer. ``time.monotonic()`` is one clock for every process of 
 
 Events (the stage's name is the file's ``process``):
 
-* server: ``received`` (the orchestrator took the request), ``submitted`` (sent to the entry
-  stage), ``text_in`` / ``audio_in`` (the first text / audio output reached it);
+* server: ``received`` (the HTTP route took the request), ``submitted`` (checked, tokenized and
+  routed: handed to the transport for the entry stage), ``text_in`` / ``audio_in`` (the first
+  text / audio output reached it);
 * thinker and talker (vLLM stages): ``input`` (first input: the Submit, or the upstream's first
   output), ``input<k>`` (the upstream's k-th output, k < 4), ``job`` (the first engine request was
   added), ``queued`` / ``scheduled`` / ``first_token`` (vLLM's timestamps of that request),
-  ``out<k>`` (the k-th output sent, k < 4), ``codes_out`` (a talker's first codes sent);
+  ``out<k>`` (the k-th output, k < 4, as it is sent), ``codes_out`` (a talker's first codes, as
+  they are sent);
 * decoder: ``codes_in`` (the first codes arrived), ``window_start`` / ``window_end`` (the first
-  window's decode), ``audio_out`` (the first audio sent).
+  window's decode), ``audio_out`` (the first audio, as it is sent).
+
+Points marked "as sent" are taken just before the send, so the segment to the receiver's next
+point holds the whole transfer.
 """
 
 from __future__ import annotations

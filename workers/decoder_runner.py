@@ -164,12 +164,12 @@ class DecoderRunner(StageRunner):
 
     def _emit(self, request_id: str, job: Job, audio: torch.Tensor) -> None:
         req = self.requests[request_id]
+        if audio.numel():
+            self.timeline.mark(request_id, "audio_out")
         self.outbox.to_orchestrator(StageOutput(
             request_id=request_id, stage=self.stage.name, seq=req.seq, finished=job.last,
             finish_reason="stop" if job.last else None, sample_rate=self.decoder.sample_rate),
             {"audio": audio})
-        if audio.numel():
-            self.timeline.mark(request_id, "audio_out")
         req.seq += 1
         if job.last:
             del self.requests[request_id]

@@ -287,8 +287,8 @@ class Orchestrator:
         req.media = media_frames(admitted.media)
         self.requests.add(req)
         self.timeline.mark(req.request_id, "received", now)
-        await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
         self.timeline.mark(req.request_id, "submitted")
+        await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
         return RequestHandle(self, req)
 
     async def _hand_to_entry(self, req: Request, msg: Submit, *, timeout: float) -> None:
