@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rounds of --num-requests fresh requests per side, the sides' order "
                              "alternating (on,off / off,on / ...); both pipelines stay up throughout; "
                              "per-round ratios and their median are reported (default: 1)")
+    target.add_argument("--order", choices=("alternate", "same"), default="alternate",
+                        help="the sides' turns per round: alternate (A B, B A, ...) or same (A B, A B, ...) "
+                             "(default: %(default)s)")
     target.add_argument("--checkpoint-dir", help="where tiny checkpoints live (default: the config's)")
     target.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
                         help="add KEY=VALUE to every stage's env in the private config copy (repeatable; "
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_env": args.stage_env or None,
         "profile": {"dir": os.path.abspath(args.profile), "rate": args.profile_rate} if args.profile else None,
         "timeline": args.timeline,
-        "cpu_burners": args.cpu_burners,
+        "cpu_burners": args.cpu_burners, "order": args.order,
     }
     machine = harness.machine_info()
     runs: list[dict[str, Any]] = []
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.stage_config, args.sides, warmup, rounds, concurrency=args.concurrency,
                     rate=args.rate, progress=progress, monitor=monitor, checkpoint_dir=args.checkpoint_dir,
                     stage_env=args.stage_env or None, audio=not args.text_only, one_message=args.one_message,
-                    profile=profile, timeline_dir=timeline_dir, cpu_burners=args.cpu_burners,
+                    profile=profile, timeline_dir=timeline_dir, cpu_burners=args.cpu_burners, order=args.order,
                     on_run=runs.append)
         except KeyboardInterrupt:
             print("benchmarks: interrupted", file=sys.stderr)

@@ -519,18 +519,23 @@ def compared_sides(sides: Sequence[str]) -> tuple[str, str] | None:
     return (sides[0], sides[1]) if len(sides) == 2 else None
 
 
-def side_order(sides: list[str], round_index: int) -> list[str]:
-    """The order the sides run in round ``round_index``: as given in even rounds, reversed in odd
-    ones, so that over two rounds each side runs first once (a side that ran second would
-    otherwise always meet the machine a few minutes later)."""
-    return list(sides) if round_index % 2 == 0 else list(sides)[::-1]
+#: How the sides take turns: ``alternate`` (the order of ``--sides`` in even rounds, reversed in
+#: odd ones: A B, B A, A B, ...) or ``same`` (A B, A B, ...).
+ORDERS = ("alternate", "same")
+
+
+def side_order(sides: list[str], round_index: int, order: str = "alternate") -> list[str]:
+    """The order the sides run in round ``round_index`` (:data:`ORDERS`)."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; expected one of {', '.join(ORDERS)}")
+    return list(sides) if order == "same" or round_index % 2 == 0 else list(sides)[::-1]
 
 
 def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds: list[list[Session]], *,
                concurrency: int | None, rate: float | None, progress: bool, monitor: Monitor,
                checkpoint_dir: str | None = None, stage_env: dict[str, str] | None = None,
                audio: bool = True, one_message: bool = False, profile: profiles.Recorder | None = None,
-               timeline_dir: str | None = None, cpu_burners: int = 0,
+               timeline_dir: str | None = None, cpu_burners: int = 0, order: str = "alternate",
                on_run: Callable[[dict[str, Any]], None] | None = None,
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Start every side's pipeline (``omni-serve`` in a process of its own, cache on or off), warm
@@ -565,7 +570,7 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
             log(f"{cpu_burners} CPU burner(s) on")
             stack.enter_context(CpuBurners(cpu_burners))
         for r, sessions in enumerate(rounds):
-            for side in side_order(sides, r):
+            for side in side_order(sides, r, order):
                 srv = servers[side]
                 log(f"round {r + 1}/{len(rounds)}, cache {side}: {sum(s.turns for s in sessions)} request(s)")
                 if profile is not None:
