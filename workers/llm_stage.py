@@ -202,7 +202,7 @@ class LLMStage:
             if self.capture is not None:
                 self._attach_latents(tracked, result)
             if self.talker is not None:
-                result.codes = self.talker.drain(tracked.internal_id)
+                result.codes = self.talker.drain(tracked.internal_id, finished=out.finished)
             if out.finished:
                 del self._tracked[out.request_id]
                 if self.capture is not None:
