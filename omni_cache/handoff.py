@@ -165,18 +165,23 @@ QWEN3_OMNI_TALKER_REPETITION_PENALTY = 1.05
 def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
     """Qwen3-Omni's talker over the thinker's output, as transformers' reference builds it, streamed.
 
-    One talker request per answer. It starts as soon as the thinker's rows reach the first text
-    token of the answer (the talker prompt: the user turn, then the assistant part with the
-    speaker's codec specials; `omni_cache.models.qwen3_omni_talker_prompt`). Every later thinker
-    row is one row of text for one talker decode step, fed to the running request as it arrives;
-    when the thinker finishes, the end-of-speech row follows, then pad rows. A talker step that
-    is ahead of the thinker waits for its row (scheduler/streamed_rows.py), so the codes do not
-    depend on timing.
+    One talker request per answer. It starts as soon as the thinker's first answer token is
+    known (the talker prompt: the user turn, then the assistant part with the speaker's codec
+    specials, up to that token; `omni_cache.models.qwen3_omni_talker_prompt`). Every later answer
+    token is one row of text for one talker decode step, fed to the running request as it
+    arrives; when the thinker finishes, the end-of-speech row follows, then pad rows. A talker
+    step that is ahead of the thinker waits for its row (scheduler/streamed_rows.py), so the codes
+    do not depend on timing.
 
-    Reads the thinker's layer tap 0 (input embeddings) at text positions and its
+    Reads the thinker's layer tap 0 (input embeddings) at the prompt's text positions and its
     `accept_hidden_layer` state at image/audio positions, and its prompt token ids (sent with its
     first output): from one merged latent (`latents.merged`, what stage_configs/qwen3_omni.yaml
-    emits) or from the two taps (`latents.layers`).
+    emits) or from the two taps (`latents.layers`). An answer token's row is its input
+    embedding, the thinker's embedding-table row (`TalkerPrompt.answer_rows`): known as soon as
+    the token is sampled, one thinker step before the thinker feeds it and sends its row. So the
+    talker starts on the thinker's first output, and each text row reaches it a step earlier.
+    The thinker's last token is never fed when it finishes (end of turn, or its last allowed
+    token), so it is no row of text either.
     """
     prompt = _qwen3_omni_prompt(ctx)
     accept_layer = prompt.accept_hidden_layer
@@ -192,19 +197,24 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
             "the Qwen3-Omni talker needs the thinker's latents.merged {layer: 0, media_layer: "
             f"{accept_layer}}} (or latents.layers [0, {accept_layer}]); it sent "
             f"{sorted(up.latents) or 'none'}")
-    rows = embeds.shape[0]
+    if not up.prompt_token_ids:
+        raise ValueError("the thinker sent no prompt token ids (needed to find the user turn)")
+    num_prompt = len(up.prompt_token_ids)
+    if embeds.shape[0] < num_prompt:
+        return []  # not this thinker's first output (it holds every prompt row): wait for it
+    # Thinker rows known now: the prompt's, and one per answer token the thinker will feed (all
+    # sampled so far; when it finished, all but its last).
+    rows = num_prompt + max(0, len(up.token_ids) - (1 if up.finished else 0))
     if not state.get("started"):
-        if not up.prompt_token_ids:
-            raise ValueError("the thinker sent no prompt token ids (needed to find the user turn)")
         need = prompt.rows_needed(up.prompt_token_ids)
         if rows < need and not up.finished:
             return []
         token_ids = list(up.prompt_token_ids) + list(up.token_ids)
-        start = prompt.build(token_ids, embeds[:need], accept[:need])
+        start = prompt.build(token_ids, _thinker_rows(prompt, embeds, up, 0, min(need, rows)),
+                             accept[:min(need, num_prompt)])
         positions, delta = prompt.positions(token_ids, up.image_grids)
-        state.update(started=True, rows_done=need)
-        text, done = _qwen3_omni_text(prompt, embeds, need, rows, up.finished)
-        state["rows_done"] = max(rows, need)
+        text, done = _qwen3_omni_text(prompt, embeds, up, need, rows)
+        state.update(started=True, rows_done=max(rows, need))
         return [Job(prompt_embeds=start, rows=text, rows_pad=prompt.tts_pad, rows_done=done,
                     last=True, stop_token_ids=[prompt.codec_eos_id],
                     extra_args=_qwen3_omni_logits(prompt),
@@ -214,19 +224,35 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
     done_rows = state["rows_done"]
     if rows <= done_rows and not up.finished:
         return []
-    text, done = _qwen3_omni_text(prompt, embeds, done_rows, rows, up.finished)
+    text, done = _qwen3_omni_text(prompt, embeds, up, done_rows, rows)
     state["rows_done"] = max(rows, done_rows)
     state["rows_finished"] = done
     return [Job(feed=True, rows=text, rows_done=done)]
 
 
-def _qwen3_omni_text(prompt: Any, embeds: torch.Tensor, start: int, stop: int,
-                     finished: bool) -> tuple[torch.Tensor, bool]:
-    """Talker text rows of thinker rows start..stop-1, plus the end-of-speech row at the end."""
-    text = prompt.text(embeds[start:stop]) if stop > start else prompt.tts_pad.new_zeros(0, prompt.tts_pad.shape[-1])
-    if finished:
+def _thinker_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int,
+                  stop: int) -> torch.Tensor:
+    """The thinker's tap-0 rows start..stop-1: the prompt's as the thinker sent them, the answer
+    tokens' from the embedding table (the rows the thinker feeds them with)."""
+    num_prompt = len(up.prompt_token_ids)
+    if stop <= num_prompt:
+        return embeds[start:stop]
+    answer = prompt.answer_rows(up.token_ids[max(start, num_prompt) - num_prompt:stop - num_prompt],
+                                embeds.dtype)
+    return torch.cat([embeds[start:num_prompt], answer]) if start < num_prompt else answer
+
+
+def _qwen3_omni_text(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int,
+                     stop: int) -> tuple[torch.Tensor, bool]:
+    """Talker text rows of thinker rows start..stop-1, plus the end-of-speech row once the
+    thinker finished."""
+    if stop > start:
+        text = prompt.text(_thinker_rows(prompt, embeds, up, start, stop))
+    else:
+        text = prompt.tts_pad.new_zeros(0, prompt.tts_pad.shape[-1])
+    if up.finished:
         text = torch.cat([text, prompt.tts_eos.reshape(1, -1)])
-    return text, finished
+    return text, up.finished
 
 
 def _qwen3_omni_prompt(ctx: HandoffContext) -> Any:

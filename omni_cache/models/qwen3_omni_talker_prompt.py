@@ -12,10 +12,14 @@ positions, the encoder output at image/audio positions) and its hidden state aft
   `tts_bos`, and the turn's fourth token, each plus a codec embedding (nothing for the first three;
   then nothink, think_bos, think_eos, the speaker, codec_pad, codec_bos);
 * the text the talker speaks, one row per decode step: `text_projection` of every later token's
-  input embedding (`text`), then `tts_eos`, then `tts_pad` for ever.
+  input embedding (`text`), then `tts_eos`, then `tts_pad` for ever. An answer token's input
+  embedding is its row of the thinker's embedding table (`answer_rows`), so it is known as soon
+  as the thinker samples the token.
 
 Torch only (no vLLM): the talker stage's hand-off calls it (`omni_cache.handoff`). Only the tensors
-it needs are read from the checkpoint's weight file (two small MLPs and a few embedding rows).
+it needs are read from the checkpoint's weight file (two small MLPs and the codec embedding); the
+thinker's embedding table is read row by row from the file's memory map (`EmbeddingRows`: a real
+checkpoint's table is hundreds of MB, an answer needs a row per token).
 M-RoPE positions (`positions`): plain positions along the talker's own sequence (user turns, then
 the assistant rows), except at an image's tokens, which take its grid's (t, h, w) positions, the
 text after it going on from their maximum plus one, as the reference's rope index does. Audio
@@ -49,12 +53,35 @@ class _Projection:
         return torch.nn.functional.linear(torch.nn.functional.silu(x), self.fc2_weight, self.fc2_bias)
 
 
+#: The thinker's input-embedding table in a Qwen3-Omni checkpoint.
+THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
+
+
+class EmbeddingRows:
+    """Rows of one 2-D tensor of a safetensors file, read on demand from its memory map."""
+
+    def __init__(self, file: Path, name: str) -> None:
+        self.file, self.name = file, name
+        self._slice = None
+
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        """[len(token_ids), dim] in the file's dtype (bitwise the stored rows)."""
+        if self._slice is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.file), "pt")  # kept open: the slice reads through it
+            self._slice = self._handle.get_slice(self.name)
+        return torch.cat([self._slice[i:i + 1] for i in token_ids])
+
+
 class TalkerPrompt:
     """Everything the talker's inputs need from the checkpoint, loaded once per stage."""
 
-    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 embed_rows: EmbeddingRows) -> None:
         thinker, talker = config["thinker_config"], config["talker_config"]
         self.accept_hidden_layer = int(talker["accept_hidden_layer"])
+        self.thinker_hidden_size = int(thinker["text_config"]["hidden_size"])
         self.im_start_id = config["im_start_token_id"]
         self.user_id, self.assistant_id = config["user_token_id"], config["assistant_token_id"]
         self.media_ids = {thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")}
@@ -67,8 +94,8 @@ class TalkerPrompt:
         self.talker_vocab_size = talker["text_config"]["vocab_size"]
         self.text_projection = _projection(tensors, "talker.text_projection", dtype)
         self.hidden_projection = _projection(tensors, "talker.hidden_projection", dtype)
-        embed = tensors["thinker.model.embed_tokens.weight"]
-        tts = embed[[config["tts_bos_token_id"], config["tts_eos_token_id"], config["tts_pad_token_id"]]]
+        self._embed_rows = embed_rows
+        tts = embed_rows([config["tts_bos_token_id"], config["tts_eos_token_id"], config["tts_pad_token_id"]])
         self.tts_bos, self.tts_eos, self.tts_pad = self.text_projection(tts.to(dtype))
         self._codec_table = tensors["talker.model.codec_embedding.weight"].to(dtype)
         self._codec_specials = [talker["codec_nothink_id"], talker["codec_think_bos_id"],
@@ -82,14 +109,19 @@ class TalkerPrompt:
         folder = Path(folder)
         config = json.loads((folder / "config.json").read_text())
         wanted = ("talker.text_projection.", "talker.hidden_projection.",
-                  "thinker.model.embed_tokens.weight", "talker.model.codec_embedding.weight")
+                  "talker.model.codec_embedding.weight")
         tensors: dict[str, torch.Tensor] = {}
+        embed_rows = None
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():
                     if name.startswith(wanted):
                         tensors[name] = f.get_tensor(name)
-        return cls(config, tensors, dtype)
+                    elif name == THINKER_EMBEDDINGS:
+                        embed_rows = EmbeddingRows(file, name)
+        if embed_rows is None:
+            raise ValueError(f"{folder}: no {THINKER_EMBEDDINGS} in its safetensors files")
+        return cls(config, tensors, dtype, embed_rows)
 
     # ---- the prompt --------------------------------------------------------------------------
     def assistant_start(self, token_ids: list[int]) -> int:
@@ -185,6 +217,14 @@ class TalkerPrompt:
                 i += 1
         positions = torch.tensor(columns, dtype=torch.long).T.contiguous()
         return positions, int(positions.max()) + 1 - positions.shape[1]
+
+    def answer_rows(self, token_ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """The thinker's input embeddings of answer tokens, in the thinker's `dtype`: the rows
+        its layer tap 0 holds when it feeds them (an answer token is always embedded as text;
+        the stored row cast as vLLM casts the weight it loads)."""
+        if not token_ids:
+            return torch.zeros(0, self.thinker_hidden_size, dtype=dtype)
+        return self._embed_rows(list(token_ids)).to(dtype)
 
     def text(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker text rows of thinker rows (their input embeddings), one per decode step."""
