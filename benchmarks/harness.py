@@ -160,23 +160,32 @@ class ServerProcess:
         return self.proc.pid if self.proc is not None else None
 
     def __enter__(self) -> ServerProcess:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def start(self) -> None:
+        """Start omni-serve (returns at once; :meth:`wait_ready` waits for it to serve)."""
         argv = [sys.executable, "-m", "omni_cache.cli", "--stage-config", str(self.config_path)]
         if not self.prefix_cache:
             argv.append("--no-prefix-cache")
         if self.checkpoint_dir:
             argv += ["--checkpoint-dir", self.checkpoint_dir]
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1, env={**os.environ, **(self.env or {})})
         # The output is read to the end by a thread (a full pipe would block the server).
         threading.Thread(target=self._read, daemon=True, name="bench-server-output").start()
-        deadline = t0 + self.start_timeout_s
+
+    def wait_ready(self) -> None:
+        """Wait until it serves (stopping it and raising if it exits or times out first)."""
+        assert self.proc is not None, "start() first"
+        deadline = self._t0 + self.start_timeout_s
         while not self._ready.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
                 raise RuntimeError("omni-serve did not become ready; its last output:\n" + "\n".join(self.tail))
-        self.startup_s = time.monotonic() - t0
-        return self
+        self.startup_s = time.monotonic() - self._t0
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -553,14 +562,20 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="omni_cache_bench_"))
         servers: dict[str, ServerProcess] = {}
+        # All sides start at once: no side's processes, and the memory they take, are always the
+        # older ones (in A/A runs the side started first was the slower one in 5 runs of 5).
         for side in sides:
-            log(f"cache {side}: starting omni-serve (stage logs hidden) ...")
             stack.callback(shutil.rmtree, socket_dir(side), True)
             env = {TIMELINE_DIR_ENV: os.path.join(timeline_dir, side)} if timeline_dir else None
             path = private_config(config_path, tmp, side, stage_env)
-            servers[side] = stack.enter_context(ServerProcess(
-                path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir, env=env))
-            log(f"cache {side}: ready after {servers[side].startup_s:.1f} s at {servers[side].url}")
+            servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir,
+                                          env=env)
+            stack.push(servers[side])  # stopped on the way out, started or not
+            servers[side].start()
+        log(f"starting omni-serve for {', '.join(sides)} at once (stage logs hidden) ...")
+        for side, srv in servers.items():
+            srv.wait_ready()
+            log(f"cache {side}: ready after {srv.startup_s:.1f} s at {srv.url}")
         models = {side: asyncio.run(served_model(srv.url)) for side, srv in servers.items()}
         for side, srv in servers.items():
             info[side] = {"startup_s": srv.startup_s,
