@@ -66,7 +66,7 @@ def test_every_process_marks_the_request_in_order_and_the_breakdown_adds_up(serv
 
     asyncio.run(send())
     assert sample.ok and sample.ttfa_s is not None, sample.error
-    rid = request_id_of(sample)
+    rid = request_id_of(sample.to_dict())
     points = timeline.read(str(directory))[rid]
     for process, order in ORDER.items():
         times = [points[process][event] for event in order]
