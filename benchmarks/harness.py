@@ -300,6 +300,16 @@ def _sys_cpu_s(procs: Sequence[Any]) -> float:
     return total
 
 
+def _rss_mib(procs: Sequence[Any]) -> float:
+    import psutil
+
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total / 2**20
+
+
 def _runqueue_wait_s(procs: Sequence[Any]) -> float:
     """Seconds the processes' threads spent runnable but waiting for a CPU (schedstat)."""
     total = 0
@@ -315,8 +325,8 @@ def _runqueue_wait_s(procs: Sequence[Any]) -> float:
 class Monitor:
     """Samples the machine's load once a second, and between :meth:`begin` and :meth:`end` the CPU
     time (of it, in the kernel), run-queue time and page faults of the processes it is given (by
-    name: the stages, ``server``), each on its own and the stages together, and the CPU time of
-    this process (the client)."""
+    name: the stages, ``server``), each on its own and the stages together, their resident memory
+    at the end, and the CPU time of this process (the client)."""
 
     def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s
@@ -374,6 +384,7 @@ class Monitor:
             "cpu_s_by_process": cpu, "runqueue_wait_s_by_process": wait,
             "system_cpu_s_by_process": sys_cpu, "minor_faults_by_process": minor,
             "major_faults_by_process": major,
+            "rss_mib_by_process": {n: _rss_mib(p) for n, p in self._procs.items()},
         }
         if SERVER in cpu:
             out["server_cpu_s"] = cpu[SERVER]
@@ -609,11 +620,13 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
 
 def _sum_resources(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     """Resources of several runs as one: summed (per process where they are by process), the
-    load averaged."""
+    load averaged, resident memory (taken at each run's end) the largest."""
     out: dict[str, Any] = {}
     for k in dicts[0]:
         vals = [d[k] for d in dicts if k in d]
-        if isinstance(vals[0], dict):
+        if k == "rss_mib_by_process":
+            out[k] = {n: max(v.get(n, 0.0) for v in vals) for n in vals[0]}
+        elif isinstance(vals[0], dict):
             out[k] = _sum_resources(vals)
         elif k in ("loadavg_mean", "cpu_busy_pct_mean"):
             out[k] = sum(vals) / len(vals)

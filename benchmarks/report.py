@@ -294,6 +294,9 @@ def format_table(result: Mapping[str, Any]) -> str:
             if all(key in (summ[s].get("resources") or {}) for s in sides):
                 lines.append(f"{label:<{w0}}" + "".join(
                     f"{_f(sum(_per_request(summ[s], key, n) for n in procs), fmt):>18}" for s in sides))
+        if all("rss_mib_by_process" in (summ[s].get("resources") or {}) for s in sides):
+            lines.append(f"{'resident memory, MiB (largest)':<{w0}}" + "".join(
+                f"{_f(sum(summ[s]['resources']['rss_mib_by_process'].values()), '.0f'):>18}" for s in sides))
         lines.append(f"{'machine load (1-min avg)':<{w0}}" + "".join(
             f"{_f(summ[s]['resources'].get('loadavg_mean', math.nan), '.1f'):>18}" for s in sides))
     lines.append(f"{'ok requests without text/audio':<{w0}}" + "".join(

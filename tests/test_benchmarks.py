@@ -798,6 +798,7 @@ def test_monitor_counts_cpu_per_named_process():
     assert res["cpu_s_by_process"]["me"] >= 0.15
     assert 0 <= res["system_cpu_s_by_process"]["me"] <= res["cpu_s_by_process"]["me"]
     assert res["minor_faults_by_process"]["me"] >= 0 and res["major_faults_by_process"]["me"] >= 0
+    assert res["rss_mib_by_process"]["me"] > 10
     assert res["stage_cpu_s"] == res["cpu_s_by_process"]["me"]  # not the server: a stage
 
 
