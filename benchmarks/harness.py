@@ -691,6 +691,7 @@ def assemble(config: dict[str, Any], machine: dict[str, Any], runs: list[dict[st
                 per_round.append({"round": rnd, **ratios(_summary(a), _summary(b))})
         result["ratios_per_round"] = per_round
         result["paired_ratios"] = paired_ratios(per_round)
+        result["paired_ratios_median"] = paired_ratios(per_round, "median")
         result["answers_identical"] = answers_identical(samples[first], samples[second])
         result["targets"] = evaluate_targets(config.get("workload", ""), result["paired_ratios"],
                                              config.get("sizes"), sides=sides)

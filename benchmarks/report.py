@@ -141,31 +141,40 @@ def ratios(on: Mapping[str, Any], off: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def paired_ratios(per_round: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The median over rounds of each per-round ratio (:func:`ratios` of one round's on and off
-    runs, which ran in the same minutes): what a drift of the machine's speed between rounds
-    does not move. Empty without rounds."""
+def paired_ratios(per_round: Sequence[Mapping[str, Any]], how: str = "geomean") -> dict[str, Any]:
+    """Each per-round ratio (:func:`ratios` of one round's on and off runs, which ran in the
+    same minutes) averaged over the rounds: what a drift of the machine's speed between rounds
+    does not move. ``how``: ``geomean``, the geometric mean (a ratio's own mean: a round with
+    one side twice as fast and one with the other twice as fast cancel; changes as ``1 + x``),
+    or ``median``. Empty without rounds."""
     if not per_round:
         return {}
 
-    def median_of(path: tuple[str, ...]) -> float:
+    def average(path: tuple[str, ...], change: bool = False) -> float:
         vals = []
         for r in per_round:
             v: Any = r
             for k in path:
                 v = v.get(k) if isinstance(v, Mapping) else None
             if v is not None and not math.isnan(v):
-                vals.append(float(v))
-        return percentile(vals, 50) if vals else math.nan
+                vals.append(float(v) + change)
+        if not vals:
+            return math.nan
+        if how == "median":
+            return percentile(vals, 50) - change
+        if min(vals) <= 0:
+            return math.nan
+        return math.exp(sum(math.log(v) for v in vals) / len(vals)) - change
 
     first = per_round[0]
-    out: dict[str, Any] = {"rounds": len(per_round), "speedup": {}, "throughput_change": {}}
+    out: dict[str, Any] = {"rounds": len(per_round), "average": how, "speedup": {},
+                           "throughput_change": {}}
     for key, by_p in first["speedup"].items():
-        out["speedup"][key] = {p: median_of(("speedup", key, p)) for p in by_p}
+        out["speedup"][key] = {p: average(("speedup", key, p)) for p in by_p}
     for key in first["throughput_change"]:
-        out["throughput_change"][key] = median_of(("throughput_change", key))
+        out["throughput_change"][key] = average(("throughput_change", key), change=True)
     if "stage_cpu_per_request_change" in first:
-        out["stage_cpu_per_request_change"] = median_of(("stage_cpu_per_request_change",))
+        out["stage_cpu_per_request_change"] = average(("stage_cpu_per_request_change",), change=True)
     return out
 
 
@@ -242,7 +251,7 @@ def format_table(result: Mapping[str, Any]) -> str:
     sides = [s for s in result["sides"]]
     summ = result["sides"]
     rat = result.get("ratios")
-    # The median of the per-round ratios, beside the pooled one, when there were rounds to pair.
+    # The per-round ratios' geometric mean, beside the pooled one, when there were rounds to pair.
     paired = result.get("paired_ratios") if (result.get("paired_ratios") or {}).get("rounds", 0) > 1 else None
     w0 = 30
     pair = result.get("compared") or {"first": "on", "second": "off"}

@@ -759,6 +759,20 @@ def test_paired_ratios_follow_rounds_not_the_drift_between_them():
     assert "paired" in table and "CPU s / request, thinker" in table
 
 
+def test_paired_ratios_average_rounds_geometrically():
+    """Two rounds where one side is twice as fast, then the other: the geometric mean says 1, as a
+    ratio's mean should; the median of an even count is the middle two's arithmetic mean."""
+    def rnd(x: float) -> dict:
+        return {"speedup": {"ttfa_s": {"p50": x}}, "throughput_change": {"requests_per_s": x - 1}}
+
+    per_round = [rnd(2.0), rnd(0.5)]
+    geo = report.paired_ratios(per_round)
+    assert geo["speedup"]["ttfa_s"]["p50"] == pytest.approx(1.0)
+    assert geo["throughput_change"]["requests_per_s"] == pytest.approx(0.0)
+    assert report.paired_ratios(per_round, "median")["speedup"]["ttfa_s"]["p50"] == pytest.approx(1.25)
+    assert report.paired_ratios([]) == {}
+
+
 def test_zero_reuse_target_fails_on_any_hit():
     runs = _round_runs({"on": [1.0], "off": [1.0]}, {"on": [4.0], "off": [4.0]})
     runs[0]["counters"]["talker"]["hit"] = 32.0
