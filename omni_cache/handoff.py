@@ -6,8 +6,18 @@ everything received so far (`Upstream`), the stage's `HandoffContext` and a per-
 the function may keep anything in. It returns the jobs to start now (possibly none), so a stage can
 start on partial input instead of waiting for its upstream to finish.
 
+A job is one of three kinds of work, each its own type (`Job` is their union), and the stage's
+runner dispatches on the type:
+- `GenerateJob`: start a request on an autoregressive stage (workers/ar_runner.py): its prompt
+  (token ids, or embeddings with their positions), the media for the prompt's placeholders, what
+  vLLM samples it with (max_tokens, stop and allowed ids, extra_args), and, for a request whose
+  decode steps consume rows that are still arriving, its `RowStream`.
+- `FeedJob`: more rows for the request's running (or queued) `GenerateJob` with a `RowStream`;
+  it starts nothing.
+- `DecodeJob`: one window of codes for the decoder stage (workers/decoder_runner.py), or none
+  (the stream's end, no audio left).
 Jobs of one request run in the order returned; the stage marks the request done after the job with
-`last=True` has finished.
+`last=True` (a GenerateJob or DecodeJob) has finished.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import torch
 
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk, layer_name, merged_name
 from omni_cache.models.code_windows import CodeWindow, next_window
-from omni_cache.wire.messages import CODES_FRAME
+from omni_cache.wire.messages import CODES_FRAME, StreamStart
 
 # Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
 # new rows (a short first segment: time to first audio), then a new segment every SEGMENT_TOKENS
@@ -55,6 +65,14 @@ class Upstream:
     prompt_token_ids: list[int] = field(default_factory=list)  # when the upstream sends them
     image_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per image of the prompt
 
+    @classmethod
+    def opened_by(cls, start: StreamStart) -> Upstream:
+        """What a request's upstream has produced once its stream opened: the prompt it saw, no
+        output yet (the runner adds the first message's tokens and rows like every later one's)."""
+        return cls(start.stage, [], {}, start.num_prompt_tokens, False,
+                   prompt_token_ids=list(start.prompt_token_ids),
+                   image_grids=[list(g) for g in start.image_grids])
+
 
 @dataclass
 class HandoffContext:
@@ -65,33 +83,53 @@ class HandoffContext:
 
 
 @dataclass
-class Job:
-    """One unit of work for the downstream stage."""
+class RowStream:
+    """Rows a request's decode steps consume one per step (Qwen3-Omni's talker: one thinker text
+    row per step, `scheduler/streamed_rows.py`), known as far as they have arrived."""
 
-    prompt_embeds: torch.Tensor | None = None  # autoregressive stage fed with embeddings
-    prompt_token_ids: list[int] | None = None  # autoregressive stage fed with tokens
+    pad: torch.Tensor  # the row every step after the last one reads
+    rows: torch.Tensor  # the rows known now, [n, dim]
+    done: bool = False  # no more rows will come
+
+
+@dataclass
+class GenerateJob:
+    """Start one request on an autoregressive stage."""
+
+    prompt_token_ids: list[int] | None = None  # fed with tokens
+    prompt_embeds: torch.Tensor | None = None  # fed with embeddings
     multi_modal_data: dict[str, list] | None = None  # images / audio for the prompt's placeholders
     multi_modal_uuids: dict[str, list] | None = None  # their content digests, same layout
-    max_tokens: int = 0
-    window: CodeWindow | None = None  # decoder: the codes to decode (None: no audio left)
-    last: bool = False
-    # A request whose decode steps consume streamed rows (Qwen3-Omni's talker: one thinker text
-    # row per step, `scheduler/streamed_rows.py`): `rows_pad` (the row after the end) makes the
-    # job such a request, `rows` are the rows known now, `rows_done` says no more will come.
-    # A job with `feed=True` starts nothing: its rows go to the request's running job.
-    rows: torch.Tensor | None = None
-    rows_pad: torch.Tensor | None = None
-    rows_done: bool = False
-    feed: bool = False
-    # Extra vLLM SamplingParams.extra_args of the request (e.g. workers/codec_logits.py's rules).
-    extra_args: dict[str, Any] | None = None
+    # M-RoPE positions of prompt_embeds ([3, L]) and the decode positions' offset, when they are
+    # not plain text positions (a Qwen3-Omni talker prompt with an image's grid); None: plain.
+    positions: tuple[torch.Tensor, int] | None = None
+    max_tokens: int = 0  # 0: the stage's sampling.max_tokens
     stop_token_ids: list[int] | None = None  # vLLM stops the request after one of these
     # The only ids vLLM may sample for the request (SamplingParams.allowed_token_ids), None: any.
     allowed_token_ids: list[int] | None = None
-    # M-RoPE positions of prompt_embeds ([3, L]) and the decode positions' offset, when they are
-    # not plain text positions (a Qwen3-Omni talker prompt with an image's grid).
-    prompt_positions: torch.Tensor | None = None
-    position_delta: int = 0
+    # Extra vLLM SamplingParams.extra_args of the request (e.g. workers/codec_logits.py's rules).
+    extra_args: dict[str, Any] | None = None
+    stream: RowStream | None = None  # rows its decode steps consume, as they arrive
+    last: bool = False
+
+
+@dataclass
+class FeedJob:
+    """Rows for the request's streaming GenerateJob (the one with a RowStream)."""
+
+    rows: torch.Tensor
+    done: bool = False  # these are the stream's last rows
+
+
+@dataclass
+class DecodeJob:
+    """One decoder window of the request's codes."""
+
+    window: CodeWindow | None = None  # None: no audio left (an empty output ends the stream)
+    last: bool = False
+
+
+Job = GenerateJob | FeedJob | DecodeJob
 
 
 def _talker_projection(ctx: HandoffContext) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -107,7 +145,7 @@ def _talker_projection(ctx: HandoffContext) -> tuple[torch.Tensor, torch.Tensor,
     return ctx.resources["projection"]
 
 
-def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
+def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[GenerateJob]:
     """Talker segments over the thinker's hidden states.
 
     Segment k is a talker request whose prompt embeddings are the projected thinker rows of every
@@ -140,9 +178,9 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
     fresh = (hidden[start:rows].double() @ weight.T + bias).to(torch.bfloat16)
     embeds.add(LatentChunk(start, {"embeds": fresh}))
     state["rows_done"] = rows
-    return [Job(prompt_embeds=embeds.view().get("embeds", fresh),
-                max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished,
-                allowed_token_ids=_talker_codes_and_eos(ctx))]
+    return [GenerateJob(prompt_embeds=embeds.view().get("embeds", fresh),
+                        max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished,
+                        allowed_token_ids=_talker_codes_and_eos(ctx))]
 
 
 def _talker_codes_and_eos(ctx: HandoffContext) -> list[int]:
@@ -162,7 +200,8 @@ def _talker_codes_and_eos(ctx: HandoffContext) -> list[int]:
 QWEN3_OMNI_TALKER_REPETITION_PENALTY = 1.05
 
 
-def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
+def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream,
+                                 state: dict) -> list[GenerateJob | FeedJob]:
     """Qwen3-Omni's talker over the thinker's output, as transformers' reference builds it, streamed.
 
     One talker request per answer. It starts as soon as the thinker's first answer token is
@@ -215,10 +254,10 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
         positions, delta = prompt.positions(token_ids, up.image_grids)
         text, done = _qwen3_omni_text(prompt, embeds, up, need, rows)
         state.update(started=True, rows_done=max(rows, need))
-        return [Job(prompt_embeds=start, rows=text, rows_pad=prompt.tts_pad, rows_done=done,
-                    last=True, stop_token_ids=[prompt.codec_eos_id],
-                    extra_args=_qwen3_omni_logits(prompt),
-                    prompt_positions=positions if delta else None, position_delta=delta)]
+        return [GenerateJob(prompt_embeds=start, stream=RowStream(prompt.tts_pad, text, done),
+                            last=True, stop_token_ids=[prompt.codec_eos_id],
+                            extra_args=_qwen3_omni_logits(prompt),
+                            positions=(positions, delta) if delta else None)]
     if state.get("rows_finished"):
         return []
     done_rows = state["rows_done"]
@@ -227,7 +266,7 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
     text, done = _qwen3_omni_text(prompt, embeds, up, done_rows, rows)
     state["rows_done"] = max(rows, done_rows)
     state["rows_finished"] = done
-    return [Job(feed=True, rows=text, rows_done=done)]
+    return [FeedJob(text, done)]
 
 
 def _thinker_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int,
@@ -281,7 +320,7 @@ def _qwen3_omni_logits(prompt: Any) -> dict[str, Any]:
                              keep=[prompt.codec_eos_id])
 
 
-def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Job]:
+def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[DecodeJob]:
     """Decoder windows over the talker's codes: FIRST_CHUNK_CODES codes first (early audio), then
     twice as many each time up to `chunk_size` codes, each window carrying the decoder's receptive field of left
     context and its lookahead (`omni_cache.models.code_windows.next_window`), so chunked audio
@@ -309,12 +348,13 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[Jo
         # A causal decoder's windows always reach the last code received: only the stream's end
         # makes one the last.
         last = up.finished and emitted == codes.shape[-1]
-        jobs.append(Job(window=window, last=last))
+        jobs.append(DecodeJob(window, last))
         state["windows"] = state.get("windows", 0) + 1
         if last:
             break
     if up.finished and not (jobs and jobs[-1].last):
-        jobs.append(Job(last=True))  # every code already decoded (or none came): end the stream
+        # Every code already decoded (or none came): an empty window ends the stream.
+        jobs.append(DecodeJob(last=True))
     state["emitted"], state["done"] = emitted, up.finished
     return jobs
 

@@ -6,7 +6,8 @@ tests/test_server_unit.py:
 * entry stage (an "echo thinker"): answers a Submit with the prompt's byte tokens (ids < 256),
   one StageOutput per token (``FAKE_TOKEN_DELAY`` seconds apart), the last one with
   ``finished=True``; "prefix cache": the longest common prefix with any earlier prompt, rounded
-  down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for.
+  down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for
+  (the first in a StreamStart, as workers/ar_runner.py opens a stream).
   Prompts containing ``HANG`` never finish; ``STALL`` stops after 2 tokens unless the request
   was resumed (``Submit.resumed_tokens``: the answer goes on after the tokens the prompt ends
   with, which the first output carries again, as workers/ar_runner.py sends them);
@@ -47,6 +48,7 @@ from omni_cache.wire.messages import (
     StageOutput,
     StageStats,
     StatsQuery,
+    StreamStart,
     Submit,
 )
 from omni_cache.config.addresses import control_address
@@ -186,7 +188,6 @@ class FakeStage:
                 request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text,
                 finished=last, finish_reason=reason if last else None,
                 num_prompt_tokens=len(prompt), num_cached_tokens=cached,
-                modalities=list(sub.modalities),
             )
             tensors = None
             if sub.return_latents and toks:
@@ -196,8 +197,10 @@ class FakeStage:
             await self.orch.send(msg, tensors)
             if audio:
                 fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks,
-                                  finished=last, modalities=list(sub.modalities),
-                                  sampling=sub.sampling if seq == 0 else None)
+                                  finished=last)
+                if i == 0:
+                    fwd = StreamStart.opening(fwd, modalities=list(sub.modalities),
+                                              sampling=sub.sampling)
                 for d in self.down:
                     await d.send(fwd)
             seq += 1

@@ -30,7 +30,7 @@ from omni_cache.models.checkpoints import THINKER_HIDDEN
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
-from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageOutput
+from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Sender
 
 pytestmark = pytest.mark.vllm
@@ -174,8 +174,9 @@ def thinker_output(rid: str, seq: int, rows: int, *, start: int = 0, prompt: int
     """What the thinker sends the talker: `rows` hidden rows from position `start`, for a
     request of `prompt` prompt tokens."""
     msg = StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[65],
-                      latent_start=start, num_prompt_tokens=prompt, modalities=["text", "audio"],
-                      deadline=deadline)
+                      latent_start=start, num_prompt_tokens=prompt)
+    if seq == 0:  # a stream opens with its StreamStart
+        msg = StreamStart.opening(msg, modalities=["text", "audio"], deadline=deadline)
     return msg, {"hidden": torch.randn(rows, THINKER_HIDDEN).to(torch.bfloat16)}
 
 
@@ -217,7 +218,7 @@ def test_deadline_passes_in_the_stages(server):
     try:
         talker.send(*thinker_output("late", 0, 24, prompt=16, deadline=soon))  # a talker segment
         # One code: fewer than the first decode chunk (FIRST_CHUNK_CODES) plus its lookahead.
-        decoder.send(StageOutput(request_id="late-codes", stage="talker", seq=0, token_ids=[1],
+        decoder.send(StreamStart(request_id="late-codes", stage="talker", seq=0, token_ids=[1],
                                  modalities=["text", "audio"], deadline=soon))
     finally:
         talker.close()

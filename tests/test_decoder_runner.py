@@ -15,10 +15,10 @@ import torch
 import zmq
 
 from omni_cache.config import load_config, resolve_model
-from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES
+from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES, GenerateJob
 from omni_cache.models.codec_decoder import CodecDecoder
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
-from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput
+from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Receiver
 from workers.decoder_runner import DecoderRunner
 from workers.outbox import Outbox
@@ -56,9 +56,10 @@ def codes(seed: int, n: int) -> list[int]:
 
 def feed(runner: DecoderRunner, rid: str, seq: int, ids: list[int], finished: bool,
          deadline: float = 0.0) -> None:
-    runner.guarded(rid, lambda: runner.accept(StageOutput(
-        request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished,
-        deadline=deadline), {}))
+    msg = StageOutput(request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished)
+    if seq == 0:  # a stream opens with its StreamStart
+        msg = StreamStart.opening(msg, deadline=deadline)
+    runner.guarded(rid, lambda: runner.accept(msg, {}))
 
 
 def run(runner: DecoderRunner) -> None:
@@ -152,6 +153,39 @@ def test_a_window_the_codec_rejects_fails_alone(runner):
     assert torch.equal(audio["good"], whole(runner, good).float())
 
 
+def test_a_request_opens_only_on_a_stream_start(runner):
+    """A plain StageOutput for a request the stage does not hold is the rest of a stream whose
+    StreamStart it never saw (even at seq 0): dropped, nothing starts."""
+    runner.guarded("headless", lambda: runner.accept(StageOutput(
+        request_id="headless", stage="talker", seq=0, token_ids=codes(1, 30), finished=True), {}))
+    assert runner.requests == {} and not runner.has_work() and runner.total_requests == 0
+    feed(runner, "opened", 0, codes(1, 30), finished=True)
+    run(runner)
+    audio, errors = received(runner)
+    assert set(audio) == {"opened"} and not errors
+
+
+def test_a_hand_off_job_of_the_wrong_kind_fails_its_request_alone(runner):
+    """The decoder runs DecodeJobs: a hand-off that returns another kind fails the request it
+    returned it for (500, naming the type); the request beside it gets all its audio."""
+    handoff = runner.handoff
+
+    def mixed_up(ctx, up, state):
+        if up.token_ids[:1] == [7]:
+            return [GenerateJob(prompt_token_ids=[1])]
+        return handoff(ctx, up, state)
+
+    runner.handoff = mixed_up
+    good = codes(2, 30)
+    feed(runner, "good", 0, good, finished=True)
+    feed(runner, "wrong", 0, [7, 8, 9], finished=True)
+    run(runner)
+    audio, errors = received(runner)
+    assert set(audio) == {"good"} and set(errors) == {"wrong"}
+    assert errors["wrong"].status == 500 and "GenerateJob" in errors["wrong"].message
+    assert torch.equal(audio["good"], whole(runner, good).float())
+
+
 def test_abort_before_the_first_message_leaves_nothing(runner):
     runner.abort("early")  # the Abort overtook the talker's first output
     feed(runner, "early", 0, codes(3, 10), finished=False)
@@ -196,7 +230,8 @@ def frames(seed: int, n: int, q: int = 4) -> torch.Tensor:
 
 
 def feed_frame(runner: DecoderRunner, rid: str, seq: int, codes: torch.Tensor, finished: bool) -> None:
-    runner.guarded(rid, lambda: runner.accept(StageOutput(
+    cls = StreamStart if seq == 0 else StageOutput  # a stream opens with its StreamStart
+    runner.guarded(rid, lambda: runner.accept(cls(
         request_id=rid, stage="talker", seq=seq, finished=finished), {CODES_FRAME: codes}))
 
 
@@ -266,7 +301,7 @@ def test_code2wav_stage_bad_codes_fail_that_request_alone(q3_runner):
     streams = {"good": good, "range": bad}
     stream_frames(runner, streams, [50, 50])
     feed_frame(runner, "shape", 0, frames(7, 10, q=3), finished=True)
-    runner.guarded("ids", lambda: runner.accept(StageOutput(
+    runner.guarded("ids", lambda: runner.accept(StreamStart(
         request_id="ids", stage="talker", seq=0, token_ids=[1, 2, 3], finished=True), {}))
     audio, errors = received(runner)
     assert set(audio) == {"good"} and set(errors) == {"range", "shape", "ids"}

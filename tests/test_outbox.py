@@ -9,13 +9,15 @@ import time
 import pytest
 import zmq
 
-from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput
+from omni_cache.config.schema import Sampling
+from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Receiver
 from workers.outbox import Outbox
 
 
 def out(rid: str, seq: int, finished: bool = False) -> StageOutput:
-    return StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[seq], finished=finished)
+    cls = StreamStart if seq == 0 else StageOutput  # a stream opens with its StreamStart
+    return cls(request_id=rid, stage="thinker", seq=seq, token_ids=[seq], finished=finished)
 
 
 def test_restarted_peer_gets_nothing_meant_for_its_predecessor(tmp_path):
@@ -72,8 +74,8 @@ def test_a_stream_goes_to_the_replica_its_route_names_and_stays_there(tmp_path):
     replicas = [Receiver(ctx, a, codec) for a in addresses]
     outbox = Outbox(ctx, codec, {"talker": addresses}, None)
 
-    def first(rid: str, replica: int) -> StageOutput:
-        return StageOutput(request_id=rid, stage="thinker", seq=0, token_ids=[0],
+    def first(rid: str, replica: int) -> StreamStart:
+        return StreamStart(request_id=rid, stage="thinker", seq=0, token_ids=[0],
                            route={"talker": replica})
 
     try:
@@ -92,3 +94,21 @@ def test_a_stream_goes_to_the_replica_its_route_names_and_stays_there(tmp_path):
         for r in replicas:
             r.close()
         ctx.term()
+
+
+def test_a_stream_start_and_a_delta_arrive_as_their_own_types():
+    """The codec tells a stream's first output from its continuations by tag: a StreamStart keeps
+    its context, a StageOutput carries none."""
+    codec = Codec(MESSAGE_TYPES)
+    delta = StageOutput(request_id="r", stage="thinker", seq=0, token_ids=[5], text="x",
+                        num_prompt_tokens=3)
+    start = StreamStart.opening(delta, modalities=["text", "audio"],
+                                sampling=Sampling(max_tokens=4), deadline=12.5,
+                                return_latents=True, route={"talker": 1},
+                                prompt_token_ids=[1, 2, 3], image_grids=[[1, 2, 2]])
+    got, _ = codec.decode(codec.encode(start))
+    assert type(got) is StreamStart and got == start
+    assert (got.token_ids, got.num_prompt_tokens, got.route) == ([5], 3, {"talker": 1})
+    assert got.sampling.max_tokens == 4
+    got, _ = codec.decode(codec.encode(delta))
+    assert type(got) is StageOutput and got == delta

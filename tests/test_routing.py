@@ -124,3 +124,29 @@ def test_prompts_with_media_and_other_policies_do_not_hash(orch, tmp_path):
     assert orch.routes.prompt_chains(None) == {}
     orch.routes.prefix_routing = False
     assert orch.routes.prompt_chains([1] * 64) == {}
+
+
+def test_a_session_stays_on_its_replicas_while_they_are_up(orch):
+    """Requests of one session (a realtime conversation: prompts with audio, not prefix-hashed)
+    go where its first request went, though least_loaded would send them elsewhere."""
+    from omni_cache.runtime.requests import Request
+
+    def route(session: str | None) -> Request:
+        req = Request(request_id=f"r{len(orch.requests)}", prompt_token_ids=[1] * 64,
+                      modalities=("text",), participants=("thinker",), t0=0.0, deadline=1e9,
+                      timeout_s=1.0, return_latents=False)
+        orch.routes.assign(req, req.prompt_token_ids, has_media=True, session_id=session)
+        orch.requests.add(req)
+        return req
+
+    assert route("s1").route == {"thinker": 0}
+    assert route("s1").route == {"thinker": 0}  # replica 0 has 1 in flight, replica 1 none
+    assert route("s2").route == {"thinker": 1}
+    assert route(None).route == {"thinker": 1}  # 2 in flight on 0, 1 on 1
+    assert orch.routes.router.decisions[("thinker", 0, "prefix", "session")] == 1
+    orch.supervisor.up_replicas = lambda stage: [1]  # type: ignore[method-assign]
+    assert route("s1").route == {"thinker": 1}  # its replica died: it moves, and stays there
+    orch.supervisor.up_replicas = lambda stage: [0, 1]  # type: ignore[method-assign]
+    assert route("s1").route == {"thinker": 1}
+    orch.routes.end_session("s1")
+    assert route("s1").route == {"thinker": 0}  # a new session: the least loaded again

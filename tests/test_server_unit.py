@@ -62,21 +62,24 @@ def echo(content: str, max_tokens: int) -> str:
     return f"user: {content}\n".encode()[:max_tokens].decode(errors="replace")
 
 
-def write_config(name: str, decoder_env: str = "{}") -> Path:
+def write_config(name: str, decoder_env: str = "{}", *, token_delay_s: float = TOKEN_DELAY_S,
+                 max_model_len: int = MAX_MODEL_LEN, timeout_s: float = TIMEOUT_S,
+                 server_extra: str = "") -> Path:
+    """The fake pipeline's config; ``server_extra``: more ``server`` keys (", key: value")."""
     d = tempfile.mkdtemp(prefix="ocu")  # short: ipc paths are limited to 107 bytes
     path = Path(d) / "pipeline.yaml"
     path.write_text(f"""
 name: {name}
-server: {{host: 127.0.0.1, port: 0, request_timeout_s: {TIMEOUT_S}, max_message_bytes: {MAX_MESSAGE_BYTES}}}
+server: {{host: 127.0.0.1, port: 0, request_timeout_s: {timeout_s}, max_message_bytes: {MAX_MESSAGE_BYTES}{server_extra}}}
 stages:
   - name: thinker
     kind: autoregressive
     model: tiny:thinker
     address: ipc://{d}/thinker.sock
     final_output: text
-    engine_args: {{max_model_len: {MAX_MODEL_LEN}}}
+    engine_args: {{max_model_len: {max_model_len}}}
     sampling: {{max_tokens: 16}}
-    env: {{FAKE_TOKEN_DELAY: "{TOKEN_DELAY_S}"}}
+    env: {{FAKE_TOKEN_DELAY: "{token_delay_s}"}}
   - name: decoder
     kind: generation
     model: tiny:decoder

@@ -1,8 +1,10 @@
 """Runner of an autoregressive (vLLM) stage: thinker or talker.
 
 The entry stage (thinker) turns each `Submit` into one vLLM request. A downstream stage (talker)
-turns its upstream's streamed outputs into jobs through the configured hand-off function and runs a
-request's jobs one after the other (`<request_id>/<k>` in vLLM), so their outputs stay in order.
+opens a request on its upstream's `StreamStart`, turns that and the `StageOutput`s that follow into
+jobs through the configured hand-off function, and runs a request's `GenerateJob`s one after the
+other (`<request_id>/<k>` in vLLM), so their outputs stay in order; a `FeedJob`'s rows go to the
+request's streaming job. Its own stream downstream opens with a `StreamStart` in turn.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import Any
 import torch
 
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
-from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
+from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
+from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, StreamStart, Submit
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
@@ -39,16 +41,16 @@ class _ARRequest:
     sampling: Sampling | None
     deadline: float = 0.0
     return_latents: bool = False
-    route: dict[str, int] = field(default_factory=dict)  # forwarded downstream with seq 0
+    route: dict[str, int] = field(default_factory=dict)  # forwarded with the StreamStart
     seq: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     upstream: Upstream | None = None
     upstream_rows: LatentBuffer | None = None
     handoff_state: dict = field(default_factory=dict)
-    jobs: deque[Job] = field(default_factory=deque)
+    jobs: deque[GenerateJob] = field(default_factory=deque)
     active: str | None = None  # vLLM request id of the job running now
-    active_job: Job | None = None
+    active_job: GenerateJob | None = None
     num_jobs: int = 0
     generated: int = 0  # tokens this stage wrote for the request, over all its jobs
     #: A resumed request (Submit.resumed_tokens): the answer tokens at the end of its prompt,
@@ -150,7 +152,7 @@ class ARRunner(StageRunner):
                              f"({len(msg.prompt_token_ids)} tokens)")
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
-        if self.is_dead(msg.request_id, True, msg.deadline):
+        if self.is_dead(msg):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
         req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
@@ -161,20 +163,17 @@ class ARRunner(StageRunner):
         self.requests[msg.request_id] = req
         self.total_requests += 1
         self.timeline.mark(req.request_id, "input")
-        self._start(req, Job(prompt_token_ids=list(msg.prompt_token_ids), multi_modal_data=media,
-                             multi_modal_uuids=multi_modal_uuids(msg.media),
-                             max_tokens=msg.sampling.max_tokens, last=True))
+        self._start(req, GenerateJob(prompt_token_ids=list(msg.prompt_token_ids),
+                                     multi_modal_data=media,
+                                     multi_modal_uuids=multi_modal_uuids(msg.media),
+                                     max_tokens=msg.sampling.max_tokens, last=True))
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
-            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+            if self.is_dead(msg):
                 return
-            req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                           return_latents=msg.return_latents, route=dict(msg.route))
-            req.upstream = Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False)
-            self.requests[msg.request_id] = req
-            self.total_requests += 1
+            req = self._open(msg)  # a StreamStart: is_dead drops the rest of an unseen stream
         self.timeline.mark(req.request_id, "input")
         if msg.seq < TIMELINE_OUTPUTS:
             self.timeline.mark(req.request_id, f"input{msg.seq}")
@@ -185,9 +184,6 @@ class ARRunner(StageRunner):
                              f"({self.max_model_len}) tokens")
         up.token_ids.extend(msg.token_ids)
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
-        if msg.prompt_token_ids:
-            up.prompt_token_ids = list(msg.prompt_token_ids)
-            up.image_grids = [list(g) for g in msg.image_grids]
         if tensors:
             if req.upstream_rows is None:
                 req.upstream_rows = LatentBuffer(tuple(tensors), max_rows=self.max_model_len)
@@ -197,24 +193,35 @@ class ARRunner(StageRunner):
             up.latents = req.upstream_rows.view()
         up.finished = msg.finished
         for job in self.handoff(self.handoff_ctx, up, req.handoff_state):
-            if job.feed:
+            if isinstance(job, FeedJob):
                 self._feed(req, job)
-            else:
+            elif isinstance(job, GenerateJob):
                 req.jobs.append(job)
+            else:
+                raise TypeError(f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
+                                "an autoregressive stage runs GenerateJob and FeedJob")
         self._next_job(req)
 
-    def _feed(self, req: _ARRequest, job: Job) -> None:
+    def _open(self, start: StreamStart) -> _ARRequest:
+        """A request from its upstream's first output, with the context that came with it."""
+        req = _ARRequest(start.request_id, list(start.modalities), start.sampling,
+                       deadline=start.deadline, return_latents=start.return_latents,
+                       route=dict(start.route), upstream=Upstream.opened_by(start))
+        self.requests[start.request_id] = req
+        self.total_requests += 1
+        return req
+
+    def _feed(self, req: _ARRequest, job: FeedJob) -> None:
         """Streamed rows for the request's streaming job: to vLLM if it runs, else into the job."""
         target = req.active_job if req.active is not None else (req.jobs[-1] if req.jobs else None)
-        if target is None or target.rows_pad is None:
+        if target is None or target.stream is None:
             raise ValueError(f"hand-off fed rows to request {req.request_id!r}, which has no "
                              "streaming job")
         if req.active is not None:
-            self.llm.feed(req.active, job.rows, job.rows_done)
+            self.llm.feed(req.active, job.rows, job.done)
             return
-        if job.rows is not None:
-            target.rows = job.rows if target.rows is None else torch.cat([target.rows, job.rows])
-        target.rows_done = target.rows_done or job.rows_done
+        target.stream.rows = torch.cat([target.stream.rows, job.rows])
+        target.stream.done = target.stream.done or job.done
 
     def _next_job(self, req: _ARRequest) -> None:
         """Start the request's next job, unless one runs. On a stage fed by a hand-off the
@@ -231,7 +238,7 @@ class ARRunner(StageRunner):
                                            num_cached_tokens=0))
                 return
 
-    def _start(self, req: _ARRequest, job: Job) -> None:
+    def _start(self, req: _ARRequest, job: GenerateJob) -> None:
         from vllm import SamplingParams
 
         defaults = self.stage.sampling
@@ -259,15 +266,12 @@ class ARRunner(StageRunner):
         vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
         req.num_jobs += 1
         streamed = None
-        if job.rows_pad is not None:
+        if job.stream is not None:
             from scheduler.streamed_rows import StreamedRows
 
-            streamed = StreamedRows(job.rows_pad, max_rows=self.max_model_len)
-            streamed.add(job.rows, job.rows_done)
-        positions = None
-        if job.prompt_positions is not None:
-            positions = (job.prompt_positions, job.position_delta)
-        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=positions)
+            streamed = StreamedRows(job.stream.pad, max_rows=self.max_model_len)
+            streamed.add(job.stream.rows, job.stream.done)
+        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions)
         self.timeline.mark(req.request_id, "job")
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
@@ -309,13 +313,7 @@ class ARRunner(StageRunner):
             text=out.text, latent_start=out.latent_start,
             finished=finished, finish_reason=out.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
-            prompt_token_ids=(out.prompt_token_ids or []) if self.downstream else [],
-            image_grids=(out.image_grids or []) if self.downstream else [],
-            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
-            modalities=req.modalities, sampling=req.sampling if req.seq == 0 else None,
-            deadline=req.deadline if req.seq == 0 else 0.0,
-            return_latents=req.return_latents and req.seq == 0,
-            route=req.route if req.seq == 0 else {})
+            num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens)
         self._mark_output(req, out)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
@@ -332,7 +330,8 @@ class ARRunner(StageRunner):
                 request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
         if self.downstream and "audio" in req.modalities:
-            self.outbox.to_downstream(msg, tensors)
+            self.outbox.to_downstream(self._stream_start(req, msg, out) if msg.seq == 0 else msg,
+                                      tensors)
         if finished:
             del self.requests[req.request_id]
         elif job_done:
@@ -348,6 +347,15 @@ class ARRunner(StageRunner):
             self.timeline.mark(req.request_id, f"out{req.seq}")
         if out.codes is not None and out.codes.numel():
             self.timeline.mark(req.request_id, "codes_out")
+
+    @staticmethod
+    def _stream_start(req: _ARRequest, first: StageOutput, out: StepOutput) -> StreamStart:
+        """The request's first output downstream, with its context and the prompt this stage's
+        engine saw (vLLM reports it with a request's first output)."""
+        return StreamStart.opening(
+            first, modalities=req.modalities, sampling=req.sampling, deadline=req.deadline,
+            return_latents=req.return_latents, route=req.route,
+            prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [])
 
     # ---- control ---------------------------------------------------------------------------
     def drop(self, request_id: str) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
-from omni_cache.handoff import CODES_FRAME, HandoffContext, Job, Upstream
+from omni_cache.handoff import CODES_FRAME, DecodeJob, HandoffContext, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.timeline import Timeline
@@ -40,7 +40,7 @@ class _DecodeRequest:
     upstream: Upstream
     deadline: float = 0.0
     handoff_state: dict = field(default_factory=dict)
-    jobs: deque[Job] = field(default_factory=deque)
+    jobs: deque[DecodeJob] = field(default_factory=deque)
     seq: int = 0
     frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
 
@@ -66,10 +66,11 @@ class DecoderRunner(StageRunner):
             raise ValueError(f"the decoder stage takes stage outputs, not {type(msg).__name__}")
         req = self.requests.get(msg.request_id)
         if req is None:
-            if self.is_dead(msg.request_id, msg.seq == 0, msg.deadline):
+            if self.is_dead(msg):
                 return
-            req = self.requests[msg.request_id] = _DecodeRequest(
-                Upstream(msg.stage, [], {}, msg.num_prompt_tokens, False), deadline=msg.deadline)
+            # A StreamStart: is_dead drops the rest of a stream whose start this stage never saw.
+            req = self.requests[msg.request_id] = _DecodeRequest(Upstream.opened_by(msg),
+                                                                 deadline=msg.deadline)
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
@@ -80,7 +81,11 @@ class DecoderRunner(StageRunner):
         if msg.token_ids or (req.frames is not None and req.frames.num_rows):
             self.timeline.mark(msg.request_id, "codes_in")
         req.upstream.finished = msg.finished
-        req.jobs.extend(self.handoff(self.handoff_ctx, req.upstream, req.handoff_state))
+        for job in self.handoff(self.handoff_ctx, req.upstream, req.handoff_state):
+            if not isinstance(job, DecodeJob):
+                raise TypeError(f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
+                                "the decoder stage runs DecodeJob")
+            req.jobs.append(job)
 
     def _add_frame(self, req: _DecodeRequest, tensors: dict[str, torch.Tensor]) -> None:
         """Append a `codes` frame to the request's codes, checked whole on arrival: integers
@@ -127,7 +132,7 @@ class DecoderRunner(StageRunner):
             return
         self._emit_all(group, wavs)
 
-    def _take_batch(self) -> list[tuple[str, Job]]:
+    def _take_batch(self) -> list[tuple[str, DecodeJob]]:
         """Up to max_batch_size windows, one per request, oldest-served requests first; the
         requests served go to the back of the line, the others keep their windows queued.
         First windows (of requests with no audio out yet) go alone, ahead of the rest: they are
@@ -144,7 +149,7 @@ class DecoderRunner(StageRunner):
             self.requests.move_to_end(rid)
         return batch
 
-    def _decode(self, group: list[tuple[str, Job]]) -> list[torch.Tensor]:
+    def _decode(self, group: list[tuple[str, DecodeJob]]) -> list[torch.Tensor]:
         first = [rid for rid, _ in group if self.requests[rid].seq == 0] if self.timeline.on else []
         for rid in first:
             self.timeline.mark(rid, "window_start")
@@ -153,16 +158,16 @@ class DecoderRunner(StageRunner):
             self.timeline.mark(rid, "window_end")
         return wavs
 
-    def _decode_and_emit(self, group: list[tuple[str, Job]]) -> None:
+    def _decode_and_emit(self, group: list[tuple[str, DecodeJob]]) -> None:
         self._emit_all(group, self._decode(group))
 
-    def _emit_all(self, group: list[tuple[str, Job]], wavs: list[torch.Tensor]) -> None:
+    def _emit_all(self, group: list[tuple[str, DecodeJob]], wavs: list[torch.Tensor]) -> None:
         for (rid, job), wav in zip(group, wavs):
             # The transport sends host memory: a decoder on CUDA hands over a CPU copy.
             audio = wav.float().cpu().contiguous()
             self.guarded(rid, lambda rid=rid, job=job, audio=audio: self._emit(rid, job, audio))
 
-    def _emit(self, request_id: str, job: Job, audio: torch.Tensor) -> None:
+    def _emit(self, request_id: str, job: DecodeJob, audio: torch.Tensor) -> None:
         req = self.requests[request_id]
         if audio.numel():
             self.timeline.mark(request_id, "audio_out")

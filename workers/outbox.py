@@ -1,16 +1,17 @@
 """Where a stage's messages go: its downstream stages' inboxes and the orchestrator.
 
-A downstream peer gets each request's stream from its first message (seq 0) or not at all. When a
-peer's connection drops (its process died; the supervisor restarts it), the socket to it is
-replaced by a fresh one (linger 0, so what was queued for the dead process is discarded) and the
-requests whose streams had started are not continued: the restarted process never sees the tail
-of a request it has no head for, and never gets a message that was queued for its predecessor.
-The orchestrator fails those requests itself when it sees the stage die.
+A downstream peer gets each request's stream from its first message (its StreamStart) or not at
+all. When a peer's connection drops (its process died; the supervisor restarts it), the socket to
+it is replaced by a fresh one (linger 0, so what was queued for the dead process is discarded) and
+the requests whose streams had started are not continued: the restarted process never sees the
+tail of a request it has no head for, and never gets a message that was queued for its
+predecessor. The orchestrator fails those requests itself when it sees the stage die.
 
-A downstream stage with several replicas has one peer per replica. A request's stream starts (seq
-0) at the replica its ``route`` names (the orchestrator's choice, carried by the first message) and
-every later message of it follows to that same replica, because a peer sends only the streams it
-started: the talker's per-request state and its own prefix hits stay in one process.
+A downstream stage with several replicas has one peer per replica. A request's stream starts (its
+StreamStart) at the replica its ``route`` names (the orchestrator's choice, carried by the
+StreamStart) and every later message of it follows to that same replica, because a peer sends only
+the streams it started: the talker's per-request state and its own prefix hits stay in one
+process.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from omni_cache.wire.messages import StageOutput
+from omni_cache.wire.messages import StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Sender
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class Peer:
         self.monitor = self.sender.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def send(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None) -> None:
-        if msg.seq == 0:
+        if isinstance(msg, StreamStart):
             self.streams.add(msg.request_id)
         elif msg.request_id not in self.streams:
             return  # its stream started before this peer's current process
@@ -91,17 +92,17 @@ class Outbox:
             self.orchestrator.send(msg, tensors)
 
     def to_downstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Send to every downstream stage: a first message to the replica ``msg.route`` names,
-        the rest of the stream where its first message went. ValueError (this request fails
-        alone) for a route naming a replica the stage does not have."""
-        if msg.seq == 0:
-            for name, index in msg.route.items():
-                count = self._replicas.get(name)
-                if count is not None and not 0 <= index < count:
-                    raise ValueError(f"route names replica {index} of stage {name!r}, which has "
-                                     f"{count}")
+        """Send to every downstream stage: a StreamStart to the replica its ``route`` names, the
+        rest of the stream where its StreamStart went. ValueError (this request fails alone) for a
+        route naming a replica the stage does not have."""
+        route = msg.route if isinstance(msg, StreamStart) else None
+        for name, index in (route or {}).items():
+            count = self._replicas.get(name)
+            if count is not None and not 0 <= index < count:
+                raise ValueError(f"route names replica {index} of stage {name!r}, which has "
+                                 f"{count}")
         for peer in self.peers:
-            if msg.seq == 0 and peer.replica != msg.route.get(peer.name, 0):
+            if route is not None and peer.replica != route.get(peer.name, 0):
                 continue
             peer.send(msg, tensors)
 

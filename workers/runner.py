@@ -1,7 +1,7 @@
 """What the two kinds of stage runner (ARRunner, DecoderRunner) share: the table of live requests,
 their deadlines, and how one request fails or ends without touching the others.
 
-A request lives in a stage from its first input (a Submit, or its upstream's first StageOutput)
+A request lives in a stage from its first input (a Submit, or its upstream's StreamStart)
 until it finishes there, fails there, is aborted or passes its deadline; nothing of it stays after
 that. Ending it early leaves a tombstone: upstream output for it that is still on its way (or
 that arrives before the request was ever created here, when the Abort overtook it) is dropped
@@ -18,7 +18,7 @@ from typing import Any
 
 from omni_cache.config import StageConfig
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import StageError
+from omni_cache.wire.messages import StageError, StageOutput, StreamStart, Submit
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +123,16 @@ class StageRunner:
         while self.tombstones and next(iter(self.tombstones.values())) <= mono:
             self.tombstones.popitem(last=False)
 
-    def is_dead(self, request_id: str, first: bool, deadline: float) -> bool:
+    def is_dead(self, msg: Submit | StageOutput) -> bool:
         """Whether input for a request this stage does not hold must be dropped: it ended here
-        (tombstone), it is the rest of a stream whose start this stage never saw (`first` is
-        False), or its deadline has passed."""
-        if self.tombstones.pop(request_id, None) is not None:
-            # Seen once: the rest of its stream has seq > 0 and is dropped without it.
+        (tombstone), it is the rest of a stream whose start this stage never saw (not a Submit
+        or StreamStart), or its deadline has passed."""
+        if self.tombstones.pop(msg.request_id, None) is not None:
+            # Seen once: the rest of its stream has no StreamStart and is dropped without it.
             return True
-        if not first:
+        if not isinstance(msg, (Submit, StreamStart)):
             return True
-        return 0 < deadline <= time.time() - DEADLINE_GRACE_S
+        return 0 < msg.deadline <= time.time() - DEADLINE_GRACE_S
 
     def _bury(self, request_id: str) -> None:
         self.tombstones[request_id] = time.monotonic() + self.tombstone_ttl_s

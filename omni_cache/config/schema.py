@@ -54,6 +54,26 @@ class MediaConfig(_Base, kw_only=True):
     decoded_cache_bytes: NonNegativeInt = 256 * 1024 * 1024
 
 
+class RealtimeConfig(_Base, kw_only=True):
+    """Limits of one ``/v1/realtime`` WebSocket session (omni_cache.serving.realtime)."""
+
+    #: Sessions open at once; a connection beyond them is closed at once (code 1013, try later).
+    max_sessions: PositiveInt = 64
+    #: A session is closed (after an ``error`` event, code ``session_expired``) this long after it
+    #: opened, whatever it is doing.
+    max_session_s: PositiveFloat = 1800.0
+    #: A session that received no client event for this long is closed (code ``idle_timeout``).
+    idle_timeout_s: PositiveFloat = 300.0
+    #: Audio the input buffer holds before a commit, in seconds; an append beyond it is refused
+    #: (``error`` naming ``audio``, code ``input_audio_buffer_full``) and the buffer is kept.
+    max_buffer_s: PositiveFloat = 60.0
+    #: Client events per second, sustained (a burst of as many is allowed); an event beyond it is
+    #: dropped and answered with ``error`` (code ``rate_limit_exceeded``).
+    max_events_per_s: PositiveFloat = 200.0
+    #: Items (messages) one conversation may hold; creating one more is refused.
+    max_items: PositiveInt = 256
+
+
 class ServerConfig(_Base, kw_only=True):
     """The HTTP front end (OpenAI-style API) of the orchestrator."""
 
@@ -88,6 +108,8 @@ class ServerConfig(_Base, kw_only=True):
     heartbeat_timeout_s: PositiveFloat = 10.0
     #: Limits on the images and audio clips a chat request may carry.
     media: MediaConfig = field(default_factory=MediaConfig)
+    #: Limits of the realtime voice sessions (``/v1/realtime``).
+    realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
     #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
     #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
     #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the

@@ -1,5 +1,5 @@
-"""The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics and
-/v1/chat/completions. They find the orchestrator, the served model name and the API key on
+"""The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics,
+/v1/chat/completions and the /v1/realtime WebSocket. They find the orchestrator, the served model name and the API key on
 ``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import base64
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from omni_cache.runtime.orchestrator import Orchestrator
@@ -21,6 +21,8 @@ from omni_cache.serving.chat_stream import collect_unless_disconnected, stream_c
 from omni_cache.serving.errors import APIError
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.runtime.metrics import CONTENT_TYPE
+from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
+from omni_cache.serving.realtime.protocol import EventError
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -103,6 +105,28 @@ async def chat_completions(request: Request):
     if req.stream:
         return _stream(handle, chat, orch)
     return await _complete(handle, chat, orch, request)
+
+
+@router.websocket("/v1/realtime")
+async def realtime(websocket: WebSocket) -> None:
+    """A voice session speaking OpenAI's Realtime API (omni_cache/serving/realtime/, docs/realtime.md)."""
+    state = websocket.app.state
+    problem = bearer_token_problem(websocket.headers.get("authorization", ""), state.api_key)
+    if problem is not None:
+        await websocket.close(code=CLOSE_POLICY, reason=problem)  # before accept: HTTP 403
+        return
+    orch: Orchestrator = state.orchestrator
+    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
+                           cache=state.media_cache)
+
+    def decode_image(url: str, param: str) -> MediaItem:
+        try:
+            return decoder.image(url, param)
+        except MediaError as e:
+            raise EventError(str(e), param=e.param or param, code="invalid_value") from None
+
+    await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
+                         served_model=state.served_model_name, decode_image=decode_image)
 
 
 async def _decoded_media(chat: ChatRequest, orch: Orchestrator, cache: DecodedCache) -> list[MediaItem]:

@@ -47,6 +47,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
+from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.routes import router
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def create_app(
     app.state.api_key = api_key
     app.state.startup_error = None
     app.state.media_cache = DecodedCache(orch.config.server.media.decoded_cache_bytes)
+    app.state.realtime_sessions = SessionRegistry()  # /v1/realtime's open sessions
     add_error_handlers(app)
     app.include_router(router)
     return app

@@ -6,6 +6,23 @@ its downstream stages and, when its output is final (or the request asked for la
 orchestrator. The orchestrator PUSHes `Submit` to the entry stage and `Abort`/`StatsQuery` to every
 stage.
 
+Messages by kind (as vLLM keeps `EngineCoreRequest` apart from `EngineCoreOutputs`): a request's
+stream from one stage to a downstream stage opens with a `StreamStart` and goes on with
+`StageOutput`s.
+- `StageOutput` is one delta: what every output carries (tokens and text new since the previous
+  one, where its latent rows start, whether and why the request finished here) and the usage so
+  far (`num_prompt_tokens`, `num_cached_tokens`: the orchestrator reads them from the stage's final
+  output, so they travel with every delta rather than once).
+- `StreamStart` is the stream's first delta (a `StageOutput` subclass with its own tag, so code
+  that reads deltas takes it as one) plus what travels once per (request, stage): the request's
+  context (`modalities`, `sampling`, `deadline`, `return_latents`, `route`, as its `Submit` gave
+  them) and the prompt as this stage's engine saw it (`prompt_token_ids`, `image_grids`). A
+  downstream stage opens a request on a `StreamStart` and drops a `StageOutput` for a request it
+  does not hold (the rest of a stream whose start it never saw). Only stages get it: the
+  orchestrator wrote the request's context itself, and takes plain `StageOutput`s.
+A separate header sent before the first delta would cost a second message per stream and an
+ordering rule between the two; the subclass keeps one message and one order.
+
 Tensors never go in these headers; they travel as frames next to them (see transport.py):
 - `StageOutput` from an autoregressive stage: its latents by name ("hidden", "layer_<k>", ...),
   rows for token positions `latent_start ..`;
@@ -17,6 +34,8 @@ Tensors never go in these headers; they travel as frames next to them (see trans
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -68,7 +87,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
-    """A stage's streamed output for one request: what is new since its previous StageOutput."""
+    """A stage's streamed output for one request: what is new since its previous output."""
 
     request_id: str
     stage: str
@@ -79,23 +98,34 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    # The prompt as the stage's engine saw it (media placeholders expanded); first output only,
-    # and only to a downstream stage (Qwen3-Omni's talker finds the user turn and media in it).
-    prompt_token_ids: list[int] = []
-    # Per image of that prompt, its (t, h, w) patch grid (first output, to a downstream stage).
-    image_grids: list[list[int]] = []
     num_cached_tokens: int = 0  # prompt tokens this stage's prefix cache let it skip (so far)
     sample_rate: int = 0  # decoder output only
-    # carried along so downstream stages know what to produce
+
+
+class StreamStart(StageOutput, tag="start", kw_only=True):
+    """Stage -> downstream stage: a request's first output (seq 0), with what the stage it goes to
+    needs once to run the request."""
+
+    # The request's Submit.modalities: a stage forwards downstream only when "audio" is asked for.
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
-    sampling: Sampling | None = None  # the client's sampling, forwarded with the first output
-    deadline: float = 0.0  # the request's Submit.deadline, forwarded with the first output
-    # The request's Submit.return_latents, forwarded with the first output: every autoregressive
-    # stage then also sends its tensors (latents, a talker's codes) to the orchestrator.
+    sampling: Sampling | None = None  # the client's sampling (Submit.sampling)
+    deadline: float = 0.0  # the request's Submit.deadline
+    # The request's Submit.return_latents: every autoregressive stage then also sends its tensors
+    # (latents, a talker's codes) to the orchestrator.
     return_latents: bool = False
-    # The request's Submit.route, forwarded with the first output (seq 0) downstream: it picks the
-    # downstream replica; the rest of the stream follows the first message (workers/outbox.py).
+    # The request's Submit.route: it picks the downstream replica this message goes to; the rest
+    # of the stream follows it there (workers/outbox.py).
     route: dict[str, int] = {}
+    # The prompt as the stage's engine saw it (media placeholders expanded): Qwen3-Omni's talker
+    # finds the user turn and media in it.
+    prompt_token_ids: list[int] = []
+    # Per image of that prompt, its (t, h, w) patch grid.
+    image_grids: list[list[int]] = []
+
+    @classmethod
+    def opening(cls, first: StageOutput, **once: Any) -> StreamStart:
+        """The stream's first delta ``first`` with what travels once (the fields above)."""
+        return cls(**msgspec.structs.asdict(first), **once)
 
 
 class StageError(msgspec.Struct, tag="error", kw_only=True):
@@ -131,7 +161,7 @@ class StageReady(msgspec.Struct, tag="ready", kw_only=True):
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
-    reply_to: str = ""  # unused for now: replies go to the orchestrator inbox
+    """Orchestrator -> stage: send your counters (a StageStats, to the orchestrator's inbox)."""
 
 
 class StageStats(msgspec.Struct, tag="stats", kw_only=True):
@@ -162,7 +192,7 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     block_size: int = 0
 
 
-Message = (Submit | StageOutput | StageError | Abort | StageReady | StatsQuery | StageStats
-           | Shutdown | BlockEvents)
-MESSAGE_TYPES = (Submit, StageOutput, StageError, Abort, StageReady, StatsQuery, StageStats, Shutdown,
-                 BlockEvents)
+Message = (Submit | StreamStart | StageOutput | StageError | Abort | StageReady | StatsQuery
+           | StageStats | Shutdown | BlockEvents)
+MESSAGE_TYPES = (Submit, StreamStart, StageOutput, StageError, Abort, StageReady, StatsQuery,
+                 StageStats, Shutdown, BlockEvents)

@@ -1,0 +1,198 @@
+"""``/v1/realtime``: one WebSocket connection carrying one :class:`RealtimeSession`.
+
+The connection reads client events one at a time and hands them to the session; server events go
+out through one writer task in the order they were queued (:class:`EventWriter`). It enforces the
+session limits (``server.realtime``): sessions open at once, session length, idle time between
+client events, client events per second. A client that goes away (closed socket, dropped TCP)
+ends the session: the response in flight is cancelled, its pipeline request aborted, the
+session's buffers dropped and it leaves the :class:`SessionRegistry`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketState
+
+from omni_cache.config.schema import RealtimeConfig
+from omni_cache.serving.realtime.protocol import EventError, error_event, parse_client_event, wire
+from omni_cache.serving.realtime.session import RealtimeSession
+
+logger = logging.getLogger("omni_cache.serving.realtime")
+
+__all__ = ["CLOSE_NORMAL", "CLOSE_POLICY", "CLOSE_TRY_LATER", "EventWriter", "RateLimiter", "SessionRegistry",
+           "serve_realtime"]
+
+#: WebSocket close codes: normal, policy (auth, model), try again later (full, starting).
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER = 1000, 1008, 1013
+
+
+class SessionRegistry:
+    """The sessions open on this server (``app.state.realtime_sessions``)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, RealtimeSession] = {}
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+
+class RateLimiter:
+    """A token bucket: ``rate`` events per second sustained, bursts of up to ``rate``."""
+
+    def __init__(self, rate: float, clock: Any = time.monotonic) -> None:
+        self.rate, self.clock = rate, clock
+        self.tokens = rate
+        self.last = clock()
+
+    def allow(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class EventWriter:
+    """Server events written in order by one task (two concurrent sends could interleave)."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.websocket = websocket
+        self.closed = False
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._task = asyncio.create_task(self._write(), name="realtime-outbox")
+
+    def send(self, event: Any) -> None:
+        if not self.closed:
+            self._queue.put_nowait(wire(event))
+
+    async def _write(self) -> None:
+        while True:
+            text = await self._queue.get()
+            if text is None:
+                return
+            try:
+                await self.websocket.send_text(text)
+            except Exception:  # noqa: BLE001 -- the client is gone: nothing more to send
+                self.closed = True
+                return
+
+    async def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put_nowait(None)
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(self._task, timeout=5.0)
+        self.closed = True
+
+
+async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig,
+                         registry: SessionRegistry, *, served_model: str,
+                         decode_image: Callable[[str, str], Any] | None = None) -> None:
+    """Run one connection's session until the client leaves or a limit ends it."""
+    await websocket.accept()
+    model = websocket.query_params.get("model")
+    refusal = None
+    if model is not None and model != served_model:
+        refusal = (EventError(f"the model {model!r} does not exist; this server serves {served_model!r}",
+                              param="model", code="model_not_found"), CLOSE_POLICY)
+    elif not orch.started:
+        refusal = (EventError("the pipeline is still starting; retry shortly", code="not_ready",
+                              type="server_error"), CLOSE_TRY_LATER)
+    elif len(registry) >= limits.max_sessions:
+        refusal = (EventError(f"{limits.max_sessions} realtime sessions are open "
+                              "(server.realtime.max_sessions); retry later",
+                              code="session_limit_reached", type="server_error"), CLOSE_TRY_LATER)
+    outbox = EventWriter(websocket)
+    if refusal is not None:
+        outbox.send(error_event(refusal[0], None))
+        await _close(websocket, outbox, refusal[1], refusal[0].code or "")
+        return
+    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model,
+                              decode_image=decode_image)
+    registry.sessions[session.id] = session
+    try:
+        await session.open()
+        ending = await _read_events(websocket, session, outbox, limits)
+        if ending is not None:
+            outbox.send(error_event(ending, None))
+            await session.close()
+            await _close(websocket, outbox, CLOSE_NORMAL, ending.code or "")
+    finally:
+        await session.close()
+        registry.sessions.pop(session.id, None)
+        await outbox.close()
+
+
+async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: EventWriter,
+                       limits: RealtimeConfig) -> EventError | None:
+    """Client events until the client leaves (None) or a limit ends the session (its error)."""
+    limiter = RateLimiter(limits.max_events_per_s)
+    end_at = time.monotonic() + limits.max_session_s
+    last_event = time.monotonic()
+    # One receive in flight at a time, never cancelled while waiting (a message that arrives as
+    # a timed-out receive is cancelled could be lost).
+    receiving: asyncio.Task | None = None
+    try:
+        while True:
+            now = time.monotonic()
+            if session.responding:  # waiting for an answer is not idling
+                last_event = now
+            if now >= end_at:
+                return EventError(f"the session reached its maximum length of "
+                                  f"{limits.max_session_s:g} s (server.realtime.max_session_s)",
+                                  code="session_expired")
+            if now - last_event >= limits.idle_timeout_s:
+                return EventError(f"no client event for {limits.idle_timeout_s:g} s "
+                                  "(server.realtime.idle_timeout_s)", code="idle_timeout")
+            wait = min(end_at, last_event + limits.idle_timeout_s) - now
+            if session.responding:  # look again soon: the response may end meanwhile
+                wait = min(wait, 1.0)
+            if receiving is None:
+                receiving = asyncio.ensure_future(websocket.receive())
+            done, _ = await asyncio.wait({receiving}, timeout=wait)
+            if not done:
+                continue
+            message, receiving = receiving.result(), None
+            if message["type"] == "websocket.disconnect":
+                return None
+            last_event = time.monotonic()
+            raw = message.get("text") if message.get("text") is not None else message.get("bytes")
+            if raw is None:
+                continue
+            if not limiter.allow():
+                outbox.send(error_event(EventError(
+                    f"more than {limits.max_events_per_s:g} client events per second "
+                    "(server.realtime.max_events_per_s): the event was dropped",
+                    code="rate_limit_exceeded"), None))
+                continue
+            await _handle(raw, session, outbox)
+    finally:
+        if receiving is not None and not receiving.done():
+            receiving.cancel()
+
+
+async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWriter) -> None:
+    event_id = None
+    try:
+        event, event_id = parse_client_event(raw)
+        await session.handle(event)
+    except EventError as e:
+        outbox.send(error_event(e, e.event_id or event_id))
+    except Exception as e:  # noqa: BLE001 -- a bug must not end the session
+        logger.exception("realtime session %s: internal error", session.id)
+        outbox.send(error_event(EventError(f"internal error: {type(e).__name__}: {e}",
+                                           type="server_error", code="internal_error"), event_id))
+
+
+async def _close(websocket: WebSocket, outbox: EventWriter, code: int, reason: str) -> None:
+    await outbox.close()
+    if websocket.application_state == WebSocketState.CONNECTED:
+        with contextlib.suppress(Exception):
+            await websocket.close(code=code, reason=reason)

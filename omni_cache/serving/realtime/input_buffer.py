@@ -1,0 +1,63 @@
+"""A session's input audio buffer: what the client appended since the last commit or clear, at the
+audio encoder's rate, placed on the session's input clock (milliseconds of all audio appended
+since the session opened, the clock the VAD events report)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omni_cache.serving.realtime.protocol import EventError
+
+__all__ = ["InputAudioBuffer"]
+
+
+class InputAudioBuffer:
+    def __init__(self, rate: int, max_seconds: float) -> None:
+        self.rate = rate
+        self.max_samples = int(max_seconds * rate)
+        self._chunks: list[np.ndarray] = []
+        self.size = 0  # samples held
+        self.appended = 0  # samples appended since the session opened (the clock)
+
+    @property
+    def end_ms(self) -> int:
+        return self.appended * 1000 // self.rate
+
+    @property
+    def start_ms(self) -> int:
+        """The clock at the first sample held."""
+        return (self.appended - self.size) * 1000 // self.rate
+
+    @property
+    def duration_ms(self) -> int:
+        return self.size * 1000 // self.rate
+
+    def append(self, samples: np.ndarray) -> None:
+        if self.size + len(samples) > self.max_samples:
+            raise EventError(
+                f"the input audio buffer would hold {(self.size + len(samples)) / self.rate:.1f} s; "
+                f"at most {self.max_samples / self.rate:g} s are held before a commit "
+                "(server.realtime.max_buffer_s): commit or clear it", param="audio",
+                code="input_audio_buffer_full")
+        if len(samples):
+            self._chunks.append(np.asarray(samples, np.float32))
+            self.size += len(samples)
+            self.appended += len(samples)
+
+    def take(self) -> np.ndarray:
+        """Everything held, and the buffer is empty after."""
+        out = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self.clear()
+        return out
+
+    def keep_last(self, ms: int) -> None:
+        """Drop all but the last ``ms`` (silence before speech: only the prefix padding is kept)."""
+        keep = ms * self.rate // 1000
+        if self.size <= keep:
+            return
+        data = self.take()
+        tail = data[len(data) - keep:] if keep else data[:0]
+        self._chunks, self.size = ([tail] if len(tail) else []), len(tail)
+
+    def clear(self) -> None:
+        self._chunks, self.size = [], 0

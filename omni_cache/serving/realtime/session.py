@@ -1,0 +1,366 @@
+"""One realtime session's state and what each client event does to it.
+
+The session owns its configuration (:mod:`.session_config`), input audio buffer
+(:mod:`.input_buffer`), speech detector (:mod:`.vad`), conversation (:mod:`.conversation`) and at
+most one response in flight (:mod:`.response`). It talks to the pipeline only through the
+orchestrator's public face: ``tokenize_messages``, ``submit(..., media=, modalities=)``, the
+handle's ``events()`` / ``abort()``, and ``audio_input_rate`` (the audio encoder's rate, what
+input audio is resampled to).
+
+Turn taking: with ``turn_detection: server_vad`` every append is scored as it arrives; speech
+start (``input_audio_buffer.speech_started``) cancels a response in flight when
+``interrupt_response`` (barge-in: its assistant item keeps the text of the audio already sent),
+and speech stop commits the speech (with ``prefix_padding_ms`` before it) as a user item and
+starts a response when ``create_response``. With ``turn_detection: null`` the client commits
+(``input_audio_buffer.commit``) and asks for responses (``response.create``) itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from omni_cache.config.schema import RealtimeConfig
+from omni_cache.serving.realtime import session_config, vad
+from omni_cache.serving.realtime.audio_codecs import StreamResampler
+from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
+from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
+from omni_cache.serving.realtime.protocol import EventError, make_event, new_id, refuse_unsupported
+from omni_cache.serving.realtime.response import ResponseOptions, ResponseRun
+from omni_cache.serving.realtime.session_config import SessionConfig
+
+__all__ = ["MIN_COMMIT_MS", "RealtimeSession"]
+
+#: The shortest audio a commit takes (OpenAI's rule: less is an error).
+MIN_COMMIT_MS = 100
+
+
+class RealtimeSession:
+    def __init__(self, pipeline: Any, send: Callable[[Any], None], *, limits: RealtimeConfig,
+                 served_model: str, decode_image: Callable[[str, str], Any] | None = None) -> None:
+        self.id = new_id("sess")
+        self.pipeline, self.send = pipeline, send
+        self.served_model = served_model
+        # (data URL, param) -> the decoded image (the server's media decoder, with its limits and
+        # cache); EventError naming param when it cannot be. None: images are refused.
+        self.decode_image = decode_image
+        self.config = SessionConfig()
+        self.rate = int(pipeline.audio_input_rate)
+        self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
+        self.conversation = Conversation(limits.max_items)
+        self.detector: vad.SpeechDetector | None = None
+        self.speech_item_id: str | None = None  # the user item the speech in progress becomes
+        self.response: ResponseRun | None = None
+        self._response_task: asyncio.Task | None = None
+        self.pace: float | None = None  # ms of audio per answer token, measured (SpokenText)
+        self._resamplers()
+
+    def _resamplers(self) -> None:
+        in_rate = self.config.input_format.rate
+        self._to_encoder = StreamResampler(in_rate, self.rate)
+        # The detector reads the encoder's samples when it runs at Silero's rate (16 kHz encoders).
+        self._to_vad = None if self.rate == vad.RATE else StreamResampler(in_rate, vad.RATE)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        from openai.types.realtime import SessionCreatedEvent
+
+        await self._configure_detector()
+        self.send(make_event(SessionCreatedEvent, session=self._describe()))
+
+    async def close(self) -> None:
+        """Cancel the response in flight (its pipeline request is aborted) and wait for it."""
+        if self.response is not None:
+            self.response.cancel("client_disconnected", truncate=False)
+        if self._response_task is not None:
+            with contextlib.suppress(BaseException):
+                await self._response_task
+        self.buffer.clear()
+        self.pipeline.end_session(self.id)  # its replicas are no longer kept for it
+
+    @property
+    def responding(self) -> bool:
+        return self.response is not None and not self.response.done
+
+    async def handle(self, event: Any) -> None:
+        """Carry out one validated client event; EventError when it cannot be."""
+        handler = getattr(self, "on_" + event.type.replace(".", "_"))
+        result = handler(event)
+        if asyncio.iscoroutine(result):
+            await result
+
+    # ---- session ---------------------------------------------------------------------------------
+
+    async def on_session_update(self, event: Any) -> None:
+        from openai.types.realtime import SessionUpdatedEvent
+
+        new = session_config.updated(self.config, event.session, self.served_model)
+        old, self.config = self.config, new
+        if new.input_format != old.input_format:
+            self._resamplers()
+        if new.turn_detection != old.turn_detection:
+            await self._configure_detector()
+        self.send(make_event(SessionUpdatedEvent, session=self._describe()))
+
+    async def _configure_detector(self) -> None:
+        td = self.config.turn_detection
+        if td is None:
+            self.detector = None
+            self.speech_item_id = None
+            return
+        if self.detector is None:
+            model = await asyncio.to_thread(vad.load_model)
+            self.detector = vad.SpeechDetector(model, td.threshold, td.silence_duration_ms)
+        else:
+            self.detector.configure(td.threshold, td.silence_duration_ms)
+
+    def _describe(self) -> Any:
+        return session_config.describe(self.config, self.served_model, self.id)
+
+    # ---- input audio -----------------------------------------------------------------------------
+
+    def on_input_audio_buffer_append(self, event: Any) -> None:
+        samples = self._decode_audio(event.audio, "audio")
+        encoded = self._to_encoder(samples)
+        self.buffer.append(encoded)
+        if self.detector is None:
+            return
+        for ev in self.detector.feed(encoded if self._to_vad is None else self._to_vad(samples)):
+            if ev.kind == "start":
+                self._speech_started(ev.at_ms)
+            else:
+                self._speech_stopped(ev.at_ms)
+        if not self.detector.in_speech:
+            self.buffer.keep_last(self.config.turn_detection.prefix_padding_ms)
+
+    def _decode_audio(self, data: str, param: str) -> np.ndarray:
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise EventError("audio is not valid base64", param=param, code="invalid_value") from None
+        try:
+            return self.config.input_format.decode(raw)
+        except ValueError as e:
+            raise EventError(str(e), param=param, code="invalid_value") from None
+
+    def _speech_started(self, at_ms: int) -> None:
+        from openai.types.realtime import InputAudioBufferSpeechStartedEvent
+
+        td = self.config.turn_detection
+        start_ms = max(self.buffer.start_ms, at_ms - td.prefix_padding_ms)
+        self.buffer.keep_last(self.buffer.end_ms - start_ms)
+        self.speech_item_id = new_id("item")
+        if td.interrupt_response and self.responding:
+            self.response.cancel("turn_detected", truncate=True)  # barge-in
+        self.send(make_event(InputAudioBufferSpeechStartedEvent, audio_start_ms=start_ms,
+                             item_id=self.speech_item_id))
+
+    def _speech_stopped(self, at_ms: int) -> None:
+        from openai.types.realtime import InputAudioBufferSpeechStoppedEvent
+
+        item_id = self.speech_item_id or new_id("item")
+        self.speech_item_id = None
+        self.send(make_event(InputAudioBufferSpeechStoppedEvent, audio_end_ms=at_ms, item_id=item_id))
+        self._commit(item_id)
+        if self.config.turn_detection.create_response and not self.responding:
+            self._start_response(None)
+
+    def on_input_audio_buffer_commit(self, event: Any) -> None:
+        if self.buffer.duration_ms < MIN_COMMIT_MS:
+            raise EventError(f"the input audio buffer holds {self.buffer.duration_ms} ms; a commit "
+                             f"needs at least {MIN_COMMIT_MS} ms of audio",
+                             code="input_audio_buffer_commit_empty")
+        item_id = self.speech_item_id or new_id("item")
+        self.speech_item_id = None
+        if self.detector is not None:
+            self.detector.reset()
+        self._commit(item_id)
+
+    def _commit(self, item_id: str) -> None:
+        from openai.types.realtime import (
+            ConversationItemAdded, ConversationItemDone, InputAudioBufferCommittedEvent,
+        )
+
+        item = Item("user", [ItemPart("input_audio", media=audio_item(self.buffer.take(), self.rate))],
+                    id=item_id)
+        previous = self.conversation.add(item)
+        self.send(make_event(InputAudioBufferCommittedEvent, item_id=item.id, previous_item_id=previous))
+        self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
+        self.send(make_event(ConversationItemDone, item=item.sdk(), previous_item_id=previous))
+
+    def on_input_audio_buffer_clear(self, event: Any) -> None:
+        from openai.types.realtime import InputAudioBufferClearedEvent
+
+        self.buffer.clear()
+        self.speech_item_id = None
+        if self.detector is not None:
+            self.detector.reset()
+        self.send(make_event(InputAudioBufferClearedEvent))
+
+    def on_output_audio_buffer_clear(self, event: Any) -> None:
+        raise EventError("output_audio_buffer.clear is for WebRTC/SIP sessions; over WebSocket the "
+                         "client owns its playback buffer (use response.cancel and "
+                         "conversation.item.truncate)", param="type", code="unsupported")
+
+    # ---- conversation ----------------------------------------------------------------------------
+
+    async def on_conversation_item_create(self, event: Any) -> None:
+        from openai.types.realtime import ConversationItemAdded, ConversationItemDone
+
+        item = await self._item_from_client(event.item)
+        previous = self.conversation.add(item, event.previous_item_id)
+        self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
+        self.send(make_event(ConversationItemDone, item=item.sdk(), previous_item_id=previous))
+
+    async def _item_from_client(self, sdk_item: Any) -> Item:
+        role = getattr(sdk_item, "role", None)
+        if getattr(sdk_item, "type", None) != "message" or role not in ("user", "system", "assistant"):
+            raise EventError(f"item type {sdk_item.type!r} is not supported (messages only: this "
+                             "server serves no tools)", param="item.type", code="unsupported")
+        if not sdk_item.content:
+            raise EventError("a message needs content", param="item.content", code="invalid_value")
+        parts: list[ItemPart] = []
+        for i, c in enumerate(sdk_item.content):
+            param = f"item.content.{i}"
+            kind = c.type or ("input_text" if role != "assistant" else "output_text")
+            if kind in ("input_text", "output_text"):
+                if c.text is None:
+                    raise EventError(f"a {kind} part needs 'text'", param=param + ".text",
+                                     code="invalid_value")
+                parts.append(ItemPart(kind, c.text))
+            elif kind == "input_audio":
+                if c.audio is None:
+                    raise EventError("an input_audio part needs 'audio' (base64, in the session's "
+                                     "input format)", param=param + ".audio", code="invalid_value")
+                samples = StreamResampler(self.config.input_format.rate, self.rate)(
+                    self._decode_audio(c.audio, param + ".audio"), last=True)
+                parts.append(ItemPart(kind, c.transcript or "", media=audio_item(samples, self.rate)))
+            elif kind == "input_image":
+                parts.append(ItemPart(kind, media=await self._image(c.image_url, param + ".image_url")))
+            elif kind == "output_audio":
+                # An assistant turn the client supplies: its transcript is what the user heard.
+                parts.append(ItemPart(kind, c.transcript or ""))
+            else:
+                raise EventError(f"content type {kind!r} is not supported", param=param + ".type",
+                                 code="unsupported")
+        item = Item(role, parts, id=sdk_item.id or new_id("item"))
+        if role == "assistant":
+            item.spoken = SpokenText(finished=True)
+        return item
+
+    async def _image(self, url: str | None, param: str) -> Any:
+        if self.decode_image is None:
+            raise EventError("images are not taken by this server", param=param, code="unsupported")
+        if not url:
+            raise EventError("an input_image part needs 'image_url' (a data: URL)", param=param,
+                             code="invalid_value")
+        return await asyncio.to_thread(self.decode_image, url, param)
+
+    def on_conversation_item_delete(self, event: Any) -> None:
+        from openai.types.realtime import ConversationItemDeletedEvent
+
+        if self.responding and self.response.item.id == event.item_id:
+            raise EventError("the item is being answered; cancel the response first",
+                             param="item_id", code="item_in_progress")
+        self.conversation.delete(event.item_id)
+        self.send(make_event(ConversationItemDeletedEvent, item_id=event.item_id))
+
+    def on_conversation_item_retrieve(self, event: Any) -> None:
+        from openai.types.realtime.realtime_server_event import ConversationItemRetrieved
+
+        self.send(make_event(ConversationItemRetrieved, item=self.conversation.get(event.item_id).sdk()))
+
+    def on_conversation_item_truncate(self, event: Any) -> None:
+        from openai.types.realtime import ConversationItemTruncatedEvent
+
+        item = self.conversation.get(event.item_id)
+        if item.role != "assistant" or item.spoken is None or not item.content \
+                or item.content[0].type != "output_audio":
+            raise EventError("only an assistant item with audio can be truncated", param="item_id",
+                             code="invalid_value")
+        if event.content_index != 0:
+            raise EventError("the item's audio is content part 0", param="content_index",
+                             code="invalid_value")
+        sent = item.audio_end_ms if item.audio_end_ms is not None else item.sent_audio_ms
+        if not 0 <= event.audio_end_ms <= sent:
+            raise EventError(f"audio_end_ms {event.audio_end_ms} is beyond the item's audio "
+                             f"({int(sent)} ms)", param="audio_end_ms", code="invalid_value")
+        run = self.response if self.responding and self.response.item is item else None
+        if run is not None:
+            run.cancel("client_cancelled", truncate=False)
+        item.audio_end_ms = float(event.audio_end_ms)
+        item.content[0].text = item.spoken.heard(event.audio_end_ms, self.pace)
+        self.send(make_event(ConversationItemTruncatedEvent, item_id=item.id, content_index=0,
+                             audio_end_ms=event.audio_end_ms))
+
+    # ---- responses -------------------------------------------------------------------------------
+
+    def on_response_create(self, event: Any) -> None:
+        self._start_response(event.response)
+
+    def on_response_cancel(self, event: Any) -> None:
+        if not self.responding:
+            raise EventError("there is no response in progress to cancel",
+                             code="response_cancel_not_active")
+        if event.response_id and event.response_id != self.response.id:
+            raise EventError(f"response {event.response_id!r} is not in progress",
+                             param="response_id", code="invalid_value")
+        self.response.cancel("client_cancelled", truncate=False)
+
+    def _options(self, params: Any) -> ResponseOptions:
+        c = self.config
+        modality, max_tokens, instructions = c.output_modalities[0], c.max_output_tokens, c.instructions
+        fmt, metadata = c.output_format, None
+        if params is not None:
+            session_config.refuse_tools_and_prompts(params, "response")
+            refuse_unsupported([
+                ("response.input", params.input is not None),
+                ("response.conversation", params.conversation not in (None, "auto")),
+            ], "a response answers the session's conversation")
+            given = params.model_fields_set
+            if params.output_modalities is not None:
+                modality = session_config.output_modalities(params.output_modalities,
+                                                            "response.output_modalities")[0]
+            if "max_output_tokens" in given:
+                max_tokens = session_config.max_output_tokens(params.max_output_tokens,
+                                                              "response.max_output_tokens")
+            if params.instructions is not None:
+                instructions = params.instructions
+            if params.audio is not None and params.audio.output is not None:
+                out = params.audio.output
+                session_config.voice(out.voice, "response.audio.output.voice")
+                if "format" in out.model_fields_set:
+                    fmt = session_config.audio_format(out.format, "response.audio.output.format")
+            metadata = params.metadata
+        return ResponseOptions(modality, max_tokens, instructions, fmt, metadata)
+
+    def _start_response(self, params: Any) -> None:
+        if self.responding:
+            raise EventError(f"response {self.response.id} is in progress; cancel it or wait for "
+                             "response.done", code="conversation_already_has_active_response")
+        options = self._options(params)
+        messages, media = self.conversation.prompt(options.instructions)
+        if not any(m["role"] != "system" for m in messages):
+            raise EventError("the conversation has no user or assistant item to answer",
+                             code="conversation_empty")
+        kind = "output_audio" if options.modality == "audio" else "output_text"
+        item = Item("assistant", [ItemPart(kind)], status="in_progress", spoken=SpokenText())
+        self.conversation.add(item)
+        self.response = run = ResponseRun(self.pipeline, self.send, item, options, messages, media,
+                                          pace=self.pace, received_at=time.monotonic(),
+                                          session_id=self.id)
+        self._response_task = asyncio.create_task(self._run(run), name=f"realtime-{run.id}")
+
+    async def _run(self, run: ResponseRun) -> None:
+        await run.run()
+        spoken = run.item.spoken
+        if spoken.finished and run.audio and spoken.tokens and spoken.audio_ms:
+            self.pace = spoken.audio_ms / spoken.tokens

@@ -1,0 +1,242 @@
+"""/v1/realtime on the real tiny Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker,
+talker and code2wav in their own processes, vLLM engines, real ZMQ), driven by the openai SDK's
+realtime client unmodified. One server for the module.
+
+What a voice client sees: a text turn and a committed audio turn answered with audio and its
+transcript; server VAD finding speech in a synthesized clip and answering it; speech cancelling a
+response (barge-in) and the assistant item keeping only what was heard; three turns whose
+prompts hit the thinker's prefix cache on everything of the earlier turns (to the block) and the
+talker's on the earlier user turns; bad events answered with ``error``; nothing left in the server
+after a client vanishes mid-answer. Session logic in detail: tests/test_realtime_session.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
+from benchmarks.speech_clips import silence, speech, turn_clip
+from omni_cache.config import load_config
+from omni_cache.runtime.orchestrator import Orchestrator
+from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.serving.server import ServerThread
+from test_pipeline_e2e import write_pipeline_config
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "rt_e2e"
+MAX_TOKENS = 10  # thinker tokens per answer: short turns
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), MODEL, "qwen3_omni.yaml")
+    orch = Orchestrator(load_config(path), echo_stage_logs=False)
+    srv = ServerThread(orch).start()
+    srv.wait_ready(600)
+    yield srv
+    srv.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+def stage_metric(server, name: str, stage: str) -> float:
+    samples = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+    return sum(v for n, labels, v in samples if n == name and labels.get("stage") == stage)
+
+
+async def opened(conn, **session):
+    assert (await next_event(conn)).type == "session.created"
+    await conn.session.update(session={"type": "realtime", "max_output_tokens": MAX_TOKENS, **session})
+    assert (await next_event(conn)).type == "session.updated"
+
+
+MANUAL = {"audio": {"input": {"turn_detection": None}}}
+
+
+async def commit_clip(conn, clip):
+    await append_audio(conn, clip)
+    await conn.input_audio_buffer.commit()
+    for expected in ("input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"):
+        assert (await next_event(conn)).type == expected
+
+
+def assert_spoken(answer):
+    """Audio deltas (pcm16, 24 kHz) and the transcript, whose done event repeats its deltas."""
+    assert answer.done.response.status in ("completed", "incomplete"), answer.done.response
+    assert len(answer.audio) > 2 * 2400  # more than 100 ms of speech
+    assert len(answer.audio) % 2 == 0
+    done = next(e for e in answer.events if e.type == "response.output_audio_transcript.done")
+    assert done.transcript == answer.transcript and answer.transcript
+    assert answer.done.response.usage.output_tokens > 0
+
+
+def test_a_text_turn_and_an_audio_turn_are_answered_with_speech(server):
+    async def go():
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, **MANUAL)
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Tell me about the weather today."}]})
+            await next_event(conn), await next_event(conn)
+            await conn.response.create()
+            text_turn = await read_answer(conn)
+            await commit_clip(conn, turn_clip(2.5, seed=11))
+            await conn.response.create()
+            return text_turn, await read_answer(conn)
+
+    text_turn, audio_turn = run(go())
+    assert_spoken(text_turn)
+    assert_spoken(audio_turn)
+    # The clip's ~2.5 s became audio tokens in the second prompt (12.5 per second after the
+    # encoder), on top of the first turn and its answer.
+    grew = audio_turn.done.response.usage.input_tokens - text_turn.done.response.usage.input_tokens
+    assert grew >= MAX_TOKENS + 25
+
+
+def test_server_vad_finds_the_speech_in_a_clip_and_answers_it(server):
+    clip = np.concatenate([silence(1.0), speech(2.0, seed=1), silence(1.0)])
+
+    async def go():
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, audio={"input": {"turn_detection": {"type": "server_vad",
+                                                                   "silence_duration_ms": 500}}})
+            await append_audio(conn, clip)
+            vad = [await next_event(conn) for _ in range(5)]
+            return vad, await read_answer(conn)
+
+    vad, answer = run(go())
+    assert [e.type for e in vad] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                                     "input_audio_buffer.committed", "conversation.item.added",
+                                     "conversation.item.done"]
+    started, stopped = vad[0], vad[1]
+    # Speech is at 1.0-3.0 s; the start includes prefix_padding_ms (300), the stop comes
+    # silence_duration_ms (500) after the speech ends.
+    assert 600 <= started.audio_start_ms <= 1100
+    assert 3200 <= stopped.audio_end_ms <= 3900
+    assert started.item_id == stopped.item_id == vad[2].item_id
+    assert_spoken(answer)  # create_response: the committed speech was answered
+
+
+def test_speech_during_an_answer_cancels_it_and_truncates_the_item(server):
+    async def go():
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, audio={"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 300, "create_response": False}}})
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Please tell me a long story."}]})
+            await next_event(conn), await next_event(conn)
+            await conn.response.create()
+            sent = {}
+
+            async def interrupt(event, answer):
+                if event.type == "response.output_audio.delta" and not sent:
+                    sent["done"] = True
+                    await append_audio(conn, np.concatenate([speech(1.0, seed=1), silence(0.6)]))
+
+            answer = await read_answer(conn, on_event=interrupt)
+            item_id = answer.done.response.output[0].id
+            while (await next_event(conn)).type != "conversation.item.done":
+                pass  # speech stopped, committed, added, done
+            await conn.conversation.item.retrieve(item_id=item_id)
+            return answer, await next_event(conn)
+
+    answer, retrieved = run(go())
+    types = answer.types
+    started = types.index("input_audio_buffer.speech_started")
+    assert "response.output_audio.delta" not in types[started:]
+    response = answer.done.response
+    assert response.status == "cancelled" and response.status_details.reason == "turn_detected"
+    heard = retrieved.item.content[0].transcript or ""
+    assert retrieved.type == "conversation.item.retrieved" and retrieved.item.status == "incomplete"
+    # The item keeps what was heard: a prefix of the text the answer had streamed.
+    assert answer.transcript.startswith(heard)
+    assert response.output[0].content[0].transcript == heard
+
+
+def test_later_turns_hit_the_caches_on_the_earlier_turns(server):
+    block = server.orchestrator.config.stage("thinker").engine_args.block_size
+
+    async def go():
+        usages, talker_hits = [], []
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, **MANUAL)
+            for turn in range(3):
+                await commit_clip(conn, turn_clip(3.0, seed=21 + turn))
+                await conn.response.create()
+                answer = await read_answer(conn)
+                assert_spoken(answer)
+                usages.append(answer.done.response.usage)
+                talker_hits.append(await asyncio.to_thread(
+                    stage_metric, server, "vllm:prefix_cache_hits_total", "talker"))
+        return usages, talker_hits
+
+    hits_before = stage_metric(server, "vllm:prefix_cache_hits_total", "talker")
+    usages, talker_hits = run(go())
+    for prev, cur in zip(usages, usages[1:]):
+        # Everything of the earlier turns (prompt and answer) except their last partial block:
+        # vLLM caches full blocks only.
+        earlier = prev.input_tokens + prev.output_tokens
+        assert cur.input_token_details.cached_tokens >= earlier // block * block > 0
+    # The talker's prompt holds the user turns: turns 2 and 3 hit on the earlier ones.
+    assert talker_hits[0] >= hits_before
+    assert talker_hits[2] > talker_hits[1] > talker_hits[0]
+
+
+def test_bad_events_get_errors_and_the_session_goes_on(server):
+    async def go():
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, **MANUAL)
+            await conn.send({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"output": {"voice": "alloy"}}}, "event_id": "ev_1"})
+            voice = await next_event(conn)
+            await conn.input_audio_buffer.commit()
+            empty = await next_event(conn)
+            await conn.send({"type": "response.create", "response": {"output_modalities": ["video"]}})
+            modality = await next_event(conn)
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Hello?"}]})
+            await next_event(conn), await next_event(conn)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            return voice, empty, modality, await read_answer(conn)
+
+    voice, empty, modality, answer = run(go())
+    assert voice.type == "error" and voice.error.param == "session.audio.output.voice"
+    assert voice.error.event_id == "ev_1"
+    assert empty.type == "error" and empty.error.code == "input_audio_buffer_commit_empty"
+    assert modality.type == "error" and modality.error.param == "response.output_modalities.0"
+    # A text response: text deltas, no audio.
+    assert answer.text and not answer.audio
+    assert "response.output_text.done" in answer.types
+
+
+def test_a_client_gone_mid_answer_leaves_nothing_in_the_server(server):
+    orch = server.orchestrator
+
+    async def go():
+        conn = await connect(server.url, MODEL).enter()
+        await opened(conn, **MANUAL)
+        await commit_clip(conn, turn_clip(2.0, seed=31))
+        await conn.response.create()
+        while (await next_event(conn)).type != "response.output_audio.delta":
+            pass
+        await conn.close()
+
+    run(go())
+    end = time.monotonic() + 60
+    while True:
+        running = sum(stage_metric(server, "vllm:num_requests_running", s) for s in ("thinker", "talker"))
+        queued = sum(stage_metric(server, "omni_cache_stage_queue_depth", s)
+                     for s in ("thinker", "talker", "decoder"))
+        if len(server.app.state.realtime_sessions) == 0 and orch.in_flight == 0 \
+                and running == 0 and queued == 0:
+            break
+        assert time.monotonic() < end, (len(server.app.state.realtime_sessions), orch.in_flight,
+                                        running, queued)
+        time.sleep(0.2)

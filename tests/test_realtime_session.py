@@ -1,0 +1,351 @@
+"""/v1/realtime's session logic through the openai SDK's realtime client, on fake stages (no vLLM).
+
+The fake pipeline (tests/fake_stage.py: an echo "thinker" that answers with its prompt's bytes and
+a "decoder" that sends 10 ms of a sine per token, real processes over real ZMQ) makes the prompt
+each response was given visible in its answer: that is how these tests see what the conversation
+holds (an assistant turn cut at barge-in, for one). The real Qwen3-Omni pipeline is
+tests/test_realtime_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+import uuid
+
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
+from benchmarks.speech_clips import silence, speech
+from omni_cache.serving.server import ServerThread
+from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_config
+
+
+
+@contextlib.contextmanager
+def fake_server(token_delay_s: float, realtime: str = "{}"):
+    path = write_config(f"rt_{uuid.uuid4().hex[:8]}", token_delay_s=token_delay_s, max_model_len=2048,
+                        timeout_s=60, server_extra=f", realtime: {realtime}")
+    srv = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
+    try:
+        srv.wait_ready(60)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with fake_server(0.02) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """Tokens 50 ms apart: responses long enough to interrupt."""
+    with fake_server(0.05) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tight():
+    with fake_server(0.02, "{max_buffer_s: 1.0, max_events_per_s: 5, idle_timeout_s: 1.5, "
+                           "max_sessions: 1, max_session_s: 6.0}") as s:
+        yield s
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def model(server) -> str:
+    return server.orchestrator.served_model_name
+
+
+async def opened(conn, **session):
+    """The session.created event, then (with ``session``) the session.updated one."""
+    created = await next_event(conn)
+    assert created.type == "session.created"
+    if session:
+        await conn.session.update(session={"type": "realtime", **session})
+        updated = await next_event(conn)
+        assert updated.type == "session.updated", updated
+    return created
+
+
+async def say(conn, text: str) -> None:
+    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})
+    assert (await next_event(conn)).type == "conversation.item.added"
+    assert (await next_event(conn)).type == "conversation.item.done"
+
+
+def echo(prompt: str, max_tokens: int) -> str:
+    """What the fake thinker answers: its prompt's bytes, up to max_tokens."""
+    return prompt.encode()[:max_tokens].decode(errors="replace")
+
+
+# ---- turns -------------------------------------------------------------------------------------
+
+def test_a_text_turn_is_answered_with_audio_and_its_transcript(srv):
+    async def go():
+        async with connect(srv.url, model(srv), API_KEY) as conn:
+            created = await opened(conn)
+            assert created.session.audio.input.turn_detection.type == "server_vad"
+            await say(conn, "hello")
+            await conn.response.create()
+            return await read_answer(conn)
+
+    answer = run(go())
+    assert answer.types[:4] == ["response.created", "response.output_item.added",
+                                "conversation.item.added", "response.content_part.added"]
+    assert answer.types[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                                 "response.content_part.done", "response.output_item.done",
+                                 "conversation.item.done", "response.done"]
+    expected = echo("user: hello\n", 16)
+    assert answer.transcript == expected
+    done = answer.events[-5]
+    assert done.type == "response.output_audio_transcript.done" and done.transcript == expected
+    tokens = len(expected.encode())
+    assert len(answer.audio) == 2 * SAMPLES_PER_TOKEN * tokens  # pcm16 at 24 kHz, every token's audio
+    response = answer.done.response
+    assert response.status == "completed" and response.usage.output_tokens == tokens
+    assert response.output[0].content[0].transcript == expected
+
+
+def test_a_committed_audio_turn_and_g711_output(srv):
+    async def go():
+        async with connect(srv.url, model(srv), API_KEY) as conn:
+            await opened(conn, audio={"input": {"turn_detection": None},
+                                      "output": {"format": {"type": "audio/pcmu"}}})
+            await append_audio(conn, speech(0.5, seed=1))
+            await conn.input_audio_buffer.commit()
+            committed = await next_event(conn)
+            await next_event(conn)  # conversation.item.added
+            item = (await next_event(conn)).item
+            await conn.response.create()
+            return committed, item, await read_answer(conn)
+
+    committed, item, answer = run(go())
+    assert committed.type == "input_audio_buffer.committed" and committed.item_id == item.id
+    assert item.role == "user" and item.content[0].type == "input_audio"
+    # The ByteTokenizer renders the audio part's placeholder; the echo shows it reached the prompt.
+    expected = echo("user: [{'type': 'audio'}]\n", 16)
+    assert answer.transcript == expected
+    # mu-law: one byte per 8 kHz sample, a third of the 24 kHz samples.
+    assert len(answer.audio) == SAMPLES_PER_TOKEN // 3 * len(expected.encode())
+
+
+# ---- barge-in ----------------------------------------------------------------------------------
+
+def test_speech_cancels_a_response_and_its_item_keeps_what_was_heard(slow):
+    long_text = "alpha bravo charlie delta echo foxtrot golf hotel"
+
+    async def go():
+        async with connect(slow.url, model(slow), API_KEY) as conn:
+            await opened(conn, max_output_tokens=60, audio={"input": {"turn_detection": {
+                "type": "server_vad", "create_response": False, "silence_duration_ms": 300}}})
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": long_text}]})
+            first_user = (await next_event(conn)).item.id
+            await next_event(conn)
+            await conn.response.create()
+            state = {"sent_speech": False}
+
+            async def interrupt(event, answer):
+                if event.type == "response.output_audio.delta" and len(answer.audio) >= 10 * 480 \
+                        and not state["sent_speech"]:
+                    state["sent_speech"] = True
+                    await append_audio(conn, np.concatenate([speech(1.0, seed=1), silence(0.6)]))
+
+            cancelled = await read_answer(conn, on_event=interrupt)
+            # The speech stops and is committed (no response: create_response is off).
+            seen = []
+            while "conversation.item.done" not in seen:
+                seen.append((await next_event(conn)).type)
+            await conn.conversation.item.delete(item_id=first_user)
+            assert (await next_event(conn)).type == "conversation.item.deleted"
+            await conn.response.create()
+            return cancelled, seen, await read_answer(conn)
+
+    cancelled, seen, after = run(go())
+    types = cancelled.types
+    assert "input_audio_buffer.speech_started" in types
+    started = types.index("input_audio_buffer.speech_started")
+    # Barge-in: not one audio delta after speech started; the response ends cancelled.
+    assert "response.output_audio.delta" not in types[started:]
+    response = cancelled.done.response
+    assert response.status == "cancelled" and response.status_details.reason == "turn_detected"
+    full = echo(f"user: {long_text}\n", 60)
+    heard = response.output[0].content[0].transcript
+    # What was heard: the text of the audio sent (10 ms per token), a strict prefix of the answer.
+    sent_tokens = len(cancelled.audio) // (2 * SAMPLES_PER_TOKEN)
+    assert full.startswith(heard) and 0 < len(heard.encode()) < len(full.encode())
+    # In flight, with no pace measured yet, the text kept is what arrived by the audio sent; the
+    # fake decoder sends each token's audio just after its text.
+    assert sent_tokens - 1 <= len(heard.encode()) <= sent_tokens + 2
+    assert seen[:3] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+                        "conversation.item.added"]
+    # The next prompt holds the assistant turn as heard, then the user's speech.
+    assert after.transcript == echo(f"assistant: {heard}\nuser: [{{'type': 'audio'}}]\n", 60)
+
+
+# ---- bad events --------------------------------------------------------------------------------
+
+def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
+    bad = [
+        ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "threshold": "high"}}}}},
+         "session.audio.input.turn_detection.threshold"),
+        ({"type": "session.update", "session": {"type": "realtime", "tools": [
+            {"type": "function", "name": "f"}]}}, "session.tools"),
+        ({"type": "input_audio_buffer.append", "audio": "%%%"}, "audio"),
+        ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text"}]}},
+         "item.content.0.text"),
+        ({"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0,
+          "audio_end_ms": 10}, "item_id"),
+        ({"type": "input_audio_buffer.commit"}, None),
+        ({"type": "response.cancel"}, None),
+        ({"type": "no.such.event"}, "type"),
+    ]
+
+    async def go():
+        async with connect(srv.url, model(srv), API_KEY) as conn:
+            await opened(conn)
+            errors = []
+            for i, (event, _) in enumerate(bad):
+                await conn.send({**event, "event_id": f"ev_{i}"})
+                errors.append(await next_event(conn))
+            await conn.send_raw("{this is not json")
+            errors.append(await next_event(conn))
+            await conn.send("a string")  # the SDK sends it as a JSON string, not an object
+            errors.append(await next_event(conn))
+            await say(conn, "still on")
+            await conn.response.create()
+            return errors, await read_answer(conn)
+
+    errors, answer = run(go())
+    for (event, param), err in zip(bad, errors):
+        assert err.type == "error", err
+        assert err.error.param == param, (event, err.error.message)
+    # The client's event_id comes back, except where the event is unknown (no schema to read).
+    assert [e.error.event_id for e in errors[:len(bad) - 1]] == [f"ev_{i}" for i in range(len(bad) - 1)]
+    assert errors[-2].error.code == "invalid_json" and errors[-1].error.code == "invalid_event"
+    assert errors[5].error.code == "input_audio_buffer_commit_empty"
+    assert errors[6].error.code == "response_cancel_not_active"
+    assert answer.done.response.status == "completed"
+    assert answer.transcript == echo("user: still on\n", 16)
+
+
+def test_a_wrong_key_or_model_is_refused(srv):
+    async def wrong_key():
+        async with connect(srv.url, model(srv), "wrong"):
+            pass
+
+    with pytest.raises(Exception, match="403"):
+        run(wrong_key())
+
+    async def wrong_model():
+        async with connect(srv.url, "gpt-realtime", API_KEY) as conn:
+            first = await next_event(conn)
+            with pytest.raises(Exception):
+                await next_event(conn, timeout=10)
+            return first
+
+    err = run(wrong_model())
+    assert err.type == "error" and err.error.code == "model_not_found" and err.error.param == "model"
+
+
+# ---- limits and cleanup ------------------------------------------------------------------------
+
+def test_buffer_and_event_rate_limits_answer_errors(tight):
+    wait_until(lambda: len(tight.app.state.realtime_sessions) == 0)
+
+    async def go():
+        async with connect(tight.url, model(tight), API_KEY) as conn:
+            await opened(conn)
+            audio = base64.b64encode(np.zeros(36000, "<i2").tobytes()).decode()  # 1.5 s
+            await conn.input_audio_buffer.append(audio=audio)
+            full = await next_event(conn)
+            for _ in range(8):
+                await conn.input_audio_buffer.clear()
+            return full, [await next_event(conn) for _ in range(8)]
+
+    full, answers = run(go())
+    assert full.type == "error" and full.error.code == "input_audio_buffer_full"
+    assert full.error.param == "audio"
+    # max_events_per_s 5 (bursts of 5): the append took one, so 4 clears pass at once (a 5th if
+    # 200 ms went by meanwhile); the rest are dropped with an error.
+    cleared = [e for e in answers if e.type == "input_audio_buffer.cleared"]
+    refused = [e for e in answers if e.type == "error"]
+    assert 4 <= len(cleared) <= 5 and len(refused) == 8 - len(cleared)
+    assert all(e.error.code == "rate_limit_exceeded" for e in refused)
+
+
+def test_an_idle_session_is_closed_and_sessions_are_counted(tight):
+    wait_until(lambda: len(tight.app.state.realtime_sessions) == 0)
+
+    async def go():
+        async with connect(tight.url, model(tight), API_KEY) as conn:
+            await opened(conn)
+            async with connect(tight.url, model(tight), API_KEY) as second:
+                refused = await next_event(second)
+            closing = await next_event(conn, timeout=30)
+            with pytest.raises(Exception):
+                await next_event(conn, timeout=10)
+            return refused, closing
+
+    refused, closing = run(go())
+    assert refused.type == "error" and refused.error.code == "session_limit_reached"
+    assert closing.type == "error" and closing.error.code == "idle_timeout"
+    wait_until(lambda: len(tight.app.state.realtime_sessions) == 0)
+
+
+def test_a_session_ends_at_its_maximum_length(tight):
+    wait_until(lambda: len(tight.app.state.realtime_sessions) == 0)
+
+    async def go():
+        async with connect(tight.url, model(tight), API_KEY) as conn:
+            created_at = time.monotonic()
+            await opened(conn)
+            while True:  # busy, never idle: only max_session_s can end it
+                with contextlib.suppress(ConnectionClosed):  # closed meanwhile: its error is queued
+                    await conn.input_audio_buffer.clear()
+                event = await next_event(conn, timeout=10)
+                if event.type == "error":
+                    return event, time.monotonic() - created_at
+                await asyncio.sleep(0.5)
+
+    event, lived = run(go())
+    assert event.error.code == "session_expired"
+    assert lived >= 5.5
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Poll for what the server does after the client is gone (it learns of it asynchronously)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the server still holds the session"
+        time.sleep(0.05)
+
+
+def test_a_client_that_vanishes_mid_answer_frees_everything(slow):
+    orch = slow.orchestrator
+
+    async def go():
+        conn = await connect(slow.url, model(slow), API_KEY).enter()
+        await opened(conn, max_output_tokens=200)
+        await say(conn, "x" * 150)
+        await conn.response.create()
+        while (await next_event(conn)).type != "response.output_audio.delta":
+            pass
+        assert orch.in_flight == 1
+        await conn.close()
+
+    run(go())
+    wait_until(lambda: len(slow.app.state.realtime_sessions) == 0 and orch.in_flight == 0)

@@ -1,0 +1,317 @@
+"""The realtime session's parts without engines or processes (omni_cache/serving/realtime/).
+
+Peers as oracles where they define the behaviour: CPython's ``audioop`` for G.711 bytes, the openai
+SDK's own models for what a client event may hold, Silero (the real model) for speech detection.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.speech_clips import silence, speech
+from omni_cache.serving.realtime import audio_codecs as ac
+from omni_cache.serving.realtime.connection import RateLimiter
+from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
+from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
+from omni_cache.serving.realtime.protocol import EventError, parse_client_event
+from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
+from omni_cache.serving.realtime.vad import SpeechDetector, load_model
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import audioop  # removed in Python 3.13; the oracle while it exists
+
+
+# ---- audio formats -----------------------------------------------------------------------------
+
+ALL_INT16 = np.arange(-32768, 32768, dtype=np.int16)
+ALL_CODES = np.arange(256, dtype=np.uint8)
+
+
+def test_g711_matches_audioop_on_every_value():
+    pcm = ALL_INT16.astype("<i2").tobytes()
+    assert ac.ulaw_encode(ALL_INT16).tobytes() == audioop.lin2ulaw(pcm, 2)
+    assert ac.alaw_encode(ALL_INT16).tobytes() == audioop.lin2alaw(pcm, 2)
+    assert ac.ulaw_decode(ALL_CODES).astype("<i2").tobytes() == audioop.ulaw2lin(ALL_CODES.tobytes(), 2)
+    assert ac.alaw_decode(ALL_CODES).astype("<i2").tobytes() == audioop.alaw2lin(ALL_CODES.tobytes(), 2)
+
+
+@pytest.mark.parametrize("fmt", [ac.PCM, ac.PCMU, ac.PCMA], ids=lambda f: f.type)
+def test_formats_round_trip_a_waveform(fmt):
+    t = np.arange(fmt.rate) / fmt.rate
+    x = (0.4 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    data = fmt.encode(x)
+    assert len(data) == len(x) * fmt.bytes_per_sample
+    y = fmt.decode(data)
+    # 16-bit PCM is exact to one step; G.711's 8-bit log steps keep ~35 dB SNR on a loud tone.
+    tolerance = 1 / 32768 if fmt is ac.PCM else 0.02
+    assert np.sqrt(np.mean((y - x) ** 2)) < tolerance
+
+
+def test_torn_pcm_sample_is_an_error():
+    with pytest.raises(ValueError, match="even number of bytes"):
+        ac.PCM.decode(b"\x00\x01\x02")
+
+
+def test_stream_resampler_keeps_the_rate_across_chunks():
+    r = ac.StreamResampler(24000, 16000)
+    x = speech(1.0, seed=1)
+    out = np.concatenate([r(x[i:i + 480]) for i in range(0, len(x), 480)] + [r(x[:0], last=True)])
+    assert abs(len(out) - 16000) <= 1
+    assert ac.StreamResampler(16000, 16000)(x) is not None
+
+
+# ---- client events: the SDK's schema, errors naming the field ----------------------------------
+
+@pytest.mark.parametrize("event, param", [
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "threshold": "high"}}}}},
+     "session.audio.input.turn_detection.threshold"),
+    ({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["video"]}},
+     "session.output_modalities.0"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16000}}}}}, "session.audio.input.format.rate"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": 5}]}},
+     "item.content.0.text"),
+    ({"type": "conversation.item.truncate", "item_id": "x", "content_index": 0}, "audio_end_ms"),
+    ({"type": "input_audio_buffer.append", "audio": 5}, "audio"),
+    ({"type": "response.create", "response": {"max_output_tokens": "lots"}},
+     "response.max_output_tokens"),
+    ({"type": "nonsense.event"}, "type"),
+], ids=["threshold", "modality", "pcm-rate", "item-text", "truncate-missing", "append-audio",
+        "max-tokens", "unknown-type"])
+def test_bad_events_name_the_field(event, param):
+    with pytest.raises(EventError) as e:
+        parse_client_event(json.dumps({**event, "event_id": "ev_1"}))
+    assert e.value.param == param, e.value.message
+    if param != "type":
+        assert e.value.event_id == "ev_1"
+
+
+def test_not_json_and_not_an_object():
+    with pytest.raises(EventError) as e:
+        parse_client_event("{nope")
+    assert e.value.code == "invalid_json"
+    with pytest.raises(EventError, match="JSON object"):
+        parse_client_event("[1]")
+
+
+def session_of(**session):
+    event, _ = parse_client_event(json.dumps({"type": "session.update",
+                                              "session": {"type": "realtime", **session}}))
+    return event.session
+
+
+def test_session_update_applies_only_what_is_present():
+    c = SessionConfig()
+    assert c.turn_detection == TurnDetection()
+    c2 = updated(c, session_of(instructions="be brief"), "m")
+    assert c2.instructions == "be brief" and c2.turn_detection == TurnDetection()
+    c3 = updated(c2, session_of(audio={"input": {"turn_detection": None}}), "m")
+    assert c3.turn_detection is None and c3.instructions == "be brief"
+    c4 = updated(c3, session_of(audio={"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 0.7, "silence_duration_ms": 200}}}), "m")
+    assert c4.turn_detection == TurnDetection(threshold=0.7, silence_duration_ms=200)
+    c5 = updated(c4, session_of(audio={"input": {"format": {"type": "audio/pcmu"}},
+                                       "output": {"format": {"type": "audio/pcma"}}},
+                                output_modalities=["text"], max_output_tokens=7), "m")
+    assert (c5.input_format, c5.output_format, c5.output_modalities, c5.max_output_tokens) == \
+        (ac.PCMU, ac.PCMA, ("text",), 7)
+    assert updated(c5, session_of(max_output_tokens="inf"), "m").max_output_tokens is None
+
+
+@pytest.mark.parametrize("session, param", [
+    ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+     "session.audio.input.turn_detection.type"),
+    ({"audio": {"input": {"transcription": {"model": "whisper-1"}}}},
+     "session.audio.input.transcription"),
+    ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice"),
+    ({"model": "gpt-realtime"}, "session.model"),
+    ({"output_modalities": ["text", "audio"]}, "session.output_modalities"),
+    ({"max_output_tokens": 5000}, "session.max_output_tokens"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 1.5}}}},
+     "session.audio.input.turn_detection.threshold"),
+], ids=["tools", "semantic-vad", "transcription", "voice", "model", "both-modalities",
+        "max-tokens", "threshold-range"])
+def test_session_update_refuses_what_is_not_served(session, param):
+    with pytest.raises(EventError) as e:
+        updated(SessionConfig(), session_of(**session), "m")
+    assert e.value.param == param
+
+
+def test_described_session_is_what_the_sdk_parses():
+    from openai.types.realtime import SessionCreatedEvent
+
+    config = updated(SessionConfig(), session_of(audio={"input": {"turn_detection": None}}), "m")
+    body = describe(config, "m", "sess_1").model_dump(exclude_unset=True)
+    assert body["audio"]["input"]["turn_detection"] is None  # manual commits, said explicitly
+    event = SessionCreatedEvent.model_validate({"type": "session.created", "event_id": "e",
+                                                "session": body})
+    assert event.session.model == "m" and event.session.audio.output.format.rate == 24000
+
+
+# ---- VAD ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def silero():
+    return load_model()
+
+
+def feed_in_chunks(detector, samples_16k, chunk=320):
+    events = []
+    for i in range(0, len(samples_16k), chunk):
+        events += detector.feed(samples_16k[i:i + chunk])
+    return events
+
+
+def test_vad_finds_speech_between_silences(silero):
+    clip = np.concatenate([silence(1.0, 16000), speech(2.0, seed=3, rate=16000), silence(1.5, 16000)])
+    silero.reset_states()
+    events = feed_in_chunks(SpeechDetector(silero, 0.5, 500), clip)
+    assert [e.kind for e in events] == ["start", "stop"]
+    start, stop = events[0].at_ms, events[1].at_ms
+    assert 900 <= start <= 1300
+    # Speech ends at 3000 ms; the stop comes after silence_duration_ms of silence.
+    assert 3300 <= stop <= 3800
+
+
+def test_vad_ignores_silence_and_a_steady_tone(silero):
+    t = np.arange(3 * 16000) / 16000
+    tone = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    silero.reset_states()
+    assert feed_in_chunks(SpeechDetector(silero, 0.5, 500), np.concatenate([silence(1.0, 16000), tone])) == []
+
+
+def test_a_longer_silence_duration_waits_longer(silero):
+    clip = np.concatenate([silence(0.5, 16000), speech(1.5, seed=2, rate=16000), silence(2.0, 16000)])
+    stops = []
+    for ms in (300, 1200):
+        silero.reset_states()
+        events = feed_in_chunks(SpeechDetector(silero, 0.5, ms), clip)
+        stops.append([e.at_ms for e in events if e.kind == "stop"][0])
+    assert stops[1] - stops[0] >= 800
+
+
+# ---- input buffer ------------------------------------------------------------------------------
+
+def test_input_buffer_clock_limit_and_padding():
+    buf = InputAudioBuffer(16000, max_seconds=1.0)
+    buf.append(np.zeros(8000, np.float32))
+    buf.append(np.ones(4000, np.float32))
+    assert (buf.start_ms, buf.end_ms, buf.duration_ms) == (0, 750, 750)
+    buf.keep_last(100)
+    assert (buf.start_ms, buf.end_ms, buf.duration_ms) == (650, 750, 100)
+    with pytest.raises(EventError) as e:
+        buf.append(np.zeros(15000, np.float32))
+    assert e.value.param == "audio" and e.value.code == "input_audio_buffer_full"
+    assert buf.duration_ms == 100  # the refused append left the buffer as it was
+    assert np.all(buf.take() == 1.0) and buf.duration_ms == 0 and buf.end_ms == 750
+
+
+# ---- conversation ------------------------------------------------------------------------------
+
+def test_conversation_prompt_holds_every_turn_with_stable_audio():
+    conv = Conversation(max_items=10)
+    clip = speech(1.0, seed=1, rate=16000)
+    user = Item("user", [ItemPart("input_audio", media=audio_item(clip, 16000))])
+    conv.add(user)
+    answer = Item("assistant", [ItemPart("output_audio", "hello there")], spoken=SpokenText(finished=True))
+    conv.add(answer)
+    conv.add(Item("user", [ItemPart("input_text", "and?")]))
+    messages, media = conv.prompt("be brief")
+    assert messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "audio"}]},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "and?"},
+    ]
+    assert len(media) == 1 and media[0].sample_rate == 16000
+    # The same samples give the same digest (vLLM's multimodal key) in every later prompt.
+    assert media[0].digest == audio_item(clip.copy(), 16000).digest
+    assert media[0].digest != audio_item(clip * 0.5, 16000).digest
+
+
+def test_conversation_insert_delete_and_limits():
+    conv = Conversation(max_items=3)
+    a, b, c = (Item("user", [ItemPart("input_text", t)]) for t in "abc")
+    assert conv.add(a) is None
+    assert conv.add(b) == a.id
+    assert conv.add(c, previous_item_id=a.id) == a.id
+    assert [i.id for i in conv.items] == [a.id, c.id, b.id]
+    with pytest.raises(EventError) as e:
+        conv.add(Item("user", [ItemPart("input_text", "d")]))
+    assert e.value.code == "conversation_full"
+    conv.delete(c.id)
+    with pytest.raises(EventError) as e:
+        conv.add(Item("user", [ItemPart("input_text", "d")]), previous_item_id="item_nope")
+    assert e.value.param == "previous_item_id"
+    with pytest.raises(EventError) as e:
+        conv.get("item_nope")
+    assert e.value.param == "item_id"
+
+
+def test_spoken_text_is_cut_where_the_audio_was():
+    spoken = SpokenText()
+    for word in ("one ", "two ", "three ", "four "):
+        spoken.add_text(word, 1)
+    spoken.audio_ms = 320.0  # audio lags the text: 4 tokens, 320 ms sent so far
+    # In flight with no pace known: this answer's own ratio (80 ms/token): 200 ms -> 2 tokens.
+    assert spoken.heard(200, None) == "one two "
+    # A pace measured on earlier answers wins while in flight.
+    assert spoken.heard(200, 40.0) == "one two three four "
+    spoken.audio_ms, spoken.finished = 800.0, True  # done: 200 ms per token
+    assert spoken.heard(450, 40.0) == "one two "
+    assert spoken.heard(800, None) == "one two three four "
+    assert SpokenText().heard(1000, None) == ""
+
+
+def test_rate_limiter_allows_a_burst_then_the_rate():
+    now = [0.0]
+    limiter = RateLimiter(10, clock=lambda: now[0])
+    assert sum(limiter.allow() for _ in range(15)) == 10
+    now[0] += 0.5
+    assert sum(limiter.allow() for _ in range(15)) == 5
+
+
+# ---- config and benchmark bookkeeping ----------------------------------------------------------
+
+def test_a_bad_realtime_limit_names_its_key(tmp_path):
+    from omni_cache.config import ConfigError, load_config
+
+    text = Path("stage_configs/qwen3_omni.yaml").read_text().replace(
+        "    max_sessions: 64 ", "    max_sessions: 0 ")
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, check_paths=False)
+    assert "server.realtime.max_sessions" in str(e.value) and str(path) in str(e.value)
+
+
+def test_benchmark_config_and_summary(tmp_path):
+    from benchmarks.realtime import bench_config, summarize
+
+    path = bench_config("stage_configs/qwen3_omni.yaml", tmp_path / "b.yaml", turns=12,
+                        talker_max_tokens=50)
+    import yaml
+
+    stages = {s["name"]: s for s in yaml.safe_load(path.read_text())["stages"]}
+    assert stages["thinker"]["engine_args"]["extra"]["limit_mm_per_prompt"]["audio"] == 12
+    assert stages["talker"]["sampling"]["max_tokens"] == 50
+    side = {"sessions": [{"turns": [
+        {"turn": 1, "first_audio_s": fa1, "input_tokens": 50, "cached_tokens": 0},
+        {"turn": 2, "first_audio_s": fa2, "input_tokens": 100, "cached_tokens": 64}]}
+        for fa1, fa2 in ((0.1, 0.12), (0.2, 0.22), (0.3, 0.32))],
+        "counters": {"thinker": {"queried": 300.0, "hit": 192.0}, "decoder": {}}}
+    s = summarize(side)
+    assert [t["first_audio_p50_s"] for t in s["turns"]] == pytest.approx([0.2, 0.22])
+    assert s["turns"][1]["cached_share"] == pytest.approx(0.64)
+    assert s["last_over_first_p50"] == pytest.approx(1.1)
+    assert s["linear_fit"] == {"slope_ms_per_turn": pytest.approx(20.0), "last_over_first": pytest.approx(1.1)}
+    assert s["stage_hit_rates"] == {"thinker": pytest.approx(0.64)}
