@@ -78,6 +78,8 @@ def ask(stage: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, A
     ttft, ttft_cpu, tokens, hit = None, None, [], 0
     while stage.has_work():
         for out in stage.step():
+            if out.error is not None:
+                raise out.error
             if out.token_ids and ttft is None:
                 ttft = time.perf_counter() - start
                 ttft_cpu = time.process_time() - cpu_start

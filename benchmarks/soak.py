@@ -36,6 +36,13 @@ counters from /metrics. At the end: totals, RSS growth from ``--rss-baseline-min
 minute per process, and the stages' live-request counts (``omni_cache_stage_queue_depth``) once
 the pipeline is idle. The probe is bounded: ``--minutes``, ``--max-requests``, and every request's
 own timeout; the idle check waits at most ``--idle-wait`` seconds.
+
+``--pause-stages thinker,talker,decoder`` makes a stage hang on purpose: every ``--pause-every``
+seconds (default 300) the next stage of that list (in turn) gets SIGSTOP, and SIGCONT
+``--pause-for`` seconds later (default 30) unless the server replaced it meanwhile (it kills a stage
+whose loop stopped moving for ``server.heartbeat_timeout_s``, docs/configuration.md). Each pause
+is recorded (when, which stage and pid, whether it was replaced and by which pid); its requests
+must end as ``failed`` (a 503 naming the stage) or ``ok``, never ``lost``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -62,7 +70,8 @@ import yaml
 from benchmarks.harness import ManagedServer, ServerProcess, command_line, log, machine_info, private_config
 from benchmarks.workloads import random_text
 
-__all__ = ["KINDS", "Outcome", "PromptSource", "classify", "hit_rates", "percentile", "rss_growth", "summarize", "main"]
+__all__ = ["KINDS", "Outcome", "PromptSource", "classify", "hit_rates", "pause_schedule", "percentile",
+           "rss_growth", "summarize", "main"]
 
 KINDS = ("text", "audio", "stream", "abandon")
 OUTCOMES = ("ok", "failed", "aborted", "lost")
@@ -146,6 +155,17 @@ def rss_growth(minutes: Sequence[dict[str, Any]], baseline_minute: int) -> dict[
         out[proc] = {"baseline_minute": base["minute"], "baseline_mib": start, "end_mib": end,
                      "growth_pct": round(100.0 * (end - start) / start, 2)}
     return out
+
+
+def pause_schedule(minutes: float, every_s: float, stages: Sequence[str]) -> list[tuple[float, str]]:
+    """(seconds into the run, stage) of each pause: every ``every_s`` from ``every_s`` on, while
+    the run lasts, the stages in turn."""
+    if not stages or every_s <= 0:
+        return []
+    count = int(minutes * 60.0 // every_s)
+    if count * every_s >= minutes * 60.0:
+        count -= 1  # one that would start as the run ends pauses nothing
+    return [((k + 1) * every_s, stages[k % len(stages)]) for k in range(count)]
 
 
 class PromptSource:
@@ -447,6 +467,7 @@ class Soak:
         self.outcomes: list[Outcome] = []
         self.started = 0
         self.minutes: list[dict[str, Any]] = []
+        self.pauses: list[dict[str, Any]] = []
         self.t_base = 0.0
         self._last_scrape: dict[str, Any] | None = None
 
@@ -462,6 +483,30 @@ class Soak:
             self.started += 1
             req = draw_request(self.rng, self.prompts, self.weights)
             self.outcomes.append(await run_request(client, self.url, self.model, req, limit, self.t_base))
+
+    async def _pause_stages(self) -> None:
+        """SIGSTOP the stages of --pause-stages in turn, each for --pause-for seconds (SIGCONT
+        unless the server replaced it meanwhile)."""
+        args = self.args
+        stages = [x for x in args.pause_stages.split(",") if x] if args.pause_stages else []
+        for at_s, stage in pause_schedule(args.minutes, args.pause_every, stages):
+            await asyncio.sleep(max(0.0, self.t_base + at_s - time.perf_counter()))
+            pid = self.stage_pids().get(stage)
+            record: dict[str, Any] = {"at_s": at_s, "stage": stage, "pid": pid}
+            self.pauses.append(record)
+            if not pid:
+                record["skipped"] = "the stage is not running"
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            log(f"soak: {stage} (pid {pid}) stopped at {at_s:g} s for {args.pause_for:g} s")
+            await asyncio.sleep(args.pause_for)
+            now = self.stage_pids().get(stage)
+            record["replaced"] = now != pid
+            record["pid_after"] = now
+            if now == pid:  # still the stopped process: the server did not notice
+                os.kill(pid, signal.SIGCONT)
+            log(f"soak: {stage} after the pause: " + (f"replaced by pid {now}" if now != pid
+                                                      else "the same process, continued"))
 
     async def _minute(self, client: httpx.AsyncClient, index: int, since: float, until: float) -> dict[str, Any]:
         ended = [o for o in self.outcomes if since <= o.end_s < until]
@@ -497,6 +542,7 @@ class Soak:
             print(f"{'':>5} {'':>5} {'':>6} {'':>7} {'':>5} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8}", flush=True)
             self.t_base = time.perf_counter()
             stop_at = self.t_base + args.minutes * 60.0
+            pauser = asyncio.create_task(self._pause_stages())
             workers = asyncio.gather(*(self._worker(client, stop_at) for _ in range(args.concurrency)))
             index = 0
             while not workers.done():
@@ -509,6 +555,7 @@ class Soak:
                 if time.perf_counter() >= edge - 0.5:
                     self.minutes.append(await self._minute(client, index, (index - 1) * 60.0, index * 60.0))
             await workers  # the requests still in flight when the time was up (each bounded)
+            await pauser  # a pause that started before the end has ended by now
             t_drain = time.perf_counter() - self.t_base
             since = len(self.minutes) * 60.0
             drain = await self._minute(client, "drain", since, float("inf")) if any(
@@ -520,7 +567,7 @@ class Soak:
             "measured_s": round(t_drain, 1), "started": self.started, "ended": len(self.outcomes),
             "not_ended": unended, "totals": totals, "minutes": self.minutes, "drain": drain,
             "rss_growth": rss_growth(self.minutes, args.rss_baseline_minute), "idle": idle,
-            "prompt_rotations": self.prompts.rotations,
+            "prompt_rotations": self.prompts.rotations, "pauses": self.pauses,
             "lost_examples": [asdict(o) for o in self.outcomes if o.outcome == "lost"][:20],
             "failed_examples": [asdict(o) for o in self.outcomes if o.outcome == "failed"][:20],
         }
@@ -549,6 +596,10 @@ def print_summary(result: dict[str, Any]) -> None:
     for proc, g in result["rss_growth"].items():
         print(f"RSS {proc}: {g['baseline_mib']} MiB (end of minute {g['baseline_minute']}) -> "
               f"{g['end_mib']} MiB: {g['growth_pct']:+.2f}%")
+    for pause in result.get("pauses") or []:
+        print(f"pause at {pause['at_s']:g} s: {pause['stage']} (pid {pause['pid']}) "
+              + ("replaced by pid " + str(pause.get("pid_after")) if pause.get("replaced")
+                 else pause.get("skipped") or "continued"))
     idle = result["idle"]
     print(f"idle after {idle['waited_s']} s: empty={idle['empty']}, queue_depth={idle['queue_depth']}, "
           f"in flight={idle['in_flight']}")
@@ -580,6 +631,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-process", action="store_true",
                    help="serve with omni-serve in a process of its own (its RSS reported apart from "
                         "the probe's client) instead of a thread of this process")
+    p.add_argument("--pause-stages", default="", metavar="STAGE[,STAGE...]",
+                   help="SIGSTOP these stages in turn (each pause the next one), to see hung stages "
+                        "noticed and replaced (default: none)")
+    p.add_argument("--pause-every", type=float, default=300.0,
+                   help="seconds between pauses, the first one this far into the run (default 300)")
+    p.add_argument("--pause-for", type=float, default=30.0,
+                   help="seconds a paused stage stays stopped unless replaced (default 30)")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     for item in args.stage_env:
@@ -587,6 +645,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--stage-env {item!r}: expected KEY=VALUE")
     if args.minutes <= 0 or args.concurrency < 1 or args.kv_blocks < 2:
         p.error("--minutes and --concurrency must be positive, --kv-blocks at least 2")
+    if args.pause_stages and (args.pause_every <= args.pause_for or args.pause_for <= 0):
+        p.error("--pause-for must be positive and shorter than --pause-every")
     return args
 
 
@@ -609,6 +669,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = asyncio.run(served_model(srv.url))
             log(f"soak: ready after {srv.startup_s:.1f} s at {srv.url}; stage pids {srv.stage_pids()}; "
                 f"{args.minutes:g} min at concurrency {args.concurrency}")
+            unknown = {x for x in args.pause_stages.split(",") if x} - set(srv.stage_pids())
+            if unknown:
+                raise SystemExit(f"--pause-stages: no stage {', '.join(sorted(unknown))} in "
+                                 f"{args.config} (its stages: {', '.join(srv.stage_pids())})")
             soak = Soak(srv.url, model, args, srv.stage_pids,
                         server_pid=srv.pid if args.server_process else None)
             result = asyncio.run(soak.run())

@@ -463,6 +463,8 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
     finished = False
     while not finished:
         for out in stage.step():
+            if out.error is not None:
+                raise out.error
             if out.request_id != rid:
                 continue
             if out.token_ids and ttft is None:

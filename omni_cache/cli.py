@@ -24,6 +24,7 @@ from omni_cache.config import (
     checkpoint_root,
     load_config,
 )
+from omni_cache.config.addresses import RUN_ROOT
 from omni_cache.config.replicas import replica_name, stage_replicas
 from omni_cache.serving.auth import API_KEY_ENV
 
@@ -222,14 +223,20 @@ def format_summary(
                     if res.for_replica(i):
                         lines.append(f"  resources:    {replica_name(st.name, i, st.replicas)}: "
                                      + ", ".join(f"{k}={v:g}" for k, v in res.for_replica(i).items()))
+        elif st.address is None and not st.replica_addresses:
+            lines.append(f"  address:      chosen at start: ipc://{RUN_ROOT}/<name>-<pid>-<random>/"
+                         f"{st.name}.sock (this server's own)")
         else:
             lines.append(f"  address:      {st.address}"
                          + (f" (binds {st.bind_address})" if st.bind_address else ""))
             if st.ray is not None and not st.external:
                 lines.append("  ray:          used only with --ray-address / server.ray_address")
         if st.replicas > 1 and not config.placed_by_ray(st):
-            lines.append(f"  replicas:     {st.replicas}: " + ", ".join(
-                f"{r.name} at {r.address}" for r in stage_replicas(st)))
+            lines.append(f"  replicas:     {st.replicas}: " + (", ".join(
+                f"{r.name} at {r.address}" for r in stage_replicas(st))
+                if st.address or st.replica_addresses else ", ".join(
+                    replica_name(st.name, i, st.replicas) for i in range(st.replicas))
+                + " (each its own socket in that directory)"))
         if st.external:
             lines.append("  started:      by hand (external: python -m workers ... --stage "
                          f"{st.name}), not by omni-serve")

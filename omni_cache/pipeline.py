@@ -178,7 +178,8 @@ class Pipeline:
 
         A prompt is a string (one user message, through the chat template), a list of chat
         messages (``{"role", "content"}`` dicts) or a list of token ids (used as is). All prompts
-        are submitted together, so the stages batch them. ``modalities`` defaults to every
+        are submitted together, so the stages batch them (when the server's bounds on what is in
+        flight are reached, the next prompt waits until one of these ended). ``modalities`` defaults to every
         output the pipeline has (``("text", "audio")`` for the default pipelines).
         ``return_latents`` adds the thinker's latents (name -> tensor, one row per token: prompt
         and generated), and a later autoregressive stage's as ``"<stage>.<name>"`` (Qwen3-Omni's
@@ -220,15 +221,24 @@ class Pipeline:
                         media: Sequence[Sequence[Any]] | None = None) -> list[Any]:
         orch = self.orchestrator
         handles: list[Any] = []
+        results: list[asyncio.Future] = []  # each accepted request's result, as it is awaited
         try:
             for i, ids in enumerate(token_lists):
-                try:
-                    items = tuple(media[i]) if media is not None else ()
-                    handles.append(await orch.submit(ids, media=items, **kwargs))
-                except RequestError as e:
-                    handles.append(e)
-            waits = [h.result() for h in handles if not isinstance(h, RequestError)]
-            done = iter(await asyncio.gather(*waits, return_exceptions=True))
+                items = tuple(media[i]) if media is not None else ()
+                while True:
+                    try:
+                        handles.append(await orch.submit(ids, media=items, **kwargs))
+                        results.append(asyncio.ensure_future(handles[-1].result()))
+                        break
+                    except RequestError as e:
+                        running = [r for r in results if not r.done()]
+                        if e.status != 429 or not running:
+                            handles.append(e)
+                            break
+                        # The server is full (server.max_requests_in_flight, or its media bound):
+                        # one of these prompts' own requests ending makes room for the next.
+                        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            done = iter(await asyncio.gather(*results, return_exceptions=True))
             return [h if isinstance(h, RequestError) else next(done) for h in handles]
         except BaseException:
             for h in handles:

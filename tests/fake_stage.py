@@ -244,6 +244,7 @@ def main() -> int:
     stage = config.stage(args.stage)
     if args.orchestrator is None:
         args.orchestrator = control_address(config)
+        assert args.orchestrator, "a stage started by hand needs server.control_address"
     print(f"fake stage {stage.name} up (pid {os.getpid()})", flush=True)
     if os.environ.get("FAKE_EXIT_AT_START"):
         print("fake stage: cannot load the model", flush=True)

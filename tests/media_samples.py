@@ -28,3 +28,11 @@ def clip_b64(seconds: float = 0.5, rate: int = 44100, channels: int = 1, fmt: st
     buf = io.BytesIO()
     sf.write(buf, x, rate, format=fmt)
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def flat_png_data_url(w: int, h: int, colour: tuple[int, int, int] = (200, 30, 90)) -> str:
+    """One colour, w x h: a few KiB encoded, w * h * 3 bytes decoded (what a client sends to
+    make a server decode the most for the least)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), colour).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -905,3 +905,11 @@ def test_an_a_a_run_compares_two_pipelines_of_one_setting():
     assert result["compared"] == {"first": "off", "second": "off2"}
     assert result["paired_ratios"]["speedup"]["ttfa_s"]["p50"] == pytest.approx(1.05)
     assert "off2/off" in report.format_table(result)
+
+
+def test_soak_pause_schedule_takes_the_stages_in_turn_while_the_run_lasts():
+    assert soak.pause_schedule(30, 300, ["thinker", "talker", "decoder"]) == [
+        (300, "thinker"), (600, "talker"), (900, "decoder"), (1200, "thinker"), (1500, "talker")]
+    assert soak.pause_schedule(31, 300, ["decoder"])[-1] == (1800, "decoder")
+    assert soak.pause_schedule(4, 300, ["thinker"]) == []
+    assert soak.pause_schedule(30, 300, []) == []

@@ -170,13 +170,13 @@ def raw_sender(server, ctx: zmq.Context, stage: str) -> Sender:
 
 
 def thinker_output(rid: str, seq: int, rows: int, *, start: int = 0, prompt: int = 0,
-                   deadline: float = 0.0) -> tuple[StageOutput, dict[str, torch.Tensor]]:
+                   time_left_s: float | None = None) -> tuple[StageOutput, dict[str, torch.Tensor]]:
     """What the thinker sends the talker: `rows` hidden rows from position `start`, for a
     request of `prompt` prompt tokens."""
     msg = StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[65],
                       latent_start=start, num_prompt_tokens=prompt)
     if seq == 0:  # a stream opens with its StreamStart
-        msg = StreamStart.opening(msg, modalities=["text", "audio"], deadline=deadline)
+        msg = StreamStart.opening(msg, modalities=["text", "audio"], time_left_s=time_left_s)
     return msg, {"hidden": torch.randn(rows, THINKER_HIDDEN).to(torch.bfloat16)}
 
 
@@ -212,14 +212,14 @@ def test_deadline_passes_in_the_stages(server):
     never comes (the orchestrator never heard of them, so no Abort comes either): the talker
     (with a finished vLLM job behind it) and the decoder (too few codes for audio yet) drop them."""
     expired = {s: counter(server, "omni_cache_stage_expired", s) for s in ("talker", "decoder")}
-    soon = time.time() + 2
+    soon = 2.0  # seconds left
     ctx = zmq.Context()
     talker, decoder = raw_sender(server, ctx, "talker"), raw_sender(server, ctx, "decoder")
     try:
-        talker.send(*thinker_output("late", 0, 24, prompt=16, deadline=soon))  # a talker segment
+        talker.send(*thinker_output("late", 0, 24, prompt=16, time_left_s=soon))  # a talker segment
         # One code: fewer than the first decode chunk (FIRST_CHUNK_CODES) plus its lookahead.
         decoder.send(StreamStart(request_id="late-codes", stage="talker", seq=0, token_ids=[1],
-                                 modalities=["text", "audio"], deadline=soon))
+                                 modalities=["text", "audio"], time_left_s=soon))
     finally:
         talker.close()
         decoder.close()

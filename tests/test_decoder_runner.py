@@ -22,7 +22,7 @@ from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageError, StageOutp
 from omni_cache.wire.transport import Codec, Receiver
 from workers.decoder_runner import DecoderRunner
 from workers.outbox import Outbox
-from workers.runner import DEADLINE_GRACE_S
+from workers.runner import DEADLINE_GRACE_S, time_left
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,10 +55,10 @@ def codes(seed: int, n: int) -> list[int]:
 
 
 def feed(runner: DecoderRunner, rid: str, seq: int, ids: list[int], finished: bool,
-         deadline: float = 0.0) -> None:
+         time_left_s: float | None = None) -> None:
     msg = StageOutput(request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished)
     if seq == 0:  # a stream opens with its StreamStart
-        msg = StreamStart.opening(msg, deadline=deadline)
+        msg = StreamStart.opening(msg, time_left_s=time_left_s)
     runner.guarded(rid, lambda: runner.accept(msg, {}))
 
 
@@ -202,18 +202,35 @@ def test_abort_before_the_first_message_leaves_nothing(runner):
 
 
 def test_deadline_drops_the_request_and_its_late_input(runner):
-    feed(runner, "slow", 0, codes(7, 10), finished=False, deadline=time.time() + 0.2)
-    feed(runner, "past", 0, codes(8, 10), finished=True, deadline=time.time() - 5)  # already late
+    t0 = time.monotonic()
+    feed(runner, "slow", 0, codes(7, 10), finished=False, time_left_s=0.2)
+    feed(runner, "past", 0, codes(8, 10), finished=True, time_left_s=0.0)  # no time left
     assert list(runner.requests) == ["slow"]
-    runner.expire(now=time.time() + 0.5)  # within the grace the orchestrator's Abort gets
+    runner.expire(now=t0 + 0.5)  # within the grace the orchestrator's Abort gets
     assert list(runner.requests) == ["slow"]
-    runner.expire(now=time.time() + 0.2 + DEADLINE_GRACE_S)
+    runner.expire(now=time.monotonic() + 0.2 + DEADLINE_GRACE_S)
     assert runner.requests == {} and runner.counters()["expired"] == 1
     feed(runner, "slow", 1, codes(9, 10), finished=True)  # upstream still sending
     assert runner.requests == {}
     audio, errors = received(runner)
     assert set(errors) == {"slow"} and errors["slow"].status == 504
     assert "deadline" in errors["slow"].message
+
+
+def test_a_deadline_is_time_left_on_this_process_clock(runner, monkeypatch):
+    """A request that arrives with 60 s left is held for 60 s by this process's monotonic clock,
+    wherever its wall clock is (hosts' clocks differ, and jump), and forwarded with what is left."""
+    monkeypatch.setattr(time, "time", lambda: 4e9)  # this host's wall clock is far ahead
+    feed(runner, "clock", 0, codes(3, 10), finished=False, time_left_s=60.0)
+    runner.expire()
+    assert list(runner.requests) == ["clock"]
+    deadline = runner.requests["clock"].deadline
+    assert time_left(deadline, now=deadline - 42.0) == 42.0  # forwarded downstream as time left
+    assert time_left(deadline, now=deadline + 5) == 0.0 and time_left(0.0) is None
+    runner.expire(now=deadline + DEADLINE_GRACE_S)
+    assert runner.requests == {}
+    _, errors = received(runner)
+    assert errors["clock"].status == 504
 
 
 # ---- Qwen3-Omni's code2wav: codes as [num_quantizers, k] frames ----------------------------------

@@ -506,6 +506,7 @@ def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkey
     path = tmp_path / "p.yaml"
     path.write_text(textwrap.dedent("""
         name: p
+        server: {control_address: "tcp://127.0.0.1:8"}
         stages:
           - name: decoder
             kind: generation

@@ -206,3 +206,41 @@ def test_counters(thinker):
     off = thinker.off.counters()
     assert off["prefix_cache_hit_tokens"] == 0 and off["latent_rows_served"] == 0
     assert thinker.off.capture.store is None, "nothing may be allocated with prefix caching off"
+
+
+def test_a_request_whose_rows_fail_to_assemble_fails_alone(thinker, monkeypatch):
+    """LLMStage.step assembles each request's output on its own: a request whose latent rows
+    cannot be taken (here: the capture raises for it) gets an output carrying the error, which its
+    runner fails and aborts (workers/ar_runner.py); the request beside it in the same steps gets
+    every row and token, and nothing of the failed one is left in the engine."""
+    from vllm import SamplingParams
+
+    stage = thinker.off  # prefix caching off: nothing earlier tests computed is served here
+    drain = stage.capture.drain
+
+    def drain_or_fail(internal_id: str):
+        if internal_id.startswith("bad-"):  # vLLM's internal id starts with the request's own
+            raise RuntimeError("latent rows 3..4 are missing")
+        return drain(internal_id)
+
+    monkeypatch.setattr(stage.capture, "drain", drain_or_fail)
+    rng = random.Random(33)
+    prompts = {"bad-1": tokens(rng, 40), "good-1": tokens(rng, 48)}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        stage.add(rid, {"prompt_token_ids": prompt}, params)
+    good, errors = Result(), []
+    while stage.has_work():
+        for out in stage.step():
+            if out.error is not None:
+                errors.append((out.request_id, str(out.error)))
+                stage.abort(out.request_id)  # what the runner does when it fails the request
+                continue
+            assert out.request_id == "good-1", "output for the failed request after its abort"
+            good.token_ids += out.token_ids
+            if out.latents:
+                good.chunks.append((out.latent_start, out.latents))
+    assert errors == [("bad-1", "latent rows 3..4 are missing")]
+    assert len(good.token_ids) == 4
+    assert all(rows.shape[0] == 48 + 4 - 1 for rows in good.latents.values())
+    assert stage.scheduler.get_request_counts() == (0, 0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from omni_cache.config import load_config
+from omni_cache.config.addresses import new_run_dir
 from omni_cache.config.overrides import with_overrides
 from omni_cache.runtime.admission import CLOSED, OPEN, Admission
 from omni_cache.runtime.metrics import OrchestratorMetrics
@@ -193,8 +194,11 @@ def test_overrides_apply_to_a_copy(config):
 
 def test_every_stage_starts_with_one_serialized_config_not_the_file(config, tmp_path):
     run = with_overrides(config, checkpoint_dir=str(tmp_path / "ckpt"))
-    placement = StagePlacement(run, stage_argv=[sys.executable, "-m", "workers"],
+    run.server.control_address = "ipc:///tmp/x/orchestrator.sock"  # the hand-started decoder's
+    placement = StagePlacement(run, run_dir=new_run_dir(run),
+                               stage_argv=[sys.executable, "-m", "workers"],
                                external=external_stages_of(run, ["decoder"]))
+    placement.make_run_dir()
     try:
         runners = placement.runners("ipc:///tmp/x/orchestrator.sock")
         # The file the server was started from changes; the stages' config does not.
@@ -202,6 +206,7 @@ def test_every_stage_starts_with_one_serialized_config_not_the_file(config, tmp_
         (stage, _, argv, env), (_, _, external, _) = runners
         assert stage.name == "thinker" and external is None  # the decoder is started by hand
         path = Path(argv[argv.index("--stage-config") + 1])
+        assert str(path.parent) == placement.run_dir  # beside the server's own sockets
         assert path.read_text() == placement.config_text
         assert load_config(path) == run  # the run's config, overrides included
         assert argv[argv.index("--orchestrator") + 1] == "ipc:///tmp/x/orchestrator.sock"

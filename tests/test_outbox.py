@@ -103,7 +103,7 @@ def test_a_stream_start_and_a_delta_arrive_as_their_own_types():
     delta = StageOutput(request_id="r", stage="thinker", seq=0, token_ids=[5], text="x",
                         num_prompt_tokens=3)
     start = StreamStart.opening(delta, modalities=["text", "audio"],
-                                sampling=Sampling(max_tokens=4), deadline=12.5,
+                                sampling=Sampling(max_tokens=4), time_left_s=12.5,
                                 return_latents=True, route={"talker": 1},
                                 prompt_token_ids=[1, 2, 3], image_grids=[[1, 2, 2]])
     got, _ = codec.decode(codec.encode(start))

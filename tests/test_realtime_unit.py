@@ -297,12 +297,17 @@ def test_a_bad_realtime_limit_names_its_key(tmp_path):
 def test_benchmark_config_and_summary(tmp_path):
     from benchmarks.realtime import bench_config, summarize
 
-    path = bench_config("stage_configs/qwen3_omni.yaml", tmp_path / "b.yaml", turns=12,
-                        talker_max_tokens=50)
     import yaml
 
-    stages = {s["name"]: s for s in yaml.safe_load(path.read_text())["stages"]}
-    assert stages["thinker"]["engine_args"]["extra"]["limit_mm_per_prompt"]["audio"] == 12
+    shipped = yaml.safe_load(Path("stage_configs/qwen3_omni.yaml").read_text())["stages"]
+    limit = next(s for s in shipped if s["name"] == "thinker")["engine_args"]["extra"][
+        "limit_mm_per_prompt"]["audio"]
+    # A session longer than the shipped limit raises it; a shorter one keeps it.
+    for turns, expected in ((limit + 4, limit + 4), (max(1, limit - 4), limit)):
+        path = bench_config("stage_configs/qwen3_omni.yaml", tmp_path / "b.yaml", turns=turns,
+                            talker_max_tokens=50)
+        stages = {s["name"]: s for s in yaml.safe_load(path.read_text())["stages"]}
+        assert stages["thinker"]["engine_args"]["extra"]["limit_mm_per_prompt"]["audio"] == expected
     assert stages["talker"]["sampling"]["max_tokens"] == 50
     side = {"sessions": [{"turns": [
         {"turn": 1, "first_audio_s": fa1, "input_tokens": 50, "cached_tokens": 0},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omni_cache.config.schema import Sampling
-from omni_cache.runtime.requests import Request, RequestTable
+from omni_cache.runtime.requests import Request, RequestTable, with_time_left
 from omni_cache.runtime.resume import ResumedText, new_samples, new_tokens, resumed_submit
 from omni_cache.wire.messages import Submit
 from workers.ar_runner import resumed_as_undisturbed
@@ -23,7 +23,7 @@ def request(max_tokens: int = 10) -> Request:
                   return_latents=False, route={"thinker": 1, "talker": 0})
     req.submit = Submit(request_id="abc", prompt_token_ids=[1, 2, 3],
                         sampling=Sampling(max_tokens=max_tokens, temperature=0.7, seed=5),
-                        modalities=["text", "audio"], deadline=123.0, route=dict(req.route))
+                        modalities=["text", "audio"], route=dict(req.route))
     return req
 
 
@@ -36,7 +36,11 @@ def test_a_resumed_submit_carries_the_answer_so_far_and_asks_for_the_rest():
     assert msg.prompt_token_ids == [1, 2, 3, 7, 8, 9, 10] and msg.resumed_tokens == 4
     assert msg.sampling.max_tokens == 6 and msg.sampling.temperature == 0.7 and msg.sampling.seed == 5
     assert msg.answer_finished == "" and msg.route == {"thinker": 0, "talker": 1}
-    assert msg.deadline == 123.0 and msg.modalities == ["text", "audio"]
+    assert msg.modalities == ["text", "audio"]
+    # Sent, it carries what is left of the request's time (its deadline is the server's
+    # monotonic clock): the time left then, not the first attempt's, and never below 0.
+    assert with_time_left(msg, req, now=req.deadline - 7.5).time_left_s == 7.5
+    assert with_time_left(msg, req, now=req.deadline + 1).time_left_s == 0.0
     assert req.submit.prompt_token_ids == [1, 2, 3]  # the original is kept for a later attempt
 
 

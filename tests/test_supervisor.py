@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,91 @@ def test_a_runner_elsewhere_is_supervised_like_a_local_process(thinker):
     runner.code = 0  # it exits when told to stop
     sup.stop_processes(0.1)
     assert runner.closed and not sp.up
+
+
+# ---- hangs (omni_cache/runtime/hang_watch.py) ----------------------------------------------------
+
+def beat(sp, *, busy: bool, stalled_s: float, **kw) -> StageReady:
+    return StageReady(stage=sp.stage, pid=sp.pid, busy=busy, stalled_s=stalled_s, **kw)
+
+
+def judge(sup: StageSupervisor) -> None:
+    """Two monitoring steps in a row (the first after a pause only sets the monitor's clock)."""
+    sup.poll()
+    sup.poll()
+
+
+def started(thinker, timeout_s: float = 10.0):
+    events = Recorder()
+    sup = StageSupervisor(events, heartbeat_timeout_s=timeout_s, announce_to="tcp://orchestrator:1")
+    runner = ElsewhereRunner()
+    sup.add(thinker, runner, {}, False)
+    sup.launch([thinker.name])
+    sp = sup.stages[thinker.name]
+    sup.on_announcement(StageReady(stage=thinker.name, pid=sp.pid))
+    asyncio.run(sup.wait_ready(1.0))
+    return sup, events, runner, sp
+
+
+def test_a_loop_stuck_while_it_works_is_down_killed_and_restarted(thinker):
+    sup, events, runner, sp = started(thinker)
+    sup.on_announcement(beat(sp, busy=True, stalled_s=10.5))  # alive, its loop stuck 10.5 s
+    judge(sup)
+    assert not sp.up and sp.hangs == 1 and runner.signals == [signal.SIGKILL]
+    assert events.events[-1][:2] == ("down", thinker.name)
+    why = events.events[-1][2]
+    assert why.startswith("hung (its loop made no progress for 10.") and "was killed" in why
+    assert "server.heartbeat_timeout_s is 10 s" in why
+    assert sp.why_down().endswith("killed, waiting for its process to exit")
+    sup.on_announcement(beat(sp, busy=True, stalled_s=11.0))  # the dying process: ignored
+    assert not sp.up
+    runner.code = -9  # SIGKILL took it
+    sup.poll()
+    assert len([e for e in events.events if e[0] == "down"]) == 1  # reported once, when found
+    assert sp.last_exit_words.startswith("exit code -9 after it hung (its loop made no progress")
+    sup.poll()  # restarted at once: it had not crashed before
+    assert runner.starts == 2 and sp.why_down().startswith("restarting (its last process: exit")
+    sup.on_announcement(StageReady(stage=thinker.name, pid=sp.pid))
+    assert sp.up and events.events[-1] == ("up", thinker.name)
+
+
+def test_an_idle_or_moving_stage_is_never_taken_for_hung(thinker):
+    sup, events, runner, sp = started(thinker)
+    sup.on_announcement(beat(sp, busy=False, stalled_s=3600.0))  # waiting for input for an hour
+    judge(sup)
+    sup.on_announcement(beat(sp, busy=True, stalled_s=9.9))  # a long step, not over the timeout
+    judge(sup)
+    assert sp.up and sp.hangs == 0 and runner.signals == [] and events.events == [("up", thinker.name)]
+
+
+def test_a_silent_stage_is_down_and_killed(thinker):
+    sup, events, runner, sp = started(thinker, timeout_s=0.3)
+    sup.poll()
+    deadline = time.monotonic() + 30
+    while sp.up:  # no beat comes (a stopped process): the timeout passes
+        assert time.monotonic() < deadline
+        sup.poll()
+        time.sleep(0.05)
+    assert events.events[-1][2].startswith("stopped answering (no heartbeat for 0.")
+    assert runner.signals == [signal.SIGKILL] and sp.hangs == 1
+
+
+def test_a_stuck_external_stage_is_down_not_killed_and_back_when_it_moves(thinker):
+    events = Recorder()
+    sup = make(events)
+    sup.add(thinker, None, {}, False)
+    sp = sup.stages[thinker.name]
+    ready = dict(stage=thinker.name, pid=10, incarnation="a", host="h1")
+    sup.on_announcement(StageReady(**ready))
+    asyncio.run(sup.wait_ready(1.0))
+    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=12.0))
+    judge(sup)
+    assert not sp.up and sp.hangs == 1
+    assert events.events[-1] == ("down", thinker.name, "(started elsewhere, pid 10 on h1) hung "
+                                 "(its loop made no progress for 12.0 s while it held work; "
+                                 "server.heartbeat_timeout_s is 10 s)")
+    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=13.0))  # alive, still stuck
+    judge(sup)
+    assert not sp.up and "hung (its loop made no progress for 13.0 s" in sp.why_down()
+    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=0.1))  # it moves again
+    assert sp.up and events.events[-1] == ("up", thinker.name) and sp.restarts == 0

@@ -67,6 +67,8 @@ def run(stage: LLMStage, prompts: dict[str, list[int] | dict], max_tokens: int =
     results = {rid: Result() for rid in prompts}
     while stage.has_work():
         for out in stage.step():
+            if out.error is not None:
+                raise out.error
             if out.request_id in background:
                 continue
             r = results[out.request_id]

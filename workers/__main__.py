@@ -40,11 +40,19 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [{args.stage}] %(levelname)s %(name)s: %(message)s")
 
     from omni_cache.config import ConfigError, load_config
+    from omni_cache.config.errors import IssueCollector
+    from omni_cache.config.validation import check_hand_started
 
     try:
         # Only this stage's model must exist here: the others run on their own hosts.
         config = load_config(args.stage_config,
                              check_paths=False if args.no_path_check else {args.stage})
+        # The addresses a config leaves unset are chosen by a server when it starts: a stage
+        # started from the file cannot know them (a spawned one's file has them filled in).
+        issues = IssueCollector(args.stage_config)
+        check_hand_started(config, {args.stage}, issues,
+                           announces_to_config=args.orchestrator is None)
+        issues.raise_if_any()
         if args.checkpoint_dir:
             config.checkpoint_dir = args.checkpoint_dir
         stage = config.stage(args.stage)
@@ -63,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     # omni-serve sets it for the stages it spawns, a stage started by hand sets it here.
     os.environ.update(stage.env)
     if args.orchestrator is None:
-        from omni_cache.config.addresses import control_address
-
-        args.orchestrator = control_address(config)
+        args.orchestrator = config.server.control_address
     _die_with_parent(args.parent_pid)
 
     from workers.stage_process import serve_stage

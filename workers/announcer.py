@@ -2,9 +2,11 @@
 
 They come from a thread with its own socket, so they keep coming while the stage loop is busy in
 a long model step: they say the process is alive and reachable, which is what the orchestrator
-needs to tell a stage started elsewhere from a dead one. The socket queues nothing while the
-orchestrator is away (``ZMQ_IMMEDIATE`` + non-blocking sends): a server that starts later gets
-the next announcement, not a backlog of stale ones.
+needs to tell a stage started elsewhere from a dead one. Each also says whether the stage's loop
+is moving (``busy``, ``stalled_s``: workers/loop_progress.py), so a process that is alive but
+whose loop is stuck is noticed too. The socket queues nothing while the orchestrator is away
+(``ZMQ_IMMEDIATE`` + non-blocking sends): a server that starts later gets the next announcement,
+not a backlog of stale ones.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import threading
 import uuid
 from typing import Any
 
+import msgspec
 import zmq
 
 from omni_cache.wire.messages import StageReady
 from omni_cache.wire.transport import Codec
+from workers.loop_progress import LoopProgress
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +31,14 @@ logger = logging.getLogger(__name__)
 class Announcer:
     def __init__(self, ctx: zmq.Context, codec: Codec, orchestrator: str, stage: str, *,
                  interval_s: float, max_model_len: int = 0, auth: Any = None,
-                 replica: int = 0) -> None:
+                 replica: int = 0, progress: LoopProgress | None = None) -> None:
+        """``progress``: the stage loop's (None: a loop that is never stuck, e.g. a test's)."""
         self.message = StageReady(stage=stage, pid=os.getpid(), replica=replica,
                                   max_model_len=max_model_len or 0,
                                   incarnation=uuid.uuid4().hex, host=socket.gethostname())
         self.interval_s = interval_s
-        self._frames = codec.encode(self.message)
+        self.progress = progress
+        self._codec = codec
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -48,10 +54,18 @@ class Announcer:
         self._thread.start()
         return self
 
+    def beat(self) -> StageReady:
+        """The announcement as of now: with how long ago the loop last moved."""
+        if self.progress is None:
+            return self.message
+        busy, stalled_s = self.progress.report()
+        return msgspec.structs.replace(self.message, busy=busy, stalled_s=round(stalled_s, 3))
+
     def _run(self) -> None:
         while True:
             try:
-                self._sock.send_multipart(self._frames, flags=zmq.NOBLOCK, copy=True)
+                self._sock.send_multipart(self._codec.encode(self.beat()), flags=zmq.NOBLOCK,
+                                          copy=True)
             except zmq.Again:
                 pass  # no orchestrator connected right now: the next beat tries again
             except zmq.ZMQError as e:

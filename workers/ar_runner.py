@@ -26,7 +26,7 @@ from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, StreamStar
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in, time_left
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class _ARRequest:
     request_id: str
     modalities: list[str]
     sampling: Sampling | None
-    deadline: float = 0.0
+    deadline: float = 0.0  # time.monotonic(); 0 = none
     return_latents: bool = False
     route: dict[str, int] = field(default_factory=dict)  # forwarded with the StreamStart
     seq: int = 0
@@ -155,8 +155,9 @@ class ARRunner(StageRunner):
         if self.is_dead(msg):
             return
         media = multi_modal_data(msg.media, tensors) if msg.media else None
-        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling, deadline=msg.deadline,
-                       return_latents=msg.return_latents, route=dict(msg.route))
+        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
+                         deadline=deadline_in(msg.time_left_s),
+                         return_latents=msg.return_latents, route=dict(msg.route))
         if msg.resumed_tokens:
             req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
             req.answer_finished = msg.answer_finished
@@ -205,8 +206,9 @@ class ARRunner(StageRunner):
     def _open(self, start: StreamStart) -> _ARRequest:
         """A request from its upstream's first output, with the context that came with it."""
         req = _ARRequest(start.request_id, list(start.modalities), start.sampling,
-                       deadline=start.deadline, return_latents=start.return_latents,
-                       route=dict(start.route), upstream=Upstream.opened_by(start))
+                         deadline=deadline_in(start.time_left_s),
+                         return_latents=start.return_latents, route=dict(start.route),
+                         upstream=Upstream.opened_by(start))
         self.requests[start.request_id] = req
         self.total_requests += 1
         return req
@@ -285,9 +287,17 @@ class ARRunner(StageRunner):
             request_id = self.by_job.get(out.request_id)
             req = self.requests.get(request_id) if request_id else None
             if req is None:
+                if out.error is not None:
+                    self.llm.abort(out.request_id)  # nothing of it stays in the engine
+                continue
+            if out.error is not None:  # its output could not be assembled: it fails alone
+                logger.error("stage %s: request %s: its step output failed: %s: %s",
+                             self.stage.name, req.request_id, type(out.error).__name__, out.error,
+                             exc_info=out.error)
+                self.fail(req.request_id, out.error)
                 continue
             # Starting its next job (vLLM may refuse it) or sending its output (too large for
-            # max_message_bytes) fails this request only.
+            # max_message_bytes, or a peer that stopped reading) fails this request only.
             self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
     def _emit(self, req: _ARRequest, out: StepOutput) -> None:
@@ -353,7 +363,8 @@ class ARRunner(StageRunner):
         """The request's first output downstream, with its context and the prompt this stage's
         engine saw (vLLM reports it with a request's first output)."""
         return StreamStart.opening(
-            first, modalities=req.modalities, sampling=req.sampling, deadline=req.deadline,
+            first, modalities=req.modalities, sampling=req.sampling,
+            time_left_s=time_left(req.deadline),
             return_latents=req.return_latents, route=req.route,
             prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [])
 

@@ -30,7 +30,7 @@ from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import StageOutput
-from workers.runner import StageRunner
+from workers.runner import StageRunner, deadline_in
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _DecodeRequest:
     upstream: Upstream
-    deadline: float = 0.0
+    deadline: float = 0.0  # time.monotonic(); 0 = none
     handoff_state: dict = field(default_factory=dict)
     jobs: deque[DecodeJob] = field(default_factory=deque)
     seq: int = 0
@@ -69,8 +69,8 @@ class DecoderRunner(StageRunner):
             if self.is_dead(msg):
                 return
             # A StreamStart: is_dead drops the rest of a stream whose start this stage never saw.
-            req = self.requests[msg.request_id] = _DecodeRequest(Upstream.opened_by(msg),
-                                                                 deadline=msg.deadline)
+            req = self.requests[msg.request_id] = _DecodeRequest(
+                Upstream.opened_by(msg), deadline=deadline_in(msg.time_left_s))
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
         if bad:

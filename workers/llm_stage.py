@@ -49,6 +49,9 @@ class StepOutput:
     # vLLM's timestamps of the request (time.monotonic()): queued, first scheduled, first token;
     # first output only (omni_cache/timeline.py).
     engine_times: dict[str, float] | None = None
+    # Assembling this request's output failed (its latent rows, its codes): the request must
+    # fail alone; the other fields are not to be used then.
+    error: Exception | None = None
 
 
 @dataclass
@@ -177,40 +180,60 @@ class LLMStage:
         return self.scheduler.has_runnable_requests()
 
     def step(self) -> list[StepOutput]:
+        """One engine step: each request's output. A request whose output cannot be assembled
+        (its latent rows, its codes) gets one with ``error`` set and fails alone: the caller
+        aborts it (:meth:`abort`); the others of the step are unaffected."""
         results = []
         for out in self.engine.step():
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            completion = out.outputs[0]
-            tracked.num_prompt_tokens = len(out.prompt_token_ids or ()) or tracked.num_prompt_tokens
-            if out.prompt_token_ids is None and out.prompt_embeds is not None:
-                tracked.num_prompt_tokens = out.prompt_embeds.shape[0]
-            tracked.num_generated += len(completion.token_ids)
-            result = StepOutput(
-                request_id=out.request_id, token_ids=list(completion.token_ids),
-                text=completion.text or "", finished=out.finished,
-                finish_reason=completion.finish_reason,
-                num_prompt_tokens=tracked.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens or 0,
-                logprobs=_plain_logprobs(completion.logprobs))
-            if not tracked.sent_prompt:
-                result.prompt_token_ids = list(out.prompt_token_ids or ())
-                result.image_grids = tracked.image_grids
-                result.engine_times = _engine_times(out.metrics)
-                tracked.sent_prompt = True
-            if self.capture is not None:
-                self._attach_latents(tracked, result)
-            if self.talker is not None:
-                result.codes = self.talker.drain(tracked.internal_id, finished=out.finished)
+            try:
+                result = self._output_of(out, tracked)
+            except Exception as exc:  # noqa: BLE001 -- this request's rows, not the engine
+                results.append(StepOutput(
+                    request_id=out.request_id, token_ids=[], text="", finished=False,
+                    finish_reason=None, num_prompt_tokens=tracked.num_prompt_tokens,
+                    num_cached_tokens=0, error=exc))
+                continue
             if out.finished:
-                del self._tracked[out.request_id]
-                if self.capture is not None:
-                    self.capture.discard(tracked.internal_id)
-                if self.talker is not None:
-                    self.talker.discard(tracked.internal_id)
+                self._forget(out.request_id, tracked)
             results.append(result)
         return results
+
+    def _output_of(self, out: Any, tracked: _Tracked) -> StepOutput:
+        """What one request's engine output means for the stage: its new tokens, latents and
+        codes."""
+        completion = out.outputs[0]
+        tracked.num_prompt_tokens = len(out.prompt_token_ids or ()) or tracked.num_prompt_tokens
+        if out.prompt_token_ids is None and out.prompt_embeds is not None:
+            tracked.num_prompt_tokens = out.prompt_embeds.shape[0]
+        tracked.num_generated += len(completion.token_ids)
+        result = StepOutput(
+            request_id=out.request_id, token_ids=list(completion.token_ids),
+            text=completion.text or "", finished=out.finished,
+            finish_reason=completion.finish_reason,
+            num_prompt_tokens=tracked.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens or 0,
+            logprobs=_plain_logprobs(completion.logprobs))
+        if not tracked.sent_prompt:
+            result.prompt_token_ids = list(out.prompt_token_ids or ())
+            result.image_grids = tracked.image_grids
+            result.engine_times = _engine_times(out.metrics)
+            tracked.sent_prompt = True
+        if self.capture is not None:
+            self._attach_latents(tracked, result)
+        if self.talker is not None:
+            result.codes = self.talker.drain(tracked.internal_id, finished=out.finished)
+        return result
+
+    def _forget(self, request_id: str, tracked: _Tracked) -> None:
+        """A finished request: nothing of it stays in the capture or the talker's steps."""
+        del self._tracked[request_id]
+        if self.capture is not None:
+            self.capture.discard(tracked.internal_id)
+        if self.talker is not None:
+            self.talker.discard(tracked.internal_id)
 
     def _attach_latents(self, tracked: _Tracked, result: StepOutput) -> None:
         for chunk in self.capture.drain(tracked.internal_id):

@@ -12,6 +12,12 @@ StreamStart) at the replica its ``route`` names (the orchestrator's choice, carr
 StreamStart) and every later message of it follows to that same replica, because a peer sends only
 the streams it started: the talker's per-request state and its own prefix hits stay in one
 process.
+
+No send blocks the stage's loop for long: a peer that stopped reading (a hung or paused process)
+fills its queue, and a send then waits at most ``send_timeout_s`` for room before it raises
+:class:`SendTimeout` (the caller fails the request the message carried); while that peer's queue
+stays full, later sends to it fail at once instead of waiting again, so the stage goes on serving
+the requests that do not need that peer.
 """
 
 from __future__ import annotations
@@ -24,9 +30,45 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from omni_cache.wire.messages import StageOutput, StreamStart
-from omni_cache.wire.transport import Codec, Sender
+from omni_cache.wire.transport import Codec, Sender, SendTimeout
 
 logger = logging.getLogger(__name__)
+
+#: A send waits for room in a full queue at most this fraction of ``server.heartbeat_timeout_s``:
+#: a stage held up by a peer that stopped reading must not look hung itself.
+SEND_TIMEOUT_FRACTION = 0.25
+
+
+def send_timeout_s(heartbeat_timeout_s: float) -> float:
+    """How long one send may wait for room in its peer's queue."""
+    return heartbeat_timeout_s * SEND_TIMEOUT_FRACTION
+
+
+class TimedSender:
+    """A :class:`Sender` whose sends wait at most ``timeout_s`` for room, and not at all while
+    the peer's queue has stayed full since a send to it timed out (until a send gets through).
+    ``what`` names the peer in errors ("stage 'decoder'")."""
+
+    def __init__(self, sender: Sender, timeout_s: float | None, what: str) -> None:
+        self.sender, self.timeout_s, self.what = sender, timeout_s, what
+        self.full = False
+        self.timeouts = 0
+
+    def send(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        if self.timeout_s is None:
+            self.sender.send(msg, tensors)
+            return
+        try:
+            self.sender.send(msg, tensors, timeout_s=0.0 if self.full else self.timeout_s)
+        except SendTimeout:
+            if not self.full:
+                logger.warning("%s stopped taking messages (its queue stayed full for %g s): what "
+                               "is sent to it fails until it reads again", self.what, self.timeout_s)
+            self.full = True
+            self.timeouts += 1
+            raise SendTimeout(f"{self.what} took no message for {self.timeout_s:g} s (its queue is "
+                              "full: it stopped reading)") from None
+        self.full = False
 
 
 class Peer:
@@ -34,23 +76,34 @@ class Peer:
     started."""
 
     def __init__(self, ctx: zmq.Context, name: str, address: str, codec: Codec, auth: Any,
-                 replica: int = 0) -> None:
+                 replica: int = 0, send_timeout_s: float | None = None, what: str = "") -> None:
         self.ctx, self.name, self.address, self.codec, self.auth = ctx, name, address, codec, auth
         self.replica = replica
+        self.send_timeout_s = send_timeout_s
+        self.what = what or f"stage {name!r}"
         self.streams: set[str] = set()
         self.resets = 0
+        self.send_timeouts = 0  # over every socket this peer had
         self._open()
 
     def _open(self) -> None:
         self.sender = Sender(self.ctx, self.address, self.codec, auth=self.auth)
+        self.link = TimedSender(self.sender, self.send_timeout_s, self.what)
         self.monitor = self.sender.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def send(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Raises SendTimeout when the peer's queue stays full: the message's stream is broken
+        (nothing more of it goes to this peer), its request must fail."""
         if isinstance(msg, StreamStart):
             self.streams.add(msg.request_id)
         elif msg.request_id not in self.streams:
             return  # its stream started before this peer's current process
-        self.sender.send(msg, tensors)
+        try:
+            self.link.send(msg, tensors)
+        except SendTimeout:
+            self.send_timeouts += 1
+            self.streams.discard(msg.request_id)
+            raise
         if msg.finished:
             self.streams.discard(msg.request_id)
 
@@ -78,16 +131,25 @@ class Peer:
 
 
 class Outbox:
-    """``downstream``: each downstream stage's replica addresses, by replica index."""
+    """``downstream``: each downstream stage's replica addresses, by replica index.
+    ``send_timeout_s``: how long a send waits for room in a full queue (None: as long as it
+    takes); then it raises :class:`SendTimeout`."""
 
     def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, list[str]],
-                 orchestrator: str | None, auth: Any = None) -> None:
-        self.peers = [Peer(ctx, name, addr, codec, auth, replica=i)
+                 orchestrator: str | None, auth: Any = None,
+                 send_timeout_s: float | None = None) -> None:
+        self.peers = [Peer(ctx, name, addr, codec, auth, replica=i, send_timeout_s=send_timeout_s,
+                           what=f"stage {name!r}" + (f" replica {i}" if len(addrs) > 1 else ""))
                       for name, addrs in downstream.items() for i, addr in enumerate(addrs)]
         self._replicas = {name: len(addrs) for name, addrs in downstream.items()}
-        self.orchestrator = Sender(ctx, orchestrator, codec, auth=auth) if orchestrator else None
+        self.orchestrator_sender = (Sender(ctx, orchestrator, codec, auth=auth)
+                                    if orchestrator else None)
+        self.orchestrator = (TimedSender(self.orchestrator_sender, send_timeout_s,
+                                         "the orchestrator")
+                             if self.orchestrator_sender is not None else None)
 
     def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Raises SendTimeout when the orchestrator's queue stays full."""
         if self.orchestrator is not None:
             self.orchestrator.send(msg, tensors)
 
@@ -119,8 +181,14 @@ class Outbox:
     def peer_resets(self) -> int:
         return sum(p.resets for p in self.peers)
 
+    @property
+    def send_timeouts(self) -> int:
+        """Sends that found their peer's queue full (downstream stages and the orchestrator)."""
+        return (sum(p.send_timeouts for p in self.peers)
+                + (self.orchestrator.timeouts if self.orchestrator is not None else 0))
+
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
-        if self.orchestrator is not None:
-            self.orchestrator.close()
+        if self.orchestrator_sender is not None:
+            self.orchestrator_sender.close()

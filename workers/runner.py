@@ -6,6 +6,11 @@ until it finishes there, fails there, is aborted or passes its deadline; nothing
 that. Ending it early leaves a tombstone: upstream output for it that is still on its way (or
 that arrives before the request was ever created here, when the Abort overtook it) is dropped
 instead of starting the request again.
+
+Deadlines: a request's input carries the time it has left (``time_left_s``: hosts' clocks
+differ, so no point in time crosses the wire); the stage turns it into a deadline on its own
+monotonic clock when the request arrives (:func:`deadline_in`) and forwards what is left of it
+downstream (:func:`time_left`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any
 
 from omni_cache.config import StageConfig
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import StageError, StageOutput, StreamStart, Submit
+from omni_cache.wire.messages import MAX_ERROR_MESSAGE, StageError, StageOutput, StreamStart, Submit
+from omni_cache.wire.transport import SendTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +32,28 @@ logger = logging.getLogger(__name__)
 MAX_TOMBSTONES = 65536
 #: Status of a request a stage dropped at its deadline (the orchestrator's own 504).
 STATUS_DEADLINE = 504
+#: Status of a request whose output a peer (a downstream stage) stopped taking: the pipeline
+#: cannot serve it now.
+STATUS_PEER_STUCK = 503
 #: Stages drop a request this long after its deadline: the orchestrator answers the client (and
 #: aborts the stages) at the deadline itself; a stage's own expiry is the backstop for a request
 #: whose Abort never came (lost, or the orchestrator restarted).
 DEADLINE_GRACE_S = 1.0
+
+
+def deadline_in(time_left_s: float | None, now: float | None = None) -> float:
+    """A received time left as this process's deadline (``time.monotonic()``; 0 = none)."""
+    if time_left_s is None:
+        return 0.0
+    return (time.monotonic() if now is None else now) + time_left_s
+
+
+def time_left(deadline: float, now: float | None = None) -> float | None:
+    """What is left until ``deadline`` (from :func:`deadline_in`) as a message carries it: None
+    for none, never negative."""
+    if not deadline:
+        return None
+    return max(0.0, deadline - (time.monotonic() if now is None else now))
 
 
 class DeadlineExpired(Exception):
@@ -50,19 +74,24 @@ def is_client_error(exc: BaseException) -> bool:
 
 def error_message(stage: str, request_id: str, exc: BaseException) -> StageError:
     """The orchestrator's view of a failed request: bad input is HTTP 400 (:func:`is_client_error`),
-    a passed deadline is 504, anything else is the stage's fault (500)."""
+    a passed deadline is 504, a peer that stopped taking its output 503, anything else is the
+    stage's fault (500)."""
     if isinstance(exc, DeadlineExpired):
         status = STATUS_DEADLINE
+    elif isinstance(exc, SendTimeout):
+        status = STATUS_PEER_STUCK
     else:
         status = 400 if is_client_error(exc) else 500
-    return StageError(request_id=request_id, stage=stage, message=f"{type(exc).__name__}: {exc}",
-                      status=status)
+    message = f"{type(exc).__name__}: {exc}"
+    if len(message) > MAX_ERROR_MESSAGE:  # longer would not decode (the wire bounds it)
+        message = message[:MAX_ERROR_MESSAGE - 3] + "..."
+    return StageError(request_id=request_id, stage=stage, message=message, status=status)
 
 
 class StageRunner:
     """Base of the runners: subclasses keep their in-flight requests in `requests` (values with a
-    `deadline` attribute: unix time, 0 = none) and implement `drop` (forget one request and stop
-    its work in the model)."""
+    `deadline` attribute: ``time.monotonic()``, 0 = none; :func:`deadline_in`) and implement `drop`
+    (forget one request and stop its work in the model)."""
 
     def __init__(self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float,
                  timeline: Timeline | None = None) -> None:
@@ -85,15 +114,30 @@ class StageRunner:
 
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        """Forget the request, and drop whatever of it still arrives from upstream."""
-        self.drop(request_id)
-        self._bury(request_id)
-        self.outbox.forget(request_id)
+        """Forget the request, and drop whatever of it still arrives from upstream (also when
+        stopping its work in the model raises, which it then passes on)."""
+        try:
+            self.drop(request_id)
+        finally:
+            self.requests.pop(request_id, None)
+            self._bury(request_id)
+            self.outbox.forget(request_id)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
+        """End the request here and tell the orchestrator why (a StageError). Never raises: what
+        goes wrong on the way is logged, and the orchestrator's deadline answers the client if
+        the error cannot reach it."""
         self.errors += 1
-        self.abort(request_id)
-        self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
+        try:
+            self.abort(request_id)
+        except Exception:  # noqa: BLE001 -- it is forgotten here all the same
+            logger.exception("stage %s: dropping failed request %s raised", self.stage.name,
+                             request_id)
+        try:
+            self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
+        except Exception as send_exc:  # noqa: BLE001 -- SendTimeout: the orchestrator is stuck
+            logger.error("stage %s: could not report request %s's failure (%s): %s",
+                         self.stage.name, request_id, exc, send_exc)
 
     def guarded(self, request_id: str, work: Callable[[], Any]) -> None:
         """Run one request's work; if it raises, that request fails (StageError naming this stage
@@ -102,7 +146,8 @@ class StageRunner:
             work()
         except Exception as exc:  # noqa: BLE001 -- one request must not take the stage down
             logger.warning("stage %s: request %s failed: %s: %s", self.stage.name, request_id,
-                           type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+                           type(exc).__name__, exc,
+                           exc_info=not isinstance(exc, (ValueError, SendTimeout)))
             self.fail(request_id, exc)
 
     def fail_all(self, exc: BaseException) -> None:
@@ -112,27 +157,26 @@ class StageRunner:
     def expire(self, now: float | None = None) -> None:
         """Drop the requests past their deadline (the orchestrator answers their clients 504; this
         keeps a stage from working on, or holding, a request nobody waits for)."""
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now - DEADLINE_GRACE_S]
         for request_id in late:
             self.expired += 1
             logger.info("stage %s: request %s passed its deadline, dropped", self.stage.name,
                         request_id)
             self.fail(request_id, DeadlineExpired(f"deadline passed in stage {self.stage.name!r}"))
-        mono = time.monotonic()
-        while self.tombstones and next(iter(self.tombstones.values())) <= mono:
+        while self.tombstones and next(iter(self.tombstones.values())) <= now:
             self.tombstones.popitem(last=False)
 
     def is_dead(self, msg: Submit | StageOutput) -> bool:
         """Whether input for a request this stage does not hold must be dropped: it ended here
         (tombstone), it is the rest of a stream whose start this stage never saw (not a Submit
-        or StreamStart), or its deadline has passed."""
+        or StreamStart), or it arrives with no time left (its sender was past its deadline)."""
         if self.tombstones.pop(msg.request_id, None) is not None:
             # Seen once: the rest of its stream has no StreamStart and is dropped without it.
             return True
         if not isinstance(msg, (Submit, StreamStart)):
             return True
-        return 0 < msg.deadline <= time.time() - DEADLINE_GRACE_S
+        return msg.time_left_s is not None and msg.time_left_s <= 0
 
     def _bury(self, request_id: str) -> None:
         self.tombstones[request_id] = time.monotonic() + self.tombstone_ttl_s

@@ -6,6 +6,13 @@ stages, `DecoderRunner` for the codec decoder) decides what a message means for 
 module only moves messages and keeps the process honest: a request that fails gets a StageError,
 not silence, and fails alone (see workers/runner.py); requests past their deadline are dropped;
 the process exits when told to, on SIGTERM/SIGINT, or when its parent dies.
+
+Every path of the loop is guarded: a request's own work (its input, its step output) fails that
+request alone; what belongs to no request (a stats query, an Abort, the housekeeping, the block
+report) is logged and counted (``loop_errors``) and the loop goes on. Only a model step that fails
+:data:`MAX_FAILED_STEPS` times in a row ends the process, for the supervisor to restart it. The
+loop stamps its progress (workers/loop_progress.py) for the heartbeats, so the server notices a
+loop that stopped moving (docs/configuration.md, ``server.heartbeat_timeout_s``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
 from omni_cache.heap_trim import HeapTrimmer
-from workers.outbox import Outbox
+from workers.loop_progress import LoopProgress
+from workers.outbox import Outbox, send_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,11 @@ HOUSEKEEPING_INTERVAL_S = 0.1
 #: Model steps that may fail in a row (each failing every request then in the stage) before the
 #: process gives up and exits for the supervisor to restart it: the engine is broken, not a request.
 MAX_FAILED_STEPS = 3
+#: How long the loop waits for input when the model has nothing to step.
+IDLE_WAIT_MS = 50
+#: A loop path that keeps failing logs its traceback on the first failure in a row, then every
+#: this many (the housekeeping runs ten times a second).
+LOG_EVERY_FAILURES = 100
 
 
 class StageProcess:
@@ -60,13 +73,20 @@ class StageProcess:
         self.outbox = Outbox(self.ctx, self.codec,
                              {s.name: [r.address for r in stage_replicas(s)]
                               for s in config.downstream(stage.name)},
-                             orchestrator, auth=self.auth)
+                             orchestrator, auth=self.auth,
+                             send_timeout_s=send_timeout_s(config.server.heartbeat_timeout_s))
         self.announcer: Announcer | None = None
         self.stopping = False
         self.runner: Any = None
         self.failed_steps = 0
+        self.stepped = False  # the last iteration ran a model step: do not wait for input
         self.next_housekeeping = 0.0
         self.heap = HeapTrimmer()
+        self.progress = LoopProgress()
+        #: Failures outside any request (each logged); and, per loop path (a fixed set of
+        #: names), how many in a row.
+        self.loop_errors = 0
+        self.failing: dict[str, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
@@ -75,25 +95,35 @@ class StageProcess:
         report = reports_blocks(self.config.server.routing, self.stage.name,
                                 self.config.entry_stage().name, self.stage.replicas,
                                 self.prefix_cache)
-        self.runner = make_runner(self.config, self.stage, self.outbox, self.prefix_cache,
-                                  report_blocks=report)
+        return self.serve(make_runner(self.config, self.stage, self.outbox, self.prefix_cache,
+                                      report_blocks=report))
+
+    def serve(self, runner: Any) -> int:
+        """Announce the stage and run its loop with ``runner`` until told to stop (Shutdown, a
+        signal, the parent gone); then close everything. Raises the model step's error when
+        steps failed :data:`MAX_FAILED_STEPS` times in a row."""
+        self.runner = runner
         if self.orchestrator:
             self.announcer = Announcer(self.ctx, self.codec, self.orchestrator, self.stage.name,
                                        interval_s=self.config.server.heartbeat_interval_s,
                                        max_model_len=self.runner.max_model_len, auth=self.auth,
-                                       replica=self.replica.index)
+                                       replica=self.replica.index, progress=self.progress)
             # Queued on the outbox (the announcer drops beats while nobody listens): a server
             # that is already up hears it at once; the announcer's beats follow.
-            self.outbox.to_orchestrator(self.announcer.message)
+            self._outside_requests("announcing the stage",
+                                   lambda: self.outbox.to_orchestrator(self.announcer.message))
             self.announcer.start()
         logger.info("stage %s ready (pid %d) at %s%s", self.replica.name, os.getpid(),
                     self.replica.address,
                     f" (bound to {self.replica.bind_address})" if self.replica.bind_address else "")
         try:
             while not self.stopping:
-                self._drain_inbox(block_ms=0 if self.runner.has_work() else 50)
-                if self.runner.has_work():
-                    self._step()
+                if self.stepped or self.runner.requests:
+                    self.progress.moved()
+                else:  # about to wait for input holding nothing: however long, not stuck
+                    self.progress.waiting()
+                self._drain_inbox(block_ms=0 if self.stepped else IDLE_WAIT_MS)
+                self.stepped = self._step()
                 self._housekeeping()
         finally:
             if self.announcer is not None:
@@ -106,21 +136,42 @@ class StageProcess:
             self.ctx.term()
         return 0
 
-    def _step(self) -> None:
-        """One model step. The runner fails the requests an error is attributable to and goes on;
-        an error that escapes it (the engine itself) fails every request the stage holds, and a
-        few of those in a row end the process (the supervisor restarts it)."""
+    def _step(self) -> bool:
+        """One model step, if the model has work; whether it ran. The runner fails the requests
+        an error is attributable to and goes on; an error that escapes it (the engine itself)
+        fails every request the stage holds, and a few of those in a row end the process (the
+        supervisor restarts it)."""
         try:
+            if not self.runner.has_work():
+                return False
             self.runner.step()
-            self.failed_steps = 0
-            self._report_blocks()
         except Exception as exc:
             self.failed_steps += 1
+            self.loop_errors += 1
             logger.exception("stage %s: model step failed (%d in a row)", self.stage.name,
                              self.failed_steps)
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             self.runner.fail_all(exc)
+            return True
+        self.failed_steps = 0
+        self._outside_requests("the block report", self._report_blocks)
+        return True
+
+    def _outside_requests(self, what: str, work: Any) -> None:
+        """Run loop work that belongs to no request: a failure is logged and counted, and the
+        loop goes on (the requests are each guarded on their own)."""
+        try:
+            work()
+        except Exception:  # noqa: BLE001 -- the loop must go on serving the requests
+            self.loop_errors += 1
+            in_a_row = self.failing[what] = self.failing.get(what, 0) + 1
+            if in_a_row % LOG_EVERY_FAILURES == 1:
+                logger.exception("stage %s: %s failed (%d in a row, %d failures outside requests "
+                                 "so far)", self.stage.name, what, in_a_row, self.loop_errors)
+            return
+        if self.failing.pop(what, 0):
+            logger.info("stage %s: %s works again", self.stage.name, what)
 
     def _report_blocks(self) -> None:
         """Tell the orchestrator what this step changed in the prefix cache (prefix routing)."""
@@ -135,10 +186,10 @@ class StageProcess:
         if now < self.next_housekeeping:
             return
         self.next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
-        self.runner.expire()
-        self.outbox.check_peers()
-        self._check_parent()
-        self.heap.maybe_trim(now)
+        self._outside_requests("expiring requests past their deadline", self.runner.expire)
+        self._outside_requests("checking the downstream peers", self.outbox.check_peers)
+        self._outside_requests("checking the parent process", self._check_parent)
+        self._outside_requests("trimming the heap", lambda: self.heap.maybe_trim(now))
 
     def _stop(self, *_: Any) -> None:
         self.stopping = True
@@ -155,23 +206,30 @@ class StageProcess:
             got = self.inbox.recv(timeout_ms=timeout)
             if got is None:
                 return
+            self.progress.moved()
             timeout = 0
             self._handle(*got)
 
     def _handle(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        if isinstance(msg, Shutdown):
+        if isinstance(msg, (Submit, StageOutput)):
+            self.runner.guarded(msg.request_id, lambda: self.runner.accept(msg, tensors))
+        elif isinstance(msg, Shutdown):
             self.stopping = True
         elif isinstance(msg, StatsQuery):
-            self.outbox.to_orchestrator(StageStats(
-                stage=self.stage.name, replica=self.replica.index,
-                counters={**self.runner.counters(), **self.heap.counters(),
-                          "peer_resets": self.outbox.peer_resets}))
+            self._outside_requests("answering a stats query", self._send_stats)
         elif isinstance(msg, Abort):
-            self.runner.abort(msg.request_id)
-        elif isinstance(msg, (Submit, StageOutput)):
-            self.runner.guarded(msg.request_id, lambda: self.runner.accept(msg, tensors))
+            # The request is forgotten here even when this raises (StageRunner.abort).
+            self._outside_requests("handling an Abort", lambda: self.runner.abort(msg.request_id))
         else:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
+
+    def _send_stats(self) -> None:
+        self.outbox.to_orchestrator(StageStats(
+            stage=self.stage.name, replica=self.replica.index,
+            counters={**self.runner.counters(), **self.heap.counters(),
+                      "peer_resets": self.outbox.peer_resets,
+                      "send_timeouts": self.outbox.send_timeouts,
+                      "loop_errors": self.loop_errors}))
 
 
 def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool,

@@ -17,7 +17,10 @@ FinalOutput = Literal["text", "audio"]
 #: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing).
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
-_STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+#: A stage's name: lowercase letters, digits, '_' and '-', at most STAGE_NAME_MAX_LENGTH of them
+#: (it travels in every message, omni_cache/wire/messages.py, and names the stage's socket file).
+STAGE_NAME_RE = r"^[a-z0-9_-]+$"
+STAGE_NAME_MAX_LENGTH = 64
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -82,13 +85,27 @@ class ServerConfig(_Base, kw_only=True):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8091
     #: Largest ZMQ message (header + tensor frames) a stage accepts.
     max_message_bytes: PositiveInt = 256 * 1024 * 1024
+    #: Largest HTTP request body; a longer one is refused (413) while it is read.
+    max_body_bytes: PositiveInt = 64 * 1024 * 1024
+    #: HTTP bodies being read, parsed and decoded at once (a body's bytes count from when they
+    #: are read until its request was submitted); past it 429 with Retry-After. At least
+    #: max_body_bytes.
+    max_body_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
+    #: Requests in flight at once: from before their body is read until they are answered
+    #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
+    max_requests_in_flight: PositiveInt = 64
+    #: Decoded images and clips (pixels x 3 bytes, samples x 4 bytes) the requests in flight hold
+    #: together, reserved from each item's header before it is decoded. Past it 429 with
+    #: Retry-After; a request whose media alone exceed it, 413.
+    max_media_bytes_in_flight: PositiveInt = 1024 * 1024 * 1024
     #: Deadline of one client request, end to end.
     request_timeout_s: PositiveFloat = 300.0
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
     served_model_name: str | None = None
     #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
-    #: "tcp://host:port"); ``None`` -> ipc:///tmp/omni_cache/<pipeline name>/orchestrator.sock.
-    #: Stages on other hosts need a tcp address here, one they can reach (the host's name).
+    #: "tcp://host:port"); ``None`` -> a socket in a directory of the server's own
+    #: (omni_cache/config/addresses.py). Stages on other hosts need a tcp address here, one they
+    #: can reach (the host's name); stages started by hand need it set.
     control_address: str | None = None
     #: What the orchestrator binds when that differs from the address stages connect to
     #: (``tcp://0.0.0.0:5600`` behind ``control_address: tcp://server-host:5600``); None -> bind
@@ -266,8 +283,8 @@ class GenerationArgs(_Base, kw_only=True):
 class StageConfig(_Base, kw_only=True):
     """One stage of the pipeline, run in its own process."""
 
-    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'.
-    name: Annotated[str, Meta(pattern=_STAGE_NAME_RE)]
+    #: Unique within the pipeline; lowercase letters, digits, '_' and '-'; at most 64 characters.
+    name: Annotated[str, Meta(pattern=STAGE_NAME_RE, max_length=STAGE_NAME_MAX_LENGTH)]
     #: "autoregressive": a vLLM engine; "generation": a non-AR network (the codec decoder).
     kind: StageKind
     #: "tiny:<name>" (a checkpoint the project generates) or a filesystem path.
@@ -282,8 +299,10 @@ class StageConfig(_Base, kw_only=True):
     submodel: Literal["talker"] | None = None
     #: Where the stage process listens and the others connect: "ipc:///abs/path" or
     #: "tcp://host:port" (on several hosts: a name the other hosts resolve to this one).
-    #: Required unless Ray places the stage (``server.ray_address``): its replicas then listen at
-    #: their node's IP and a port their actor picks, and this key is not used.
+    #: ``None`` -> a socket in a directory of the server's own, chosen when it starts
+    #: (omni_cache/config/addresses.py); required on a stage started by hand and on the stages it
+    #: sends to. When Ray places the stage (``server.ray_address``) its replicas listen at their
+    #: node's IP and a port their actor picks, and this key is not used.
     address: str | None = None
     #: What the stage binds when that differs from ``address`` (``tcp://0.0.0.0:5601``); None ->
     #: bind ``address``. Not used when Ray places the stage.

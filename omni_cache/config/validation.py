@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from omni_cache.config.engine_args_extra import extra_problems
 from omni_cache.config.errors import IssueCollector
 from omni_cache.config.schema import (
     EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle,
@@ -88,6 +89,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
         _check_replicas(s, base, issues)
 
     _check_addresses(config, issues)
+    check_hand_started(config, {s.name for s in stages if s.external}, issues)
     _check_ray(config, issues)
     _check_server(config, issues, check_paths=bool(check_paths))
 
@@ -183,7 +185,7 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 issues.add((*base, "latents"),
                            "the talker emits codes, not latents: leave latents off")
         if s.engine_args is not None:
-            _check_extra(s.engine_args, (*base, "engine_args", "extra"), issues)
+            _check_extra(s.engine_args, s.submodel, (*base, "engine_args", "extra"), issues)
             tp = s.engine_args.tensor_parallel_size
             if tp is not None and tp > 1:
                 # The stage runs vLLM's engine core and its one worker in its own process, where
@@ -239,19 +241,11 @@ def _check_sampling(s: StageConfig, base: tuple[str | int, ...], issues: IssueCo
             return
 
 
-_EXTRA_RESERVED = {
-    "enable_prefix_caching": "set the stage's prefix_cache instead",
-    "model": "set the stage's model instead",
-}
-
-
-def _check_extra(args: EngineArgs, base: tuple[str | int, ...], issues: IssueCollector) -> None:
+def _check_extra(args: EngineArgs, submodel: str | None, base: tuple[str | int, ...],
+                 issues: IssueCollector) -> None:
     typed = set(args.__struct_fields__) - {"extra"}
-    for key in args.extra:
-        if key in _EXTRA_RESERVED:
-            issues.add((*base, key), f"not allowed here: {_EXTRA_RESERVED[key]}")
-        elif key in typed:
-            issues.add((*base, key), f"not allowed here: set engine_args.{key} instead")
+    for key_path, message in extra_problems(args.extra, typed=typed, submodel=submodel):
+        issues.add((*base, *key_path), message)
 
 
 def _check_model(
@@ -357,10 +351,7 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
             _check_replica_addresses(s, i, parsed, owner, issues)
             continue
         if s.address is None:
-            issues.add(key, "missing: where the stage listens ('ipc:///path' or 'tcp://host:port'); "
-                            "only a stage Ray places (server.ray_address, or omni-serve "
-                            "--ray-address) goes without one")
-            continue
+            continue  # the server chooses one (omni_cache/config/addresses.py); check_hand_started
         result = _parse_address(s.address)
         if isinstance(result, str):
             issues.add(key, result)
@@ -411,6 +402,33 @@ def _check_addresses(config: PipelineConfig, issues: IssueCollector) -> None:
             if clash is not None:
                 issues.add(key, f"{config.server.control_address!r} is also the address of "
                                 f"{owner(*clash)}")
+
+
+def check_hand_started(config: PipelineConfig, names: Collection[str], issues: IssueCollector, *,
+                       announces_to_config: bool = True) -> None:
+    """The stages ``names`` are started by hand (``external``): they cannot learn an address the
+    server chooses when it starts (omni_cache/config/addresses.py), so each needs its own
+    address, the stages it sends to theirs, and (``announces_to_config``: not given on its
+    command line) the orchestrator's inbox."""
+    why = ("the server chooses a missing address when it starts, which a stage started by hand "
+           "cannot learn")
+    for i, s in enumerate(config.stages):
+        if s.name not in names:
+            continue
+        if s.address is None and not s.replica_addresses:
+            issues.add(("stages", i, "address"),
+                       f"needed for a stage started by hand (external): {why}")
+        for j, d in enumerate(config.stages):
+            if (s.name in d.inputs and d.name not in names and d.address is None
+                    and not d.replica_addresses and not config.placed_by_ray(d)):
+                issues.add(("stages", j, "address"),
+                           f"needed: stage {s.name!r}, started by hand (external), sends to this "
+                           f"stage; {why}")
+    if names and announces_to_config and config.server.control_address is None \
+            and config.server.ray_address is None:  # with Ray: _check_ray says so
+        issues.add(("server", "control_address"),
+                   f"needed with stage(s) started by hand ({', '.join(sorted(names))}): they "
+                   f"announce themselves there; {why}")
 
 
 def _check_replica_addresses(s: StageConfig, i: int,
@@ -566,6 +584,10 @@ def _check_bind_address(bind: str, address: str, key: tuple[str | int, ...], iss
 
 def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths: bool) -> None:
     server = config.server
+    if server.max_body_bytes_in_flight < server.max_body_bytes:
+        issues.add(("server", "max_body_bytes_in_flight"),
+                   f"must be at least server.max_body_bytes ({server.max_body_bytes}), got "
+                   f"{server.max_body_bytes_in_flight}: no body of that size could be read")
     if server.heartbeat_timeout_s <= server.heartbeat_interval_s:
         issues.add(("server", "heartbeat_timeout_s"),
                    f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "

@@ -1,10 +1,20 @@
 """Admission: everything that can refuse a request before it is sent, in the order the client
-learns of it (the server shutting down, its modalities, its prompt, its sampling, the context
-length, the stages it needs being up).
+learns of it (the server's bounds on what is in flight, the server shutting down, its modalities,
+its prompt, its sampling, the context length, the stages it needs being up).
 
 A refusal is a :class:`~omni_cache.runtime.results.RequestError` with the HTTP status the client
-sees: 400 for what the request asked, 503 for what the pipeline cannot do now. What passes is an
-:class:`AdmittedRequest`, which the orchestrator routes and sends.
+sees: 400 for what the request asked, 413 for media that could never fit, 429 (with a
+``Retry-After``) for what does not fit now, 503 for what the pipeline cannot do now. What passes
+is an :class:`AdmittedRequest`, which the orchestrator routes and sends.
+
+The bounds (:class:`InFlightBounds`) keep the server's memory bounded under any load: at most
+``server.max_requests_in_flight`` requests at once, counted from before their body is read until
+they are answered; at most ``server.max_body_bytes_in_flight`` of HTTP bodies being read, parsed
+and decoded (each body's bytes are held until its request was submitted); and at most
+``server.max_media_bytes_in_flight`` of decoded images and clips held by the requests, reserved
+from each item's header before it is decoded. Each request holds a
+:class:`Ticket` for its share; it is given back exactly once, when the request is answered or
+refused.
 """
 
 from __future__ import annotations
@@ -23,6 +33,99 @@ from omni_cache.wire.messages import Sampling
 
 #: Admission's states: before every stage was ready once, serving, shutting down.
 STARTING, OPEN, CLOSED = "starting", "open", "closed"
+#: Seconds a client refused for the server's bounds (429) is asked to wait (``Retry-After``).
+RETRY_AFTER_S = 1
+
+
+class Ticket:
+    """One request's share of the bounds: its place among the requests in flight and the decoded
+    media bytes it holds. :meth:`release` gives both back (idempotent)."""
+
+    def __init__(self, bounds: InFlightBounds) -> None:
+        self.bounds = bounds
+        self.media_bytes = 0
+        self.body_bytes = 0
+        self.released = False
+
+    def hold_media(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` more of decoded media (:meth:`InFlightBounds.hold`)."""
+        self.bounds.hold(self, nbytes)
+
+    def hold_body(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` more of the request's HTTP body (:meth:`InFlightBounds.hold_body`)."""
+        self.bounds.hold_body(self, nbytes)
+
+    def release_body(self) -> None:
+        """The body was parsed and dropped: its bytes are free again."""
+        self.bounds.release_body(self)
+
+    def release(self) -> None:
+        self.bounds.release(self)
+
+
+class InFlightBounds:
+    """What the requests in flight hold, against ``server.max_requests_in_flight``,
+    ``server.max_media_bytes_in_flight`` and ``server.max_body_bytes_in_flight`` (event-loop
+    thread only)."""
+
+    def __init__(self, max_requests: int, max_media_bytes: int,
+                 max_body_bytes: int = 2**62) -> None:
+        self.max_requests = max_requests
+        self.max_media_bytes = max_media_bytes
+        self.max_body_bytes = max_body_bytes
+        self.requests = 0
+        self.media_bytes = 0
+        self.body_bytes = 0
+
+    def enter(self) -> Ticket:
+        """A place for one more request, or 429 when every place is taken."""
+        if self.requests >= self.max_requests:
+            raise RequestError(429, f"the server is at its limit of {self.max_requests} requests "
+                               f"in flight (server.max_requests_in_flight); retry in "
+                               f"{RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+        self.requests += 1
+        return Ticket(self)
+
+    def hold(self, ticket: Ticket, nbytes: int) -> None:
+        """Reserve ``nbytes`` of decoded media for ``ticket``'s request: 413 when its media alone
+        exceed the bound, 429 when they do not fit beside what the others hold now."""
+        if nbytes <= 0:
+            return
+        mine = ticket.media_bytes + nbytes
+        if mine > self.max_media_bytes:
+            raise RequestError(413, f"the request's images and clips decode to {mine} bytes, more "
+                               f"than the {self.max_media_bytes} all requests in flight may hold "
+                               "together (server.max_media_bytes_in_flight): send fewer or smaller")
+        if self.media_bytes + nbytes > self.max_media_bytes:
+            raise RequestError(429, f"the requests in flight hold {self.media_bytes} bytes of "
+                               f"decoded media; this request's {mine} more would pass the server's "
+                               f"limit of {self.max_media_bytes} (server.max_media_bytes_in_flight); "
+                               f"retry in {RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+        ticket.media_bytes = mine
+        self.media_bytes += nbytes
+
+    def hold_body(self, ticket: Ticket, nbytes: int) -> None:
+        """Reserve ``nbytes`` more of an HTTP body being read: 429 when the bodies being read and
+        parsed now hold too much already."""
+        if self.body_bytes + nbytes > self.max_body_bytes:
+            raise RequestError(429, f"the requests being read hold {self.body_bytes} bytes of "
+                               f"body; {nbytes} more would pass the server's limit of "
+                               f"{self.max_body_bytes} (server.max_body_bytes_in_flight); retry in "
+                               f"{RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+        ticket.body_bytes += nbytes
+        self.body_bytes += nbytes
+
+    def release_body(self, ticket: Ticket) -> None:
+        self.body_bytes -= ticket.body_bytes
+        ticket.body_bytes = 0
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        self.requests -= 1
+        self.media_bytes -= ticket.media_bytes
+        self.release_body(ticket)
 
 
 @dataclass
@@ -46,6 +149,10 @@ class Admission:
         self._topology = topology
         self._supervisor = supervisor
         self.state = STARTING
+        #: What the requests in flight hold (their tickets).
+        self.bounds = InFlightBounds(config.server.max_requests_in_flight,
+                                     config.server.max_media_bytes_in_flight,
+                                     config.server.max_body_bytes_in_flight)
         #: The entry stage's context length as its engine reported it (StageReady); None before.
         self.context_len: int | None = None
 
@@ -61,11 +168,33 @@ class Admission:
         d = self._topology.entry.sampling
         return Sampling(temperature=d.temperature, top_p=d.top_p, max_tokens=d.max_tokens, seed=d.seed)
 
-    def check(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None = None,
-              temperature: float | None = None, top_p: float | None = None,
-              seed: int | None = None, modalities: Iterable[str] = ("text",),
+    def enter(self) -> Ticket:
+        """A place among the requests in flight (429 when none is free); take it before reading
+        anything of the request, and give it back when it ends (:meth:`Ticket.release`)."""
+        return self.bounds.enter()
+
+    def hold_media(self, ticket: Ticket, decoded_bytes: Sequence[int]) -> None:
+        """Reserve the decoded size of a request's media items (known from their headers) before
+        they are decoded: 413 when they could never be sent in one message or held at all, 429
+        when they do not fit now."""
+        total = sum(decoded_bytes)
+        limit = self._config.server.max_message_bytes
+        if total > limit:
+            raise RequestError(413, f"the request's images and clips decode to {total} bytes; they "
+                               f"travel to the entry stage in one message of at most {limit} "
+                               "bytes (server.max_message_bytes): send fewer or smaller")
+        ticket.hold_media(total - ticket.media_bytes)
+
+    def check(self, prompt_token_ids: Sequence[int], *, ticket: Ticket | None = None,
+              max_tokens: int | None = None, temperature: float | None = None,
+              top_p: float | None = None, seed: int | None = None,
+              modalities: Iterable[str] = ("text",),
               media: Sequence[MediaItem] = ()) -> AdmittedRequest:
-        """The admitted request, or :class:`RequestError` for the first check it fails."""
+        """The admitted request, or :class:`RequestError` for the first check it fails.
+        ``ticket``: the request's place in the bounds; its media are held on it (what they hold
+        decoded, beyond what was reserved from their headers)."""
+        if ticket is not None:
+            self.hold_media(ticket, [m.array.nbytes for m in media])
         if self.state == CLOSED:
             raise RequestError(503, "the server is shutting down")
         mods = self._modalities(modalities)

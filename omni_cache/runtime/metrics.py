@@ -151,6 +151,8 @@ class StageSnapshot:
 
     up: bool
     restarts: int = 0
+    #: Times it was found hung (omni_cache/runtime/hang_watch.py) and marked down.
+    hangs: int = 0
     #: The replica's counters (the last ones it reported; empty if it never answered).
     counters: dict[str, float] = field(default_factory=dict)
     #: False when the replica did not answer this scrape's StatsQuery in time (counters are older).
@@ -279,6 +281,10 @@ class OrchestratorMetrics:
         restarts = CounterMetricFamily("omni_cache_stage_restarts",
                                        "Times the orchestrator restarted the stage replica's process.",
                                        labels=labels)
+        hangs = CounterMetricFamily(
+            "omni_cache_stage_hangs",
+            "Times the stage replica was found hung (its loop stopped moving while it held work, "
+            "or its heartbeats stopped) and marked down.", labels=labels)
         fresh = GaugeMetricFamily(
             "omni_cache_stage_stats_fresh",
             "1 when the stage replica answered this scrape's stats query (else its last known "
@@ -287,8 +293,9 @@ class OrchestratorMetrics:
             values = self._replica_values(s, stages[s], False)
             up.add_metric(values, 1 if stages[s].up else 0)
             restarts.add_metric(values, stages[s].restarts)
+            hangs.add_metric(values, stages[s].hangs)
             fresh.add_metric(values, 1 if stages[s].fresh else 0)
-        yield from (up, restarts, fresh)
+        yield from (up, restarts, hangs, fresh)
 
     def _routing(self, routing: RoutingSnapshot) -> Iterator[Metric]:
         fam = CounterMetricFamily(

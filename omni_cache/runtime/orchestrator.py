@@ -31,21 +31,23 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
 from omni_cache.config import PipelineConfig, resolve_model
+from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
 from omni_cache.config.replicas import Replica
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, audio_input_rate
-from omni_cache.runtime.admission import CLOSED, OPEN, Admission
+from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
-from omni_cache.runtime.requests import MediaItem, Request, RequestTable, media_frames, submit_message
+from omni_cache.runtime.requests import (
+    MediaItem, Request, RequestTable, media_frames, new_request, submit_message, with_time_left,
+)
 from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
 from omni_cache.runtime.results import Failed, RequestError, RequestHandle
 from omni_cache.runtime.route_planner import RoutePlanner
@@ -76,12 +78,15 @@ class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
     ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the
-    copy, which every stage process is started with (:mod:`omni_cache.runtime.placement`).
+    copy, and the addresses it leaves unset are sockets in a directory of this server's
+    (:mod:`omni_cache.config.addresses`); every stage process is started with that copy
+    (:mod:`omni_cache.runtime.placement`).
     ``tokenizer``: anything with ``apply_chat_template`` (default: the entry stage's).
     ``stage_argv``: the command of a stage process before its arguments (default
     ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
     those the config marks ``external`` (not spawned; watched through their announcements and
-    connections). ``control_addr``: the inbox's address (default: :func:`control_address`).
+    connections). ``control_addr``: the inbox's address (default: ``server.control_address``, else a socket in
+    this server's directory).
     """
 
     def __init__(
@@ -98,12 +103,16 @@ class Orchestrator:
         control_addr: str | None = None,
         shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     ) -> None:
-        self.config = config = with_overrides(config, checkpoint_dir=checkpoint_dir,
-                                              prefix_cache=prefix_cache)
+        # Stages started by hand need the addresses the config spells out: checked before the
+        # server chooses the others (sockets in a directory of its own).
+        external = external_stages_of(config, external_stages)
+        run_dir = new_run_dir(config)
+        self.config = config = with_default_addresses(
+            with_overrides(config, checkpoint_dir=checkpoint_dir, prefix_cache=prefix_cache), run_dir)
         self.topology = topology = Topology.of(config)
         self.served_model_name = config.server.served_model_name or config.name
-        self.fleet = StageFleet(config, self, stage_argv=stage_argv,
-                                external=external_stages_of(config, external_stages),
+        self.fleet = StageFleet(config, self, run_dir=run_dir, stage_argv=stage_argv,
+                                external=external,
                                 control_addr=control_addr, echo_stage_logs=echo_stage_logs,
                                 start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None
                                                  else float(start_timeout_s)),
@@ -259,6 +268,7 @@ class Orchestrator:
         timeout_s: float | None = None,
         received_at: float | None = None,
         session_id: str | None = None,
+        ticket: Ticket | None = None,
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage.
 
@@ -269,24 +279,32 @@ class Orchestrator:
         ``received_at`` (``time.monotonic()``) is when the request arrived, for the latency
         histograms (default: now); the deadline counts from it too. ``session_id``: requests of
         one session (a realtime conversation) stay on the replicas its first request went to.
+        ``ticket``: its place in the server's bounds, taken before its body was read (None: here).
 
         Raises :class:`RequestError` when it is refused up front (:mod:`omni_cache.runtime.admission`).
         Otherwise the returned handle gets exactly one terminal event.
         """
-        admitted = self.admission.check(prompt_token_ids, max_tokens=max_tokens,
-                                        temperature=temperature, top_p=top_p, seed=seed,
-                                        modalities=modalities, media=media)
-        timeout = float(timeout_s or self.config.server.request_timeout_s)
-        now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
-        req = Request(request_id=uuid.uuid4().hex, prompt_token_ids=admitted.prompt_token_ids,
-                      modalities=admitted.modalities, participants=admitted.participants, t0=now,
-                      deadline=now + timeout, timeout_s=timeout, return_latents=return_latents)
-        self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
-                           session_id=session_id)
-        req.submit = submit_message(req, admitted.sampling, admitted.media, timeout)
-        req.media = media_frames(admitted.media)
-        self.requests.add(req)
-        self.timeline.mark(req.request_id, "received", now)
+        ticket = ticket or self.admission.enter()
+        try:
+            admitted = self.admission.check(prompt_token_ids, ticket=ticket, max_tokens=max_tokens,
+                                            temperature=temperature, top_p=top_p, seed=seed,
+                                            modalities=modalities, media=media)
+            # Hashing grows with the prompt: off the event loop (omni_cache.runtime.route_planner).
+            hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids,
+                                                                has_media=bool(admitted.media)))
+            timeout = float(timeout_s or self.config.server.request_timeout_s)
+            req = new_request(admitted.prompt_token_ids, admitted.modalities, admitted.participants,
+                              received_at=received_at, timeout=timeout,
+                              return_latents=return_latents, ticket=ticket)
+            self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
+                               session_id=session_id, hashes=hashes)
+            req.submit = submit_message(req, admitted.sampling, admitted.media)
+            req.media = media_frames(admitted.media)
+            self.requests.add(req)
+        except BaseException:
+            ticket.release()  # refused (or cancelled) before it was accepted
+            raise
+        self.timeline.mark(req.request_id, "received", req.t0)
         self.timeline.mark(req.request_id, "submitted")
         await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
         return RequestHandle(self, req)
@@ -296,7 +314,8 @@ class Orchestrator:
         (unless a later attempt replaced it meanwhile)."""
         entry = self.topology.entry.name
         try:
-            sent = await self.fleet.send(self._serving(req, entry), msg, req.media, timeout=timeout)
+            sent = await self.fleet.send(self._serving(req, entry), with_time_left(msg, req),
+                                         req.media, timeout=timeout)
         except MessageTooLarge as e:
             self._fail(req, 400, f"the request is too large to send to stage {entry!r} ({e}); "
                                  "send less media or raise server.max_message_bytes", stage=entry)

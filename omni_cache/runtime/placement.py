@@ -6,7 +6,9 @@ Every stage process, first start or restart, local or Ray, is started with the s
 config: the pipeline the server runs (the file plus the run's overrides,
 :mod:`omni_cache.config.overrides`), serialized once into :attr:`StagePlacement.config_text` after
 Ray placement filled in the replicas' addresses. Spawned stages read it from a file this module
-writes in a directory of its own (removed on close); Ray actors write the same text on their node.
+writes in the server's run directory (where the sockets the config left to the server are,
+:mod:`omni_cache.config.addresses`; removed on close); Ray actors write the same text on their
+node.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from omni_cache.config import PipelineConfig, StageConfig
-from omni_cache.config.addresses import pipeline_dir_name
+from omni_cache.config.errors import IssueCollector
 from omni_cache.config.overrides import config_text
+from omni_cache.config.validation import check_hand_started
 from omni_cache.config.replicas import Replica, replica_name, stage_replicas
 from omni_cache.runtime.process_runner import ProcessRunner, default_stage_argv
 
@@ -31,12 +33,15 @@ logger = logging.getLogger(__name__)
 
 class StagePlacement:
     """``config``: the effective config (this object fills in Ray-placed replicas' addresses);
+    ``run_dir``: this server's directory (its default sockets, the stages' config file);
     ``stage_argv``: the command of a stage process before its arguments; ``external``: the stages
     started by hand."""
 
-    def __init__(self, config: PipelineConfig, *, stage_argv: Sequence[str] | None,
+    def __init__(self, config: PipelineConfig, *, run_dir: str, stage_argv: Sequence[str] | None,
                  external: set[str]) -> None:
         self._config = config
+        self.run_dir = run_dir
+        self._run_dir_made = False
         self._stage_argv = list(stage_argv) if stage_argv is not None else default_stage_argv()
         self.external = external
         #: Every stage replica by its name (omni_cache.config.replicas); a Ray-placed one's
@@ -50,7 +55,6 @@ class StagePlacement:
         self.names = {(r.stage, r.index): r.name for r in self.replicas.values()}
         #: The config text every stage process is started with (:meth:`runners` sets it).
         self.config_text: str | None = None
-        self._config_dir: str | None = None
         self._ray: Any = None  # ray_placement.RayPlacement while Ray places stages
         self._ray_connected = False  # we joined the cluster (close() leaves it)
 
@@ -120,11 +124,14 @@ class StagePlacement:
                     stage.address = stage.bind_address = None
         return config_text(text_config)
 
+    def make_run_dir(self) -> None:
+        """Create the run directory, readable by this user only (before any socket binds in it)."""
+        Path(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(self.run_dir, 0o700)  # new_run_dir's name is this server's: it cannot exist
+        self._run_dir_made = True
+
     def _write_config(self, text: str) -> str:
-        root = Path(tempfile.gettempdir()) / "omni_cache"
-        root.mkdir(parents=True, exist_ok=True)
-        self._config_dir = tempfile.mkdtemp(prefix=f"{pipeline_dir_name(self._config)}-", dir=root)
-        path = Path(self._config_dir) / "stage_config.yaml"
+        path = Path(self.run_dir) / "stage_config.yaml"
         path.write_text(text)
         return str(path)
 
@@ -140,7 +147,7 @@ class StagePlacement:
     # ---- closing ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the Ray cluster (its actors end) and remove the config file (blocking)."""
+        """Leave the Ray cluster (its actors end) and remove the run directory (blocking)."""
         if self._ray is not None:
             from omni_cache.runtime import ray_placement
 
@@ -149,13 +156,15 @@ class StagePlacement:
             if self._ray_connected:
                 ray_placement.disconnect()
                 self._ray_connected = False
-        if self._config_dir is not None:
-            shutil.rmtree(self._config_dir, ignore_errors=True)
-            self._config_dir = None
+        if self._run_dir_made:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._run_dir_made = False
 
 
 def external_stages_of(config: PipelineConfig, extra: Iterable[str]) -> set[str]:
-    """The stages started by hand: ``extra`` and those the config marks ``external``."""
+    """The stages started by hand: ``extra`` and those the config marks ``external``. ConfigError
+    when one of them (or a stage it sends to, or the orchestrator's inbox) has no address in
+    ``config``: a stage started by hand cannot learn one the server chooses."""
     names = {s.name: s for s in config.stages}
     unknown = set(extra) - set(names)
     if unknown:
@@ -165,4 +174,7 @@ def external_stages_of(config: PipelineConfig, extra: Iterable[str]) -> set[str]
     if several:
         raise ValueError(f"external_stages: {several} have several replicas; omni-serve spawns "
                          "replicas itself (replicas of a stage started by hand are not supported)")
+    issues = IssueCollector(None)
+    check_hand_started(config, external, issues)
+    issues.raise_if_any()
     return external

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from omni_cache.wire.messages import MediaRef, Sampling, StageOutput, Submit
@@ -78,6 +80,9 @@ class Request:
     text_tokens: int = 0
     #: A resumed request's text, decoded by the orchestrator (omni_cache.runtime.resume)
     resumed_text: Any = None
+    #: Its share of the server's bounds (omni_cache.runtime.admission.Ticket), given back when
+    #: it is answered.
+    ticket: Any = None
 
     @property
     def wire_id(self) -> str:
@@ -125,10 +130,13 @@ class RequestTable:
         return list(self._requests.values())
 
     def answered(self, req: Request) -> None:
-        """``req`` got its terminal event: forget it, remember its id."""
+        """``req`` got its terminal event: forget it, remember its id, give its share of the
+        server's bounds back (its ticket)."""
         self._requests.pop(req.wire_id, None)
         self._clients.pop(req.request_id, None)
         self.remember(req.wire_id)
+        if req.ticket is not None:
+            req.ticket.release()
 
     def remember(self, request_id: str) -> None:
         self._recent[request_id] = None
@@ -158,21 +166,38 @@ class RequestTable:
         return out
 
 
-def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem],
-                   timeout: float) -> Submit:
+def new_request(prompt_token_ids: list[int], modalities: tuple[str, ...],
+                participants: tuple[str, ...], *, received_at: float | None, timeout: float,
+                return_latents: bool, ticket: Any) -> Request:
+    """A request accepted now: a new id, its deadline ``timeout`` seconds after it was received
+    (``received_at``, ``time.monotonic()``; None: now)."""
+    now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
+    return Request(request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids,
+                   modalities=modalities, participants=participants, t0=now,
+                   deadline=now + timeout, timeout_s=timeout, return_latents=return_latents,
+                   ticket=ticket)
+
+
+def submit_message(req: Request, sampling: Sampling, media: Sequence[MediaItem]) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
-    :func:`media_frames` makes. Stages drop it ``timeout`` seconds from now."""
+    :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`)."""
     return Submit(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         sampling=sampling,
         modalities=list(req.modalities),
         return_latents=req.return_latents,
-        deadline=time.time() + timeout,
         media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest)
                for i, m in enumerate(media)],
         route=dict(req.route),
     )
+
+
+def with_time_left(msg: Submit, req: Request, now: float | None = None) -> Submit:
+    """``msg`` carrying what is left of ``req``'s time now (its deadline is this process's
+    monotonic clock; the stages turn the time left into deadlines on theirs)."""
+    now = time.monotonic() if now is None else now
+    return msgspec.structs.replace(msg, time_left_s=max(0.0, req.deadline - now))
 
 
 def media_frames(media: Sequence[MediaItem]) -> dict[str, Any]:

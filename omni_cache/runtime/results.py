@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -13,15 +14,17 @@ if TYPE_CHECKING:
 
 
 class RequestError(Exception):
-    """A request that ended in an error; ``status`` is the HTTP status the client should see."""
+    """A request that ended in an error; ``status`` is the HTTP status the client should see,
+    ``retry_after`` (seconds) when it may try again then (429)."""
 
     def __init__(self, status: int, message: str, *, stage: str | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.stage = stage
         self.request_id = request_id
+        self.retry_after = retry_after
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.message!r}, stage={self.stage!r})"
@@ -140,7 +143,8 @@ class RequestHandle:
                     assert isinstance(event, Completed)
                     joined = "".join(text)
                     if not joined and token_ids:
-                        joined = self._orch.detokenize(token_ids)
+                        # Off the event loop: a whole answer, behind the tokenizer's lock.
+                        joined = await asyncio.to_thread(self._orch.detokenize, token_ids)
                     wants_audio = "audio" in self.modalities
                     return GenerationResult(
                         request_id=self.request_id,

@@ -16,13 +16,20 @@ against load):
 
 It reads the in-flight requests (:class:`RequestTable`) and which replicas are up (the supervisor)
 and writes nothing but its own state and the route fields of the request it routes.
+
+Hashing a prompt (SHA-256 per block, for every block size the entry replicas report, and for the
+later stages' affinity) grows with its length: the orchestrator runs it in a worker thread
+(:meth:`RoutePlanner.hasher` gives a function that reads nothing the event loop changes) and
+hands the result to :meth:`RoutePlanner.assign`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from omni_cache.config import PipelineConfig
 from omni_cache.config.replicas import Replica, reports_blocks
@@ -38,6 +45,26 @@ from omni_cache.wire.messages import BlockEvents
 
 #: Sessions remembered (the least recently routed are forgotten first).
 MAX_SESSIONS = 65536
+
+
+@dataclass(frozen=True)
+class PromptHashes:
+    """What routing reads of a prompt's content (nothing for a prompt with media)."""
+
+    #: block size -> the hashes of the prompt's full blocks (prefix routing).
+    chains: dict[int, list[int]]
+    #: Its hashes in AFFINITY_BLOCK_SIZE blocks (later stages that follow a prefix); None: none.
+    affinity: list[int] | None = None
+
+
+def hash_prompt(prompt: Sequence[int] | None, block_sizes: Sequence[int], seed: str | None,
+                affinity: bool) -> PromptHashes:
+    """``prompt``'s hashes in each of ``block_sizes`` (vLLM's, with the entry engines' ``seed``)
+    and, with ``affinity``, in AFFINITY_BLOCK_SIZE blocks; nothing for None (a prompt with media)."""
+    if prompt is None:
+        return PromptHashes({})
+    return PromptHashes({size: prompt_block_hashes(prompt, size, seed) for size in block_sizes},
+                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None) if affinity else None)
 
 
 class RoutePlanner:
@@ -62,27 +89,39 @@ class RoutePlanner:
 
     # ---- routing a request -----------------------------------------------------------------------
 
+    def hasher(self, prompt: Sequence[int], *, has_media: bool) -> Callable[[], PromptHashes]:
+        """The hashing :meth:`assign` needs for ``prompt``, as a function a worker thread can run:
+        the block sizes it hashes by are read now."""
+        sizes = sorted(set(self.prefix_index.block_size.values())) if self.prefix_routing else []
+        return functools.partial(hash_prompt, None if has_media else list(prompt), sizes,
+                                 self._hash_seed, bool(self._affinity))
+
     def assign(self, req: Request, prompt: Sequence[int], *, has_media: bool,
-               session_id: str | None = None) -> None:
+               session_id: str | None = None, hashes: PromptHashes | None = None) -> None:
         """Route ``req``, whose entry stage is sent ``prompt``: its replicas, the prefill it queues
-        on its entry replica, and the prompt's block hashes (prefix routing; none with media)."""
+        on its entry replica, and the prompt's block hashes (prefix routing; none with media).
+        ``hashes``: what :meth:`hasher` computed (else it is computed here)."""
         hashed = None if has_media else prompt
-        chains = self.prompt_chains(hashed)
+        if hashes is None:
+            hashes = self.hasher(prompt, has_media=has_media)()
         pinned = self._sessions.get(session_id) if session_id is not None else None
-        req.route, req.prefill_backlog = self.route(req.participants, len(prompt), chains, hashed,
-                                                    pinned=pinned)
-        req.block_hashes = chains
+        req.route, req.prefill_backlog = self.route(req.participants, len(prompt), hashes.chains,
+                                                    hashed, pinned=pinned,
+                                                    affinity_chain=hashes.affinity)
+        req.block_hashes = hashes.chains
         if session_id is not None:
             self._remember_session(session_id, req.route)
 
     def route(self, participants: Sequence[str], prompt_tokens: int,
               chains: dict[int, list[int]], prompt: Sequence[int] | None = None, *,
-              pinned: Mapping[str, int] | None = None) -> tuple[dict[str, int], int]:
+              pinned: Mapping[str, int] | None = None,
+              affinity_chain: list[int] | None = None) -> tuple[dict[str, int], int]:
         """A replica of every participant (among those up: admission saw one of each), and the
         prompt tokens the chosen entry replica is expected to compute (its prefill backlog while
         the request waits there). ``chains``: the prompt's block hashes per block size (empty: a
         prompt with media, or no prefix routing); ``prompt``: its token ids (None: it has media),
-        for the later stages that follow a prefix; ``pinned``: the session's replicas."""
+        for the later stages that follow a prefix (``affinity_chain``: its hashes for them, when
+        already computed); ``pinned``: the session's replicas."""
         route: dict[str, int] = {}
         uncached = prompt_tokens
         for stage in participants:
@@ -93,7 +132,8 @@ class RoutePlanner:
                 continue
             affinity = self._affinity.get(stage)
             if affinity is not None and prompt is not None:
-                chain = prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None)
+                chain = (affinity_chain if affinity_chain is not None
+                         else prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None))
                 route[stage] = self.router.follow(stage, up, load, affinity.lookup(chain, up))
                 affinity.record(chain, route[stage])
                 continue
@@ -115,8 +155,7 @@ class RoutePlanner:
         replica reported (prefix routing, prompts without media)."""
         if not self.prefix_routing or prompt is None:
             return {}
-        return {size: prompt_block_hashes(prompt, size, self._hash_seed)
-                for size in set(self.prefix_index.block_size.values())}
+        return self.hasher(prompt, has_media=False)().chains
 
     def matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]]
                        ) -> tuple[dict[int, int], dict[int, int]]:

@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 
 
 class StageFleet:
-    """``control_addr``: the inbox's address (default :func:`control_address`; with Ray and none
-    set, this node's IP once the cluster was joined)."""
+    """``config``: the effective config, its default addresses filled in
+    (:func:`~omni_cache.config.addresses.with_default_addresses`, under ``run_dir``);
+    ``control_addr``: the inbox's address (default: the config's; with Ray and none set, this
+    node's IP once the cluster was joined)."""
 
-    def __init__(self, config: PipelineConfig, events: StageEvents, *,
+    def __init__(self, config: PipelineConfig, events: StageEvents, *, run_dir: str,
                  stage_argv: Sequence[str] | None, external: set[str], control_addr: str | None,
                  echo_stage_logs: bool, start_timeout_s: float, shutdown_grace_s: float) -> None:
         self._config = config
@@ -43,10 +45,9 @@ class StageFleet:
         self._echo = echo_stage_logs
         self._start_timeout_s = start_timeout_s
         self._grace = shutdown_grace_s
-        self.control_address = control_addr or (
-            "" if config.server.ray_address is not None and not config.server.control_address
-            else control_address(config))
-        self.placement = StagePlacement(config, stage_argv=stage_argv, external=external)
+        self.control_address = control_addr or control_address(config) or ""  # "": Ray's node IP
+        self.placement = StagePlacement(config, run_dir=run_dir, stage_argv=stage_argv,
+                                        external=external)
         self.supervisor = StageSupervisor(self, heartbeat_timeout_s=config.server.heartbeat_timeout_s,
                                           announce_to=self.control_address)
         self.links = StageLinks(config, self.placement.replicas, self.supervisor, external)
@@ -72,6 +73,7 @@ class StageFleet:
     async def bind(self) -> None:
         """Claim the ipc paths, bind the inbox (joining the Ray cluster first when it places the
         stages) and connect to every replica. Call :meth:`close` when this fails."""
+        self.placement.make_run_dir()
         # before any bind: a second pipeline on the same ipc paths would take them over
         self._claims.acquire()
         self.links.open()

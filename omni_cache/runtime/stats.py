@@ -69,6 +69,7 @@ class StageStatsBoard:
             snap[n] = StageSnapshot(
                 up=bool(sp and sp.up),
                 restarts=sp.restarts if sp else 0,
+                hangs=sp.hangs if sp else 0,
                 counters=dict(self._counters.get(n, {})),
                 fresh=self._when.get(n, -1.0) >= since,
                 stage=replica.stage,

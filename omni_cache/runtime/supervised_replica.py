@@ -12,6 +12,7 @@ from collections import deque
 
 from omni_cache.config import StageConfig
 from omni_cache.config.replicas import Replica, stage_replicas
+from omni_cache.runtime.hang_watch import Liveness
 from omni_cache.runtime.process_runner import ProcessRunner, exit_words
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,15 @@ class SupervisedReplica:
         self.last_exit_words = ""
         self.restart_at: float | None = None
         self.old_pids: set[int] = set()  # previous incarnations (their late messages are stale)
-        # Stages started elsewhere: who announced itself last, when, and why it is down.
+        #: What its heartbeats said last: when, and whether its loop moves (hang_watch.py).
+        self.liveness = Liveness()
+        #: Times it was found hung (its loop stuck while working, or silent) and marked down.
+        self.hangs = 0
+        #: Why its current process was killed as hung (until that process's exit is handled).
+        self.hung: str | None = None
+        # Stages started elsewhere: who announced itself last, and why it is down.
         self.incarnation = ""
         self.host = ""
-        self.last_seen = 0.0
         self.lost_reason: str | None = None
         self.announced = False  # announced itself since it was last lost
         # Our connection to it failed or closed (and has not connected since): an announcement
@@ -119,6 +125,10 @@ class SupervisedReplica:
                     f"waiting for the connection to {self.address}")
         if self.external:
             return "started elsewhere, waiting for it to announce itself"
+        if self.hung:
+            return f"{self.hung}; killed, waiting for its process to exit"
+        if self.running and self.restarts and self.last_exit_words:
+            return f"restarting (its last process: {self.last_exit_words})"
         if self.running:
             return "restarting" if self.restarts else "starting"
         if self.last_exit is not None:

@@ -1,6 +1,7 @@
 """Stage process supervision: launching stage processes, waiting until they are ready, noticing
-when one exits or (started elsewhere) goes silent or closes its connection, restarting it with
-back-off, stopping them all.
+when one exits, hangs (its loop stopped moving while it works, or it went silent:
+:mod:`omni_cache.runtime.hang_watch`) or (started elsewhere) closes its connection, restarting it
+with back-off (a hung process is killed first), stopping them all.
 
 :class:`StageSupervisor` owns one :class:`SupervisedReplica` per stage replica (a stage with
 ``replicas: N`` has N, each supervised and restarted on its own, named as
@@ -26,6 +27,7 @@ import zmq.utils.monitor
 
 from omni_cache.config import StageConfig
 from omni_cache.config.replicas import Replica, stage_replicas
+from omni_cache.runtime.hang_watch import HangWatch
 from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
 from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.wire.messages import StageReady
@@ -50,8 +52,9 @@ class StageEvents(Protocol):
     def on_stage_down(self, stage: str, why: str) -> None:
         """Replica ``stage`` (its stage's name when the stage has one replica, else
         ``name#index``; ``supervisor.stages[stage]`` has both) stopped serving: its process exited
-        (``why``: "died (exit code 1)") or, started elsewhere, it went silent, closed its
-        connection or was replaced (``why``: "(started elsewhere, pid 12 on host) closed its
+        (``why``: "died (exit code 1)"), hung ("hung (its loop made no progress for 3.2 s while
+        it held work; ...) and was killed") or, started elsewhere, it hung, went silent, closed
+        its connection or was replaced (``why``: "(started elsewhere, pid 12 on host) closed its
         connection (its process is gone)")."""
 
     def on_stage_up(self, stage: str) -> None:
@@ -63,13 +66,15 @@ class StageSupervisor:
     """Owns the pipeline's stage processes: launches them, waits until they are ready, polls them
     (a monitor task, every :data:`POLL_INTERVAL_S`), restarts a dead one with back-off, stops them.
 
-    Spawned stages are watched through their processes (exit -> down, restart). Stages started
-    elsewhere (``external``) are watched through their announcements: each StageReady (sent every
-    ``server.heartbeat_interval_s``) marks the stage up (as soon as our connection to it is not
-    known to be down); one more than ``heartbeat_timeout_s``
-    late, one from a new incarnation, or their connection closing (:meth:`watch_connection`)
-    means the process we knew is gone: it is down until it announces itself again. It never
-    restarts or stops those.
+    Spawned stages (here or placed by Ray) are watched through their processes (exit -> down,
+    restart) and their heartbeats: one that hangs (:mod:`omni_cache.runtime.hang_watch`) is
+    marked down at once and its process group killed (SIGKILL reaches a stopped process too); its
+    exit then restarts it. Stages started elsewhere (``external``) are watched through their
+    announcements: each StageReady (sent every ``server.heartbeat_interval_s``) marks the stage
+    up (as soon as our connection to it is not known to be down); one that hangs, one from a new
+    incarnation, or their connection closing (:meth:`watch_connection`) means the process we knew
+    is gone or stuck: it is down until it announces itself again with its loop moving. It never
+    kills, restarts or stops those.
     """
 
     def __init__(self, events: StageEvents, *, heartbeat_timeout_s: float, announce_to: str) -> None:
@@ -80,7 +85,7 @@ class StageSupervisor:
         self._by_replica: dict[tuple[str, int], str] = {}  # (stage, index) -> replica name
         self._started = False  # every stage was ready once: restarts from now on
         self._stopping = False  # shutting down: exits are expected, nothing is restarted
-        self._last_tick = 0.0  # when the monitor last judged the external stages' silence
+        self._hangs = HangWatch(heartbeat_timeout_s, POLL_INTERVAL_S)
         self._monitor: asyncio.Task | None = None
         self._watchers: dict[str, tuple[Any, asyncio.Task]] = {}  # external stage -> (socket, task)
 
@@ -213,12 +218,13 @@ class StageSupervisor:
         if sp.external:
             self._on_external_announcement(sp, msg)
             return
-        # A spawned stage's heartbeats only confirm what its process handle says.
-        if msg.pid in sp.old_pids or not sp.running:
+        # A spawned stage's heartbeats confirm what its process handle says, and whether its
+        # loop moves.
+        if msg.pid in sp.old_pids or not sp.running or sp.hung:
             logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored",
                          sp.name, msg.pid)
             return
-        sp.last_seen = time.monotonic()
+        sp.liveness.beat(msg, time.monotonic())
         if msg.max_model_len:
             sp.max_model_len = msg.max_model_len
         if not sp.up:
@@ -235,12 +241,17 @@ class StageSupervisor:
                 self._stage_lost(sp, f"was replaced by a new process (pid {msg.pid} on {msg.host or '?'})")
             sp.restarts += 1
         elif sp.up:
-            sp.last_seen = now
+            sp.liveness.beat(msg, now)
             return
         sp.incarnation = msg.incarnation
         sp.pid = msg.pid
         sp.host = msg.host
-        sp.last_seen = now
+        sp.liveness.beat(msg, now)
+        stuck = sp.liveness.hang(now, self._heartbeat_timeout_s)
+        if stuck is not None:
+            # Alive, but its loop is still stuck: down until it moves again.
+            sp.lost_reason = stuck
+            return
         sp.lost_reason = None
         if msg.max_model_len:
             sp.max_model_len = msg.max_model_len
@@ -264,7 +275,7 @@ class StageSupervisor:
         found by it."""
         sp = self._stages.get(name)
         if sp is not None and sp.up:
-            sp.last_seen = time.monotonic()
+            sp.liveness.last_seen = time.monotonic()
 
     # ---- watching --------------------------------------------------------------------------------
 
@@ -314,7 +325,7 @@ class StageSupervisor:
             return
         if event == zmq.EVENT_CONNECTED:
             sp.connection_down = False
-            fresh = time.monotonic() - sp.last_seen <= self._heartbeat_timeout_s
+            fresh = time.monotonic() - sp.liveness.last_seen <= self._heartbeat_timeout_s
             if sp.announced and not sp.up and fresh:
                 self._external_up(sp)
             return
@@ -336,10 +347,10 @@ class StageSupervisor:
                 logger.exception("supervisor: monitoring step failed")
 
     def poll(self) -> None:
-        """One monitoring step: silent external stages, exited processes, due restarts."""
+        """One monitoring step: hung stages, exited processes, due restarts."""
         now = time.monotonic()
         if self._started and not self._stopping:
-            self._watch_external(now)
+            self._watch_heartbeats(now)
         for sp in self._stages.values():
             if sp.running:
                 code = sp.poll()
@@ -355,21 +366,27 @@ class StageSupervisor:
                     logger.error("stage %s: restart failed: %s", sp.name, e)
                     sp.restart_at = now + MAX_RESTART_DELAY_S
 
-    def _watch_external(self, now: float) -> None:
-        # A stalled event loop (a long tokenization, a burst of outputs) has not read the
-        # announcements waiting in its inbox yet: judge silence only on a punctual tick.
-        late = now - self._last_tick > 5 * POLL_INTERVAL_S
-        self._last_tick = now
-        if late:
-            return
-        timeout = self._heartbeat_timeout_s
-        for sp in self._stages.values():
-            if sp.external and sp.up and now - sp.last_seen > timeout:
-                self._stage_lost(sp, f"stopped answering (no heartbeat for {now - sp.last_seen:.1f} s, "
-                                     f"server.heartbeat_timeout_s is {timeout:g} s)")
+    def _watch_heartbeats(self, now: float) -> None:
+        for sp, why in self._hangs.hung(self._stages.values(), now):
+            sp.hangs += 1
+            if sp.external:
+                self._stage_lost(sp, why)
+            else:
+                self._kill_hung(sp, why)
+
+    def _kill_hung(self, sp: SupervisedReplica, why: str) -> None:
+        """A spawned replica hangs: down now (its requests end or move at once), then its process
+        group is killed; its exit (:meth:`_on_stage_exit`) restarts it."""
+        sp.up = False
+        sp.hung = why
+        logger.error("stage %s (pid %s) %s: killing its process group; last lines of its "
+                     "output:\n%s", sp.name, sp.pid, why, sp.log_tail(10))
+        self._events.on_stage_down(sp.name, f"{why} and was killed")
+        sp.signal_group(signal.SIGKILL)
 
     def _stage_lost(self, sp: SupervisedReplica, why: str) -> None:
-        """An external stage's process is gone: it is down until it announces itself again."""
+        """An external stage's process is gone or stuck: it is down until it announces itself
+        again (with its loop moving)."""
         sp.up = False
         sp.announced = False
         sp.lost_reason = why
@@ -387,10 +404,14 @@ class StageSupervisor:
         sp.last_exit = code
         assert sp.runner is not None
         what = sp.last_exit_words = sp.runner.describe_exit(code)
+        hung, sp.hung = sp.hung, None
+        if hung is not None:
+            what = sp.last_exit_words = f"{what} after it {hung}"
         logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
                      sp.name, sp.pid, what, uptime, sp.log_tail(10))
         sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
-        self._events.on_stage_down(sp.name, f"died ({what})")
+        if hung is None:  # a hung one was reported down when it was found
+            self._events.on_stage_down(sp.name, f"died ({what})")
         if not self._started:
             return  # wait_ready() reports it
         if uptime >= STABLE_UPTIME_S and sp.ever_ready:

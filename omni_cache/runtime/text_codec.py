@@ -1,14 +1,17 @@
 """Text in and out of the entry stage's vocabulary: chat messages -> prompt token ids through the
 thinker's chat template, token ids -> text.
 
-One tokenizer serves the server's threads (routes tokenize on the event loop's executor, the
-orchestrator detokenizes resumed answers on the loop), so every use holds one lock. It is loaded
-from the entry stage's model (resolving a ``tiny:*`` model writes its checkpoint first) with its
-word cache bounded (:mod:`omni_cache.runtime.tokenizer_cache`).
+A tokenizer is not safe to use from two threads at once, so each use holds a lock. Tokenizing runs
+in worker threads (a long prompt takes milliseconds behind the lock); detokenizing also runs on
+the event loop (a resumed answer's few new tokens, omni_cache/runtime/resume.py), so it has a copy
+of the tokenizer and a lock of its own: the event loop never waits for a tokenization. The
+tokenizer is loaded from the entry stage's model (resolving a ``tiny:*`` model writes its
+checkpoint first) with its word cache bounded (:mod:`omni_cache.runtime.tokenizer_cache`).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,11 +26,18 @@ class TextCodec:
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._decoder: Any = None  # the copy detokenizing uses (load())
+        self._decode_lock = threading.Lock()
 
     def load(self, model_path: str) -> None:
-        """Load ``model_path``'s tokenizer unless one was given (blocking)."""
+        """Load ``model_path``'s tokenizer unless one was given, and its copy for detokenizing
+        (blocking)."""
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(model_path)
+        try:
+            self._decoder = copy.deepcopy(self.tokenizer)
+        except Exception:  # noqa: BLE001 -- one that cannot be copied shares the tokenize lock
+            self._decoder, self._decode_lock = self.tokenizer, self._lock
 
     def tokenize_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Chat messages -> prompt token ids, with the generation prompt added."""
@@ -46,7 +56,9 @@ class TextCodec:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Token ids -> text, special tokens left out ("" without a tokenizer that decodes)."""
-        if self.tokenizer is None or not hasattr(self.tokenizer, "decode"):
+        decoder = self._decoder if self._decoder is not None else self.tokenizer
+        if decoder is None or not hasattr(decoder, "decode"):
             return ""
-        with self._lock:
-            return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        lock = self._decode_lock if self._decoder is not None else self._lock
+        with lock:
+            return str(decoder.decode(list(token_ids), skip_special_tokens=True))

@@ -4,7 +4,8 @@ failure an :class:`~omni_cache.serving.errors.APIError` naming the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -98,26 +99,39 @@ class ChatRequest:
     def include_usage(self) -> bool:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
+    def without_content(self) -> ChatRequest:
+        """This request without its messages and media (what answering it still reads): once it
+        was submitted, its prompt and decoded media are the orchestrator's, and the encoded
+        media need not live until it is answered."""
+        return replace(self, body=self.body.model_copy(update={"messages": []}), messages=[],
+                       media=())
+
 
 #: The voices the pipeline speaks with (its talker has one).
 VOICES = ("default",)
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused (413) past ``limit`` bytes before more of it is read: what it
-    carries goes to the entry stage in one message, which may not exceed
-    ``server.max_message_bytes`` anyway."""
-    too_large = APIError(413, f"the request body is over {limit} bytes (server.max_message_bytes)")
+async def read_body(request: Any, limit: int,
+                    reserve: Callable[[int], None] | None = None) -> bytearray:
+    """The request body, refused (413) past ``limit`` bytes (``server.max_body_bytes``) before
+    more of it is read. ``reserve(n)`` is told of ``n`` more bytes before they are kept (the
+    declared length at once, else each chunk) and may refuse them by raising."""
+    too_large = APIError(413, f"the request body is over {limit} bytes (server.max_body_bytes)")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
+    reserved = int(declared) if declared.isdigit() else 0
+    if reserve is not None and reserved:
+        reserve(reserved)
+    body = bytearray()  # one copy of the body, grown in place
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        if len(body) + len(chunk) > limit:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        if reserve is not None and len(body) + len(chunk) > reserved:
+            reserve(len(body) + len(chunk) - reserved)
+            reserved = len(body) + len(chunk)
+        body += chunk
+    return body
 
 
 def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:

@@ -27,6 +27,8 @@ _ERROR_TYPES = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    # OpenAI's own 429 body: {"type": "requests", "code": "rate_limit_exceeded"}
+    429: ("requests", "rate_limit_exceeded"),
     499: ("client_closed_request", None),
     500: ("server_error", None),
     503: ("service_unavailable", "stage_unavailable"),
@@ -38,7 +40,8 @@ class APIError(Exception):
     """An error answered as OpenAI-style JSON."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         default_type, default_code = _ERROR_TYPES.get(status, ("server_error", None))
         self.status = status
@@ -46,17 +49,22 @@ class APIError(Exception):
         self.type = type or default_type
         self.param = param
         self.code = code if code is not None else default_code
+        #: Seconds until the client may try again: the ``Retry-After`` header.
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> APIError:
-        return cls(e.status, e.message)
+        return cls(e.status, e.message, retry_after=e.retry_after)
 
 
 def invalid_request(exc: ValidationError) -> APIError:

@@ -19,6 +19,12 @@ its header (``max_image_pixels``), a clip's duration and sample rate from its he
 (``max_audio_seconds``, 1 kHz to 384 kHz). A violation is a :class:`MediaError` (HTTP 400 naming
 the content part). Nothing here is unpickled; the decoders are maintained libraries.
 
+Reading and decoding are two steps, so that what an item will hold is known before it is decoded:
+:meth:`MediaDecoder.read_all` takes each part's bytes (base64, or the fetch) and checks its header,
+which gives its decoded size (:attr:`EncodedItem.decoded_bytes`: an image's pixels x 3, a clip's
+samples at the target rate x 4); the server reserves that much of ``server.max_media_bytes_in_flight``
+(omni_cache/runtime/admission.py) and only then :meth:`MediaDecoder.decode_all` decodes.
+
 Every item gets a ``digest``: sha256 of what decides its decoded array (kind, target rate, encoded
 bytes). It keys :class:`DecodedCache` (``server.media.decoded_cache_bytes``: a repeated image is not
 decoded again) and travels to the thinker as the item's vLLM ``multi_modal_uuids`` entry, so vLLM
@@ -100,6 +106,19 @@ class DecodedCache:
 
 
 @dataclass
+class EncodedItem:
+    """One image or clip of a request, read and checked from its header, not decoded yet."""
+
+    kind: str  # IMAGE | AUDIO
+    data: bytes
+    param: str
+    digest: str
+    #: The bytes its decoded array will hold (uint8 RGB pixels, float32 samples at the rate).
+    decoded_bytes: int
+    fmt: str = ""  # audio: "wav" | "mp3"
+
+
+@dataclass
 class MediaDecoder:
     limits: MediaConfig = field(default_factory=MediaConfig)
     #: The rate clips are resampled to (the thinker's feature extractor's).
@@ -107,62 +126,87 @@ class MediaDecoder:
     #: Where decoded items are kept between requests (None: decode every time).
     cache: DecodedCache | None = None
 
-    def decode_all(self, parts: Sequence[MediaPart]) -> list[MediaItem]:
-        """A request's media parts, decoded in order; MediaError for the first that cannot be."""
+    def read_all(self, parts: Sequence[MediaPart]) -> list[EncodedItem]:
+        """A request's media parts read and checked from their headers, in order (nothing
+        decoded); MediaError for the first that cannot be used."""
         if len(parts) > self.limits.max_items:
             raise MediaError(f"the request has {len(parts)} images and audio clips; at most "
                              f"{self.limits.max_items} are accepted (server.media.max_items)", "messages")
-        return [self.image(p.part.image_url.url, p.param + ".image_url.url") if p.kind == IMAGE
-                else self.audio(p.part.input_audio.data, p.part.input_audio.format,
-                                p.param + ".input_audio")
+        return [self.read_image(p.part.image_url.url, p.param + ".image_url.url") if p.kind == IMAGE
+                else self.read_audio(p.part.input_audio.data, p.part.input_audio.format,
+                                     p.param + ".input_audio")
                 for p in parts]
 
-    def image(self, url: str, param: str) -> MediaItem:
-        data = self._image_bytes(url, param)
-        return self._cached(_digest(IMAGE, 0, data), lambda: self._decode_image(data, param))
+    def decode_all(self, items: Sequence[EncodedItem]) -> list[MediaItem]:
+        """Items :meth:`read_all` returned, decoded in order (through the decoded-item cache)."""
+        return [self._cached(item) for item in items]
 
-    def _decode_image(self, data: bytes, param: str) -> MediaItem:
+    def image(self, url: str, param: str) -> MediaItem:
+        """One image part read and decoded."""
+        return self._cached(self.read_image(url, param))
+
+    def audio(self, data_b64: str, fmt: str, param: str) -> MediaItem:
+        """One audio part read and decoded."""
+        return self._cached(self.read_audio(data_b64, fmt, param))
+
+    def read_image(self, url: str, param: str) -> EncodedItem:
         from PIL import Image, UnidentifiedImageError
 
+        data = self._image_bytes(url, param)
         try:
             with Image.open(io.BytesIO(data)) as img:
                 w, h = img.size  # from the header: nothing decoded yet
-                if w * h > self.limits.max_image_pixels:
-                    raise MediaError(f"image is {w}x{h} pixels; at most {self.limits.max_image_pixels} "
-                                     "pixels are accepted (server.media.max_image_pixels)", param)
-                rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)
-        except MediaError:
-            raise
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-            raise MediaError(f"image could not be decoded ({type(e).__name__}: {e}); send PNG, "
-                             "JPEG, WebP, GIF or BMP", param) from None
-        if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
-            raise MediaError("image has no pixels", param)
-        return MediaItem(IMAGE, np.ascontiguousarray(rgb))
+            raise MediaError(_undecodable_image(e), param) from None
+        if w * h > self.limits.max_image_pixels:
+            raise MediaError(f"image is {w}x{h} pixels; at most {self.limits.max_image_pixels} "
+                             "pixels are accepted (server.media.max_image_pixels)", param)
+        return EncodedItem(IMAGE, data, param, _digest(IMAGE, 0, data), w * h * 3)
 
-    def audio(self, data_b64: str, fmt: str, param: str) -> MediaItem:
+    def read_audio(self, data_b64: str, fmt: str, param: str) -> EncodedItem:
+        import soundfile as sf
+
         if fmt not in AUDIO_FORMATS:
             raise MediaError(f"input_audio.format {fmt!r} is not supported (supported: "
                              f"{', '.join(AUDIO_FORMATS)})", param + ".format")
         data = self._b64(data_b64, param + ".data")
-        return self._cached(_digest(AUDIO, self.audio_sample_rate, data),
-                            lambda: self._decode_audio(data, fmt, param))
-
-    def _decode_audio(self, data: bytes, fmt: str, param: str) -> MediaItem:
-        import soundfile as sf
-
         try:
             info = sf.info(io.BytesIO(data))
-            if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
-                raise MediaError(f"audio sample rate {info.samplerate} Hz is outside "
-                                 f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz", param)
-            if info.frames / info.samplerate > self.limits.max_audio_seconds:
-                raise MediaError(f"audio is {info.frames / info.samplerate:.1f} s long; at most "
-                                 f"{self.limits.max_audio_seconds:g} s are accepted "
-                                 "(server.media.max_audio_seconds)", param)
-            samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-        except MediaError:
-            raise
+        except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
+            raise MediaError(f"audio could not be decoded as {fmt} ({e})", param) from None
+        if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
+            raise MediaError(f"audio sample rate {info.samplerate} Hz is outside "
+                             f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz", param)
+        if info.frames / info.samplerate > self.limits.max_audio_seconds:
+            raise MediaError(f"audio is {info.frames / info.samplerate:.1f} s long; at most "
+                             f"{self.limits.max_audio_seconds:g} s are accepted "
+                             "(server.media.max_audio_seconds)", param)
+        samples = -(-info.frames * self.audio_sample_rate // info.samplerate)  # at the target rate
+        return EncodedItem(AUDIO, data, param, _digest(AUDIO, self.audio_sample_rate, data),
+                           samples * 4, fmt)
+
+    def _decode(self, item: EncodedItem) -> MediaItem:
+        return self._decode_image(item) if item.kind == IMAGE else self._decode_audio(item)
+
+    def _decode_image(self, item: EncodedItem) -> MediaItem:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(item.data)) as img:
+                # convert() copies even an RGB image: only one that is not RGB is converted
+                rgb = np.asarray(img if img.mode == "RGB" else img.convert("RGB"), dtype=np.uint8)
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise MediaError(_undecodable_image(e), item.param) from None
+        if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
+            raise MediaError("image has no pixels", item.param)
+        return MediaItem(IMAGE, np.ascontiguousarray(rgb))
+
+    def _decode_audio(self, item: EncodedItem) -> MediaItem:
+        import soundfile as sf
+
+        fmt, param = item.fmt, item.param
+        try:
+            samples, rate = sf.read(io.BytesIO(item.data), dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
             raise MediaError(f"audio could not be decoded as {fmt} ({e})", param) from None
         if samples.shape[0] == 0:
@@ -174,12 +218,12 @@ class MediaDecoder:
             mono = soxr.resample(mono, rate, self.audio_sample_rate)
         return MediaItem(AUDIO, np.ascontiguousarray(mono, dtype=np.float32), self.audio_sample_rate)
 
-    def _cached(self, digest: str, decode: Callable[[], MediaItem]) -> MediaItem:
+    def _cached(self, encoded: EncodedItem) -> MediaItem:
         if self.cache is None or self.cache.max_bytes == 0:
-            item = decode()
-            item.digest = digest
+            item = self._decode(encoded)
+            item.digest = encoded.digest
             return item
-        return self.cache.get_or_decode(digest, decode)
+        return self.cache.get_or_decode(encoded.digest, lambda: self._decode(encoded))
 
     # ---- bytes ---------------------------------------------------------------------------------
     def _image_bytes(self, url: str, param: str) -> bytes:
@@ -247,6 +291,10 @@ class MediaDecoder:
     def _too_large(self) -> str:
         return (f"media item larger than {self.limits.max_item_bytes} bytes "
                 "(server.media.max_item_bytes)")
+
+
+def _undecodable_image(e: Exception) -> str:
+    return f"image could not be decoded ({type(e).__name__}: {e}); send PNG, JPEG, WebP, GIF or BMP"
 
 
 def _digest(kind: str, rate: int, data: bytes) -> str:

@@ -1,6 +1,14 @@
 """The HTTP routes, one function each, on an ``APIRouter``: /health, /v1/models, /metrics,
-/v1/chat/completions and the /v1/realtime WebSocket. They find the orchestrator, the served model name and the API key on
-``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`)."""
+/v1/chat/completions and the /v1/realtime WebSocket. They find the orchestrator, the served model
+name and the API key on ``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`).
+
+A chat request takes its place among the requests in flight before anything of its body is read
+(429 when there is none: omni_cache/runtime/admission.py), reads its body up to
+``server.max_body_bytes`` (each byte held against ``server.max_body_bytes_in_flight`` until the
+request was submitted; after that it keeps neither body nor messages), and does its heavy work
+off the event loop: parsing the JSON, tokenizing, reading and decoding its media (whose decoded
+size is reserved from their headers before they are decoded) run in worker threads.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from omni_cache.runtime.admission import Ticket
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
@@ -81,8 +90,33 @@ async def metrics(request: Request) -> PlainTextResponse:
 async def chat_completions(request: Request):
     received_at = time.monotonic()
     orch: Orchestrator = request.app.state.orchestrator
-    body = await read_body(request, orch.config.server.max_message_bytes)
-    chat = parse_chat_request(body, request.app.state.served_model_name)
+    ticket = orch.admission.enter()  # 429 before anything of the body is read
+    try:
+        handle, chat = await _accept(request, orch, ticket, received_at)
+    except BaseException:
+        ticket.release()  # refused (or the client went away) before it was accepted
+        raise
+    if chat.body.stream:
+        return _stream(handle, chat, orch)
+    return await _complete(handle, chat, orch, request)
+
+
+async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
+                  received_at: float) -> tuple[RequestHandle, ChatRequest]:
+    """Read, check and submit one chat request holding ``ticket``; its body's bytes are held on
+    the ticket until it was submitted (``server.max_body_bytes_in_flight``)."""
+    try:
+        handle, chat = await _read_and_submit(request, orch, ticket, received_at)
+        return handle, chat.without_content()
+    finally:
+        ticket.release_body()
+
+
+async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
+                           received_at: float) -> tuple[RequestHandle, ChatRequest]:
+    body = await read_body(request, orch.config.server.max_body_bytes, reserve=ticket.hold_body)
+    chat = await asyncio.to_thread(parse_chat_request, body, request.app.state.served_model_name)
+    del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
@@ -90,7 +124,7 @@ async def chat_completions(request: Request):
         prompt = await asyncio.to_thread(orch.tokenize_messages, chat.messages)
     except Exception as e:  # noqa: BLE001 -- a chat template may raise on odd conversations
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    media = await _decoded_media(chat, orch, request.app.state.media_cache)
+    media = await _decoded_media(chat, orch, ticket, request.app.state.media_cache)
     req = chat.body
     handle = await orch.submit(
         prompt,
@@ -101,10 +135,9 @@ async def chat_completions(request: Request):
         modalities=chat.modalities,
         media=media,
         received_at=received_at,
+        ticket=ticket,
     )
-    if req.stream:
-        return _stream(handle, chat, orch)
-    return await _complete(handle, chat, orch, request)
+    return handle, chat
 
 
 @router.websocket("/v1/realtime")
@@ -129,15 +162,20 @@ async def realtime(websocket: WebSocket) -> None:
                          served_model=state.served_model_name, decode_image=decode_image)
 
 
-async def _decoded_media(chat: ChatRequest, orch: Orchestrator, cache: DecodedCache) -> list[MediaItem]:
-    """The request's images and clips decoded (off the event loop: decoding takes milliseconds
-    to seconds), each checked against ``server.media``; a bad one is a 400 naming its part."""
+async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
+                         cache: DecodedCache) -> list[MediaItem]:
+    """The request's images and clips, each checked against ``server.media`` from its header,
+    their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/admission.py), then
+    decoded; reading and decoding run off the event loop (milliseconds to seconds). A bad item is
+    a 400 naming its part."""
     if not chat.media:
         return []
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
                            cache=cache)
     try:
-        return await asyncio.to_thread(decoder.decode_all, chat.media)
+        encoded = await asyncio.to_thread(decoder.read_all, chat.media)
+        orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
+        return await asyncio.to_thread(decoder.decode_all, encoded)
     except MediaError as e:
         raise APIError(400, str(e), param=e.param) from None
 

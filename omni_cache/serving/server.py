@@ -19,8 +19,11 @@ Routes (FastAPI, served by uvicorn on ``server.host:server.port``, 127.0.0.1:809
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON /
 fields / over-long prompt, 401 missing or wrong API key (every route but /health, when a key is
-set), 404 unknown model, 503 a stage is down or died, 504 deadline. Streams report errors that
-happen after the first byte as an SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+set), 404 unknown model, 413 a body over ``server.max_body_bytes`` or media that can never fit,
+429 with ``Retry-After`` past the bounds on requests and decoded media in flight
+(:mod:`omni_cache.runtime.admission`), 503 a stage is down or died, 504 deadline. Streams
+report errors that happen after the first byte as an SSE event ``data: {"error": {...}}``
+followed by ``data: [DONE]``.
 
 This module assembles the app (:func:`create_app`) and runs it (:func:`serve`, :class:`ServerThread`);
 the routes are in :mod:`omni_cache.serving.routes`, the request checks in

@@ -1,7 +1,7 @@
 """The messages stages and the orchestrator exchange (frame 0 of every ZMQ message).
 
 Topology: every stage binds a PULL socket at its `address` (its inbox); the orchestrator binds one
-PULL socket at `control_address(config)` (its inbox). A stage PUSHes its output to the inboxes of
+PULL socket at `server.control_address` (its inbox). A stage PUSHes its output to the inboxes of
 its downstream stages and, when its output is final (or the request asked for latents), to the
 orchestrator. The orchestrator PUSHes `Submit` to the entry stage and `Abort`/`StatsQuery` to every
 stage.
@@ -15,7 +15,7 @@ stream from one stage to a downstream stage opens with a `StreamStart` and goes 
   output, so they travel with every delta rather than once).
 - `StreamStart` is the stream's first delta (a `StageOutput` subclass with its own tag, so code
   that reads deltas takes it as one) plus what travels once per (request, stage): the request's
-  context (`modalities`, `sampling`, `deadline`, `return_latents`, `route`, as its `Submit` gave
+  context (`modalities`, `sampling`, `time_left_s`, `return_latents`, `route`, as its `Submit` gave
   them) and the prompt as this stage's engine saw it (`prompt_token_ids`, `image_grids`). A
   downstream stage opens a request on a `StreamStart` and drops a `StageOutput` for a request it
   does not hold (the rest of a stream whose start it never saw). Only stages get it: the
@@ -31,16 +31,50 @@ Tensors never go in these headers; they travel as frames next to them (see trans
   codes as `token_ids`; see `omni_cache.handoff.CODES_FRAME`);
 - `StageOutput` from the decoder: "audio", float32 mono samples at `sample_rate`;
 - `Submit` with media: one frame per `MediaRef` (decoded pixels or samples, never encoded files).
+
+Every field's range is declared in its type (msgspec ``Meta``: ids and counts non-negative, sample
+rates and block sizes in range, strings bounded), so a frame with a value out of range fails to
+decode and is dropped by the receiver (transport.py), which goes on with the next one: a broken
+or hostile peer's value never reaches the state it would corrupt.
+
+Deadlines travel as time left (``time_left_s``, seconds), never as a point in time: hosts' clocks
+differ, and each process measures time by its own monotonic clock. A receiver turns the time left
+into its own deadline on receipt, and forwards what is left of it downstream the same way.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 # The client's sampling travels as the same struct that holds a stage's configured defaults.
-from omni_cache.config.schema import Sampling
+from omni_cache.config.schema import STAGE_NAME_MAX_LENGTH, STAGE_NAME_RE, Sampling
+
+#: The highest audio rate on the wire (a client's clip, a stage's audio), Hz.
+MAX_SAMPLE_RATE = 384_000
+#: The longest StageError message; a stage cuts a longer one (workers/runner.py).
+MAX_ERROR_MESSAGE = 8192
+
+#: A request's id: the orchestrator's (uuid hex; ".r<attempt>" for a resumed attempt).
+RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+StageName = Annotated[str, Meta(pattern=STAGE_NAME_RE, max_length=STAGE_NAME_MAX_LENGTH)]
+Count = Annotated[int, Meta(ge=0)]
+#: A token id or an audio code (vLLM keeps them in int32).
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+#: 0: not audio (or not known).
+SampleRate = Annotated[int, Meta(ge=0, le=MAX_SAMPLE_RATE)]
+Modality = Literal["text", "audio"]
+#: A vLLM finish reason ("stop", "length", ...).
+FinishReason = Annotated[str, Meta(max_length=32)]
+#: Seconds a request has left when the message carrying it is sent (None: no deadline).
+TimeLeft = Annotated[float, Meta(ge=0)] | None
+#: A block hash as vLLM's KV events carry it: the low 64 bits of the digest (msgpack's
+#: integers end at 2**64 - 1 anyway).
+BlockHash = Annotated[int, Meta(ge=0)]
+#: One image's (t, h, w) patch grid.
+PatchGrid = Annotated[list[Count], Meta(min_length=3, max_length=3)]
 
 
 # Talker -> decoder: a multi-codebook talker (Qwen3-Omni's) sends, with each StageOutput, the
@@ -54,52 +88,54 @@ class MediaRef(msgspec.Struct, kw_only=True):
     """One image or audio clip of a Submit; its samples travel as the tensor frame ``tensor``:
     an image as ``uint8 [H, W, 3]`` RGB, a clip as ``float32 [n]`` mono at ``sample_rate``."""
 
-    kind: str  # "image" | "audio"
-    tensor: str
-    sample_rate: int = 0
+    kind: Literal["image", "audio"]
+    tensor: Annotated[str, Meta(min_length=1, max_length=64)]
+    sample_rate: SampleRate = 0
     #: The server's content digest of the item (omni_cache/serving/media.py), passed to vLLM as
     #: its UUID; "" when unknown (vLLM then hashes the array itself).
-    uuid: str = ""
+    uuid: Annotated[str, Meta(max_length=128)] = ""
 
 
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
     """Orchestrator -> entry stage: a new client request, already tokenized. Its media fill the
     prompt's image/audio placeholders in order (the entry stage's vLLM processor expands them)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: RequestId
+    prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)]
     sampling: Sampling
-    modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])  # "audio": run downstream
+    # "audio": run the stages downstream too.
+    modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
     return_latents: bool = False  # also send the entry stage's latents to the orchestrator
-    deadline: float = 0.0  # unix time after which stages drop the request (0 = none)
+    #: The time the request has left (its stages drop it once that passed, after a grace).
+    time_left_s: TimeLeft = None
     media: list[MediaRef] = []
     #: stage -> the replica of it that serves this request (the orchestrator's choice, for every
     #: stage the request passes); each stage forwards it with its first output downstream, where
     #: it picks the replica the request's stream goes to. A stage missing here: replica 0.
-    route: dict[str, int] = {}
+    route: dict[StageName, Count] = {}
     #: A resumed request (omni_cache.runtime.resume): the last ``resumed_tokens`` of
     #: ``prompt_token_ids`` are the answer's first tokens, which its client already has. The stage
     #: sends them again with its first output, as if it had generated them.
-    resumed_tokens: int = 0
+    resumed_tokens: Count = 0
     #: With ``resumed_tokens``: the answer was complete (this finish reason); the stage recomputes
     #: it for the stages downstream and generates nothing new.
-    answer_finished: str = ""
+    answer_finished: FinishReason = ""
 
 
 class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     """A stage's streamed output for one request: what is new since its previous output."""
 
-    request_id: str
-    stage: str
-    seq: int  # 0, 1, 2, ... per (request, stage): receivers can check order
-    token_ids: list[int] = []
+    request_id: RequestId
+    stage: StageName
+    seq: Count  # 0, 1, 2, ... per (request, stage): receivers can check order
+    token_ids: list[TokenId] = []
     text: str = ""
-    latent_start: int = 0
+    latent_start: Count = 0
     finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens this stage's prefix cache let it skip (so far)
-    sample_rate: int = 0  # decoder output only
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: Count = 0
+    num_cached_tokens: Count = 0  # prompt tokens this stage's prefix cache let it skip (so far)
+    sample_rate: SampleRate = 0  # decoder output only
 
 
 class StreamStart(StageOutput, tag="start", kw_only=True):
@@ -107,20 +143,22 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
     needs once to run the request."""
 
     # The request's Submit.modalities: a stage forwards downstream only when "audio" is asked for.
-    modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
     sampling: Sampling | None = None  # the client's sampling (Submit.sampling)
-    deadline: float = 0.0  # the request's Submit.deadline
+    # What is left of the request's time when the stage sends it (the stage's own deadline, from
+    # its input's time_left_s): the receiver's deadline is that much from when it arrives.
+    time_left_s: TimeLeft = None
     # The request's Submit.return_latents: every autoregressive stage then also sends its tensors
     # (latents, a talker's codes) to the orchestrator.
     return_latents: bool = False
     # The request's Submit.route: it picks the downstream replica this message goes to; the rest
     # of the stream follows it there (workers/outbox.py).
-    route: dict[str, int] = {}
+    route: dict[StageName, Count] = {}
     # The prompt as the stage's engine saw it (media placeholders expanded): Qwen3-Omni's talker
     # finds the user turn and media in it.
-    prompt_token_ids: list[int] = []
+    prompt_token_ids: list[TokenId] = []
     # Per image of that prompt, its (t, h, w) patch grid.
-    image_grids: list[list[int]] = []
+    image_grids: list[PatchGrid] = []
 
     @classmethod
     def opening(cls, first: StageOutput, **once: Any) -> StreamStart:
@@ -131,33 +169,41 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
 class StageError(msgspec.Struct, tag="error", kw_only=True):
     """Any process -> orchestrator: request `request_id` failed in `stage`."""
 
-    request_id: str
-    stage: str
-    message: str
-    status: int = 500  # the HTTP status the client should see
+    request_id: RequestId
+    stage: StageName
+    message: Annotated[str, Meta(max_length=MAX_ERROR_MESSAGE)]
+    # The HTTP status the client should see; one that is not an error status reaches the client
+    # as 500 (the orchestrator's rule), so the request still ends with this error.
+    status: Annotated[int, Meta(ge=100, le=599)] = 500
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
     """Orchestrator -> stages: forget this request (client went away, deadline, another stage
     failed)."""
 
-    request_id: str
+    request_id: RequestId
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
     """Stage -> orchestrator, once its model is loaded and it serves, then again every
     ``server.heartbeat_interval_s``: the announcement doubles as heartbeat, so a server started
-    (or restarted) after its stages finds them, and a silent stage started elsewhere is noticed."""
+    (or restarted) after its stages finds them, a silent stage is noticed, and (``busy``,
+    ``stalled_s``) a stage whose loop stopped moving while it works is noticed too."""
 
-    stage: str
-    pid: int
+    stage: StageName
+    pid: Count
     #: Which replica of the stage this process is (omni_cache.config.replicas).
-    replica: int = 0
-    max_model_len: int = 0
+    replica: Count = 0
+    max_model_len: Count = 0
     #: Random per stage process: a new value means the stage was restarted (pids can repeat
     #: across hosts).
-    incarnation: str = ""
-    host: str = ""  # the stage's hostname, for messages
+    incarnation: Annotated[str, Meta(max_length=64)] = ""
+    host: Annotated[str, Meta(max_length=255)] = ""  # the stage's hostname, for messages
+    #: Whether the stage's loop was working (not waiting for input while it holds nothing) at its
+    #: last progress stamp (workers/loop_progress.py).
+    busy: bool = False
+    #: Seconds since the stage's loop last moved, on the stage's own clock when it sent this.
+    stalled_s: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
@@ -167,13 +213,13 @@ class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
 class StageStats(msgspec.Struct, tag="stats", kw_only=True):
     """Stage -> orchestrator: cumulative counters (prefix_cache_*_tokens, latent_rows_*, ...)."""
 
-    stage: str
-    counters: dict[str, float]
-    replica: int = 0  # which replica of the stage counted them
+    stage: StageName
+    counters: dict[Annotated[str, Meta(max_length=128)], float]
+    replica: Count = 0  # which replica of the stage counted them
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
-    reason: str = ""
+    reason: Annotated[str, Meta(max_length=1024)] = ""
 
 
 class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
@@ -181,15 +227,16 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     and lost since its last report (vLLM's KV-cache events, net per block hash; see
     scheduler/block_events.py), for prefix routing (omni_cache/runtime/routing.py)."""
 
-    stage: str
-    replica: int = 0
+    stage: StageName
+    replica: Count = 0
     #: Block hashes (vLLM's 64-bit form) its prefix cache holds now.
-    stored: list[int] = []
+    stored: list[BlockHash] = []
     #: Block hashes it no longer holds (evicted).
-    removed: list[int] = []
+    removed: list[BlockHash] = []
     #: The prefix cache was reset before these changes: forget what it held.
     cleared: bool = False
-    block_size: int = 0
+    #: Tokens per block of the engine that reports (the router hashes prompts in blocks of it).
+    block_size: Annotated[int, Meta(ge=1)]
 
 
 Message = (Submit | StreamStart | StageOutput | StageError | Abort | StageReady | StatsQuery

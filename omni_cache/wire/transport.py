@@ -32,7 +32,7 @@ import typing
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 import torch
@@ -72,12 +72,19 @@ class MessageTooLarge(ValueError):
     """An outgoing message would exceed the codec's ``max_message_bytes``."""
 
 
-class TensorMeta(msgspec.Struct, array_like=True):
-    """How to rebuild one tensor frame: its name, dtype name (a DTYPES key) and shape."""
+class SendTimeout(RuntimeError):
+    """A message could not be queued in time: the peer's queue stayed at its high-water mark (the
+    peer stopped reading). Nothing of the message was sent."""
 
-    name: str
+
+class TensorMeta(msgspec.Struct, array_like=True):
+    """How to rebuild one tensor frame: its name, dtype name (a DTYPES key) and shape (each
+    dimension a torch size: non-negative, within int64; declared, so a header with another one
+    fails to decode)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     dtype: str
-    shape: list[int]
+    shape: list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]]
 
 
 class Envelope(msgspec.Struct, Generic[M]):
@@ -184,10 +191,6 @@ def _rebuild_tensor(meta: TensorMeta, buf: memoryview) -> torch.Tensor:
     dtype = DTYPES.get(meta.dtype)
     if dtype is None:
         raise BadMessage(f"tensor {meta.name!r}: unknown dtype {meta.dtype!r}")
-    if any(d < 0 for d in meta.shape):
-        raise BadMessage(f"tensor {meta.name!r}: negative dimension in shape {meta.shape}")
-    if any(d >= 2**63 for d in meta.shape):  # torch sizes are int64
-        raise BadMessage(f"tensor {meta.name!r}: dimension too large in shape {meta.shape}")
     itemsize = dtype.itemsize
     expected = math.prod(meta.shape) * itemsize  # Python ints: no overflow on hostile shapes
     if buf.nbytes != expected:
@@ -354,18 +357,33 @@ class AsyncReceiver(_ReceiverBase):
 class Sender(_Endpoint):
     """PUSH socket that encodes and sends ``(msg, tensors)``; connects by default.
 
-    ``send`` blocks while the queue is at its high-water mark (backpressure).
+    ``send`` blocks while the queue is at its high-water mark (backpressure), at most
+    ``timeout_s`` when one is given.
     """
 
     socket_type = zmq.PUSH
     binds_by_default = False
 
     def send(
-        self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False
+        self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False,
+        timeout_s: float | None = None,
     ) -> zmq.MessageTracker | None:
         """Send one message; with ``track=True`` returns a tracker that is done once zmq
-        no longer references the tensors' memory."""
-        return self.socket.send_multipart(self.codec.encode(msg, tensors), copy=False, track=track)
+        no longer references the tensors' memory. With ``timeout_s`` (0: do not wait), raises
+        :class:`SendTimeout` when the queue is still full after that long; nothing is sent then."""
+        frames = self.codec.encode(msg, tensors)
+        if timeout_s is None:
+            return self.socket.send_multipart(frames, copy=False, track=track)
+        # Room for one message means room for all its frames: zmq queues a multipart message
+        # whole once its first frame is accepted.
+        if not self.socket.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):
+            raise SendTimeout(f"{type(msg).__name__} not taken within {timeout_s:g} s by "
+                              f"{self.address}: its queue is full")
+        try:
+            return self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
+        except zmq.Again:
+            raise SendTimeout(f"{type(msg).__name__} not taken by {self.address}: its queue is "
+                              "full") from None
 
 
 class AsyncSender(_Endpoint):

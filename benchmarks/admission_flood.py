@@ -1,0 +1,282 @@
+"""The server under a flood of the most media a request may carry: its event loop's lag, what it
+refuses, its memory (a probe, not a test).
+
+    .venv/bin/python -m benchmarks.admission_flood [--clients 16] [--seconds 30] [--json OUT.json]
+
+The server (the orchestrator and the HTTP app under uvicorn, as ``omni-serve`` runs them) runs in
+this process's event loop. Its stages are the fake stages of ``tests/fake_stage.py`` (real
+processes and ZMQ sockets; the thinker answers ``--answer-tokens`` tokens at ``--token-delay``
+seconds each without a model), so what is measured is the server's own work: reading bodies,
+parsing them, tokenizing (the tiny Qwen3-Omni checkpoint's tokenizer and chat template), reading
+and decoding media, routing, streaming answers back. A probe task on the same event loop sleeps
+``--probe-interval`` seconds at a time and records how much later than that it wakes: the loop's
+lag, which every stream's next chunk and every ``/health`` answer waits behind.
+
+The clients run in another process (they would otherwise compete for this process's GIL): each of
+``--clients`` posts, again and again for ``--seconds``, a chat request with ``--items`` one-colour
+PNG images of ``--side`` x ``--side`` pixels (a few KiB each, ``side * side * 3`` bytes decoded:
+the most decoded media ``server.media`` lets one request carry; each body is encoded once before
+the flood), ignoring Retry-After, while a poller in a third process asks ``/health`` every 100 ms. Limits: ``server.max_media_bytes_in_flight`` is
+``--media-requests`` requests' worth of media, ``server.max_requests_in_flight`` is
+``--max-in-flight``. With ``--noise`` the images are random pixels instead: every body is about as
+large as the pixels (the server then also reads and parses that much per request).
+
+Prints and writes (``--json``) the lag's percentiles idle and under the flood, the answers by
+status, ``/health``'s latency, and the server process's RSS before the flood and its peak during
+it. The decoded-item cache (``server.media.decoded_cache_bytes``, 256 MiB) is on, as by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_STAGE = ROOT / "tests" / "fake_stage.py"
+MIB = 1 << 20
+
+
+def flood_config(directory: Path, args: argparse.Namespace) -> Path:
+    request_media = args.items * args.side * args.side * 3
+    data = {
+        "name": f"flood-{os.getpid()}",
+        "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 60,
+                   "max_message_bytes": max(256 * MIB, 2 * request_media),
+                   "max_requests_in_flight": args.max_in_flight,
+                   "max_body_bytes": max(64 * MIB, 2 * request_media),
+                   "max_media_bytes_in_flight": args.media_requests * request_media,
+                   "media": {"max_items": args.items, "max_image_pixels": args.side * args.side}},
+        "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:qwen3-omni",
+                    "final_output": "text", "engine_args": {"max_model_len": 8192},
+                    "sampling": {"max_tokens": args.answer_tokens},
+                    "env": {"FAKE_TOKEN_DELAY": str(args.token_delay)}}],
+    }
+    path = directory / "flood.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"n": len(ordered), "p50": at(0.50), "p90": at(0.90), "p99": at(0.99),
+            "max": ordered[-1], "mean": statistics.fmean(ordered)}
+
+
+async def probe(lags: list[tuple[float, float]], interval: float, stop: asyncio.Event) -> None:
+    """(when, lag): how much later than ``interval`` each sleep of the event loop woke."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(interval)
+        t1 = time.perf_counter()
+        lags.append((t1, t1 - t0 - interval))
+
+
+# ---- the clients (another process) ---------------------------------------------------------------
+
+def png_data_url(side: int, seed: int, noise: bool) -> str:
+    """One colour (a few KiB: the most decoded bytes for the least sent) or, with ``noise``,
+    random pixels (incompressible: the largest body for the pixels)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    if noise:
+        img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+    else:
+        img = Image.new("RGB", (side, side), tuple(int(c) for c in rng.integers(0, 256, 3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def run_clients(url: str, model: str, args: dict[str, Any], go: Any, out: Any) -> None:
+    """``args['clients']`` threads posting media requests back to back for ``args['seconds']``
+    from ``go`` on (each body encoded once, before: "ready" on ``out``); puts (statuses,
+    latencies) on ``out``."""
+    import httpx
+
+    bodies = []
+    for c in range(args["clients"]):
+        parts = [{"type": "text", "text": "what is in these pictures?"}]
+        parts += [{"type": "image_url", "image_url": {"url": png_data_url(
+            args["side"], c * 100 + i, args["noise"])}} for i in range(args["items"])]
+        bodies.append(json.dumps({"model": model, "max_tokens": args["answer_tokens"],
+                                  "messages": [{"role": "user", "content": parts}]}).encode())
+    out.put("ready")
+    go.wait()
+    end = time.monotonic() + args["seconds"]
+    statuses: list[int] = []
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client(body: bytes) -> None:
+        with httpx.Client(timeout=120, headers={"Content-Type": "application/json"}) as http:
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                code = http.post(url + "/v1/chat/completions", content=body).status_code
+                with lock:
+                    statuses.append(code)
+                    latencies.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=client, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put((statuses, latencies))
+
+
+def poll_health(url: str, seconds: float, go: Any, out: Any) -> None:
+    """GET /health every 100 ms for ``seconds`` from ``go`` on (a process of its own: the
+    uploading clients do not delay it); puts (latencies, statuses) on ``out``."""
+    import httpx
+
+    latencies: list[float] = []
+    codes: list[int] = []
+    go.wait()
+    end = time.monotonic() + seconds
+    with httpx.Client(timeout=120) as http:
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            codes.append(http.get(url + "/health").status_code)
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.1)
+    out.put((latencies, codes))
+
+
+# ---- the server (this process) -------------------------------------------------------------------
+
+def rss(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
+    import uvicorn
+
+    from omni_cache.config import load_config
+    from omni_cache.runtime.orchestrator import Orchestrator
+    from omni_cache.serving.server import create_app
+
+    config = load_config(flood_config(Path(tempfile.mkdtemp(prefix="flood")), args))
+    orch = Orchestrator(config, stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=300,
+                        shutdown_grace_s=2, echo_stage_logs=False)
+    app = create_app(orch, manage_lifecycle=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    await orch.start()
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    spawn = multiprocessing.get_context("spawn")
+    out: Any = spawn.Queue()
+    health_out: Any = spawn.Queue()
+    go = spawn.Event()
+    clients = spawn.Process(target=run_clients, args=(url, orch.served_model_name, {
+        "clients": args.clients, "seconds": args.seconds, "items": args.items, "side": args.side,
+        "answer_tokens": args.answer_tokens, "noise": args.noise}, go, out))
+    poller = spawn.Process(target=poll_health, args=(url, args.seconds, go, health_out))
+    clients.start()
+    poller.start()
+    assert await asyncio.to_thread(out.get) == "ready"  # the bodies are encoded
+    lags: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    probing = asyncio.create_task(probe(lags, args.probe_interval, stop))
+    try:
+        await asyncio.sleep(args.idle_seconds)  # the idle baseline
+        rss_before = rss("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
+        flood_start = time.perf_counter()
+        go.set()
+        statuses, latencies = await asyncio.to_thread(out.get)
+        health, health_codes = await asyncio.to_thread(health_out.get)
+        flood_end = time.perf_counter()
+        await asyncio.to_thread(clients.join)
+        await asyncio.to_thread(poller.join)
+    finally:
+        stop.set()
+        await probing
+        server.should_exit = True
+        await serving
+        await orch.close()
+    idle = [lag for when, lag in lags if when < flood_start]
+    flooded = [lag for when, lag in lags if flood_start <= when <= flood_end]
+    by_status: dict[str, int] = {}
+    for code in statuses:
+        by_status[str(code)] = by_status.get(str(code), 0) + 1
+    return {
+        "loop_lag_idle_s": percentiles(idle), "loop_lag_flood_s": percentiles(flooded),
+        "answers_by_status": by_status, "requests_per_s": len(statuses) / (flood_end - flood_start),
+        "latency_s": {str(code): percentiles([lat for c, lat in zip(statuses, latencies) if c == code])
+                      for code in sorted(set(statuses))},
+        "health_latency_s": percentiles(health), "health_statuses": sorted(set(health_codes)),
+        "server_rss_before_flood_mib": rss_before / MIB,
+        "server_peak_rss_during_flood_mib": rss("VmHWM") / MIB,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=30.0, help="how long the flood lasts")
+    ap.add_argument("--idle-seconds", type=float, default=3.0, help="the idle baseline before it")
+    ap.add_argument("--items", type=int, default=4, help="images per request (server.media.max_items)")
+    ap.add_argument("--side", type=int, default=2048,
+                    help="image width = height (server.media.max_image_pixels is side^2)")
+    ap.add_argument("--noise", action="store_true",
+                    help="random-pixel images (bodies of about items * side^2 * 4 bytes) instead "
+                         "of one-colour ones (a few KiB)")
+    ap.add_argument("--media-requests", type=int, default=4,
+                    help="server.max_media_bytes_in_flight in requests' worth of media")
+    ap.add_argument("--max-in-flight", type=int, default=64, help="server.max_requests_in_flight")
+    ap.add_argument("--answer-tokens", type=int, default=20)
+    ap.add_argument("--token-delay", type=float, default=0.02, help="the fake thinker's pace (s)")
+    ap.add_argument("--probe-interval", type=float, default=0.01)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from benchmarks.harness import machine_info
+
+    result = {"args": vars(args) | {"json": str(args.json) if args.json else None},
+              "machine": machine_info(), **asyncio.run(serve_and_flood(args))}
+    lag, idle = result["loop_lag_flood_s"], result["loop_lag_idle_s"]
+    print(f"event loop lag under the flood: p50 {lag['p50'] * 1e3:.1f} ms, p99 "
+          f"{lag['p99'] * 1e3:.1f} ms, max {lag['max'] * 1e3:.1f} ms ({lag['n']} probes; idle p99 "
+          f"{idle['p99'] * 1e3:.1f} ms)")
+    print(f"answers: {result['answers_by_status']} ({result['requests_per_s']:.1f}/s); /health p99 "
+          f"{result['health_latency_s']['p99'] * 1e3:.1f} ms, statuses {result['health_statuses']}; "
+          f"server RSS {result['server_rss_before_flood_mib']:.0f} MiB before, peak "
+          f"{result['server_peak_rss_during_flood_mib']:.0f} MiB during the flood "
+          f"({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
