@@ -34,7 +34,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-
 from omni_cache.config import PipelineConfig, resolve_model
 from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
@@ -57,9 +56,7 @@ from omni_cache.runtime.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRAC
 from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import (
-    Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit,
-)
+from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit
 from omni_cache.wire.transport import MessageTooLarge
 
 logger = logging.getLogger(__name__)
@@ -112,8 +109,7 @@ class Orchestrator:
         self.topology = topology = Topology.of(config)
         self.served_model_name = config.server.served_model_name or config.name
         self.fleet = StageFleet(config, self, run_dir=run_dir, stage_argv=stage_argv,
-                                external=external,
-                                control_addr=control_addr, echo_stage_logs=echo_stage_logs,
+                                external=external, control_addr=control_addr, echo_stage_logs=echo_stage_logs,
                                 start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None
                                                  else float(start_timeout_s)),
                                 shutdown_grace_s=shutdown_grace_s)
@@ -127,13 +123,11 @@ class Orchestrator:
         self.requests = RequestTable()
         self.routes = RoutePlanner(config, topology, self.supervisor, self.requests)
         self.metrics = OrchestratorMetrics(topology.stage_names)
-        self.outputs = OutputAssembler(topology, self.metrics)
+        self.timeline = Timeline("server")  # omni_cache/timeline.py: off unless OMNI_CACHE_TIMELINE_DIR is set
+        self.outputs = OutputAssembler(topology, self.metrics, self.timeline)
         self._stats = StageStatsBoard()
         # The server's own heap: see omni_cache/heap_trim.py (trimmed from the deadline loop).
         self.heap = HeapTrimmer()
-        #: When requests passed the server (omni_cache/timeline.py; off unless
-        #: OMNI_CACHE_TIMELINE_DIR is set).
-        self.timeline = Timeline("server")
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -249,8 +243,7 @@ class Orchestrator:
     def on_stage_up(self, stage: str) -> None:
         """A stage replica announced itself ready: the entry stage's context length is now its."""
         if self.fleet.replicas[stage].stage == self.topology.entry.name:
-            self.admission.context_len = (self.supervisor.stages[stage].max_model_len
-                                          or self.admission.context_len)
+            self.admission.context_len = self.supervisor.stages[stage].max_model_len or self.admission.context_len
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -410,8 +403,7 @@ class Orchestrator:
             return
         req.done = True
         self.requests.answered(req)
-        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage,
-                                                 request_id=req.request_id)))
+        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
         if count:
             self.metrics.request_done(status)
             if stage is not None:
@@ -463,8 +455,6 @@ class Orchestrator:
             logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
             return
         self.routes.output_seen(req, msg.stage)
-        if self.timeline.on:
-            self._mark_output(req, msg, tensors)
         try:
             complete = self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic())
         except BadOutput as e:
@@ -472,15 +462,6 @@ class Orchestrator:
             return
         if complete:
             self._complete(req)
-
-    def _mark_output(self, req: Request, msg: StageOutput, tensors: dict[str, Any]) -> None:
-        """The first text and the first audio reaching the server (omni_cache/timeline.py)."""
-        final = self.config.stage(msg.stage).final_output
-        if final == "text" and msg.token_ids:
-            self.timeline.mark(req.request_id, "text_in")
-        audio = tensors.get("audio")
-        if final == "audio" and audio is not None and audio.numel():
-            self.timeline.mark(req.request_id, "audio_in")
 
     def _on_error(self, msg: StageError) -> None:
         req = self.requests.get(msg.request_id)
