@@ -3,11 +3,15 @@
     .venv/bin/python -m benchmarks --stage-config stage_configs/tiny_omni.yaml \\
         --workload shared-prefix --json OUT.json --plot OUT.png [--quick]
 
-By default it starts the pipeline of ``--stage-config`` twice, one after the other (start, drive,
-stop): prefix cache on, then off (``--sides``), each on a private copy of the config (own socket
-paths, HTTP port 0), and sends both the same request stream: a warm-up (not measured), then the
-workload's requests, streamed (``"stream": true``, text + audio). ``--url`` measures an already
-running server instead (one side, whatever its cache setting).
+By default it starts the pipeline of ``--stage-config`` twice, prefix cache on and off
+(``--sides``), each as ``omni-serve`` in a process of its own on a private copy of the config (own
+socket paths, HTTP port 0); both stay up for the whole run. Each gets the same warm-up (not
+measured), then the workload's requests go in ``--rounds`` rounds: every round's requests (fresh
+ones, ``--num-requests`` of them) to one side, then the same to the other, the order alternating
+from round to round; ratios are taken per round (the two sides of a round ran minutes apart at
+most) and their median reported beside the pooled ones. Requests are streamed (``"stream": true``,
+text + audio). ``--url`` measures an already running server instead (one side, whatever its cache
+setting).
 
 Per side: time to first text / first audio / end of stream (p50, p90, p99), throughput (requests/s,
 audio seconds/s), the thinker's prefix-cache hit rate and hidden-state rows served from the cache
@@ -20,10 +24,14 @@ Results: docs/benchmarks.md (tables) and benchmarks/results/ (run logs).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import math
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,12 @@ from typing import Any
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from benchmarks.workloads import WORKLOADS, Sizes, arrival_times, build_workload, parse_mix  # noqa: E402
+from benchmarks import profiles  # noqa: E402
+from benchmarks.breakdown import format_breakdown, summarize_breakdown  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    WORKLOADS, Sizes, arrival_times, build_workload, parse_mix, split_rounds,
+)
+from omni_cache import timeline  # noqa: E402
 
 DEFAULTS = dict(num_requests=32, shared_tokens=4000, unique_tokens=100, turns=3, max_tokens=32)
 QUICK = dict(num_requests=6, shared_tokens=2000, unique_tokens=100, turns=2, max_tokens=24)
@@ -48,17 +61,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="API key of --url (default: $OMNI_CACHE_API_KEY)")
     target.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
     target.add_argument("--sides", default="on,off",
-                        help="which pipelines to start, in order: on, off or both (default: %(default)s)")
-    target.add_argument("--repeat", type=int, default=1,
-                        help="run the sides this many times, alternating the order (on,off,off,on,...); "
-                             "samples are pooled and per-repeat ratios reported (default: 1)")
+                        help="which pipelines to start, in order: on, off or both (default: %(default)s); "
+                             "off,off2 (or on,on2) starts two of the same setting: an A/A run, whose "
+                             "ratios show what the machine alone moves")
+    target.add_argument("--rounds", type=int, default=1,
+                        help="rounds of --num-requests fresh requests per side, the sides' order "
+                             "alternating (on,off / off,on / ...); both pipelines stay up throughout; "
+                             "per-round ratios and their median are reported (default: 1)")
+    target.add_argument("--order", choices=("alternate", "same"), default="alternate",
+                        help="the sides' turns per round: alternate (A B, B A, ...) or same (A B, A B, ...) "
+                             "(default: %(default)s)")
     target.add_argument("--checkpoint-dir", help="where tiny checkpoints live (default: the config's)")
     target.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
                         help="add KEY=VALUE to every stage's env in the private config copy (repeatable; "
                              "e.g. OMP_NUM_THREADS=1)")
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
-    wl.add_argument("--num-requests", type=int, help=f"measured requests per side (default {DEFAULTS['num_requests']}, "
+    wl.add_argument("--num-requests", type=int, help=f"measured requests per side and round (default {DEFAULTS['num_requests']}, "
                     f"--quick {QUICK['num_requests']})")
     wl.add_argument("--shared-tokens", type=int, help="S: shared system-prompt tokens (shared-prefix), image tokens (image), opening "
                     f"tokens (multi-turn, zero-reuse) (default {DEFAULTS['shared_tokens']}, "
@@ -80,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     wl.add_argument("--one-message", action="store_true",
                     help="single-turn requests as one user message (system + user text), as vllm bench serve "
                          "sends the prompts of benchmarks.export_prompts")
+    wl.add_argument("--cpu-burners", type=int, default=0, metavar="N",
+                    help="keep N cores busy beside the pipelines while they are measured (one process "
+                         "each: float32 matrix products on one torch thread), to measure them with the "
+                         "cores contended (default: 0)")
     wl.add_argument("--seed", type=int, default=0)
     wl.add_argument("--quick", action="store_true",
                     help="small sizes (whole run incl. both start-ups well under 10 minutes on 2 cores)")
@@ -87,6 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--json", help="write every number and sample here")
     out.add_argument("--plot", help="write the latency plot (PNG) here")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--profile", metavar="DIR",
+                     help="sample the server and every stage with py-spy while each side is measured "
+                          "(raw stacks in DIR, a summary per side and process in the JSON)")
+    out.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (default: %(default)s)")
+    out.add_argument("--timeline", action="store_true",
+                     help="record every request's way through the server and the stages "
+                          "(omni_cache/timeline.py) and report where its time to first audio / text went")
     args = p.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for k, v in base.items():
@@ -98,11 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency must be >= 1")
     if args.rate is not None and not (args.rate > 0 and math.isfinite(args.rate)):
         p.error("--rate must be > 0")
-    if args.repeat < 1:
-        p.error("--repeat must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.url and (args.rounds > 1 or args.profile or args.timeline):
+        p.error("--rounds, --profile and --timeline apply to the pipelines this command starts, not to --url")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or any(s not in ("on", "off") for s in sides) or len(set(sides)) != len(sides):
-        p.error("--sides: a comma-separated list of 'on' and 'off'")
+    if not sides or any(not re.fullmatch(r"(on|off)\d*", s) for s in sides) or len(set(sides)) != len(sides):
+        p.error("--sides: a comma-separated list of 'on' and 'off' (or on2, off2, ...: a second "
+                "pipeline of the same setting, for an A/A run)")
     args.sides = sides
     env = {}
     for item in args.stage_env:
@@ -134,51 +167,59 @@ def main(argv: list[str] | None = None) -> int:
                   unique_tokens=args.unique_tokens, turns=args.turns, max_tokens=args.max_tokens,
                   mix=args.mix)
     try:
-        warmup, sessions = build_workload(args.workload, sizes, args.seed)
+        # Every round gets fresh requests: the workload of all rounds, cut into rounds.
+        every = dataclasses.replace(sizes, num_requests=sizes.num_requests * args.rounds)
+        warmup, sessions = build_workload(args.workload, every, args.seed)
+        rounds = split_rounds(sessions, args.rounds)
     except ValueError as e:
         print(f"benchmarks: {e}", file=sys.stderr)
         return 2
     if args.rate is not None:
-        for s, t in zip(sessions, arrival_times(len(sessions), args.rate, args.seed)):
-            s.arrival_s = t
+        for group in rounds:  # every round's arrivals start at its own measured phase
+            for s, t in zip(group, arrival_times(len(group), args.rate, args.seed)):
+                s.arrival_s = t
     config: dict[str, Any] = {
         "workload": args.workload,
         "sizes": {k: getattr(sizes, k) for k in ("num_requests", "shared_tokens", "unique_tokens", "turns",
                                                   "max_tokens")},
+        "requests_per_round": [sum(s.turns for s in group) for group in rounds],
         "mix": args.mix if args.workload == "mixed" else None,
         "concurrency": args.concurrency, "rate": args.rate, "seed": args.seed, "quick": args.quick,
         "text_only": args.text_only, "one_message": args.one_message,
         "sessions": len(sessions), "warmup_requests": sum(s.turns for s in warmup),
-        "sides": ["server"] if args.url else args.sides, "repeat": 1 if args.url else args.repeat,
+        "sides": ["server"] if args.url else args.sides, "rounds": len(rounds),
         "url": args.url, "stage_config": None if args.url else os.path.abspath(args.stage_config),
         "stage_config_yaml": None if args.url else Path(args.stage_config).read_text(encoding="utf-8"),
-        "private_copy": None if args.url else "name bench-<pid>-<side>, ipc sockets under "
-                        "/tmp/omni_cache/bench-<pid>-<side>/, server.port 0",
+        "private_copy": None if args.url else "omni-serve per side in a process of its own; name "
+                        "bench-<pid>-<side>, ipc sockets under /tmp/omni_cache/bench-<pid>-<side>/, server.port 0",
         "stage_env": args.stage_env or None,
+        "profile": {"dir": os.path.abspath(args.profile), "rate": args.profile_rate} if args.profile else None,
+        "timeline": args.timeline,
+        "cpu_burners": args.cpu_burners, "order": args.order,
     }
     machine = harness.machine_info()
     runs: list[dict[str, Any]] = []
+    sides_info: dict[str, Any] = {}
     progress = not args.no_progress
-    with harness.Monitor() as monitor:
+    profile = profiles.Recorder(args.profile, args.profile_rate) if args.profile else None
+    with contextlib.ExitStack() as stack:
+        timeline_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="omni_cache_timeline_")) \
+            if args.timeline else None
+        monitor = stack.enter_context(harness.Monitor())
         try:
             if args.url:
                 harness.log(f"measuring {args.url}: warm-up, then {sum(s.turns for s in sessions)} request(s)")
                 r = harness.drive(args.url, args.model, warmup, sessions, api_key=args.api_key,
                                   concurrency=args.concurrency, rate=args.rate, label="server", progress=progress,
                                   audio=not args.text_only, one_message=args.one_message)
-                runs.append({"side": "server", "repeat": 0, **r})
+                runs.append({"side": "server", "round": 0, **r})
             else:
-                for rep in range(args.repeat):
-                    order = args.sides if rep % 2 == 0 else list(reversed(args.sides))
-                    for side in order:
-                        r = harness.run_side(args.stage_config, side, warmup, sessions,
-                                             concurrency=args.concurrency, rate=args.rate, progress=progress,
-                                             monitor=monitor, checkpoint_dir=args.checkpoint_dir,
-                                             stage_env=args.stage_env or None, audio=not args.text_only,
-                                             one_message=args.one_message)
-                        for s in r["samples"]:
-                            s["repeat"] = rep
-                        runs.append({"side": side, "repeat": rep, **r})
+                _, sides_info = harness.run_rounds(
+                    args.stage_config, args.sides, warmup, rounds, concurrency=args.concurrency,
+                    rate=args.rate, progress=progress, monitor=monitor, checkpoint_dir=args.checkpoint_dir,
+                    stage_env=args.stage_env or None, audio=not args.text_only, one_message=args.one_message,
+                    profile=profile, timeline_dir=timeline_dir, cpu_burners=args.cpu_burners, order=args.order,
+                    on_run=runs.append)
         except KeyboardInterrupt:
             print("benchmarks: interrupted", file=sys.stderr)
             if not runs:
@@ -187,7 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmarks: {type(e).__name__}: {e}", file=sys.stderr)
             if not runs:
                 return 1
+        timelines = {side: timeline.read(os.path.join(timeline_dir, side)) for side in args.sides} \
+            if timeline_dir else None
     result = harness.assemble(config, machine, runs, monitor)
+    result["sides_started"] = sides_info
+    if timelines is not None:
+        result["breakdown"] = {side: summarize_breakdown(result["samples"].get(side, []), timelines[side])
+                               for side in args.sides}
+    if profile is not None:
+        result["profile"] = profiles.summarize_dir(args.profile, args.profile_rate)
     print()
     print(f"omni_cache end to end: {args.workload}, {config['sizes']}, "
           + (f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}")
@@ -196,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     if "answers_identical" in result:
         a = result["answers_identical"]
         print(f"answers identical on/off: {a['identical']} of {a['compared']}")
+    if "profile" in result:
+        print()
+        print(profiles.format_summary(result["profile"]))
+    if "breakdown" in result:
+        print()
+        print(format_breakdown(result["breakdown"], "audio"))
+        print(format_breakdown(result["breakdown"], "text"))
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")

@@ -54,6 +54,10 @@ class Sample:
     status: int | None = None
     scheduled_s: float | None = None  # rate mode: when it was due (measured phase clock)
     start_s: float = 0.0              # when it was sent (measured phase clock)
+    #: When it was sent, time.perf_counter() (CLOCK_MONOTONIC on Linux: the clock of the
+    #: server's request timelines, omni_cache/timeline.py).
+    sent_at: float = 0.0
+    response_id: str | None = None    # the stream's "id" (chatcmpl-<the server's request id>)
     ttft_s: float | None = None
     ttfa_s: float | None = None
     e2e_s: float | None = None
@@ -96,6 +100,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
     text: list[str] = []
     t0 = time.perf_counter()
     sample.start_s = t0 - t_base
+    sample.sent_at = t0
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
             sample.status = r.status_code
@@ -118,6 +123,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
                 chunk = json.loads(payload)
                 if sample.first_chunk_s is None:
                     sample.first_chunk_s = now
+                    sample.response_id = chunk.get("id")
                 if "error" in chunk:
                     err = chunk["error"]
                     sample.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]

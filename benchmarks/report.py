@@ -18,6 +18,7 @@ __all__ = [
     "evaluate_targets",
     "fmt_seconds",
     "format_table",
+    "paired_ratios",
     "percentile",
     "plot",
     "ratios",
@@ -31,9 +32,12 @@ SIDES = ("on", "off")
 COLORS = {"on": "#1f77b4", "off": "#d62728", "server": "#2ca02c"}
 LABELS = {"on": "prefix cache on", "off": "prefix cache off", "server": "server"}
 
-#: Issue 5's targets.
-TARGET_TTFA_SPEEDUP = 5.0        # shared-prefix, median TTFA, off / on
-TARGET_THROUGHPUT_COST = 0.02    # zero-reuse, requests/s, 1 - on / off
+#: Issue 5's target: shared-prefix, median TTFA, off / on.
+TARGET_TTFA_SPEEDUP = 5.0
+#: Issue 37's target: with nothing to reuse, cache on and off are the same pipeline: the median of
+#: the per-round on/off ratios of TTFT, TTFA and end-to-end p50 and of requests/s within this
+#: fraction of 1 either way.
+TARGET_ZERO_REUSE_SPREAD = 0.03
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -137,6 +141,43 @@ def ratios(on: Mapping[str, Any], off: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def paired_ratios(per_round: Sequence[Mapping[str, Any]], how: str = "geomean") -> dict[str, Any]:
+    """Each per-round ratio (:func:`ratios` of one round's on and off runs, which ran in the
+    same minutes) averaged over the rounds: what a drift of the machine's speed between rounds
+    does not move. ``how``: ``geomean``, the geometric mean (a ratio's own mean: a round with
+    one side twice as fast and one with the other twice as fast cancel; changes as ``1 + x``),
+    or ``median``. Empty without rounds."""
+    if not per_round:
+        return {}
+
+    def average(path: tuple[str, ...], change: bool = False) -> float:
+        vals = []
+        for r in per_round:
+            v: Any = r
+            for k in path:
+                v = v.get(k) if isinstance(v, Mapping) else None
+            if v is not None and not math.isnan(v):
+                vals.append(float(v) + change)
+        if not vals:
+            return math.nan
+        if how == "median":
+            return percentile(vals, 50) - change
+        if min(vals) <= 0:
+            return math.nan
+        return math.exp(sum(math.log(v) for v in vals) / len(vals)) - change
+
+    first = per_round[0]
+    out: dict[str, Any] = {"rounds": len(per_round), "average": how, "speedup": {},
+                           "throughput_change": {}}
+    for key, by_p in first["speedup"].items():
+        out["speedup"][key] = {p: average(("speedup", key, p)) for p in by_p}
+    for key in first["throughput_change"]:
+        out["throughput_change"][key] = average(("throughput_change", key), change=True)
+    if "stage_cpu_per_request_change" in first:
+        out["stage_cpu_per_request_change"] = average(("stage_cpu_per_request_change",), change=True)
+    return out
+
+
 def answers_identical(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """How many requests got the same answer text on both sides (greedy decoding: the cache should
     not change it)."""
@@ -152,10 +193,18 @@ def answers_identical(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str
 TARGET_SHARED_SIZES = {"shared_tokens": 4000, "unique_tokens": 100}
 
 
+def _hit_rates(side: Mapping[str, Any]) -> dict[str, float]:
+    """stage -> prefix-cache hit rate of a summary (the stages that reported counters)."""
+    cache = side.get("cache") or {}
+    return {k: v["hit_rate"] for k, v in cache.items() if isinstance(v, Mapping) and "hit_rate" in v}
+
+
 def evaluate_targets(workload: str, rat: Mapping[str, Any] | None,
-                     sizes: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Issue 5's targets that apply to this workload (`met` is None where the sizes differ from
-    the ones the target is stated for)."""
+                     sizes: Mapping[str, Any] | None = None,
+                     sides: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The targets that apply to this workload (`met` is None where the sizes differ from the
+    ones the target is stated for). ``rat``: the ratios judged (the paired ones of a run with
+    rounds); ``sides``: the per-side summaries (hit rates)."""
     if not rat:
         return []
     out = []
@@ -166,13 +215,29 @@ def evaluate_targets(workload: str, rat: Mapping[str, Any] | None,
                     "target": f">= {TARGET_TTFA_SPEEDUP:g}",
                     "met": bool(v >= TARGET_TTFA_SPEEDUP) if applies else None})
     if workload == "zero-reuse":
+        spread = TARGET_ZERO_REUSE_SPREAD
+        for key in ("ttft_s", "ttfa_s", "e2e_s"):
+            v = rat["speedup"][key]["p50"]
+            out.append({"name": f"zero-reuse: {LATENCIES[key]} p50, off / on", "value": v,
+                        "target": f"1 +- {spread:.0%}",
+                        "met": None if math.isnan(v) else bool(abs(v - 1) <= spread)})
         v = rat["throughput_change"]["requests_per_s"]
         out.append({"name": "zero-reuse: throughput change (on / off - 1, requests/s)", "value": v,
-                    "target": f">= -{TARGET_THROUGHPUT_COST:.0%}", "met": bool(v >= -TARGET_THROUGHPUT_COST)})
+                    "target": f"0 +- {spread:.0%}", "met": None if math.isnan(v) else bool(abs(v) <= spread)})
+        if sides:
+            rates = [r for side in sides.values() for r in _hit_rates(side).values() if not math.isnan(r)]
+            out.append({"name": "zero-reuse: highest prefix-cache hit rate of any stage, either side",
+                        "value": max(rates) if rates else math.nan, "target": "0",
+                        "met": bool(rates) and max(rates) == 0})
     return out
 
 
 # ---- terminal -----------------------------------------------------------------------------------
+
+def _per_request(side: Mapping[str, Any], key: str, name: str) -> float:
+    value = (side.get("resources") or {}).get(key, {}).get(name)
+    return value / side["ok"] if value is not None and side.get("ok") else math.nan
+
 
 def _ms(v: float) -> str:
     return "-" if v is None or math.isnan(v) else f"{v * 1000:.0f}"
@@ -186,14 +251,22 @@ def format_table(result: Mapping[str, Any]) -> str:
     sides = [s for s in result["sides"]]
     summ = result["sides"]
     rat = result.get("ratios")
+    # The per-round ratios' geometric mean, beside the pooled one, when there were rounds to pair.
+    paired = result.get("paired_ratios") if (result.get("paired_ratios") or {}).get("rounds", 0) > 1 else None
     w0 = 30
-    head = f"{'':<{w0}}" + "".join(f"{LABELS.get(s, s):>18}" for s in sides) + (f"{'off/on':>10}" if rat else "")
+    pair = result.get("compared") or {"first": "on", "second": "off"}
+    head = f"{'':<{w0}}" + "".join(f"{LABELS.get(s, s):>18}" for s in sides) \
+        + (f"{pair['second'] + '/' + pair['first']:>10}" if rat else "")
+    if paired:
+        head += f"{'paired':>10}"
     lines = [head, "-" * len(head)]
     for key, label in LATENCIES.items():
         for p in ("p50", "p90", "p99"):
             row = f"{label + ' ' + p + ' (ms)':<{w0}}" + "".join(f"{_ms(summ[s][key][p]):>18}" for s in sides)
             if rat:
                 row += f"{_f(rat['speedup'][key][p]) + 'x':>10}"
+            if paired:
+                row += f"{_f(paired['speedup'][key][p]) + 'x':>10}"
             lines.append(row)
     # What `vllm bench serve` reports as "Mean TTFT": the first chunk that has choices (this server
     # sends none before the first text or audio, or the finish when the answer has neither).
@@ -204,6 +277,8 @@ def format_table(result: Mapping[str, Any]) -> str:
         row = f"{'throughput ' + label:<{w0}}" + "".join(f"{_f(summ[s]['throughput'][key], fmt):>18}" for s in sides)
         if rat:
             row += f"{_f(rat['throughput_change'][key] * 100, '+.1f') + '%':>10}"
+        if paired:
+            row += f"{_f(paired['throughput_change'][key] * 100, '+.1f') + '%':>10}"
         lines.append(row)
     lines.append(f"{'thinker prefix-cache hit rate':<{w0}}"
                  + "".join(f"{_f(summ[s]['cache']['thinker_hit_rate'] * 100, '.1f') + '%':>18}" for s in sides))
@@ -219,6 +294,18 @@ def format_table(result: Mapping[str, Any]) -> str:
         if rat and "stage_cpu_per_request_change" in rat:
             row += f"{_f(rat['stage_cpu_per_request_change'] * 100, '+.1f') + '%':>10}"
         lines.append(row)
+        procs = sorted({n for s in sides for n in summ[s]["resources"].get("cpu_s_by_process", {})})
+        for name in procs:
+            lines.append(f"{'  CPU s / request, ' + name:<{w0}}" + "".join(
+                f"{_f(_per_request(summ[s], 'cpu_s_by_process', name), '.3f'):>18}" for s in sides))
+        for key, label, fmt in (("system_cpu_s_by_process", "  of it in the kernel", ".3f"),
+                                ("minor_faults_by_process", "  page faults / request", ".0f")):
+            if all(key in (summ[s].get("resources") or {}) for s in sides):
+                lines.append(f"{label:<{w0}}" + "".join(
+                    f"{_f(sum(_per_request(summ[s], key, n) for n in procs), fmt):>18}" for s in sides))
+        if all("rss_mib_by_process" in (summ[s].get("resources") or {}) for s in sides):
+            lines.append(f"{'resident memory, MiB (largest)':<{w0}}" + "".join(
+                f"{_f(sum(summ[s]['resources']['rss_mib_by_process'].values()), '.0f'):>18}" for s in sides))
         lines.append(f"{'machine load (1-min avg)':<{w0}}" + "".join(
             f"{_f(summ[s]['resources'].get('loadavg_mean', math.nan), '.1f'):>18}" for s in sides))
     lines.append(f"{'ok requests without text/audio':<{w0}}" + "".join(

@@ -54,14 +54,11 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,7 +67,7 @@ from typing import Any
 import httpx
 import yaml
 
-from benchmarks.harness import ManagedServer, command_line, log, machine_info, private_config, stop_omni_serve
+from benchmarks.harness import ManagedServer, ServerProcess, command_line, log, machine_info, private_config
 from benchmarks.workloads import random_text
 
 __all__ = ["KINDS", "Outcome", "PromptSource", "classify", "hit_rates", "pause_schedule", "percentile",
@@ -362,69 +359,6 @@ def rss_mib(pids: dict[str, int | None], server_pid: int | None = None) -> dict[
     for name, pid in pids.items():
         out[name] = tree_rss(pid) if pid else None
     return out
-
-
-class ServedProcess:
-    """The pipeline served by ``omni-serve`` in a process of its own (``--server-process``), so that
-    the server's RSS (HTTP, orchestrator) is measured apart from the probe's client. A context
-    manager with what :class:`benchmarks.harness.ManagedServer` offers the probe: ``url``,
-    ``startup_s``, ``stage_pids()``, ``pid``."""
-
-    READY = re.compile(r"ready: model '[^']*' at (http://\S+)")
-
-    def __init__(self, config_path: Path, start_timeout_s: float) -> None:
-        self.config_path = config_path
-        self.start_timeout_s = start_timeout_s
-        self.url = ""
-        self.startup_s = 0.0
-        self.proc: subprocess.Popen[str] | None = None
-        self.tail: deque[str] = deque(maxlen=40)
-        self._ready = threading.Event()
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def __enter__(self) -> "ServedProcess":
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_cache.cli", "--stage-config", str(self.config_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        # The output is read to the end by a thread (a full pipe would block the server).
-        threading.Thread(target=self._read, daemon=True, name="soak-server-output").start()
-        deadline = t0 + self.start_timeout_s
-        while not self._ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError("omni-serve did not become ready; its last output:\n" + "\n".join(self.tail))
-        self.startup_s = time.monotonic() - t0
-        return self
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.tail.append(line.rstrip())
-            m = self.READY.search(line)
-            if m and not self._ready.is_set():
-                self.url = m.group(1).rstrip("/")
-                self._ready.set()
-
-    def stage_pids(self) -> dict[str, int | None]:
-        """Stage name -> pid, from the server's child processes (``python -m workers --stage X``)."""
-        import psutil
-
-        out: dict[str, int | None] = {}
-        with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(self.pid).children():
-                with contextlib.suppress(psutil.Error):
-                    argv = child.cmdline()
-                    if "--stage" in argv:
-                        out[argv[argv.index("--stage") + 1]] = child.pid
-        return dict(sorted(out.items()))
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            stop_omni_serve(self.proc, 60, 10)
 
 
 def loadavg() -> list[float]:
@@ -726,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"soak: starting the pipeline ({args.config}, {args.kv_blocks} KV blocks per vLLM stage) ...")
         stage_env = dict(item.split("=", 1) for item in args.stage_env) or None
         if args.server_process:
-            served: Any = ServedProcess(private_config(cfg, tmp, "soak", stage_env), args.start_timeout)
+            served: Any = ServerProcess(private_config(cfg, tmp, "soak", stage_env),
+                                        start_timeout_s=args.start_timeout)
         else:
             served = ManagedServer(cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout,
                                    stage_env=stage_env)

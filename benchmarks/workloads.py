@@ -38,6 +38,7 @@ __all__ = [
     "parse_mix",
     "prompt_tokens_expected",
     "random_text",
+    "split_rounds",
 ]
 
 KINDS = ("shared-prefix", "multi-turn", "zero-reuse")
@@ -240,6 +241,23 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
         warm_kind = name
     warmup = [make(0, warm_kind, warmup=True)]
     return warmup, sessions
+
+
+def split_rounds(sessions: list[Session], rounds: int) -> list[list[Session]]:
+    """``sessions`` in ``rounds`` consecutive groups, each closed once it holds its share of the
+    requests (turns); every group holds at least one session."""
+    if not 1 <= rounds <= len(sessions):
+        raise ValueError(f"cannot split {len(sessions)} session(s) into {rounds} round(s)")
+    share = sum(s.turns for s in sessions) / rounds
+    out: list[list[Session]] = [[]]
+    turns = 0
+    for k, s in enumerate(sessions):
+        left = len(sessions) - k  # this one included
+        if out[-1] and len(out) < rounds and (turns >= share * len(out) or left == rounds - len(out)):
+            out.append([])
+        out[-1].append(s)
+        turns += s.turns
+    return out
 
 
 def image_data_url(tokens: int, seed: int) -> str:

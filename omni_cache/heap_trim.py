@@ -16,6 +16,17 @@ pages it released fault in again when reused. Fixing the mmap threshold instead
 (``MALLOC_MMAP_THRESHOLD_``) also kept the heap flat, but makes every allocation over the threshold
 a fresh mapping (page faults and zeroing on every step).
 
+The trimmer also takes trimming over from ``free()`` (:func:`keep_freed_pages`): glibc returns the
+top of its heap to the system whenever more than its trim threshold is free there (twice the
+dynamic mmap threshold: at most 64 MiB), and blocks over the mmap threshold are mapped and unmapped
+one by one. A model step's temporaries (a prefill's activations, a decoder window's) are such
+blocks, or sit at the heap's top: every step gave their pages back and faulted them in again
+(2,000-25,000 page faults a step in a matrix-product stand-in of a prefill, 15-25% of its time
+on these VMs, where a page fault is expensive: benchmarks/results/e2e_no_reuse.md). With both
+thresholds set, blocks up to 32 MiB come from the heap and freed pages stay for the next step,
+until the next ``malloc_trim(0)``, which gives back whatever is free then, at most
+``TRIM_INTERVAL_S`` later.
+
 Other C libraries (musl, macOS) have no ``malloc_trim``: the trimmer then does nothing.
 """
 
@@ -31,6 +42,28 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two trims of a process's heap.
 TRIM_INTERVAL_S = 5.0
+#: mallopt(3) parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: glibc's largest mmap threshold on 64-bit systems: blocks up to it come from the heap.
+HEAP_BLOCK_MAX = 32 << 20
+#: Free bytes at the heap's top above which free() gives them back: in practice never (the
+#: trimmer does it, every TRIM_INTERVAL_S).
+TOP_TRIM_THRESHOLD = 1 << 30
+
+
+def keep_freed_pages() -> bool:
+    """Have glibc keep freed heap pages for reuse until the next ``malloc_trim`` (blocks up to
+    HEAP_BLOCK_MAX from the heap, no trimming of its top on free); False where the C library has
+    no ``mallopt``. Setting a threshold turns glibc's dynamic thresholds off: both are set."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TOP_TRIM_THRESHOLD))
 
 
 def find_malloc_trim() -> Callable[[int], int] | None:
@@ -46,7 +79,9 @@ def find_malloc_trim() -> Callable[[int], int] | None:
 
 class HeapTrimmer:
     """Calls ``malloc_trim(0)`` at most once every ``interval_s`` (:meth:`maybe_trim`), and counts
-    the calls and the time they took (stages report both in their stats, the server in /metrics)."""
+    the calls and the time they took (stages report both in their stats, the server in /metrics).
+    With the C library's own ``malloc_trim`` (``trim`` not given) it also takes trimming over from
+    ``free()`` (:func:`keep_freed_pages`)."""
 
     def __init__(self, interval_s: float = TRIM_INTERVAL_S,
                  trim: Callable[[int], int] | None = None) -> None:
@@ -54,6 +89,8 @@ class HeapTrimmer:
         self._trim = trim if trim is not None else find_malloc_trim()
         if self._trim is None:
             logger.info("no malloc_trim in this C library: freed heap pages stay with the process")
+        elif trim is None:
+            keep_freed_pages()
         self.next_at = time.monotonic() + interval_s
         self.trims = 0
         self.seconds = 0.0

@@ -342,7 +342,7 @@ CURL_BLOCKS = [b for b in fenced_blocks(QUICKSTART, "bash") if "curl" in b]
 def make_serve(tmp_path_factory):
     """``omni-serve`` as ``make serve`` runs it (the Makefile's default CONFIG), under its own
     name, addresses and a free port, answering as model 'qwen3_omni' like the original."""
-    from benchmarks.soak import ServedProcess
+    from benchmarks.harness import ServerProcess
 
     config = re.search(r"^CONFIG \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     data = yaml.safe_load((ROOT / config).read_text())
@@ -353,7 +353,7 @@ def make_serve(tmp_path_factory):
         stage["address"] = f"ipc:///tmp/omni_cache/{name}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("quickstart") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
-    with ServedProcess(path, start_timeout_s=900) as served:
+    with ServerProcess(path, start_timeout_s=900) as served:
         yield served
 
 

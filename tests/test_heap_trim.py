@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from omni_cache.heap_trim import HeapTrimmer, find_malloc_trim
+from omni_cache.heap_trim import HEAP_BLOCK_MAX, HeapTrimmer, find_malloc_trim
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -44,3 +44,27 @@ def test_trim_returns_free_pages_below_a_live_block():
     assert released >= n * block // 2, f"only {released / 2**20:.1f} MiB of 64 MiB went back"
     assert trimmer.trims == 1 and trimmer.counters()["heap_trims"] == 1
     assert trimmer.next_at > 0 and not trimmer.maybe_trim(trimmer.next_at - 1.0)
+
+
+@pytest.mark.skipif(find_malloc_trim() is None, reason="a C library without malloc_trim")
+def test_freed_step_sized_blocks_stay_until_the_trimmer_runs():
+    """A 24 MiB block (a step's temporary: over glibc's initial mmap threshold, under
+    HEAP_BLOCK_MAX) freed: with the trimmer in charge its pages stay resident for the next
+    allocation of its size, which then faults nothing in; the trimmer's run gives them back."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    trimmer = HeapTrimmer(interval_s=60.0)
+    size = 24 << 20
+    assert size < HEAP_BLOCK_MAX
+    p = libc.malloc(size)
+    ctypes.memset(p, 1, size)
+    libc.free(p)
+    kept = rss_bytes()
+    q = libc.malloc(size)
+    ctypes.memset(q, 2, size)
+    assert rss_bytes() - kept < size // 4, "the freed block's pages were not reused"
+    libc.free(q)
+    before = rss_bytes()
+    assert trimmer.maybe_trim(trimmer.next_at)
+    assert before - rss_bytes() >= size // 2, "the trimmer did not give the freed pages back"

@@ -135,6 +135,22 @@ def test_text_codes_and_audio_equal_the_reference(pipeline, reference_model, kin
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
 
 
+def test_answer_rows_from_the_embedding_table_are_the_thinkers_own(pipeline, checkpoint):
+    """The hand-off takes an answer token's talker text row from the thinker's embedding table
+    as soon as the token is sampled (omni_cache/handoff.py), a step before the thinker feeds it:
+    those rows are bitwise the ones the thinker computes when it feeds the tokens."""
+    from omni_cache.cache.latent_rows import merged_name
+    from omni_cache.models.qwen3_omni_talker_prompt import TalkerPrompt
+
+    token_ids = pipeline.tokenize(PROMPTS["text"])
+    [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
+    rows = got.latents[merged_name(0, 2)]
+    fed = got.token_ids[:rows.shape[0] - len(token_ids)]
+    assert len(fed) == len(got.token_ids) - 1  # every answer token but the last was fed
+    want = TalkerPrompt.load(checkpoint).embedding_rows(fed).to(rows.dtype)
+    assert torch.equal(rows[len(token_ids):], want)
+
+
 def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpoint):
     from transformers import AutoProcessor
 

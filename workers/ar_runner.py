@@ -26,6 +26,7 @@ import torch
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import MediaRef, StageOutput, StreamStart, Submit
 from omni_cache.wire.sampling import EngineSampling
 from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
@@ -37,6 +38,9 @@ from workers.runner import StageRunner, deadline_in, time_left
 from workers.spoken_tokens import SpokenDelta
 
 logger = logging.getLogger(__name__)
+
+#: A request's first outputs (and upstream inputs) whose times its timeline records.
+TIMELINE_OUTPUTS = 4
 
 
 @dataclass
@@ -125,8 +129,9 @@ def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: st
 
 class ARRunner(StageRunner):
     def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
-                 prefix_cache: bool, report_blocks: bool = False) -> None:
-        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
+                 prefix_cache: bool, report_blocks: bool = False, timeline: Timeline | None = None) -> None:
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s,
+                         timeline=timeline)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
         latents = None
@@ -180,6 +185,7 @@ class ARRunner(StageRunner):
             req.answer_finished = msg.answer_finished
         self.requests[msg.request_id] = req
         self.total_requests += 1
+        self.timeline.mark(req.request_id, "input")
         self._start(req, GenerateJob(prompt_token_ids=list(msg.prompt_token_ids),
                                      multi_modal_data=media,
                                      multi_modal_uuids=multi_modal_uuids(msg.media),
@@ -191,6 +197,9 @@ class ARRunner(StageRunner):
             if self.is_dead(msg):
                 return
             req = self._open(msg)  # a StreamStart: is_dead drops the rest of an unseen stream
+        self.timeline.mark(req.request_id, "input")
+        if msg.seq < TIMELINE_OUTPUTS:
+            self.timeline.mark(req.request_id, f"input{msg.seq}")
         up = req.upstream
         # What an upstream sends for one request is bounded by what this stage can take in.
         if len(up.token_ids) + len(msg.token_ids) > self.max_model_len:
@@ -297,6 +306,7 @@ class ARRunner(StageRunner):
         spoken = self.handoff is None and self.downstream and "audio" in req.modalities
         self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions,
                      clock=req.clock, spoken=spoken)
+        self.timeline.mark(req.request_id, "job")
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
 
@@ -353,6 +363,7 @@ class ARRunner(StageRunner):
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
             input_text=self._input_text(req) if finished else "")
+        self._mark_output(req, out)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
         # already seen this stage's (so per-stage cached-token counts are complete).
@@ -379,6 +390,17 @@ class ARRunner(StageRunner):
             del self.requests[req.request_id]
         elif job_done:
             self._next_job(req)  # after this output: its seq comes first
+
+    def _mark_output(self, req: _ARRequest, out: StepOutput) -> None:
+        """Timeline points of an output about to be sent (omni_cache/timeline.py)."""
+        if not self.timeline.on:
+            return
+        for event, t in (out.engine_times or {}).items():
+            self.timeline.mark(req.request_id, event, t)
+        if req.seq < TIMELINE_OUTPUTS:
+            self.timeline.mark(req.request_id, f"out{req.seq}")
+        if out.codes is not None and out.codes.numel():
+            self.timeline.mark(req.request_id, "codes_out")
 
     @staticmethod
     def _input_text(req: _ARRequest) -> str:

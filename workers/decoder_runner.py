@@ -35,6 +35,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, DecodeJob, HandoffContext, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import StageOutput
 from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
 from workers.runner import StageRunner, deadline_in
@@ -54,8 +55,10 @@ class _DecodeRequest:
 
 
 class DecoderRunner(StageRunner):
-    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any) -> None:
-        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s)
+    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
+                 timeline: Timeline | None = None) -> None:
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s,
+                         timeline=timeline)
         self.args = stage.generation
         self.decoder = load_window_decoder(model, device=self.args.device)
         self.handoff = resolve_handoff(stage.handoff)
@@ -89,6 +92,8 @@ class DecoderRunner(StageRunner):
         if tensors:
             self._add_frame(req, tensors)
         req.upstream.token_ids.extend(msg.token_ids)
+        if msg.token_ids or (req.frames is not None and req.frames.num_rows):
+            self.timeline.mark(msg.request_id, "codes_in")
         req.upstream.finished = msg.finished
         for job in self.handoff(self.handoff_ctx, req.upstream, req.handoff_state):
             if not isinstance(job, DecodeJob):
@@ -180,7 +185,13 @@ class DecoderRunner(StageRunner):
                        if ahead_only else self.args.max_batch_size)
 
     def _decode(self, group: list[tuple[str, DecodeJob]]) -> list[torch.Tensor]:
-        return self.decoder.decode_windows([job.window for _, job in group])
+        first = [rid for rid, _ in group if self.requests[rid].seq == 0] if self.timeline.on else []
+        for rid in first:
+            self.timeline.mark(rid, "window_start")
+        wavs = self.decoder.decode_windows([job.window for _, job in group])
+        for rid in first:
+            self.timeline.mark(rid, "window_end")
+        return wavs
 
     def _decode_and_emit(self, group: list[tuple[str, DecodeJob]]) -> None:
         self._emit_all(group, self._decode(group))
@@ -195,6 +206,8 @@ class DecoderRunner(StageRunner):
         req = self.requests[request_id]
         if req.clock is not None:
             req.clock.emit(audio.shape[0] / self.decoder.sample_rate, time.monotonic())
+        if audio.numel():
+            self.timeline.mark(request_id, "audio_out")
         self.outbox.to_orchestrator(StageOutput(
             request_id=request_id, stage=self.stage.name, seq=req.seq, finished=job.last,
             finish_reason="stop" if job.last else None, sample_rate=self.decoder.sample_rate),

@@ -7,7 +7,8 @@ The mixin adds four things to vLLM's own worker and leaves its model runner unto
 - after `execute_model`: the runner has left `hidden_states`, `aux_hidden_states` and the step's
   `slot_mappings` in `execute_model_state` (sampling has not run yet); hand them to LatentCapture;
 - for a model with a code predictor (the Qwen3-Omni talker), `TalkerSteps` around each forward
-  (workers/talker_steps.py): all codebooks of every fed code, and their summed input embedding.
+  and after each sampling (workers/talker_steps.py): all codebooks of every sampled code, and the
+  summed input embedding of every fed one.
 
 Written against vLLM 0.32's V1 model runner (`GPUModelRunner`, which `CPUModelRunner` subclasses);
 the stage sets VLLM_USE_V2_MODEL_RUNNER=0 so GPU hosts use it too. Speculative decoding is not
@@ -74,6 +75,12 @@ class LatentWorkerMixin:
             self.latents.bind_kv_cache(
                 kv_cache_config,
                 self.vllm_config.scheduler_config.max_num_batched_tokens)  # type: ignore[attr-defined]
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        output = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        if self.talker is not None:
+            self.talker.after_sampling(output)
+        return output
 
     def execute_model(self, scheduler_output: Any) -> Any:
         if self.talker is not None:

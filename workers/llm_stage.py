@@ -53,6 +53,9 @@ class StepOutput:
     # A request whose tokens a downstream stage speaks: the tokens of this step's output whose
     # text the client now has, and that text (workers/spoken_tokens.py).
     spoken: SpokenDelta | None = None
+    # vLLM's timestamps of the request (time.monotonic()): queued, first scheduled, first token;
+    # first output only (omni_cache/timeline.py).
+    engine_times: dict[str, float] | None = None
     # Assembling this request's output failed (its latent rows, its codes): the request must
     # fail alone; the other fields are not to be used then.
     error: Exception | None = None
@@ -244,11 +247,12 @@ class LLMStage:
         if not tracked.sent_prompt:
             result.prompt_token_ids = list(out.prompt_token_ids or ())
             result.image_grids = tracked.image_grids
+            result.engine_times = _engine_times(out.metrics)
             tracked.sent_prompt = True
         if self.capture is not None:
             self._attach_latents(tracked, result)
         if self.talker is not None:
-            result.codes = self.talker.drain(tracked.internal_id)
+            result.codes = self.talker.drain(tracked.internal_id, finished=out.finished)
         return result
 
     def _forget(self, request_id: str, tracked: _Tracked) -> None:
@@ -294,6 +298,13 @@ def _image_grids(request: Any) -> list[list[int]]:
             if grid is not None:
                 grids.append([int(x) for x in torch.as_tensor(grid).reshape(-1)[:3]])
     return grids
+
+
+def _engine_times(stats: Any) -> dict[str, float] | None:
+    """vLLM's per-request timestamps (RequestStateStats, kept while it logs stats) by name."""
+    names = {"queued": "queued_ts", "scheduled": "scheduled_ts", "first_token": "first_token_ts"}
+    times = {k: float(getattr(stats, a, 0.0) or 0.0) for k, a in names.items()}
+    return {k: t for k, t in times.items() if t > 0} or None
 
 
 def _ranked_logprobs(logprobs: Any) -> list[list[TokenLogprob]] | None:

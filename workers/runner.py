@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_cache.config import StageConfig
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import MAX_ERROR_MESSAGE, StageError, StageOutput, StreamStart, Submit
 from omni_cache.wire.transport import SendTimeout
 
@@ -92,8 +93,12 @@ class StageRunner:
     `deadline` attribute: ``time.monotonic()``, 0 = none; :func:`deadline_in`) and implement `drop`
     (forget one request and stop its work in the model)."""
 
-    def __init__(self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float) -> None:
+    def __init__(self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float,
+                 timeline: Timeline | None = None) -> None:
         self.stage, self.outbox = stage, outbox
+        #: When each request passed this stage's points on its way to the first audio
+        #: (omni_cache/timeline.py; off unless OMNI_CACHE_TIMELINE_DIR is set).
+        self.timeline = timeline if timeline is not None else Timeline(stage.name)
         self.requests: dict[str, Any] = {}
         self.errors = 0
         self.expired = 0
@@ -190,4 +195,4 @@ class StageRunner:
                 "queue_depth": len(self.requests), "expired": self.expired}
 
     def close(self) -> None:
-        pass
+        self.timeline.close()

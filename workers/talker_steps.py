@@ -5,14 +5,22 @@ instead feeds, at the position of the s-th sampled code, the sum of the embeddin
 codebooks plus text row s of the thinker (`scheduler/streamed_rows.py`). The other codebooks come
 from the code predictor, which needs the talker's hidden state at the previous position
 (`past_hidden`); it decodes greedily for a greedy request and samples (`residual_picker`) for a
-sampling one, as the reference does. So, at every forward:
+sampling one, as the reference does. So, at every step:
 
 1. `adjust_inputs` (called by the model's forward, when vLLM's runner has laid out the batch):
-   for every scheduled position that feeds a sampled code, run the code predictor (batched over
-   the requests) for codes it has not seen before, and replace that position's input embedding;
-   the step's complete codes [num_code_groups] are queued for the stage (`drain`).
+   replace the input embedding of every scheduled position that feeds a sampled code by the sum
+   of its codebooks' embeddings and its text row;
 2. `after_step` (after `execute_model`): keep each request's last hidden state as its next
-   `past_hidden`.
+   `past_hidden`;
+3. `after_sampling` (after vLLM sampled): run the code predictor (batched over the requests) for
+   every code sampled now, and queue its complete codes [num_code_groups] for the stage (`drain`).
+
+The code predictor needs the sampled code and the hidden state it came from, not the next text
+row, so a code's codebooks are known as soon as it is sampled: they leave with the step that
+sampled it (the first audio need not wait for the talker's next step, which waits for the
+thinker's next row). A code that ends the request (end of speech, or its last allowed step) is
+never fed, and never spoken: `drain(finished=True)` leaves it out, as the reference does.
+`adjust_inputs` still predicts a code it finds without codebooks (none, in practice).
 
 Per-request state (`past_hidden`, the codebooks of every code fed so far, needed again when a
 preempted request is recomputed) hangs on vLLM's `CachedRequestState` of the request, so vLLM's
@@ -106,24 +114,45 @@ class TalkerSteps:
                 steps.append(pos - prompt)
         return rows, reqs, steps
 
+    def after_sampling(self, output: Any) -> None:
+        """Codebooks 1..G-1 of every code vLLM sampled in this step (`output`: its
+        ModelRunnerOutput), predicted now: one batched code-predictor run."""
+        reqs, steps = [], []
+        for i, req_id in enumerate(getattr(output, "req_ids", None) or ()):
+            req = self.runner.requests.get(req_id)
+            if req is None or i >= len(output.sampled_token_ids) or not output.sampled_token_ids[i]:
+                continue  # a prefill chunk that sampled nothing
+            step = len(req.output_token_ids) - 1
+            if step == len(_state(req).residual):
+                reqs.append(req)
+                steps.append(step)
+        if reqs:
+            code0 = torch.tensor([req.output_token_ids[s] for req, s in zip(reqs, steps)], dtype=torch.long)
+            self._predict(reqs, steps, code0, list(range(len(reqs))))
+
+    def _predict(self, reqs: list[Any], steps: list[int], code0: torch.Tensor, new: list[int]) -> None:
+        """Run the code predictor for the codes `new` (indices into reqs/steps/code0), each the
+        next code of its request: keep their codebooks and queue the complete codes."""
+        past = []
+        for k in new:
+            hidden = _state(reqs[k]).past_hidden
+            if hidden is None:
+                raise RuntimeError(f"talker request {reqs[k].req_id}: no hidden state before step {steps[k]}")
+            past.append(hidden)
+        predicted = self.model.residual_codes(torch.stack(past), code0[new].to(past[0].device),
+                                              residual_picker([reqs[k] for k in new]))
+        for j, k in enumerate(new):
+            req = reqs[k]
+            _state(req).residual.append(predicted[j].cpu())
+            codes = torch.cat([code0[k:k + 1].cpu(), predicted[j].cpu()])
+            self.pending.setdefault(req.req_id, []).append(codes)
+
     def _residual_codes(self, reqs: list[Any], steps: list[int], code0: torch.Tensor) -> torch.Tensor:
-        """Codebooks 1..G-1 of each fed code: from history when recomputed, else predicted (one
-        batched code-predictor run over the requests feeding a new code)."""
+        """Codebooks 1..G-1 of each fed code: from history (predicted when it was sampled, or
+        before a recompute), else predicted now."""
         new = [k for k, (req, s) in enumerate(zip(reqs, steps)) if s == len(_state(req).residual)]
         if new:
-            past = []
-            for k in new:
-                hidden = _state(reqs[k]).past_hidden
-                if hidden is None:
-                    raise RuntimeError(f"talker request {reqs[k].req_id}: no hidden state before step {steps[k]}")
-                past.append(hidden)
-            predicted = self.model.residual_codes(torch.stack(past), code0[new],
-                                                  residual_picker([reqs[k] for k in new]))
-            for j, k in enumerate(new):
-                req, s = reqs[k], steps[k]
-                _state(req).residual.append(predicted[j].cpu())
-                codes = torch.cat([code0[k:k + 1].cpu(), predicted[j].cpu()])
-                self.pending.setdefault(req.req_id, []).append(codes)
+            self._predict(reqs, steps, code0, new)
         out = []
         for req, s in zip(reqs, steps):
             history = _state(req).residual
@@ -142,9 +171,13 @@ class TalkerSteps:
         return rows.rows(torch.tensor([step]))[0]
 
     # ---- for the stage -----------------------------------------------------------------------
-    def drain(self, req_id: str) -> torch.Tensor | None:
-        """Codes of the steps fed since the last drain, [G, k] (None when there are none)."""
+    def drain(self, req_id: str, finished: bool = False) -> torch.Tensor | None:
+        """Codes sampled since the last drain, [G, k] (None when there are none). `finished`:
+        the request ended with this step, so its last sampled code is never fed (end of speech,
+        or its last allowed code) and is left out."""
         codes = self.pending.pop(req_id, None)
+        if codes and finished:
+            codes = codes[:-1]
         return torch.stack(codes, dim=1) if codes else None
 
     def discard(self, req_id: str) -> None:

@@ -55,9 +55,8 @@ from omni_cache.runtime.stats import StageStatsBoard
 from omni_cache.runtime.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRACE_S
 from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
-from omni_cache.wire.messages import (
-    Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit,
-)
+from omni_cache.timeline import Timeline
+from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
 
@@ -111,8 +110,7 @@ class Orchestrator:
         self.topology = topology = Topology.of(config)
         self.served_model_name = config.server.served_model_name or config.name
         self.fleet = StageFleet(config, self, run_dir=run_dir, stage_argv=stage_argv,
-                                external=external,
-                                control_addr=control_addr, echo_stage_logs=echo_stage_logs,
+                                external=external, control_addr=control_addr, echo_stage_logs=echo_stage_logs,
                                 start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None
                                                  else float(start_timeout_s)),
                                 shutdown_grace_s=shutdown_grace_s)
@@ -126,7 +124,8 @@ class Orchestrator:
         self.requests = RequestTable()
         self.routes = RoutePlanner(config, topology, self.supervisor, self.requests)
         self.metrics = OrchestratorMetrics(topology.stage_names)
-        self.outputs = OutputAssembler(topology, self.metrics)
+        self.timeline = Timeline("server")  # omni_cache/timeline.py: off unless OMNI_CACHE_TIMELINE_DIR is set
+        self.outputs = OutputAssembler(topology, self.metrics, self.timeline)
         self._stats = StageStatsBoard()
         # The server's own heap: see omni_cache/heap_trim.py (trimmed from the deadline loop).
         self.heap = HeapTrimmer()
@@ -214,6 +213,7 @@ class Orchestrator:
                 await task
         self._tasks.clear()
         await self.fleet.close()
+        self.timeline.close()
         self._closed = True
 
     def kill_all_sync(self, grace: float = 3.0) -> None:
@@ -245,8 +245,7 @@ class Orchestrator:
     def on_stage_up(self, stage: str) -> None:
         """A stage replica announced itself ready: the entry stage's context length is now its."""
         if self.fleet.replicas[stage].stage == self.topology.entry.name:
-            self.admission.context_len = (self.supervisor.stages[stage].max_model_len
-                                          or self.admission.context_len)
+            self.admission.context_len = self.supervisor.stages[stage].max_model_len or self.admission.context_len
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -299,6 +298,8 @@ class Orchestrator:
         except BaseException:
             ticket.release()  # refused (or cancelled) before it was accepted
             raise
+        self.timeline.mark(req.request_id, "received", req.t0)
+        self.timeline.mark(req.request_id, "submitted")
         await self._hand_to_entry(req, req.submit, timeout=min(timeout, 10.0))
         return RequestHandle(self, req)
 
@@ -403,8 +404,7 @@ class Orchestrator:
             return
         req.done = True
         self.requests.answered(req)
-        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage,
-                                                 request_id=req.request_id)))
+        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
         if count:
             self.metrics.request_done(status)
             if stage is not None:

@@ -20,6 +20,7 @@ from omni_cache.runtime.requests import Request
 from omni_cache.runtime.resume import new_samples, new_tokens
 from omni_cache.runtime.results import AudioDelta, Completed, TextDelta
 from omni_cache.runtime.topology import Topology
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import CODES_FRAME, StageOutput
 
 #: Sample rates accepted on a stage's audio output (telephone to studio rates).
@@ -33,9 +34,12 @@ class BadOutput(ValueError):
 
 
 class OutputAssembler:
-    def __init__(self, topology: Topology, metrics: OrchestratorMetrics) -> None:
+    def __init__(self, topology: Topology, metrics: OrchestratorMetrics, timeline: Timeline | None = None) -> None:
         self._topology = topology
         self._metrics = metrics
+        #: The server's request timeline: its ``text_in`` / ``audio_in`` are marked where the
+        #: first-token and first-audio latencies are observed (omni_cache/timeline.py).
+        self._timeline = timeline if timeline is not None else Timeline("server", directory="")  # off
         #: The rate of the audio stage's last audio (a result with no audio reports it).
         self.audio_sample_rate = DEFAULT_SAMPLE_RATE
 
@@ -71,6 +75,7 @@ class OutputAssembler:
             if not req.got_token and (token_ids or text):
                 req.got_token = True
                 self._metrics.observe(TTFT, stage.name, now - req.t0)
+                self._timeline.mark(req.request_id, "text_in", now)
             # The log-probabilities of the tokens passed on (a resumed attempt's first ones are
             # the client's already).
             logprobs = msg.logprobs[len(msg.logprobs) - len(token_ids):] if msg.logprobs else None
@@ -85,6 +90,7 @@ class OutputAssembler:
         if not req.got_audio:
             req.got_audio = True
             self._metrics.observe(TTFA, stage.name, now - req.t0)
+            self._timeline.mark(req.request_id, "audio_in", now)
         import torch
 
         samples = new_samples(req, audio.detach().to(torch.float32).reshape(-1).numpy())
