@@ -162,7 +162,7 @@ def run_point(url: str, model: str, sessions: list, arrival: str, level: int, ra
                     rate=rate * level if arrival == "poisson" else None, stagger_s=stagger)
     before = asyncio.run(scrape_metrics(url, args.api_key))
     if monitor is not None:
-        monitor.begin(list(stage_pids().values()))
+        monitor.begin(stage_pids())  # name -> pid (benchmarks.harness.Monitor)
     samples = asyncio.run(driver.run(sessions))
     resources = monitor.end() if monitor is not None else None
     after = asyncio.run(scrape_metrics(url, args.api_key))
