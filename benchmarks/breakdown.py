@@ -22,15 +22,20 @@ from benchmarks.report import distribution
 __all__ = ["AUDIO_SEGMENTS", "TEXT_SEGMENTS", "format_breakdown", "request_id_of", "request_segments",
            "summarize_breakdown"]
 
-#: (segment, from point, to point) on the way to the first audio. A point is "process.event";
-#: "client.sent", "client.first_text" and "client.first_audio" are the client's, and
-#: "thinker.out*" is the thinker output the talker started on (the last sent before its job).
-AUDIO_SEGMENTS: tuple[tuple[str, str, str], ...] = (
+#: (segment, from point, to point) from the client's request to the thinker's first token: the
+#: start of the way to the first audio and to the first text alike.
+_TO_FIRST_TOKEN: tuple[tuple[str, str, str], ...] = (
     ("client -> server", "client.sent", "server.received"),
     ("server: tokenize, admit, send", "server.received", "server.submitted"),
     ("-> thinker", "server.submitted", "thinker.input"),
     ("thinker: queued", "thinker.input", "thinker.scheduled"),
     ("thinker: prefill", "thinker.scheduled", "thinker.first_token"),
+)
+
+#: (segment, from point, to point) on the way to the first audio. A point is "process.event";
+#: "client.sent", "client.first_text" and "client.first_audio" are the client's, and
+#: "thinker.out*" is the thinker output the talker started on (the last sent before its job).
+AUDIO_SEGMENTS: tuple[tuple[str, str, str], ...] = _TO_FIRST_TOKEN + (
     ("thinker: first steps", "thinker.first_token", "thinker.out*"),
     ("hand-off -> talker job", "thinker.out*", "talker.job"),
     ("talker: queued", "talker.job", "talker.scheduled"),
@@ -45,12 +50,7 @@ AUDIO_SEGMENTS: tuple[tuple[str, str, str], ...] = (
 )
 
 #: The same for the first text.
-TEXT_SEGMENTS: tuple[tuple[str, str, str], ...] = (
-    ("client -> server", "client.sent", "server.received"),
-    ("server: tokenize, admit, send", "server.received", "server.submitted"),
-    ("-> thinker", "server.submitted", "thinker.input"),
-    ("thinker: queued", "thinker.input", "thinker.scheduled"),
-    ("thinker: prefill", "thinker.scheduled", "thinker.first_token"),
+TEXT_SEGMENTS: tuple[tuple[str, str, str], ...] = _TO_FIRST_TOKEN + (
     ("thinker: -> first output sent", "thinker.first_token", "thinker.out0"),
     ("-> server", "thinker.out0", "server.text_in"),
     ("server -> client", "server.text_in", "client.first_text"),
