@@ -9,6 +9,7 @@ the same with the real vLLM stages.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -142,12 +143,25 @@ def chat(srv: ServerThread, content: str, *, audio: bool = True, timeout: float 
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=timeout)
 
 
-def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:
+def wait_until(predicate, what: str, timeout: float = WAIT_S, state=None) -> None:
+    """Poll ``predicate``; on timeout, fail naming ``what`` and, if given, ``state()`` (what
+    the server says at that moment, for the failure's reader)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
+            now = f"; at that moment: {state()!r}" if state is not None else ""
+            raise AssertionError(f"not within {timeout:g} s: {what}{now}")
         time.sleep(0.05)
+
+
+def all_up(srv: ServerThread, what: str) -> None:
+    """Wait until every stage serves; on timeout, say why each one that does not is down."""
+    wait_until(lambda: srv.orchestrator.not_ready() == {}, what,
+               state=lambda: {"not_ready": srv.orchestrator.not_ready(), "replicas": {
+                   n: {k: getattr(sp, k) for k in ("up", "announced", "connection_down", "pid",
+                                                   "incarnation", "lost_reason", "restarts")}
+                   | {"liveness": vars(sp.liveness)}
+                   for n, sp in srv.orchestrator.supervisor.stages.items()}})
 
 
 def metric(srv: ServerThread, name: str, stage: str) -> float:
@@ -164,6 +178,12 @@ def assert_answer(resp: httpx.Response, content: str) -> None:
     msg = resp.json()["choices"][0]["message"]
     assert msg["content"] == f"user: {content}\n"[:16]
     assert msg["audio"]["data"]  # the decoder stage took part
+
+
+@pytest.fixture(autouse=True)
+def supervisor_log(caplog):
+    """The supervisor's INFO lines (a stage up, its pid and host) in a failing test's report."""
+    caplog.set_level(logging.INFO, logger="omni_cache.runtime.supervisor")
 
 
 @pytest.fixture
@@ -326,7 +346,7 @@ def test_a_silent_stage_is_marked_down_then_back(stages, servers):
         assert "no heartbeat" in srv.orchestrator.not_ready()["thinker"]
     finally:
         os.kill(st.procs["thinker"].pid, signal.SIGCONT)
-    wait_until(lambda: srv.orchestrator.not_ready() == {}, "the thinker is back")
+    all_up(srv, "the thinker is back")
     assert_answer(chat(srv, "awake"), "awake")
     assert metric(srv, "omni_cache_stage_restarts", "thinker") == 0  # the same process
 
@@ -340,7 +360,7 @@ def test_an_immediate_restart_fails_what_the_old_process_had(stages, servers):
     resp = _its_response(t, out)
     assert resp.status_code == 503
     assert re.search("closed its connection|replaced by a new process", resp.json()["error"]["message"])
-    wait_until(lambda: srv.orchestrator.not_ready() == {}, "the new thinker is up")
+    all_up(srv, "the new thinker is up")
     assert_answer(chat(srv, "again"), "again")
     assert metric(srv, "omni_cache_stage_restarts", "thinker") == 1
 

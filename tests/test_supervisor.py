@@ -267,3 +267,41 @@ def test_a_stuck_external_stage_is_down_not_killed_and_back_when_it_moves(thinke
     assert not sp.up and "hung (its loop made no progress for 13.0 s" in sp.why_down()
     sup.on_announcement(StageReady(**ready, busy=True, stalled_s=0.1))  # it moves again
     assert sp.up and events.events[-1] == ("up", thinker.name) and sp.restarts == 0
+
+
+def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker):
+    # The server replaces a down stage's socket at once: the new socket often gets the closed
+    # one's file descriptor, after which a monitor endpoint named after it (pyzmq's default)
+    # can still be bound. Each replacement must be watched, and a live connection seen.
+    import zmq
+    import zmq.asyncio
+
+    async def run() -> None:
+        events = Recorder()
+        sup = make(events)
+        sup.add(thinker, None, {}, False)  # started elsewhere: its connection is watched
+        sp = sup.stages[thinker.name]
+        ctx = zmq.asyncio.Context()
+        stage = ctx.socket(zmq.PULL)
+        port = stage.bind_to_random_port("tcp://127.0.0.1")
+        old = None
+        try:
+            for _ in range(60):
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(f"tcp://127.0.0.1:{port}")
+                sup.unwatch_connection(thinker.name)
+                if old is not None:
+                    old.close(linger=0)
+                sup.watch_connection(thinker.name, sock)
+                old = sock
+            sup.on_announcement(StageReady(stage=thinker.name, pid=1, incarnation="a"))
+            deadline = time.monotonic() + 10
+            while not sp.up and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert sp.up and not sp.connection_down
+        finally:
+            sup.unwatch_connection(thinker.name)
+            await asyncio.sleep(0.05)  # the cancelled watchers close their monitor sockets
+            ctx.destroy(linger=0)
+
+    asyncio.run(run())

@@ -105,8 +105,10 @@ class StageFleet:
     # ---- what the supervisor reports -------------------------------------------------------------
 
     def on_stage_down(self, stage: str, why: str) -> None:
-        self.links.reset(stage)  # what was queued for its dead process must not reach the next
-        self._events.on_stage_down(stage, why)
+        try:
+            self.links.reset(stage)  # what was queued for its dead process must not reach the next
+        finally:
+            self._events.on_stage_down(stage, why)  # its requests end or move whatever happened
 
     def on_stage_up(self, stage: str) -> None:
         self._events.on_stage_up(stage)

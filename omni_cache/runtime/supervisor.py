@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import signal
 import time
@@ -33,6 +34,8 @@ from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.wire.messages import StageReady
 
 logger = logging.getLogger(__name__)
+
+_MONITOR_IDS = itertools.count()  # inproc monitor endpoints, unique within the process
 
 #: How often stage processes are polled and deadlines checked.
 POLL_INTERVAL_S = 0.1
@@ -298,20 +301,28 @@ class StageSupervisor:
         sp = self._stages.get(name)
         if sp is not None:
             sp.connection_down = False
+        # An address of its own: pyzmq's default names the monitor after the socket's file
+        # descriptor, which the socket this one replaces had a moment ago and whose monitor
+        # endpoint libzmq may not have released yet (binding it again fails, EADDRINUSE).
         mon = socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED,
+            addr=f"inproc://omni-cache-monitor-{next(_MONITOR_IDS)}")
 
         async def watch() -> None:
             try:
                 while True:
-                    frames = await mon.recv_multipart()
+                    try:
+                        frames = await mon.recv_multipart()
+                    except (asyncio.CancelledError, zmq.ZMQError):
+                        return
                     event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
                     watched = self._watchers.get(name)
                     if watched is None or watched[0] is not socket or self._stopping:
                         continue
-                    self._on_connection_event(name, event)
-            except (asyncio.CancelledError, zmq.ZMQError):
-                pass
+                    try:
+                        self._on_connection_event(name, event)
+                    except Exception:  # noqa: BLE001 - logged; the next event is still watched
+                        logger.exception("stage %s: handling connection event %d failed", name, event)
             finally:
                 with contextlib.suppress(Exception):
                     socket.disable_monitor()
