@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -88,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="said in the JSON (e.g. that the machine was shared)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="pool these results instead of running")
+    p.add_argument("--profile", metavar="DIR",
+                   help="py-spy profiles of the stages and of this process (the in-process server and "
+                        "the clients) at every point, one file per process in DIR (the bench extra)")
+    p.add_argument("--profile-rate", type=int, default=100, help="samples per second (default: %(default)s)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -99,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--arrivals: {', '.join(ARRIVALS)}")
     if not args.url and any(s not in SIDES for s in args.sides):
         p.error("--sides: on, off")
+    if args.url and args.profile:
+        p.error("--profile: not with --url (its processes are not ours to sample)")
     if not args.levels or min(args.levels) < 1:
         p.error("--concurrency: levels >= 1")
     args.rates = {}
@@ -144,10 +151,18 @@ def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLi
 
 # ---- running ------------------------------------------------------------------------------------
 
+def profile_tag(side: str, workload: str, arrival: str, level: int, round_index: int) -> str:
+    """A point's profile file prefix: :func:`benchmarks.profiles.summarize_dir` pools the rounds
+    of what precedes ``-r<k>-`` (so no dash before it), one summary per side and point."""
+    return f"{side}_{workload.replace('-', '_')}_{arrival}{level}-r{round_index}"
+
+
 def run_point(url: str, model: str, sessions: list, arrival: str, level: int, rate: float | None,
               args: argparse.Namespace, seed: int, monitor: Any = None,
-              stage_pids: Any = None) -> dict[str, Any]:
-    """One (arrival, level) point: drive its sessions, with /metrics and resources around it."""
+              stage_pids: Any = None, profile: Any = None) -> dict[str, Any]:
+    """One (arrival, level) point: drive its sessions, with /metrics and resources around it,
+    sampled by ``profile`` (a :class:`benchmarks.profiles.Recorder` tagged for the point) when
+    given."""
     from benchmarks.harness import log
 
     if arrival == "poisson":
@@ -163,7 +178,10 @@ def run_point(url: str, model: str, sessions: list, arrival: str, level: int, ra
     before = asyncio.run(scrape_metrics(url, args.api_key))
     if monitor is not None:
         monitor.begin(stage_pids())  # name -> pid (benchmarks.harness.Monitor)
-    samples = asyncio.run(driver.run(sessions))
+    sampled = ({"server": os.getpid(), **stage_pids()} if profile is not None and stage_pids is not None
+               else None)
+    with profile.record(sampled) if sampled else contextlib.nullcontext():
+        samples = asyncio.run(driver.run(sessions))
     resources = monitor.end() if monitor is not None else None
     after = asyncio.run(scrape_metrics(url, args.api_key))
     ok = sum(s.ok for s in samples)
@@ -175,7 +193,7 @@ def run_point(url: str, model: str, sessions: list, arrival: str, level: int, ra
 
 
 def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates: dict[str, float],
-          monitor: Any = None, stage_pids: Any = None) -> list[dict[str, Any]]:
+          monitor: Any = None, stage_pids: Any = None, profile: Any = None) -> list[dict[str, Any]]:
     """Every workload's warm-up and points on one running server."""
     from benchmarks.harness import log
 
@@ -191,8 +209,11 @@ def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates
             if arrival == "poisson" and workload not in rates:
                 raise RuntimeError(f"{workload}: no --rate-per-stream and no closed-loop "
                                    "concurrency-1 run before the Poisson points to derive it from")
+            if profile is not None:
+                profile.tag = profile_tag(side, workload, arrival, level, round_index)
             point = run_point(url, model, todo, arrival, level, rates.get(workload), args,
-                              args.seed * 1000 + round_index * 100 + level, monitor, stage_pids)
+                              args.seed * 1000 + round_index * 100 + level, monitor, stage_pids,
+                              profile)
             point.update(side=side, round=round_index, workload=workload)
             points.append(point)
             if arrival == "closed" and level == 1 and workload not in rates:
@@ -205,8 +226,11 @@ def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates
 def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from benchmarks.harness import ManagedServer, Monitor
 
+    from benchmarks import profiles
+
     rates = dict(args.rates)
     points: list[dict[str, Any]] = []
+    profile = profiles.Recorder(args.profile, args.profile_rate) if args.profile else None
     if args.url:
         for r in range(args.first_round, args.first_round + args.rounds):
             points += sweep(args.url, args, "server", r, rates)
@@ -216,7 +240,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float
             for side in (args.sides if r % 2 == 0 else list(reversed(args.sides))):
                 with ManagedServer(side_config(args.stage_config, side, tmp), prefix_cache=True,
                                    tag=f"pace-{side}") as srv:
-                    points += sweep(srv.url, args, side, r, rates, monitor, srv.stage_pids)
+                    points += sweep(srv.url, args, side, r, rates, monitor, srv.stage_pids, profile)
     return points, rates
 
 
@@ -445,7 +469,16 @@ def main(argv: list[str] | None = None) -> int:
         machine = {**machine, "loadavg_end": list(os.getloadavg())}
         config, note, extra = run_config(args, rates), args.note, None
     result = assemble(points, config, note, machine, extra)
+    if args.profile and not args.merge:
+        from benchmarks import profiles
+
+        result["profile"] = {"dir": os.path.abspath(args.profile), "rate": args.profile_rate,
+                             "summary": profiles.summarize_dir(args.profile, args.profile_rate)}
     print(format_table(result))
+    if result.get("profile"):
+        from benchmarks import profiles
+
+        print(profiles.format_summary(result["profile"]["summary"]))
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")

@@ -154,3 +154,16 @@ def test_table_json_and_plot(tmp_path):
     first_audio.plot(tmp_path / "r.png", result)
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert not math.isnan(result["rows"][0]["requests_per_s"])
+
+
+def test_profiles_pool_per_side_and_point_and_not_with_url(tmp_path):
+    from benchmarks import profiles
+
+    for r in (0, 1):  # two rounds of one point: one summary
+        tag = first_audio.profile_tag("on", "shared-prefix", "closed", 8, r)
+        (tmp_path / f"{tag}-thinker.txt").write_text("main (w.py:1);step (w.py:2) 50\n")
+    summary = profiles.summarize_dir(tmp_path, rate=100)
+    assert list(summary) == ["on_shared_prefix_closed8"]
+    assert summary["on_shared_prefix_closed8"]["thinker"]["cpu_s"] == pytest.approx(1.0)
+    with pytest.raises(SystemExit):
+        first_audio.parse_args(["--url", "http://127.0.0.1:1", "--profile", str(tmp_path)])
