@@ -301,9 +301,8 @@ class StageSupervisor:
         sp = self._stages.get(name)
         if sp is not None:
             sp.connection_down = False
-        # An address of its own: pyzmq's default names the monitor after the socket's file
-        # descriptor, which the socket this one replaces had a moment ago and whose monitor
-        # endpoint libzmq may not have released yet (binding it again fails, EADDRINUSE).
+        # An address of its own: pyzmq's default is named after the socket's fd, which the socket
+        # this one replaces may have had while libzmq still holds its endpoint (EADDRINUSE).
         mon = socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED,
             addr=f"inproc://omni-cache-monitor-{next(_MONITOR_IDS)}")
