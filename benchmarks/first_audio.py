@@ -50,8 +50,8 @@ __all__ = ["capacity", "main", "plan", "side_config", "summarize", "verdicts"]
 
 LEVELS = (1, 2, 4, 8, 16)
 ARRIVALS = ("closed", "poisson")
-SIDES = ("on", "off")
-LABELS = {"on": "pacing on", "off": "pacing off", "server": "server"}
+SIDES = ("on", "off", "capped")
+LABELS = {"on": "pacing on", "off": "pacing off", "capped": "pacing capped", "server": "server"}
 #: Issue 36's targets.
 TARGET_TTFA_P90_RATIO = 1.5  # TTFA p90 at concurrency 8 / at 1
 TARGET_LEVEL = 8
@@ -67,7 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help="sweep this running OpenAI-compatible server instead (one side)")
     p.add_argument("--api-key", default=os.environ.get("OMNI_CACHE_API_KEY"))
     p.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
-    p.add_argument("--sides", default="on,off", help="pacing on, off or both, in this order (default: %(default)s)")
+    p.add_argument("--sides", default="on,off",
+                   help="pacing on, off, capped (on, with --max-lead-s), in this order (default: %(default)s)")
+    p.add_argument("--max-lead-s", type=float, default=4.0,
+                   help="side capped: pacing.max_lead_s of every paced stage, at least its lead_s (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="rounds, sides alternating order (default: 1)")
     p.add_argument("--first-round", type=int, default=0,
                    help="index of the first round (its prompts and side order): runs made apart keep distinct rounds")
@@ -103,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(a not in ARRIVALS for a in args.arrivals):
         p.error(f"--arrivals: {', '.join(ARRIVALS)}")
     if not args.url and any(s not in SIDES for s in args.sides):
-        p.error("--sides: on, off")
+        p.error("--sides: on, off, capped")
     if args.url and args.profile:
         p.error("--profile: not with --url (its processes are not ours to sample)")
     if not args.levels or min(args.levels) < 1:
@@ -135,15 +138,19 @@ def plan(workload: str, args: argparse.Namespace, round_index: int) -> tuple[lis
     return warmup, out
 
 
-def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLike[str]) -> Path:
-    """A copy of the stage config whose pacing blocks are enabled (``on``) or only measure
-    (``off``); ValueError if no stage paces."""
+def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLike[str],
+                max_lead_s: float = 4.0) -> Path:
+    """A copy of the stage config whose pacing blocks are enabled (``on``), only measure
+    (``off``), or are enabled with every answer capped at ``max_lead_s`` ahead of its playback
+    (``capped``; at least each stage's ``lead_s``); ValueError if no stage paces."""
     data = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
     paced = [s for s in data.get("stages") or [] if s.get("pacing") is not None]
     if not paced:
         raise ValueError(f"{src}: no stage has a pacing block: nothing to turn on or off")
     for stage in paced:
-        stage["pacing"]["enabled"] = side == "on"
+        stage["pacing"]["enabled"] = side in ("on", "capped")
+        if side == "capped":
+            stage["pacing"]["max_lead_s"] = max(max_lead_s, stage["pacing"].get("lead_s", 1.0))
     path = Path(dst_dir) / f"pacing-{side}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return path
@@ -238,7 +245,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float
     with Monitor() as monitor, tempfile.TemporaryDirectory(prefix="omni_cache_pacing_") as tmp:
         for r in range(args.first_round, args.first_round + args.rounds):
             for side in (args.sides if r % 2 == 0 else list(reversed(args.sides))):
-                with ManagedServer(side_config(args.stage_config, side, tmp), prefix_cache=True,
+                with ManagedServer(side_config(args.stage_config, side, tmp, args.max_lead_s), prefix_cache=True,
                                    tag=f"pace-{side}") as srv:
                     points += sweep(srv.url, args, side, r, rates, monitor, srv.stage_pids, profile)
     return points, rates
@@ -321,13 +328,14 @@ def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Issue 36's targets per workload (closed loop), where the run has what they need."""
     out = []
     for workload in sorted({r["workload"] for r in rows}):
-        on1, on8 = (_row(rows, "on", workload, "closed", c) for c in (1, TARGET_LEVEL))
-        if on1 and on8:
-            ratio = on8["ttfa_s"]["p90"] / on1["ttfa_s"]["p90"]
-            out.append({"workload": workload, "name": "TTFA p90 at 8 / at 1 (pacing on), 0 stalls at 8",
-                        "value": ratio, "stalls": on8["stalls"],
-                        "target": f"<= {TARGET_TTFA_P90_RATIO:g}, 0 stalls",
-                        "met": bool(ratio <= TARGET_TTFA_P90_RATIO and on8["stalls"] == 0)})
+        for side in ("on", "capped"):
+            on1, on8 = (_row(rows, side, workload, "closed", c) for c in (1, TARGET_LEVEL))
+            if on1 and on8:
+                ratio = on8["ttfa_s"]["p90"] / on1["ttfa_s"]["p90"]
+                out.append({"workload": workload, "value": ratio, "stalls": on8["stalls"],
+                            "name": f"TTFA p90 at 8 / at 1 ({LABELS[side]}), 0 stalls at 8",
+                            "target": f"<= {TARGET_TTFA_P90_RATIO:g}, 0 stalls",
+                            "met": bool(ratio <= TARGET_TTFA_P90_RATIO and on8["stalls"] == 0)})
         if any(r["side"] == "off" and r["workload"] == workload for r in rows) and \
                 any(r["side"] == "on" and r["workload"] == workload for r in rows):
             for arrival in sorted({r["arrival"] for r in rows if r["workload"] == workload}):
@@ -348,7 +356,7 @@ def run_config(args: argparse.Namespace, rates: Mapping[str, float]) -> dict[str
     return {"workloads": args.workloads, "levels": args.levels, "arrivals": args.arrivals,
             "jitter_s": args.jitter_ms / 1000, "requests_per_stream": args.requests_per_stream,
             "min_requests": args.min_requests, "shared_tokens": args.shared_tokens,
-            "unique_tokens": args.unique_tokens, "max_tokens": args.max_tokens,
+            "unique_tokens": args.unique_tokens, "max_tokens": args.max_tokens, "max_lead_s": args.max_lead_s,
             "rate_per_stream": dict(rates), "stagger": args.stagger, "url": args.url,
             "stage_config": None if args.url else os.path.abspath(args.stage_config),
             "stage_config_yaml": None if args.url else Path(args.stage_config).read_text()}
@@ -411,7 +419,7 @@ def plot(path: str | os.PathLike[str], result: Mapping[str, Any]) -> None:
 
     rows = result["rows"]
     workloads = sorted({r["workload"] for r in rows})
-    colors = {"on": "#1f77b4", "off": "#d62728", "server": "#2ca02c"}
+    colors = {"on": "#1f77b4", "off": "#d62728", "capped": "#9467bd", "server": "#2ca02c"}
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.8 * len(workloads)), squeeze=False)
     for i, workload in enumerate(workloads):
         ax_t, ax_s = axes[i]

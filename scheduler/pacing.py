@@ -57,10 +57,12 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class PacingPolicy:
     """A stage's pacing (``StageConfig.pacing``): the lead an answer may have over its playback
-    before it yields, and whether it yields at all (False: clocks and counters only)."""
+    before it yields, whether it yields at all (False: clocks and counters only), and the lead
+    beyond which it waits even when nothing else is due (None: never)."""
 
     lead_s: float
     enabled: bool = True
+    max_lead_s: float | None = None
 
 
 class PacingStats:
@@ -145,6 +147,11 @@ class Pacer:
     def is_ahead(self, clock: PlaybackClock | None, now: float) -> bool:
         return clock is not None and clock.started and clock.ahead(now) > self.policy.lead_s
 
+    def is_capped(self, clock: PlaybackClock | None, now: float) -> bool:
+        """Beyond ``max_lead_s``: waits whatever else there is to do."""
+        cap = self.policy.max_lead_s
+        return cap is not None and clock is not None and clock.started and clock.ahead(now) > cap
+
     def priority(self, clock: PlaybackClock | None, has_output: bool, now: float) -> tuple[int, float]:
         """Sort key, lowest first: answers with no audio yet (or, unclocked, no output yet), then
         by slack. An answer that is not paced (no clock) counts as due now (slack 0)."""
@@ -165,13 +172,16 @@ class Pacer:
         due is due work too: the answers ahead yield to it even if the stage then has nothing to
         run, because on a shared machine their steps would slow down the upstream stage that is
         writing its input. They wait at most until its input comes or until they are no more than
-        ``lead_s`` ahead themselves (then they are due): nothing starves."""
+        ``lead_s`` ahead themselves (then they are due): nothing starves.
+
+        With ``max_lead_s``, an answer more than that ahead waits even when nothing else is due
+        (the stage may then idle): it runs again once its playback has caught up to the cap."""
         if not self.policy.enabled:
             return []
         ahead = [(item, clock) for item, clock in runnable if self.is_ahead(clock, now)]
         due_waiting = any(not self.is_ahead(clock, now) for clock in waiting)
         if len(ahead) == len(runnable) and not due_waiting:
-            return []
+            ahead = [(item, clock) for item, clock in ahead if self.is_capped(clock, now)]
         for _, clock in ahead:
             assert clock is not None
             clock.yielded()

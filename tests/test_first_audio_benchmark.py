@@ -64,13 +64,16 @@ def test_points_of_a_round_get_distinct_prompts_and_the_same_shared_prefix():
     assert other[("closed", 1)][0].users != points[("closed", 1)][0].users
 
 
-@pytest.mark.parametrize("side,enabled", [("on", True), ("off", False)])
-def test_side_config_switches_every_pacing_block(tmp_path, side, enabled):
+@pytest.mark.parametrize("side,enabled,caps", [("on", True, [None] * 3), ("off", False, [None] * 3),
+                                               ("capped", True, [3.0, 3.0, 2.0])])
+def test_side_config_switches_every_pacing_block(tmp_path, side, enabled, caps):
     from omni_cache.config import load_config
 
-    path = first_audio.side_config(ROOT / "stage_configs" / "qwen3_omni.yaml", side, tmp_path)
+    path = first_audio.side_config(ROOT / "stage_configs" / "qwen3_omni.yaml", side, tmp_path, max_lead_s=2.0)
     config = load_config(path)
     assert [s.pacing.enabled for s in config.stages] == [enabled] * 3
+    # capped: 2 s, or the stage's lead_s where that is more (thinker and talker: 3 s)
+    assert [s.pacing.max_lead_s for s in config.stages] == caps
 
 
 def test_side_config_refuses_a_pipeline_without_pacing(tmp_path):

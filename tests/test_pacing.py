@@ -89,6 +89,17 @@ def test_disabled_pacing_holds_nothing():
     assert pacer.hold([("ahead", far_ahead(pacer)), ("new", pacer.clock())], time.monotonic()) == []
 
 
+def test_an_answer_beyond_max_lead_waits_even_when_nothing_else_is_due():
+    pacer = Pacer(PacingPolicy(LEAD, max_lead_s=5.0))
+    now = time.monotonic()
+    near, far = just_started(pacer, ahead=3.0), far_ahead(pacer)
+    assert pacer.hold([("near", near), ("far", far)], now) == ["far"]  # near: ahead, under the cap
+    assert pacer.hold([("far", far)], now) == ["far"]  # alone: it waits all the same
+    assert pacer.hold([("near", near), ("new", pacer.clock())], now) == ["near"]  # the usual rule
+    # Once playback has caught up to the cap, it runs.
+    assert pacer.hold([("far", far)], now + 100.0 - 4.0) == []
+
+
 def test_order_no_audio_first_then_least_slack():
     pacer = Pacer(PacingPolicy(LEAD))
     now = time.monotonic()
@@ -202,6 +213,19 @@ def test_scheduler_never_starves_an_answer_ahead(make_scheduler):
     sched.start("b", far_ahead(pacer))
     for _ in range(3):
         assert sched.step() == {"a", "b"}  # nothing else is due: the work ahead of time runs
+
+
+def test_scheduler_idles_rather_than_run_an_answer_beyond_max_lead(make_scheduler):
+    sched, pacer = make_scheduler(PacingPolicy(LEAD, max_lead_s=5.0))
+    far, near = pacer.clock(), pacer.clock()
+    sched.start("far", far)
+    sched.start("near", near)
+    far.emit(101.0, time.monotonic() - 1.0)  # 100 s ahead of its listener
+    near.emit(4.0, time.monotonic() - 1.0)  # 3 s ahead: past lead_s, under the cap
+    assert sched.step() == {"near"}  # nothing is due: the answer under the cap runs ahead
+    near.emit(100.0, time.monotonic())
+    assert not sched.sched.has_runnable_requests()  # the stage waits instead of stepping
+    assert sched.step() == set()
 
 
 def test_answers_ahead_wait_for_a_due_answer_short_of_its_row(make_scheduler):
@@ -338,6 +362,18 @@ def test_decoder_waits_for_the_codes_of_a_due_answer(decoder):
     assert runner.has_work() and emitted_in_next_step(runner, inbox) == {"due"}
 
 
+def test_decoder_has_no_work_while_every_answer_is_beyond_max_lead(decoder):
+    runner, inbox = decoder
+    runner.pacer.policy = PacingPolicy(LEAD, max_lead_s=5.0)
+    stream_codes(runner, "a", seq=0, n=40)
+    assert emitted_in_next_step(runner, inbox) == {"a"}  # the first window starts its clock
+    runner.requests["a"].clock.emit(100.0, time.monotonic())
+    stream_codes(runner, "a", seq=1, n=80)
+    assert not runner.has_work()  # its next window waits until playback nears the cap
+    runner.requests["a"].clock.started_at -= 100.0  # as if its listener had played 100 s
+    assert runner.has_work()
+
+
 def test_decoder_keeps_no_clock_for_an_answer_not_streamed(decoder):
     runner, inbox = decoder
     stream_codes(runner, "whole", seq=0, n=20, stream=False)
@@ -368,6 +404,8 @@ def pipeline_with(tmp_path, stage: str, pacing: str):
     ("talker", "{lead: 1}", "lead"),
     ("talker", "{token_audio_s: 0.08, ahead_batch_size: 2}",
      "stages[1].pacing.ahead_batch_size: only for generation stages"),
+    ("talker", "{token_audio_s: 0.08, lead_s: 3.0, max_lead_s: 2.0}",
+     "stages[1].pacing.max_lead_s: 2 is below lead_s (3)"),
 ])
 def test_bad_pacing_names_the_key(tmp_path, stage, pacing, message):
     with pytest.raises(ConfigError) as e:

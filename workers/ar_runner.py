@@ -144,7 +144,8 @@ class ARRunner(StageRunner):
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
         self.pacer = None
         if stage.pacing is not None:
-            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled))
+            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled,
+                                            stage.pacing.max_lead_s))
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
                             async_scheduling=async_scheduling, submodel=stage.submodel,
                             report_blocks=report_blocks, pacer=self.pacer)

@@ -71,7 +71,8 @@ class DecoderRunner(StageRunner):
         self.max_model_len = 0
         self.pacer = None
         if stage.pacing is not None:
-            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled))
+            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled,
+                                            stage.pacing.max_lead_s))
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):

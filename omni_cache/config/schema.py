@@ -303,6 +303,12 @@ class PacingConfig(_Base, kw_only=True):
     #: keeps the window that becomes due next (a new answer's first audio) from waiting behind a
     #: long batch of work that was not due.
     ahead_batch_size: PositiveInt | None = None
+    #: Seconds of audio beyond which an answer waits even when nothing else is due (at least
+    #: ``lead_s``); None: no cap, ahead-of-time work runs whenever the stage has nothing due.
+    #: A cap keeps the machine free for the next request's first audio and wastes no work on
+    #: answers a listener interrupts, at the cost of answers that end no sooner than their
+    #: playback allows (a closed-loop client then gets fewer answers a second).
+    max_lead_s: PositiveFloat | None = None
 
 
 class StageConfig(_Base, kw_only=True):

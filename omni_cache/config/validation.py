@@ -251,6 +251,9 @@ def _check_pacing(config: PipelineConfig, issues: IssueCollector) -> None:
         if s.kind == "autoregressive" and s.pacing.ahead_batch_size is not None:
             issues.add((*key, "ahead_batch_size"), "only for generation stages (vLLM sizes an "
                        "autoregressive stage's batches)")
+        if s.pacing.max_lead_s is not None and s.pacing.max_lead_s < s.pacing.lead_s:
+            issues.add((*key, "max_lead_s"), f"{s.pacing.max_lead_s:g} is below lead_s "
+                       f"({s.pacing.lead_s:g}): an answer yields at lead_s and waits at max_lead_s")
         if not _reaches_audio(config, s.name, names):
             issues.add(key, f"stage {s.name!r} feeds no audio output (no stage with final_output "
                        "'audio' is it or reads from it): there is nothing to pace")
