@@ -270,7 +270,8 @@ def format_summary(
                          f"lead {pace.lead_s:g} s"
                          + (f", {pace.token_audio_s:g} s of audio per token" if pace.token_audio_s else "")
                          + (f", {pace.ahead_batch_size} windows a batch ahead of time"
-                            if pace.ahead_batch_size else ""))
+                            if pace.ahead_batch_size else "")
+                         + (f", never more than {pace.max_lead_s:g} s ahead" if pace.max_lead_s else ""))
         if st.env:
             lines.append("  env:          " + ", ".join(f"{k}={v}" for k, v in st.env.items()))
         lines.append(f"  final output: {st.final_output or 'none (feeds the next stage)'}")
