@@ -24,7 +24,7 @@ ahead of their listeners. Pacing reorders the stages' work by who needs audio fi
   ahead. Answers whose client does not stream are never held: they want the whole answer
   soonest.
 * Optionally, a cap (``max_lead_s``): an answer further ahead than that waits even when nothing
-  else is due, and the stage idles. Work-conserving pacing keeps the closed-loop throughput but
+  else is due, until it is only ``lead_s`` ahead, and the stage idles. Work-conserving pacing keeps the closed-loop throughput but
   fills the cores with audio nobody needs yet; the cap leaves them to the next first audio.
 
 ``PacingPolicy.enabled = False`` keeps the clocks and counters (slack, underruns, first-audio
@@ -102,6 +102,7 @@ class PlaybackClock:
         self.emitted_s = 0.0
         self.paced = False
         self.underran = False
+        self.capped = False  # past max_lead_s, and not yet back to lead_s (Pacer.is_capped)
 
     @property
     def started(self) -> bool:
@@ -151,9 +152,19 @@ class Pacer:
         return clock is not None and clock.started and clock.ahead(now) > self.policy.lead_s
 
     def is_capped(self, clock: PlaybackClock | None, now: float) -> bool:
-        """Beyond ``max_lead_s``: waits whatever else there is to do."""
+        """Waits whatever else there is to do: from when it gets more than ``max_lead_s`` ahead
+        until its playback has caught up to ``lead_s``. The way down to ``lead_s`` makes it run
+        in bursts (a decoder window of full length, talker steps batched with the other answers'),
+        not one step each time playback passes the cap, which costs several times the work."""
         cap = self.policy.max_lead_s
-        return cap is not None and clock is not None and clock.started and clock.ahead(now) > cap
+        if cap is None or clock is None or not clock.started:
+            return False
+        ahead = clock.ahead(now)
+        if ahead > cap:
+            clock.capped = True
+        elif ahead <= self.policy.lead_s:
+            clock.capped = False
+        return clock.capped
 
     def priority(self, clock: PlaybackClock | None, has_output: bool, now: float) -> tuple[int, float]:
         """Sort key, lowest first: answers with no audio yet (or, unclocked, no output yet), then
@@ -178,13 +189,14 @@ class Pacer:
         ``lead_s`` ahead themselves (then they are due): nothing starves.
 
         With ``max_lead_s``, an answer more than that ahead waits even when nothing else is due
-        (the stage may then idle): it runs again once its playback has caught up to the cap."""
+        (the stage may then idle) until its playback has caught up to ``lead_s``."""
         if not self.policy.enabled:
             return []
+        capped = [self.is_capped(clock, now) for _, clock in runnable]  # every call: the way back
         ahead = [(item, clock) for item, clock in runnable if self.is_ahead(clock, now)]
         due_waiting = any(not self.is_ahead(clock, now) for clock in waiting)
         if len(ahead) == len(runnable) and not due_waiting:
-            ahead = [(item, clock) for item, clock in ahead if self.is_capped(clock, now)]
+            ahead = [(item, clock) for (item, clock), cap in zip(runnable, capped) if cap]
         for _, clock in ahead:
             assert clock is not None
             clock.yielded()

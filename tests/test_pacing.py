@@ -96,8 +96,14 @@ def test_an_answer_beyond_max_lead_waits_even_when_nothing_else_is_due():
     assert pacer.hold([("near", near), ("far", far)], now) == ["far"]  # near: ahead, under the cap
     assert pacer.hold([("far", far)], now) == ["far"]  # alone: it waits all the same
     assert pacer.hold([("near", near), ("new", pacer.clock())], now) == ["near"]  # the usual rule
-    # Once playback has caught up to the cap, it runs.
-    assert pacer.hold([("far", far)], now + 100.0 - 4.0) == []
+    # It waits until its playback has caught up to lead_s, not only to the cap: then it runs in
+    # a burst up to the cap (batched, full windows), not a step each time playback passes it.
+    assert pacer.hold([("far", far)], now + 100.0 - 4.0) == ["far"]  # 4 s ahead: under the cap
+    assert pacer.hold([("far", far)], now + 100.0 - 0.5) == []  # back under lead_s: it runs
+    far.emit(3.0, now + 99.5)  # it wrote 3 s more: 3.5 s ahead
+    assert pacer.hold([("far", far)], now + 99.5) == []  # and goes on up to the cap
+    far.emit(2.0, now + 99.5)  # 5.5 s ahead
+    assert pacer.hold([("far", far)], now + 99.5) == ["far"]  # past it: waits again
 
 
 def test_order_no_audio_first_then_least_slack():
@@ -369,8 +375,10 @@ def test_decoder_has_no_work_while_every_answer_is_beyond_max_lead(decoder):
     assert emitted_in_next_step(runner, inbox) == {"a"}  # the first window starts its clock
     runner.requests["a"].clock.emit(100.0, time.monotonic())
     stream_codes(runner, "a", seq=1, n=80)
-    assert not runner.has_work()  # its next window waits until playback nears the cap
-    runner.requests["a"].clock.started_at -= 100.0  # as if its listener had played 100 s
+    assert not runner.has_work()  # its next window waits until playback is back to lead_s
+    runner.requests["a"].clock.started_at -= 97.0  # as if its listener had played 97 s: 3 s ahead
+    assert not runner.has_work()
+    runner.requests["a"].clock.started_at -= 2.5  # 0.5 s ahead
     assert runner.has_work()
 
 
