@@ -170,3 +170,26 @@ def test_profiles_pool_per_side_and_point_and_not_with_url(tmp_path):
     assert summary["on_shared_prefix_closed8"]["thinker"]["cpu_s"] == pytest.approx(1.0)
     with pytest.raises(SystemExit):
         first_audio.parse_args(["--url", "http://127.0.0.1:1", "--profile", str(tmp_path)])
+
+
+def test_url_sweeps_a_running_server(tmp_path):
+    """--url: the same sweep against a server this run did not start (here the fake pipeline
+    behind a real HTTP server with an API key): one side, every answer heard."""
+    import json
+
+    from test_server_unit import API_KEY, fake_server
+
+    out = tmp_path / "r.json"
+    with fake_server("faurl") as srv:
+        rc = first_audio.main([
+            "--url", srv.url, "--api-key", API_KEY, "--workloads", "shared-prefix",
+            "--concurrency", "1,2", "--arrivals", "closed", "--min-requests", "2",
+            "--requests-per-stream", "1", "--shared-tokens", "60", "--unique-tokens", "20",
+            "--max-tokens", "8", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["side"], r["level"]) for r in rows] == [("server", 1), ("server", 2)]
+    assert all(r["ok"] == r["requests"] == 2 for r in rows)
+    assert all(r["ttfa_s"]["n"] == 2 and r["audio_s"] > 0 for r in rows)
+    assert result["config"]["url"] == srv.url and result["config"]["stage_config"] is None
