@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import signal
 import time
@@ -24,18 +23,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import zmq
-import zmq.utils.monitor
 
 from omni_cache.config import StageConfig
 from omni_cache.config.replicas import Replica, stage_replicas
+from omni_cache.runtime.connection_watch import ConnectionWatch
 from omni_cache.runtime.hang_watch import HangWatch
 from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
 from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.wire.messages import StageReady
 
 logger = logging.getLogger(__name__)
-
-_MONITOR_IDS = itertools.count()  # inproc monitor endpoints, unique within the process
 
 #: How often stage processes are polled and deadlines checked.
 POLL_INTERVAL_S = 0.1
@@ -90,7 +87,7 @@ class StageSupervisor:
         self._stopping = False  # shutting down: exits are expected, nothing is restarted
         self._hangs = HangWatch(heartbeat_timeout_s, POLL_INTERVAL_S)
         self._monitor: asyncio.Task | None = None
-        self._watchers: dict[str, tuple[Any, asyncio.Task]] = {}  # external stage -> (socket, task)
+        self._connections = ConnectionWatch(self._on_connection_event)  # external stages' sockets
 
     # ---- the stages ------------------------------------------------------------------------------
 
@@ -297,41 +294,14 @@ class StageSupervisor:
         connection and stay "up" until the heartbeat timeout. The state starts unknown (taken as
         up): events from before the monitor existed are lost, and a failed connect is retried
         (and reported) every 100 ms."""
-        self.unwatch_connection(name)
         sp = self._stages.get(name)
         if sp is not None:
             sp.connection_down = False
-        # An address of its own: pyzmq's default is named after the socket's fd, which the socket
-        # this one replaces may have had while libzmq still holds its endpoint (EADDRINUSE).
-        mon = socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED,
-            addr=f"inproc://omni-cache-monitor-{next(_MONITOR_IDS)}")
-
-        async def watch() -> None:
-            try:
-                while True:
-                    try:
-                        frames = await mon.recv_multipart()
-                    except (asyncio.CancelledError, zmq.ZMQError):
-                        return
-                    event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
-                    watched = self._watchers.get(name)
-                    if watched is None or watched[0] is not socket or self._stopping:
-                        continue
-                    try:
-                        self._on_connection_event(name, event)
-                    except Exception:  # noqa: BLE001 - logged; the next event is still watched
-                        logger.exception("stage %s: handling connection event %d failed", name, event)
-            finally:
-                with contextlib.suppress(Exception):
-                    socket.disable_monitor()
-                mon.close(linger=0)
-
-        self._watchers[name] = (socket, asyncio.ensure_future(watch()))
+        self._connections.watch(name, socket)
 
     def _on_connection_event(self, name: str, event: int) -> None:
         sp = self._stages.get(name)
-        if sp is None:
+        if sp is None or self._stopping:
             return
         if event == zmq.EVENT_CONNECTED:
             sp.connection_down = False
@@ -344,9 +314,7 @@ class StageSupervisor:
             self._stage_lost(sp, "closed its connection (its process is gone)")
 
     def unwatch_connection(self, name: str) -> None:
-        watched = self._watchers.pop(name, None)
-        if watched is not None:
-            watched[1].cancel()
+        self._connections.unwatch(name)
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -469,13 +437,11 @@ class StageSupervisor:
     async def close(self) -> None:
         """Cancel the monitor and the connection watchers (after :meth:`stop_processes`)."""
         self._stopping = True
-        tasks = [t for _, t in self._watchers.values()]
+        tasks = self._connections.stop()
         if self._monitor is not None:
+            self._monitor.cancel()
             tasks.append(self._monitor)
-        self._watchers.clear()
         self._monitor = None
-        for task in tasks:
-            task.cancel()
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
