@@ -29,9 +29,6 @@ from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 
 logger = logging.getLogger(__name__)
 
-#: How often the wait on the inbox is re-armed while nothing comes (:meth:`StageLinks.recv`).
-REARM_MS = 1000
-
 
 class StageLinks:
     """``replicas`` (replica name -> its address) is read when a socket is made, so addresses
@@ -103,14 +100,9 @@ class StageLinks:
             return False
 
     async def recv(self) -> tuple[Any, dict[str, Any]] | None:
-        """The next message to the inbox (None: one that did not validate and was dropped, or
-        none came for ``REARM_MS``). The wait is re-armed that often: a ZMQ socket's file
-        descriptor is edge-triggered, and a wake-up lost to it would leave the inbox unread
-        while messages queue (seen once in a few dozen runs of a hand-started stage killed and
-        restarted: the event loop idle, every stage's heartbeats unread); a new wait looks at
-        the socket itself first."""
+        """The next message to the inbox (None: one that did not validate and was dropped)."""
         assert self._inbox is not None
-        return await self._inbox.recv(timeout_ms=REARM_MS)
+        return await self._inbox.recv()
 
     @property
     def closed(self) -> bool:
