@@ -41,6 +41,9 @@ from typing import Any
 
 import yaml
 
+from omni_cache.config import PacingConfig
+
+from benchmarks import profiles
 from benchmarks.client import Driver, counter_deltas, scrape_metrics, served_model
 from benchmarks.listener import DEFAULT_JITTER_S, listen
 from benchmarks.report import distribution, write_json
@@ -55,6 +58,8 @@ LABELS = {"on": "pacing on", "off": "pacing off", "capped": "pacing capped", "se
 #: Issue 36's targets.
 TARGET_TTFA_P90_RATIO = 1.5  # TTFA p90 at concurrency 8 / at 1
 TARGET_LEVEL = 8
+#: Side "capped": the max_lead_s of every paced stage (at least its lead_s), unless --max-lead-s.
+DEFAULT_MAX_LEAD_S = 4.0
 
 
 # ---- what to run --------------------------------------------------------------------------------
@@ -69,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
     p.add_argument("--sides", default="on,off",
                    help="pacing on, off, capped (on, with --max-lead-s), in this order (default: %(default)s)")
-    p.add_argument("--max-lead-s", type=float, default=4.0,
-                   help="side capped: pacing.max_lead_s of every paced stage, at least its lead_s (default: %(default)s)")
+    p.add_argument("--max-lead-s", type=float, default=DEFAULT_MAX_LEAD_S,
+                   help="side capped: pacing.max_lead_s of every paced stage, at least its lead_s "
+                        "(default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="rounds, sides alternating order (default: 1)")
     p.add_argument("--first-round", type=int, default=0,
                    help="index of the first round (its prompts and side order): runs made apart keep distinct rounds")
@@ -139,7 +145,7 @@ def plan(workload: str, args: argparse.Namespace, round_index: int) -> tuple[lis
 
 
 def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLike[str],
-                max_lead_s: float = 4.0) -> Path:
+                max_lead_s: float = DEFAULT_MAX_LEAD_S) -> Path:
     """A copy of the stage config whose pacing blocks are enabled (``on``), only measure
     (``off``), or are enabled with every answer capped at ``max_lead_s`` ahead of its playback
     (``capped``; at least each stage's ``lead_s``); ValueError if no stage paces."""
@@ -150,7 +156,8 @@ def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLi
     for stage in paced:
         stage["pacing"]["enabled"] = side in ("on", "capped")
         if side == "capped":
-            stage["pacing"]["max_lead_s"] = max(max_lead_s, stage["pacing"].get("lead_s", 1.0))
+            lead_s = stage["pacing"].get("lead_s", PacingConfig().lead_s)
+            stage["pacing"]["max_lead_s"] = max(max_lead_s, lead_s)
     path = Path(dst_dir) / f"pacing-{side}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return path
@@ -232,8 +239,6 @@ def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates
 
 def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from benchmarks.harness import ManagedServer, Monitor
-
-    from benchmarks import profiles
 
     rates = dict(args.rates)
     points: list[dict[str, Any]] = []
@@ -478,14 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         config, note, extra = run_config(args, rates), args.note, None
     result = assemble(points, config, note, machine, extra)
     if args.profile and not args.merge:
-        from benchmarks import profiles
-
         result["profile"] = {"dir": os.path.abspath(args.profile), "rate": args.profile_rate,
                              "summary": profiles.summarize_dir(args.profile, args.profile_rate)}
     print(format_table(result))
     if result.get("profile"):
-        from benchmarks import profiles
-
         print(profiles.format_summary(result["profile"]["summary"]))
     if args.json:
         write_json(args.json, result)

@@ -24,8 +24,9 @@ ahead of their listeners. Pacing reorders the stages' work by who needs audio fi
   ahead. Answers whose client does not stream are never held: they want the whole answer
   soonest.
 * Optionally, a cap (``max_lead_s``): an answer further ahead than that waits even when nothing
-  else is due, until it is only ``lead_s`` ahead, and the stage idles. Work-conserving pacing keeps the closed-loop throughput but
-  fills the cores with audio nobody needs yet; the cap leaves them to the next first audio.
+  else is due, until it is only ``lead_s`` ahead, and the stage idles. Work-conserving pacing
+  keeps the closed-loop throughput but fills the cores with audio nobody needs yet; the cap
+  leaves them to the next first audio.
 
 ``PacingPolicy.enabled = False`` keeps the clocks and counters (slack, underruns, first-audio
 steps shared with ahead-of-time work) without changing any order: the benchmark's baseline.
