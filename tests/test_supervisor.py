@@ -300,8 +300,7 @@ def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker
                 await asyncio.sleep(0.01)
             assert sp.up and not sp.connection_down
         finally:
-            sup.unwatch_connection(thinker.name)
-            await asyncio.sleep(0.05)  # the cancelled watchers close their monitor sockets
+            await sup.close()  # cancels the watches and waits until they closed their monitors
             ctx.destroy(linger=0)
 
     asyncio.run(run())
