@@ -141,30 +141,32 @@ def test_a_stage_killed_mid_answer_leaves_nothing_in_the_talker(server, dying):
     either dies mid-answer, the request fails naming it and the talker lets go of it too."""
     orch = server.orchestrator
     old_pid = orch.stage_pids()[dying]
-    # The random talker decides when its speech ends; an answer whose speech (and so the
-    # decoder's part) ended before the kill has nothing left in the dying stage, and completes
-    # as it should. Kill only under an answer the stage still holds (its live-request count).
-    # The decoder could finish the answer between that count and the kill (the talker's end of
-    # speech on its way): the talker is paused around them, so nothing more reaches the decoder.
-    feeder = orch.stage_pids()["talker"] if dying == "decoder" else None
+    # The random talker decides when its speech ends, so an answer may leave the dying stage
+    # before the kill and complete as it should. Kill only under an answer that cannot: the stage
+    # that feeds the dying one (itself, for the thinker) is stopped, and the server has not heard
+    # it finish. A stage tells the server it finished before it sends its last output downstream,
+    # and a /metrics scrape (a round trip to every stage that is up) lets whatever the stopped
+    # stage sent before its stop reach the server first.
+    feeder = "talker" if dying == "decoder" else dying
+    feeder_pid = orch.stage_pids()[feeder]
     for content in ("Tell me about the tides, slowly and at length.",
                     "Tell me about the winds over the sea, slowly and at length.",
                     "Tell me about the moon and the coast, slowly and at length."):
         stream = events(server, content, LONG_ANSWER)
-        until_first_audio(stream)
-        if feeder is not None:
-            os.kill(feeder, signal.SIGSTOP)
-        if stage_metrics(server).get(("omni_cache_stage_queue_depth", dying), 0) >= 1:
-            break
-        if feeder is not None:
-            os.kill(feeder, signal.SIGCONT)
+        request_id = until_first_audio(stream)["id"].removeprefix("chatcmpl-")
+        os.kill(feeder_pid, signal.SIGSTOP)
+        stage_metrics(server)
+        req = orch.requests.find(request_id)
+        if req is not None and feeder not in req.finished:
+            break  # its last output is still to come from the stopped feeder
+        os.kill(feeder_pid, signal.SIGCONT)
         for _ in stream:  # this answer left the stage already: let it end, try another
             pass
     else:
-        pytest.fail(f"no answer was still in the {dying} after its first audio")
+        pytest.fail(f"the {feeder} had finished every answer by its first audio")
     os.kill(old_pid, signal.SIGKILL)
-    if feeder is not None:
-        os.kill(feeder, signal.SIGCONT)
+    if feeder != dying:
+        os.kill(feeder_pid, signal.SIGCONT)
     rest = list(stream)
     error = rest[-1].get("error") if rest else None
     assert error and dying in error["message"], rest[-1:]
