@@ -29,12 +29,12 @@ from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import MediaRef, StageOutput, StreamStart, Submit
 from omni_cache.wire.sampling import EngineSampling
-from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
+from scheduler.pacing import PlaybackClock
 from workers.entry_sampling import sampling_params
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
-from workers.runner import StageRunner, deadline_in, time_left
+from workers.runner import StageRunner, deadline_in, stage_pacer, time_left
 from workers.spoken_tokens import SpokenDelta
 
 logger = logging.getLogger(__name__)
@@ -142,10 +142,7 @@ class ARRunner(StageRunner):
         engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
-        self.pacer = None
-        if stage.pacing is not None:
-            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled,
-                                            stage.pacing.max_lead_s))
+        self.pacer = stage_pacer(stage)
         self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
                             async_scheduling=async_scheduling, submodel=stage.submodel,
                             report_blocks=report_blocks, pacer=self.pacer)

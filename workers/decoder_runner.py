@@ -37,8 +37,8 @@ from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import StageOutput
-from scheduler.pacing import Pacer, PacingPolicy, PlaybackClock
-from workers.runner import StageRunner, deadline_in
+from scheduler.pacing import PlaybackClock
+from workers.runner import StageRunner, deadline_in, stage_pacer
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,7 @@ class DecoderRunner(StageRunner):
             "codebook_size": self.decoder.codebook_size})
         self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
-        self.pacer = None
-        if stage.pacing is not None:
-            self.pacer = Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled,
-                                            stage.pacing.max_lead_s))
+        self.pacer = stage_pacer(stage)
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):

@@ -25,6 +25,7 @@ from omni_cache.config import StageConfig
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import MAX_ERROR_MESSAGE, StageError, StageOutput, StreamStart, Submit
 from omni_cache.wire.transport import SendTimeout
+from scheduler.pacing import Pacer, PacingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,14 @@ def error_message(stage: str, request_id: str, exc: BaseException) -> StageError
     if len(message) > MAX_ERROR_MESSAGE:  # longer would not decode (the wire bounds it)
         message = message[:MAX_ERROR_MESSAGE - 3] + "..."
     return StageError(request_id=request_id, stage=stage, message=message, status=status)
+
+
+def stage_pacer(stage: StageConfig) -> Pacer | None:
+    """The pacer of a stage with a ``pacing`` block (the vLLM stages' scheduler and the decoder's
+    batcher read the same policy); None without one."""
+    if stage.pacing is None:
+        return None
+    return Pacer(PacingPolicy(stage.pacing.lead_s, stage.pacing.enabled, stage.pacing.max_lead_s))
 
 
 class StageRunner:
