@@ -14,8 +14,8 @@ workload runs with the prefix caches on (thinker APC + hidden-state cache + talk
 one pipeline alive at a time (benchmarks/harness.py). Target: with the cache, turn 10's p50 first
 audio within 1.3x of turn 1's.
 
-    .venv/bin/python -m benchmarks.realtime --json benchmarks/results/realtime.json \\
-        --plot benchmarks/results/realtime.png
+    .venv/bin/python -m benchmarks.realtime --json realtime.json \\
+        --plot realtime.png
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Routing between two thinker replicas: ``prefix`` against ``round_robin`` and ``least_loaded``
 (issue 22's benchmark), through the HTTP API of the real tiny pipeline.
 
-    .venv/bin/python -m benchmarks.routing --json benchmarks/results/routing.json [--rounds 2]
+    .venv/bin/python -m benchmarks.routing --json routing.json [--rounds 2]
 
 Workload: ``--tenants`` (8) tenants, each with its own ``--shared-tokens`` (2,000) token prefix
 (system prompt + the user message's header); every request is one tenant's prefix + its own
