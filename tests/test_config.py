@@ -929,3 +929,15 @@ def test_ray_assigns_the_gpus_of_a_placed_stage(tmp_path: Path) -> None:
     assert cli.main(["--stage-config", str(path), "--check"]) == 0
     path.write_text(path.read_text().replace(CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL))
     assert_refused_naming(path, "stages[0].env.CUDA_VISIBLE_DEVICES", "not with ray.num_gpus")
+
+
+def test_step_timeout_must_exceed_the_heartbeat_timeout(tmp_path: Path) -> None:
+    # A step that may last no longer than silence is allowed could never be reported busy.
+    vllm_stage = "    kind: autoregressive"  # the thinker and the talker
+    path = write_variant(tmp_path, vllm_stage, vllm_stage + "\n    step_timeout_s: 10", count=2)
+    message = config_error(path)
+    for i in (0, 1):
+        assert (f"{path}: stages[{i}].step_timeout_s: must be longer than "
+                "server.heartbeat_timeout_s (10 s), got 10 s") in message
+    ok = write_variant(tmp_path, vllm_stage, vllm_stage + "\n    step_timeout_s: 10.5", count=2)
+    assert [s.step_timeout_s for s in load_config(ok).stages] == [10.5, 10.5, 300.0]

@@ -207,15 +207,16 @@ def started(thinker, timeout_s: float = 10.0):
 
 def test_a_loop_stuck_while_it_works_is_down_killed_and_restarted(thinker):
     sup, events, runner, sp = started(thinker)
-    sup.on_announcement(beat(sp, busy=True, stalled_s=10.5))  # alive, its loop stuck 10.5 s
+    assert sp.step_timeout_s == 300.0  # the default
+    sup.on_announcement(beat(sp, busy=True, stalled_s=300.5))  # alive, in one step for 300.5 s
     judge(sup)
     assert not sp.up and sp.hangs == 1 and runner.signals == [signal.SIGKILL]
     assert events.events[-1][:2] == ("down", thinker.name)
     why = events.events[-1][2]
-    assert why.startswith("hung (its loop made no progress for 10.") and "was killed" in why
-    assert "server.heartbeat_timeout_s is 10 s" in why
+    assert why.startswith("hung (its loop made no progress for 300.") and "was killed" in why
+    assert "its stages[].step_timeout_s is 300 s" in why
     assert sp.why_down().endswith("killed, waiting for its process to exit")
-    sup.on_announcement(beat(sp, busy=True, stalled_s=11.0))  # the dying process: ignored
+    sup.on_announcement(beat(sp, busy=True, stalled_s=301.0))  # the dying process: ignored
     assert not sp.up
     runner.code = -9  # SIGKILL took it
     sup.poll()
@@ -231,9 +232,38 @@ def test_an_idle_or_moving_stage_is_never_taken_for_hung(thinker):
     sup, events, runner, sp = started(thinker)
     sup.on_announcement(beat(sp, busy=False, stalled_s=3600.0))  # waiting for input for an hour
     judge(sup)
-    sup.on_announcement(beat(sp, busy=True, stalled_s=9.9))  # a long step, not over the timeout
+    sup.on_announcement(beat(sp, busy=True, stalled_s=9.9))  # a step, not over the heartbeat timeout
     judge(sup)
     assert sp.up and sp.hangs == 0 and runner.signals == [] and events.events == [("up", thinker.name)]
+    assert sp.long_steps == 0 and sup.long_steps() == {}
+
+
+def test_a_long_step_with_heartbeats_is_busy_not_hung(thinker):
+    """Past the heartbeat timeout while its beats come (a first-use compile): busy, reported
+    and counted once per step; hung only past its step_timeout_s."""
+    sup, events, runner, sp = started(thinker)
+    sup.on_announcement(beat(sp, busy=True, stalled_s=10.5))
+    judge(sup)
+    assert sp.up and sp.hangs == 0 and runner.signals == [] and sp.long_steps == 1
+    assert 10.5 <= sup.long_steps()[thinker.name] < 20
+    sup.on_announcement(beat(sp, busy=True, stalled_s=250.0))  # the same step, still going
+    judge(sup)
+    assert sp.up and sp.long_steps == 1 and sup.long_steps()[thinker.name] >= 250
+    sup.on_announcement(beat(sp, busy=True, stalled_s=0.2))  # it moved: that step ended
+    judge(sup)
+    assert sup.long_steps() == {}
+    sup.on_announcement(beat(sp, busy=True, stalled_s=11.0))  # another long step
+    judge(sup)
+    assert sp.long_steps == 2 and events.events == [("up", thinker.name)]
+
+
+def test_step_timeout_is_per_stage(thinker):
+    thinker.step_timeout_s = 20.0
+    sup, events, runner, sp = started(thinker)
+    sup.on_announcement(beat(sp, busy=True, stalled_s=20.5))
+    judge(sup)
+    assert not sp.up and runner.signals == [signal.SIGKILL] and sp.long_steps == 0
+    assert "its stages[].step_timeout_s is 20 s" in events.events[-1][2]
 
 
 def test_a_silent_stage_is_down_and_killed(thinker):
@@ -256,15 +286,20 @@ def test_a_stuck_external_stage_is_down_not_killed_and_back_when_it_moves(thinke
     ready = dict(stage=thinker.name, pid=10, incarnation="a", host="h1")
     sup.on_announcement(StageReady(**ready))
     asyncio.run(sup.wait_ready(1.0))
-    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=12.0))
+    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=12.0))  # busy, not hung
+    judge(sup)
+    assert sp.up and sp.long_steps == 1
+    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=312.0))
     judge(sup)
     assert not sp.up and sp.hangs == 1
-    assert events.events[-1] == ("down", thinker.name, "(started elsewhere, pid 10 on h1) hung "
-                                 "(its loop made no progress for 12.0 s while it held work; "
-                                 "server.heartbeat_timeout_s is 10 s)")
-    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=13.0))  # alive, still stuck
+    assert events.events[-1][:2] == ("down", thinker.name)
+    assert events.events[-1][2].startswith("(started elsewhere, pid 10 on h1) hung (its loop made "
+                                           "no progress for 312.")
+    assert events.events[-1][2].endswith("s while it held work; its stages[].step_timeout_s is "
+                                         "300 s)")
+    sup.on_announcement(StageReady(**ready, busy=True, stalled_s=313.0))  # alive, still stuck
     judge(sup)
-    assert not sp.up and "hung (its loop made no progress for 13.0 s" in sp.why_down()
+    assert not sp.up and "hung (its loop made no progress for 313.0 s" in sp.why_down()
     sup.on_announcement(StageReady(**ready, busy=True, stalled_s=0.1))  # it moves again
     assert sp.up and events.events[-1] == ("up", thinker.name) and sp.restarts == 0
 
@@ -272,9 +307,19 @@ def test_a_stuck_external_stage_is_down_not_killed_and_back_when_it_moves(thinke
 def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker):
     # The server replaces a down stage's socket at once: the new socket often gets the closed
     # one's file descriptor, after which a monitor endpoint named after it (pyzmq's default)
-    # can still be bound. Each replacement must be watched, and a live connection seen.
+    # can still be bound. Each replacement must be watched, and its events must reach the
+    # supervisor: sixty times the stage dies (its socket closes: the old connection's end is
+    # seen), comes back and announces itself while nothing listens yet (the replacement's
+    # refused connects are seen: not up), then listens again, and only the replacement's
+    # connect event can bring it up.
     import zmq
     import zmq.asyncio
+
+    async def until(what: str, cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.005)
 
     async def run() -> None:
         events = Recorder()
@@ -284,23 +329,46 @@ def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker
         ctx = zmq.asyncio.Context()
         stage = ctx.socket(zmq.PULL)
         port = stage.bind_to_random_port("tcp://127.0.0.1")
-        old = None
+
+        def connected() -> zmq.Socket:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)  # refused connects retried (and reported) fast
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            return sock
+
+        old = connected()
+        sup.watch_connection(thinker.name, old)
+        sup.on_announcement(StageReady(stage=thinker.name, pid=1, incarnation="0"))
         try:
-            for _ in range(60):
-                sock = ctx.socket(zmq.PUSH)
-                sock.connect(f"tcp://127.0.0.1:{port}")
+            for i in range(1, 61):
+                assert sp.up
+                stage.close(linger=0)  # the stage's process dies
+                await until(f"replacement {i}: the disconnect was not seen", lambda: not sp.up)
+                sock = connected()
                 sup.unwatch_connection(thinker.name)
-                if old is not None:
-                    old.close(linger=0)
-                sup.watch_connection(thinker.name, sock)
+                old.close(linger=0)
+                sup.watch_connection(thinker.name, sock)  # takes the connection as up for now
                 old = sock
-            sup.on_announcement(StageReady(stage=thinker.name, pid=1, incarnation="a"))
-            deadline = time.monotonic() + 10
-            while not sp.up and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            assert sp.up and not sp.connection_down
+                await until(f"replacement {i}: no refused connect was seen",
+                            lambda: sp.connection_down)
+                sup.on_announcement(StageReady(stage=thinker.name, pid=1 + i, incarnation=str(i)))
+                assert not sp.up  # announced, but its connection is down
+                stage = ctx.socket(zmq.PULL)
+                while True:  # the closed listener may hold the port for a moment
+                    try:
+                        stage.bind(f"tcp://127.0.0.1:{port}")
+                        break
+                    except zmq.ZMQError:
+                        await asyncio.sleep(0.005)
+                await until(f"replacement {i}: the connect was not seen", lambda: sp.up)
+                assert not sp.connection_down
+            ups = [e for e in events.events if e[0] == "up"]
+            downs = [e for e in events.events if e[0] == "down"]
+            assert len(ups) == 61 and len(downs) == 60 and sp.restarts == 60
+            assert all(e[2].endswith("closed its connection (its process is gone)") for e in downs)
         finally:
             await sup.close()  # cancels the watches and waits until they closed their monitors
+            stage.close(linger=0)
             ctx.destroy(linger=0)
 
     asyncio.run(run())

@@ -37,6 +37,7 @@ from workers.announcer import Announcer
 from omni_cache.heap_trim import HeapTrimmer
 from workers.loop_progress import LoopProgress
 from workers.outbox import Outbox, send_timeout_s
+from workers.step_hold import StepHold
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class StageProcess:
         self.next_housekeeping = 0.0
         self.heap = HeapTrimmer()
         self.progress = LoopProgress()
+        self.hold = StepHold.from_env()  # tests only (workers/step_hold.py)
         #: Failures outside any request (each logged); and, per loop path (a fixed set of
         #: names), how many in a row.
         self.loop_errors = 0
@@ -144,6 +146,8 @@ class StageProcess:
         try:
             if not self.runner.has_work():
                 return False
+            if self.hold is not None:
+                self.hold.maybe_hold()
             self.runner.step()
         except Exception as exc:
             self.failed_steps += 1

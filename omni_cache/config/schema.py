@@ -369,6 +369,13 @@ class StageConfig(_Base, kw_only=True):
     ray: RayResources | None = None
     #: Playback pacing of streamed spoken answers; None: this stage does not pace.
     pacing: PacingConfig | None = None
+    #: A replica whose heartbeats keep coming while its loop stays inside one model step is busy,
+    #: not hung, until that step has lasted this long; then it is hung (killed and restarted).
+    #: 300 s: vLLM's first-use torch.compile of a sampler path took ~10 s in one step on a quiet
+    #: 2-core CPU; this leaves room for several such compiles on a slow, contended CPU, and is
+    #: the default request deadline, by which a wedged step's requests end anyway. Must exceed
+    #: ``server.heartbeat_timeout_s`` (silence is judged by that).
+    step_timeout_s: PositiveFloat = 300.0
 
     def __post_init__(self) -> None:
         if self.kind == "generation" and self.generation is None:

@@ -631,6 +631,12 @@ def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths
         issues.add(("server", "heartbeat_timeout_s"),
                    f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "
                    f"got {server.heartbeat_timeout_s:g} s")
+    for i, s in enumerate(config.stages):
+        # A step shorter than the heartbeat timeout is never long: the limit would judge nothing.
+        if s.step_timeout_s <= server.heartbeat_timeout_s:
+            issues.add(("stages", i, "step_timeout_s"),
+                       f"must be longer than server.heartbeat_timeout_s "
+                       f"({server.heartbeat_timeout_s:g} s), got {s.step_timeout_s:g} s")
     key_file = server.stage_auth_key_file
     if key_file is not None and check_paths and not Path(key_file).expanduser().is_file():
         issues.add(("server", "stage_auth_key_file"),

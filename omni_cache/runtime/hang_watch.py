@@ -1,19 +1,33 @@
-"""Whether a stage replica hangs, judged from its heartbeats.
+"""Whether a stage replica is stopped, busy in a long step, or hung, judged from its heartbeats.
 
-Every StageReady a stage sends (``server.heartbeat_interval_s``) says, besides that its process is
-alive, whether its loop was working at its last progress stamp (``busy``) and how long ago that
-stamp was (``stalled_s``; workers/loop_progress.py). A replica that is up hangs when
+Every StageReady a stage sends (``server.heartbeat_interval_s``, from a thread of its own:
+workers/announcer.py) says, besides that its process is alive, whether its loop was working at
+its last progress stamp (``busy``) and how long ago that stamp was (``stalled_s``;
+workers/loop_progress.py). Two limits judge a replica that is up:
 
-* its loop has not moved for more than ``server.heartbeat_timeout_s`` while it was working: its
-  heartbeats may go on (they come from a thread of their own) while the loop is stuck in a wedged
-  call, a deadlock, a send nobody takes; or
-* nothing came from it for that long: the whole process stopped (SIGSTOP, a paused VM, a host
-  gone) or cannot be reached.
+* **Silence** (``server.heartbeat_timeout_s``): nothing came from it for that long. The whole
+  process stopped (SIGSTOP, a paused VM, a host gone) or cannot be reached: it is hung.
+* **One long step** (``stages[].step_timeout_s``, much longer): its heartbeats keep coming while
+  its loop stays inside one step (a first-use torch.compile, a huge prefill chunk, a contended
+  CPU). Past ``heartbeat_timeout_s`` it is *busy in a long step*: reported (/health, metrics:
+  each such step counted once), not judged. Past ``step_timeout_s`` it is hung: a loop wedged in
+  a call, a deadlock, a send nobody takes.
 
 A loop that waits for input while it holds nothing is never judged, however long it waits; a
-long job made of many steps (a big prompt's chunked prefill) stamps once per step. Only a single
-step longer than the timeout looks like a hang. The progress stamp is taken on the stage's clock
-and carried as an age, so the stage's and the server's clocks need not agree.
+long job made of many steps (a big prompt's chunked prefill) stamps once per step. The progress
+stamp is taken on the stage's clock and carried as an age, so the stage's and the server's
+clocks need not agree.
+
+**Judged on what the server could have read.** The watch runs on the server's event loop, as the
+receive loop that reads the beats does. When that loop stalls (a long tokenization, a burst of
+outputs), beats wait unread in the inbox, and measuring silence up to *now* would blame the
+stage for the server's own stall. So every judgment measures silence and step lengths up to
+the *previous* monitoring tick, the horizon: every beat that reached the inbox before it has
+been read by now, because the loop ran in between and the receive loop, once woken, drains its
+inbox before the next tick's wake-up runs (a wake-up queued earlier runs first). A server stall
+of any length therefore never makes a healthy stage look silent, and a loop that lags steadily
+(every tick late) still judges on every tick: a stopped stage is found one tick interval after
+its silence passed the timeout.
 """
 
 from __future__ import annotations
@@ -35,45 +49,68 @@ class Liveness:
     busy: bool = False
     #: When its loop last moved (the stamp's age subtracted from the beat's arrival).
     progress_at: float = 0.0
+    #: The last beat's ``stalled_s`` (the stage's clock): a smaller one means the loop moved.
+    stalled_s: float = 0.0
+    #: The step it is in now was already counted as a long one.
+    counted: bool = False
 
     def beat(self, msg: StageReady, now: float) -> None:
+        if not msg.busy or msg.stalled_s < self.stalled_s:
+            self.counted = False  # the loop moved since the last beat: a new step
         self.last_seen = now
         self.busy = msg.busy
+        self.stalled_s = msg.stalled_s
         self.progress_at = now - max(0.0, msg.stalled_s)
 
-    def hang(self, now: float, timeout_s: float) -> str | None:
-        """Why the replica hangs at ``now`` (words for logs, /health and the 503 of its
-        requests), or None while it does not."""
-        if self.busy and now - self.progress_at > timeout_s:
-            return (f"hung (its loop made no progress for {now - self.progress_at:.1f} s while "
-                    f"it held work; server.heartbeat_timeout_s is {timeout_s:g} s)")
-        if now - self.last_seen > timeout_s:
-            return (f"stopped answering (no heartbeat for {now - self.last_seen:.1f} s, "
-                    f"server.heartbeat_timeout_s is {timeout_s:g} s)")
+    def step_s(self, until: float) -> float:
+        """How long its loop has been inside one step as of ``until`` (0 when not working)."""
+        return max(0.0, until - self.progress_at) if self.busy else 0.0
+
+    def long_step_s(self, until: float, heartbeat_timeout_s: float) -> float | None:
+        """Seconds in its current step when that is past the heartbeat timeout (a long step,
+        busy, not hung), else None."""
+        step = self.step_s(until)
+        return step if step > heartbeat_timeout_s else None
+
+    def hang(self, until: float, heartbeat_timeout_s: float, step_timeout_s: float) -> str | None:
+        """Why the replica hangs, judged on what was read up to ``until`` (words for logs,
+        /health and the 503 of its requests), or None while it does not."""
+        step = self.step_s(until)
+        if step > step_timeout_s:
+            return (f"hung (its loop made no progress for {step:.1f} s while it held work; "
+                    f"its stages[].step_timeout_s is {step_timeout_s:g} s)")
+        silent = until - self.last_seen
+        if silent > heartbeat_timeout_s:
+            return (f"stopped answering (no heartbeat for {silent:.1f} s, "
+                    f"server.heartbeat_timeout_s is {heartbeat_timeout_s:g} s)")
         return None
 
 
 class HangWatch:
-    """Judges the replicas on each of the supervisor's monitoring ticks (every
-    ``poll_interval_s``). A tick that comes late means the server's own event loop stalled (a
-    long tokenization, a burst of outputs) and has not read the beats waiting in its inbox yet:
-    nothing is judged on it."""
+    """Judges the replicas on each of the supervisor's monitoring ticks, up to the previous tick
+    (the module's note says why); counts each long step once."""
 
-    def __init__(self, timeout_s: float, poll_interval_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.poll_interval_s = poll_interval_s
-        self._last_tick = 0.0
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.timeout_s = heartbeat_timeout_s
+        self._last_tick: float | None = None
 
     def hung(self, replicas: Iterable[Any], now: float) -> list[tuple[Any, str]]:
-        """(replica, why) for each replica that is up and hangs at ``now``; ``replicas``: what
-        has ``up`` and ``liveness`` (the supervisor's SupervisedReplica)."""
-        late = now - self._last_tick > 5 * self.poll_interval_s
-        self._last_tick = now
-        if late:
-            return []
+        """(replica, why) for each replica that is up and hangs; ``replicas``: what has ``up``,
+        ``liveness``, ``step_timeout_s`` and ``long_steps`` (the supervisor's
+        SupervisedReplica). A replica found in a long step it was not counted in gets its
+        ``long_steps`` raised by one."""
+        horizon, self._last_tick = self._last_tick, now
+        if horizon is None:
+            return []  # the first tick: no horizon yet
         found = []
         for sp in replicas:
-            why = sp.liveness.hang(now, self.timeout_s) if sp.up else None
+            if not sp.up:
+                continue
+            live = sp.liveness
+            why = live.hang(horizon, self.timeout_s, sp.step_timeout_s)
             if why is not None:
                 found.append((sp, why))
+            elif not live.counted and live.long_step_s(horizon, self.timeout_s) is not None:
+                live.counted = True
+                sp.long_steps += 1
         return found

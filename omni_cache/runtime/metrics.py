@@ -158,6 +158,9 @@ class StageSnapshot:
     restarts: int = 0
     #: Times it was found hung (omni_cache/runtime/hang_watch.py) and marked down.
     hangs: int = 0
+    #: Steps it was seen in past the heartbeat timeout (busy, not hung), and whether it is now.
+    long_steps: int = 0
+    in_long_step: bool = False
     #: The replica's counters (the last ones it reported; empty if it never answered).
     counters: dict[str, float] = field(default_factory=dict)
     #: False when the replica did not answer this scrape's StatsQuery in time (counters are older).
@@ -292,6 +295,14 @@ class OrchestratorMetrics:
             "omni_cache_stage_hangs",
             "Times the stage replica was found hung (its loop stopped moving while it held work, "
             "or its heartbeats stopped) and marked down.", labels=labels)
+        long_steps = CounterMetricFamily(
+            "omni_cache_stage_long_steps",
+            "Steps of the stage replica's loop that lasted past server.heartbeat_timeout_s while "
+            "its heartbeats came (busy, not hung until stages[].step_timeout_s).", labels=labels)
+        in_long = GaugeMetricFamily(
+            "omni_cache_stage_in_long_step",
+            "1 while the stage replica is busy in one step past server.heartbeat_timeout_s.",
+            labels=labels)
         fresh = GaugeMetricFamily(
             "omni_cache_stage_stats_fresh",
             "1 when the stage replica answered this scrape's stats query (else its last known "
@@ -301,8 +312,10 @@ class OrchestratorMetrics:
             up.add_metric(values, 1 if stages[s].up else 0)
             restarts.add_metric(values, stages[s].restarts)
             hangs.add_metric(values, stages[s].hangs)
+            long_steps.add_metric(values, stages[s].long_steps)
+            in_long.add_metric(values, 1 if stages[s].in_long_step else 0)
             fresh.add_metric(values, 1 if stages[s].fresh else 0)
-        yield from (up, restarts, hangs, fresh)
+        yield from (up, restarts, hangs, long_steps, in_long, fresh)
 
     def _routing(self, routing: RoutingSnapshot) -> Iterator[Metric]:
         fam = CounterMetricFamily(

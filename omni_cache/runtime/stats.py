@@ -64,12 +64,15 @@ class StageStatsBoard:
                  since: float) -> dict[str, StageSnapshot]:
         """replica name -> its state and counters; fresh when it answered after ``since``."""
         snap = {}
+        busy = supervisor.long_steps()
         for n, replica in replicas.items():
             sp = supervisor.stages.get(n)
             snap[n] = StageSnapshot(
                 up=bool(sp and sp.up),
                 restarts=sp.restarts if sp else 0,
                 hangs=sp.hangs if sp else 0,
+                long_steps=sp.long_steps if sp else 0,
+                in_long_step=n in busy,
                 counters=dict(self._counters.get(n, {})),
                 fresh=self._when.get(n, -1.0) >= since,
                 stage=replica.stage,

@@ -54,6 +54,10 @@ class SupervisedReplica:
         self.liveness = Liveness()
         #: Times it was found hung (its loop stuck while working, or silent) and marked down.
         self.hangs = 0
+        #: How long one step of its loop may last before it is hung (``stages[].step_timeout_s``).
+        self.step_timeout_s = stage.step_timeout_s
+        #: Steps it was seen in past the heartbeat timeout (busy, heartbeats coming), each once.
+        self.long_steps = 0
         #: Why its current process was killed as hung (until that process's exit is handled).
         self.hung: str | None = None
         # Stages started elsewhere: who announced itself last, and why it is down.

@@ -1,7 +1,8 @@
 """Stage process supervision: launching stage processes, waiting until they are ready, noticing
-when one exits, hangs (its loop stopped moving while it works, or it went silent:
-:mod:`omni_cache.runtime.hang_watch`) or (started elsewhere) closes its connection, restarting it
-with back-off (a hung process is killed first), stopping them all.
+when one exits, hangs (it went silent, or its loop stayed in one step past its
+``step_timeout_s``; a shorter long step is only reported busy:
+:mod:`omni_cache.runtime.hang_watch`) or (started elsewhere) closes its connection, restarting
+it with back-off (a hung process is killed first), stopping them all.
 
 :class:`StageSupervisor` owns one :class:`SupervisedReplica` per stage replica (a stage with
 ``replicas: N`` has N, each supervised and restarted on its own, named as
@@ -52,8 +53,8 @@ class StageEvents(Protocol):
     def on_stage_down(self, stage: str, why: str) -> None:
         """Replica ``stage`` (its stage's name when the stage has one replica, else
         ``name#index``; ``supervisor.stages[stage]`` has both) stopped serving: its process exited
-        (``why``: "died (exit code 1)"), hung ("hung (its loop made no progress for 3.2 s while
-        it held work; ...) and was killed") or, started elsewhere, it hung, went silent, closed
+        (``why``: "died (exit code 1)"), hung ("hung (its loop made no progress for 300.2 s
+        while it held work; ...) and was killed") or, started elsewhere, it hung, went silent, closed
         its connection or was replaced (``why``: "(started elsewhere, pid 12 on host) closed its
         connection (its process is gone)")."""
 
@@ -85,7 +86,7 @@ class StageSupervisor:
         self._by_replica: dict[tuple[str, int], str] = {}  # (stage, index) -> replica name
         self._started = False  # every stage was ready once: restarts from now on
         self._stopping = False  # shutting down: exits are expected, nothing is restarted
-        self._hangs = HangWatch(heartbeat_timeout_s, POLL_INTERVAL_S)
+        self._hangs = HangWatch(heartbeat_timeout_s)
         self._monitor: asyncio.Task | None = None
         self._connections = ConnectionWatch(self._on_connection_event)  # external stages' sockets
 
@@ -157,6 +158,18 @@ class StageSupervisor:
             elif name == entry and starting:
                 # Stages started elsewhere can be up before the server loaded its tokenizer.
                 out[name] = "up; the server is still starting (loading the tokenizer)"
+        return out
+
+    def long_steps(self) -> dict[str, float]:
+        """replica name -> seconds its loop has been inside one step, for each replica that is up
+        and busy in a step past the heartbeat timeout (its heartbeats come: not hung until
+        ``stages[].step_timeout_s``)."""
+        now = time.monotonic()
+        out = {}
+        for sp in self._stages.values():
+            step = sp.liveness.long_step_s(now, self._heartbeat_timeout_s) if sp.up else None
+            if step is not None:
+                out[sp.name] = step
         return out
 
     def replicas_not_ready(self) -> dict[str, str]:
@@ -247,7 +260,7 @@ class StageSupervisor:
         sp.pid = msg.pid
         sp.host = msg.host
         sp.liveness.beat(msg, now)
-        stuck = sp.liveness.hang(now, self._heartbeat_timeout_s)
+        stuck = sp.liveness.hang(now, self._heartbeat_timeout_s, sp.step_timeout_s)
         if stuck is not None:
             # Alive, but its loop is still stuck: down until it moves again.
             sp.lost_reason = stuck

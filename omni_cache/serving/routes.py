@@ -70,8 +70,15 @@ async def health(request: Request) -> JSONResponse:
     orch: Orchestrator = state.orchestrator
     not_ready = orch.not_ready()
     replicas = orch.replicas_not_ready()
+    # Replicas up but inside one long step (heartbeats coming): busy, not down
+    # (omni_cache/runtime/hang_watch.py); named whatever the status.
+    long_steps = orch.supervisor.long_steps()
+    busy = {"busy": {name: {"stage": sp.stage, "replica": sp.index, "step_s": round(step, 1),
+                            "step_timeout_s": sp.step_timeout_s}
+                     for name, step in long_steps.items()
+                     for sp in [orch.supervisor.stages[name]]}} if long_steps else {}
     if not not_ready and not replicas:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **busy})
     # Each replica that is down, by name, with its stage and index beside it.
     down = {name: {"stage": sp.stage, "replica": sp.index, "why": why}
             for name, why in replicas.items()
@@ -79,10 +86,10 @@ async def health(request: Request) -> JSONResponse:
     if not not_ready:
         # Every stage has a replica serving: requests are taken (200), with less capacity.
         message = "replica(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in replicas.items())
-        return JSONResponse({"status": "degraded", "message": message, "replicas": down})
+        return JSONResponse({"status": "degraded", "message": message, "replicas": down, **busy})
     message = "stage(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in not_ready.items())
     return JSONResponse({"status": "unavailable", "message": message, "stages": not_ready,
-                         "replicas": down}, status_code=503)
+                         "replicas": down, **busy}, status_code=503)
 
 
 @router.get("/v1/models", dependencies=_auth)

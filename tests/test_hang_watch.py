@@ -1,0 +1,108 @@
+"""The hang watch's judgment on a clock the test drives (omni_cache/runtime/hang_watch.py): real
+StageReady beats, the server's reads and ticks in the order its event loop runs them. The watch
+judges on what the server could have read: a server that lags on every tick still finds a
+stopped stage; a server that stalls never blames a healthy stage for the beats it did not read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omni_cache.runtime.hang_watch import HangWatch, Liveness
+from omni_cache.wire.messages import StageReady
+
+TIMEOUT_S = 3.0  # server.heartbeat_timeout_s
+STEP_TIMEOUT_S = 300.0
+INTERVAL_S = 0.25  # server.heartbeat_interval_s
+
+
+@dataclass
+class Replica:
+    """What the watch reads of the supervisor's SupervisedReplica."""
+
+    up: bool = True
+    liveness: Liveness = field(default_factory=Liveness)
+    step_timeout_s: float = STEP_TIMEOUT_S
+    long_steps: int = 0
+
+
+def beat(busy: bool = False, stalled_s: float = 0.0) -> StageReady:
+    return StageReady(stage="thinker", pid=1, busy=busy, stalled_s=stalled_s)
+
+
+def test_a_server_that_lags_on_every_tick_still_finds_a_stopped_stage():
+    """Every tick 1.1 s after the last (the old watch judged nothing on a late tick, so it never
+    judged here); each loop round reads the beats that came, then ticks. The stage beats until
+    it is stopped at 5 s: found within the timeout plus two ticks of the stop, not before."""
+    watch, sp = HangWatch(TIMEOUT_S), Replica()
+    stopped_at, t, sent = 5.0, 0.0, 0.0
+    found = None
+    while t < 60 and found is None:
+        t += 1.1  # the loop lags: a whole round takes 1.1 s
+        came = False
+        while sent + INTERVAL_S <= min(t, stopped_at):  # the beats that came meanwhile
+            sent, came = sent + INTERVAL_S, True
+        if came:
+            sp.liveness.beat(beat(), t - 0.01)  # read just before the tick (arrival = read time)
+        hung = watch.hung([sp], t)
+        if hung:
+            found = (t, hung[0][1])
+    assert found is not None, "a steadily lagging server never found the stopped stage"
+    at, why = found
+    assert stopped_at + TIMEOUT_S < at <= stopped_at + TIMEOUT_S + 2 * 1.1 + 0.01
+    assert why.startswith("stopped answering (no heartbeat for ")
+
+
+def test_a_server_stall_never_makes_a_healthy_stage_look_silent():
+    """The server stalls 30 s; its first tick after the stall runs before the receive loop
+    read the beats that waited (the worst order): nothing is judged; once read, all is well."""
+    watch, sp = HangWatch(TIMEOUT_S), Replica()
+    t = 0.0
+    for _ in range(10):  # a punctual loop: read, tick
+        t += 0.1
+        sp.liveness.beat(beat(), t)
+        assert watch.hung([sp], t) == []
+    t += 30.0  # the stall: beats queue unread
+    assert watch.hung([sp], t) == []  # the tick comes first
+    sp.liveness.beat(beat(), t + 0.001)  # the receive loop drains the inbox
+    assert watch.hung([sp], t + 0.1) == []
+    assert sp.up and sp.long_steps == 0
+
+
+def test_a_step_that_ended_in_a_server_stall_is_not_counted_past_its_limit():
+    """Its last beat read said 298 s in one step (limit 300 s); the server stalls 10 s while the
+    stage's step ends: measured to the tick before the stall, not to now, it is not hung."""
+    watch, sp = HangWatch(TIMEOUT_S), Replica()
+    assert watch.hung([sp], -0.05) == []  # the first tick only sets the horizon
+    sp.liveness.beat(beat(busy=True, stalled_s=298.0), 0.0)
+    assert watch.hung([sp], 0.05) == []
+    assert sp.long_steps == 1  # busy in a long step: counted, not hung
+    assert watch.hung([sp], 10.05) == []  # stalled 10 s; the loop moved meanwhile, beats unread
+    sp.liveness.beat(beat(busy=True, stalled_s=0.1), 10.06)
+    assert watch.hung([sp], 10.15) == [] and sp.long_steps == 1
+
+
+def test_a_long_step_is_busy_until_its_step_timeout_then_hung():
+    watch, sp = HangWatch(TIMEOUT_S), Replica(step_timeout_s=20.0)
+    t = 0.0
+    assert watch.hung([sp], t) == []
+    while t < 19.5:  # the announcer's beats keep coming, the loop stays in one step
+        t += INTERVAL_S
+        sp.liveness.beat(beat(busy=True, stalled_s=t), t)
+        assert watch.hung([sp], t) == []
+    assert sp.long_steps == 1
+    assert 19 < sp.liveness.long_step_s(t, TIMEOUT_S) <= 19.6
+    while True:
+        t += INTERVAL_S
+        sp.liveness.beat(beat(busy=True, stalled_s=t), t)
+        hung = watch.hung([sp], t)
+        if hung:
+            break
+        assert t < 21
+    assert hung[0][1].startswith("hung (its loop made no progress for 20.")
+    assert hung[0][1].endswith("its stages[].step_timeout_s is 20 s)")
+
+
+def test_a_replica_that_is_down_is_not_judged():
+    watch, sp = HangWatch(TIMEOUT_S), Replica(up=False)
+    watch.hung([sp], 0.0)
+    assert watch.hung([sp], 100.0) == []
