@@ -1,9 +1,13 @@
 """A pipeline served from a stage config a test built: the dict (as ``yaml.safe_load`` reads one)
 is written next to the test's other files, an Orchestrator and the HTTP server are started from
-it, and the server is stopped when the ``with`` block ends (also when it never became ready)."""
+it, and the server is stopped when the ``with`` block ends (also when it never became ready).
+Also: a shipped config renamed for a test (:func:`write_pipeline_config`) and a seeded system
+prompt."""
 
 from __future__ import annotations
 
+import os
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,3 +32,24 @@ def served(data: dict[str, Any], directory: Path, *, api_key: str | None = None,
         yield srv
     finally:
         srv.stop()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_pipeline_config(tmp: Path, name: str, source: str = "tiny_omni.yaml") -> Path:
+    """A shipped config with its own pipeline name and socket paths (tests may run while
+    someone serves the default) and an OS-chosen HTTP port."""
+    data = yaml.safe_load((ROOT / "stage_configs" / source).read_text())
+    data["name"] = name
+    data["server"]["port"] = 0
+    for stage in data["stages"]:
+        stage["address"] = f"ipc:///tmp/omni_cache/{name}-{os.getpid()}/{stage['name']}.sock"
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def system_prompt(n_chars: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghij klmnopqrstuvwxyz.,") for _ in range(n_chars))

@@ -32,7 +32,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.server import ServerThread
 from media_samples import flat_png_data_url
-from test_server_unit import ByteTokenizer, FAKE_STAGE
+from fake_pipeline import ByteTokenizer, FAKE_STAGE
 
 MIB = 1 << 20
 #: The flood's limits: 4 images of at most 2048 x 2048 per request (48 MiB decoded, the most one

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, fake_server, sse_events
+from fake_pipeline import API_KEY, SAMPLES_PER_TOKEN, fake_server, sse_events
 
 from omni_cache.serving.audio_formats import FORMATS, UnsupportedFormat, check_format, encode_audio
 from omni_cache.serving.wav import PcmStream, resample, to_pcm16

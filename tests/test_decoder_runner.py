@@ -12,37 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 
-from omni_cache.config import load_config, resolve_model
 from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES, GenerateJob
 from omni_cache.models.codec_decoder import CodecDecoder
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
-from omni_cache.wire.messages import MESSAGE_TYPES, StageError, StageOutput, StreamStart
-from omni_cache.wire.transport import Codec, Receiver
+from omni_cache.wire.messages import StageError, StageOutput, StreamStart
 from workers.decoder_runner import DecoderRunner
-from workers.outbox import Outbox
 from workers.runner import DEADLINE_GRACE_S, time_left
 
+from decoder_harness import make_runner
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_runner(tmp_path, model: str, max_batch_size: int = 2, pacing=None):
-    """A DecoderRunner for `model` whose orchestrator socket is the test's (`runner.inbox`);
-    `pacing`: the stage's PacingConfig (tests/test_pacing.py)."""
-    config = load_config(ROOT / "stage_configs" / "tiny_omni.yaml")
-    stage = config.stage("decoder")
-    stage.model = model
-    stage.generation.max_batch_size = max_batch_size
-    stage.pacing = pacing
-    ctx = zmq.Context()
-    codec = Codec(MESSAGE_TYPES)
-    address = f"ipc://{tmp_path}/orchestrator.sock"
-    inbox = Receiver(ctx, address, codec, bind=True)
-    outbox = Outbox(ctx, codec, {}, address)
-    runner = DecoderRunner(config, stage, resolve_model(stage, config), outbox)
-    runner.inbox = inbox  # the test's end of the orchestrator socket
-    return runner, lambda: (outbox.close(), inbox.close(), ctx.term())
 
 
 @pytest.fixture

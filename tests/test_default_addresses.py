@@ -26,30 +26,12 @@ from omni_cache.config import ConfigError, load_config
 from omni_cache.config.addresses import RUN_ROOT, new_run_dir, with_default_addresses
 from omni_cache.config.replicas import stage_replicas
 from omni_cache.runtime.orchestrator import Orchestrator
-from test_server_unit import ByteTokenizer, FAKE_STAGE, echo
+from fake_pipeline import fake_pipeline_config
+from fake_pipeline import ByteTokenizer, FAKE_STAGE, echo
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "stage_configs" / "tiny_omni.yaml"
 HOSTS = REPO / "stage_configs" / "tiny_omni_hosts.yaml"
-
-
-def fake_pipeline_config(directory: Path, name: str, **thinker: object) -> Path:
-    """A thinker -> decoder pipeline of fake stages without any address."""
-    data = {
-        "name": name,
-        "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 30},
-        "stages": [
-            {"name": "thinker", "kind": "autoregressive", "model": "tiny:thinker",
-             "final_output": "text", "engine_args": {"max_model_len": 512},
-             "sampling": {"max_tokens": 8}, **thinker},
-            {"name": "decoder", "kind": "generation", "model": "tiny:decoder",
-             "inputs": ["thinker"], "handoff": "omni_cache.handoff.talker_to_decoder",
-             "final_output": "audio"},
-        ],
-    }
-    path = directory / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 # ---- choosing them ---------------------------------------------------------------------------

@@ -30,13 +30,13 @@ import zmq.utils.monitor
 
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
-from omni_cache.wire.messages import MESSAGE_TYPES, StageReady, Submit
-from omni_cache.wire.sampling import EngineSampling
+from omni_cache.wire.messages import MESSAGE_TYPES, StageReady
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
 from omni_cache.wire.transport import Codec, Receiver
+from stage_probe import inject
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
@@ -389,33 +389,6 @@ def test_curve_receiver_accepts_only_peers_with_the_key(tmp_path):
         inbox.close()
         good.stop()
         ctx.term()
-
-
-def inject(ctx: zmq.Context, address: str, codec: Codec, auth: StageAuth | None, request_id: str) -> int:
-    """Connect to ``address`` (with ``auth``, or without any key), send one Submit, and return
-    the connection's handshake outcome (a ZMQ monitor event)."""
-    sock = ctx.socket(zmq.PUSH)
-    sock.linger = 0
-    mon = sock.get_monitor_socket()  # before connecting: the handshake can be over quickly
-    if auth is not None:
-        auth.secure(sock, bind=False)
-    sock.connect(address)
-    try:
-        sock.send_multipart(codec.encode(Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"),
-                                                sampling=EngineSampling(max_tokens=4))))
-        done = {zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            if mon.poll(100):
-                ev = zmq.utils.monitor.recv_monitor_message(mon)["event"]
-                if ev in done:
-                    return ev
-        raise AssertionError(f"no handshake outcome from {address}")
-    finally:
-        sock.disable_monitor()
-        mon.close(0)
-        sock.close(0)
 
 
 def test_pipeline_with_stage_auth_serves_and_refuses_strangers(tmp_path, stages, servers):

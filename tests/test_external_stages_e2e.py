@@ -89,7 +89,7 @@ def test_stage_refuses_a_peer_without_the_key(hosts):
     from omni_cache.config import load_config
     from omni_cache.wire.messages import MESSAGE_TYPES
     from omni_cache.wire.transport import Codec
-    from test_external_stages import inject  # tests/ is on sys.path under pytest
+    from stage_probe import inject
 
     config = load_config(hosts.config_path)
     codec = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)

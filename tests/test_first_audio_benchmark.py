@@ -177,7 +177,7 @@ def test_url_sweeps_a_running_server(tmp_path):
     behind a real HTTP server with an API key): one side, every answer heard."""
     import json
 
-    from test_server_unit import API_KEY, fake_server
+    from fake_pipeline import API_KEY, fake_server
 
     out = tmp_path / "r.json"
     with fake_server("faurl") as srv:

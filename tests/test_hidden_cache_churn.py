@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from test_hidden_cache import Thinker, tokens
+from thinker_pair import Thinker, tokens
 
 pytestmark = pytest.mark.vllm
 

@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from test_hidden_cache import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
+from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
 from thinker_harness import NAMES, close, comparable_rows, make_stage, run
 
 from omni_cache.models.checkpoints import ensure_checkpoint

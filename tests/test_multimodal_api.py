@@ -20,7 +20,7 @@ from media_samples import clip_b64, png_data_url
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
-from test_pipeline_e2e import write_pipeline_config
+from served_config import write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 

@@ -291,7 +291,7 @@ def test_running_requests_go_by_least_slack(make_scheduler):
 
 @pytest.fixture
 def decoder(tmp_path):
-    from test_decoder_runner import make_runner
+    from decoder_harness import make_runner
 
     runner, close = make_runner(tmp_path, "tiny:decoder", max_batch_size=4,
                                 pacing=PacingConfig(lead_s=LEAD))

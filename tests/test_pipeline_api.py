@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_pipeline_e2e import system_prompt, write_pipeline_config
+from served_config import system_prompt, write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 

@@ -14,7 +14,6 @@ import base64
 import io
 import json
 import os
-import random
 import signal
 import time
 import wave
@@ -23,28 +22,16 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 
+from served_config import system_prompt, write_pipeline_config
+
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_pipeline_config(tmp: Path, name: str, source: str = "tiny_omni.yaml") -> Path:
-    """A shipped config with its own pipeline name and socket paths (tests may run while
-    someone serves the default) and an OS-chosen HTTP port."""
-    data = yaml.safe_load((ROOT / "stage_configs" / source).read_text())
-    data["name"] = name
-    data["server"]["port"] = 0
-    for stage in data["stages"]:
-        stage["address"] = f"ipc:///tmp/omni_cache/{name}-{os.getpid()}/{stage['name']}.sock"
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +64,6 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="test-key", max_retries=0, timeout=120)
-
-
-def system_prompt(n_chars: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return "".join(rng.choice("abcdefghij klmnopqrstuvwxyz.,") for _ in range(n_chars))
 
 
 def test_text_answer(client):

@@ -25,7 +25,7 @@ from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
-from test_pipeline_e2e import write_pipeline_config
+from served_config import write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 

@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import silence, speech
 from omni_cache.serving.server import ServerThread
-from test_server_unit import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_config
+from fake_pipeline import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_config
 
 
 

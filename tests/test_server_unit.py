@@ -8,19 +8,15 @@ with the prompt's bytes) and a "decoder" (a sine per token, 24 kHz float32).
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import os
 import signal
 import sys
-import tempfile
 import time
 import uuid
 import wave
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -31,91 +27,16 @@ import soundfile
 from omni_cache.config import load_config
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.config.addresses import control_address
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.process_runner import StageStartError
 from omni_cache.serving.server import ServerThread
 from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.wav import to_pcm16
 
-FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
-API_KEY = "unit-test-key"
-MAX_MODEL_LEN = 512
-TIMEOUT_S = 4.0
-MAX_MESSAGE_BYTES = 2**21  # server.max_message_bytes
-MAX_BODY_BYTES = 2**20  # server.max_body_bytes: the largest request body
-TOKEN_DELAY_S = 0.02
-SAMPLES_PER_TOKEN = 240  # fake decoder: 10 ms of audio per token
-
-
-class ByteTokenizer:
-    """Chat template "role: content\\n" per message, one token per byte."""
-
-    chat_template = ""
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None,
-                            **template_kwargs):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return {"input_ids": list(text.encode())}  # like transformers 5's BatchEncoding
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-
-def echo(content: str, max_tokens: int) -> str:
-    """What the fake thinker answers to one user message."""
-    return f"user: {content}\n".encode()[:max_tokens].decode(errors="replace")
-
-
-def write_config(name: str, decoder_env: str = "{}", *, token_delay_s: float = TOKEN_DELAY_S,
-                 max_model_len: int = MAX_MODEL_LEN, timeout_s: float = TIMEOUT_S,
-                 server_extra: str = "") -> Path:
-    """The fake pipeline's config; ``server_extra``: more ``server`` keys (", key: value")."""
-    d = tempfile.mkdtemp(prefix="ocu")  # short: ipc paths are limited to 107 bytes
-    path = Path(d) / "pipeline.yaml"
-    path.write_text(f"""
-name: {name}
-server: {{host: 127.0.0.1, port: 0, request_timeout_s: {timeout_s}, max_message_bytes: {MAX_MESSAGE_BYTES},
-          max_body_bytes: {MAX_BODY_BYTES}{server_extra}}}
-stages:
-  - name: thinker
-    kind: autoregressive
-    model: tiny:thinker
-    address: ipc://{d}/thinker.sock
-    final_output: text
-    engine_args: {{max_model_len: {max_model_len}}}
-    sampling: {{max_tokens: 16}}
-    env: {{FAKE_TOKEN_DELAY: "{token_delay_s}"}}
-  - name: decoder
-    kind: generation
-    model: tiny:decoder
-    inputs: [thinker]
-    handoff: omni_cache.handoff.talker_to_decoder
-    address: ipc://{d}/decoder.sock
-    final_output: audio
-    env: {decoder_env}
-""")
-    return path
-
-
-def make_orchestrator(path: Path) -> Orchestrator:
-    return Orchestrator(
-        load_config(path), tokenizer=ByteTokenizer(),
-        stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
-        echo_stage_logs=False,
-    )
-
-
-@contextlib.contextmanager
-def fake_server(prefix: str, decoder_env: str = "{}") -> Iterator[ServerThread]:
-    """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
-    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}", decoder_env))
-    server = ServerThread(orch, api_key=API_KEY).start()
-    try:
-        server.wait_ready(60)
-        yield server
-    finally:
-        server.stop()
-
+from fake_pipeline import (  # noqa: F401  (re-used by this module's tests)
+    API_KEY, FAKE_STAGE, MAX_BODY_BYTES, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, SAMPLES_PER_TOKEN,
+    TIMEOUT_S, TOKEN_DELAY_S, ByteTokenizer, echo, fake_server, make_orchestrator, sse_events,
+    write_config,
+)
 
 def assert_gone(pids) -> None:
     for pid in pids:
@@ -159,17 +80,6 @@ def model(srv) -> str:
 
 def chat(srv, content="hello", **extra):
     return {"model": model(srv), "messages": [{"role": "user", "content": content}], **extra}
-
-
-def sse_events(lines):
-    events = []
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def wait_healthy(srv, timeout=30.0):

@@ -32,8 +32,8 @@ from omni_cache.wire.messages import (
 )
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver
-from test_default_addresses import fake_pipeline_config
-from test_server_unit import FAKE_STAGE, ByteTokenizer
+from fake_pipeline import fake_pipeline_config
+from fake_pipeline import FAKE_STAGE, ByteTokenizer
 
 CODEC = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
 
