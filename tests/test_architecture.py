@@ -250,3 +250,28 @@ def test_no_runtime_module_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "omni_cache" / "runtime").glob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_RUNTIME_MODULE_LINES}
     assert not long, long
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The test modules (``test_*``) a source imports, at any depth of the file."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found += [n for n in names if n.split(".")[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in helper modules (tests/fake_pipeline.py, tests/thinker_pair.py,
+    ...): a test module imported by another runs its module-level code and fixtures twice and
+    ties the two together."""
+    offenders = {p.name: imported_test_modules(p.read_text())
+                 for p in sorted((ROOT / "tests").glob("*.py"))}
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"test modules importing test modules: {offenders}"
+
+
+def test_the_test_import_check_finds_imports_at_any_depth():
+    assert imported_test_modules("def f():\n    from test_x import y\n") == ["test_x"]
+    assert imported_test_modules("import tests.test_a\nfrom fake_pipeline import b\n") == ["tests.test_a"]
