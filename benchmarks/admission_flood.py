@@ -46,6 +46,8 @@ from typing import Any
 
 import yaml
 
+from benchmarks.report import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_STAGE = ROOT / "tests" / "fake_stage.py"
 MIB = 1 << 20
@@ -73,15 +75,11 @@ def flood_config(directory: Path, args: argparse.Namespace) -> Path:
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
+    """n, p50 / p90 / p99 (benchmarks.report.percentile: numpy's linear method), max and mean."""
     if not samples:
         return {}
-    ordered = sorted(samples)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"n": len(ordered), "p50": at(0.50), "p90": at(0.90), "p99": at(0.99),
-            "max": ordered[-1], "mean": statistics.fmean(ordered)}
+    return {"n": len(samples), **{f"p{q}": percentile(samples, q) for q in (50, 90, 99)},
+            "max": max(samples), "mean": statistics.fmean(samples)}
 
 
 async def probe(lags: list[tuple[float, float]], interval: float, stop: asyncio.Event) -> None:

@@ -35,6 +35,7 @@ import yaml
 
 from benchmarks import harness
 from benchmarks.client import counter_deltas, scrape_metrics
+from benchmarks.report import percentile
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import turn_clip
 
@@ -118,7 +119,7 @@ def run_side(config: Path, side: str, args: argparse.Namespace, monitor: harness
 
 
 def _quantile(values: list[float], q: float) -> float | None:
-    return float(np.quantile(values, q)) if values else None
+    return percentile(values, q * 100) if values else None
 
 
 def summarize(side: dict[str, Any]) -> dict[str, Any]:

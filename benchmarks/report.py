@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "LATENCIES",
     "distribution",
@@ -40,17 +42,16 @@ TARGET_TTFA_SPEEDUP = 5.0
 TARGET_ZERO_REUSE_SPREAD = 0.03
 
 
+#: The one percentile definition every benchmark and summary uses: numpy's "linear" method
+#: (interpolation between the closest ranks; numpy's default, Hyndman & Fan type 7).
+PERCENTILE_METHOD = "linear"
+
+
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
-    if not values:
+    """The q-th percentile (0..100) by :data:`PERCENTILE_METHOD`; NaN when there are no values."""
+    if len(values) == 0:
         return math.nan
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    return float(np.percentile(np.asarray(values, dtype=float), q, method=PERCENTILE_METHOD))
 
 
 def distribution(values: Iterable[float | None]) -> dict[str, float | int]:

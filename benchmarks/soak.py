@@ -67,6 +67,7 @@ from typing import Any
 import httpx
 import yaml
 
+from benchmarks import report
 from benchmarks.harness import ManagedServer, ServerProcess, command_line, log, machine_info, private_config
 from benchmarks.workloads import random_text
 
@@ -115,12 +116,8 @@ def classify(*, timed_out: bool, abandoned: bool, status_code: int | None, sse_e
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = max(0, min(len(xs) - 1, int(-(-q * len(xs) // 100)) - 1))
-    return xs[k]
+    """benchmarks.report.percentile (numpy's linear method) of ``values``; None when empty."""
+    return report.percentile(values, q) if values else None
 
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ What is kept in ``benchmarks/results/summaries/`` is the same document with its 
 * everything else (the command, the machine, the configuration, the medians, ratios and per-round
   records a table is made from) is kept as it is.
 
-Percentiles are numpy's default (``method="linear"``), the one definition the benchmarks use.
+Percentiles are :func:`benchmarks.report.percentile` (numpy's linear method), the one definition
+the benchmarks use.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.report import percentile
 
 #: Numeric lists at least this long are series, folded into their statistics.
 MIN_SERIES = 5
@@ -60,7 +63,7 @@ def _is_number(x: Any) -> bool:
 def series_stats(values: list[float]) -> dict[str, float | int]:
     """The statistics one numeric series is folded into."""
     a = np.asarray(values, dtype=float)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    p50, p90, p99 = (percentile(a, q) for q in (50, 90, 99))
     stats = {"min": a.min(), "p50": p50, "p90": p90, "p99": p99, "max": a.max(), "mean": a.mean()}
     return {"n": int(a.size), **{k: summarize(float(v)) for k, v in stats.items()}}
 

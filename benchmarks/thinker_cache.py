@@ -139,6 +139,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 
+from benchmarks.report import percentile  # noqa: E402
+
 MODES: dict[str, dict[str, Any]] = {
     "plain": dict(latents=False, prefix_cache=False),
     "plain_apc": dict(latents=False, prefix_cache=True),
@@ -830,9 +832,7 @@ def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], ro
 
 # ---- statistics -----------------------------------------------------------------------------------
 def _p90(xs: list[float]) -> float:
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=10, method="inclusive")[-1]
+    return percentile(xs, 90)
 
 
 def summarize(rounds: list[dict[str, Any]], judge: bool = True,
