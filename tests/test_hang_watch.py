@@ -106,3 +106,16 @@ def test_a_replica_that_is_down_is_not_judged():
     watch, sp = HangWatch(TIMEOUT_S), Replica(up=False)
     watch.hung([sp], 0.0)
     assert watch.hung([sp], 100.0) == []
+
+
+def test_an_output_from_its_loop_ends_a_long_step_and_a_late_beat_does_not_count_it_twice():
+    watch, sp = HangWatch(TIMEOUT_S), Replica()
+    watch.hung([sp], 0.0)
+    sp.liveness.beat(beat(busy=True, stalled_s=59.9), 0.05)
+    assert watch.hung([sp], 0.1) == [] and sp.long_steps == 1
+    sp.liveness.moved(0.15)  # its answer came: the loop left that step
+    assert sp.liveness.long_step_s(0.2, TIMEOUT_S) is None
+    sp.liveness.beat(beat(busy=True, stalled_s=60.1), 0.2)  # sent before the answer, read after
+    assert watch.hung([sp], 0.25) == [] and sp.long_steps == 1
+    sp.liveness.beat(beat(busy=False), 0.4)
+    assert sp.liveness.long_step_s(0.5, TIMEOUT_S) is None

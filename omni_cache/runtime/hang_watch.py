@@ -62,6 +62,12 @@ class Liveness:
         self.stalled_s = msg.stalled_s
         self.progress_at = now - max(0.0, msg.stalled_s)
 
+    def moved(self, now: float) -> None:
+        """Something its loop sends (an output, an error, its stats) came: the loop is past the
+        step it was in, however long it was (its next beat says so again)."""
+        self.last_seen = now
+        self.progress_at = now
+
     def step_s(self, until: float) -> float:
         """How long its loop has been inside one step as of ``until`` (0 when not working)."""
         return max(0.0, until - self.progress_at) if self.busy else 0.0

@@ -283,12 +283,12 @@ class StageSupervisor:
         self._events.on_stage_up(sp.name)
 
     def heard_from(self, name: str) -> None:
-        """Any message from a stage says it is alive, not only its heartbeats. ``name``: a stage's
-        name; only a one-replica stage (the only kind started elsewhere, where it matters) is
+        """Any message from a stage says it is alive, not only its heartbeats, and (its loop sends
+        all but those) that its loop moved. ``name``: a stage's name; only a one-replica stage is
         found by it."""
         sp = self._stages.get(name)
         if sp is not None and sp.up:
-            sp.liveness.last_seen = time.monotonic()
+            sp.liveness.moved(time.monotonic())
 
     # ---- watching --------------------------------------------------------------------------------
 
