@@ -6,6 +6,8 @@ Nothing here imports vLLM or torch: loading a config is cheap and safe in any pr
 
 from __future__ import annotations
 
+import graphlib
+
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -454,47 +456,29 @@ class PipelineConfig(_Base, kw_only=True):
             for i in s.inputs:
                 if i not in names:
                     raise ValueError(f"stage {s.name!r} takes input from unknown stage {i!r}")
-        done: set[str] = set()
+        by_name = {s.name: s for s in self.stages}
+        sorter = graphlib.TopologicalSorter({s.name: s.inputs for s in self.stages})
+        try:
+            sorter.prepare()
+        except graphlib.CycleError:
+            cycle = find_input_cycle(self.stages) or []
+            raise ValueError("input cycle: " + " -> ".join(cycle)) from None
+        rank = {name: i for i, name in enumerate(by_name)}
         order: list[StageConfig] = []
-        remaining = list(self.stages)
-        while remaining:
-            ready = [s for s in remaining if all(i in done for i in s.inputs)]
-            if not ready:
-                cycle = find_input_cycle(self.stages)
-                raise ValueError("input cycle: " + " -> ".join(cycle or []))
-            for s in ready:
-                order.append(s)
-                done.add(s.name)
-            remaining = [s for s in remaining if s.name not in done]
+        while sorter.is_active():
+            ready = sorted(sorter.get_ready(), key=rank.__getitem__)  # ties keep config order
+            order.extend(by_name[n] for n in ready)
+            sorter.done(*ready)
         return order
 
 
 def find_input_cycle(stages: Sequence[StageConfig]) -> list[str] | None:
-    """A cycle in the input graph in data-flow order (``a -> b -> a``: b reads a, a reads b)."""
-    by_name = {s.name: s for s in stages}
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
-    stack: list[str] = []
-
-    def visit(name: str) -> list[str] | None:
-        state[name] = 1
-        stack.append(name)
-        for inp in by_name[name].inputs:
-            if inp not in by_name:
-                continue
-            if state.get(inp) == 1:
-                cycle = stack[stack.index(inp):] + [inp]
-                return list(reversed(cycle))  # stack follows "reads from"; report data flow
-            if inp not in state:
-                found = visit(inp)
-                if found:
-                    return found
-        stack.pop()
-        state[name] = 2
-        return None
-
-    for s in stages:
-        if s.name not in state:
-            found = visit(s.name)
-            if found:
-                return found
+    """A cycle in the input graph in data-flow order (``a -> b -> a``: b reads a, a reads b);
+    inputs naming no stage are left out (validation reports those on their own)."""
+    names = {s.name for s in stages}
+    graph = {s.name: [i for i in s.inputs if i in names] for s in stages}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return list(e.args[1])  # each node an input of the next: data-flow order
     return None
