@@ -20,7 +20,7 @@ from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Ite
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
 from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
-from omni_cache.serving.realtime.vad import SpeechDetector, load_model
+from omni_cache.serving.realtime.vad import SpeechDetector, load_model, score
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -164,17 +164,16 @@ def silero():
     return load_model()
 
 
-def feed_in_chunks(detector, samples_16k, chunk=320):
+def feed_in_chunks(model, detector, samples_16k, chunk=320):
     events = []
     for i in range(0, len(samples_16k), chunk):
-        events += detector.feed(samples_16k[i:i + chunk])
+        events += score(model, [(detector, detector.windows(samples_16k[i:i + chunk]))])[0]
     return events
 
 
 def test_vad_finds_speech_between_silences(silero):
     clip = np.concatenate([silence(1.0, 16000), speech(2.0, seed=3, rate=16000), silence(1.5, 16000)])
-    silero.reset_states()
-    events = feed_in_chunks(SpeechDetector(silero, 0.5, 500), clip)
+    events = feed_in_chunks(silero, SpeechDetector(0.5, 500), clip)
     assert [e.kind for e in events] == ["start", "stop"]
     start, stop = events[0].at_ms, events[1].at_ms
     assert 900 <= start <= 1300
@@ -185,16 +184,14 @@ def test_vad_finds_speech_between_silences(silero):
 def test_vad_ignores_silence_and_a_steady_tone(silero):
     t = np.arange(3 * 16000) / 16000
     tone = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-    silero.reset_states()
-    assert feed_in_chunks(SpeechDetector(silero, 0.5, 500), np.concatenate([silence(1.0, 16000), tone])) == []
+    assert feed_in_chunks(silero, SpeechDetector(0.5, 500), np.concatenate([silence(1.0, 16000), tone])) == []
 
 
 def test_a_longer_silence_duration_waits_longer(silero):
     clip = np.concatenate([silence(0.5, 16000), speech(1.5, seed=2, rate=16000), silence(2.0, 16000)])
     stops = []
     for ms in (300, 1200):
-        silero.reset_states()
-        events = feed_in_chunks(SpeechDetector(silero, 0.5, ms), clip)
+        events = feed_in_chunks(silero, SpeechDetector(0.5, ms), clip)
         stops.append([e.at_ms for e in events if e.kind == "stop"][0])
     assert stops[1] - stops[0] >= 800
 

@@ -32,13 +32,17 @@ class InputAudioBuffer:
     def duration_ms(self) -> int:
         return self.size * 1000 // self.rate
 
-    def append(self, samples: np.ndarray) -> None:
-        if self.size + len(samples) > self.max_samples:
+    def check_room(self, samples: int) -> None:
+        """EventError when ``samples`` more would not fit."""
+        if self.size + samples > self.max_samples:
             raise EventError(
-                f"the input audio buffer would hold {(self.size + len(samples)) / self.rate:.1f} s; "
+                f"the input audio buffer would hold {(self.size + samples) / self.rate:.1f} s; "
                 f"at most {self.max_samples / self.rate:g} s are held before a commit "
                 "(server.realtime.max_buffer_s): commit or clear it", param="audio",
                 code="input_audio_buffer_full")
+
+    def append(self, samples: np.ndarray) -> None:
+        self.check_room(len(samples))
         if len(samples):
             self._chunks.append(np.asarray(samples, np.float32))
             self.size += len(samples)

@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 
 from omni_cache.config.schema import RealtimeConfig
-from omni_cache.serving.realtime import session_config, vad
-from omni_cache.serving.realtime.audio_codecs import StreamResampler
+from omni_cache.serving.realtime import input_worker, session_config, vad
+from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
-from omni_cache.serving.realtime.protocol import EventError, make_event, new_id, refuse_unsupported
+from omni_cache.serving.realtime.protocol import (
+    EventError, error_event, make_event, new_id, refuse_unsupported,
+)
 from omni_cache.serving.realtime.response import ResponseOptions, ResponseRun
 from omni_cache.serving.realtime.session_config import SessionConfig
 
@@ -55,29 +57,29 @@ class RealtimeSession:
         self.rate = int(pipeline.audio_input_rate)
         self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
         self.conversation = Conversation(limits.max_items)
-        self.detector: vad.SpeechDetector | None = None
+        # Input audio is decoded, resampled and scored for speech on the input worker's thread.
+        self.audio_in = input_worker.InputStream(input_worker.shared(), self.config.input_format,
+                                                 self.rate, self._heard)
         self.speech_item_id: str | None = None  # the user item the speech in progress becomes
         self.response: ResponseRun | None = None
         self._response_task: asyncio.Task | None = None
         self.pace: float | None = None  # ms of audio per answer token, measured (SpokenText)
-        self._resamplers()
 
-    def _resamplers(self) -> None:
-        in_rate = self.config.input_format.rate
-        self._to_encoder = StreamResampler(in_rate, self.rate)
-        # The detector reads the encoder's samples when it runs at Silero's rate (16 kHz encoders).
-        self._to_vad = None if self.rate == vad.RATE else StreamResampler(in_rate, vad.RATE)
+    @property
+    def detector(self) -> vad.SpeechDetector | None:
+        return self.audio_in.detector
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def open(self) -> None:
         from openai.types.realtime import SessionCreatedEvent
 
-        await self._configure_detector()
+        self._configure_detector()
         self.send(make_event(SessionCreatedEvent, session=self._describe()))
 
     async def close(self) -> None:
         """Cancel the response in flight (its pipeline request is aborted) and wait for it."""
+        self.audio_in.close()
         if self.response is not None:
             self.response.cancel("client_disconnected", truncate=False)
         if self._response_task is not None:
@@ -93,6 +95,8 @@ class RealtimeSession:
     async def handle(self, event: Any) -> None:
         """Carry out one validated client event; EventError when it cannot be."""
         handler = getattr(self, "on_" + event.type.replace(".", "_"))
+        if event.type != "input_audio_buffer.append":
+            await self.audio_in.drained()  # every append before this event is in the buffer
         result = handler(event)
         if asyncio.iscoroutine(result):
             await result
@@ -105,20 +109,19 @@ class RealtimeSession:
         new = session_config.updated(self.config, event.session, self.served_model)
         old, self.config = self.config, new
         if new.input_format != old.input_format:
-            self._resamplers()
+            self.audio_in.set_format(new.input_format)
         if new.turn_detection != old.turn_detection:
-            await self._configure_detector()
+            self._configure_detector()
         self.send(make_event(SessionUpdatedEvent, session=self._describe()))
 
-    async def _configure_detector(self) -> None:
+    def _configure_detector(self) -> None:
         td = self.config.turn_detection
         if td is None:
-            self.detector = None
+            self.audio_in.set_detector(None)
             self.speech_item_id = None
             return
         if self.detector is None:
-            model = await asyncio.to_thread(vad.load_model)
-            self.detector = vad.SpeechDetector(model, td.threshold, td.silence_duration_ms)
+            self.audio_in.set_detector(vad.SpeechDetector(td.threshold, td.silence_duration_ms))
         else:
             self.detector.configure(td.threshold, td.silence_duration_ms)
 
@@ -128,26 +131,53 @@ class RealtimeSession:
     # ---- input audio -----------------------------------------------------------------------------
 
     def on_input_audio_buffer_append(self, event: Any) -> None:
-        samples = self._decode_audio(event.audio, "audio")
-        encoded = self._to_encoder(samples)
-        self.buffer.append(encoded)
-        if self.detector is None:
+        # Only bytes move on the loop: the input worker decodes, resamples and scores the audio
+        # in its thread, with every session's, and hands back what it heard (_heard), in order.
+        self.buffer.check_room(self.audio_in.pending_samples + self.audio_in.bound(event.audio))
+        self.audio_in.append(event.audio, event.event_id)
+
+    async def _heard(self, heard: input_worker.Heard) -> None:
+        for err, event_id in heard.errors:
+            self.send(error_event(err, event_id))
+        # Several appends may come at once: each event is taken where it happened in the audio
+        # (a stop commits the speech up to it, not the next speech heard in the same tick).
+        samples, done, base = heard.samples, 0, self.buffer.appended
+        try:
+            for ev in heard.events:
+                cut = min(len(samples), max(done, ev.at_ms * self.rate // 1000 - base))
+                self.buffer.append(samples[done:cut])
+                done = cut
+                if ev.kind == "start":
+                    self._speech_started(ev.at_ms)
+                    await self._barge_in_done()
+                else:
+                    self._speech_stopped(ev.at_ms)
+            self.buffer.append(samples[done:])
+        except EventError as e:  # check_room's bound is an estimate: a last guard
+            self.send(error_event(e, None))
             return
-        for ev in self.detector.feed(encoded if self._to_vad is None else self._to_vad(samples)):
-            if ev.kind == "start":
-                self._speech_started(ev.at_ms)
-            else:
-                self._speech_stopped(ev.at_ms)
-        if not self.detector.in_speech:
+        if heard.in_speech is False:
             self.buffer.keep_last(self.config.turn_detection.prefix_padding_ms)
 
-    def _decode_audio(self, data: str, param: str) -> np.ndarray:
+    async def _barge_in_done(self) -> None:
+        """When speech cancelled the response in flight, its response.done goes out before
+        anything heard after the speech started (a stop heard in the same tick waits)."""
+        task = self._response_task
+        if task is not None and not task.done() and self.response.reason == "turn_detected":
+            await asyncio.wait({task})  # not cancelled with this task (close() awaits it)
+
+    def _clip(self, fmt: AudioFormat, data: str, param: str) -> np.ndarray:
+        """A whole clip (base64 in ``fmt``) at the encoder's rate; run it off the loop."""
+        samples = self._decode_audio(fmt, data, param)
+        return StreamResampler(fmt.rate, self.rate)(samples, last=True)
+
+    def _decode_audio(self, fmt: AudioFormat, data: str, param: str) -> np.ndarray:
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise EventError("audio is not valid base64", param=param, code="invalid_value") from None
         try:
-            return self.config.input_format.decode(raw)
+            return fmt.decode(raw)
         except ValueError as e:
             raise EventError(str(e), param=param, code="invalid_value") from None
 
@@ -240,8 +270,8 @@ class RealtimeSession:
                 if c.audio is None:
                     raise EventError("an input_audio part needs 'audio' (base64, in the session's "
                                      "input format)", param=param + ".audio", code="invalid_value")
-                samples = StreamResampler(self.config.input_format.rate, self.rate)(
-                    self._decode_audio(c.audio, param + ".audio"), last=True)
+                samples = await asyncio.to_thread(self._clip, self.config.input_format, c.audio,
+                                                  param + ".audio")
                 parts.append(ItemPart(kind, c.transcript or "", media=audio_item(samples, self.rate)))
             elif kind == "input_image":
                 parts.append(ItemPart(kind, media=await self._image(c.image_url, param + ".image_url")))

@@ -1,27 +1,38 @@
 """Server-side voice activity detection with Silero VAD (the ``silero-vad`` package ships its
 TorchScript model; it runs on the server's torch, no torchaudio or onnxruntime needed).
 
-Silero scores 32 ms windows (512 samples at 16 kHz) with a speech probability and keeps a
-recurrent state between them, so each session has its own model instance. The turn rule is the
-Realtime API's ``server_vad``: speech starts at the first window scoring ``threshold`` or more;
-it stops once the score stayed below ``threshold - 0.15`` (Silero's own hysteresis) for
-``silence_duration_ms``. Times are milliseconds on the session's input clock (all audio appended
-since the session opened), as ``audio_start_ms`` / ``audio_end_ms`` report them.
+Silero scores 32 ms windows (512 samples at 16 kHz, each preceded by the 64 samples before it)
+with a speech probability and carries an LSTM state from one window to the next. The package's
+wrapper keeps that state inside the model object, one stream per object; its 16 kHz network
+(``model._model``) takes the state as an argument instead: ``forward(x [B, 576], state
+[2, B, 128]) -> (p [B, 1], state)``, one row per stream. So one network serves every session:
+each :class:`SpeechDetector` keeps its own context and state, and :func:`score` runs every
+session's next window in one call (a call costs about as much for 64 rows as for 4).
+
+The turn rule is the Realtime API's ``server_vad``: speech starts at the first window scoring
+``threshold`` or more; it stops once the score stayed below ``threshold - 0.15`` (Silero's own
+hysteresis) for ``silence_duration_ms``. Times are milliseconds on the session's input clock (all
+audio appended since the session opened), as ``audio_start_ms`` / ``audio_end_ms`` report them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["RATE", "SpeechDetector", "VadEvent", "load_model"]
+__all__ = ["RATE", "SpeechDetector", "VadEvent", "load_model", "score"]
 
 #: The rate Silero runs at here (it also takes 8 kHz; 16 kHz is its better model).
 RATE = 16000
 WINDOW = 512
 WINDOW_MS = WINDOW * 1000 // RATE
+#: Samples of the previous window each window is scored with (the package's context_size_samples).
+CONTEXT = 64
+#: Silero's LSTM: (h, c), 128 wide.
+STATE_SHAPE = (2, 128)
 #: Silero's hysteresis: speech goes on while the score stays above threshold - this.
 HYSTERESIS = 0.15
 
@@ -33,7 +44,8 @@ class VadEvent:
 
 
 def load_model() -> Any:
-    """A fresh Silero model (its recurrent state is per session); ~0.1 s, call off the loop."""
+    """The package's Silero model (its wrapper; :func:`score` calls the 16 kHz network inside
+    it). ~0.1 s: load it off the event loop."""
     import warnings
 
     from silero_vad import load_silero_vad
@@ -44,13 +56,15 @@ def load_model() -> Any:
 
 
 class SpeechDetector:
-    """Feeds 16 kHz audio to one Silero model and turns its scores into start/stop events."""
+    """One session's audio as Silero sees it: the samples waiting for a whole window, the
+    network's context and state after the last window scored, and the turn rule's position."""
 
-    def __init__(self, model: Any, threshold: float, silence_duration_ms: int) -> None:
-        self.model = model
+    def __init__(self, threshold: float, silence_duration_ms: int) -> None:
         self.threshold = threshold
         self.silence_duration_ms = silence_duration_ms
         self.in_speech = False
+        self.context = np.zeros(CONTEXT, np.float32)
+        self.state = np.zeros(STATE_SHAPE, np.float32)
         self._pending = np.zeros(0, np.float32)
         self._clock_ms = 0  # end of the last scored window, on the input clock
         self._silence_from: int | None = None
@@ -58,25 +72,18 @@ class SpeechDetector:
     def configure(self, threshold: float, silence_duration_ms: int) -> None:
         self.threshold, self.silence_duration_ms = threshold, silence_duration_ms
 
-    def feed(self, samples: np.ndarray) -> list[VadEvent]:
-        """Score every whole window of ``samples`` (the rest waits for the next call)."""
-        import torch
-
+    def windows(self, samples: np.ndarray) -> np.ndarray:
+        """``samples`` (16 kHz) added to what waits; every whole window now, ``[k, WINDOW]``
+        (the rest waits for the next call)."""
         x = np.concatenate([self._pending, np.asarray(samples, np.float32)])
         n = len(x) // WINDOW * WINDOW
         self._pending = x[n:]
-        events: list[VadEvent] = []
-        with torch.inference_mode():
-            for i in range(0, n, WINDOW):
-                p = float(self.model(torch.from_numpy(x[i:i + WINDOW]), RATE))
-                start = self._clock_ms
-                self._clock_ms += WINDOW_MS
-                event = self._step(p, start)
-                if event is not None:
-                    events.append(event)
-        return events
+        return x[:n].reshape(-1, WINDOW)
 
-    def _step(self, p: float, window_start_ms: int) -> VadEvent | None:
+    def step(self, p: float) -> VadEvent | None:
+        """The next window scored ``p``: the event it makes, if any."""
+        window_start_ms = self._clock_ms
+        self._clock_ms += WINDOW_MS
         if not self.in_speech:
             if p >= self.threshold:
                 self.in_speech, self._silence_from = True, None
@@ -95,3 +102,38 @@ class SpeechDetector:
     def reset(self) -> None:
         """Forget the speech in progress (the buffer was cleared); the clock goes on."""
         self.in_speech, self._silence_from = False, None
+
+
+def score(model: Any, work: Sequence[tuple[SpeechDetector, np.ndarray]]) -> list[list[VadEvent]]:
+    """Score every detector's windows (``[k, WINDOW]`` each, from :meth:`SpeechDetector.windows`)
+    and run its turn rule; the events of each, in order.
+
+    Round r scores the r-th window of every detector that has one, in one call of the network:
+    a detector's windows must go one after the other (each needs the state the previous one
+    left), different detectors' side by side. Call from one thread at a time (the caller owns
+    the model)."""
+    import torch
+
+    net = model._model  # the 16 kHz network: its state is an argument, not a member
+    events: list[list[VadEvent]] = [[] for _ in work]
+    rounds = max((len(w) for _, w in work), default=0)
+    with torch.inference_mode():
+        for r in range(rounds):
+            rows = [i for i, (_, w) in enumerate(work) if len(w) > r]
+            x = np.empty((len(rows), CONTEXT + WINDOW), np.float32)
+            state = np.empty((2, len(rows), STATE_SHAPE[1]), np.float32)
+            for j, i in enumerate(rows):
+                det, w = work[i]
+                x[j, :CONTEXT] = det.context
+                x[j, CONTEXT:] = w[r]
+                state[:, j] = det.state
+            p, new_state = net(torch.from_numpy(x), torch.from_numpy(state))
+            p, new_state = p.numpy()[:, 0], new_state.numpy()
+            for j, i in enumerate(rows):
+                det = work[i][0]
+                det.context = x[j, -CONTEXT:].copy()
+                det.state = new_state[:, j].copy()
+                event = det.step(float(p[j]))
+                if event is not None:
+                    events[i].append(event)
+    return events

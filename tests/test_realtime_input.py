@@ -1,0 +1,201 @@
+"""Realtime input audio off the event loop (omni_cache/serving/realtime/input_worker.py): many
+sessions' VAD windows scored in one Silero call give each session the events it gets alone, and
+a session's append handler only hands bytes over (the model runs on the worker's thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from benchmarks.speech_clips import pcm16, silence, speech
+from fake_pipeline import make_orchestrator, write_config
+from omni_cache.config.schema import RealtimeConfig
+from omni_cache.serving.realtime import vad
+from omni_cache.serving.realtime.audio_codecs import PCM, StreamResampler
+from omni_cache.serving.realtime.input_worker import InputAudioWorker, InputStream, decode_appends
+from omni_cache.serving.realtime.protocol import EventError, parse_client_event
+from omni_cache.serving.realtime.session import RealtimeSession
+
+CHUNK = 960  # 40 ms at 24 kHz, as a real-time client sends it
+
+
+class RecordingModel:
+    """Silero with its network's calls recorded: (thread id, rows) per call."""
+
+    def __init__(self) -> None:
+        self.wrapped = vad.load_model()
+        self.calls: list[tuple[int, int]] = []
+        self._model = self
+
+    def __call__(self, x, state):
+        self.calls.append((threading.get_ident(), x.shape[0]))
+        return self.wrapped._model(x, state)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return RecordingModel()
+
+
+def clip(seed: int) -> np.ndarray:
+    """24 kHz speech-like audio with pauses (two turns), different per seed."""
+    rng = np.random.default_rng(seed)
+    parts = [silence(0.2 + 0.3 * rng.random())]
+    for turn in range(2):
+        parts += [speech(0.8 + rng.random(), seed=seed * 10 + turn), silence(0.7 + 0.3 * rng.random())]
+    return np.concatenate(parts)
+
+
+def b64(samples: np.ndarray) -> str:
+    return base64.b64encode(pcm16(samples)).decode()
+
+
+async def hear(worker: InputAudioWorker, clips: list[np.ndarray]) -> list[tuple[list, np.ndarray]]:
+    """Every clip through its own stream (server VAD on, 16 kHz encoder), all appended at once
+    in 40 ms chunks; per clip its VAD events (kind, ms) and the encoder samples heard."""
+    heard: list[list] = [[] for _ in clips]
+    streams = [InputStream(worker, PCM, vad.RATE, heard[i].append) for i in range(len(clips))]
+    for s in streams:
+        s.set_detector(vad.SpeechDetector(0.5, 300))
+    for i in range(0, max(map(len, clips)), CHUNK):
+        for s, c in zip(streams, clips):
+            if i < len(c):
+                s.append(b64(c[i:i + CHUNK]), None)
+    for s in streams:
+        await s.drained()
+    return [([(e.kind, e.at_ms) for h in hs for e in h.events], np.concatenate([h.samples for h in hs]))
+            for hs in heard]
+
+
+def reference_events(model: RecordingModel, clip24k: np.ndarray) -> list[tuple[str, int]]:
+    """The package's own per-window API (one stream per model object) and the same turn rule."""
+    import torch
+
+    x = StreamResampler(24000, vad.RATE)(np.frombuffer(pcm16(clip24k), "<i2").astype(np.float32) / 32768)
+    detector, events = vad.SpeechDetector(0.5, 300), []
+    model.wrapped.reset_states()
+    with torch.inference_mode():
+        for w in detector.windows(x):
+            event = detector.step(float(model.wrapped(torch.from_numpy(w.copy()), vad.RATE)))
+            if event is not None:
+                events.append((event.kind, event.at_ms))
+    return events
+
+
+def test_batched_vad_gives_each_session_its_events_alone(model):
+    clips = [clip(seed) for seed in range(6)]
+    worker = InputAudioWorker(tick_s=0.02, model=model)
+    try:
+        together = asyncio.run(hear(worker, clips))
+        batched_calls = [rows for _, rows in model.calls]
+        alone = [asyncio.run(hear(worker, [c]))[0] for c in clips]
+    finally:
+        worker.close()
+    assert max(batched_calls) == len(clips)  # one call scored every session's window
+    for (events, samples), (events_alone, samples_alone), c in zip(together, alone, clips):
+        assert [k for k, _ in events] == ["start", "stop", "start", "stop"], events
+        assert events == events_alone == reference_events(model, c)
+        # Chunked through the worker = the whole clip resampled at once.
+        whole = StreamResampler(24000, vad.RATE)(np.frombuffer(pcm16(c), "<i2").astype(np.float32) / 32768)
+        assert np.array_equal(samples, samples_alone) and np.array_equal(samples, whole)
+    assert {tid for tid, _ in model.calls} == {worker_thread_id(model)}
+
+
+def worker_thread_id(model: RecordingModel) -> int:
+    ids = {tid for tid, _ in model.calls}
+    assert len(ids) == 1 and threading.get_ident() not in ids
+    return ids.pop()
+
+
+def test_bad_appends_are_errors_and_the_rest_is_heard():
+    good = np.zeros(480, "<i2").tobytes()
+    samples, errors = decode_appends(PCM, [(base64.b64encode(good).decode(), "a"), ("%%%", "b"),
+                                           (base64.b64encode(b"\x00" * 3).decode(), "c")])
+    assert len(samples) == 480
+    assert [(e.param, eid) for e, eid in errors] == [("audio", "b"), ("audio", "c")]
+    assert "base64" in errors[0][0].message and "whole 16-bit samples" in errors[1][0].message
+
+
+def test_an_append_is_bounded_before_it_is_decoded():
+    stream = InputStream(InputAudioWorker(), PCM, 16000, lambda heard: None)
+    for n in (1, 2, 480, 959, 960, 24000):
+        data = b64(np.zeros(n, np.float32))
+        out = StreamResampler(24000, 16000)(np.zeros(n, np.float32))
+        assert len(out) <= stream.bound(data) <= n * 2 // 3 + 2
+
+
+def pipeline():
+    """A fake pipeline's orchestrator, not started: what a session reads of it while no
+    response is asked for (its encoder's rate, 16 kHz, and its bounds)."""
+    return make_orchestrator(write_config(f"rtin_{uuid.uuid4().hex[:8]}"))
+
+
+def client_event(**event) -> object:
+    return parse_client_event(json.dumps(event))[0]
+
+
+def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
+    from omni_cache.serving.realtime import input_worker
+
+    worker = InputAudioWorker(model=model)
+    monkeypatch.setattr(input_worker, "shared", lambda: worker)
+    model.calls.clear()
+    sent: list = []
+
+    async def go():
+        session = RealtimeSession(pipeline(), sent.append, limits=RealtimeConfig(), served_model="m")
+        await session.open()
+        await session.handle(client_event(type="session.update", session={
+            "type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "create_response": False, "silence_duration_ms": 300}}}}))
+        audio = clip(7)
+        for i in range(0, len(audio), CHUNK):
+            before = len(sent)
+            await session.handle(client_event(type="input_audio_buffer.append", audio=b64(audio[i:i + CHUNK]),
+                                              event_id=f"ev_{i}"))
+            # Nothing was sent while the handler ran (and nothing scored on this thread, below):
+            # it only handed the bytes over.
+            assert len(sent) == before
+        await session.handle(client_event(type="input_audio_buffer.clear"))  # waits for the appends
+        await session.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        worker.close()
+    types = [e.type for e in sent]
+    turn = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+            "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    assert types == ["session.created", "session.updated", *turn, *turn, "input_audio_buffer.cleared"]
+    starts = [e.audio_start_ms for e in sent if e.type == "input_audio_buffer.speech_started"]
+    stops = [e.audio_end_ms for e in sent if e.type == "input_audio_buffer.speech_stopped"]
+    assert starts[0] < stops[0] < starts[1] < stops[1], (starts, stops)
+    assert model.calls and worker_thread_id(model) != threading.get_ident()
+
+
+def test_a_full_buffer_refuses_the_append_at_once():
+    async def go():
+        session = RealtimeSession(pipeline(), lambda e: None,
+                                  limits=RealtimeConfig(max_buffer_s=1.0), served_model="m")
+        await session.open()
+        await session.handle(client_event(type="session.update", session={
+            "type": "realtime", "audio": {"input": {"turn_detection": None}}}))
+        session.on_input_audio_buffer_append(client_event(type="input_audio_buffer.append",
+                                                          audio=b64(np.zeros(20000, np.float32))))
+        with pytest.raises(EventError) as refused:  # 0.83 s on its way + 0.5 s > 1 s
+            session.on_input_audio_buffer_append(client_event(type="input_audio_buffer.append",
+                                                              audio=b64(np.zeros(12000, np.float32))))
+        await session.audio_in.drained()
+        held_ms = session.buffer.duration_ms
+        await session.close()
+        return refused.value, held_ms
+
+    err, held_ms = asyncio.run(go())
+    assert err.code == "input_audio_buffer_full" and err.param == "audio"
+    assert 700 <= held_ms <= 834  # the resampler holds back its filter's delay until a commit
