@@ -940,4 +940,4 @@ def test_step_timeout_must_exceed_the_heartbeat_timeout(tmp_path: Path) -> None:
         assert (f"{path}: stages[{i}].step_timeout_s: must be longer than "
                 "server.heartbeat_timeout_s (10 s), got 10 s") in message
     ok = write_variant(tmp_path, vllm_stage, vllm_stage + "\n    step_timeout_s: 10.5", count=2)
-    assert [s.step_timeout_s for s in load_config(ok).stages] == [10.5, 10.5, 300.0]
+    assert [s.step_timeout_s for s in load_config(ok).stages] == [10.5, 10.5, None]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omni_cache.runtime.hang_watch import HangWatch, Liveness
+from omni_cache.runtime.hang_watch import HangWatch, Liveness, step_timeout_s
 from omni_cache.wire.messages import StageReady
 
 TIMEOUT_S = 3.0  # server.heartbeat_timeout_s
@@ -119,3 +119,9 @@ def test_an_output_from_its_loop_ends_a_long_step_and_a_late_beat_does_not_count
     assert watch.hung([sp], 0.25) == [] and sp.long_steps == 1
     sp.liveness.beat(beat(busy=False), 0.4)
     assert sp.liveness.long_step_s(0.5, TIMEOUT_S) is None
+
+
+def test_the_default_step_timeout_is_300_s_and_never_below_the_heartbeat_timeout():
+    assert step_timeout_s(None, 10.0) == 300.0
+    assert step_timeout_s(None, 600.0) == 600.0  # a server that waits that long for any beat
+    assert step_timeout_s(20.0, 10.0) == 20.0  # configured (validated longer than 10 s)

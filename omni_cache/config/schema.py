@@ -373,11 +373,9 @@ class StageConfig(_Base, kw_only=True):
     pacing: PacingConfig | None = None
     #: A replica whose heartbeats keep coming while its loop stays inside one model step is busy,
     #: not hung, until that step has lasted this long; then it is hung (killed and restarted).
-    #: 300 s: vLLM's first-use torch.compile of a sampler path took ~10 s in one step on a quiet
-    #: 2-core CPU; this leaves room for several such compiles on a slow, contended CPU, and is
-    #: the default request deadline, by which a wedged step's requests end anyway. Must exceed
-    #: ``server.heartbeat_timeout_s`` (silence is judged by that).
-    step_timeout_s: PositiveFloat = 300.0
+    #: Must exceed ``server.heartbeat_timeout_s`` (silence is judged by that). None -> 300 s
+    #: (omni_cache/runtime/hang_watch.py says why), or the heartbeat timeout when that is longer.
+    step_timeout_s: PositiveFloat | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "generation" and self.generation is None:

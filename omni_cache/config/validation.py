@@ -633,7 +633,7 @@ def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths
                    f"got {server.heartbeat_timeout_s:g} s")
     for i, s in enumerate(config.stages):
         # A step shorter than the heartbeat timeout is never long: the limit would judge nothing.
-        if s.step_timeout_s <= server.heartbeat_timeout_s:
+        if s.step_timeout_s is not None and s.step_timeout_s <= server.heartbeat_timeout_s:
             issues.add(("stages", i, "step_timeout_s"),
                        f"must be longer than server.heartbeat_timeout_s "
                        f"({server.heartbeat_timeout_s:g} s), got {s.step_timeout_s:g} s")

@@ -38,6 +38,20 @@ from typing import Any
 
 from omni_cache.wire.messages import StageReady
 
+#: ``stages[].step_timeout_s`` when unset: vLLM's first-use torch.compile of a sampler path took
+#: ~10 s in one step on a quiet 2-core CPU; 300 s leaves room for several such compiles on a
+#: slow, contended CPU, and is the default request deadline (``server.request_timeout_s``), by
+#: which the requests of a truly wedged step end anyway.
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
+
+def step_timeout_s(configured: float | None, heartbeat_timeout_s: float) -> float:
+    """A stage's step limit: as configured (validated longer than the heartbeat timeout), else
+    the default, or the heartbeat timeout when that is longer (no long step is then reported)."""
+    if configured is not None:
+        return configured
+    return max(DEFAULT_STEP_TIMEOUT_S, heartbeat_timeout_s)
+
 
 @dataclass
 class Liveness:

@@ -12,7 +12,7 @@ from collections import deque
 
 from omni_cache.config import StageConfig
 from omni_cache.config.replicas import Replica, stage_replicas
-from omni_cache.runtime.hang_watch import Liveness
+from omni_cache.runtime.hang_watch import DEFAULT_STEP_TIMEOUT_S, Liveness
 from omni_cache.runtime.process_runner import ProcessRunner, exit_words
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class SupervisedReplica:
         self.liveness = Liveness()
         #: Times it was found hung (its loop stuck while working, or silent) and marked down.
         self.hangs = 0
-        #: How long one step of its loop may last before it is hung (``stages[].step_timeout_s``).
-        self.step_timeout_s = stage.step_timeout_s
+        #: How long one step of its loop may last before it is hung (``stages[].step_timeout_s``;
+        #: the supervisor fills in the default, which depends on the heartbeat timeout).
+        self.step_timeout_s = stage.step_timeout_s or DEFAULT_STEP_TIMEOUT_S
         #: Steps it was seen in past the heartbeat timeout (busy, heartbeats coming), each once.
         self.long_steps = 0
         #: Why its current process was killed as hung (until that process's exit is handled).

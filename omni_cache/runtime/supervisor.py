@@ -28,7 +28,7 @@ import zmq
 from omni_cache.config import StageConfig
 from omni_cache.config.replicas import Replica, stage_replicas
 from omni_cache.runtime.connection_watch import ConnectionWatch
-from omni_cache.runtime.hang_watch import HangWatch
+from omni_cache.runtime.hang_watch import HangWatch, step_timeout_s
 from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
 from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.wire.messages import StageReady
@@ -104,6 +104,7 @@ class StageSupervisor:
         else:
             runner = argv
         sp = SupervisedReplica(stage, runner, echo, replica)
+        sp.step_timeout_s = step_timeout_s(stage.step_timeout_s, self._heartbeat_timeout_s)
         self._stages[sp.name] = sp
         self._by_replica[(sp.stage, sp.index)] = sp.name
 
