@@ -93,6 +93,9 @@ class ServerConfig(_Base, kw_only=True):
     #: are read until its request was submitted); past it 429 with Retry-After. At least
     #: max_body_bytes.
     max_body_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
+    #: Seconds a request body may take to arrive, from when its handler starts reading it;
+    #: past it 408 (a client that declared more than it sends holds nothing longer).
+    body_timeout_s: PositiveFloat = 30.0
     #: Requests in flight at once: from before their body is read until they are answered
     #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
     max_requests_in_flight: PositiveInt = 64

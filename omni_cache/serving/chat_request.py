@@ -7,18 +7,21 @@ images and clips (not decoded yet)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
+from starlette.requests import ClientDisconnect
 
 from omni_cache.serving.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format
 from omni_cache.serving.chat_fields import refusal
 from omni_cache.serving.errors import APIError
+from omni_cache.serving.json_body import BodyError, parse_json
 
-__all__ = ["ChatRequest", "MediaPart", "parse_chat_request", "read_body"]
+__all__ = ["ChatRequest", "MediaPart", "drain_body", "parse_chat_request", "read_body"]
 
 
 @dataclass(frozen=True)
@@ -59,27 +62,71 @@ class ChatRequest:
 VOICES = ("default",)
 
 
-async def read_body(request: Any, limit: int,
-                    reserve: Callable[[int], None] | None = None) -> bytearray:
+async def read_body(request: Any, limit: int, reserve: Callable[[int], None] | None = None, *,
+                    timeout: float | None = None) -> bytearray:
     """The request body, refused (413) past ``limit`` bytes (``server.max_body_bytes``) before
-    more of it is read. ``reserve(n)`` is told of ``n`` more bytes before they are kept (the
-    declared length at once, else each chunk) and may refuse them by raising."""
-    too_large = APIError(413, f"the request body is over {limit} bytes (server.max_body_bytes)")
-    declared = request.headers.get("content-length", "")
+    more of it is kept, and (408) when it has not all arrived within ``timeout`` seconds
+    (``server.body_timeout_s``: a client that declares more than it sends). ``reserve(n)`` is
+    told of ``n`` more bytes before they are kept (the declared length at once, else each chunk)
+    and may refuse them by raising."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read(request, limit, reserve)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
+                       "(server.body_timeout_s)") from None
+
+
+async def _read(request: Any, limit: int, reserve: Callable[[int], None] | None) -> bytearray:
+    chunks = request.stream()
+    try:
+        return await _keep(chunks, request.headers.get("content-length", ""), limit, reserve)
+    except APIError:
+        await _drain(chunks, 2 * limit)  # refused (413, 429): what is still coming is dropped
+        raise
+
+
+async def _keep(chunks: AsyncIterator[bytes], declared: str, limit: int,
+                reserve: Callable[[int], None] | None) -> bytearray:
     if declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     reserved = int(declared) if declared.isdigit() else 0
     if reserve is not None and reserved:
         reserve(reserved)
     body = bytearray()  # one copy of the body, grown in place
-    async for chunk in request.stream():
+    async for chunk in chunks:
         if len(body) + len(chunk) > limit:
-            raise too_large
+            raise _too_large(limit)
         if reserve is not None and len(body) + len(chunk) > reserved:
             reserve(len(body) + len(chunk) - reserved)
             reserved = len(body) + len(chunk)
         body += chunk
     return body
+
+
+async def drain_body(request: Any, limit: int, timeout: float) -> None:
+    """Read and drop the body of a request refused before it was read (up to twice ``limit``
+    bytes and ``timeout`` seconds), so that its client reads the answer (see :func:`_drain`)."""
+    with contextlib.suppress(TimeoutError, RuntimeError):  # RuntimeError: already read
+        async with asyncio.timeout(timeout):
+            await _drain(request.stream(), 2 * limit)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over {limit} bytes (server.max_body_bytes)")
+
+
+async def _drain(chunks: AsyncIterator[bytes], limit: int) -> None:
+    """Read on and drop up to ``limit`` more bytes of a body that is refused: a client that is
+    still sending it then reads the answer, where a connection closed with its bytes unread
+    would reach it as a reset (uvicorn closes a ``Connection: close`` request's socket after the
+    answer). A body longer still is cut off there (its client may then see a reset)."""
+    dropped = 0
+    with contextlib.suppress(ClientDisconnect):  # gone: nothing left to drop
+        async for chunk in chunks:
+            dropped += len(chunk)
+            if dropped > limit:
+                return
 
 
 def validated_request(raw: bytes) -> Any:
@@ -90,12 +137,11 @@ def validated_request(raw: bytes) -> Any:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        pos = getattr(e, "pos", getattr(e, "start", 0))
+        data = parse_json(raw)  # its nesting bounded before it is parsed
+    except BodyError as e:
         raise RequestValidationError([{
-            "type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
-            "input": {}, "ctx": {"error": getattr(e, "msg", str(e))}}]) from None
+            "type": "json_invalid", "loc": ("body",), "msg": f"JSON decode error: {e}",
+            "input": {}, "ctx": {"error": str(e)}}]) from None
     try:
         return ChatCompletionRequest.model_validate(data)
     except pydantic.ValidationError as e:
@@ -115,7 +161,8 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     if refused is not None:
         field, why = refused
         raise APIError(400, f"{field} is not supported by this server: {why}", param=field)
-    audio = extras.get("audio") or {}
+    audio = extras.get("audio")
+    audio = {} if audio is None else audio  # [] or "" is no audio object either
     if not isinstance(audio, dict):
         raise APIError(400, "audio must be an object {voice, format}", param="audio")
     audio_format = audio.get("format") or (STREAM_FORMAT if req.stream else "wav")
@@ -197,8 +244,8 @@ def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
     args = function.get("arguments")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args else {}
-        except json.JSONDecodeError:
+            args = parse_json(args.encode()) if args else {}  # bounded: the client wrote it
+        except BodyError:
             args = {}
     function["arguments"] = args if isinstance(args, dict) else {}
     call["function"] = function

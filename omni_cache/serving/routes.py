@@ -27,7 +27,7 @@ from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.auth import bearer_token_problem
 from omni_cache.serving.chat_output import ChoiceWriter
 from omni_cache.serving.chat_prompt import rendered_prompt, tool_parser
-from omni_cache.serving.chat_request import ChatRequest, parse_chat_request, read_body
+from omni_cache.serving.chat_request import ChatRequest, drain_body, parse_chat_request, read_body
 from omni_cache.serving.chat_sampling import engine_sampling
 from omni_cache.serving.chat_stream import (
     StreamOptions, collect_unless_disconnected, stream_chunks, usage,
@@ -47,6 +47,7 @@ AUDIO_TTL_S = 3600
 async def require_api_key(request: Request) -> None:
     problem = bearer_token_problem(request.headers.get("authorization", ""), request.app.state.api_key)
     if problem is not None:
+        await _drain(request)
         raise Unauthorized(problem)
 
 
@@ -54,7 +55,20 @@ async def _json_body(request: Request) -> None:
     """vLLM's check of the body's content type (its route's ``validate_json_request``)."""
     from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
-    await validate_json_request(request)
+    try:
+        await validate_json_request(request)
+    except Exception:
+        await _drain(request)
+        raise
+
+
+async def _drain(request: Request) -> None:
+    """A request refused before its body was read: the body is read and dropped first (bounded
+    by ``server.max_body_bytes`` and ``server.body_timeout_s``), or its client, still sending,
+    would see a reset connection instead of the answer."""
+    if request.scope["type"] == "http":
+        server = request.app.state.orchestrator.config.server
+        await drain_body(request, server.max_body_bytes, server.body_timeout_s)
 
 
 router = APIRouter()
@@ -113,7 +127,11 @@ async def metrics(request: Request) -> PlainTextResponse:
 async def chat_completions(request: Request):
     received_at = time.monotonic()
     orch: Orchestrator = request.app.state.orchestrator
-    ticket = orch.admission.enter()  # 429 before anything of the body is read
+    try:
+        ticket = orch.admission.enter()  # 429 before anything of the body is read
+    except Exception:
+        await _drain(request)
+        raise
     try:
         a = await _accept(request, orch, ticket, received_at)
     except BaseException:
@@ -148,7 +166,9 @@ async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
 async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
                            received_at: float) -> _Accepted:
     state = request.app.state
-    body = await read_body(request, orch.config.server.max_body_bytes, reserve=ticket.hold_body)
+    server = orch.config.server
+    body = await read_body(request, server.max_body_bytes, reserve=ticket.hold_body,
+                           timeout=server.body_timeout_s)
     chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:

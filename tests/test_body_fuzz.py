@@ -1,0 +1,158 @@
+"""Malformed chat bodies against a real server: every one answered with a 4xx and a message, none
+with a 5xx, a reset connection or no answer, and the server serving afterwards with nothing left
+held (tests/body_fuzz.py makes the bodies; the server runs fake stages: a body refused before
+submission needs no stage work). Then the parts one at a time: the depth scan, the body's
+timeout, an over-long body read on so its client reads the 413."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from body_fuzz import Case, cases, send
+from fake_pipeline import API_KEY, make_orchestrator, write_config
+from omni_cache.serving.chat_request import parse_chat_request
+from omni_cache.serving.json_body import MAX_JSON_DEPTH, BodyError, json_depth, parse_json
+from omni_cache.serving.server import ServerThread
+
+MAX_BODY_BYTES = 64 * 1024  # small: the over-long bodies stay quick to send
+BODY_TIMEOUT_S = 0.5
+FUZZ_CASES = 1500
+SEED = 41
+
+
+@pytest.fixture(scope="module")
+def srv():
+    path = write_config(f"fuzz_{uuid.uuid4().hex[:8]}")
+    data = yaml.safe_load(path.read_text())
+    data["server"].update(max_body_bytes=MAX_BODY_BYTES, max_body_bytes_in_flight=64 * MAX_BODY_BYTES,
+                          body_timeout_s=BODY_TIMEOUT_S)
+    path.write_text(yaml.safe_dump(data))
+    server = ServerThread(make_orchestrator(Path(path)), api_key=API_KEY).start()
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+def _address(srv) -> tuple[str, int]:
+    host, port = srv.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _chat(srv, content: str) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": srv.orchestrator.served_model_name, "max_tokens": 4,
+                            "messages": [{"role": "user", "content": content}]})
+
+
+def _wait_idle(srv, timeout: float = 10.0) -> None:
+    """Every request answered and every byte given back to the server's bounds."""
+    orch = srv.orchestrator
+    end = time.monotonic() + timeout
+    while (orch.in_flight or orch.admission.bounds.requests or orch.admission.bounds.body_bytes
+           or orch.admission.bounds.media_bytes):
+        assert time.monotonic() < end, (orch.in_flight, orch.admission.bounds.requests,
+                                        orch.admission.bounds.body_bytes)
+        time.sleep(0.05)
+
+
+def test_every_malformed_body_is_a_4xx_with_a_message(srv):
+    host, port = _address(srv)
+    model = srv.orchestrator.served_model_name
+    made = list(cases(model, FUZZ_CASES, SEED, MAX_BODY_BYTES))
+    assert len({c.kind for c in made}) == 9
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda c: send(host, port, c, api_key=API_KEY, timeout=20), made))
+    wrong = [(c.kind, o.status or o.error, c.body[:120], o.body[:200])
+             for c, o in zip(made, outcomes) if o.status is None or not 400 <= o.status < 500]
+    assert not wrong, f"{len(wrong)} of {len(made)} not a 4xx: {wrong[:10]}"
+    for c, o in zip(made, outcomes):
+        error = json.loads(o.body)["error"]
+        assert error["message"] and error["code"] == o.status, (c.kind, o.body[:300])
+    statuses = Counter(o.status for o in outcomes)
+    assert statuses[408] and statuses[413] and statuses[400]  # each way of refusing was met
+    _wait_idle(srv)
+    r = _chat(srv, "after the fuzz")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "user"
+    assert httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_body_deeper_than_the_limit_is_refused_by_name(srv):
+    host, port = _address(srv)
+    deep = b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    outcome = send(host, port, Case("deep", deep), api_key=API_KEY, timeout=10)
+    assert outcome.status == 400
+    assert f"nests 5001 levels deep; at most {MAX_JSON_DEPTH}" in json.loads(outcome.body)["error"]["message"]
+
+
+def test_a_body_that_never_all_arrives_gets_408(srv):
+    host, port = _address(srv)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+    outcome = send(host, port, Case("lying", body, declared_length=len(body) + 10),
+                   api_key=API_KEY, timeout=10)
+    assert outcome.status == 408
+    assert "server.body_timeout_s" in json.loads(outcome.body)["error"]["message"]
+    _wait_idle(srv)
+
+
+def test_an_over_long_body_is_read_on_so_its_client_reads_the_413(srv):
+    """Before, the 413 went out and the socket closed with the body unread: the client, still
+    sending, saw a reset connection. Up to twice server.max_body_bytes is now read and dropped;
+    also for a request refused before its body is read (here: no API key)."""
+    host, port = _address(srv)
+    body = json.dumps({"model": "m", "messages": [{"role": "user",
+                                                   "content": "x" * (MAX_BODY_BYTES * 3 // 2)}]})
+    outcome = send(host, port, Case("long", body.encode()), api_key=API_KEY, timeout=10)
+    assert outcome.status == 413, outcome
+    assert "server.max_body_bytes" in json.loads(outcome.body)["error"]["message"]
+    refused = send(host, port, Case("long", body.encode()), api_key=None, timeout=10)
+    assert refused.status == 401, refused
+    wrong_type = send(host, port, Case("long", body.encode(), content_type="text/plain"),
+                      api_key=API_KEY, timeout=10)
+    assert wrong_type.status == 400, wrong_type
+    _wait_idle(srv)
+
+
+# ---- the parts -------------------------------------------------------------------------------
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert json_depth(b'{"a": [1, {"b": "[[[\\"[["}]}') == 3
+    assert json_depth(b"[]") == 1 and json_depth(b"7") == 0 and json_depth(b"") == 0
+    assert json_depth(b'["]]]]]", [[]]]') == 3
+    assert json_depth(b"[" * 100) == 100  # unclosed: as deep as its brackets reach
+    assert json_depth(b'"' + b'\\"' * 1000 + b"[[") == 0  # one unterminated string
+
+
+def test_parse_json_names_what_is_wrong():
+    assert parse_json(b'{"a": [[1]]}') == {"a": [[1]]}
+    for raw, needle in [(b"[" * 65 + b"]" * 65, "nests 65 levels deep; at most 64"),
+                        (b'{"a": 1', "not valid JSON: Expecting"),
+                        (b'{"a": "\xff"}', "not valid UTF-8"),
+                        (b'{"a": ' + b"9" * 5000 + b"}", "not valid JSON: Exceeds the limit")]:
+        with pytest.raises(BodyError, match=needle):
+            parse_json(raw)
+
+
+def test_a_deep_tool_call_argument_string_reads_as_no_arguments():
+    """An assistant's earlier tool call whose arguments string nests deeper than the limit reads
+    as ``{}``, as an unparsable one does (before, json.loads raised RecursionError: a 500)."""
+    args = "[" * 5000 + "]" * 5000
+    body = json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "y"}]}).encode()
+    chat = parse_chat_request(body, "m")
+    assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {}
