@@ -75,8 +75,12 @@ class RealtimeConfig(_Base, kw_only=True):
     #: Client events per second, sustained (a burst of as many is allowed); an event beyond it is
     #: dropped and answered with ``error`` (code ``rate_limit_exceeded``).
     max_events_per_s: PositiveFloat = 200.0
-    #: Items (messages) one conversation may hold; creating one more is refused.
+    #: Items (messages) one conversation may hold; creating one more is refused (with the
+    #: session's ``truncation`` on, its oldest turns are dropped instead).
     max_items: PositiveInt = 256
+    #: Server events queued for a client and not yet sent, in bytes of their JSON: a client that
+    #: stops reading is closed past it (code 1008, reason ``slow_client``) and its events freed.
+    max_outbox_bytes: PositiveInt = 8 * 1024 * 1024
 
 
 class ServerConfig(_Base, kw_only=True):

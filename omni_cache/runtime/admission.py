@@ -14,7 +14,10 @@ and decoded (each body's bytes are held until its request was submitted); and at
 ``server.max_media_bytes_in_flight`` of decoded images and clips held by the requests, reserved
 from each item's header before it is decoded. Each request holds a
 :class:`Ticket` for its share; it is given back exactly once, when the request is answered or
-refused.
+refused. A realtime session keeps its conversation's media and text (and its input buffer's
+room) in the same media bound through a :class:`MediaHold`, at most ``max_media_bytes_in_flight
+/ server.realtime.max_sessions`` of it; its responses' tickets do not reserve those bytes again
+(:attr:`Ticket.prepaid`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Ticket:
         self.bounds = bounds
         self.media_bytes = 0
         self.body_bytes = 0
+        #: Media bytes of the request already held in the bounds by its owner (a realtime
+        #: session's :class:`MediaHold`): not reserved a second time.
+        self.prepaid = 0
         self.released = False
 
     def hold_media(self, nbytes: int) -> None:
@@ -128,6 +134,39 @@ class InFlightBounds:
         self.release_body(ticket)
 
 
+class MediaHold:
+    """Bytes a long-lived holder (a realtime session: its conversation, its input buffer's room)
+    keeps of ``server.max_media_bytes_in_flight`` with no place among the requests: at most
+    ``share`` of its own, and only what the pool has free (event-loop thread only)."""
+
+    def __init__(self, bounds: InFlightBounds, share: int) -> None:
+        self.bounds, self.share = bounds, share
+        self.nbytes = 0
+
+    def resize(self, nbytes: int) -> None:
+        """Hold ``nbytes`` in all: 413 past the holder's share, 429 when the pool has not that
+        much more free now (nothing changes then). Shrinking always succeeds."""
+        grow = nbytes - self.nbytes
+        if grow > 0 and nbytes > self.share:
+            raise RequestError(413, f"{nbytes} bytes would pass this session's share of "
+                               f"{self.share} (server.max_media_bytes_in_flight / "
+                               "server.realtime.max_sessions)")
+        if grow > 0 and self.bounds.media_bytes + grow > self.bounds.max_media_bytes:
+            raise RequestError(429, f"the server holds {self.bounds.media_bytes} bytes of media; "
+                               f"{grow} more would pass its limit of {self.bounds.max_media_bytes} "
+                               "(server.max_media_bytes_in_flight)", retry_after=RETRY_AFTER_S)
+        self.settle(nbytes)
+
+    def settle(self, nbytes: int) -> None:
+        """Hold ``nbytes`` in all, unchecked: what the holder already keeps (an answer's text
+        grew, an item was dropped)."""
+        self.bounds.media_bytes += nbytes - self.nbytes
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        self.settle(0)
+
+
 @dataclass
 class AdmittedRequest:
     """A request that passed every check, ready to be routed and sent."""
@@ -186,7 +225,7 @@ class Admission:
             raise RequestError(413, f"the request's images and clips decode to {total} bytes; they "
                                f"travel to the entry stage in one message of at most {limit} "
                                "bytes (server.max_message_bytes): send fewer or smaller")
-        ticket.hold_media(total - ticket.media_bytes)
+        ticket.hold_media(max(0, total - ticket.prepaid) - ticket.media_bytes)
 
     def check(self, prompt_token_ids: Sequence[int], *, ticket: Ticket | None = None,
               sampling: EngineSampling | None = None,

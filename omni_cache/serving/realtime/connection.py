@@ -3,7 +3,9 @@
 The connection reads client events one at a time and hands them to the session; server events go
 out through one writer task in the order they were queued (:class:`EventWriter`). It enforces the
 session limits (``server.realtime``): sessions open at once, session length, idle time between
-client events, client events per second. A client that goes away (closed socket, dropped TCP)
+client events, client events per second, and the bytes of server events queued for a client that
+does not read them (``max_outbox_bytes``: past it the connection is closed, code 1008
+``slow_client``, and what was queued is dropped). A client that goes away (closed socket, dropped TCP)
 ends the session: the response in flight is cancelled, its pipeline request aborted, the
 session's buffers dropped and it leaves the :class:`SessionRegistry`.
 """
@@ -11,7 +13,6 @@ session's buffers dropped and it leaves the :class:`SessionRegistry`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -61,17 +62,38 @@ class RateLimiter:
 
 
 class EventWriter:
-    """Server events written in order by one task (two concurrent sends could interleave)."""
+    """Server events written in order by one task (two concurrent sends could interleave), at
+    most ``max_bytes`` of them waiting: past it the writer gives up (:attr:`overflowed`), drops
+    what waits and sends nothing more (a client that does not read would otherwise hold every
+    answer's audio in the server)."""
 
-    def __init__(self, websocket: WebSocket) -> None:
+    def __init__(self, websocket: WebSocket, max_bytes: int = 2**62) -> None:
         self.websocket = websocket
+        self.max_bytes = max_bytes
         self.closed = False
+        #: Set when the events waiting passed max_bytes.
+        self.overflowed = asyncio.Event()
+        self.queued_bytes = 0  # of the events queued and the one being sent
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._task = asyncio.create_task(self._write(), name="realtime-outbox")
 
     def send(self, event: Any) -> None:
-        if not self.closed:
-            self._queue.put_nowait(wire(event))
+        if self.closed:
+            return
+        text = wire(event)
+        self.queued_bytes += len(text)
+        if self.queued_bytes > self.max_bytes:
+            self._give_up()
+            return
+        self._queue.put_nowait(text)
+
+    def _give_up(self) -> None:
+        self.closed = True
+        self.overflowed.set()
+        while not self._queue.empty():  # freed now, not when the socket ends
+            self._queue.get_nowait()
+        self.queued_bytes = 0
+        self._task.cancel()  # its send waits for a client that does not read
 
     async def _write(self) -> None:
         while True:
@@ -83,12 +105,15 @@ class EventWriter:
             except Exception:  # noqa: BLE001 -- the client is gone: nothing more to send
                 self.closed = True
                 return
+            self.queued_bytes -= len(text)
 
     async def close(self) -> None:
-        """Send what is queued, then stop."""
-        self._queue.put_nowait(None)
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(self._task, timeout=5.0)
+        """Send what is queued (for at most 5 s), then stop."""
+        if not self._task.done():
+            self._queue.put_nowait(None)
+            await asyncio.wait({self._task}, timeout=5.0)
+            self._task.cancel()  # still sending after 5 s: the client does not read
+            await asyncio.wait({self._task})
         self.closed = True
 
 
@@ -109,7 +134,7 @@ async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig
         refusal = (EventError(f"{limits.max_sessions} realtime sessions are open "
                               "(server.realtime.max_sessions); retry later",
                               code="session_limit_reached", type="server_error"), CLOSE_TRY_LATER)
-    outbox = EventWriter(websocket)
+    outbox = EventWriter(websocket, limits.max_outbox_bytes)
     if refusal is not None:
         outbox.send(error_event(refusal[0], None))
         await _close(websocket, outbox, refusal[1], refusal[0].code or "")
@@ -118,12 +143,18 @@ async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig
                               decode_image=decode_image)
     registry.sessions[session.id] = session
     try:
-        await session.open()
+        try:
+            await session.open()
+        except EventError as e:  # no room for one more session in the server's bounds
+            outbox.send(error_event(e, None))
+            await _close(websocket, outbox, CLOSE_TRY_LATER, e.code or "")
+            return
         ending = await _read_events(websocket, session, outbox, limits)
         if ending is not None:
-            outbox.send(error_event(ending, None))
+            outbox.send(error_event(ending, None))  # not sent to a client that stopped reading
             await session.close()
-            await _close(websocket, outbox, CLOSE_NORMAL, ending.code or "")
+            code = CLOSE_POLICY if outbox.overflowed.is_set() else CLOSE_NORMAL
+            await _close(websocket, outbox, code, ending.code or "")
     finally:
         await session.close()
         registry.sessions.pop(session.id, None)
@@ -139,6 +170,7 @@ async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: E
     # One receive in flight at a time, never cancelled while waiting (a message that arrives as
     # a timed-out receive is cancelled could be lost).
     receiving: asyncio.Task | None = None
+    overflow = asyncio.ensure_future(outbox.overflowed.wait())
     try:
         while True:
             now = time.monotonic()
@@ -154,10 +186,15 @@ async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: E
             wait = min(end_at, last_event + limits.idle_timeout_s) - now
             if session.responding:  # look again soon: the response may end meanwhile
                 wait = min(wait, 1.0)
+            if outbox.overflowed.is_set():
+                return EventError(f"more than {limits.max_outbox_bytes} bytes of server events "
+                                  "waited for the client to read them "
+                                  "(server.realtime.max_outbox_bytes)", code="slow_client")
             if receiving is None:
                 receiving = asyncio.ensure_future(websocket.receive())
-            done, _ = await asyncio.wait({receiving}, timeout=wait)
-            if not done:
+            done, _ = await asyncio.wait({receiving, overflow}, timeout=wait,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if receiving not in done:
                 continue
             message, receiving = receiving.result(), None
             if message["type"] == "websocket.disconnect":
@@ -174,6 +211,7 @@ async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: E
                 continue
             await _handle(raw, session, outbox)
     finally:
+        overflow.cancel()
         if receiving is not None and not receiving.done():
             receiving.cancel()
 
@@ -194,5 +232,10 @@ async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWrite
 async def _close(websocket: WebSocket, outbox: EventWriter, code: int, reason: str) -> None:
     await outbox.close()
     if websocket.application_state == WebSocketState.CONNECTED:
-        with contextlib.suppress(Exception):
-            await websocket.close(code=code, reason=reason)
+        # A client that does not read may never take the close frame: give up after 5 s.
+        closing = asyncio.ensure_future(websocket.close(code=code, reason=reason))
+        await asyncio.wait({closing}, timeout=5.0)
+        closing.cancel()
+        await asyncio.wait({closing})
+        if not closing.cancelled():
+            closing.exception()  # retrieved: a client gone meanwhile is no error here

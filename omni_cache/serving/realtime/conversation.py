@@ -20,7 +20,7 @@ import numpy as np
 from omni_cache.runtime.requests import AUDIO, MediaItem
 from omni_cache.serving.realtime.protocol import EventError, new_id
 
-__all__ = ["ItemPart", "Conversation", "Item", "SpokenText", "audio_item"]
+__all__ = ["ItemPart", "Conversation", "Item", "SpokenText", "audio_item", "render"]
 
 
 @dataclass
@@ -85,6 +85,19 @@ class Item:
     #: Assistant audio: what was sent, the text beside it, and where it was truncated.
     spoken: SpokenText | None = None
     audio_end_ms: float | None = None
+    #: (the message it was counted as, its prompt tokens): conversation_bounds counts each
+    #: item once, again only when its text changed.
+    counted: tuple[Any, int] | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """What the item holds: its decoded media and its text (a character taken as a byte)."""
+        return sum((p.media.array.nbytes if p.media is not None else 0) + len(p.text)
+                   for p in self.content)
+
+    @property
+    def media(self) -> list[MediaItem]:
+        return [p.media for p in self.content if p.media is not None]
 
     @property
     def sent_audio_ms(self) -> float:
@@ -173,15 +186,31 @@ class Conversation:
     def delete(self, item_id: str) -> None:
         del self.items[self.index(item_id, "item_id")]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def drop(self, items: list[Item]) -> list[Item]:
+        """Remove these items (those still here; truncation); the ones removed."""
+        gone = {id(i) for i in items}
+        removed = [i for i in self.items if id(i) in gone]
+        self.items = [i for i in self.items if id(i) not in gone]
+        return removed
+
     def prompt(self, instructions: str) -> tuple[list[dict[str, Any]], list[MediaItem]]:
         """The chat messages and media (in placeholder order) of a response to the conversation."""
-        messages: list[dict[str, Any]] = []
-        media: list[MediaItem] = []
-        if instructions:
-            messages.append({"role": "system", "content": instructions})
-        for item in self.items:
-            rendered = item.message()
-            if rendered is not None:
-                messages.append(rendered[0])
-                media.extend(rendered[1])
-        return messages, media
+        return render(self.items, instructions)
+
+
+def render(items: list[Item], instructions: str) -> tuple[list[dict[str, Any]], list[MediaItem]]:
+    """The chat messages and media (in placeholder order) of a prompt of these items."""
+    messages: list[dict[str, Any]] = []
+    media: list[MediaItem] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        rendered = item.message()
+        if rendered is not None:
+            messages.append(rendered[0])
+            media.extend(rendered[1])
+    return messages, media

@@ -14,20 +14,19 @@ but these closing events (status ``cancelled``); the pipeline request is aborted
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, TextDelta
-from omni_cache.runtime.requests import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item
+from omni_cache.serving.realtime.conversation_bounds import Prompt
 from omni_cache.serving.realtime.protocol import make_event, new_id
 
 logger = logging.getLogger("omni_cache.serving.realtime")
@@ -52,13 +51,16 @@ class ResponseRun:
     """Streams one response; ``send`` queues a server event on the session's socket."""
 
     def __init__(self, pipeline: Any, send: Callable[[Any], None], item: Item,
-                 options: ResponseOptions, messages: Sequence[dict[str, Any]],
-                 media: Sequence[MediaItem], *, pace: float | None, received_at: float,
-                 session_id: str) -> None:
+                 options: ResponseOptions, prompt: Callable[[], Awaitable[Prompt]], *,
+                 pace: float | None, received_at: float, session_id: str,
+                 on_prompt: Callable[[list[Item]], None] = lambda dropped: None) -> None:
         self.id = new_id("resp")
         self.session_id = session_id
         self.pipeline, self.send, self.item, self.options = pipeline, send, item, options
-        self.messages, self.media = list(messages), list(media)
+        # The session's prompt of the conversation (truncated to the thinker's limits), and what
+        # it is told of the turns truncation dropped.
+        self._make_prompt, self._on_prompt = prompt, on_prompt
+        self.prompt: Prompt | None = None
         self.pace = pace  # the session's measured ms per token (conversation.SpokenText)
         self.received_at = received_at
         self.status = "in_progress"
@@ -120,16 +122,21 @@ class ResponseRun:
             self._finish()
 
     async def _stream(self) -> None:
-        prompt = await asyncio.to_thread(self.pipeline.tokenize_messages, self.messages)
+        self.prompt = prompt = await self._make_prompt()
+        self._on_prompt(prompt.dropped)
         if self.reason is not None:
             return
+        # The session holds the prompt's media in the server's bounds already: the request's
+        # place does not reserve them again.
+        ticket = self.pipeline.admission.enter()
+        ticket.prepaid = sum(m.array.nbytes for m in prompt.media)
         # session_id: every turn of a session goes to the replicas that hold its prefix (prompts
         # with media are not prefix-hashed, so prefix routing alone cannot follow them).
         # stream: the client plays the audio deltas as they come, so stages pace them to playback.
         self.handle = await self.pipeline.submit(
-            prompt, max_tokens=self.options.max_tokens, modalities=self.options.pipeline_modalities,
-            media=self.media, received_at=self.received_at, session_id=self.session_id,
-            stream=True)
+            prompt.token_ids, max_tokens=self.options.max_tokens,
+            modalities=self.options.pipeline_modalities, media=prompt.media,
+            received_at=self.received_at, session_id=self.session_id, ticket=ticket, stream=True)
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")
         async for ev in self.handle.events():

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from omni_cache.config.schema import RealtimeConfig
 from omni_cache.serving.realtime import input_worker, session_config, vad
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
+from omni_cache.serving.realtime.conversation_bounds import ConversationBounds
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import (
     EventError, error_event, make_event, new_id, refuse_unsupported,
@@ -57,6 +59,9 @@ class RealtimeSession:
         self.rate = int(pipeline.audio_input_rate)
         self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
         self.conversation = Conversation(limits.max_items)
+        # Its share of the server's memory bound and the thinker's limits (truncation).
+        self.bounds = ConversationBounds(pipeline, limits.max_items, limits.max_sessions, self.rate,
+                                         limits.max_buffer_s)
         # Input audio is decoded, resampled and scored for speech on the input worker's thread.
         self.audio_in = input_worker.InputStream(input_worker.shared(), self.config.input_format,
                                                  self.rate, self._heard)
@@ -74,6 +79,7 @@ class RealtimeSession:
     async def open(self) -> None:
         from openai.types.realtime import SessionCreatedEvent
 
+        self.bounds.open()  # EventError: no room for one more session's buffer
         self._configure_detector()
         self.send(make_event(SessionCreatedEvent, session=self._describe()))
 
@@ -86,6 +92,8 @@ class RealtimeSession:
             with contextlib.suppress(BaseException):
                 await self._response_task
         self.buffer.clear()
+        self.conversation.items.clear()
+        self.bounds.close()  # the session's bytes are free for others
         self.pipeline.end_session(self.id)  # its replicas are no longer kept for it
 
     @property
@@ -199,7 +207,11 @@ class RealtimeSession:
         item_id = self.speech_item_id or new_id("item")
         self.speech_item_id = None
         self.send(make_event(InputAudioBufferSpeechStoppedEvent, audio_end_ms=at_ms, item_id=item_id))
-        self._commit(item_id)
+        try:
+            self._commit(item_id)
+        except EventError as e:  # no room for the speech (the session's bounds): said, not answered
+            self.send(error_event(e, None))
+            return
         if self.config.turn_detection.create_response and not self.responding:
             self._start_response(None)
 
@@ -219,9 +231,11 @@ class RealtimeSession:
             ConversationItemAdded, ConversationItemDone, InputAudioBufferCommittedEvent,
         )
 
+        # Room first (EventError keeps the buffer): a float32 sample is 4 bytes.
+        dropped = self._room(self.buffer.size * 4)
         item = Item("user", [ItemPart("input_audio", media=audio_item(self.buffer.take(), self.rate))],
                     id=item_id)
-        previous = self.conversation.add(item)
+        previous = self._add(item, None, dropped)
         self.send(make_event(InputAudioBufferCommittedEvent, item_id=item.id, previous_item_id=previous))
         self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
         self.send(make_event(ConversationItemDone, item=item.sdk(), previous_item_id=previous))
@@ -246,7 +260,8 @@ class RealtimeSession:
         from openai.types.realtime import ConversationItemAdded, ConversationItemDone
 
         item = await self._item_from_client(event.item)
-        previous = self.conversation.add(item, event.previous_item_id)
+        dropped = self._room(item.nbytes)
+        previous = self._add(item, event.previous_item_id, dropped)
         self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
         self.send(make_event(ConversationItemDone, item=item.sdk(), previous_item_id=previous))
 
@@ -301,6 +316,7 @@ class RealtimeSession:
             raise EventError("the item is being answered; cancel the response first",
                              param="item_id", code="item_in_progress")
         self.conversation.delete(event.item_id)
+        self.bounds.settle(self.conversation)
         self.send(make_event(ConversationItemDeletedEvent, item_id=event.item_id))
 
     def on_conversation_item_retrieve(self, event: Any) -> None:
@@ -328,6 +344,7 @@ class RealtimeSession:
             run.cancel("client_cancelled", truncate=False)
         item.audio_end_ms = float(event.audio_end_ms)
         item.content[0].text = item.spoken.heard(event.audio_end_ms, self.pace)
+        self.bounds.settle(self.conversation)
         self.send(make_event(ConversationItemTruncatedEvent, item_id=item.id, content_index=0,
                              audio_end_ms=event.audio_end_ms))
 
@@ -377,20 +394,48 @@ class RealtimeSession:
             raise EventError(f"response {self.response.id} is in progress; cancel it or wait for "
                              "response.done", code="conversation_already_has_active_response")
         options = self._options(params)
-        messages, media = self.conversation.prompt(options.instructions)
-        if not any(m["role"] != "system" for m in messages):
+        if not any(i.role != "system" and i.message() is not None for i in self.conversation.items):
             raise EventError("the conversation has no user or assistant item to answer",
                              code="conversation_empty")
         kind = "output_audio" if options.modality == "audio" else "output_text"
         item = Item("assistant", [ItemPart(kind)], status="in_progress", spoken=SpokenText())
-        self.conversation.add(item)
-        self.response = run = ResponseRun(self.pipeline, self.send, item, options, messages, media,
+        self._add(item, None, self._room(0))
+        # The prompt: the conversation as it is now, fitted to the thinker's limits when the run
+        # starts (truncation tokenizes it off the loop).
+        prompt = functools.partial(self.bounds.fit, self.conversation.items[:-1], options.instructions,
+                                   options.max_tokens, self.config.truncation)
+        self.response = run = ResponseRun(self.pipeline, self.send, item, options, prompt,
                                           pace=self.pace, received_at=time.monotonic(),
-                                          session_id=self.id)
+                                          session_id=self.id, on_prompt=self._drop)
         self._response_task = asyncio.create_task(self._run(run), name=f"realtime-{run.id}")
+
+    def _room(self, nbytes: int) -> list[Item]:
+        """Room for one more item of ``nbytes``: the turns truncation drops for it; EventError
+        when there is none (conversation_bounds). The answer in progress is never dropped."""
+        keep = self.response.item if self.responding else None
+        return self.bounds.make_room(self.conversation, nbytes, self.config.truncation, keep=keep)
+
+    def _add(self, item: Item, previous_item_id: str | None, dropped: list[Item]) -> str | None:
+        """Add ``item`` (after ``previous_item_id``) once the turns dropped for it are gone."""
+        self._drop(dropped)
+        try:
+            return self.conversation.add(item, previous_item_id)
+        finally:
+            self.bounds.settle(self.conversation)
+
+    def _drop(self, items: list[Item]) -> None:
+        """Truncation: these oldest turns leave the conversation and the client is told."""
+        from openai.types.realtime import ConversationItemDeletedEvent
+
+        for item in self.conversation.drop(items):
+            self.send(make_event(ConversationItemDeletedEvent, item_id=item.id))
+        self.bounds.settle(self.conversation)
 
     async def _run(self, run: ResponseRun) -> None:
         await run.run()
+        if run.usage is not None and run.prompt is not None:  # what its media expanded to
+            self.bounds.learn(run.prompt.media, run.usage.input_tokens, len(run.prompt.token_ids))
+        self.bounds.settle(self.conversation)  # its answer's text
         spoken = run.item.spoken
         if spoken.finished and run.audio and spoken.tokens and spoken.audio_ms:
             self.pace = spoken.audio_ms / spoken.tokens

@@ -6,9 +6,10 @@ Served: ``instructions``, ``output_modalities`` (``["audio"]``: speech plus its 
 (``audio/pcm`` 24 kHz, ``audio/pcmu``, ``audio/pcma``), ``audio.input.turn_detection``
 (``server_vad`` with ``threshold``, ``prefix_padding_ms``, ``silence_duration_ms``,
 ``create_response``, ``interrupt_response``; or ``null`` for manual commits) and
-``audio.output.voice`` (the pipeline speaks with one voice, ``default``). Everything else the API
-defines (tools, transcription, noise reduction, semantic VAD, tracing, prompts, truncation other
-than ``disabled``) is refused with an error naming the field: the update is then not applied.
+``audio.output.voice`` (the pipeline speaks with one voice, ``default``) and ``truncation``
+(``auto``, the default; ``disabled``; ``retention_ratio``: :mod:`.truncation`). Everything else the
+API defines (tools, transcription, noise reduction, semantic VAD, tracing, prompts) is refused with
+an error naming the field: the update is then not applied.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 from omni_cache.serving.realtime.audio_codecs import FORMATS, PCM, AudioFormat
 from omni_cache.serving.realtime.protocol import EventError, refuse_unsupported
+from omni_cache.serving.realtime.truncation import Truncation
+from omni_cache.serving.realtime.truncation import parse as parse_truncation
 
 __all__ = ["MAX_OUTPUT_TOKENS", "SessionConfig", "TurnDetection", "VOICE", "audio_format", "describe",
            "max_output_tokens", "output_modalities", "refuse_tools_and_prompts", "updated", "voice"]
@@ -48,6 +51,8 @@ class SessionConfig:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     #: None: "inf" (the pipeline's default max_tokens).
     max_output_tokens: int | None = None
+    #: How the oldest turns are dropped when the conversation outgrows the thinker's limits.
+    truncation: Truncation = field(default_factory=Truncation)
 
 
 def updated(config: SessionConfig, session: Any, served_model: str) -> SessionConfig:
@@ -64,7 +69,6 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
     refuse_unsupported([
         ("session.tracing", s.tracing is not None),
         ("session.include", bool(s.include)),
-        ("session.truncation", s.truncation not in (None, "disabled")),
     ], "this server answers with speech and text from the conversation")
     if s.model is not None and s.model != served_model:
         raise EventError(f"the model {s.model!r} is not served here; this server serves "
@@ -76,6 +80,8 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
         out = replace(out, output_modalities=output_modalities(s.output_modalities, "session.output_modalities"))
     if "max_output_tokens" in given:
         out = replace(out, max_output_tokens=max_output_tokens(s.max_output_tokens, "session.max_output_tokens"))
+    if s.truncation is not None:
+        out = replace(out, truncation=parse_truncation(s.truncation))
     if s.audio is not None:
         out = _audio_updated(out, s.audio)
     return out
@@ -196,7 +202,7 @@ def describe(config: SessionConfig, served_model: str, session_id: str) -> Any:
         type="realtime", id=session_id, object="realtime.session", model=served_model,
         instructions=config.instructions, output_modalities=list(config.output_modalities),
         max_output_tokens="inf" if config.max_output_tokens is None else config.max_output_tokens,
-        tools=[], tool_choice="auto", truncation="disabled",
+        tools=[], tool_choice="auto", truncation=config.truncation.sdk(),
         audio=RealtimeAudioConfig(
             input=RealtimeAudioConfigInput(format=_format_model(config.input_format),
                                            turn_detection=turn, transcription=None,
