@@ -11,8 +11,10 @@ Every path of the loop is guarded: a request's own work (its input, its step out
 request alone; what belongs to no request (a stats query, an Abort, the housekeeping, the block
 report) is logged and counted (``loop_errors``) and the loop goes on. Only a model step that fails
 :data:`MAX_FAILED_STEPS` times in a row ends the process, for the supervisor to restart it. The
-loop stamps its progress (workers/loop_progress.py) for the heartbeats, so the server notices a
-loop that stopped moving (docs/configuration.md, ``server.heartbeat_timeout_s``).
+loop stamps its progress (workers/loop_progress.py) for the heartbeats, so the server tells a
+loop busy in one long step from a stopped process and from a loop stuck past its
+``stages[].step_timeout_s`` (omni_cache/runtime/hang_watch.py). Tests can hold it inside one step
+(workers/step_hold.py, test-only).
 """
 
 from __future__ import annotations

@@ -293,8 +293,8 @@ class OrchestratorMetrics:
                                        labels=labels)
         hangs = CounterMetricFamily(
             "omni_cache_stage_hangs",
-            "Times the stage replica was found hung (its loop stopped moving while it held work, "
-            "or its heartbeats stopped) and marked down.", labels=labels)
+            "Times the stage replica was found hung (its heartbeats stopped, or its loop stayed in "
+            "one step past stages[].step_timeout_s) and marked down.", labels=labels)
         long_steps = CounterMetricFamily(
             "omni_cache_stage_long_steps",
             "Steps of the stage replica's loop that lasted past server.heartbeat_timeout_s while "
