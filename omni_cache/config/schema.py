@@ -131,10 +131,11 @@ class ServerConfig(_Base, kw_only=True):
     #: Every stage re-announces itself (StageReady) this often: a server started after its stages
     #: finds them, and the orchestrator watches stages started elsewhere by it.
     heartbeat_interval_s: PositiveFloat = 0.25
-    #: A stage started elsewhere (``external``) that has sent nothing for this long is marked down
-    #: and its in-flight requests fail (503); the next announcement brings it back. This is for a
-    #: host that vanishes: a stage process that dies closes its connection and is marked down at
-    #: once. Under load a busy stage's beats can be late by seconds: keep this well above that.
+    #: A stage that has sent nothing for this long (a stopped process, a vanished host) is hung:
+    #: marked down, its in-flight requests fail (503), a spawned one is killed and restarted, a
+    #: hand-started one is back with its next announcement. A stage whose beats come while its
+    #: loop stays in one step is busy, not hung, until ``stages[].step_timeout_s``. Under load a
+    #: busy stage's beats can be late by seconds: keep this well above that.
     heartbeat_timeout_s: PositiveFloat = 10.0
     #: Limits on the images and audio clips a chat request may carry.
     media: MediaConfig = field(default_factory=MediaConfig)
