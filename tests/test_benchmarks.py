@@ -567,10 +567,19 @@ def test_soak_config_shrinks_the_kv_pool_and_stays_valid(tmp_path):
 # ---- thinker_cache: prompts and statistics (no engine) ------------------------------------------
 
 def test_thinker_cache_multimodal_prompts_share_prefix_and_media():
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_prompts import make_workloads, spare_prompt
+    from benchmarks.thinker_specs import (
+        AUDIO_SECONDS,
+        IMAGE_SIDE,
+        MM_CONTEXT_TOKENS,
+        MM_TAIL_TOKENS,
+        SHARED_TOKENS,
+        UNIQUE_TOKENS,
+        model_spec,
+    )
     from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
 
-    wl = tc.make_workloads(0, 0, 3, tc.model_spec("qwen3-omni").workloads)
+    wl = make_workloads(0, 0, 3, model_spec("qwen3-omni").workloads)
     assert list(wl) == ["shared_prefix", "shared_image", "shared_audio", "zero_reuse"]
     for name, modality, marks in (("shared_image", "image", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")),
                                   ("shared_audio", "audio", ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"))):
@@ -578,95 +587,98 @@ def test_thinker_cache_multimodal_prompts_share_prefix_and_media():
         first = prompts[0]
         shared = first.token_ids[:first.shared]
         # text context, then one placeholder (vLLM expands it), then a shared instruction
-        at = tc.MM_CONTEXT_TOKENS
+        at = MM_CONTEXT_TOKENS
         assert shared[at:at + 3] == [TOKEN_ID[m] for m in marks]
-        assert first.shared == tc.MM_CONTEXT_TOKENS + 3 + tc.MM_TAIL_TOKENS
+        assert first.shared == MM_CONTEXT_TOKENS + 3 + MM_TAIL_TOKENS
         assert sum(t >= 256 for t in first.token_ids) == 3  # no other special ids
         assert len(prompts) == 4 and all(p.token_ids[:p.shared] == shared for p in prompts)
         # the same media object in every request: the same bytes, so the same vLLM multimodal hash
         assert all(p.media[modality] is first.media[modality] for p in prompts)
         suffixes = {tuple(p.token_ids[p.shared:]) for p in prompts}
-        assert len(suffixes) == 4 and all(len(s) == tc.UNIQUE_TOKENS for s in suffixes)
-        spare = tc.spare_prompt(prompts, name, 0, 0, 1, 1)
+        assert len(suffixes) == 4 and all(len(s) == UNIQUE_TOKENS for s in suffixes)
+        spare = spare_prompt(prompts, name, 0, 0, 1, 1)
         assert spare.token_ids[:spare.shared] == shared and spare.media is first.media
         assert tuple(spare.token_ids[spare.shared:]) not in suffixes
     image = wl["shared_image"][0].media["image"]
-    assert image.size == (tc.IMAGE_SIDE, tc.IMAGE_SIDE) and image.mode == "RGB"
+    assert image.size == (IMAGE_SIDE, IMAGE_SIDE) and image.mode == "RGB"
     clip, rate = wl["shared_audio"][0].media["audio"]
-    assert rate == 16000 and clip.dtype.name == "float32" and clip.shape == (int(tc.AUDIO_SECONDS * 16000),)
+    assert rate == 16000 and clip.dtype.name == "float32" and clip.shape == (int(AUDIO_SECONDS * 16000),)
     assert abs(clip).max() <= 1.0
     # seeded: the same round gives the same media, another round other media
-    again = tc.make_workloads(0, 0, 3, ("shared_image", "shared_audio"))
-    other = tc.make_workloads(0, 1, 3, ("shared_image", "shared_audio"))
+    again = make_workloads(0, 0, 3, ("shared_image", "shared_audio"))
+    other = make_workloads(0, 1, 3, ("shared_image", "shared_audio"))
     assert again["shared_image"][0].media["image"].tobytes() == image.tobytes()
     assert other["shared_image"][0].media["image"].tobytes() != image.tobytes()
     assert (again["shared_audio"][0].media["audio"][0] == clip).all()
     # text workloads unchanged: 4,000 shared + 100 unique; zero reuse shares nothing
     text = wl["shared_prefix"]
-    assert all(p.shared == tc.SHARED_TOKENS and p.media is None for p in text)
-    assert all(len(p.token_ids) == tc.SHARED_TOKENS + tc.UNIQUE_TOKENS for p in text + wl["zero_reuse"])
+    assert all(p.shared == SHARED_TOKENS and p.media is None for p in text)
+    assert all(len(p.token_ids) == SHARED_TOKENS + UNIQUE_TOKENS for p in text + wl["zero_reuse"])
     assert all(p.shared == 0 for p in wl["zero_reuse"])
-    assert list(tc.make_workloads(0, 0, 2)) == ["shared_prefix", "zero_reuse"]  # the default run
+    assert list(make_workloads(0, 0, 2)) == ["shared_prefix", "zero_reuse"]  # the default run
 
 
 def test_thinker_cache_engine_prompt_hides_repeated_media_only_without_prefix_caching():
     """Without prefix caching each request's media gets a uuid of its own, so vLLM's encoder cache
     cannot serve a repeated image; with it, vLLM's content hash (and so the prefix hit) stays."""
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_prompts import Prompt, engine_prompt, make_workloads
 
-    p = tc.make_workloads(0, 0, 1, ("shared_image",))["shared_image"][0]
-    apc = tc.engine_prompt(p, "r1", prefix_cache=True)
+    p = make_workloads(0, 0, 1, ("shared_image",))["shared_image"][0]
+    apc = engine_prompt(p, "r1", prefix_cache=True)
     assert apc == {"prompt_token_ids": p.token_ids, "multi_modal_data": {"image": p.media["image"]}}
-    off1, off2 = tc.engine_prompt(p, "r1", False), tc.engine_prompt(p, "r2", False)
+    off1, off2 = engine_prompt(p, "r1", False), engine_prompt(p, "r2", False)
     assert off1["multi_modal_data"]["image"] is p.media["image"]
     assert off1["multi_modal_uuids"] == {"image": ["r1/image"]} and off2["multi_modal_uuids"] == {"image": ["r2/image"]}
-    assert tc.engine_prompt(tc.Prompt([1, 2, 3]), "r", False) == {"prompt_token_ids": [1, 2, 3]}
+    assert engine_prompt(Prompt([1, 2, 3]), "r", False) == {"prompt_token_ids": [1, 2, 3]}
 
 
 def test_thinker_cache_expected_hit_counts_expanded_media_in_whole_blocks():
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_prompts import Prompt
+    from benchmarks.thinker_requests import RequestResult, expected_hit
 
-    p = tc.Prompt(list(range(1151 + 100)), shared=1151)  # 1,000 + 3 marks + 48 + 100 + ...
+    p = Prompt(list(range(1151 + 100)), shared=1151)  # 1,000 + 3 marks + 48 + 100 + ...
     # the image placeholder became 1,024 tokens: 1,023 more than the one id in the prompt
-    r = tc.RequestResult(0.1, 0.1, 0.0, 0.1, 0, 2, num_prompt_tokens=len(p.token_ids) + 1023)
-    assert tc.expected_hit(p, r, 32) == (1151 + 1023) // 32 * 32 == 2144
+    r = RequestResult(0.1, 0.1, 0.0, 0.1, 0, 2, num_prompt_tokens=len(p.token_ids) + 1023)
+    assert expected_hit(p, r, 32) == (1151 + 1023) // 32 * 32 == 2144
 
 
 def test_thinker_cache_latents_are_the_talkers_inputs(tmp_path):
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_specs import latent_names, talker_latents
 
     (tmp_path / "config.json").write_text(json.dumps({"talker_config": {"accept_hidden_layer": 3}}))
-    assert tc.latent_names(tc.talker_latents(str(tmp_path))) == ("layer_0_media_3",)
+    assert latent_names(talker_latents(str(tmp_path))) == ("layer_0_media_3",)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 512}))
-    assert tc.latent_names(tc.talker_latents(str(tmp_path))) == ("hidden",)
+    assert latent_names(talker_latents(str(tmp_path))) == ("hidden",)
 
 
 def _thinker_cache_round(ttft: dict[tuple[str, str], float], workloads: tuple[str, ...]) -> dict:
-    from benchmarks import thinker_cache as tc
+    from benchmarks.path_timers import FORWARD
+    from benchmarks.thinker_specs import MODES
 
     modes = {}
-    for mode in tc.MODES:
+    for mode in MODES:
         wls = {}
         for wl in workloads:
             t = ttft[mode, wl]
             wls[wl] = {"ttft_s": [t, t], "ttft_cpu_s": [t, t], "ttft_runqueue_wait_s": [0.0, 0.0],
-                       "num_cached_tokens": [90, 90] if tc.MODES[mode]["prefix_cache"] and wl != "zero_reuse" else [0, 0],
+                       "num_cached_tokens": [90, 90] if MODES[mode]["prefix_cache"] and wl != "zero_reuse" else [0, 0],
                        "num_prompt_tokens": [100, 100],
-                       "encoder_runs": [0, 0] if tc.MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse") else [1, 1],
-                       "timers_s": {tc.FORWARD: [t / 2, t / 2], "LLMStage.add": [0.0, 0.0], "LLMStage.step": [t, t]}}
+                       "encoder_runs": [0, 0] if MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse") else [1, 1],
+                       "timers_s": {FORWARD: [t / 2, t / 2], "LLMStage.add": [0.0, 0.0], "LLMStage.step": [t, t]}}
         modes[mode] = {"workloads": wls}
     return {"modes": modes}
 
 
 def test_thinker_cache_summary_has_a_ratio_and_target_per_modality():
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_specs import model_spec
+    from benchmarks.thinker_summary import summarize
 
-    workloads = tc.model_spec("qwen3-omni").workloads
+    workloads = model_spec("qwen3-omni").workloads
     ttft = {}
     for wl, (off, apc, hid) in {"shared_prefix": (1.0, 0.1, 0.1), "shared_image": (2.0, 0.2, 0.25),
                                 "shared_audio": (1.5, 0.3, 0.3), "zero_reuse": (1.0, 1.0, 1.0)}.items():
         ttft.update({("plain", wl): off, ("latents", wl): off, ("plain_apc", wl): apc, ("latents_cache", wl): hid})
-    s = tc.summarize([_thinker_cache_round(ttft, workloads)] * 3, True, 0.97)
+    s = summarize([_thinker_cache_round(ttft, workloads)] * 3, True, 0.97)
     r = s["ratios"]
     assert r["apc_speedup"]["value"] == pytest.approx(10.0) and r["hidden_cache_speedup"]["value"] == pytest.approx(10.0)
     assert r["apc_speedup_image"]["value"] == pytest.approx(10.0)
@@ -682,10 +694,11 @@ def test_thinker_cache_summary_has_a_ratio_and_target_per_modality():
 
 
 def test_thinker_cache_interleaves_modes_evenly():
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_round import request_order
+    from benchmarks.thinker_specs import MODES
 
-    modes = list(tc.MODES)
-    orders = [tc.request_order(modes, i) for i in range(2 * len(modes))]
+    modes = list(MODES)
+    orders = [request_order(modes, i) for i in range(2 * len(modes))]
     assert all(sorted(o) == sorted(modes) for o in orders)
     for pos in range(len(modes)):
         # over every run of len(modes) consecutive requests, each mode holds each position once
@@ -694,33 +707,35 @@ def test_thinker_cache_interleaves_modes_evenly():
 
 
 def test_thinker_cache_paired_ratio_uses_neighbouring_requests():
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_specs import MODES, model_spec
+    from benchmarks.thinker_summary import summarize
 
-    workloads = tc.model_spec("thinker").workloads
-    rnd = _thinker_cache_round({(m, wl): 1.0 for m in tc.MODES for wl in workloads}, workloads)
+    workloads = model_spec("thinker").workloads
+    rnd = _thinker_cache_round({(m, wl): 1.0 for m in MODES for wl in workloads}, workloads)
     # Medians 3.0 and 2.5 give 1.2; request by request the ratios are 2.0 and 1.0, median 1.5.
     rnd["modes"]["plain"]["workloads"]["shared_prefix"]["ttft_s"] = [2.0, 4.0]
     rnd["modes"]["plain_apc"]["workloads"]["shared_prefix"]["ttft_s"] = [1.0, 4.0]
-    s = tc.summarize([rnd], False)
+    s = summarize([rnd], False)
     r = s["ratios"]["apc_speedup"]
     assert r["value"] == pytest.approx(3.0 / 2.5)
     assert r["paired_medians"] == pytest.approx((2.0 + 1.0) / 2)
 
 
 def test_thinker_cache_retries_a_contended_request_within_the_budget():
-    from benchmarks import thinker_cache as tc
+    from benchmarks.thinker_requests import RequestResult
+    from benchmarks.thinker_round import measure_with_retries
 
-    def result(wait_fraction: float) -> "tc.RequestResult":
-        return tc.RequestResult(ttft_s=1.0, ttft_cpu_s=1.0, ttft_wait_s=wait_fraction, total_s=1.0,
+    def result(wait_fraction: float) -> "RequestResult":
+        return RequestResult(ttft_s=1.0, ttft_cpu_s=1.0, ttft_wait_s=wait_fraction, total_s=1.0,
                                 num_cached_tokens=0, generated=1)
 
     waits = {0: 0.9, 1: 0.5, 2: 0.1, 3: 0.0}
     budget = {"retry_s": 100.0}
-    tries = tc.measure_with_retries(lambda k: result(waits[k]), 3, budget)
+    tries = measure_with_retries(lambda k: result(waits[k]), 3, budget)
     assert [t.ttft_wait_s for t in tries] == [0.9, 0.5, 0.1]  # stops at the first quiet attempt
     assert budget["retry_s"] < 100.0
-    assert len(tc.measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 100.0})) == 3
-    assert len(tc.measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 0.0})) == 1
+    assert len(measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 100.0})) == 3
+    assert len(measure_with_retries(lambda k: result(0.9), 2, {"retry_s": 0.0})) == 1
 
 
 # ---- rounds, paired ratios, the zero-reuse targets ------------------------------------------------
