@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("omni_cache", "uvicorn", "httpx", "vllm"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from benchmarks import harness, report
+    from benchmarks import harness, harness_results, report
 
     sizes = Sizes(num_requests=args.num_requests, shared_tokens=args.shared_tokens,
                   unique_tokens=args.unique_tokens, turns=args.turns, max_tokens=args.max_tokens,
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         timelines = {side: timeline.read(os.path.join(timeline_dir, side)) for side in args.sides} \
             if timeline_dir else None
-    result = harness.assemble(config, machine, runs, monitor)
+    result = harness_results.assemble(config, machine, runs, monitor)
     result["sides_started"] = sides_info
     if timelines is not None:
         result["breakdown"] = {side: summarize_breakdown(result["samples"].get(side, []), timelines[side])

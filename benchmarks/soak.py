@@ -47,9 +47,9 @@ must end as ``failed`` (a 503 naming the stage) or ``ok``, never ``lost``.
 
 from __future__ import annotations
 
+
 import argparse
 import asyncio
-import base64
 import contextlib
 import json
 import os
@@ -58,100 +58,22 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from benchmarks import report
-from benchmarks.harness import ManagedServer, ServerProcess, command_line, log, machine_info, private_config
-from benchmarks.workloads import random_text
+from benchmarks.harness import command_line, log
+from benchmarks.machine_monitor import machine_info
+from benchmarks.side_processes import ManagedServer, ServerProcess, private_config
+from benchmarks.soak_outcomes import Outcome, rss_growth, summarize
+from benchmarks.soak_requests import KINDS, PromptSource, draw_request, run_request
+from benchmarks.soak_samples import hit_rates, loadavg, rss_mib, scrape
 
-__all__ = ["KINDS", "Outcome", "PromptSource", "classify", "hit_rates", "pause_schedule", "percentile",
-           "rss_growth", "summarize", "main"]
-
-KINDS = ("text", "audio", "stream", "abandon")
-OUTCOMES = ("ok", "failed", "aborted", "lost")
-
-
-# ---- pure parts (unit-tested) --------------------------------------------------------------------
-
-@dataclass
-class Outcome:
-    """How one request ended, as the client saw it."""
-
-    kind: str
-    outcome: str             # one of OUTCOMES
-    end_s: float             # when it ended (s since the measured phase began)
-    e2e_s: float
-    ttfa_s: float | None = None
-    status: str | None = None  # failed: "http_<code>", "sse_error" or "no_audio"; lost: why
-    detail: str | None = None
-    #: failed and lost only: the request (system, user, max_tokens) to replay it alone.
-    request: dict[str, Any] | None = None
-
-
-def classify(*, timed_out: bool, abandoned: bool, status_code: int | None, sse_error: bool,
-             complete: bool, audio_asked: bool, got_audio: bool) -> tuple[str, str | None]:
-    """(outcome, status) of one request from what the client saw. ``complete``: a JSON 200 body
-    was read, or ``data: [DONE]`` arrived."""
-    if timed_out:
-        return "lost", "timeout"
-    if status_code is not None and status_code != 200:
-        return "failed", f"http_{status_code}"
-    if sse_error:
-        return "failed", "sse_error"
-    if abandoned:
-        return "aborted", None
-    if complete:
-        if audio_asked and not got_audio:
-            return "failed", "no_audio"
-        return "ok", None
-    # No answer, no clear error: a dropped connection or a stream cut short without an error event.
-    return "lost", "no_answer" if status_code is None else "truncated"
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """benchmarks.report.percentile (numpy's linear method) of ``values``; None when empty."""
-    return report.percentile(values, q) if values else None
-
-
-def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    """Counts by outcome (and failed/lost by status), p50/p99 end-to-end latency of the ok
-    requests and p50/p99 time to first audio of the ok streamed ones."""
-    counts = Counter(o.outcome for o in outcomes)
-    e2e = [o.e2e_s for o in outcomes if o.outcome == "ok"]
-    ttfa = [o.ttfa_s for o in outcomes if o.outcome == "ok" and o.ttfa_s is not None]
-    return {
-        "requests": len(outcomes),
-        **{k: counts.get(k, 0) for k in OUTCOMES},
-        "failed_by_status": dict(sorted(Counter(o.status for o in outcomes if o.outcome == "failed").items())),
-        "lost_by_reason": dict(sorted(Counter(o.status for o in outcomes if o.outcome == "lost").items())),
-        "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-        "ttfa_p50_s": percentile(ttfa, 50), "ttfa_p99_s": percentile(ttfa, 99),
-    }
-
-
-def rss_growth(minutes: Sequence[dict[str, Any]], baseline_minute: int) -> dict[str, dict[str, Any]]:
-    """Per process: RSS at the end of minute ``baseline_minute`` (1-based; the first minute if the
-    run is not longer than that), at the end of the last minute, and the growth in percent."""
-    if not minutes:
-        return {}
-    base = minutes[baseline_minute - 1] if len(minutes) > baseline_minute else minutes[0]
-    last = minutes[-1]
-    out = {}
-    for proc, end in last["rss_mib"].items():
-        start = base["rss_mib"].get(proc)
-        if start is None or end is None or start <= 0:
-            continue
-        out[proc] = {"baseline_minute": base["minute"], "baseline_mib": start, "end_mib": end,
-                     "growth_pct": round(100.0 * (end - start) / start, 2)}
-    return out
+__all__ = ["Soak", "main", "pause_schedule", "soak_config"]
 
 
 def pause_schedule(minutes: float, every_s: float, stages: Sequence[str]) -> list[tuple[float, str]]:
@@ -163,269 +85,6 @@ def pause_schedule(minutes: float, every_s: float, stages: Sequence[str]) -> lis
     if count * every_s >= minutes * 60.0:
         count -= 1  # one that would start as the run ends pauses nothing
     return [((k + 1) * every_s, stages[k % len(stages)]) for k in range(count)]
-
-
-class PromptSource:
-    """Prompts whose prefixes churn: a system prompt from a pool of ``shared`` prefixes (one of
-    them replaced by a new one every ``rotate_every`` prompts) or, with probability ``fresh``, a
-    prefix never seen before; then a fresh user message. Sizes in characters (= thinker tokens of
-    the tiny byte-level tokenizer)."""
-
-    def __init__(self, rng: random.Random, *, shared: int = 4, prefix_chars: int = 384,
-                 fresh: float = 0.5, rotate_every: int = 40, user_chars: tuple[int, int] = (16, 128)) -> None:
-        self.rng = rng
-        self.prefix_chars = prefix_chars
-        self.fresh = fresh
-        self.rotate_every = rotate_every
-        self.user_chars = user_chars
-        self.pool = [random_text(rng, prefix_chars) for _ in range(shared)]
-        self.drawn = 0
-        self.rotations = 0
-
-    def next(self) -> tuple[str, str, bool]:
-        """(system, user, whether the system prompt is a shared one)."""
-        self.drawn += 1
-        if self.rotate_every and self.drawn % self.rotate_every == 0:
-            self.pool[self.rotations % len(self.pool)] = random_text(self.rng, self.prefix_chars)
-            self.rotations += 1
-        shared = self.rng.random() >= self.fresh
-        system = self.rng.choice(self.pool) if shared else random_text(self.rng, self.prefix_chars)
-        return system, random_text(self.rng, self.rng.randint(*self.user_chars)), shared
-
-
-# ---- one request ---------------------------------------------------------------------------------
-
-@dataclass
-class Request:
-    kind: str
-    system: str
-    user: str
-    max_tokens: int
-    #: abandon: leave the stream after this many chunks, or give up a JSON request after this wait.
-    abandon_after_chunks: int | None = None
-    abandon_after_s: float | None = None
-
-    @property
-    def audio(self) -> bool:
-        return self.kind != "text"
-
-    @property
-    def streamed(self) -> bool:
-        return self.kind == "stream" or (self.kind == "abandon" and self.abandon_after_chunks is not None)
-
-
-def draw_request(rng: random.Random, prompts: PromptSource, weights: dict[str, float]) -> Request:
-    kind = rng.choices(list(weights), weights=list(weights.values()))[0]
-    system, user, _ = prompts.next()
-    req = Request(kind=kind, system=system, user=user, max_tokens=rng.randint(8, 32))
-    if kind == "abandon":
-        if rng.random() < 0.5:
-            req.abandon_after_chunks = rng.randint(1, 4)
-        else:
-            req.abandon_after_s = rng.uniform(0.2, 3.0)
-    return req
-
-
-class _Seen:
-    def __init__(self) -> None:
-        self.status_code: int | None = None
-        self.sse_error = False
-        self.complete = False
-        self.abandoned = False
-        self.got_audio = False
-        self.ttfa_s: float | None = None
-        self.detail: str | None = None
-
-
-async def _json_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], seen: _Seen) -> None:
-    r = await client.post(url, json=body)
-    seen.status_code = r.status_code
-    if r.status_code != 200:
-        seen.detail = r.text[:200]
-        return
-    message = r.json()["choices"][0]["message"]
-    data = (message.get("audio") or {}).get("data")
-    seen.got_audio = bool(data) and len(base64.b64decode(data)) > 44  # more than a wav header
-    seen.complete = isinstance(message.get("content"), str)
-
-
-async def _stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], seen: _Seen,
-                          leave_after: int | None, t0: float) -> None:
-    chunks = 0
-    async with client.stream("POST", url, json=body) as r:
-        seen.status_code = r.status_code
-        if r.status_code != 200:
-            seen.detail = (await r.aread()).decode("utf-8", "replace")[:200]
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                seen.complete = True
-                return
-            event = json.loads(payload)
-            if "error" in event:
-                seen.sse_error = True
-                seen.detail = str(event["error"])[:200]
-                continue
-            for choice in event.get("choices") or []:
-                audio = (choice.get("delta") or {}).get("audio")
-                if audio and audio.get("data"):
-                    seen.got_audio = True
-                    if seen.ttfa_s is None:
-                        seen.ttfa_s = time.perf_counter() - t0
-            chunks += 1
-            if leave_after is not None and chunks >= leave_after:
-                seen.abandoned = True  # leaving the `async with` closes the connection
-                return
-
-
-async def run_request(client: httpx.AsyncClient, base_url: str, model: str, req: Request,
-                      timeout_s: float, t_base: float) -> Outcome:
-    """Send ``req`` and classify how it ended; never raises and always returns within
-    ``timeout_s`` (plus the time a cancelled request takes to unwind)."""
-    body: dict[str, Any] = {
-        "model": model, "max_tokens": req.max_tokens, "temperature": 0.0,
-        "messages": [{"role": "system", "content": req.system}, {"role": "user", "content": req.user}],
-    }
-    if req.audio:
-        body["modalities"] = ["text", "audio"]
-        body["audio"] = {"voice": "default", "format": "pcm16" if req.streamed else "wav"}
-    if req.streamed:
-        body["stream"] = True
-    url = base_url + "/v1/chat/completions"
-    seen = _Seen()
-    timed_out = False
-    t0 = time.perf_counter()
-    if req.streamed:
-        work = _stream_request(client, url, body, seen, req.abandon_after_chunks, t0)
-    else:
-        work = _json_request(client, url, body, seen)
-    limit = timeout_s
-    if req.abandon_after_s is not None and req.abandon_after_s < timeout_s:
-        limit = req.abandon_after_s
-    try:
-        await asyncio.wait_for(work, limit)
-    except TimeoutError:
-        if limit < timeout_s:
-            seen.abandoned = True  # the client gave up on purpose (cancelling closes the connection)
-        else:
-            timed_out = True
-    except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError) as e:
-        seen.detail = f"{type(e).__name__}: {e}"[:200]
-    t1 = time.perf_counter()
-    outcome, status = classify(timed_out=timed_out, abandoned=seen.abandoned, status_code=seen.status_code,
-                               sse_error=seen.sse_error, complete=seen.complete, audio_asked=req.audio,
-                               got_audio=seen.got_audio)
-    return Outcome(kind=req.kind, outcome=outcome, end_s=t1 - t_base, e2e_s=t1 - t0,
-                   ttfa_s=seen.ttfa_s if req.streamed else None, status=status,
-                   detail=seen.detail if outcome in ("failed", "lost") else None,
-                   request=asdict(req) if outcome in ("failed", "lost") else None)
-
-
-# ---- the processes and the server's view ---------------------------------------------------------
-
-def rss_mib(pids: dict[str, int | None], server_pid: int | None = None) -> dict[str, float | None]:
-    """RSS (MiB) of this process and of each stage process including its children. With
-    ``server_pid`` (``--server-process``) the server's own process is reported apart from this one
-    (then only the probe's client)."""
-    import psutil
-
-    def tree_rss(pid: int) -> float | None:
-        try:
-            p = psutil.Process(pid)
-            total = p.memory_info().rss
-            for c in p.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += c.memory_info().rss
-            return round(total / 2**20, 1)
-        except psutil.Error:
-            return None
-
-    def own_rss(pid: int | None) -> float | None:
-        with contextlib.suppress(psutil.Error):
-            return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
-        return None
-
-    # Only the server's own RSS: its children are the stage processes, counted under their names.
-    if server_pid is None:
-        out: dict[str, float | None] = {"server+orchestrator+client": own_rss(None)}
-    else:
-        out = {"server+orchestrator": own_rss(server_pid), "client": own_rss(None)}
-    for name, pid in pids.items():
-        out[name] = tree_rss(pid) if pid else None
-    return out
-
-
-def loadavg() -> list[float]:
-    with open("/proc/loadavg") as f:
-        return [float(x) for x in f.read().split()[:3]]
-
-
-#: Per-stage samples read from /metrics (names in omni_cache/runtime/metrics.py).
-STAGE_SAMPLES = {
-    "omni_cache_stage_queue_depth": "queue_depth",
-    "omni_cache_stage_requests_total": "requests",
-    "omni_cache_stage_errors_total": "errors",
-    "omni_cache_stage_restarts_total": "restarts",
-    "omni_cache_stage_failed_requests_total": "failed_requests",
-    "omni_cache_stage_heap_trims": "heap_trims",
-    "omni_cache_stage_heap_trim_seconds": "heap_trim_s",
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:prefix_cache_queries_total": "prefix_queried_tokens",
-    "vllm:prefix_cache_hits_total": "prefix_hit_tokens",
-}
-
-#: The server process's own samples.
-SERVER_SAMPLES = {
-    "omni_cache_server_heap_trims_total": "heap_trims",
-    "omni_cache_server_heap_trim_seconds_total": "heap_trim_s",
-}
-
-
-async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
-    """Per-stage samples of :data:`STAGE_SAMPLES`, the server's requests in flight and
-    :data:`SERVER_SAMPLES`."""
-    from omni_cache.runtime.metrics import parse_metrics
-
-    try:
-        r = await client.get(base_url + "/metrics", timeout=30.0)
-        r.raise_for_status()
-        samples = parse_metrics(r.text)
-    except (httpx.HTTPError, ValueError):
-        return None
-    stages: dict[str, dict[str, float]] = {}
-    server: dict[str, float] = {}
-    in_flight = None
-    for name, labels, value in samples:
-        if name == "omni_cache_requests_in_flight":
-            in_flight = value
-        elif name in SERVER_SAMPLES:
-            server[SERVER_SAMPLES[name]] = value
-        elif name in STAGE_SAMPLES and "stage" in labels:
-            stages.setdefault(labels["stage"], {})[STAGE_SAMPLES[name]] = value
-    return {"in_flight": in_flight, "stages": stages, "server": server}
-
-
-# ---- the run -------------------------------------------------------------------------------------
-
-def hit_rates(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float | None]:
-    """Per vLLM stage: prefix-cache hit tokens / queried tokens between two scrapes (``before``
-    None: since the stages started)."""
-    if after is None:
-        return {}
-    before = before or {"stages": {}}
-    out: dict[str, float | None] = {}
-    for stage, now in after["stages"].items():
-        if "prefix_queried_tokens" not in now:
-            continue
-        prev = before["stages"].get(stage, {})
-        queried = now["prefix_queried_tokens"] - prev.get("prefix_queried_tokens", 0.0)
-        hits = now.get("prefix_hit_tokens", 0.0) - prev.get("prefix_hit_tokens", 0.0)
-        out[stage] = round(hits / queried, 3) if queried > 0 else None
-    return out
 
 
 def soak_config(src: str, dst_dir: str, *, kv_blocks: int, request_timeout_s: float) -> Path:

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import report, soak
+from benchmarks import report, soak, soak_outcomes, soak_requests, soak_samples
 from benchmarks.client import Driver, Sample, audio_bytes_of_b64, counter_deltas, metric_counters
-from benchmarks.harness import assemble, pool_runs, private_config
+from benchmarks.harness import private_config
+from benchmarks.harness_results import assemble, pool_runs
 from benchmarks.workloads import (
     TEMPLATE,
     Sizes,
@@ -436,42 +437,43 @@ def test_export_prompts_for_vllm_bench_serve(tmp_path):
 def test_soak_classify(seen, expected):
     kw = dict(timed_out=False, abandoned=False, status_code=None, sse_error=False, complete=False,
               audio_asked=False, got_audio=False)
-    assert soak.classify(**{**kw, **seen}) == expected
+    assert soak_outcomes.classify(**{**kw, **seen}) == expected
 
 
 def test_soak_summarize_and_percentile():
-    assert soak.percentile([], 50) is None
-    assert soak.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert soak.percentile(list(range(1, 101)), 99) == pytest.approx(float(np.percentile(range(1, 101), 99)))
-    assert soak.percentile([5.0], 99) == 5.0
-    outs = [soak.Outcome("stream", "ok", 1.0, e2e_s=2.0, ttfa_s=0.5),
-            soak.Outcome("text", "ok", 2.0, e2e_s=1.0),
-            soak.Outcome("audio", "failed", 3.0, e2e_s=0.1, status="http_503"),
-            soak.Outcome("abandon", "aborted", 4.0, e2e_s=0.3, ttfa_s=0.2),
-            soak.Outcome("audio", "lost", 5.0, e2e_s=150.0, status="timeout")]
-    s = soak.summarize(outs)
+    assert soak_outcomes.percentile([], 50) is None
+    assert soak_outcomes.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert soak_outcomes.percentile(list(range(1, 101)), 99) == pytest.approx(
+        float(np.percentile(range(1, 101), 99)))
+    assert soak_outcomes.percentile([5.0], 99) == 5.0
+    outs = [soak_outcomes.Outcome("stream", "ok", 1.0, e2e_s=2.0, ttfa_s=0.5),
+            soak_outcomes.Outcome("text", "ok", 2.0, e2e_s=1.0),
+            soak_outcomes.Outcome("audio", "failed", 3.0, e2e_s=0.1, status="http_503"),
+            soak_outcomes.Outcome("abandon", "aborted", 4.0, e2e_s=0.3, ttfa_s=0.2),
+            soak_outcomes.Outcome("audio", "lost", 5.0, e2e_s=150.0, status="timeout")]
+    s = soak_outcomes.summarize(outs)
     assert (s["requests"], s["ok"], s["failed"], s["aborted"], s["lost"]) == (5, 2, 1, 1, 1)
     assert s["failed_by_status"] == {"http_503": 1} and s["lost_by_reason"] == {"timeout": 1}
     # ok requests only (2.0 and 1.0; a failed 0.1 or a lost 150 would move both)
     assert s["e2e_p50_s"] == 1.5 and s["e2e_p99_s"] == pytest.approx(1.99)
     assert s["ttfa_p50_s"] == s["ttfa_p99_s"] == 0.5        # ok streamed only
-    assert soak.summarize([])["e2e_p50_s"] is None
+    assert soak_outcomes.summarize([])["e2e_p50_s"] is None
 
 
 def test_soak_rss_growth_from_the_baseline_minute():
     minutes = [{"minute": i, "rss_mib": {"server": 100.0 + i, "thinker": 200.0, "gone": None}}
                for i in range(1, 8)]
-    g = soak.rss_growth(minutes, 5)
+    g = soak_outcomes.rss_growth(minutes, 5)
     assert g["server"] == {"baseline_minute": 5, "baseline_mib": 105.0, "end_mib": 107.0,
                            "growth_pct": round(200 / 105, 2)}
     assert g["thinker"]["growth_pct"] == 0.0 and "gone" not in g
-    assert soak.rss_growth(minutes[:5], 5)["server"]["baseline_minute"] == 1  # shorter run: minute 1
-    assert soak.rss_growth([], 5) == {}
+    assert soak_outcomes.rss_growth(minutes[:5], 5)["server"]["baseline_minute"] == 1  # shorter run: minute 1
+    assert soak_outcomes.rss_growth([], 5) == {}
 
 
 def test_soak_prompts_churn_and_are_seeded():
-    a = soak.PromptSource(random.Random(1), shared=3, prefix_chars=50, fresh=0.5, rotate_every=10)
-    b = soak.PromptSource(random.Random(1), shared=3, prefix_chars=50, fresh=0.5, rotate_every=10)
+    a = soak_requests.PromptSource(random.Random(1), shared=3, prefix_chars=50, fresh=0.5, rotate_every=10)
+    b = soak_requests.PromptSource(random.Random(1), shared=3, prefix_chars=50, fresh=0.5, rotate_every=10)
     first_pool = list(a.pool)
     drawn = [a.next() for _ in range(100)]
     assert drawn == [b.next() for _ in range(100)]
@@ -485,7 +487,7 @@ def test_soak_prompts_churn_and_are_seeded():
 def _soak_request(handler, req, limit=5.0):
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await soak.run_request(client, "http://fake", "tiny", req, limit, 0.0)
+            return await soak_requests.run_request(client, "http://fake", "tiny", req, limit, 0.0)
     return asyncio.run(go())
 
 
@@ -504,7 +506,7 @@ _TEXT = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
 
 
 def test_soak_run_request_ends_each_request_once():
-    stream = soak.Request("stream", "sys", "user", 8)
+    stream = soak_requests.Request("stream", "sys", "user", 8)
     o = _soak_request(lambda r: _sse(_TEXT, _AUDIO), stream)
     assert (o.outcome, o.status) == ("ok", None) and o.ttfa_s is not None and o.request is None
     body = {}
@@ -518,15 +520,15 @@ def test_soak_run_request_ends_each_request_once():
     assert body["stream"] is True and body["audio"]["format"] == "pcm16"
     o = _soak_request(lambda r: _sse(_TEXT, done=False), stream)
     assert (o.outcome, o.status) == ("lost", "truncated")
-    left = soak.Request("abandon", "sys", "user", 8, abandon_after_chunks=1)
+    left = soak_requests.Request("abandon", "sys", "user", 8, abandon_after_chunks=1)
     assert _soak_request(lambda r: _sse(_TEXT, _AUDIO), left).outcome == "aborted"
-    audio = soak.Request("audio", "sys", "user", 8)
+    audio = soak_requests.Request("audio", "sys", "user", 8)
     wav = base64.b64encode(b"\0" * 100).decode()
     ok = {"choices": [{"message": {"content": "hi", "audio": {"data": wav}}}]}
     assert _soak_request(lambda r: httpx.Response(200, json=ok), audio).outcome == "ok"
     no_audio = {"choices": [{"message": {"content": "hi"}}]}
     assert _soak_request(lambda r: httpx.Response(200, json=no_audio), audio).status == "no_audio"
-    text = soak.Request("text", "sys", "user", 8)
+    text = soak_requests.Request("text", "sys", "user", 8)
     assert _soak_request(lambda r: httpx.Response(200, json=no_audio), text).outcome == "ok"
     o = _soak_request(lambda r: httpx.Response(503, json={"error": {"message": "down"}}), text)
     assert (o.outcome, o.status) == ("failed", "http_503")
@@ -534,7 +536,7 @@ def test_soak_run_request_ends_each_request_once():
     async def hangs(r):
         await asyncio.sleep(30)
     assert _soak_request(hangs, text, limit=0.05).status == "timeout"
-    given_up = soak.Request("abandon", "sys", "user", 8, abandon_after_s=0.05)
+    given_up = soak_requests.Request("abandon", "sys", "user", 8, abandon_after_s=0.05)
     assert _soak_request(hangs, given_up).outcome == "aborted"
 
 
@@ -544,9 +546,9 @@ def test_soak_hit_rates_between_scrapes():
     after = {"stages": {"thinker": {"prefix_queried_tokens": 300.0, "prefix_hit_tokens": 100.0},
                         "talker": {"prefix_queried_tokens": 0.0, "prefix_hit_tokens": 0.0},
                         "decoder": {"queue_depth": 0.0}}}
-    assert soak.hit_rates(before, after) == {"thinker": 0.25, "talker": None}
-    assert soak.hit_rates(None, after) == {"thinker": 0.333, "talker": None}
-    assert soak.hit_rates(before, None) == {}
+    assert soak_samples.hit_rates(before, after) == {"thinker": 0.25, "talker": None}
+    assert soak_samples.hit_rates(None, after) == {"thinker": 0.333, "talker": None}
+    assert soak_samples.hit_rates(before, None) == {}
 
 
 def test_soak_config_shrinks_the_kv_pool_and_stays_valid(tmp_path):

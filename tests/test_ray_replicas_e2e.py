@@ -29,7 +29,7 @@ import openai
 import pytest
 import yaml
 
-from benchmarks.harness import stop_omni_serve
+from benchmarks.side_processes import stop_omni_serve
 from omni_cache.runtime.metrics import parse_metrics
 
 pytestmark = pytest.mark.vllm
