@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks import first_audio
+from benchmarks import first_audio, first_audio_results
 from benchmarks.client import SAMPLE_RATE
 from benchmarks.listener import listen, play
 
@@ -106,7 +106,7 @@ def points_for(side: str, ttfa8: float, stalls_at: dict[int, int], duration: flo
 
 def test_summary_pools_rounds_and_counts_stalls():
     pts = [point("on", 8, [0.1, 0.2], stalls=1), {**point("on", 8, [0.3]), "round": 1}]
-    [row] = first_audio.summarize(pts, jitter_s=0.2)
+    [row] = first_audio_results.summarize(pts, jitter_s=0.2)
     assert (row["requests"], row["ok"], row["rounds"]) == (3, 3, 2)
     assert row["ttfa_s"]["p50"] == pytest.approx(0.2)
     assert (row["stalls"], row["answers_stalled"]) == (1, 1)
@@ -116,16 +116,16 @@ def test_summary_pools_rounds_and_counts_stalls():
 
 
 def test_capacity_is_the_level_before_the_first_stall():
-    rows = first_audio.summarize(points_for("on", 0.12, {8: 1}, 10.0), jitter_s=0.2)
-    assert first_audio.capacity(rows, "on", "shared-prefix", "closed") == 4
-    rows = first_audio.summarize(points_for("on", 0.12, {1: 1}, 10.0), jitter_s=0.2)
-    assert first_audio.capacity(rows, "on", "shared-prefix", "closed") == 0
+    rows = first_audio_results.summarize(points_for("on", 0.12, {8: 1}, 10.0), jitter_s=0.2)
+    assert first_audio_results.capacity(rows, "on", "shared-prefix", "closed") == 4
+    rows = first_audio_results.summarize(points_for("on", 0.12, {1: 1}, 10.0), jitter_s=0.2)
+    assert first_audio_results.capacity(rows, "on", "shared-prefix", "closed") == 0
 
 
 def test_verdicts_compare_pacing_on_with_off():
-    rows = first_audio.summarize(points_for("on", 0.14, {16: 1}, 10.0)
+    rows = first_audio_results.summarize(points_for("on", 0.14, {16: 1}, 10.0)
                                  + points_for("off", 0.9, {8: 2}, 11.0), jitter_s=0.2)
-    got = {t["name"]: t for t in first_audio.verdicts(rows)}
+    got = {t["name"]: t for t in first_audio_results.verdicts(rows)}
     ttfa = got["TTFA p90 at 8 / at 1 (pacing on), 0 stalls at 8"]
     assert ttfa["value"] == pytest.approx(1.4) and ttfa["met"]
     cap = got["capacity (closed): highest level with 0 stalls"]
@@ -135,11 +135,11 @@ def test_verdicts_compare_pacing_on_with_off():
 
 
 def test_verdict_fails_when_first_audio_degrades_or_stalls():
-    rows = first_audio.summarize(points_for("on", 0.5, {}, 10.0), jitter_s=0.2)
-    [ttfa] = first_audio.verdicts(rows)
+    rows = first_audio_results.summarize(points_for("on", 0.5, {}, 10.0), jitter_s=0.2)
+    [ttfa] = first_audio_results.verdicts(rows)
     assert ttfa["value"] == pytest.approx(5.0) and not ttfa["met"]
-    rows = first_audio.summarize(points_for("on", 0.12, {8: 1}, 10.0), jitter_s=0.2)
-    assert not first_audio.verdicts(rows)[0]["met"]
+    rows = first_audio_results.summarize(points_for("on", 0.12, {8: 1}, 10.0), jitter_s=0.2)
+    assert not first_audio_results.verdicts(rows)[0]["met"]
 
 
 def test_table_json_and_plot(tmp_path):
@@ -148,13 +148,13 @@ def test_table_json_and_plot(tmp_path):
     args = first_audio.parse_args(["--workloads", "shared-prefix"])
     pts = points_for("on", 0.14, {}, 10.0) + points_for("off", 0.9, {8: 2}, 11.0)
     pts.append(point("on", 4, [0.3] * 4, arrival="poisson"))
-    result = first_audio.assemble(pts, first_audio.run_config(args, {"shared-prefix": 0.3}),
+    result = first_audio_results.assemble(pts, first_audio.run_config(args, {"shared-prefix": 0.3}),
                                   "test", {"cpu_model": "test cpu"})
-    table = first_audio.format_table(result)
+    table = first_audio_results.format_table(result)
     assert "pacing on" in table and "capacity" in table and "MET" in table
     write_json(tmp_path / "r.json", result)
     assert yaml.safe_load((tmp_path / "r.json").read_text())["capacity"]["on/shared-prefix/closed"] == 16
-    first_audio.plot(tmp_path / "r.png", result)
+    first_audio_results.plot(tmp_path / "r.png", result)
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert not math.isnan(result["rows"][0]["requests_per_s"])
 
