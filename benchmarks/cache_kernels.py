@@ -25,105 +25,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import time
-from typing import Callable
 
 import torch
 
-from omni_cache.cache import latent_store as ls
+from benchmarks.kernel_timing import BLOCK, Timer, block_slots, rotations
+from benchmarks.mirror_slowdown import bench_diag, bench_slowdown
+from omni_cache.cache import row_kernels
 from omni_cache.cache.latent_store import LatentStore
 
-BLOCK = 16
 
-
-def _median(xs):
-    return statistics.median(xs)
-
-
-class Timer:
-    """Median time (s) of fn() on `device`; CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def eager(self, fns: list[Callable], reps: int, warmup: int = 2) -> float:
-        """Per-call time of calling fns back to back (launch overhead included)."""
-        for _ in range(warmup):
-            for f in fns:
-                f()
-        self.sync()
-        ts = []
-        for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for f in fns:
-                    f()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3 / len(fns))
-            else:  # each call on its own: the median and the minimum (CPU runs share the cores)
-                for f in fns:
-                    t0 = time.perf_counter()
-                    f()
-                    ts.append(time.perf_counter() - t0)
-        self.last_min = min(ts)
-        return _median(ts)
-
-    def graph(self, fns: list[Callable], reps: int) -> float:
-        """Per-call GPU time: fns captured in one CUDA graph, median of replays."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for f in fns:
-                f()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.sync()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        g.replay()
-        self.sync()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3 / len(fns))
-        del g
-        return _median(ts)
-
-
-def block_slots(num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
-    nb = num_slots // BLOCK
-    blocks = torch.randperm(nb, generator=gen)[: math.ceil(num_tokens / BLOCK)]
-    return (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:num_tokens].contiguous()
-
-
-def rotations(nbytes: int, budget: int, lo: int = 2, hi: int = 16) -> int:
-    """How many input sets to rotate through so they don't all sit in cache."""
-    return max(lo, min(hi, math.ceil(budget / max(nbytes, 1))))
-
-
-# ------------------------------------------------------------------------------------------------
 def bench_kernels(dev, hiddens, names_list, tokens_list, quick, timer, gen, log):
     cuda = dev.type == "cuda"
     rows = []
     max_t = max(tokens_list)
     num_slots = max(2 * max_t, 4096) // BLOCK * BLOCK
     cache_budget = 256 << 20 if cuda else 64 << 20
-    paths = [("triton", True), ("torch", False)] if (cuda and ls._HAS_TRITON) else [("torch", False)]
+    paths = [("triton", True), ("torch", False)] if (cuda and row_kernels.HAS_TRITON) else [("torch", False)]
     for h in hiddens:
         for k in names_list:
             specs = {f"l{i}": (h, torch.bfloat16) for i in range(k)}
@@ -188,11 +108,11 @@ def bench_tiles(dev, timer, gen, log):
     srcs = [{n: torch.randn(T, h, device=dev).to(torch.bfloat16) for n in specs} for _ in range(R)]
     sms = [block_slots(T, num_slots, gen).to(dev) for _ in range(R)]
     nbytes = T * k * h * 2
-    orig = ls._launch_config
+    orig = row_kernels.launch_config
     try:
         for bt, bd, w in [(8, 1024, 4), (4, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
                           (2, 2048, 8), (1, 4096, 8)]:
-            ls._launch_config = lambda n, d, c=(bt, bd, w): c
+            row_kernels.launch_config = lambda n, d, c=(bt, bd, w): c
             for op in ("write", "gather"):
                 fns = [(lambda i=i: store.write(sms[i], srcs[i])) if op == "write"
                        else (lambda i=i: store.gather(sms[i])) for i in range(R)]
@@ -202,7 +122,7 @@ def bench_tiles(dev, timer, gen, log):
                 log(f"tile {op:6s} BLOCK_T={bt:3d} BLOCK_D={bd:5d} warps={w}: {t*1e6:8.1f} us "
                     f"{2*nbytes/t/1e9:7.1f} GB/s")
     finally:
-        ls._launch_config = orig
+        row_kernels.launch_config = orig
     store.close()
     return out
 
@@ -226,7 +146,7 @@ def bench_host(dev, timer, gen, log, quick):
         t0 = time.perf_counter()
         mirror.index_copy_(0, idx, src)
         ts.append(time.perf_counter() - t0)
-    res["host_scatter_GBps"] = nbytes / _median(ts) / 1e9
+    res["host_scatter_GBps"] = nbytes / statistics.median(ts) / 1e9
     res["host_threads"] = torch.get_num_threads()
     log(f"pinned D2H {res['d2h_GBps']:.1f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s, host scatter "
         f"{res['host_scatter_GBps']:.1f} GB/s ({res['host_threads']} threads)")
@@ -254,7 +174,7 @@ def bench_host(dev, timer, gen, log, quick):
                     store.gather(sl[i % 3])
                     timer.sync()
                     ts.append(time.perf_counter() - t0)
-                t = _median(ts[1:])
+                t = statistics.median(ts[1:])
                 hb = torch.empty(nb, dtype=torch.uint8, pin_memory=True)
                 db = torch.empty(nb, dtype=torch.uint8, device=dev)
                 t_ref = timer.eager([lambda: db.copy_(hb, non_blocking=True)], 5)
@@ -269,135 +189,6 @@ def bench_host(dev, timer, gen, log, quick):
     return res
 
 
-def _stand_in(dev, h, layers):
-    dt = torch.bfloat16
-    return [((torch.randn(h, 4 * h, device=dev) / h ** 0.5).to(dt),
-             (torch.randn(4 * h, h, device=dev) / (4 * h) ** 0.5).to(dt)) for _ in range(layers)]
-
-
-def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None, graph_max_tokens=0):
-    """Median step time of the stand-in with and without a host-mirror write of its outputs."""
-    cuda = dev.type == "cuda"
-    dt = torch.bfloat16
-    x0 = torch.randn(T, h, device=dev).to(dt)
-
-    def eager_step():
-        x, outs = x0, []
-        for w1, w2 in ws:
-            x = torch.nn.functional.gelu(x @ w1) @ w2
-            outs.append(x)
-        return outs
-
-    step = eager_step
-    graphed = cuda and T <= graph_max_tokens
-    if graphed:  # one replay per step; its outputs are static buffers (as in vLLM's graphs)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            eager_step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_outs = eager_step()
-
-        def step():
-            graph.replay()
-            return static_outs
-
-    specs = {f"l{i}": (h, dt) for i in range(k)}
-    num_slots = max(4 * T, 4096) // BLOCK * BLOCK
-    # the ring holds one step per entry (as the lead should size it: staging_tokens =
-    # max_num_batched_tokens), default depth
-    kw = dict(staging_tokens=max(T, 256))
-    kw.update(store_kw or {})
-    store = LatentStore(specs, num_slots // BLOCK, BLOCK, storage="host", device=dev, **kw)
-    sms = [block_slots(T, num_slots, gen).to(dev) for _ in range(4)]
-    steps = 6 if quick else 10
-    rounds = 3 if quick else 4
-    if T >= 16384 and not cuda:
-        steps, rounds = 2, 2
-    times = {False: [], True: []}
-    calls = []
-
-    def run(with_write: bool, n: int):
-        for i in range(n):
-            t0 = time.perf_counter()
-            outs = step()
-            if with_write:
-                t1 = time.perf_counter()
-                # the last k layer outputs (repeated if the stand-in has fewer layers)
-                store.write(sms[i % 4], {f"l{j}": outs[(len(outs) - k + j) % len(outs)] for j in range(k)})
-                calls.append(time.perf_counter() - t1)
-            if cuda:
-                torch.cuda.current_stream(dev).synchronize()  # "sampling"
-            times[with_write].append(time.perf_counter() - t0)
-
-    run(False, 2)
-    run(True, 2)
-    times = {False: [], True: []}
-    calls.clear()
-    waits0 = store.stats["ring_waits"]
-    for r in range(rounds):
-        for mode in ((False, True) if r % 2 == 0 else (True, False)):
-            run(mode, steps)
-    store.synchronize()
-    t0, t1 = _median(times[False]), _median(times[True])
-    row = dict(hidden=h, names=k, tokens=T, layers=len(ws), graphed=graphed, step_us=t0 * 1e6,
-               step_with_write_us=t1 * 1e6, added_us=(t1 - t0) * 1e6, slowdown=t1 / t0 - 1,
-               write_call_us=_median(calls) * 1e6, latent_bytes=T * k * h * 2,
-               # minima: a steadier estimate where other processes share the cores (CPU runs)
-               step_min_us=min(times[False]) * 1e6, step_with_write_min_us=min(times[True]) * 1e6,
-               slowdown_min=min(times[True]) / min(times[False]) - 1, write_call_min_us=min(calls) * 1e6,
-               ring_waits=store.stats["ring_waits"] - waits0, staging_tokens=store.staging_tokens,
-               staging_depth=store.staging_depth, store_kw={a: str(b) for a, b in (store_kw or {}).items()})
-    store.close()
-    return row
-
-
-def bench_slowdown(dev, hiddens, names_list, tokens_list, layers, quick, gen, log, graph_max_tokens=0):
-    rows = []
-    for h in hiddens:
-        ws = _stand_in(dev, h, layers)
-        for T in tokens_list:
-            for k in names_list:
-                row = slowdown_point(dev, ws, h, k, T, quick, gen, graph_max_tokens=graph_max_tokens)
-                rows.append(row)
-                log(f"slowdown h={h} k={k} T={T:6d}: step {row['step_us']:10.1f} us, with write "
-                    f"{row['step_with_write_us']:10.1f} us -> {100*row['slowdown']:+6.2f}%  "
-                    f"(+{row['added_us']:.1f} us; write() call {row['write_call_us']:.1f} us; "
-                    f"{row['latent_bytes']/2**20:.1f} MiB latents/step, ring waits {row['ring_waits']})")
-        del ws
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-DIAG_VARIANTS = {  # host-write variants: how the caller issues the copies, the drain's threads
-    "driver calls, drain 4 threads (default)": {},
-    "torch calls, drain 4 threads": {"use_driver": False},
-    "driver calls, drain 8 threads": {"drain_threads": 8},
-    "driver calls, drain all threads": {"drain_threads": None},
-}
-
-
-def bench_diag(dev, layers, quick, gen, log, graph_max_tokens=0):
-    rows = []
-    points = [(2048, 1, 1), (4096, 3, 64), (2048, 3, 4096), (4096, 1, 16384), (2048, 3, 32768),
-              (4096, 3, 32768)]
-    cache = {}
-    for h, k, T in points:
-        ws = cache.setdefault(h, _stand_in(dev, h, layers))
-        for name, kw in DIAG_VARIANTS.items():
-            row = slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=kw,
-                                 graph_max_tokens=graph_max_tokens)
-            row["variant"] = name
-            rows.append(row)
-            log(f"diag h={h} k={k} T={T:6d} {name:38s}: {100*row['slowdown']:+7.2f}% "
-                f"(+{row['added_us']:8.1f} us, call {row['write_call_us']:7.1f} us, waits {row['ring_waits']})")
-    return rows
-
-
-# ------------------------------------------------------------------------------------------------
 def print_tables(res, log):
     log("\n== write / gather (device-resident mirror) ==")
     log(f"{'op':6s} {'path':6s} {'h':>5s} {'k':>2s} {'tokens':>6s} {'MiB':>8s} {'t_us':>9s} "
@@ -425,7 +216,7 @@ def print_tables(res, log):
                 fr = [r["frac"] for r in big if r["op"] == op and r["path"] == path]
                 if fr:
                     log(f"{op} [{path}] tokens>=4096: frac of copy bandwidth min {min(fr):.2f} "
-                        f"median {_median(fr):.2f}")
+                        f"median {statistics.median(fr):.2f}")
 
 
 def main(argv=None):
@@ -456,7 +247,7 @@ def main(argv=None):
     else:
         device_name = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
     res = {"device": device_name, "device_type": dev.type, "torch": torch.__version__,
-           "triton": getattr(ls.triton, "__version__", None), "quick": args.quick,
+           "triton": getattr(row_kernels.triton, "__version__", None), "quick": args.quick,
            "layers": args.layers, "graph_max_tokens": args.graph_max_tokens}
     log(f"device: {device_name}; torch {torch.__version__}; triton {res['triton']}")
 
@@ -484,7 +275,7 @@ def main(argv=None):
     if "kernels" not in skip:
         res["kernels"] = bench_kernels(dev, hiddens, names_list, tokens, args.quick, timer, gen, log)
         dump()
-    if cuda and ls._HAS_TRITON and "tiles" not in skip:
+    if cuda and row_kernels.HAS_TRITON and "tiles" not in skip:
         res["tiles"] = bench_tiles(dev, timer, gen, log)
         dump()
     if cuda and "host" not in skip:
