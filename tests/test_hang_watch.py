@@ -6,6 +6,7 @@ stopped stage; a server that stalls never blames a healthy stage for the beats i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from omni_cache.runtime.hang_watch import HangWatch, Liveness, step_timeout_s
 from omni_cache.wire.messages import StageReady
@@ -125,3 +126,102 @@ def test_the_default_step_timeout_is_300_s_and_never_below_the_heartbeat_timeout
     assert step_timeout_s(None, 10.0) == 300.0
     assert step_timeout_s(None, 600.0) == 600.0  # a server that waits that long for any beat
     assert step_timeout_s(20.0, 10.0) == 20.0  # configured (validated longer than 10 s)
+
+
+# ---- the supervisor's real monitor on a real event loop, beats over real ZMQ ----------------------
+
+def test_a_stalling_then_lagging_server_blames_no_healthy_stage_and_still_finds_a_stopped_one(tmp_path):
+    """A stage process beats every 50 ms (a thread here, as its announcer is) over ZMQ to the
+    server's inbox, read by a receive task as the orchestrator's is; the supervisor's monitor
+    judges. The server's loop stalls 3 s (three heartbeat timeouts), then lags 0.6 s on every
+    round (every tick late): the stage, beating all along, is never judged. Then its beats stop
+    (SIGSTOP) while the lag goes on: found within the timeout and a few late ticks (the old watch,
+    judging nothing on a late tick, never found it). Here the receive task drains the inbox
+    before the first tick after the stall runs; the driven-clock test above covers the other
+    order, where only measuring up to the previous tick saves the stage."""
+    import asyncio
+    import os
+    import sys
+    import threading
+    import time
+
+    import zmq
+    import zmq.asyncio
+
+    from omni_cache.config import load_config
+    from omni_cache.config.addresses import with_default_addresses
+    from omni_cache.runtime.supervisor import StageSupervisor
+    from omni_cache.wire.messages import MESSAGE_TYPES
+    from omni_cache.wire.transport import AsyncReceiver, Codec
+
+    timeout_s = 1.0
+    config = load_config(Path(__file__).resolve().parents[1] / "stage_configs" / "tiny_omni.yaml")
+    thinker = with_default_addresses(config, str(tmp_path)).stages[0]
+    downs: list[str] = []
+
+    class Events:
+        def on_stage_down(self, stage: str, why: str) -> None:
+            downs.append(why)
+
+        def on_stage_up(self, stage: str) -> None:
+            pass
+
+    async def run() -> None:
+        sup = StageSupervisor(Events(), heartbeat_timeout_s=timeout_s, announce_to="-")
+        sup.add(thinker, [sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ), False)
+        sup.launch([thinker.name])
+        sp = sup.stages[thinker.name]
+        codec = Codec(MESSAGE_TYPES)
+        actx = zmq.asyncio.Context()
+        inbox = AsyncReceiver(actx, "tcp://127.0.0.1:*", codec, bind=True)
+        beating = threading.Event()
+        beating.set()
+        done = threading.Event()
+
+        def stage() -> None:  # the stage's announcer thread
+            ctx = zmq.Context()
+            out = ctx.socket(zmq.PUSH)
+            out.connect(inbox.address)
+            while not done.is_set():
+                if beating.is_set():
+                    out.send_multipart(codec.encode(StageReady(stage=thinker.name, pid=sp.pid)))
+                time.sleep(0.05)
+            out.close(linger=0)
+            ctx.term()
+
+        async def receive() -> None:
+            while True:
+                msg, _ = await inbox.recv()
+                sup.on_announcement(msg)
+
+        thread = threading.Thread(target=stage, daemon=True)
+        thread.start()
+        receiver = asyncio.create_task(receive())
+        try:
+            await sup.wait_ready(30)
+            sup.start_monitor()
+            await asyncio.sleep(0.5)
+            time.sleep(3 * timeout_s)  # the server's loop stalls: beats queue unread
+            await asyncio.sleep(0.5)
+            lag_until = time.monotonic() + 4
+            while time.monotonic() < lag_until:  # then lags steadily: every tick late
+                time.sleep(0.6)
+                await asyncio.sleep(0)
+            assert downs == [] and sp.up, downs
+            beating.clear()  # the stage stops
+            stopped = time.monotonic()
+            while sp.up:
+                assert time.monotonic() - stopped < timeout_s + 5 * 0.7, "never found stopped"
+                time.sleep(0.6)
+                await asyncio.sleep(0)
+            assert downs[0].startswith("stopped answering (no heartbeat for ")
+        finally:
+            done.set()
+            receiver.cancel()
+            await sup.close()
+            sup.kill_all_sync()
+            thread.join(5)
+            inbox.close()
+            actx.destroy(linger=0)
+
+    asyncio.run(run())
