@@ -47,6 +47,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_cache.runtime.loop_lag import LAG_BUCKETS
 from omni_cache.runtime.pacing_metrics import is_pacing_key, pacing_families
 
 __all__ = [
@@ -179,6 +180,8 @@ class OrchestratorMetrics:
         #: Each latency metric's histogram (in ``registry``), made at its first observation.
         self.histograms: dict[LatencyMetric, Histogram] = {}
         self.failed_requests: dict[str, int] = {s: 0 for s in stage_names}
+        #: stage -> its outputs whose handling raised (their requests failed with 500)
+        self.output_errors: dict[str, int] = {s: 0 for s in stage_names}
         #: (stage, replica) -> requests resumed elsewhere because that replica died
         self.resumed: dict[tuple[str, int], int] = {}
         self.requests_ok = 0
@@ -187,6 +190,11 @@ class OrchestratorMetrics:
         self._scrape: tuple[Mapping[str, StageSnapshot], int, RoutingSnapshot, dict[str, float]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        #: How late the server's event loop woke a probe (omni_cache/runtime/loop_lag.py).
+        self.loop_lag = Histogram("omni_cache_event_loop_lag_seconds",
+                                  "How much later than due the server's event loop woke a probe "
+                                  "sleeping a fixed interval: the delay work holding the loop "
+                                  "adds to everything.", buckets=LAG_BUCKETS, registry=self.registry)
 
     @property
     def model_name(self) -> str | None:
@@ -213,6 +221,10 @@ class OrchestratorMetrics:
 
     def stage_failed_request(self, stage: str) -> None:
         self.failed_requests[stage] = self.failed_requests.get(stage, 0) + 1
+
+    def output_failed(self, stage: str) -> None:
+        """Handling an output of ``stage`` raised (a server bug); its request failed with 500."""
+        self.output_errors[stage] = self.output_errors.get(stage, 0) + 1
 
     def request_resumed(self, stage: str, replica: int) -> None:
         """A request moved to live replicas because replica ``replica`` of ``stage`` died."""
@@ -266,6 +278,13 @@ class OrchestratorMetrics:
         for s in names:
             failed.add_metric([s], self.failed_requests.get(s, 0))
         yield failed
+        errors = CounterMetricFamily(
+            "omni_cache_output_errors",
+            "Stage outputs whose handling in the server raised (a bug); each failed its request "
+            "at once with 500 naming the cause.", labels=["stage"])
+        for s in self.stage_names:
+            errors.add_metric([s], self.output_errors.get(s, 0))
+        yield errors
         yield per_replica(CounterMetricFamily, "omni_cache_requests_resumed",
                           "Requests that went on from where their client was on live replicas "
                           "because this replica, serving them, died.", self.resumed)

@@ -17,17 +17,15 @@ state and module, as vLLM's engine client owns its engine processes:
 * ``outputs`` (:mod:`~omni_cache.runtime.output_assembly`): the stages' outputs turned into the
   client's events; ``metrics`` and the stages' counters (:mod:`~omni_cache.runtime.stats`).
 
-What stays here is coordination: start and close, the receive loop that dispatches what the stages
-send, and every request's end: exactly one terminal event on its
-:class:`~omni_cache.runtime.results.RequestHandle`, ``Completed`` (every stage the request needs,
-:mod:`~omni_cache.runtime.topology`, finished) or ``Failed`` (stage died -> 503, stage error -> the
-stage's status, deadline -> 504, shutdown -> 503).
+What stays here is coordination: start and close, the dispatch of what the stages send, and every
+request's end: exactly one terminal event on its :class:`~omni_cache.runtime.results.RequestHandle`,
+``Completed`` (every stage it needs finished) or ``Failed`` (stage died -> 503, stage error -> its
+status, a failure handling its output -> 500, deadline -> 504, shutdown -> 503).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -41,6 +39,7 @@ from omni_cache.config.replicas import Replica
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, audio_input_rate
 from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
+from omni_cache.runtime.loop_lag import watch_loop_lag
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
@@ -55,6 +54,7 @@ from omni_cache.runtime.stats import StageStatsBoard
 from omni_cache.runtime.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRACE_S
 from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
+from omni_cache.tasks import cancel_and_wait
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit
 from omni_cache.wire.sampling import EngineSampling
@@ -174,8 +174,9 @@ class Orchestrator:
         self._ready_event = asyncio.Event()
         try:
             await self.fleet.bind()
-            self._tasks.append(asyncio.create_task(self.fleet.receive(self.on_message), name="omni-cache-recv"))
-            self._tasks.append(asyncio.create_task(self._deadline_loop(), name="omni-cache-deadlines"))
+            for name, coro in [("recv", self.fleet.receive(self.on_message)), ("deadlines", self._deadline_loop()),
+                               ("loop-lag", watch_loop_lag(self.metrics.loop_lag.observe))]:
+                self._tasks.append(asyncio.create_task(coro, name=f"omni-cache-{name}"))
             await self.fleet.launch(self.topology.entry.name, self._load_entry_model)
             self.admission.state = OPEN
             self._started = True
@@ -206,11 +207,7 @@ class Orchestrator:
         self.supervisor.begin_stop()
         for req in self.requests.all():
             self._fail(req, 503, "the server is shutting down", abort=False)
-        for task in self._tasks + list(self._background):
-            task.cancel()
-        for task in self._tasks + list(self._background):
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(*self._tasks, *self._background)
         self._tasks.clear()
         await self.fleet.close()
         self.timeline.close()
@@ -331,8 +328,7 @@ class Orchestrator:
             self._fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
 
     def abort_threadsafe(self, request_id: str, reason: str = "aborted") -> None:
-        """`abort` from any thread (e.g. an application holding a ServerThread): scheduled on
-        the orchestrator's loop. Unknown or finished requests are ignored."""
+        """`abort` from any thread, run on the orchestrator's loop (unknown or finished: ignored)."""
         if self._loop is None:
             raise RuntimeError("the orchestrator is not started")
         self._loop.call_soon_threadsafe(self.abort, request_id, reason)
@@ -414,9 +410,10 @@ class Orchestrator:
         logger.info("request %s failed (%d): %s", req.request_id, status, message)
 
     def _complete(self, req: Request) -> None:
+        completed = self.outputs.completed(req)  # first: if this fails, the request is failed
         req.done = True
         self.requests.answered(req)
-        req.queue.put_nowait(self.outputs.completed(req))
+        req.queue.put_nowait(completed)
         self.metrics.request_done(None)
 
     # ---- what the stages send --------------------------------------------------------------------
@@ -455,14 +452,17 @@ class Orchestrator:
         if msg.stage not in self.topology.stage_names:
             logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
             return
-        self.routes.output_seen(req, msg.stage)
         try:
-            complete = self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic())
+            self.routes.output_seen(req, msg.stage)
+            if self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic()):
+                self._complete(req)
         except BadOutput as e:
             self._fail(req, 500, str(e), stage=msg.stage)
-            return
-        if complete:
-            self._complete(req)
+        except Exception as e:  # noqa: BLE001 -- a bug: this request ends now, not at its deadline
+            logger.exception("request %s: handling stage %s's output failed", req.request_id, msg.stage)
+            self.metrics.output_failed(msg.stage)
+            self._fail(req, 500, f"the server failed on stage {msg.stage!r}'s output: {type(e).__name__}: {e}",
+                       stage=msg.stage)
 
     def _on_error(self, msg: StageError) -> None:
         req = self.requests.get(msg.request_id)

@@ -31,6 +31,7 @@ from omni_cache.runtime.connection_watch import ConnectionWatch
 from omni_cache.runtime.hang_watch import HangWatch, step_timeout_s
 from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
 from omni_cache.runtime.supervised_replica import SupervisedReplica
+from omni_cache.tasks import wait_ended
 from omni_cache.wire.messages import StageReady
 
 logger = logging.getLogger(__name__)
@@ -456,9 +457,7 @@ class StageSupervisor:
             self._monitor.cancel()
             tasks.append(self._monitor)
         self._monitor = None
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await wait_ended(tasks)  # their own cancellation expected; the caller's is raised
 
     def kill_all_sync(self, grace: float = 3.0) -> None:
         """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage

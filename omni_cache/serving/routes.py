@@ -16,9 +16,10 @@ import asyncio
 import base64
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, WebSocket
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from omni_cache.runtime.admission import Ticket
 from omni_cache.runtime.orchestrator import Orchestrator
@@ -196,6 +197,7 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
 _UNBOUNDED = 2**31
 
 
+
 @router.websocket("/v1/realtime")
 async def realtime(websocket: WebSocket) -> None:
     """A voice session speaking OpenAI's Realtime API (omni_cache/serving/realtime/, docs/realtime.md)."""
@@ -247,7 +249,8 @@ def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer
         include_usage=bool(so and so.include_usage),
         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
         prompt_token_ids=prompt if req.return_token_ids else None)
-    return StreamingResponse(
+    return _RequestStream(
+        handle,
         stream_chunks(handle, base, writer, entry_stage=orch.topology.entry.name, options=options,
                       error_body=lambda e: APIError.from_request_error(e).body()),
         media_type="text/event-stream",
@@ -255,8 +258,26 @@ def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer
     )
 
 
+class _RequestStream(StreamingResponse):
+    """An SSE response that ends its request however the response ends. The generator's own
+    ``finally`` aborts an unanswered request only once the generator started: Starlette cancels
+    a response whose client is already gone before it iterates the generator at all, and the
+    request (with its place among those in flight) would then live until its stages finished."""
+
+    def __init__(self, handle: RequestHandle, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handle = handle
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._handle.done:
+                self._handle.abort("the client disconnected from the stream")
+
+
 async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request,
-                    writer: ChoiceWriter, answer_id: str, prompt: list[int]) -> JSONResponse:
+                    writer: ChoiceWriter, answer_id: str, prompt: list[int]) -> Response:
     """The whole answer as one chat.completion (audio encoded in the requested format)."""
     from openai.types.chat.chat_completion_audio import ChatCompletionAudio
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
@@ -264,19 +285,24 @@ async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator
     created = int(time.time())
     answer = await collect_unless_disconnected(handle, request)
     done = answer.completed
-    audio = None
-    if chat.wants_audio:
-        data = await asyncio.to_thread(encode_audio, answer.samples(),
-                                       answer.sample_rate or orch.audio_sample_rate, chat.audio_format)
-        audio = ChatCompletionAudio(id=f"audio_{handle.request_id}",
-                                    data=base64.b64encode(data).decode("ascii"),
-                                    expires_at=created + AUDIO_TTL_S,
-                                    transcript=done.transcript or "")
+    # On the loop: the tool parser shares the tokenizer with the threads that tokenize.
     choice = writer.choice(answer.text, answer.token_ids, answer.logprobs, done.finish_reason,
-                           done.stop_reason, audio=audio)
-    response = ChatCompletionResponse(
-        id=answer_id, created=created, model=orch.served_model_name, choices=[choice],
-        usage=usage(done.num_prompt_tokens, answer.num_tokens,
-                    done.cached_tokens.get(orch.topology.entry.name, 0)),
-        prompt_token_ids=prompt if chat.body.return_token_ids else None)
-    return JSONResponse(response.model_dump())
+                           done.stop_reason)
+
+    def body() -> bytes:
+        """The response's JSON; in a worker thread: encoding, base64 and rendering a whole
+        answer's audio take milliseconds per second of it."""
+        if chat.wants_audio:
+            data = encode_audio(answer.samples(), answer.sample_rate or orch.audio_sample_rate,
+                                chat.audio_format)
+            choice.message.audio = ChatCompletionAudio(
+                id=f"audio_{handle.request_id}", data=base64.b64encode(data).decode("ascii"),
+                expires_at=created + AUDIO_TTL_S, transcript=done.transcript or "")
+        response = ChatCompletionResponse(
+            id=answer_id, created=created, model=orch.served_model_name, choices=[choice],
+            usage=usage(done.num_prompt_tokens, answer.num_tokens,
+                        done.cached_tokens.get(orch.topology.entry.name, 0)),
+            prompt_token_ids=prompt if chat.body.return_token_ids else None)
+        return JSONResponse(response.model_dump()).body
+
+    return Response(await asyncio.to_thread(body), media_type="application/json")

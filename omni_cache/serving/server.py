@@ -54,6 +54,7 @@ from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
 from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.routes import router
+from omni_cache.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,7 @@ def _lifespan(
         try:
             yield
         finally:
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await cancel_and_wait(task)  # None or done: nothing to cancel
             if manage_lifecycle:
                 await orch.close()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.config.schema import RealtimeConfig
+from omni_cache.tasks import wait_ended
 from omni_cache.serving.realtime import input_worker, session_config, vad
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
@@ -89,8 +89,7 @@ class RealtimeSession:
         if self.response is not None:
             self.response.cancel("client_disconnected", truncate=False)
         if self._response_task is not None:
-            with contextlib.suppress(BaseException):
-                await self._response_task
+            await wait_ended([self._response_task])  # its failure logged; ours raised
         self.buffer.clear()
         self.conversation.items.clear()
         self.bounds.close()  # the session's bytes are free for others

@@ -1,0 +1,224 @@
+"""Requests end at once, whatever ends them, and nothing swallows a cancellation.
+
+* A failure while the server handles a stage's output that is not a known bad output (a bug)
+  fails that request at once with a 500 naming it, counted in /metrics, instead of leaving it to
+  its deadline; the server keeps serving.
+* An SSE response gives its request's place among those in flight back however its client
+  leaves, also when the client is gone before the response's first byte (Starlette then never
+  starts the response's generator).
+* The event loop's lag is in /metrics, and a loop held by blocking work shows in it.
+* omni_cache/tasks.py: tasks ended without swallowing the caller's own cancellation.
+
+The server runs fake stages (tests/fake_stage.py: real processes, real ZMQ, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+
+import httpx
+import pytest
+from starlette.requests import ClientDisconnect
+
+from fake_pipeline import API_KEY, make_orchestrator, write_config
+from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.serving.server import ServerThread
+from omni_cache.tasks import cancel_and_wait, finish_or_cancel, wait_ended
+
+TOKEN_DELAY_S = 0.2  # a long answer takes tens of seconds
+REQUEST_TIMEOUT_S = 120.0  # far past any wait below: an answer that comes came at once
+
+
+@pytest.fixture(scope="module")
+def srv():
+    path = write_config(f"ends_{uuid.uuid4().hex[:8]}", token_delay_s=TOKEN_DELAY_S,
+                        timeout_s=REQUEST_TIMEOUT_S)
+    server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+def _body(srv, content: str, **extra) -> dict:
+    return {"model": srv.orchestrator.served_model_name, "max_tokens": 4,
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+def _post(srv, body: dict) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def _metrics(srv) -> list[tuple[str, dict[str, str], float]]:
+    r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    return parse_metrics(r.text)
+
+
+def _value(samples, name: str, **labels: str) -> float:
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
+
+
+def _wait_nothing_in_flight(srv, timeout: float) -> None:
+    orch = srv.orchestrator
+    end = time.monotonic() + timeout
+    while orch.in_flight or orch.admission.bounds.requests:
+        assert time.monotonic() < end, (f"still in flight after {timeout:g} s: "
+                                        f"{orch.in_flight} request(s), "
+                                        f"{orch.admission.bounds.requests} ticket(s)")
+        time.sleep(0.05)
+
+
+def test_a_failure_handling_a_stage_output_fails_the_request_at_once(srv):
+    """A bug stands in for any: handling the thinker's output of one request raises."""
+    orch = srv.orchestrator
+    add = orch.outputs.add
+
+    def failing_add(req, stage, msg, tensors, now):
+        if b"BUG" in bytes(t for t in req.prompt_token_ids if t < 256):
+            raise RuntimeError("an injected fault")
+        return add(req, stage, msg, tensors, now)
+
+    before = _value(_metrics(srv), "omni_cache_output_errors_total", stage="thinker")
+    orch.outputs.add = failing_add
+    try:
+        r = _post(srv, _body(srv, "BUG here"))  # answered long before request_timeout_s
+    finally:
+        orch.outputs.add = add
+    assert r.status_code == 500, r.text
+    message = r.json()["error"]["message"]
+    assert message == ("the server failed on stage 'thinker''s output: RuntimeError: an injected "
+                       "fault"), message
+    assert _value(_metrics(srv), "omni_cache_output_errors_total", stage="thinker") == before + 1
+    _wait_nothing_in_flight(srv, 5.0)
+    ok = _post(srv, _body(srv, "fine"))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "user"
+
+
+def test_an_sse_client_gone_before_the_first_byte_frees_its_place_at_once(srv):
+    """The client sends a long streamed request and closes its socket at once: the answer
+    would take over a minute (a token per 0.2 s), its place is back within seconds."""
+    content = "x" * 300
+    raw = json.dumps(_body(srv, content, max_tokens=400, stream=True)).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                      f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        # submitted (or refused) and then seen gone; nothing may stay for the answer's minute
+        _wait_nothing_in_flight(srv, 10.0)
+    ok = _post(srv, _body(srv, "after"))
+    assert ok.status_code == 200, ok.text
+
+
+def test_an_sse_response_that_never_starts_frees_its_place(srv):
+    """An ASGI server of spec 2.4 reports a client that is gone by failing ``send`` with an
+    OSError: Starlette's response then fails on its first message, before it iterates the
+    stream's generator at all, so the generator's own cleanup never runs (uvicorn, spec 2.3,
+    starts the generator first). The answer would take over a minute; its place is back within
+    seconds."""
+    raw = json.dumps(_body(srv, "y" * 300, max_tokens=400, stream=True)).encode()
+    incoming = [{"type": "http.request", "body": raw, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        raise OSError("the client is gone")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80), "state": {},
+             "headers": [(b"content-type", b"application/json"),
+                         (b"authorization", f"Bearer {API_KEY}".encode()),
+                         (b"content-length", str(len(raw)).encode())]}
+    loop = srv.server.servers[0].get_loop()  # the server's event loop, where its app runs
+    with pytest.raises((OSError, ClientDisconnect)):
+        asyncio.run_coroutine_threadsafe(srv.app(scope, receive, send), loop).result(30)
+    assert sent and sent[0]["type"] == "http.response.start"  # the answer was accepted
+    _wait_nothing_in_flight(srv, 10.0)
+
+
+def test_the_event_loop_lag_is_measured(srv):
+    """A probe's lateness is a histogram in /metrics; 0.6 s of blocking work run on the loop (an
+    abort that sleeps, standing in for any blocking call) shows as a sample past 0.5 s."""
+    def late(samples) -> float:
+        count = _value(samples, "omni_cache_event_loop_lag_seconds_count")
+        return count - _value(samples, "omni_cache_event_loop_lag_seconds_bucket", le="0.5")
+
+    before = _metrics(srv)
+    assert _value(before, "omni_cache_event_loop_lag_seconds_count") > 0
+    orch = srv.orchestrator
+    orch.abort = lambda request_id, reason="": time.sleep(0.6)  # runs on the loop
+    try:
+        orch.abort_threadsafe("no-such-request")
+        end = time.monotonic() + 10
+        while late(_metrics(srv)) < late(before) + 1:
+            assert time.monotonic() < end, "the blocked loop did not show in the lag histogram"
+            time.sleep(0.1)
+    finally:
+        del orch.abort
+
+
+# ---- omni_cache/tasks.py -----------------------------------------------------------------------
+
+
+def test_cancel_and_wait_ends_the_tasks_and_logs_a_failure(caplog):
+    async def main():
+        async def forever():
+            await asyncio.Event().wait()
+
+        async def fails():
+            raise ValueError("boom")
+
+        a = asyncio.create_task(forever())
+        b = asyncio.create_task(fails())
+        await asyncio.sleep(0)
+        with caplog.at_level(logging.ERROR, logger="omni_cache.tasks"):
+            await cancel_and_wait(a, b, None)
+        assert a.cancelled() and b.done()
+        assert "boom" in caplog.text  # logged, not raised, not lost
+
+        slow = asyncio.create_task(asyncio.sleep(10))
+        assert not await finish_or_cancel(slow, 0.05) and slow.cancelled()
+        quick = asyncio.create_task(asyncio.sleep(0))
+        assert await finish_or_cancel(quick, 5.0) and not quick.cancelled()
+
+    asyncio.run(main())
+
+
+def test_waiting_for_tasks_does_not_swallow_the_callers_cancellation():
+    """The caller is cancelled while it waits for a task that ignores its own cancellation for
+    a while: the caller's CancelledError comes through (suppress(BaseException) swallowed it)."""
+    async def main():
+        release = asyncio.Event()
+
+        async def stubborn():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await release.wait()  # cleans up for a while before it ends
+                raise
+
+        inner = asyncio.create_task(stubborn())
+        await asyncio.sleep(0)
+        closer = asyncio.create_task(cancel_and_wait(inner))
+        await asyncio.sleep(0.01)
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        assert not inner.done()  # the caller left; the task goes on ending by itself
+        release.set()
+        assert await wait_ended([inner], 5.0) and inner.cancelled()
+
+    asyncio.run(main())
