@@ -160,33 +160,46 @@ def test_speech_during_an_answer_cancels_it_and_truncates_the_item(server):
     assert response.output[0].content[0].transcript == heard
 
 
+def talker_hits_after(server, before: float, expect_more: bool) -> float:
+    """The talker's prefix-cache hit tokens once a turn is answered. A stage that misses a
+    scrape keeps its last counters: where hits are expected, look again until they show."""
+    end = time.monotonic() + 20
+    while True:
+        hits = stage_metric(server, "vllm:prefix_cache_hits_total", "talker")
+        if hits > before or not expect_more or time.monotonic() > end:
+            return hits
+        time.sleep(0.2)
+
+
 def test_later_turns_hit_the_caches_on_the_earlier_turns(server):
     block = server.orchestrator.config.stage("thinker").engine_args.block_size
+    talker_block = server.orchestrator.config.stage("talker").engine_args.block_size
 
     async def go():
-        usages, talker_hits = [], []
+        usages, deltas = [], []
         async with connect(server.url, MODEL) as conn:
             await opened(conn, **MANUAL)
             for turn in range(3):
+                before = await asyncio.to_thread(stage_metric, server, "vllm:prefix_cache_hits_total",
+                                                 "talker")
                 await commit_clip(conn, turn_clip(3.0, seed=21 + turn))
                 await conn.response.create()
                 answer = await read_answer(conn)
                 assert_spoken(answer)
                 usages.append(answer.done.response.usage)
-                talker_hits.append(await asyncio.to_thread(
-                    stage_metric, server, "vllm:prefix_cache_hits_total", "talker"))
-        return usages, talker_hits
+                after = await asyncio.to_thread(talker_hits_after, server, before, turn > 0)
+                deltas.append(after - before)
+        return usages, deltas
 
-    hits_before = stage_metric(server, "vllm:prefix_cache_hits_total", "talker")
-    usages, talker_hits = run(go())
+    usages, deltas = run(go())
     for prev, cur in zip(usages, usages[1:]):
         # Everything of the earlier turns (prompt and answer) except their last partial block:
         # vLLM caches full blocks only.
         earlier = prev.input_tokens + prev.output_tokens
         assert cur.input_token_details.cached_tokens >= earlier // block * block > 0
-    # The talker's prompt holds the user turns: turns 2 and 3 hit on the earlier ones.
-    assert talker_hits[0] >= hits_before
-    assert talker_hits[2] > talker_hits[1] > talker_hits[0]
+    # The talker's prompt holds the user turns: turns 2 and 3 each hit (at least a block) on the
+    # earlier ones, counted over the turn itself.
+    assert deltas[1] >= talker_block and deltas[2] >= talker_block, deltas
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(server):
@@ -240,3 +253,76 @@ def test_a_client_gone_mid_answer_leaves_nothing_in_the_server(server):
         assert time.monotonic() < end, (len(server.app.state.realtime_sessions), orch.in_flight,
                                         running, queued)
         time.sleep(0.2)
+
+
+INSTRUCTIONS = ("You are a voice assistant in a long conversation. Answer in a few words, "
+                "and keep to the subject the user chose.")
+LONG_TURNS = 300
+
+
+def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
+    """Text and 0.2 s audio turns, one after the other, 300 of them: past the thinker's 16 clips
+    per prompt (every 32 turns) and its 8192-token context, truncation (auto) drops old turns and
+    every turn is answered; each turn after the first hits the prefix cache: on the whole previous
+    prompt between truncations, on the instructions' blocks on a turn that truncated."""
+    block = server.orchestrator.config.stage("thinker").engine_args.block_size
+
+    async def go():
+        turns = []
+        clips = []  # ids of the audio items the conversation holds, as the client sees it
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, instructions=INSTRUCTIONS, max_output_tokens=4,
+                         output_modalities=["text"], **MANUAL)
+            for turn in range(LONG_TURNS):
+                if turn % 2:
+                    await append_audio(conn, speech(0.2, seed=1000 + turn))
+                    await conn.input_audio_buffer.commit()
+                    committed = await next_event(conn, skip=("conversation.item.deleted",))
+                    clips.append(committed.item_id)
+                    await next_event(conn), await next_event(conn)  # item added, done
+                else:
+                    await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                        {"type": "input_text", "text": f"Turn {turn}: what comes next?"}]})
+                    await next_event(conn, skip=("conversation.item.deleted",))
+                    await next_event(conn)
+                # Every fourth answer spoken, the rest text: both kinds of answer, turns kept short.
+                await conn.response.create(response={"output_modalities": ["audio" if turn % 4 == 3
+                                                                           else "text"]})
+                answer = await read_answer(conn)
+                deleted = {e.item_id for e in answer.events if e.type == "conversation.item.deleted"}
+                clips = [c for c in clips if c not in deleted]
+                turns.append((answer.done.response, bool(deleted), len(clips)))
+        return turns
+
+    start = time.monotonic()
+    turns = run_long(go())
+    elapsed = time.monotonic() - start
+    print(f"{LONG_TURNS} turns in {elapsed:.0f} s")
+    tokenize = server.orchestrator.tokenize_messages
+    user = {"role": "user", "content": "x"}
+    system = len(tokenize([{"role": "system", "content": INSTRUCTIONS}, user])) - len(tokenize([user]))
+    tail = 2 * len(tokenize([user])) - len(tokenize([user, user]))  # the generation prompt
+    instructions_blocks = system // block * block
+    truncated = 0
+    for i, (response, dropped, n_clips) in enumerate(turns):
+        assert response.status in ("completed", "incomplete"), (i, response.status_details)
+        assert n_clips <= 16
+        if i == 0:
+            continue
+        cached = response.usage.input_token_details.cached_tokens
+        prev = turns[i - 1][0].usage.input_tokens
+        if dropped:
+            truncated += 1
+            assert cached >= instructions_blocks > 0, (i, cached)
+            assert response.usage.input_tokens < prev
+        else:
+            # The previous prompt is this one's start (but its generation prompt, when its answer
+            # had no text): all its full blocks hit.
+            assert cached >= (prev - tail) // block * block > 0, (i, cached, prev)
+    print(f"{truncated} truncations")
+    # The limits were reached again and again; each truncation left room for several turns.
+    assert 5 <= truncated <= LONG_TURNS // 8, truncated
+
+
+def run_long(coro):
+    return asyncio.run(asyncio.wait_for(coro, 900))
