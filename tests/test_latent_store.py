@@ -339,7 +339,7 @@ def test_pipeline_gather_waits_only_for_the_writes_it_needs(store_factory):
                                           "staging_depth": 3})
     gen = torch.Generator().manual_seed(11)
     gates = [Gate(), Gate()]
-    for e, g in zip(store._entries, gates):
+    for e, g in zip(store._pipeline.entries, gates):
         e.data_done = g
     lat_a, lat_b = random_latents(16, "cpu", gen), random_latents(16, "cpu", gen)
     store.write(torch.arange(0, 16), lat_a)   # entry 0 (held)
