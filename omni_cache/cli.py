@@ -24,7 +24,7 @@ from omni_cache.config import (
     checkpoint_root,
     load_config,
 )
-from omni_cache.config.addresses import RUN_ROOT
+from omni_cache.config.addresses import run_root
 from omni_cache.config.replicas import replica_name, stage_replicas
 from omni_cache.serving.auth import API_KEY_ENV
 
@@ -224,7 +224,7 @@ def format_summary(
                         lines.append(f"  resources:    {replica_name(st.name, i, st.replicas)}: "
                                      + ", ".join(f"{k}={v:g}" for k, v in res.for_replica(i).items()))
         elif st.address is None and not st.replica_addresses:
-            lines.append(f"  address:      chosen at start: ipc://{RUN_ROOT}/<name>-<pid>-<random>/"
+            lines.append(f"  address:      chosen at start: ipc://{run_root()}/<name>-<pid>-<random>/"
                          f"{st.name}.sock (this server's own)")
         else:
             lines.append(f"  address:      {st.address}"

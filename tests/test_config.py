@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from omni_cache import cli
+from omni_cache.config.addresses import run_root
 from omni_cache.config import (
     ConfigError,
     EngineArgs,
@@ -640,7 +641,7 @@ def test_cli_check_shipped_config() -> None:
     assert "server:       http://127.0.0.1:8091" in out
     for stage in ("thinker", "talker", "decoder"):
         assert f"stage {stage}:" in out
-        assert ("address:      chosen at start: ipc:///tmp/omni_cache/<name>-<pid>-<random>/"
+        assert (f"address:      chosen at start: ipc://{run_root()}/<name>-<pid>-<random>/"
                 f"{stage}.sock") in out
     assert "prefix cache: on" in out and "latents:      hidden" in out
     assert "final output: text" in out and "final output: audio" in out

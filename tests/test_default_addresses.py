@@ -23,7 +23,7 @@ import yaml
 
 from omni_cache import Pipeline
 from omni_cache.config import ConfigError, load_config
-from omni_cache.config.addresses import RUN_ROOT, new_run_dir, with_default_addresses
+from omni_cache.config.addresses import new_run_dir, run_root, with_default_addresses
 from omni_cache.config.replicas import stage_replicas
 from omni_cache.runtime.orchestrator import Orchestrator
 from fake_pipeline import fake_pipeline_config
@@ -40,7 +40,9 @@ HOSTS = REPO / "stage_configs" / "tiny_omni_hosts.yaml"
 def test_each_server_chooses_its_own_sockets_and_keeps_explicit_ones():
     config = load_config(TINY)
     a, b = new_run_dir(config), new_run_dir(config)
-    assert a != b and a.startswith(f"{RUN_ROOT}/tiny_omni-{os.getpid()}-")
+    for made in (a, b):
+        os.rmdir(made)  # new_run_dir made them; no server owns these
+    assert a != b and a.startswith(f"{run_root()}/tiny_omni-{os.getpid()}-")
     first, second = with_default_addresses(config, a), with_default_addresses(config, b)
     assert [s.address for s in first.stages] == [f"ipc://{a}/{n}.sock"
                                                  for n in ("thinker", "talker", "decoder")]
@@ -63,6 +65,7 @@ def test_a_default_socket_path_always_fits_a_unix_socket():
     config.stages[2].replicas = 12
     config.stages[1].replicas = 3
     run_dir = new_run_dir(config)
+    os.rmdir(run_dir)
     filled = with_default_addresses(config, run_dir)
     assert filled.stages[2].address == f"ipc://{run_dir}/2.sock"  # the name did not fit
     assert filled.stages[1].address == f"ipc://{run_dir}/talker.sock"
@@ -74,7 +77,9 @@ def test_a_default_socket_path_always_fits_a_unix_socket():
 def test_ray_placed_stages_and_the_ray_inbox_are_left_to_ray():
     config = load_config(TINY)
     config.server.ray_address = "auto"
-    filled = with_default_addresses(config, new_run_dir(config))
+    run_dir = new_run_dir(config)
+    os.rmdir(run_dir)
+    filled = with_default_addresses(config, run_dir)
     assert all(s.address is None for s in filled.stages)
     assert filled.server.control_address is None  # the node's IP, once the cluster is joined
 
@@ -139,7 +144,7 @@ def test_two_pipelines_from_one_config_run_side_by_side(tmp_path: Path):
     with Pipeline.from_config(path, **kw) as first, Pipeline.from_config(path, **kw) as second:
         a, b = first.orchestrator, second.orchestrator
         dirs = {Path(o.fleet.placement.run_dir) for o in (a, b)}
-        assert len(dirs) == 2 and all(d.is_dir() and d.parent == Path(RUN_ROOT) for d in dirs)
+        assert len(dirs) == 2 and all(d.is_dir() and d.parent == Path(run_root()) for d in dirs)
         addresses = [{o.fleet.control_address, *(r.address for r in o.fleet.replicas.values())}
                      for o in (a, b)]
         assert not addresses[0] & addresses[1]

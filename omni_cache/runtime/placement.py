@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ class StagePlacement:
                  external: set[str]) -> None:
         self._config = config
         self.run_dir = run_dir
-        self._run_dir_made = False
+        # new_run_dir made it: removed on close, or at exit for a server never started or closed
+        self._remove_run_dir = weakref.finalize(self, shutil.rmtree, run_dir, ignore_errors=True)
         self._stage_argv = list(stage_argv) if stage_argv is not None else default_stage_argv()
         self.external = external
         #: Every stage replica by its name (omni_cache.config.replicas); a Ray-placed one's
@@ -125,10 +127,9 @@ class StagePlacement:
         return config_text(text_config)
 
     def make_run_dir(self) -> None:
-        """Create the run directory, readable by this user only (before any socket binds in it)."""
-        Path(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(self.run_dir, 0o700)  # new_run_dir's name is this server's: it cannot exist
-        self._run_dir_made = True
+        """The run directory, readable by this user only, before any socket binds in it
+        (new_run_dir made it already; it is removed on close, or when this object goes)."""
+        os.makedirs(self.run_dir, 0o700, exist_ok=True)
 
     def _write_config(self, text: str) -> str:
         path = Path(self.run_dir) / "stage_config.yaml"
@@ -156,9 +157,7 @@ class StagePlacement:
             if self._ray_connected:
                 ray_placement.disconnect()
                 self._ray_connected = False
-        if self._run_dir_made:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            self._run_dir_made = False
+        self._remove_run_dir()  # once: later calls do nothing
 
 
 def external_stages_of(config: PipelineConfig, extra: Iterable[str]) -> set[str]:

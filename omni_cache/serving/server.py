@@ -47,6 +47,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from omni_cache.config.addresses import RunDirError
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.chat_output import parser_class
@@ -159,8 +160,12 @@ def serve(config: Any, args: Any) -> int:
     import uvicorn
 
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
-    orch = Orchestrator(config, checkpoint_dir=getattr(args, "checkpoint_dir", None),
-                        prefix_cache=not getattr(args, "no_prefix_cache", False))
+    try:
+        orch = Orchestrator(config, checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                            prefix_cache=not getattr(args, "no_prefix_cache", False))
+    except RunDirError as e:
+        print(f"omni-serve: {e}", file=sys.stderr, flush=True)
+        return 1
     host, port = config.server.host, config.server.port
     holder: dict[str, Any] = {}
     failures: list[BaseException] = []
