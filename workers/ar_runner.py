@@ -36,6 +36,7 @@ from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner, deadline_in, stage_pacer, time_left
 from workers.spoken_tokens import SpokenDelta
+from workers.warmup import no_warmup, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,10 @@ class ARRunner(StageRunner):
                             report_blocks=report_blocks, pacer=self.pacer)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
+        self.warmup = warm_up(self.llm, stage.sampling) if stage.warmup else no_warmup()
+        if stage.warmup:
+            logger.info("stage %s: warmed up in %.1f s (%s)", stage.name, self.warmup.total_s,
+                        ", ".join(f"{p} {s:.2f} s" for p, s in self.warmup.seconds.items()))
         self.max_model_len = self.llm.max_model_len
         self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
         self.handoff_ctx = HandoffContext(Path(model))
@@ -430,5 +435,6 @@ class ARRunner(StageRunner):
         running, waiting = self.llm.scheduler.get_request_counts()
         return {**super().counters(), **self.llm.counters(),
                 **(self.pacer.stats.counters() if self.pacer is not None else {}),
+                **self.warmup.counters(),
                 "num_requests_running": running, "num_requests_waiting": waiting,
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens}

@@ -273,6 +273,16 @@ class LLMStage:
         result.latent_start, result.latents = tracked.rows.take_new(upto=processed)
 
     # ---- counters --------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Start the counters below from zero (after the warm-up: its requests are no client's)."""
+        from scheduler.omni_scheduler import PrefixCacheCounters
+        from workers.latent_capture import LatentCounters
+
+        self.scheduler.prefix_counters = PrefixCacheCounters()
+        self.scheduler.encoder_runs = 0
+        if self.capture is not None:
+            self.capture.counters = LatentCounters()
+
     def counters(self) -> dict[str, int]:
         prefix = getattr(self.scheduler, "prefix_counters", None)
         out = {

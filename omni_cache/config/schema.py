@@ -384,6 +384,12 @@ class StageConfig(_Base, kw_only=True):
     #: Must exceed ``server.heartbeat_timeout_s`` (silence is judged by that). None -> 300 s
     #: (omni_cache/runtime/hang_watch.py says why), or the heartbeat timeout when that is longer.
     step_timeout_s: PositiveFloat | None = None
+    #: Autoregressive (vLLM) stages: before announcing itself, run the paths vLLM compiles or
+    #: builds on first use (logprobs, penalties, seeded and top-k/top-p sampling, structured
+    #: output, each medium the stage takes) with a few tiny requests of its own, so no client's
+    #: first request of a kind pays for them (workers/warmup.py); the prefix cache and the
+    #: counters are reset after. False: start faster and pay on first use.
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.kind == "generation" and self.generation is None:

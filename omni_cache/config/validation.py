@@ -222,6 +222,9 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 (*base, "prefix_cache"),
                 "only for autoregressive stages (a generation stage has no prefix cache)",
             )
+        if not s.warmup:
+            issues.add((*base, "warmup"),
+                       "only for autoregressive stages (a generation stage has no vLLM engine to warm up)")
 
 
 # (key, type word, bound check, bound text): the words msgspec used when these were schema

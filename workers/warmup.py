@@ -1,0 +1,220 @@
+"""A vLLM stage's warm-up: the paths the pinned vLLM compiles or builds on first use, run once at
+start, before the stage announces itself, so that no client's request pays for them.
+
+What vLLM 0.32 (CPU) does lazily, found by sending the first request of each kind to a fresh server
+(``python -m benchmarks.first_request``, docs/benchmarks.md):
+
+* log-probabilities: ``Sampler.gather_logprobs`` calls ``batched_count_greater_than``, a
+  ``torch.compile`` (inductor) function compiled on the first step that asks for them (~10 s on
+  these 2-core machines: long enough for a stage to be judged hung);
+* structured outputs: the xgrammar backend (its tokenizer info, the grammar compiler) is built
+  with the first request that has a grammar (a named tool is one too);
+* sampling with a seed, top-k/top-p and penalties, the builtin logits processors, and each medium
+  the stage takes (limit_mm_per_prompt > 0): first runs of their code, cheap but not free.
+
+Each warm-up request runs alone through the stage's own LLMStage (the same add/step path a
+client's request takes), with a few tokens of text the warm-up names itself and tiny generated
+media. Afterwards nothing of it stays where it could change an answer or a figure: vLLM's prefix
+cache is reset (the hidden-state mirror follows vLLM's block hashes, so its rows of the warm-up are
+unreachable), the block changes prefix routing would hear of are dropped, and the stage's counters
+start from zero. Nothing here copies vLLM code: requests go in through its public engine API.
+
+A stage that takes prompt embeddings without a tokenizer (the talker) has no client-chosen
+sampling: only its greedy path is warmed, with a prompt of zero embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: vLLM request ids of the warm-up (never a client's: those are the server's uuids).
+REQUEST_PREFIX = "omni-cache-warmup-"
+#: Tokens each warm-up request generates: the first decode step is the one that compiles.
+WARMUP_TOKENS = 2
+#: Engine steps one warm-up request may take before the warm-up gives up on it.
+MAX_STEPS = 256
+#: The warm-up's own text (a prompt no client shares, so nothing of it could be a prefix hit).
+PROMPT = "omni_cache warm-up: a few tokens of text."
+#: A JSON schema for the structured-output path.
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@dataclass(frozen=True)
+class WarmupRequest:
+    """One request of the warm-up: the path it warms, its prompt and its SamplingParams."""
+
+    path: str
+    prompt: dict[str, Any]
+    params: Any
+    #: Its decode steps read streamed rows (a talker): none come, every step reads a zero pad row.
+    streamed: bool = False
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up ran and how long each path took, and the compile count it left: the
+    stage reports both with its counters."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: torch.compile frames compiled in this process when the stage was ready to serve.
+    compiles_at_ready: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    def counters(self) -> dict[str, float]:
+        """``warmup_s``, ``warmup_<path>_s`` per path, and ``compiles_while_serving``: frames
+        torch.compile compiled since the stage was ready, each a first-use compile some
+        client's request waited for (0 while the warm-up covered them)."""
+        out = {f"warmup_{path}_s": round(s, 3) for path, s in self.seconds.items()}
+        out["warmup_s"] = round(self.total_s, 3)
+        out["compiles_while_serving"] = compiled_frames() - self.compiles_at_ready
+        return out
+
+
+def no_warmup() -> WarmupReport:
+    """The report of a stage whose warm-up is off (``stages[].warmup: false``)."""
+    return WarmupReport(compiles_at_ready=compiled_frames())
+
+
+def compiled_frames() -> int:
+    """Frames torch.compile (dynamo) compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def warm_up(llm: Any, sampling: Any) -> WarmupReport:
+    """Run the warm-up requests of ``llm`` (a workers.llm_stage.LLMStage that holds no request
+    yet) one at a time, then leave its caches and counters as a fresh engine has them.
+    ``sampling``: the stage's configured sampling (schema.Sampling), what a stage fed by a
+    hand-off samples with."""
+    report = WarmupReport()
+    for i, request in enumerate(warmup_requests(llm, sampling)):
+        t0 = time.perf_counter()
+        _run_alone(llm, f"{REQUEST_PREFIX}{i}-{request.path}", request)
+        report.seconds[request.path] = report.seconds.get(request.path, 0.0) + \
+            time.perf_counter() - t0
+    _forget_warmup(llm)
+    report.compiles_at_ready = compiled_frames()
+    return report
+
+
+def warmup_requests(llm: Any, sampling: Any) -> list[WarmupRequest]:
+    """The requests that warm what this stage's engine builds on first use."""
+    from vllm import SamplingParams
+
+    def params(**kw: Any) -> Any:
+        return SamplingParams(max_tokens=WARMUP_TOKENS, **kw)
+
+    tokenizer = _tokenizer(llm)
+    if tokenizer is None:  # a talker: prompt embeddings, streamed rows, the stage's sampling
+        hidden = llm.engine.vllm_config.model_config.get_hidden_size()
+        return [WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, hidden)},
+                              params(temperature=sampling.temperature, top_p=sampling.top_p,
+                                     seed=sampling.seed), streamed=True)]
+    from vllm.sampling_params import StructuredOutputsParams
+
+    text = {"prompt_token_ids": tokenizer.encode(PROMPT)}
+    requests = [
+        WarmupRequest("greedy", text, params(temperature=0.0)),
+        # logprobs=2 also covers top_logprobs: the same compiled function ranks the tokens.
+        WarmupRequest("logprobs", text, params(temperature=0.0, logprobs=2)),
+        WarmupRequest("penalties", text, params(temperature=0.0, presence_penalty=0.5,
+                                                frequency_penalty=0.5, repetition_penalty=1.2)),
+        WarmupRequest("logits_processors", text, params(
+            temperature=0.0, min_tokens=1, logit_bias={0: -1.0}, bad_words=["warm"])),
+        WarmupRequest("random_sampling", text, params(temperature=0.8, top_p=0.9, top_k=5)),
+        WarmupRequest("seed", text, params(temperature=0.8, seed=0)),
+        WarmupRequest("structured_output", text, params(
+            temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))),
+    ]
+    return requests + media_requests(llm, tokenizer, params(temperature=0.0))
+
+
+def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]:
+    """One request per medium the stage takes (image, audio with a limit_mm_per_prompt above 0),
+    each with one tiny item behind the model's own placeholder text. Video is not warmed: the
+    server's API refuses it."""
+    model_config = llm.engine.vllm_config.model_config
+    mm = model_config.multimodal_config
+    if mm is None:
+        return []
+    from vllm.model_executor.model_loader import get_model_cls
+
+    model_cls = get_model_cls(model_config)
+    items = {"image": _image, "audio": _audio}
+    out = []
+    for modality, make in items.items():
+        if mm.get_limit_per_prompt(modality) <= 0:
+            continue
+        try:
+            placeholder = model_cls.get_placeholder_str(modality, 1)
+        except ValueError:  # the model does not take this medium
+            continue
+        if not placeholder:
+            continue
+        ids = tokenizer.encode(f"{placeholder}{PROMPT}")
+        out.append(WarmupRequest(modality, {"prompt_token_ids": ids,
+                                            "multi_modal_data": {modality: [make()]}}, params))
+    return out
+
+
+def _image() -> Any:
+    from PIL import Image
+
+    rgb = np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8)
+    return Image.fromarray(rgb)
+
+
+def _audio() -> tuple[np.ndarray, int]:
+    """One second of a 440 Hz tone at 16 kHz."""
+    t = np.arange(16000, dtype=np.float32) / 16000
+    return (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000
+
+
+def _tokenizer(llm: Any) -> Any:
+    if llm.engine.vllm_config.model_config.skip_tokenizer_init:
+        return None
+    return llm.engine.tokenizer
+
+
+def _run_alone(llm: Any, request_id: str, request: WarmupRequest) -> None:
+    """Add one request and step the engine until it finished (the stage holds nothing else)."""
+    streamed = None
+    if request.streamed:
+        from scheduler.streamed_rows import StreamedRows
+
+        hidden = llm.engine.vllm_config.model_config.get_hidden_size()
+        streamed = StreamedRows(torch.zeros(hidden))
+        streamed.add(None, done=True)
+    llm.add(request_id, request.prompt, request.params, streamed=streamed)
+    for _ in range(MAX_STEPS):
+        for out in llm.step():
+            if out.error is not None:
+                llm.abort(request_id)
+                raise RuntimeError(f"warm-up request {request.path!r} failed: {out.error}") \
+                    from out.error
+            if out.finished:
+                return
+    llm.abort(request_id)
+    raise RuntimeError(f"warm-up request {request.path!r} did not finish in {MAX_STEPS} steps")
+
+
+def _forget_warmup(llm: Any) -> None:
+    """Nothing of the warm-up stays: no prefix-cache block (nor the latent rows the mirror keeps
+    at them, reachable only through those blocks), no block change for prefix routing, no count."""
+    if not llm.engine.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache after the warm-up")
+    if llm.block_events is not None:
+        llm.block_events.take()
+    llm.reset_counters()
