@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -61,6 +62,8 @@ LINES_INTERVAL_S = 0.5
 CALL_TIMEOUT_S = 60.0
 #: :meth:`RayRunner.poll`'s code for "the actor itself is gone" (not a process exit code).
 ACTOR_LOST = -1000
+#: How long closing a runner waits for the signals it still has to send.
+SIGNAL_DRAIN_S = 15.0
 
 
 def connect(address: str) -> bool:
@@ -299,6 +302,9 @@ class RayRunner:
         self.pid: int | None = None
         self._run: _Run | None = None
         self._actor_lost = False
+        # Signals go out from a thread of their own, in order (see signal()).
+        self._signals: queue.SimpleQueue[tuple[_Run, int] | None] = queue.SimpleQueue()
+        self._signaller: threading.Thread | None = None
 
     @property
     def where(self) -> str:
@@ -364,14 +370,27 @@ class RayRunner:
         return f"{exit_words(code)} on {self.where}"
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` to the stage's process group through its actor, without waiting for it:
+        the supervisor calls this on the server's event loop, exactly when a node hangs, and
+        the actor's call can then take CALL_TIMEOUT_S + 10 s. A thread of this runner's sends
+        the signals in the order given."""
         run = self._run
         if run is None or self._actor_lost:
             return  # nothing started, or nothing left to signal through
-        # Also after the exit: the group may still hold the stage's helpers (the supervisor
-        # SIGKILLs them then, as it does locally). Before the start a signal would be lost.
-        run.started.wait(CALL_TIMEOUT_S)
-        with contextlib.suppress(Exception):
-            ray.get(self.placed.actor.signal.remote(int(sig)), timeout=10.0)
+        if self._signaller is None:
+            self._signaller = threading.Thread(target=self._send_signals, daemon=True,
+                                               name=f"omni-cache-ray-signal-{self.placed.name}")
+            self._signaller.start()
+        self._signals.put((run, int(sig)))
+
+    def _send_signals(self) -> None:
+        while (item := self._signals.get()) is not None:
+            run, sig = item
+            # Also after the exit: the group may still hold the stage's helpers (the supervisor
+            # SIGKILLs them then, as it does locally). Before the start a signal would be lost.
+            run.started.wait(CALL_TIMEOUT_S)
+            with contextlib.suppress(Exception):
+                ray.get(self.placed.actor.signal.remote(sig), timeout=10.0)
 
     def wait(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
@@ -382,6 +401,12 @@ class RayRunner:
         return True
 
     def close(self) -> None:
+        """Deliver the signals still queued (for at most SIGNAL_DRAIN_S), then kill the actor
+        (blocking: the supervisor closes runners off the event loop)."""
+        if self._signaller is not None:
+            self._signals.put(None)
+            self._signaller.join(SIGNAL_DRAIN_S)
+            self._signaller = None
         with contextlib.suppress(Exception):
             ray.kill(self.placed.actor, no_restart=True)
 
