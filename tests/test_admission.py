@@ -32,7 +32,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.server import ServerThread
 from media_samples import flat_png_data_url
-from fake_pipeline import ByteTokenizer, FAKE_STAGE
+from fake_pipeline import ByteTokenizer, FAKE_STAGE, echo
 
 MIB = 1 << 20
 #: The flood's limits: 4 images of at most 2048 x 2048 per request (48 MiB decoded, the most one
@@ -290,16 +290,21 @@ def test_media_that_can_never_fit_are_a_413_and_the_body_limit_holds_while_readi
 
 def test_the_python_api_waits_for_room_instead_of_failing(tmp_path: Path):
     """Pipeline.generate with more prompts than server.max_requests_in_flight: the extra ones
-    wait until one of its own requests ended, and all are answered."""
+    wait until one of its own requests ended, and all are answered, each with its own answer.
+    The answers differ (the fake thinker echoes its prompt) and end in another order than they
+    were sent (longer first: a token per TOKEN_DELAY_S), so an answer handed to the wrong
+    caller, or the results put in the order they ended, fails."""
     from omni_cache import Pipeline
 
     path = write_config(tmp_path, max_requests_in_flight=2)
     with Pipeline.from_config(path, tokenizer=ByteTokenizer(),
                               stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
                               shutdown_grace_s=2, echo_stage_logs=False) as pipe:
-        prompts = [f"prompt {i}" for i in range(5)]
-        results = pipe.generate(prompts, max_tokens=4)
-        assert [r.text for r in results] == [f"user: prompt {i}\n"[:4] for i in range(5)]
+        prompts = [f"prompt {i} " + "." * (12 - 3 * i) for i in range(5)]
+        results = pipe.generate(prompts, max_tokens=40)
+        answers = [r.text for r in results]
+        assert answers == [echo(p, 40) for p in prompts]
+        assert len(set(answers)) == len(prompts)
         assert pipe.orchestrator.admission.bounds.requests == 0
 
 
