@@ -21,26 +21,42 @@ from omni_cache.serving.realtime.audio_codecs import PCM, StreamResampler
 from omni_cache.serving.realtime.input_worker import InputAudioWorker, InputStream, decode_appends
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
 from omni_cache.serving.realtime.session import RealtimeSession
+from omni_cache.serving.realtime.vad_batch import BatchScorer
 
 CHUNK = 960  # 40 ms at 24 kHz, as a real-time client sends it
 
 
-class RecordingModel:
-    """Silero with its network's calls recorded: (thread id, rows) per call."""
+class RecordingScorer(BatchScorer):
+    """The batched scorer with its calls recorded: (thread id, sessions scored) per call."""
 
-    def __init__(self) -> None:
-        self.wrapped = vad.load_model()
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.model = model
         self.calls: list[tuple[int, int]] = []
-        self._model = self
 
-    def __call__(self, x, state):
-        self.calls.append((threading.get_ident(), x.shape[0]))
-        return self.wrapped._model(x, state)
+    def score(self, work):
+        self.calls.append((threading.get_ident(), sum(1 for _, w in work if len(w))))
+        return super().score(work)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return RecordingModel()
+    return RecordingScorer(vad.load_model())
+
+
+def test_the_network_is_calledforward_in_parts_as_its_own_forward_computes(model):
+    """The pinned silero-vad's network splits into front, LSTM and head (else the scorer falls
+    back to a forward per round); both give the same probabilities and states."""
+    import torch
+
+    assert model.split
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy((0.2 * rng.standard_normal((9, 576))).astype(np.float32))
+    state = torch.from_numpy((0.2 * rng.standard_normal((2, 4, 128))).astype(np.float32))
+    with torch.inference_mode():
+        p, s = model.forward_in_parts(x, [4, 3, 2], state)
+        p_ref, s_ref = model.forward_by_rounds(x, [4, 3, 2], state)
+    assert torch.allclose(p, p_ref, atol=1e-5) and torch.allclose(s, s_ref, atol=1e-5)
 
 
 def clip(seed: int) -> np.ndarray:
@@ -73,16 +89,16 @@ async def hear(worker: InputAudioWorker, clips: list[np.ndarray]) -> list[tuple[
             for hs in heard]
 
 
-def reference_events(model: RecordingModel, clip24k: np.ndarray) -> list[tuple[str, int]]:
+def reference_events(model: RecordingScorer, clip24k: np.ndarray) -> list[tuple[str, int]]:
     """The package's own per-window API (one stream per model object) and the same turn rule."""
     import torch
 
     x = StreamResampler(24000, vad.RATE)(np.frombuffer(pcm16(clip24k), "<i2").astype(np.float32) / 32768)
     detector, events = vad.SpeechDetector(0.5, 300), []
-    model.wrapped.reset_states()
+    model.model.reset_states()
     with torch.inference_mode():
         for w in detector.windows(x):
-            event = detector.step(float(model.wrapped(torch.from_numpy(w.copy()), vad.RATE)))
+            event = detector.step(float(model.model(torch.from_numpy(w.copy()), vad.RATE)))
             if event is not None:
                 events.append((event.kind, event.at_ms))
     return events
@@ -90,14 +106,14 @@ def reference_events(model: RecordingModel, clip24k: np.ndarray) -> list[tuple[s
 
 def test_batched_vad_gives_each_session_its_events_alone(model):
     clips = [clip(seed) for seed in range(6)]
-    worker = InputAudioWorker(tick_s=0.02, model=model)
+    worker = InputAudioWorker(tick_s=0.02, scorer=model)
     try:
         together = asyncio.run(hear(worker, clips))
         batched_calls = [rows for _, rows in model.calls]
         alone = [asyncio.run(hear(worker, [c]))[0] for c in clips]
     finally:
         worker.close()
-    assert max(batched_calls) == len(clips)  # one call scored every session's window
+    assert max(batched_calls) == len(clips)  # one call scored every session's windows
     for (events, samples), (events_alone, samples_alone), c in zip(together, alone, clips):
         assert [k for k, _ in events] == ["start", "stop", "start", "stop"], events
         assert events == events_alone == reference_events(model, c)
@@ -107,7 +123,7 @@ def test_batched_vad_gives_each_session_its_events_alone(model):
     assert {tid for tid, _ in model.calls} == {worker_thread_id(model)}
 
 
-def worker_thread_id(model: RecordingModel) -> int:
+def worker_thread_id(model: RecordingScorer) -> int:
     ids = {tid for tid, _ in model.calls}
     assert len(ids) == 1 and threading.get_ident() not in ids
     return ids.pop()
@@ -143,7 +159,7 @@ def client_event(**event) -> object:
 def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
     from omni_cache.serving.realtime import input_worker
 
-    worker = InputAudioWorker(model=model)
+    worker = InputAudioWorker(scorer=model)
     monkeypatch.setattr(input_worker, "shared", lambda: worker)
     model.calls.clear()
     sent: list = []

@@ -20,7 +20,8 @@ from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Ite
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
 from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
-from omni_cache.serving.realtime.vad import SpeechDetector, load_model, score
+from omni_cache.serving.realtime.vad import SpeechDetector, load_model
+from omni_cache.serving.realtime.vad_batch import BatchScorer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -161,13 +162,13 @@ def test_described_session_is_what_the_sdk_parses():
 
 @pytest.fixture(scope="module")
 def silero():
-    return load_model()
+    return BatchScorer(load_model())
 
 
-def feed_in_chunks(model, detector, samples_16k, chunk=320):
+def feed_in_chunks(scorer, detector, samples_16k, chunk=320):
     events = []
     for i in range(0, len(samples_16k), chunk):
-        events += score(model, [(detector, detector.windows(samples_16k[i:i + chunk]))])[0]
+        events += scorer.score([(detector, detector.windows(samples_16k[i:i + chunk]))])[0]
     return events
 
 

@@ -5,17 +5,21 @@ session's :class:`InputStream` and returns. The worker (:class:`InputAudioWorker
 process) wakes at most every ``tick_s``, takes every stream's pending appends and, per stream,
 decodes them (base64, then the wire format) and resamples them to the audio encoder's rate (and
 Silero's, where that differs) in one call each; then it scores every session's new VAD windows
-together (:func:`.vad.score`: one network call per round, whatever the number of sessions). What
+together (:class:`.vad_batch.BatchScorer`: a few network calls, whatever the number of sessions). What
 each stream heard (:class:`Heard`) goes back to the loop in one callback per tick, and order is
 kept: a stream's session handles what was heard in the order the appends came, one at a time
 (its handler may wait, e.g. for a response a barge-in cancelled to end), and the session waits
 for all of it (:meth:`InputStream.drained`) before any other client event, so a commit or a
 clear sees every append sent before it.
 
-Why a tick: scoring one window costs ~0.45 ms, scoring 64 sessions' windows in one call ~1.9 ms
-(on the 2-core AMD EPYC of this project's machines). Woken for every 40 ms append, the worker
-would score one window per call; waiting ``tick_s`` lets every session's windows of that time
-share the calls, at the cost of up to ``tick_s`` more before a speech event is sent.
+Why a tick: a network call's cost grows slowly with its rows (Silero's 16 kHz network: ~0.45 ms
+for one window, ~2 ms for 64, on this project's 2-core AMD EPYC machines). Woken for every
+40 ms append, the worker would score one window per call; waiting ``tick_s`` lets every
+session's windows of that time share the calls (:mod:`.vad_batch`), and decodes and resamples
+a session's appends of that time in one call each. The price: a speech start or stop is
+reported up to ``tick_s`` later than it was heard. Measured (16 sessions streaming, the worker
+thread's CPU per session-second of audio): 3.4 ms at 50 ms ticks, 2.9 ms at 100 ms; 64
+sessions: 2.2 and 1.7 ms (a busy machine: load average ~11).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.serving.realtime import vad
+from omni_cache.serving.realtime.vad_batch import BatchScorer
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.protocol import EventError
 
@@ -43,7 +48,7 @@ logger = logging.getLogger("omni_cache.serving.realtime")
 __all__ = ["TICK_S", "Heard", "InputAudioWorker", "InputStream", "decode_appends", "shared"]
 
 #: How long the worker lets appends gather before it handles them (see the module's docstring).
-TICK_S = 0.05
+TICK_S = 0.1
 
 
 @dataclass
@@ -200,14 +205,15 @@ class InputAudioWorker:
     """The thread that decodes, resamples and scores every stream's appends (it owns the Silero
     model: one model for all sessions, loaded on first use)."""
 
-    def __init__(self, tick_s: float = TICK_S, model: Any = None) -> None:
+    def __init__(self, tick_s: float = TICK_S, scorer: BatchScorer | None = None) -> None:
         self.tick_s = tick_s
-        #: Silero (vad.load_model()'s); loaded by the thread when a detector first needs it.
-        self.model = model
+        #: Silero, batched; loaded by the thread when a detector first needs it.
+        self.scorer = scorer
         self._cv = threading.Condition()
         self._ready: dict[InputStream, None] = {}  # streams with jobs, in arrival order
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._idle = False  # the thread waits for work (not resting between ticks)
 
     def submit(self, stream: InputStream, data: str, event_id: str | None) -> None:
         with self._cv:
@@ -216,7 +222,8 @@ class InputAudioWorker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="realtime-input-audio", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._idle:  # resting between ticks, it takes this at the next one anyway
+                self._cv.notify()
 
     def forget(self, stream: InputStream) -> None:
         with self._cv:
@@ -235,7 +242,9 @@ class InputAudioWorker:
     def _run(self) -> None:
         while True:
             with self._cv:
+                self._idle = True
                 self._cv.wait_for(lambda: self._ready or self._closing)
+                self._idle = False
                 if self._closing:
                     return
                 work, self._ready = self._ready, {}
@@ -273,9 +282,14 @@ class InputAudioWorker:
 
     def _score(self, scoring: list[tuple[vad.SpeechDetector, np.ndarray]], scored: list[Heard]) -> None:
         try:
-            if self.model is None:
-                self.model = vad.load_model()
-            events = vad.score(self.model, scoring)
+            if self.scorer is None:
+                import torch
+
+                # One thread: the batches are small (intra-op threads would spin more than they
+                # help) and the event loop needs the other core. The package's import sets it too.
+                torch.set_num_threads(1)
+                self.scorer = BatchScorer(vad.load_model())
+            events = self.scorer.score(scoring)
         except Exception as e:  # noqa: BLE001 -- the sessions are told; the worker goes on
             logger.exception("realtime: voice activity detection failed")
             for heard in scored:
@@ -310,7 +324,7 @@ _shared_lock = threading.Lock()
 
 def shared() -> InputAudioWorker:
     """The process's worker: every session of every server in this process feeds it, so their
-    windows share the model calls."""
+    windows share the network calls."""
     global _shared
     with _shared_lock:
         if _shared is None:

@@ -2,12 +2,9 @@
 TorchScript model; it runs on the server's torch, no torchaudio or onnxruntime needed).
 
 Silero scores 32 ms windows (512 samples at 16 kHz, each preceded by the 64 samples before it)
-with a speech probability and carries an LSTM state from one window to the next. The package's
-wrapper keeps that state inside the model object, one stream per object; its 16 kHz network
-(``model._model``) takes the state as an argument instead: ``forward(x [B, 576], state
-[2, B, 128]) -> (p [B, 1], state)``, one row per stream. So one network serves every session:
-each :class:`SpeechDetector` keeps its own context and state, and :func:`score` runs every
-session's next window in one call (a call costs about as much for 64 rows as for 4).
+with a speech probability and carries an LSTM state from one window to the next. One model
+serves every session: each :class:`SpeechDetector` keeps its own context and state, and
+:mod:`.vad_batch` scores all sessions' windows together.
 
 The turn rule is the Realtime API's ``server_vad``: speech starts at the first window scoring
 ``threshold`` or more; it stops once the score stayed below ``threshold - 0.15`` (Silero's own
@@ -17,13 +14,12 @@ audio appended since the session opened), as ``audio_start_ms`` / ``audio_end_ms
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["RATE", "SpeechDetector", "VadEvent", "load_model", "score"]
+__all__ = ["RATE", "SpeechDetector", "VadEvent", "load_model"]
 
 #: The rate Silero runs at here (it also takes 8 kHz; 16 kHz is its better model).
 RATE = 16000
@@ -44,8 +40,8 @@ class VadEvent:
 
 
 def load_model() -> Any:
-    """The package's Silero model (its wrapper; :func:`score` calls the 16 kHz network inside
-    it). ~0.1 s: load it off the event loop."""
+    """The package's Silero model (its wrapper; :mod:`.vad_batch` calls the 16 kHz network
+    inside it). ~0.1 s: load it off the event loop."""
     import warnings
 
     from silero_vad import load_silero_vad
@@ -102,38 +98,3 @@ class SpeechDetector:
     def reset(self) -> None:
         """Forget the speech in progress (the buffer was cleared); the clock goes on."""
         self.in_speech, self._silence_from = False, None
-
-
-def score(model: Any, work: Sequence[tuple[SpeechDetector, np.ndarray]]) -> list[list[VadEvent]]:
-    """Score every detector's windows (``[k, WINDOW]`` each, from :meth:`SpeechDetector.windows`)
-    and run its turn rule; the events of each, in order.
-
-    Round r scores the r-th window of every detector that has one, in one call of the network:
-    a detector's windows must go one after the other (each needs the state the previous one
-    left), different detectors' side by side. Call from one thread at a time (the caller owns
-    the model)."""
-    import torch
-
-    net = model._model  # the 16 kHz network: its state is an argument, not a member
-    events: list[list[VadEvent]] = [[] for _ in work]
-    rounds = max((len(w) for _, w in work), default=0)
-    with torch.inference_mode():
-        for r in range(rounds):
-            rows = [i for i, (_, w) in enumerate(work) if len(w) > r]
-            x = np.empty((len(rows), CONTEXT + WINDOW), np.float32)
-            state = np.empty((2, len(rows), STATE_SHAPE[1]), np.float32)
-            for j, i in enumerate(rows):
-                det, w = work[i]
-                x[j, :CONTEXT] = det.context
-                x[j, CONTEXT:] = w[r]
-                state[:, j] = det.state
-            p, new_state = net(torch.from_numpy(x), torch.from_numpy(state))
-            p, new_state = p.numpy()[:, 0], new_state.numpy()
-            for j, i in enumerate(rows):
-                det = work[i][0]
-                det.context = x[j, -CONTEXT:].copy()
-                det.state = new_state[:, j].copy()
-                event = det.step(float(p[j]))
-                if event is not None:
-                    events[i].append(event)
-    return events
