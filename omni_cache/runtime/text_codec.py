@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from omni_cache.runtime.tokenizer_cache import load_tokenizer
+
+T = TypeVar("T")
 
 
 class TextCodec:
@@ -41,6 +43,13 @@ class TextCodec:
             self._decoder = copy.deepcopy(self.tokenizer)
         except Exception:  # noqa: BLE001 -- one that cannot be copied shares the tokenize lock
             self._decoder, self._decode_lock = self.tokenizer, self._lock
+
+    def call_locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` holding the tokenizer's lock (blocking; for a worker thread): vLLM code
+        that reads the tokenizer, such as a tool parser built with it (its vocabulary: tens of
+        milliseconds for a real one)."""
+        with self._lock:
+            return fn(*args)
 
     def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], *,
                           tools: list[dict[str, Any]] | None = None,

@@ -176,7 +176,9 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
         raise APIError(503, "the pipeline is still starting: "
                        + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
     prompt = await asyncio.to_thread(rendered_prompt, orch, chat, state.tool_parser)
-    parser = tool_parser(orch, chat, state.tool_parser)  # adjusts chat.body: before sampling
+    # vLLM's tool parser reads the tokenizer's vocabulary (tens of ms for a real one): off the
+    # loop, behind the tokenizer's lock. It adjusts chat.body: before sampling.
+    parser = await asyncio.to_thread(orch.codec.call_locked, tool_parser, orch, chat, state.tool_parser)
     req = chat.body
     sampling = engine_sampling(req, prompt_len=len(prompt),
                                max_model_len=orch.admission.max_model_len or _UNBOUNDED,
@@ -229,13 +231,18 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
     if not chat.media:
         return []
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
-                           cache=cache)
+                           cache=cache, use_audio_in_video=_use_audio_in_video(chat))
     try:
         encoded = await asyncio.to_thread(decoder.read_all, chat.media)
         orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
         return await asyncio.to_thread(decoder.decode_all, encoded)
     except MediaError as e:
         raise APIError(400, str(e), param=e.param) from None
+
+
+def _use_audio_in_video(chat: ChatRequest) -> bool | None:
+    """The request's ``mm_processor_kwargs.use_audio_in_video``; None: the server's default."""
+    return (chat.body.mm_processor_kwargs or {}).get("use_audio_in_video")
 
 
 def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter,
