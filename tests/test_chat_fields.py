@@ -37,7 +37,7 @@ REFUSED_VALUES = {
     "thinking_token_budget": 10, "use_beam_search": True, "watermarking": True,
     "length_penalty": 0.5, "truncate_prompt_tokens": 5, "truncation_side": "left",
     "prompt_logprobs": 1, "echo": True, "add_special_tokens": True, "chat_template": "x",
-    "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
+    "media_io_kwargs": {"image": {}},
     "return_prompt_text": True, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "stream_interval": 2,
@@ -107,10 +107,17 @@ def test_a_field_that_is_not_vllms_is_refused_by_name(name):
     ({"modalities": ["text", "audio"], "add_generation_prompt": False, "continue_final_message": True},
      "add_generation_prompt", "new assistant turn"),
     ({"include_reasoning": False}, "include_reasoning", "reasoning parser"),
+    ({"mm_processor_kwargs": {"fps": 4}}, "mm_processor_kwargs", "use_audio_in_video"),
+    ({"mm_processor_kwargs": {"use_audio_in_video": "yes"}}, "mm_processor_kwargs", "true|false"),
 ])
 def test_limits_of_supported_fields(fields, param, needle):
     err = refused(**fields)
     assert err.param == param and needle in err.message
+
+
+def test_use_audio_in_video_is_taken():
+    chat = parse_chat_request(body(mm_processor_kwargs={"use_audio_in_video": False}), MODEL)
+    assert chat.body.mm_processor_kwargs == {"use_audio_in_video": False}
 
 
 def test_tools_with_tool_choice_none_may_be_spoken():

@@ -113,7 +113,7 @@ def test_the_same_image_again_is_a_prefix_hit_without_the_encoder(client, server
     ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, 400,
      "messages.0.content.0.input_audio.data", "base64"),
     ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, 400,
-     "messages.0.content.0.type", "not supported"),
+     "messages.0.content.0.video_url.url", "video could not be read"),
 ], ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video"])
 def test_bad_media_is_a_400_and_the_server_keeps_serving(server, client, part, status, param, words):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={

@@ -262,3 +262,86 @@ def test_a_prompt_extending_an_earlier_one_equals_the_reference(pipeline, refere
     assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
     assert torch.equal(got.latents["talker.codes"], want_codes)
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+
+
+VIDEO_PROMPT = [{"role": "user", "content": [
+    {"type": "video", "video": "clip"}, {"type": "text", "text": "What happens in the video?"}]}]
+
+
+def a_video(with_audio: bool):
+    """16 frames of 96x64 at 8 fps (2 s) read as the server reads a video part: 4 frames sampled
+    at 2 fps and, with ``with_audio``, its 2 s sound track at 16 kHz (use_audio_in_video)."""
+    from omni_cache.serving.chat_request import MediaPart
+    from media_samples import video_data_url
+
+    url = video_data_url(audio_s=2.0 if with_audio else None, seed=5)
+    decoder = MediaDecoder(audio_sample_rate=16000, use_audio_in_video=with_audio)
+    part = MediaPart("video", {"type": "video_url", "video_url": {"url": url}}, "video")
+    return decoder.decode_all(decoder.read_all([part]))
+
+
+def video_reference_inputs(checkpoint, items):
+    """The expanded prompt and media tensors transformers' processor makes of the same frames
+    (and sound track), at the rate the stage's processor is given."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(checkpoint)
+    text = proc.apply_chat_template(VIDEO_PROMPT, add_generation_prompt=True, tokenize=False)
+    frames, track = items[0], items[1] if len(items) > 1 else None
+    kwargs = {"videos": [frames.array], "fps": frames.fps, "use_audio_in_video": track is not None}
+    if track is not None:
+        kwargs.update(audio=[track.array], sampling_rate=track.sample_rate)
+    inputs = proc(text=text, return_tensors="pt", **kwargs)
+    expanded = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    return expanded, inputs
+
+
+@pytest.mark.parametrize("with_audio", [False, True], ids=["frames", "frames-and-sound"])
+def test_a_video_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_model, checkpoint,
+                                                           with_audio):
+    """A video's frames (and, with use_audio_in_video, its sound track interleaved by time) reach
+    the talker as the reference's hidden states, its talker positions follow the video's grid;
+    the same video again is a thinker prefix hit past the video, with the same codes."""
+    items = a_video(with_audio)
+    expanded, inputs = video_reference_inputs(checkpoint, items)
+    if with_audio:
+        # transformers' talker rope index reads `config.audio_config.n_window` for a prompt with
+        # audio and a video grid, which its talker config lacks (AttributeError in the reference
+        # itself); the thinker's is the one it means. It only sizes the audio item: the
+        # reference's positions there are plain (qwen3_omni_talker_prompt.py says why).
+        reference_model.talker.config.audio_config = reference_model.config.thinker_config.audio_config
+    want_text, want_codes, want_wav = reference(reference_model, expanded,
+                                                use_audio_in_video=with_audio, **inputs)
+    prompt = pipeline.tokenize([{"role": "user", "content": (
+        "<|vision_start|><|video_pad|><|vision_end|>What happens in the video?")}])
+    eos = reference_model.config.im_end_token_id
+    cfg = reference_model.config.thinker_config
+    video_end = max(i for i, t in enumerate(expanded) if t in (cfg.video_token_id, cfg.audio_token_id))
+    for attempt in range(2):
+        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
+                                  media=[items])
+        assert got.num_prompt_tokens == len(expanded)
+        assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
+        assert torch.equal(got.latents["talker.codes"], want_codes), attempt
+        assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+        if attempt:
+            assert got.cached_tokens.get("thinker", 0) > video_end
+
+
+def test_a_video_prompts_talker_positions_equal_the_reference(reference_model, checkpoint):
+    """Without its sound track, a video's talker positions follow its grid, the temporal index
+    scaled by seconds per patch, as the reference's rope index sets them."""
+    from omni_cache.models.qwen3_omni_talker_prompt import TalkerPrompt
+
+    expanded, inputs = video_reference_inputs(checkpoint, a_video(False))
+    prompt = TalkerPrompt.load(checkpoint)
+    grids = inputs["video_grid_thw"].tolist()
+    seconds = inputs["video_second_per_grid"].tolist()
+    positions, delta = prompt.positions(expanded, [], grids, seconds)
+    talker_ids = torch.tensor([prompt.talker_ids(expanded)])
+    want, want_delta = reference_model.talker.get_rope_index(
+        talker_ids, None, inputs["video_grid_thw"], torch.ones_like(talker_ids),
+        second_per_grids=inputs["video_second_per_grid"])
+    assert torch.equal(positions, want[:, 0].long())
+    assert delta == int(want_delta.item()) != 0

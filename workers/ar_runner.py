@@ -86,19 +86,38 @@ def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) ->
         elif ref.kind == "audio" and t is not None and t.dtype == torch.float32 and t.dim() == 1 \
                 and ref.sample_rate > 0:
             out.setdefault("audio", []).append((t.numpy(), ref.sample_rate))
+        elif ref.kind == "video" and t is not None and t.dtype == torch.uint8 and t.dim() == 4 \
+                and t.shape[-1] == 3 and ref.fps > 0:
+            out.setdefault("video", []).append(t.numpy())
         else:
             raise ValueError(f"media item {ref.tensor!r} ({ref.kind}) is missing or malformed")
     return out
 
 
+def mm_processor_kwargs(media: list[MediaRef]) -> dict[str, Any] | None:
+    """vLLM's ``mm_processor_kwargs`` for a Submit with videos: the rate of their sampled frames
+    (Qwen3-Omni's processor takes one per request: the first video's; its temporal positions
+    are 2 / fps seconds per patch) and ``use_audio_in_video`` when their sound tracks came along.
+    A video frame that came without a rate is a ValueError (400)."""
+    videos = [ref for ref in media if ref.kind == "video"]
+    if not videos:
+        return None
+    return {"fps": videos[0].fps, "use_audio_in_video": any(ref.in_video for ref in media)}
+
+
 def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
     """vLLM's ``multi_modal_uuids`` for a Submit's media (the server's content digests), laid out
-    as ``multi_modal_data``; None unless every item has one."""
+    as ``multi_modal_data``; None unless every item has one. A video's processed inputs depend on
+    the request's processor kwargs too (:func:`mm_processor_kwargs`): its UUID and its sound
+    track's carry them, so vLLM's caches never mix two readings of one file."""
     if not media or not all(ref.uuid for ref in media):
         return None
+    kwargs = mm_processor_kwargs(media)
+    suffix = "" if kwargs is None else f":fps={kwargs['fps']:.6g}:av={int(kwargs['use_audio_in_video'])}"
     out: dict[str, list] = {}
     for ref in media:
-        out.setdefault(ref.kind, []).append(ref.uuid)
+        uuid = ref.uuid + suffix if ref.kind == "video" or ref.in_video else ref.uuid
+        out.setdefault(ref.kind, []).append(uuid)
     return out
 
 
@@ -149,7 +168,8 @@ class ARRunner(StageRunner):
                             report_blocks=report_blocks, pacer=self.pacer)
         logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
                     describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
-        self.warmup = warm_up(self.llm, stage.sampling) if stage.warmup else no_warmup()
+        self.warmup = (warm_up(self.llm, stage.sampling, entry=not stage.inputs) if stage.warmup
+                       else no_warmup())
         if stage.warmup:
             logger.info("stage %s: warmed up in %.1f s (%s)", stage.name, self.warmup.total_s,
                         ", ".join(f"{p} {s:.2f} s" for p, s in self.warmup.seconds.items()))
@@ -192,6 +212,7 @@ class ARRunner(StageRunner):
         self._start(req, GenerateJob(prompt_token_ids=list(msg.prompt_token_ids),
                                      multi_modal_data=media,
                                      multi_modal_uuids=multi_modal_uuids(msg.media),
+                                     mm_processor_kwargs=mm_processor_kwargs(msg.media),
                                      max_tokens=msg.sampling.max_tokens, last=True))
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -297,6 +318,8 @@ class ARRunner(StageRunner):
             prompt["multi_modal_data"] = job.multi_modal_data
             if job.multi_modal_uuids:
                 prompt["multi_modal_uuids"] = job.multi_modal_uuids
+            if job.mm_processor_kwargs:
+                prompt["mm_processor_kwargs"] = job.mm_processor_kwargs
         vllm_id = req.request_id if self.handoff is None else f"{req.request_id}/{req.num_jobs}"
         req.num_jobs += 1
         streamed = None
@@ -419,6 +442,8 @@ class ARRunner(StageRunner):
             time_left_s=time_left(req.deadline),
             return_latents=req.return_latents, route=req.route,
             prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [],
+            video_grids=out.video_grids.grids if out.video_grids else [],
+            video_seconds_per_grid=out.video_grids.seconds_per_grid if out.video_grids else [],
             stream=req.stream)
 
     # ---- control ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from omni_cache.cache.latent_rows import LatentRows
 from omni_cache.wire.messages import TokenLogprob
 from workers.latent_capture import LatentOptions
 from workers.spoken_tokens import SpokenDelta, SpokenTokens
+from workers.video_grids import VideoGrids, video_grids
 
 # Must be set before vLLM is imported in this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -45,6 +46,8 @@ class StepOutput:
     prompt_token_ids: list[int] | None = None
     # Per image of the prompt, its (t, h, w) patch grid; first output only.
     image_grids: list[list[int]] | None = None
+    # The prompt's videos (patch grids, seconds per grid); first output only.
+    video_grids: VideoGrids | None = None
     # vLLM's stop reason with a "stop" finish: the stop string, or the stop token id.
     stop_reason: int | str | None = None
     # Per new token, its log-probabilities as vLLM ranked them (the sampled token first); only
@@ -69,6 +72,7 @@ class _Tracked:
     num_generated: int = 0
     sent_prompt: bool = False
     image_grids: list[list[int]] = field(default_factory=list)
+    video_grids: VideoGrids | None = None
     # Set for a request a downstream stage speaks: its latent rows go out only as far as the
     # spoken tokens reach.
     spoken: SpokenTokens | None = None
@@ -163,6 +167,7 @@ class LLMStage:
             tracked.spoken = SpokenTokens(params, self.engine.tokenizer)
         if prompt.get("multi_modal_data"):
             tracked.image_grids = _image_grids(self.scheduler.requests[internal])
+            tracked.video_grids = video_grids(self.scheduler.requests[internal])
         if streamed is not None or positions is not None:
             from scheduler import streamed_rows
 
@@ -247,6 +252,7 @@ class LLMStage:
         if not tracked.sent_prompt:
             result.prompt_token_ids = list(out.prompt_token_ids or ())
             result.image_grids = tracked.image_grids
+            result.video_grids = tracked.video_grids
             result.engine_times = _engine_times(out.metrics)
             tracked.sent_prompt = True
         if self.capture is not None:

@@ -39,7 +39,8 @@ class _Base(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class MediaConfig(_Base, kw_only=True):
-    """Limits on the images and audio clips of one chat request (omni_cache.serving.media)."""
+    """Limits on the images, audio clips and videos of one chat request (omni_cache.serving.media
+    and omni_cache.serving.video)."""
 
     #: Images and clips in one request, all messages together.
     max_items: PositiveInt = 8
@@ -57,6 +58,28 @@ class MediaConfig(_Base, kw_only=True):
     #: first, up to this many bytes of pixels / samples; 0 turns the cache off. A repeated image
     #: is then neither decoded again nor hashed again by vLLM (its digest is the item's vLLM UUID).
     decoded_cache_bytes: NonNegativeInt = 256 * 1024 * 1024
+    #: Encoded size of one video (``video_url`` part); videos are checked against it instead of
+    #: ``max_item_bytes``.
+    max_video_bytes: PositiveInt = 64 * 1024 * 1024
+    #: Duration of one video, read from its container's header before anything is decoded.
+    max_video_seconds: PositiveFloat = 600.0
+    #: Frames in one video file (its header's count, or duration x frame rate), before sampling.
+    max_video_frames: PositiveInt = 36000
+    #: Width x height of one video frame, from the header (1920 x 1080 by default).
+    max_video_frame_pixels: PositiveInt = 1920 * 1080
+    #: Length of a video's sound track, from the header.
+    max_video_audio_seconds: PositiveFloat = 600.0
+    #: Frames sampled per second of video (Qwen3-Omni's processor samples 2), then clamped to
+    #: ``video_min_frames`` .. ``video_max_frames`` and to a multiple of 2 (its temporal patch).
+    video_fps: PositiveFloat = 2.0
+    video_min_frames: Annotated[int, Meta(ge=2)] = 4
+    #: At most this many sampled frames per video (vLLM's Qwen2-VL loader caps it at 768).
+    video_max_frames: Annotated[int, Meta(ge=2, le=768)] = 128
+    #: A video's sound track goes to the thinker with its frames, interleaved by time (vLLM's
+    #: ``mm_processor_kwargs.use_audio_in_video``), when the request has no ``input_audio`` parts
+    #: and every video has a track. A request's ``mm_processor_kwargs.use_audio_in_video``
+    #: overrides it (``true`` that cannot be honoured is a 400).
+    use_audio_in_video: bool = True
 
 
 class RealtimeConfig(_Base, kw_only=True):

@@ -634,6 +634,10 @@ def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths
         issues.add(("server", "heartbeat_timeout_s"),
                    f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "
                    f"got {server.heartbeat_timeout_s:g} s")
+    if server.media.video_min_frames > server.media.video_max_frames:
+        issues.add(("server", "media", "video_min_frames"),
+                   f"must be at most server.media.video_max_frames ({server.media.video_max_frames}), "
+                   f"got {server.media.video_min_frames}")
     for i, s in enumerate(config.stages):
         # A step shorter than the heartbeat timeout is never long: the limit would judge nothing.
         if s.step_timeout_s is not None and s.step_timeout_s <= server.heartbeat_timeout_s:

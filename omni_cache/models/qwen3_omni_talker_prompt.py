@@ -21,8 +21,12 @@ it needs are read from the checkpoint's weight file (two small MLPs and a few em
 thinker's embedding rows are read from the memory-mapped file one token at a time).
 M-RoPE positions (`positions`): plain positions along the talker's own sequence (user turns, then
 the assistant rows), except at an image's tokens, which take its grid's (t, h, w) positions, the
-text after it going on from their maximum plus one, as the reference's rope index does. Audio
-positions are plain (the reference's too). Video is refused (the API refuses it too).
+text after it going on from their maximum plus one, as the reference's rope index does. A
+video's tokens take its grid's positions likewise, its temporal index scaled to time: patch k at
+``int(k * seconds_per_grid * position_id_per_seconds)`` (the talker config's rate, 25 by
+default). Audio positions are plain (the reference's too), and so are a video's interleaved with
+its sound track (``use_audio_in_video``): the reference talker's rope index is not told of it
+and reads such a video (vision_start followed by audio_start) as an audio item.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class TalkerPrompt:
         self.vision_start_id = thinker["vision_start_token_id"]
         self.tts_pad_id = config["tts_pad_token_id"]
         self.spatial_merge_size = int(talker.get("spatial_merge_size", 2))
+        self.position_id_per_seconds = float(talker.get("position_id_per_seconds", 25))
         self.speakers = {name.lower(): i for name, i in talker["speaker_id"].items()}
         self.codec_eos_id = talker["codec_eos_token_id"]
         self.talker_vocab_size = talker["text_config"]["vocab_size"]
@@ -152,8 +157,6 @@ class TalkerPrompt:
         speaker_id = self.speakers.get(speaker.lower())
         if speaker_id is None:
             raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(self.speakers)}")
-        if self.video_id in prompt_token_ids:
-            raise ValueError("talker prompts with video are not supported")
         start = self.assistant_start(prompt_token_ids)
         user = self.user_positions(prompt_token_ids[:start])
         media = torch.tensor([prompt_token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
@@ -179,43 +182,55 @@ class TalkerPrompt:
         user = [prompt_token_ids[i] for i in self.user_positions(prompt_token_ids[:start])]
         return user + [self.tts_pad_id] * ASSISTANT_ROWS
 
-    def positions(self, prompt_token_ids: list[int],
-                  image_grids: list[list[int]]) -> tuple[torch.Tensor, int]:
+    def positions(self, prompt_token_ids: list[int], image_grids: list[list[int]],
+                  video_grids: list[list[int]] | None = None,
+                  video_seconds_per_grid: list[float] | None = None) -> tuple[torch.Tensor, int]:
         """The talker prompt's M-RoPE positions [3, L] and the decode delta (positions of later
         steps are their index plus it)."""
         ids = self.talker_ids(prompt_token_ids)
+        video_grids, seconds = video_grids or [], video_seconds_per_grid or []
         if self.image_id in ids and not image_grids:
             raise ValueError("the talker prompt has image tokens but the thinker sent no image grids")
+        if len(seconds) != len(video_grids):
+            raise ValueError(f"{len(video_grids)} video grids but {len(seconds)} seconds per grid")
         columns: list[list[int]] = []
-        nxt, i, image = 0, 0, 0
-        merge = self.spatial_merge_size
+        nxt, i, seen = 0, 0, {self.image_id: 0, self.video_id: 0}
         while i < len(ids):
-            if ids[i] == self.vision_start_id and i + 1 < len(ids) and ids[i + 1] == self.image_id:
+            kind = ids[i + 1] if ids[i] == self.vision_start_id and i + 1 < len(ids) else None
+            if kind in seen:
                 columns.append([nxt] * 3)  # vision_start
-                nxt += 1
                 n = 1
-                while i + 1 + n < len(ids) and ids[i + 1 + n] == self.image_id:
+                while i + 1 + n < len(ids) and ids[i + 1 + n] == kind:
                     n += 1
-                if image >= len(image_grids):
-                    raise ValueError(f"the prompt has more images than the {len(image_grids)} grids sent")
-                t, h, w = image_grids[image]
-                hh, ww = h // merge, w // merge
-                if t * hh * ww != n:
-                    raise ValueError(f"image {image}: grid {t}x{h}x{w} does not match its {n} tokens")
-                # An image's temporal index is 0 (one frame), its rows and columns its grid's.
-                for _ in range(t):
-                    for r in range(hh):
-                        for c in range(ww):
-                            columns.append([nxt, nxt + r, nxt + c])
+                k = seen[kind]
+                if kind == self.image_id:
+                    grids, what, step = image_grids, "image", 0.0  # one frame: temporal index 0
+                else:
+                    grids, what = video_grids, "video"
+                    step = seconds[k] * self.position_id_per_seconds if k < len(seconds) else 0.0
+                if k >= len(grids):
+                    raise ValueError(f"the prompt has more {what}s than the {len(grids)} grids sent")
+                columns += self._grid_columns(nxt + 1, grids[k], step, n, f"{what} {k}")
                 nxt = max(max(col) for col in columns) + 1
                 i += 1 + n
-                image += 1
+                seen[kind] = k + 1
             else:
                 columns.append([nxt] * 3)
                 nxt += 1
                 i += 1
         positions = torch.tensor(columns, dtype=torch.long).T.contiguous()
         return positions, int(positions.max()) + 1 - positions.shape[1]
+
+    def _grid_columns(self, start: int, grid: list[int], step: float, n: int,
+                      what: str) -> list[list[int]]:
+        """(t, h, w) positions of a grid's n tokens from ``start``: patch k's temporal index is
+        ``int(k * step)`` (the reference's float positions, whole where its step is)."""
+        t, h, w = grid
+        hh, ww = h // self.spatial_merge_size, w // self.spatial_merge_size
+        if t * hh * ww != n:
+            raise ValueError(f"{what}: grid {t}x{h}x{w} does not match its {n} tokens")
+        return [[start + int(k * step), start + r, start + c]
+                for k in range(t) for r in range(hh) for c in range(ww)]
 
     def text(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker text rows of thinker rows (their input embeddings), one per decode step."""

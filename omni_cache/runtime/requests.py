@@ -23,7 +23,7 @@ RECENT_IDS = 10000
 
 
 #: MediaItem kinds.
-IMAGE, AUDIO = "image", "audio"
+IMAGE, AUDIO, VIDEO = "image", "audio", "video"
 
 
 @dataclass
@@ -33,10 +33,14 @@ class MediaItem:
     server's decoded-media cache: several requests share it). Decoding is the server's
     (omni_cache/serving/media.py); the orchestrator only sends these as tensor frames."""
 
-    kind: str  # IMAGE | AUDIO
+    kind: str  # IMAGE | AUDIO | VIDEO
     array: np.ndarray
     sample_rate: int = 0  # audio only
     digest: str = ""  # sha256 hex of kind, target rate and encoded bytes ("" if not known)
+    #: A video's sampled frames ``uint8 [T, H, W, 3]``: their rate (frames per second of video).
+    fps: float = 0.0
+    #: An audio item that is the sound track of the video before it (use_audio_in_video).
+    in_video: bool = False
 
 
 @dataclass(eq=False)
@@ -190,7 +194,8 @@ def submit_message(req: Request, sampling: EngineSampling, media: Sequence[Media
         sampling=sampling,
         modalities=list(req.modalities),
         return_latents=req.return_latents,
-        media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest)
+        media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest,
+                        fps=m.fps, in_video=m.in_video)
                for i, m in enumerate(media)],
         route=dict(req.route),
         stream=stream,

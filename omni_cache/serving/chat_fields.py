@@ -53,6 +53,14 @@ def _new_turn(field: str, spoken_default: bool) -> Callable[[Any, bool], str | N
     return limit
 
 
+def _mm_processor_kwargs(req: Any, audio: bool) -> str | None:
+    kwargs = req.mm_processor_kwargs or {}
+    if set(kwargs) - {"use_audio_in_video"} or not isinstance(kwargs.get("use_audio_in_video", True), bool):
+        return ('only {"use_audio_in_video": true|false} is taken (a video\'s sound track with its '
+                "frames); the thinker's processor runs with its checkpoint's settings")
+    return None
+
+
 def _include_reasoning(req: Any, audio: bool) -> str | None:
     if req.include_reasoning is False:
         return "the thinker has no reasoning parser: there is no reasoning to leave out"
@@ -123,8 +131,9 @@ FIELDS: dict[str, FieldRule] = {
     "chat_template_kwargs": FieldRule(SUPPORTED, "chat template arguments"),
     "media_io_kwargs": FieldRule(REFUSED, "media are decoded by the server's own rules "
                                  "(server.media)"),
-    "mm_processor_kwargs": FieldRule(REFUSED, "the thinker's processor runs with its "
-                                     "checkpoint's settings"),
+    "mm_processor_kwargs": FieldRule(SUPPORTED, "only {\"use_audio_in_video\": true|false}: "
+                                     "the thinker's processor runs with its checkpoint's settings",
+                                     limit=_mm_processor_kwargs),
     "structured_outputs": FieldRule(SUPPORTED, "vLLM's structured outputs: json, regex, choice, "
                                     "grammar, structural_tag"),
     "priority": FieldRule(IGNORED, "the thinker schedules first come, first served, where vLLM "

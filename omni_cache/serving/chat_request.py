@@ -192,7 +192,8 @@ def _modalities(value: Any) -> tuple[str, ...]:
 
 
 #: Content-part type -> (the field that carries it, the media kind).
-MEDIA_PARTS = {"image_url": ("image_url", "image"), "input_audio": ("input_audio", "audio")}
+MEDIA_PARTS = {"image_url": ("image_url", "image"), "input_audio": ("input_audio", "audio"),
+               "video_url": ("video_url", "video")}
 SUPPORTED_PARTS = ("text", *MEDIA_PARTS)
 
 

@@ -1,6 +1,7 @@
-"""Images and audio clips in chat requests: OpenAI content parts -> decoded arrays, with limits.
+"""Images, audio clips and videos in chat requests: OpenAI content parts -> decoded arrays, with
+limits.
 
-Two content-part types carry media, as in OpenAI's chat API:
+Three content-part types carry media, as in OpenAI's chat API (the third as in vLLM's):
 
 * ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``: PNG, JPEG, WebP,
   GIF (first frame) or BMP, decoded by Pillow into ``uint8 [H, W, 3]`` RGB. ``http(s)://`` URLs
@@ -11,8 +12,11 @@ Two content-part types carry media, as in OpenAI's chat API:
 * ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav" | "mp3"}}``:
   decoded by libsndfile (``soundfile``), mixed down to mono and resampled with libsoxr to the
   thinker's feature-extractor rate (16 kHz for Qwen3-Omni), ``float32 [n]``.
+* ``{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}``: any container and
+  codec FFmpeg reads; ``http(s)://`` URLs as for images. Checked from its header and decoded by
+  :mod:`omni_cache.serving.video` into its sampled frames ``uint8 [T, H, W, 3]``, and, with
+  ``use_audio_in_video``, its sound track as an audio item right after it (``in_video``).
 
-Video parts (``video_url``, ``input_video``) are refused: the thinker stage takes images and audio.
 Everything is checked before it is decoded in full: the encoded size
 (``server.media.max_item_bytes``), the number of items (``max_items``), an image's pixel count from
 its header (``max_image_pixels``), a clip's duration and sample rate from its header
@@ -50,7 +54,8 @@ import httpx
 import numpy as np
 
 from omni_cache.config.schema import MediaConfig
-from omni_cache.runtime.requests import AUDIO, IMAGE, MediaItem
+from omni_cache.runtime.requests import AUDIO, IMAGE, VIDEO, MediaItem
+from omni_cache.serving import video
 
 if TYPE_CHECKING:
     from omni_cache.serving.chat_request import MediaPart
@@ -59,7 +64,7 @@ if TYPE_CHECKING:
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384000
 AUDIO_FORMATS = ("wav", "mp3")
 #: Content-part types that name a modality this server does not take.
-REFUSED_PARTS = {"video_url": "video", "input_video": "video", "file": "file"}
+REFUSED_PARTS = {"input_video": "video", "file": "file"}
 #: base64 characters decoded per call (a multiple of 4). One binascii call holds the GIL for its
 #: whole input (~2 ms per MiB), and items are decoded on worker threads while the event loop's
 #: thread waits for the GIL: a 16 MiB item in one call held it ~33 ms, in slices ~2 ms at a time.
@@ -113,13 +118,17 @@ class DecodedCache:
 class EncodedItem:
     """One image or clip of a request, read and checked from its header, not decoded yet."""
 
-    kind: str  # IMAGE | AUDIO
+    kind: str  # IMAGE | AUDIO | VIDEO
     data: bytes
     param: str
     digest: str
-    #: The bytes its decoded array will hold (uint8 RGB pixels, float32 samples at the rate).
+    #: The bytes its decoded array will hold (uint8 RGB pixels, float32 samples at the rate; a
+    #: video's sampled frames and, with its sound track, the track's samples).
     decoded_bytes: int
     fmt: str = ""  # audio: "wav" | "mp3"
+    header: video.VideoHeader | None = None  # a video's
+    #: A video whose sound track goes to the thinker with it (use_audio_in_video).
+    with_audio: bool = False
 
 
 @dataclass
@@ -129,22 +138,78 @@ class MediaDecoder:
     audio_sample_rate: int = 16000
     #: Where decoded items are kept between requests (None: decode every time).
     cache: DecodedCache | None = None
+    #: Videos' sound tracks go to the thinker with them: None follows
+    #: ``server.media.use_audio_in_video`` where it can be honoured; True is the request's
+    #: (a MediaError where it cannot); False leaves them out.
+    use_audio_in_video: bool | None = None
 
     def read_all(self, parts: Sequence[MediaPart]) -> list[EncodedItem]:
         """A request's media parts read and checked from their headers, in order (nothing
         decoded); MediaError for the first that cannot be used."""
         if len(parts) > self.limits.max_items:
-            raise MediaError(f"the request has {len(parts)} images and audio clips; at most "
+            raise MediaError(f"the request has {len(parts)} images, audio clips and videos; at most "
                              f"{self.limits.max_items} are accepted (server.media.max_items)", "messages")
-        return [self.read_image(p.part["image_url"].get("url") or "", p.param + ".image_url.url")
-                if p.kind == IMAGE
-                else self.read_audio(p.part["input_audio"].get("data") or "",
-                                     p.part["input_audio"].get("format") or "", p.param + ".input_audio")
-                for p in parts]
+        items = [self.read_image(p.part["image_url"].get("url") or "", p.param + ".image_url.url")
+                 if p.kind == IMAGE
+                 else self.read_video(p.part["video_url"].get("url") or "", p.param + ".video_url.url")
+                 if p.kind == VIDEO
+                 else self.read_audio(p.part["input_audio"].get("data") or "",
+                                      p.part["input_audio"].get("format") or "", p.param + ".input_audio")
+                 for p in parts]
+        self._pick_sound_tracks(items)
+        return items
+
+    def _pick_sound_tracks(self, items: list[EncodedItem]) -> None:
+        """Mark the videos whose sound tracks go along. vLLM's Qwen3-Omni reads
+        ``use_audio_in_video`` per request and then pairs every video with one audio item: it
+        holds only when every video has a track and no ``input_audio`` part is sent beside them."""
+        videos = [i for i in items if i.kind == VIDEO]
+        wanted = self.limits.use_audio_in_video if self.use_audio_in_video is None else self.use_audio_in_video
+        if not videos or not wanted:
+            return
+        problem = ("the request also has input_audio parts" if any(i.kind == AUDIO for i in items)
+                   else next((f"{i.param} has no sound track" for i in videos
+                              if not i.header.has_audio), None))
+        if problem is None:
+            for item in videos:
+                item.with_audio = True
+                item.decoded_bytes = video.decoded_bytes(item.header, self._frames(item),
+                                                         self.audio_sample_rate, True)
+        elif self.use_audio_in_video:
+            raise MediaError(f"use_audio_in_video cannot be honoured: {problem} (a request's videos "
+                             "all bring their sound tracks, and no other audio)",
+                             "mm_processor_kwargs.use_audio_in_video")
 
     def decode_all(self, items: Sequence[EncodedItem]) -> list[MediaItem]:
-        """Items :meth:`read_all` returned, decoded in order (through the decoded-item cache)."""
-        return [self._cached(item) for item in items]
+        """Items :meth:`read_all` returned, decoded in order (through the decoded-item cache);
+        a video with its sound track is two items, its frames and then its track."""
+        out: list[MediaItem] = []
+        for item in items:
+            out.append(self._cached(item))
+            if item.with_audio:
+                out.append(self._cached(self._track_of(item)))
+        return out
+
+    def read_video(self, url: str, param: str) -> EncodedItem:
+        data = self._url_bytes(url, param, "video_url", self.limits.max_video_bytes)
+        try:
+            header = video.probe(data, self.limits)
+            frames = len(video.sampled_indices(header, self.limits))
+        except video.VideoProblem as e:
+            raise MediaError(str(e), param) from None
+        lim = self.limits
+        digest = _digest(VIDEO, 0, data, f"{lim.video_fps:g}:{lim.video_min_frames}:{lim.video_max_frames}")
+        return EncodedItem(VIDEO, data, param, digest,
+                           video.decoded_bytes(header, frames, self.audio_sample_rate, False),
+                           header=header)
+
+    def _track_of(self, item: EncodedItem) -> EncodedItem:
+        """The (already reserved) sound-track item of a video read with its track."""
+        return EncodedItem(AUDIO, item.data, item.param, _digest("video-audio", self.audio_sample_rate,
+                                                                 item.data), 0, header=item.header)
+
+    def _frames(self, item: EncodedItem) -> int:
+        return len(video.sampled_indices(item.header, self.limits))
 
     def image(self, url: str, param: str) -> MediaItem:
         """One image part read and decoded."""
@@ -191,7 +256,25 @@ class MediaDecoder:
                            samples * 4, fmt)
 
     def _decode(self, item: EncodedItem) -> MediaItem:
+        if item.kind == VIDEO:
+            return self._decode_video(item)
+        if item.header is not None:  # a video's sound track
+            return self._decode_track(item)
         return self._decode_image(item) if item.kind == IMAGE else self._decode_audio(item)
+
+    def _decode_video(self, item: EncodedItem) -> MediaItem:
+        try:
+            frames = video.decode_frames(item.data, item.header, self.limits)
+        except video.VideoProblem as e:
+            raise MediaError(str(e), item.param) from None
+        return MediaItem(VIDEO, frames, fps=video.sampled_fps(item.header, frames.shape[0]))
+
+    def _decode_track(self, item: EncodedItem) -> MediaItem:
+        try:
+            track = video.decode_track(item.data, item.header, self.audio_sample_rate)
+        except video.VideoProblem as e:
+            raise MediaError(str(e), item.param) from None
+        return MediaItem(AUDIO, track, self.audio_sample_rate, in_video=True)
 
     def _decode_image(self, item: EncodedItem) -> MediaItem:
         from PIL import Image, UnidentifiedImageError
@@ -232,30 +315,37 @@ class MediaDecoder:
 
     # ---- bytes ---------------------------------------------------------------------------------
     def _image_bytes(self, url: str, param: str) -> bytes:
+        return self._url_bytes(url, param, "image_url", self.limits.max_item_bytes)
+
+    def _url_bytes(self, url: str, param: str, part: str, limit: int) -> bytes:
         scheme = urllib.parse.urlsplit(url).scheme.lower()
+        kind = part.partition("_")[0]
         if scheme == "data":
             head, sep, payload = url.partition(",")
             if not sep or not head.endswith(";base64"):
-                raise MediaError("a data: URL must be base64 (data:image/<type>;base64,...)", param)
-            return self._b64(payload, param)
+                raise MediaError(f"a data: URL must be base64 (data:{kind}/<type>;base64,...)", param)
+            return self._b64(payload, param, limit)
         if scheme in ("http", "https"):
-            return self._fetch(url, param)
-        raise MediaError(f"image_url scheme {scheme + ':' if scheme else '(none)'} is not accepted; "
+            return self._fetch(url, param, limit)
+        raise MediaError(f"{part} scheme {scheme + ':' if scheme else '(none)'} is not accepted; "
                          "send a data: URL (base64)", param)
 
-    def _b64(self, text: str, param: str) -> bytes:
+    def _b64(self, text: str, param: str, limit: int | None = None) -> bytes:
+        limit = self.limits.max_item_bytes if limit is None else limit
         # 4 base64 characters carry 3 bytes: refuse before decoding what is too large anyway.
-        if len(text) > (self.limits.max_item_bytes + 2) // 3 * 4 + 4:
-            raise MediaError(self._too_large(), param)
+        if len(text) > (limit + 2) // 3 * 4 + 4:
+            raise MediaError(self._too_large(limit), param)
         try:
             data = _b64decode_sliced(text)
         except (binascii.Error, ValueError):
             raise MediaError("not valid base64", param) from None
         if not data:
             raise MediaError("the media item is empty", param)
+        if len(data) > limit:
+            raise MediaError(self._too_large(limit), param)
         return data
 
-    def _fetch(self, url: str, param: str) -> bytes:
+    def _fetch(self, url: str, param: str, limit: int | None = None) -> bytes:
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if host not in self.limits.allowed_url_hosts:
             raise MediaError(f"image_url from host {host or '(none)'!r} is not fetched (this server "
@@ -264,16 +354,18 @@ class MediaDecoder:
         try:
             # httpx's timeouts bound each operation (connect, each read); a server trickling a
             # byte at a time would pass them all. The deadline bounds the whole download.
-            return asyncio.run(asyncio.wait_for(self._download(url, param), self.limits.fetch_timeout_s))
+            return asyncio.run(asyncio.wait_for(self._download(url, param, limit),
+                                                self.limits.fetch_timeout_s))
         except TimeoutError:
             raise MediaError(f"image URL could not be fetched within {self.limits.fetch_timeout_s:g} s "
                              "(server.media.fetch_timeout_s)", param) from None
         except httpx.HTTPError as e:
             raise MediaError(f"image URL could not be fetched ({type(e).__name__}: {e})", param) from None
 
-    async def _download(self, url: str, param: str) -> bytes:
-        """The body of a 200 answer at ``url``, refused once it exceeds ``max_item_bytes``."""
-        limit = self.limits.max_item_bytes
+    async def _download(self, url: str, param: str, limit: int | None = None) -> bytes:
+        """The body of a 200 answer at ``url``, refused once it exceeds ``limit`` bytes
+        (``max_item_bytes`` unless given)."""
+        limit = self.limits.max_item_bytes if limit is None else limit
         async with (httpx.AsyncClient(follow_redirects=False, timeout=self.limits.fetch_timeout_s) as client,
                     client.stream("GET", url) as resp):
             if resp.is_redirect:
@@ -285,15 +377,17 @@ class MediaDecoder:
                                  f"{resp.reason_phrase})", param)
             declared = resp.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limit:
-                raise MediaError(self._too_large(), param)
+                raise MediaError(self._too_large(limit), param)
             data = bytearray()
             async for chunk in resp.aiter_bytes():  # decompressed: the limit is on what is kept
                 data += chunk
                 if len(data) > limit:
-                    raise MediaError(self._too_large(), param)
+                    raise MediaError(self._too_large(limit), param)
             return bytes(data)
 
-    def _too_large(self) -> str:
+    def _too_large(self, limit: int | None = None) -> str:
+        if limit is not None and limit == self.limits.max_video_bytes != self.limits.max_item_bytes:
+            return f"video larger than {limit} bytes (server.media.max_video_bytes)"
         return (f"media item larger than {self.limits.max_item_bytes} bytes "
                 "(server.media.max_item_bytes)")
 
@@ -317,9 +411,10 @@ def _b64decode_sliced(text: str) -> bytes:
     return b"".join(pieces)
 
 
-def _digest(kind: str, rate: int, data: bytes) -> str:
-    """What decides an item's decoded array: its kind, the rate a clip is resampled to, its bytes
-    (a format field is not needed: the decoders read the format from the bytes)."""
-    h = hashlib.sha256(f"{kind}:{rate}:".encode())
+def _digest(kind: str, rate: int, data: bytes, sampling: str = "") -> str:
+    """What decides an item's decoded array: its kind, the rate a clip is resampled to, a video's
+    frame sampling, its bytes (a format field is not needed: the decoders read the format from
+    the bytes)."""
+    h = hashlib.sha256(f"{kind}:{rate}:{sampling}:".encode() if sampling else f"{kind}:{rate}:".encode())
     h.update(data)
     return h.hexdigest()

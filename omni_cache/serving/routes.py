@@ -231,13 +231,18 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
     if not chat.media:
         return []
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
-                           cache=cache)
+                           cache=cache, use_audio_in_video=_use_audio_in_video(chat))
     try:
         encoded = await asyncio.to_thread(decoder.read_all, chat.media)
         orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
         return await asyncio.to_thread(decoder.decode_all, encoded)
     except MediaError as e:
         raise APIError(400, str(e), param=e.param) from None
+
+
+def _use_audio_in_video(chat: ChatRequest) -> bool | None:
+    """The request's ``mm_processor_kwargs.use_audio_in_video``; None: the server's default."""
+    return (chat.body.mm_processor_kwargs or {}).get("use_audio_in_video")
 
 
 def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter,

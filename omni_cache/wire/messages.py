@@ -87,15 +87,21 @@ CODES_FRAME = "codes"
 
 
 class MediaRef(msgspec.Struct, kw_only=True):
-    """One image or audio clip of a Submit; its samples travel as the tensor frame ``tensor``:
-    an image as ``uint8 [H, W, 3]`` RGB, a clip as ``float32 [n]`` mono at ``sample_rate``."""
+    """One image, audio clip or video of a Submit; its samples travel as the tensor frame
+    ``tensor``: an image as ``uint8 [H, W, 3]`` RGB, a clip as ``float32 [n]`` mono at
+    ``sample_rate``, a video's sampled frames as ``uint8 [T, H, W, 3]`` at ``fps``."""
 
-    kind: Literal["image", "audio"]
+    kind: Literal["image", "audio", "video"]
     tensor: Annotated[str, Meta(min_length=1, max_length=64)]
     sample_rate: SampleRate = 0
     #: The server's content digest of the item (omni_cache/serving/media.py), passed to vLLM as
     #: its UUID; "" when unknown (vLLM then hashes the array itself).
     uuid: Annotated[str, Meta(max_length=128)] = ""
+    #: A video: the rate of its sampled frames (frames per second of video).
+    fps: Annotated[float, Meta(ge=0, le=1000)] = 0.0
+    #: An audio clip that is the sound track of the video before it: the thinker reads both
+    #: interleaved by time (vLLM's ``use_audio_in_video``).
+    in_video: bool = False
 
 
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
@@ -186,6 +192,9 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
     prompt_token_ids: list[TokenId] = []
     # Per image of that prompt, its (t, h, w) patch grid.
     image_grids: list[PatchGrid] = []
+    # Per video of that prompt, its (t, h, w) patch grid and seconds per temporal patch.
+    video_grids: list[PatchGrid] = []
+    video_seconds_per_grid: list[Annotated[float, Meta(ge=0)]] = []
     # The request's Submit.stream: the client streams, so the stages downstream pace its audio to
     # playback.
     stream: bool = False
