@@ -93,13 +93,14 @@ def compiled_frames() -> int:
     return int(counters["frames"]["ok"])
 
 
-def warm_up(llm: Any, sampling: Any) -> WarmupReport:
+def warm_up(llm: Any, sampling: Any, *, entry: bool) -> WarmupReport:
     """Run the warm-up requests of ``llm`` (a workers.llm_stage.LLMStage that holds no request
     yet) one at a time, then leave its caches and counters as a fresh engine has them.
-    ``sampling``: the stage's configured sampling (schema.Sampling), what a stage fed by a
-    hand-off samples with."""
+    ``entry``: the stage takes the clients' requests (and their sampling); otherwise it is fed
+    by a hand-off and samples as configured: ``sampling`` (schema.Sampling)."""
     report = WarmupReport()
-    for i, request in enumerate(warmup_requests(llm, sampling)):
+    requests = warmup_requests(llm) if entry else [stage_request(llm, sampling)]
+    for i, request in enumerate(requests):
         t0 = time.perf_counter()
         _run_alone(llm, f"{REQUEST_PREFIX}{i}-{request.path}", request)
         report.seconds[request.path] = report.seconds.get(request.path, 0.0) + \
@@ -109,36 +110,53 @@ def warm_up(llm: Any, sampling: Any) -> WarmupReport:
     return report
 
 
-def warmup_requests(llm: Any, sampling: Any) -> list[WarmupRequest]:
-    """The requests that warm what this stage's engine builds on first use."""
+def _params(**kw: Any) -> Any:
     from vllm import SamplingParams
 
-    def params(**kw: Any) -> Any:
-        return SamplingParams(max_tokens=WARMUP_TOKENS, **kw)
+    return SamplingParams(max_tokens=WARMUP_TOKENS, **kw)
 
+
+def stage_request(llm: Any, sampling: Any) -> WarmupRequest:
+    """A stage fed by a hand-off (a talker): clients choose nothing of its sampling, so one
+    request with the stage's configured sampling covers what its requests run. Without a
+    tokenizer it takes prompt embeddings and streamed rows (Qwen3-Omni's talker)."""
+    params = _params(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
     tokenizer = _tokenizer(llm)
-    if tokenizer is None:  # a talker: prompt embeddings, streamed rows, the stage's sampling
-        hidden = llm.engine.vllm_config.model_config.get_hidden_size()
-        return [WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, hidden)},
-                              params(temperature=sampling.temperature, top_p=sampling.top_p,
-                                     seed=sampling.seed), streamed=True)]
+    if tokenizer is not None:
+        return WarmupRequest("stage_sampling", {"prompt_token_ids": tokenizer.encode(PROMPT)},
+                             params)
+    hidden = llm.engine.vllm_config.model_config.get_hidden_size()
+    return WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, hidden)}, params,
+                         streamed=True)
+
+
+def warmup_requests(llm: Any) -> list[WarmupRequest]:
+    """The requests that warm what the entry stage's engine builds on first use: every kind of
+    sampling a client may ask for, and with a tokenizer (bad words and grammars need one; the
+    media's placeholders are text) the logits processors, structured output and each medium."""
     from vllm.sampling_params import StructuredOutputsParams
 
-    text = {"prompt_token_ids": tokenizer.encode(PROMPT)}
-    requests = [
+    params = _params
+    tokenizer = _tokenizer(llm)
+    ids = tokenizer.encode(PROMPT) if tokenizer is not None else list(range(1, 33))
+    text = {"prompt_token_ids": ids}
+    sampling = [
         WarmupRequest("greedy", text, params(temperature=0.0)),
         # logprobs=2 also covers top_logprobs: the same compiled function ranks the tokens.
         WarmupRequest("logprobs", text, params(temperature=0.0, logprobs=2)),
         WarmupRequest("penalties", text, params(temperature=0.0, presence_penalty=0.5,
                                                 frequency_penalty=0.5, repetition_penalty=1.2)),
-        WarmupRequest("logits_processors", text, params(
-            temperature=0.0, min_tokens=1, logit_bias={0: -1.0}, bad_words=["warm"])),
         WarmupRequest("random_sampling", text, params(temperature=0.8, top_p=0.9, top_k=5)),
         WarmupRequest("seed", text, params(temperature=0.8, seed=0)),
-        WarmupRequest("structured_output", text, params(
-            temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))),
     ]
-    return requests + media_requests(llm, tokenizer, params(temperature=0.0))
+    if tokenizer is None:
+        return sampling
+    return [*sampling,
+            WarmupRequest("logits_processors", text, params(
+                temperature=0.0, min_tokens=1, logit_bias={0: -1.0}, bad_words=["warm"])),
+            WarmupRequest("structured_output", text, params(
+                temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))),
+            *media_requests(llm, tokenizer, params(temperature=0.0))]
 
 
 def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]:
