@@ -12,7 +12,8 @@ run in this process:
 * a text chat request (stream, 4 tokens) one after the other, 250 ms apart: time to the first
   token (TTFT) p50/p99;
 * the server process's CPU seconds (psutil, the omni-serve process alone, not its stages) per
-  session-second of audio, less what the idle server spends in the same time.
+  second of audio the sessions sent in that time (counted by the clients: on a busy machine they
+  may fall behind real time, the table's last column), less what the idle server spends.
 
 Phases: idle (probes only), then per N with ``create_response: false`` (no stage works: the
 cost of listening), then the turns: one session alone, then N sessions, each answering every
@@ -44,7 +45,7 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.speech_clips import RATE, pcm16, silence, speech
 
-__all__ = ["cpu_per_session_second", "format_table", "main", "percentiles", "session_audio",
+__all__ = ["appends_between", "cpu_per_session_second", "format_table", "main", "percentiles", "session_audio",
            "summarize_turns"]
 
 CHUNK_S = 0.04
@@ -79,6 +80,8 @@ def append_texts(samples: np.ndarray) -> list[str]:
 @dataclass
 class SessionStats:
     appends: int = 0
+    #: Appends sent per wall-clock second (int(time.time())): what reached the server when.
+    sent_per_s: dict[int, int] = field(default_factory=dict)
     late_s: list[float] = field(default_factory=list)  # send time - scheduled time, sampled
     events: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -131,6 +134,8 @@ async def _one_session(url: str, model: str, index: int, spec: dict[str, Any], s
     while not stop.is_set():
         await ws.send(texts[k % len(texts)])
         stats.appends += 1
+        second = int(time.time())
+        stats.sent_per_s[second] = stats.sent_per_s.get(second, 0) + 1
         k += 1
         late = time.monotonic() - (t0 + (k - 1) * CHUNK_S)
         if k % 25 == 0:
@@ -215,12 +220,26 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
     return {"n": len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": s[-1]}
 
 
-def cpu_per_session_second(cpu_s: float, seconds: float, sessions: int, idle_cores: float) -> dict[str, float]:
-    """The server's CPU per session-second of audio: raw, and less the idle server's use
-    (``idle_cores``: its CPU seconds per second with the probes alone) over the same time."""
-    session_s = sessions * seconds
-    return {"cores": cpu_s / seconds, "ms_raw": 1000 * cpu_s / session_s,
-            "ms_above_idle": 1000 * max(0.0, cpu_s - idle_cores * seconds) / session_s}
+def appends_between(sent_per_s: list[dict[int, int]], t0: float, t1: float) -> float:
+    """Appends the sessions sent between wall-clock times ``t0`` and ``t1`` (from their
+    per-second counts; a second cut by an end counts in proportion)."""
+    total = 0.0
+    for counts in sent_per_s:
+        for second, n in counts.items():
+            second = int(second)
+            overlap = min(t1, second + 1) - max(t0, second)
+            if overlap > 0:
+                total += n * overlap
+    return total
+
+
+def cpu_per_session_second(cpu_s: float, seconds: float, audio_s: float, idle_cores: float) -> dict[str, float]:
+    """The server's CPU per second of audio it received (``audio_s``, all sessions together):
+    raw, and less the idle server's use (``idle_cores``: its CPU seconds per second with the
+    probes alone) over the same ``seconds``."""
+    audio_s = max(audio_s, 1e-9)
+    return {"cores": cpu_s / seconds, "audio_s": audio_s, "ms_raw": 1000 * cpu_s / audio_s,
+            "ms_above_idle": 1000 * max(0.0, cpu_s - idle_cores * seconds) / audio_s}
 
 
 def summarize_turns(sessions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,8 +258,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The results as one markdown table: a row per phase."""
     idle = result["phases"][0]
     rows = ["| phase | sessions | /health p50 / p99 ms | chat TTFT p50 / p99 ms (p99 / idle) | "
-            "server cores | CPU ms per session-s (above idle) | first audio p50 / p90 ms |",
-            "|---|---|---|---|---|---|---|"]
+            "server cores | CPU ms per session-s (above idle) | first audio p50 / p90 ms | appends late p90 ms |",
+            "|---|---|---|---|---|---|---|---|"]
     for ph in result["phases"]:
         h, t = ph["health"], ph["ttft"]
         ratio = (t["p99"] / idle["ttft"]["p99"]) if t["p99"] and idle["ttft"]["p99"] else None
@@ -249,7 +268,8 @@ def format_table(result: dict[str, Any]) -> str:
         per = "-" if not ph["sessions"] else f"{cpu['ms_raw']:.1f} ({cpu['ms_above_idle']:.1f})"
         rows.append(f"| {ph['name']} | {ph['sessions']} | {_ms(h['p50'])} / {_ms(h['p99'])} | "
                     f"{_ms(t['p50'])} / {_ms(t['p99'])} ({'-' if ratio is None else f'{ratio:.2f}x'}) | "
-                    f"{cpu.get('cores', 0):.2f} | {per} | {_ms(fa.get('p50'))} / {_ms(fa.get('p90'))} |")
+                    f"{cpu.get('cores', 0):.2f} | {per} | {_ms(fa.get('p50'))} / {_ms(fa.get('p90'))} | "
+                    f"{_ms((ph.get('client_late_s') or {}).get('p90'))} |")
     return "\n".join(rows)
 
 
@@ -279,14 +299,13 @@ def run_phase(srv: harness.ServerProcess, model: str, name: str, sessions: int, 
             raise RuntimeError(f"{name}: the clients failed: {msg}")
         time.sleep(args.settle)
     harness.log(f"{name}: {sessions} sessions, measuring {seconds:g} s")
-    load0, cpu0, t0 = os.getloadavg()[0], _server_cpu_s(srv.pid), time.monotonic()
+    load0, cpu0, t0, wall0 = os.getloadavg()[0], _server_cpu_s(srv.pid), time.monotonic(), time.time()
     probes = asyncio.run(run_probes(srv.url, model, seconds))
-    cpu_s, elapsed = _server_cpu_s(srv.pid) - cpu0, time.monotonic() - t0
+    cpu_s, elapsed, wall1 = _server_cpu_s(srv.pid) - cpu0, time.monotonic() - t0, time.time()
     phase: dict[str, Any] = {"name": name, "sessions": sessions, "respond": respond, "seconds": elapsed,
                              "loadavg": [load0, os.getloadavg()[0]],
                              "health": percentiles(probes["health_s"]), "ttft": percentiles(probes["ttft_s"]),
-                             "chat_errors": probes["chat_errors"],
-                             "cpu": cpu_per_session_second(cpu_s, elapsed, max(1, sessions), idle_cores)}
+                             "chat_errors": probes["chat_errors"], "cpu": {"cores": cpu_s / elapsed}}
     if proc is not None:
         stop.set()
         stats = None
@@ -303,6 +322,8 @@ def run_phase(srv: harness.ServerProcess, model: str, name: str, sessions: int, 
         proc.join(30)
         stats = stats or []
         late = [x for s in stats for x in s["late_s"]]
+        audio_s = CHUNK_S * appends_between([s["sent_per_s"] for s in stats], wall0, wall1)
+        phase["cpu"] = cpu_per_session_second(cpu_s, elapsed, audio_s, idle_cores)
         phase.update(appends=sum(s["appends"] for s in stats), client_late_s=percentiles(late),
                      errors=sorted({e for s in stats for e in s["errors"]})[:5],
                      events={k: sum(s["events"].get(k, 0) for s in stats)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from benchmarks.realtime_load import (
-    CHUNK, append_texts, cpu_per_session_second, format_table, percentiles, session_audio, summarize_turns,
+    CHUNK, append_texts, appends_between, cpu_per_session_second, format_table, percentiles, session_audio,
+    summarize_turns,
 )
 from benchmarks.speech_clips import RATE, pcm16
 
@@ -51,11 +52,19 @@ def test_percentiles_nearest_rank():
 
 
 def test_cpu_per_session_second_takes_off_the_idle_server():
-    cpu = cpu_per_session_second(cpu_s=6.0, seconds=30.0, sessions=16, idle_cores=0.05)
+    cpu = cpu_per_session_second(cpu_s=6.0, seconds=30.0, audio_s=480.0, idle_cores=0.05)
     assert cpu["cores"] == pytest.approx(0.2)
     assert cpu["ms_raw"] == pytest.approx(12.5)
     assert cpu["ms_above_idle"] == pytest.approx(1000 * (6.0 - 1.5) / 480)
-    assert cpu_per_session_second(1.0, 30.0, 16, idle_cores=0.1)["ms_above_idle"] == 0.0
+    assert cpu_per_session_second(1.0, 30.0, 480.0, idle_cores=0.1)["ms_above_idle"] == 0.0
+
+
+def test_appends_are_counted_inside_the_window_only():
+    sessions = [{100: 25, 101: 25, 102: 25, 103: 25}, {101: 20, 102: 10}]
+    assert appends_between(sessions, 101.0, 103.0) == 25 + 25 + 20 + 10
+    # A second cut by an end counts in proportion: half of 100, all of 101, a quarter of 102.
+    assert appends_between(sessions, 100.5, 102.25) == pytest.approx(12.5 + 45 + 0.25 * 35)
+    assert appends_between(sessions, 200.0, 210.0) == 0
 
 
 def test_turns_without_audio_are_counted_apart():
@@ -79,5 +88,5 @@ def test_table_has_a_row_per_phase_and_ttft_against_idle():
     ]}
     lines = format_table(result).splitlines()
     assert len(lines) == 2 + 3
-    assert "| listening x16 | 16 | 2 / 10 | 30 / 60 (1.20x) | 0.10 | 6.2 (3.1) | - / - |" == lines[3]
-    assert lines[4].endswith("| 350 / 500 |") and "| idle | 0 |" in lines[2]
+    assert "| listening x16 | 16 | 2 / 10 | 30 / 60 (1.20x) | 0.10 | 6.2 (3.1) | - / - | - |" == lines[3]
+    assert lines[4].endswith("| 350 / 500 | - |") and "| idle | 0 |" in lines[2]

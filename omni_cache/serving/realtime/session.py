@@ -7,7 +7,8 @@ orchestrator's public face: ``tokenize_messages``, ``submit(..., media=, modalit
 handle's ``events()`` / ``abort()``, and ``audio_input_rate`` (the audio encoder's rate, what
 input audio is resampled to).
 
-Turn taking: with ``turn_detection: server_vad`` every append is scored as it arrives; speech
+Turn taking: with ``turn_detection: server_vad`` every append is scored by the input worker
+(:mod:`.input_worker`, off the event loop, within a tick of its arrival); speech
 start (``input_audio_buffer.speech_started``) cancels a response in flight when
 ``interrupt_response`` (barge-in: its assistant item keeps the text of the audio already sent),
 and speech stop commits the speech (with ``prefix_padding_ms`` before it) as a user item and
