@@ -249,7 +249,10 @@ class InputAudioWorker:
                     return
                 work, self._ready = self._ready, {}
             started = time.monotonic()
-            self._tick(list(work))
+            try:
+                self._tick(list(work))
+            except Exception:  # noqa: BLE001 -- a bug loses this tick's audio, not the thread
+                logger.exception("realtime: the input audio worker's tick failed")
             del work  # no stream stays alive in this frame while the thread waits
             # What arrives during the rest of the tick waits for the next one (batched with it).
             with self._cv:
