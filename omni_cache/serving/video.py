@@ -32,6 +32,10 @@ from omni_cache.config.schema import MediaConfig
 
 #: Frames per temporal patch of Qwen3-Omni's vision encoder: sampled frame counts are multiples.
 TEMPORAL_PATCH = 2
+#: A sound track decodes a little longer than its header says (an AAC track's last frame is
+#: padded to 1024 samples, its first primed): this much is reserved beyond the header's length,
+#: and a track is cut there, so what decoding holds stays within what was reserved.
+TRACK_SLACK_S = 0.25
 
 
 class VideoProblem(ValueError):
@@ -179,11 +183,15 @@ def decode_track(data: bytes, header: VideoHeader, rate: int) -> np.ndarray:
         import soxr
 
         samples = soxr.resample(samples, int(native), rate)
-    return np.ascontiguousarray(samples, dtype=np.float32)
+    return np.ascontiguousarray(samples[:_track_samples(header, rate)], dtype=np.float32)
+
+
+def _track_samples(header: VideoHeader, rate: int) -> int:
+    return math.ceil(((header.audio_s or 0) + TRACK_SLACK_S) * rate)
 
 
 def decoded_bytes(header: VideoHeader, num_frames: int, audio_rate: int, with_audio: bool) -> int:
     """What decoding will hold: the sampled RGB frames, and the track at ``audio_rate`` in float32."""
     frames = num_frames * header.width * header.height * 3
-    track = math.ceil((header.audio_s or 0) * audio_rate) * 4 if with_audio else 0
+    track = _track_samples(header, audio_rate) * 4 if with_audio else 0
     return frames + track

@@ -1,0 +1,142 @@
+"""Video parts without an engine (omni_cache/serving/video.py through serving/media.py): the
+container header read and checked before anything is decoded, frame sampling as vLLM's Qwen2-VL
+loader does it, the decoded size reserved up front bounding what decoding holds, the digest, when
+a sound track goes along (use_audio_in_video), and the Submit's UUIDs and processor kwargs."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from media_samples import video_bytes
+from omni_cache.config import load_config
+from omni_cache.config.errors import ConfigError
+from omni_cache.config.schema import MediaConfig
+from omni_cache.runtime.requests import AUDIO, VIDEO
+from omni_cache.serving import video
+from omni_cache.serving.chat_request import MediaPart
+from omni_cache.serving.media import MediaDecoder, MediaError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def part(data: bytes, i: int = 0) -> MediaPart:
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    return MediaPart(VIDEO, {"type": "video_url", "video_url": {"url": url}}, f"messages.0.content.{i}")
+
+
+def audio_part() -> MediaPart:
+    from media_samples import clip_b64
+
+    return MediaPart(AUDIO, {"type": "input_audio", "input_audio": {"data": clip_b64(), "format": "wav"}},
+                     "messages.0.content.1")
+
+
+def test_the_header_says_size_rate_frames_and_track_before_decoding():
+    h = video.probe(video_bytes(frames=16, w=96, h=64, fps=8, audio_s=3.0), MediaConfig())
+    assert (h.width, h.height, h.frames, h.fps, h.duration_s) == (96, 64, 16, 8.0, 2.0)
+    assert h.has_audio and 3.0 <= h.audio_s < 3.2 and h.audio_rate == 16000
+    assert not video.probe(video_bytes(), MediaConfig()).has_audio
+
+
+@pytest.mark.parametrize("kwargs, limits, key", [
+    ({"w": 256, "h": 128, "frames": 4}, {"max_video_frame_pixels": 96 * 64}, "max_video_frame_pixels"),
+    ({"frames": 40, "fps": 20}, {"max_video_frames": 39}, "max_video_frames"),
+    ({"frames": 8, "fps": 2}, {"max_video_seconds": 3.5}, "max_video_seconds"),
+    ({"audio_s": 4.0}, {"max_video_audio_seconds": 3.0}, "max_video_audio_seconds"),
+    ({}, {"max_video_bytes": 1000}, "max_video_bytes"),
+])
+def test_each_limit_is_checked_from_the_header(monkeypatch, kwargs, limits, key):
+    monkeypatch.setattr(video, "decode_frames", lambda *a: pytest.fail("decoded before the checks"))
+    decoder = MediaDecoder(MediaConfig(**limits))
+    with pytest.raises(MediaError) as e:
+        decoder.decode_all(decoder.read_all([part(video_bytes(**kwargs))]))
+    assert f"server.media.{key}" in str(e.value) and e.value.param == "messages.0.content.0.video_url.url"
+
+
+@pytest.mark.parametrize("frames, fps, limits, want", [
+    (16, 8, {}, 4),  # 2 s at 2 frames a second
+    (40, 8, {}, 10),
+    (40, 8, {"video_max_frames": 6}, 6),
+    (6, 8, {}, 4),  # 0.75 s: at least video_min_frames
+    (3, 8, {}, 2),  # fewer than the minimum: every whole temporal pair
+    (16, 8, {"video_fps": 4.0}, 8),
+])
+def test_frames_are_sampled_as_vllms_qwen2vl_loader_samples_them(frames, fps, limits, want):
+    from vllm.multimodal.video import Qwen2VLVideoBackend
+
+    data = video_bytes(frames=frames, fps=fps)
+    config = MediaConfig(**limits)
+    decoder = MediaDecoder(config)
+    [item] = decoder.decode_all(decoder.read_all([part(data)]))
+    expected, _ = Qwen2VLVideoBackend.load_bytes(
+        data, fps=config.video_fps, backend="opencv", min_frames=config.video_min_frames,
+        max_frames=config.video_max_frames)
+    assert item.kind == VIDEO and item.array.shape == (want, 64, 96, 3)
+    assert np.array_equal(item.array, expected)
+    assert item.fps == pytest.approx(want / (frames / fps))
+
+
+def test_what_is_reserved_bounds_what_decoding_holds():
+    decoder = MediaDecoder(MediaConfig(), audio_sample_rate=16000)
+    encoded = decoder.read_all([part(video_bytes(frames=24, fps=8, audio_s=3.0))])
+    items = decoder.decode_all(encoded)
+    assert [i.kind for i in items] == [VIDEO, AUDIO] and items[1].in_video
+    held = sum(i.array.nbytes for i in items)
+    assert held <= encoded[0].decoded_bytes <= held + 16000 * 4 // 2  # within half a second of samples
+
+
+def test_the_digest_covers_the_bytes_and_the_sampling():
+    data = video_bytes(seed=1)
+    digest = MediaDecoder().read_all([part(data)])[0].digest
+    assert MediaDecoder().read_all([part(data)])[0].digest == digest
+    assert MediaDecoder(MediaConfig(video_fps=1.0)).read_all([part(data)])[0].digest != digest
+    assert MediaDecoder().read_all([part(video_bytes(seed=2))])[0].digest != digest
+
+
+def test_a_sound_track_goes_along_where_it_can():
+    with_track, silent = video_bytes(audio_s=2.0), video_bytes()
+
+    def kinds(parts, **kwargs):
+        decoder = MediaDecoder(**kwargs)
+        return [(i.kind, i.in_video) for i in decoder.decode_all(decoder.read_all(parts))]
+
+    assert kinds([part(with_track)]) == [(VIDEO, False), (AUDIO, True)]
+    assert kinds([part(with_track)], limits=MediaConfig(use_audio_in_video=False)) == [(VIDEO, False)]
+    assert kinds([part(with_track)], use_audio_in_video=False) == [(VIDEO, False)]
+    # By default a request whose tracks cannot all go along sends frames only ...
+    assert kinds([part(with_track), part(silent, 1)]) == [(VIDEO, False), (VIDEO, False)]
+    assert kinds([part(with_track), audio_part()]) == [(VIDEO, False), (AUDIO, False)]
+    # ... and one that asked for them is told why not.
+    for parts, why in (([part(silent)], "has no sound track"),
+                       ([part(with_track), audio_part()], "input_audio parts")):
+        with pytest.raises(MediaError) as e:
+            kinds(parts, use_audio_in_video=True)
+        assert why in str(e.value) and e.value.param == "mm_processor_kwargs.use_audio_in_video"
+
+
+def test_the_submits_uuids_carry_the_processor_kwargs():
+    from omni_cache.wire.messages import MediaRef
+    from workers.ar_runner import mm_processor_kwargs, multi_modal_uuids
+
+    refs = [MediaRef(kind="image", tensor="media.0", uuid="i"),
+            MediaRef(kind="video", tensor="media.1", uuid="v", fps=2.0),
+            MediaRef(kind="audio", tensor="media.2", uuid="a", sample_rate=16000, in_video=True)]
+    assert mm_processor_kwargs(refs) == {"fps": 2.0, "use_audio_in_video": True}
+    assert multi_modal_uuids(refs) == {"image": ["i"], "video": ["v:fps=2:av=1"], "audio": ["a:fps=2:av=1"]}
+    assert mm_processor_kwargs(refs[:1]) is None and multi_modal_uuids(refs[:1]) == {"image": ["i"]}
+    assert multi_modal_uuids(refs[:2]) == {"image": ["i"], "video": ["v:fps=2:av=0"]}
+
+
+def test_min_frames_above_max_frames_is_a_config_error(tmp_path):
+    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
+    data["server"].setdefault("media", {}).update({"video_min_frames": 10, "video_max_frames": 8})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, check_paths=False)
+    assert "server.media.video_min_frames" in str(e.value) and "video_max_frames" in str(e.value)
