@@ -140,3 +140,39 @@ def test_min_frames_above_max_frames_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(path, check_paths=False)
     assert "server.media.video_min_frames" in str(e.value) and "video_max_frames" in str(e.value)
+
+
+@pytest.fixture
+def video_host():
+    import http.server
+    import threading
+
+    data = video_bytes(seed=3)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "video/mp4")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/clip.mp4", data
+    server.shutdown()
+
+
+def test_a_video_url_is_fetched_from_an_allowed_host_within_max_video_bytes(video_host):
+    url, data = video_host
+    remote = MediaPart(VIDEO, {"type": "video_url", "video_url": {"url": url}}, "messages.0.content.0")
+    decoder = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"]))
+    [fetched] = decoder.decode_all(decoder.read_all([remote]))
+    [sent] = decoder.decode_all(decoder.read_all([part(data)]))
+    assert fetched.digest == sent.digest and np.array_equal(fetched.array, sent.array)
+    with pytest.raises(MediaError, match="video_url from host '127.0.0.1' is not fetched"):
+        MediaDecoder().read_all([remote])
+    with pytest.raises(MediaError, match="server.media.max_video_bytes"):
+        MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_video_bytes=1000)).read_all([remote])

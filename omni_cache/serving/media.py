@@ -326,7 +326,7 @@ class MediaDecoder:
                 raise MediaError(f"a data: URL must be base64 (data:{kind}/<type>;base64,...)", param)
             return self._b64(payload, param, limit)
         if scheme in ("http", "https"):
-            return self._fetch(url, param, limit)
+            return self._fetch(url, param, limit, part)
         raise MediaError(f"{part} scheme {scheme + ':' if scheme else '(none)'} is not accepted; "
                          "send a data: URL (base64)", param)
 
@@ -345,10 +345,10 @@ class MediaDecoder:
             raise MediaError(self._too_large(limit), param)
         return data
 
-    def _fetch(self, url: str, param: str, limit: int | None = None) -> bytes:
+    def _fetch(self, url: str, param: str, limit: int | None = None, part: str = "image_url") -> bytes:
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if host not in self.limits.allowed_url_hosts:
-            raise MediaError(f"image_url from host {host or '(none)'!r} is not fetched (this server "
+            raise MediaError(f"{part} from host {host or '(none)'!r} is not fetched (this server "
                              "fetches only from server.media.allowed_url_hosts); send a data: URL",
                              param)
         try:
@@ -357,10 +357,10 @@ class MediaDecoder:
             return asyncio.run(asyncio.wait_for(self._download(url, param, limit),
                                                 self.limits.fetch_timeout_s))
         except TimeoutError:
-            raise MediaError(f"image URL could not be fetched within {self.limits.fetch_timeout_s:g} s "
+            raise MediaError(f"{part} could not be fetched within {self.limits.fetch_timeout_s:g} s "
                              "(server.media.fetch_timeout_s)", param) from None
         except httpx.HTTPError as e:
-            raise MediaError(f"image URL could not be fetched ({type(e).__name__}: {e})", param) from None
+            raise MediaError(f"{part} could not be fetched ({type(e).__name__}: {e})", param) from None
 
     async def _download(self, url: str, param: str, limit: int | None = None) -> bytes:
         """The body of a 200 answer at ``url``, refused once it exceeds ``limit`` bytes
@@ -369,11 +369,11 @@ class MediaDecoder:
         async with (httpx.AsyncClient(follow_redirects=False, timeout=self.limits.fetch_timeout_s) as client,
                     client.stream("GET", url) as resp):
             if resp.is_redirect:
-                raise MediaError(f"image URL could not be fetched (redirect to "
+                raise MediaError(f"media URL could not be fetched (redirect to "
                                  f"{resp.headers.get('location', '?')} refused: it could lead off "
                                  "server.media.allowed_url_hosts)", param)
             if resp.status_code != 200:
-                raise MediaError(f"image URL could not be fetched (HTTP {resp.status_code} "
+                raise MediaError(f"media URL could not be fetched (HTTP {resp.status_code} "
                                  f"{resp.reason_phrase})", param)
             declared = resp.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limit:
