@@ -261,11 +261,21 @@ LONG_TURNS = 300
 
 
 def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
-    """Text and 0.2 s audio turns, one after the other, 300 of them: past the thinker's 16 clips
-    per prompt (every 32 turns) and its 8192-token context, truncation (auto) drops old turns and
-    every turn is answered; each turn after the first hits the prefix cache: on the whole previous
-    prompt between truncations, on the instructions' blocks on a turn that truncated."""
+    """Text and 0.2 s audio turns, 300 of them: in the first half short text and audio turns
+    alternate under ``truncation: auto`` (the thinker's 16 clips per prompt are passed every 32
+    turns); in the second half longer text turns with a clip every sixth under a retention ratio
+    of 0.5 and a token limit (``post_instructions``, 1200: the token path; with the real
+    8192-token context this half took ~10 minutes on a loaded 2-vCPU machine, and the fake
+    pipeline's tests truncate at max_model_len). Every turn is answered; each turn after the first hits the prefix cache: on
+    the whole previous prompt between truncations, on the instructions' blocks on a turn that
+    truncated."""
     block = server.orchestrator.config.stage("thinker").engine_args.block_size
+    half = LONG_TURNS // 2
+    post_instructions = 1200
+    filler = " ".join(f"word{i}" for i in range(15))  # ~100 bytes
+
+    def audio_turn(turn: int) -> bool:
+        return turn % 2 == 1 if turn < half else turn % 6 == 5
 
     async def go():
         turns = []
@@ -274,7 +284,12 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
             await opened(conn, instructions=INSTRUCTIONS, max_output_tokens=4,
                          output_modalities=["text"], **MANUAL)
             for turn in range(LONG_TURNS):
-                if turn % 2:
+                if turn == half:
+                    await conn.session.update(session={"type": "realtime", "truncation": {
+                        "type": "retention_ratio", "retention_ratio": 0.5,
+                        "token_limits": {"post_instructions": post_instructions}}})
+                    assert (await next_event(conn)).type == "session.updated"
+                if audio_turn(turn):
                     await append_audio(conn, speech(0.2, seed=1000 + turn))
                     await conn.input_audio_buffer.commit()
                     committed = await next_event(conn, skip=("conversation.item.deleted",))
@@ -282,7 +297,8 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
                     await next_event(conn), await next_event(conn)  # item added, done
                 else:
                     await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                        {"type": "input_text", "text": f"Turn {turn}: what comes next?"}]})
+                        {"type": "input_text", "text": f"Turn {turn}: what comes next?"
+                         + (" " + filler if turn >= half else "")}]})
                     await next_event(conn, skip=("conversation.item.deleted",))
                     await next_event(conn)
                 # Every fourth answer spoken, the rest text: both kinds of answer, turns kept short.
@@ -319,9 +335,17 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
             # The previous prompt is this one's start (but its generation prompt, when its answer
             # had no text): all its full blocks hit.
             assert cached >= (prev - tail) // block * block > 0, (i, cached, prev)
-    print(f"{truncated} truncations")
-    # The limits were reached again and again; each truncation left room for several turns.
-    assert 5 <= truncated <= LONG_TURNS // 8, truncated
+    first = [t for i, t in enumerate(turns) if i < half]
+    second = [t for i, t in enumerate(turns) if i >= half]
+    cut = [sum(dropped for _, dropped, _ in part) for part in (first, second)]
+    longest = max(r.usage.input_tokens for r, _, _ in second)
+    print(f"{truncated} truncations ({cut[0]} in the first half, {cut[1]} in the second); longest "
+          f"prompt of the second half {longest} tokens")
+    # The first half reached the clip limit, the second the token limit, again and again; each
+    # truncation left room for several turns.
+    assert max(n for _, _, n in first) == 16 and cut[0] >= 3
+    assert 0.5 * post_instructions < longest <= post_instructions + system + tail and cut[1] >= 3
+    assert truncated <= LONG_TURNS // 6, truncated
 
 
 def run_long(coro):
