@@ -15,8 +15,8 @@ The planning itself (cuts, media token estimates, the shared media bound) is uni
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
+import time
 import uuid
 
 import httpx
@@ -31,8 +31,7 @@ from omni_cache.runtime.requests import AUDIO, MediaItem
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.realtime.truncation import MediaTokens, cut_points, first_cut
 from omni_cache.serving.server import ServerThread
-from test_realtime_session import wait_until
-from test_server_unit import API_KEY, make_orchestrator, write_config
+from fake_pipeline import API_KEY, make_orchestrator, write_config
 
 MAX_MODEL_LEN = 600
 ANSWER_TOKENS = 16
@@ -76,6 +75,14 @@ def small():
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 180))
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Poll for what the server does after a client is gone (it learns of it asynchronously)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the server still holds the session"
+        time.sleep(0.05)
 
 
 def model(server) -> str:
