@@ -1,7 +1,7 @@
 """Request streams for the end-to-end benchmark (``python -m benchmarks``).
 
 A workload is a list of :class:`Session` s: a session is one request (``shared-prefix``,
-``zero-reuse``, ``image``) or one conversation of several turns (``multi-turn``), whose turns are sent one
+``zero-reuse``, ``image``, ``video``) or one conversation of several turns (``multi-turn``), whose turns are sent one
 after the other, each resending the whole history including the previous answers. Every session
 is built from a seeded ``random.Random``, so both sides of a run (cache on / off) and repeated runs
 with the same flags send exactly the same prompts at the same times.
@@ -34,6 +34,7 @@ __all__ = [
     "build_workload",
     "content_sizes",
     "image_data_url",
+    "video_data_url",
     "messages_for",
     "parse_mix",
     "prompt_tokens_expected",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 KINDS = ("shared-prefix", "multi-turn", "zero-reuse")
-WORKLOADS = (*KINDS, "image", "mixed")
+WORKLOADS = (*KINDS, "image", "video", "mixed")
 
 #: Pixels per vision token of Qwen3-Omni's encoder (16-pixel patches, 2 x 2 merged).
 PIXELS_PER_IMAGE_TOKEN = 32
@@ -81,6 +82,8 @@ class Session:
     arrival_s: float | None = None
     #: An image (data: URL) sent before the text of the first user message (``image``).
     image: str | None = None
+    #: A video (data: URL) sent there likewise (``video``).
+    video: str | None = None
 
     @property
     def turns(self) -> int:
@@ -112,6 +115,9 @@ def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[s
         if k == 0 and session.image is not None:
             content = [{"type": "image_url", "image_url": {"url": session.image}},
                        {"type": "text", "text": session.users[0]}]
+        elif k == 0 and session.video is not None:
+            content = [{"type": "video_url", "video_url": {"url": session.video}},
+                       {"type": "text", "text": session.users[0]}]
         msgs.append({"role": "user", "content": content})
         if k < turn:
             msgs.append({"role": "assistant", "content": answers[k]})
@@ -120,8 +126,8 @@ def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[s
 
 def prompt_tokens_expected(session: Session, turn: int, answers: list[str]) -> int | None:
     """The prompt length the tiny template and byte-level tokenizer give (UTF-8 bytes + template
-    tokens; an answer may hold non-ASCII text); None for a prompt with an image."""
-    if session.image is not None:
+    tokens; an answer may hold non-ASCII text); None for a prompt with an image or a video."""
+    if session.image is not None or session.video is not None:
         return None
     n = TEMPLATE["system"] + _nbytes(session.system) + TEMPLATE["generation"]
     for k in range(turn):
@@ -183,6 +189,9 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
     * ``image``: every request = one image of about ``shared`` vision tokens (Qwen3-Omni's
       encoder: one token per 32 x 32 pixels), the same for all, followed by a question of its own
       of ``unique`` characters; no system prompt.
+    * ``video``: likewise one video, the same for all (:func:`video_data_url`: 2 s of 96 x 64 at
+      8 fps with a sound track; Qwen3-Omni reads it as 4 sampled frames, 2 x 280 vision tokens,
+      and its track interleaved: ~600 tokens whatever ``shared``).
     * ``mixed``: sessions of the three kinds drawn with ``sizes.mix`` weights until
       ``num_requests`` requests; its shared-prefix sessions share one system prompt.
 
@@ -200,6 +209,7 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
     rng = random.Random(f"omni_cache-e2e/{name}/{seed}")
     shared_system = random_text(rng, sys_chars)
     shared_image = image_data_url(sizes.shared_tokens, seed) if name == "image" else None
+    shared_video = video_data_url(seed) if name == "video" else None
 
     def make(index: int, kind: str, warmup: bool = False) -> Session:
         if kind == "shared-prefix":
@@ -208,6 +218,9 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
         if kind == "image":
             return Session(index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens,
                            warmup, image=shared_image)
+        if kind == "video":
+            return Session(index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens,
+                           warmup, video=shared_video)
         if kind == "zero-reuse":
             return Session(index, kind, random_text(rng, sys_chars), [random_text(rng, user_chars)],
                            sizes.max_tokens, warmup)
@@ -274,6 +287,48 @@ def image_data_url(tokens: int, seed: int) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def video_data_url(seed: int, seconds: float = 2.0, fps: int = 8, width: int = 96,
+                   height: int = 64) -> str:
+    """An MP4 (data: URL) of moving colour bands with a seeded phase and a sine-tone sound track
+    (AAC, 16 kHz), written with PyAV."""
+    import os
+    import tempfile
+
+    import av
+    import numpy as np
+
+    phase = random.Random(f"omni_cache-e2e/video/{seed}").random() * 2 * math.pi
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        with av.open(path, "w", format="mp4") as c:
+            v = c.add_stream("mpeg4", rate=fps)
+            v.width, v.height, v.pix_fmt = width, height, "yuv420p"
+            a = c.add_stream("aac", rate=16000)
+            a.layout = "mono"
+            x = np.arange(width)[None, :, None]
+            for i in range(int(seconds * fps)):
+                band = 127 + 120 * np.sin(phase + (x + 4 * i) / 9.0 + np.arange(3) * 2.0)
+                img = np.broadcast_to(band, (height, width, 3)).astype(np.uint8)
+                for p in v.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")):
+                    c.mux(p)
+            for p in v.encode():
+                c.mux(p)
+            n = int(seconds * 16000)
+            tone = (0.3 * np.sin(2 * np.pi * 330 * np.arange(n) / 16000 + phase)).astype(np.float32)
+            for off in range(0, n, 1024):
+                frame = av.AudioFrame.from_ndarray(tone[None, off:off + 1024], format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = 16000, off
+                for p in a.encode(frame):
+                    c.mux(p)
+            for p in a.encode():
+                c.mux(p)
+        with open(path, "rb") as f:
+            return "data:video/mp4;base64," + base64.b64encode(f.read()).decode("ascii")
+    finally:
+        os.remove(path)
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:

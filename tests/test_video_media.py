@@ -176,3 +176,18 @@ def test_a_video_url_is_fetched_from_an_allowed_host_within_max_video_bytes(vide
         MediaDecoder().read_all([remote])
     with pytest.raises(MediaError, match="server.media.max_video_bytes"):
         MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_video_bytes=1000)).read_all([remote])
+
+
+def test_the_benchmarks_video_workload_sends_one_readable_video_to_all():
+    from benchmarks.workloads import Sizes, build_workload, messages_for, prompt_tokens_expected
+
+    warmup, sessions = build_workload("video", Sizes(num_requests=3, unique_tokens=20), seed=1)
+    parts = [messages_for(s, 0, [])[0]["content"] for s in warmup + sessions]
+    urls = {p[0]["video_url"]["url"] for p in parts}
+    assert len(urls) == 1 and len({p[1]["text"] for p in parts}) == 4
+    assert prompt_tokens_expected(sessions[0], 0, []) is None
+    decoder = MediaDecoder()
+    video_part = MediaPart(VIDEO, parts[0][0], "messages.0.content.0")
+    items = decoder.decode_all(decoder.read_all([video_part]))
+    assert [(i.kind, i.in_video) for i in items] == [(VIDEO, False), (AUDIO, True)]
+    assert items[0].array.shape == (4, 64, 96, 3)
