@@ -10,7 +10,7 @@ Every round starts, per side, a FRESH ``omni-serve`` on a private copy of the st
 autoregressive stage with ``warmup: false``), waits until it serves, then sends, one at a time,
 the first request of each kind (:data:`KINDS`: plain text, logprobs, top_logprobs, the three
 penalties, a seed, top-p sampling, a json_schema response, a named tool, an image, an audio clip,
-a spoken answer) followed at once by a second request of the same kind whose prompt (and image,
+a video, a spoken answer) followed at once by a second request of the same kind whose prompt (and image,
 clip) differ, so the second hits no prefix cache the first filled. Each request streams; the
 client records its status, time to the first chunk with content (text, a tool call or audio) and
 its full latency. The sides alternate their order from round to round. ``--burners N`` runs N
@@ -71,6 +71,25 @@ def _wav_b64(freq: float, seconds: float = 1.0, rate: int = 16000) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _video_data_url(seed: int, frames: int = 8, w: int = 64, h: int = 48, fps: int = 4) -> str:
+    """An MP4 (MPEG-4 part 2, which every FFmpeg build encodes) of random frames, no sound."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        with av.open(f.name, "w", format="mp4") as c:
+            v = c.add_stream("mpeg4", rate=fps)
+            v.width, v.height, v.pix_fmt = w, h, "yuv420p"
+            for _ in range(frames):
+                img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+                for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                    c.mux(p)
+            for p in v.encode():
+                c.mux(p)
+        data = Path(f.name).read_bytes()
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
 _TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -111,6 +130,9 @@ def request_body(kind: str, nth: int, max_tokens: int) -> dict[str, Any]:
         content = [{"type": "text", "text": text},
                    {"type": "input_audio", "input_audio": {"data": _wav_b64(330.0 + 110 * nth),
                                                            "format": "wav"}}]
+    elif kind == "video":
+        content = [{"type": "text", "text": text},
+                   {"type": "video_url", "video_url": {"url": _video_data_url(nth)}}]
     elif kind == "spoken":
         extra = {"modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"}}
     elif kind != "text":
@@ -121,7 +143,7 @@ def request_body(kind: str, nth: int, max_tokens: int) -> dict[str, Any]:
 
 KINDS = ("text", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
          "repetition_penalty", "seed", "top_p", "json_schema", "named_tool", "image", "audio_in",
-         "spoken")
+         "video", "spoken")
 
 
 @dataclass

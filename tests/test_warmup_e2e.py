@@ -84,7 +84,7 @@ def warmed(tmp_path_factory):
 def test_the_warmup_reports_each_path_it_ran(warmed):
     _, _, counters = warmed
     for path in ("greedy", "logprobs", "penalties", "seed", "random_sampling",
-                 "structured_output", "image", "audio"):
+                 "structured_output", "image", "audio", "video"):
         assert counters.get(f"omni_cache_stage_warmup_{path}_s", 0) > 0, path
     # The logprobs path is the one vLLM compiles; the others are not, but all ran.
     assert counters["omni_cache_stage_warmup_s"] >= counters["omni_cache_stage_warmup_logprobs_s"]

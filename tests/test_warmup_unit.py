@@ -48,9 +48,11 @@ def test_each_kind_sets_its_parameters_and_the_second_prompt_differs():
         if kind in fields:
             assert fields[kind] in first, kind
     image = request_body("image", 0, 8)["messages"][0]["content"]
+    assert request_body("video", 0, 8)["messages"][0]["content"][1]["video_url"]["url"].startswith(
+        "data:video/mp4;base64,")
     assert image[1]["image_url"]["url"].startswith("data:image/png;base64,")
     with pytest.raises(ValueError):
-        request_body("video", 0, 8)
+        request_body("hologram", 0, 8)
 
 
 def test_no_warmup_side_turns_off_only_the_vllm_stages(tmp_path):

@@ -10,7 +10,8 @@ What vLLM 0.32 (CPU) does lazily, found by sending the first request of each kin
 * structured outputs: the xgrammar backend (its tokenizer info, the grammar compiler) is built
   with the first request that has a grammar (a named tool is one too);
 * sampling with a seed, top-k/top-p and penalties, the builtin logits processors, and each medium
-  the stage takes (limit_mm_per_prompt > 0): first runs of their code, cheap but not free.
+  the stage takes (image, audio, video with limit_mm_per_prompt > 0): first runs of their code,
+  cheap but not free.
 
 Each warm-up request runs alone through the stage's own LLMStage (the same add/step path a
 client's request takes), with a few tokens of text the warm-up names itself and tiny generated
@@ -19,8 +20,9 @@ cache is reset (the hidden-state mirror follows vLLM's block hashes, so its rows
 unreachable), the block changes prefix routing would hear of are dropped, and the stage's counters
 start from zero. Nothing here copies vLLM code: requests go in through its public engine API.
 
-A stage that takes prompt embeddings without a tokenizer (the talker) has no client-chosen
-sampling: only its greedy path is warmed, with a prompt of zero embeddings.
+That is the entry stage's warm-up. A stage fed by a hand-off (the talker) samples only as its
+config says: one request with that sampling warms it (zero prompt embeddings and pad rows for
+Qwen3-Omni's talker, which has no tokenizer).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ WARMUP_TOKENS = 2
 MAX_STEPS = 256
 #: The warm-up's own text (a prompt no client shares, so nothing of it could be a prefix hit).
 PROMPT = "omni_cache warm-up: a few tokens of text."
+#: Frame rate of the warm-up's video (its frames' sampling rate, as the server reports a clip's).
+VIDEO_FPS = 2.0
 #: A JSON schema for the structured-output path.
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -160,9 +164,9 @@ def warmup_requests(llm: Any) -> list[WarmupRequest]:
 
 
 def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]:
-    """One request per medium the stage takes (image, audio with a limit_mm_per_prompt above 0),
-    each with one tiny item behind the model's own placeholder text. Video is not warmed: the
-    server's API refuses it."""
+    """One request per medium the stage takes (image, audio, video with a limit_mm_per_prompt
+    above 0), each with one tiny item behind the model's own placeholder text (a video with its
+    frame rate, as workers/ar_runner.py passes a client's, and without its sound track)."""
     model_config = llm.engine.vllm_config.model_config
     mm = model_config.multimodal_config
     if mm is None:
@@ -170,7 +174,7 @@ def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]
     from vllm.model_executor.model_loader import get_model_cls
 
     model_cls = get_model_cls(model_config)
-    items = {"image": _image, "audio": _audio}
+    items = {"image": _image, "audio": _audio, "video": _video}
     out = []
     for modality, make in items.items():
         if mm.get_limit_per_prompt(modality) <= 0:
@@ -181,9 +185,11 @@ def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]
             continue
         if not placeholder:
             continue
-        ids = tokenizer.encode(f"{placeholder}{PROMPT}")
-        out.append(WarmupRequest(modality, {"prompt_token_ids": ids,
-                                            "multi_modal_data": {modality: [make()]}}, params))
+        prompt = {"prompt_token_ids": tokenizer.encode(f"{placeholder}{PROMPT}"),
+                  "multi_modal_data": {modality: [make()]}}
+        if modality == "video":
+            prompt["mm_processor_kwargs"] = {"fps": VIDEO_FPS, "use_audio_in_video": False}
+        out.append(WarmupRequest(modality, prompt, params))
     return out
 
 
@@ -198,6 +204,11 @@ def _audio() -> tuple[np.ndarray, int]:
     """One second of a 440 Hz tone at 16 kHz."""
     t = np.arange(16000, dtype=np.float32) / 16000
     return (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000
+
+
+def _video() -> np.ndarray:
+    """Four 56 x 56 RGB frames, [T, H, W, 3] uint8 (as the server decodes a clip's frames)."""
+    return np.random.default_rng(1).integers(0, 255, (4, 56, 56, 3), dtype=np.uint8)
 
 
 def _tokenizer(llm: Any) -> Any:
