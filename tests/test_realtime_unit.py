@@ -213,6 +213,22 @@ def test_input_buffer_clock_limit_and_padding():
     assert np.all(buf.take() == 1.0) and buf.duration_ms == 0 and buf.end_ms == 750
 
 
+def test_input_buffer_keeps_exactly_the_last_samples_across_chunks():
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        buf, held = InputAudioBuffer(16000, max_seconds=60.0), np.zeros(0, np.float32)
+        for _ in range(15):
+            x = rng.standard_normal(int(rng.integers(0, 3000))).astype(np.float32)
+            buf.append(x)
+            held = np.concatenate([held, x])
+            if rng.random() < 0.5:
+                ms = int(rng.integers(0, 400))
+                buf.keep_last(ms)
+                held = held[max(0, len(held) - ms * 16):]
+            assert buf.size == len(held)
+        assert np.array_equal(buf.take(), held)
+
+
 # ---- conversation ------------------------------------------------------------------------------
 
 def test_conversation_prompt_holds_every_turn_with_stable_audio():

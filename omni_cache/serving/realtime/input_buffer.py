@@ -57,11 +57,19 @@ class InputAudioBuffer:
     def keep_last(self, ms: int) -> None:
         """Drop all but the last ``ms`` (silence before speech: only the prefix padding is kept)."""
         keep = ms * self.rate // 1000
-        if self.size <= keep:
+        drop = self.size - keep
+        if drop <= 0:
             return
-        data = self.take()
-        tail = data[len(data) - keep:] if keep else data[:0]
-        self._chunks, self.size = ([tail] if len(tail) else []), len(tail)
+        # Whole chunks leave from the front, the first kept one is sliced: called after every
+        # tick of silence, this copies nothing (joining everything held each time did).
+        while drop:
+            first = self._chunks[0]
+            if len(first) <= drop:
+                self._chunks.pop(0)
+                drop -= len(first)
+            else:
+                self._chunks[0], drop = first[drop:], 0
+        self.size = keep
 
     def clear(self) -> None:
         self._chunks, self.size = [], 0
