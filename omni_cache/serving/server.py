@@ -53,6 +53,7 @@ from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.chat_output import parser_class
 from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
+from omni_cache.serving.preload import preload
 from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.routes import router
 from omni_cache.tasks import cancel_and_wait
@@ -111,8 +112,10 @@ def _lifespan(
     """Start the orchestrator in the background when the app starts, close it when it stops."""
 
     async def boot(app: FastAPI) -> None:
+        imports = asyncio.create_task(asyncio.to_thread(preload), name="omni-cache-preload")
         try:
             await orch.start()
+            await imports  # long done: the stages take seconds to start
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001

@@ -1,0 +1,64 @@
+"""The modules the request path imports on first use, imported while the server starts.
+
+The serving modules import vLLM's protocol classes, Pillow, soundfile and the like inside the
+functions that need them, so that importing ``omni_cache.serving`` stays cheap for the CLI's
+config checks and for tests. A server pays those imports on the first request of each kind
+instead: measured ~90 ms for the first chat request and ~60 ms more for the first image on a
+2-core AMD EPYC (benchmarks.first_request), enough to make a fresh server's first answer twice as
+slow as its second. :func:`preload` imports them in a thread while the stages start, which takes
+longer anyway.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+logger = logging.getLogger(__name__)
+
+#: Every module a function of omni_cache/serving imports on first use, a package standing for its
+#: submodules (tests/test_preload.py checks the list against the source).
+REQUEST_PATH_MODULES = (
+    "av",
+    "openai.types.chat.chat_completion_audio",
+    "openai.types.realtime",
+    "PIL.Image",
+    "pydantic",
+    "silero_vad",
+    "soundfile",
+    "soxr",
+    "torch",
+    "uvicorn",
+    "vllm.entrypoints.generate.base.protocol",
+    "vllm.entrypoints.openai.chat_completion.protocol",
+    "vllm.entrypoints.serve.engine.protocol",
+    "vllm.entrypoints.serve.exception_handling.error_response",
+    "vllm.entrypoints.serve.exception_handling.register",
+    "vllm.entrypoints.serve.utils.api_utils",
+    "vllm.entrypoints.serve.utils.tool_calls_utils",
+    "vllm.multimodal.media.audio",
+    "vllm.multimodal.video",
+    "vllm.multimodal.video_decoders",
+    "vllm.parser",
+    "vllm.renderers.chat_utils",
+    "vllm.renderers.hf",
+    "vllm.sampling_params",
+)
+
+
+def preload() -> list[str]:
+    """Import :data:`REQUEST_PATH_MODULES` and register Pillow's image plugins (its first
+    ``Image.open`` would); returns the modules that failed to import (logged, not raised: the
+    request that needs one reports the error as before)."""
+    failed = []
+    for name in REQUEST_PATH_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a missing optional module fails its request later
+            logger.warning("preloading %s failed: %s", name, e)
+            failed.append(name)
+    if "PIL.Image" not in failed:
+        from PIL import Image
+
+        Image.init()
+    return failed
