@@ -39,10 +39,11 @@ def flat_png_data_url(w: int, h: int, colour: tuple[int, int, int] = (200, 30, 9
 
 
 def video_bytes(frames: int = 16, w: int = 96, h: int = 64, fps: int = 8, *, audio_s: float | None = None,
-                seed: int = 0, fmt: str = "mp4", faststart: bool = False) -> bytes:
+                seed: int = 0, fmt: str = "mp4", faststart: bool = False, noise: bool = True) -> bytes:
     """A video of random frames (MPEG-4 part 2, which every FFmpeg build encodes) and, when
     ``audio_s`` is given, an AAC sound track of a sine tone that long (16 kHz mono).
-    ``faststart``: the MP4 index goes before the frames (so a truncated file keeps its header)."""
+    ``faststart``: the MP4 index goes before the frames (so a truncated file keeps its header).
+    ``noise=False``: flat frames of a changing colour (a few bytes each, however large)."""
     import os
     import tempfile
 
@@ -60,7 +61,8 @@ def video_bytes(frames: int = 16, w: int = 96, h: int = 64, fps: int = 8, *, aud
             if a is not None:
                 a.layout = "mono"
             for _ in range(frames):
-                img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+                img = (rng.integers(0, 255, (h, w, 3), dtype=np.uint8) if noise
+                       else np.full((h, w, 3), rng.integers(0, 255, 3), dtype=np.uint8))
                 for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
                     c.mux(p)
             for p in v.encode():

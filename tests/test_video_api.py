@@ -30,10 +30,15 @@ LIMITS = {"max_video_bytes": 300_000, "max_video_seconds": 10.0, "max_video_fram
           "max_video_frame_pixels": 96 * 64 * 4, "max_video_audio_seconds": 5.0}
 
 
+#: Decoded media all requests in flight may hold: a 2 s clip of 96x64 reserves ~0.2 MB.
+MEDIA_BOUND = 1_000_000
+
+
 def pipeline_config(tmp, *, prefix_cache: bool = True) -> dict:
     data = yaml.safe_load(write_pipeline_config(tmp, NAME if prefix_cache else NAME + "-off",
                                                 "qwen3_omni.yaml").read_text())
     data["server"].setdefault("media", {}).update(LIMITS)
+    data["server"]["max_media_bytes_in_flight"] = MEDIA_BOUND
     for stage in data["stages"]:
         if not prefix_cache and stage["name"] in ("thinker", "talker"):
             stage["prefix_cache"] = False
@@ -174,6 +179,18 @@ def test_a_bad_video_is_a_400_and_the_server_keeps_serving(server, client, kind)
     ok = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [clip(0), text("ok?")]}],
                                         max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_video_decoding_past_the_media_bound_is_refused_before_it_is_decoded(server, client):
+    """10 s of 192x128 (20 sampled frames, 1.5 MB decoded) with a 4.5 s track, each within its
+    server.media limit, reserve more than the server's media bound from the header: 413, nothing
+    decoded, and the next request is served."""
+    big = video_part(video_bytes(frames=80, w=192, h=128, fps=8, audio_s=4.5, noise=False))
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": NAME, "messages": [{"role": "user", "content": [big, text("hi")]}], "max_tokens": 2})
+    assert r.status_code == 413, r.text
+    assert "server.max_media_bytes_in_flight" in r.json()["error"]["message"]
+    assert speak(client, [clip(6), text("and this one?")]).usage.completion_tokens == 6
 
 
 def test_use_audio_in_video_that_cannot_be_honoured_is_a_400(server, client):

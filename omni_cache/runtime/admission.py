@@ -99,7 +99,7 @@ class InFlightBounds:
             return
         mine = ticket.media_bytes + nbytes
         if mine > self.max_media_bytes:
-            raise RequestError(413, f"the request's images and clips decode to {mine} bytes, more "
+            raise RequestError(413, f"the request's images, clips and videos decode to {mine} bytes, more "
                                f"than the {self.max_media_bytes} all requests in flight may hold "
                                "together (server.max_media_bytes_in_flight): send fewer or smaller")
         if self.media_bytes + nbytes > self.max_media_bytes:
