@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from omni_cache.config import ConfigError, load_config
     from omni_cache.config.errors import IssueCollector
-    from omni_cache.config.validation import check_hand_started
+    from omni_cache.config.stage_addresses import check_hand_started
 
     try:
         # Only this stage's model must exist here: the others run on their own hosts.
