@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.speech_clips import pcm16, silence, speech
 from fake_pipeline import make_orchestrator, write_config
-from omni_cache.config.schema import RealtimeConfig
+from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.serving.realtime import vad
 from omni_cache.serving.realtime.audio_codecs import PCM, StreamResampler
 from omni_cache.serving.realtime.input_worker import InputAudioWorker, InputStream, decode_appends

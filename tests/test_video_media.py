@@ -15,7 +15,7 @@ import yaml
 from media_samples import video_bytes
 from omni_cache.config import load_config
 from omni_cache.config.errors import ConfigError
-from omni_cache.config.schema import MediaConfig
+from omni_cache.config.server_schema import MediaConfig
 from omni_cache.runtime.requests import AUDIO, VIDEO
 from omni_cache.serving import video
 from omni_cache.serving.chat_request import MediaPart

@@ -36,9 +36,9 @@ from omni_cache.config.schema import (
     PipelineConfig,
     RayResources,
     Sampling,
-    ServerConfig,
     StageConfig,
 )
+from omni_cache.config.server_schema import ServerConfig
 from omni_cache.config.validation import import_handoff, validate_config
 from omni_cache.models.tiny import (
     CHECKPOINTS_ENV,

@@ -7,179 +7,29 @@ Nothing here imports vLLM or torch: loading a config is cheap and safe in any pr
 from __future__ import annotations
 
 import graphlib
-
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct, field
+from msgspec import Meta, field
+
+from omni_cache.config.server_schema import ServerConfig
+from omni_cache.config.struct_base import ConfigStruct, PositiveFloat, PositiveInt
 
 
 StageKind = Literal["autoregressive", "generation"]
 FinalOutput = Literal["text", "audio"]
-#: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing).
-RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
 #: A stage's name: lowercase letters, digits, '_' and '-', at most STAGE_NAME_MAX_LENGTH of them
 #: (it travels in every message, omni_cache/wire/messages.py, and names the stage's socket file).
 STAGE_NAME_RE = r"^[a-z0-9_-]+$"
 STAGE_NAME_MAX_LENGTH = 64
 
-PositiveInt = Annotated[int, Meta(gt=0)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-PositiveFloat = Annotated[float, Meta(gt=0)]
-
-
-class _Base(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Common options: unknown keys are errors, fields are keyword-only."""
-
-
 # --------------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------------
 
 
-class MediaConfig(_Base, kw_only=True):
-    """Limits on the images, audio clips and videos of one chat request (omni_cache.serving.media
-    and omni_cache.serving.video)."""
-
-    #: Images and clips in one request, all messages together.
-    max_items: PositiveInt = 8
-    #: Encoded size of one item (the bytes of the PNG, WAV, MP3, ...).
-    max_item_bytes: PositiveInt = 16 * 1024 * 1024
-    #: Width x height of one image, read from its header before it is decoded.
-    max_image_pixels: PositiveInt = 4096 * 4096
-    #: Duration of one clip, read from its header before it is decoded.
-    max_audio_seconds: PositiveFloat = 300.0
-    #: Hosts whose http(s) image URLs the server fetches; none by default (data: URLs only).
-    allowed_url_hosts: list[Annotated[str, Meta(min_length=1)]] = []
-    #: How long fetching one such URL may take, all of it: connecting, the headers and the body.
-    fetch_timeout_s: PositiveFloat = 10.0
-    #: Decoded images and clips kept by content (sha256 of the encoded bytes), most recently used
-    #: first, up to this many bytes of pixels / samples; 0 turns the cache off. A repeated image
-    #: is then neither decoded again nor hashed again by vLLM (its digest is the item's vLLM UUID).
-    decoded_cache_bytes: NonNegativeInt = 256 * 1024 * 1024
-    #: Encoded size of one video (``video_url`` part); videos are checked against it instead of
-    #: ``max_item_bytes``.
-    max_video_bytes: PositiveInt = 64 * 1024 * 1024
-    #: Duration of one video, read from its container's header before anything is decoded.
-    max_video_seconds: PositiveFloat = 600.0
-    #: Frames in one video file (its header's count, or duration x frame rate), before sampling.
-    max_video_frames: PositiveInt = 36000
-    #: Width x height of one video frame, from the header (1920 x 1080 by default).
-    max_video_frame_pixels: PositiveInt = 1920 * 1080
-    #: Length of a video's sound track, from the header.
-    max_video_audio_seconds: PositiveFloat = 600.0
-    #: Frames sampled per second of video (Qwen3-Omni's processor samples 2), then clamped to
-    #: ``video_min_frames`` .. ``video_max_frames`` and to a multiple of 2 (its temporal patch).
-    video_fps: PositiveFloat = 2.0
-    video_min_frames: Annotated[int, Meta(ge=2)] = 4
-    #: At most this many sampled frames per video (vLLM's Qwen2-VL loader caps it at 768).
-    video_max_frames: Annotated[int, Meta(ge=2, le=768)] = 128
-    #: A video's sound track goes to the thinker with its frames, interleaved by time (vLLM's
-    #: ``mm_processor_kwargs.use_audio_in_video``), when the request has no ``input_audio`` parts
-    #: and every video has a track. A request's ``mm_processor_kwargs.use_audio_in_video``
-    #: overrides it (``true`` that cannot be honoured is a 400).
-    use_audio_in_video: bool = True
-
-
-class RealtimeConfig(_Base, kw_only=True):
-    """Limits of one ``/v1/realtime`` WebSocket session (omni_cache.serving.realtime)."""
-
-    #: Sessions open at once; a connection beyond them is closed at once (code 1013, try later).
-    max_sessions: PositiveInt = 64
-    #: A session is closed (after an ``error`` event, code ``session_expired``) this long after it
-    #: opened, whatever it is doing.
-    max_session_s: PositiveFloat = 1800.0
-    #: A session that received no client event for this long is closed (code ``idle_timeout``).
-    idle_timeout_s: PositiveFloat = 300.0
-    #: Audio the input buffer holds before a commit, in seconds; an append beyond it is refused
-    #: (``error`` naming ``audio``, code ``input_audio_buffer_full``) and the buffer is kept.
-    max_buffer_s: PositiveFloat = 60.0
-    #: Client events per second, sustained (a burst of as many is allowed); an event beyond it is
-    #: dropped and answered with ``error`` (code ``rate_limit_exceeded``).
-    max_events_per_s: PositiveFloat = 200.0
-    #: Items (messages) one conversation may hold; creating one more is refused (with the
-    #: session's ``truncation`` on, its oldest turns are dropped instead).
-    max_items: PositiveInt = 256
-    #: Server events queued for a client and not yet sent, in bytes of their JSON: a client that
-    #: stops reading is closed past it (code 1008, reason ``slow_client``) and its events freed.
-    max_outbox_bytes: PositiveInt = 8 * 1024 * 1024
-
-
-class ServerConfig(_Base, kw_only=True):
-    """The HTTP front end (OpenAI-style API) of the orchestrator."""
-
-    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
-    #: 0 lets the OS pick a free port.
-    port: Annotated[int, Meta(ge=0, le=65535)] = 8091
-    #: Largest ZMQ message (header + tensor frames) a stage accepts.
-    max_message_bytes: PositiveInt = 256 * 1024 * 1024
-    #: Largest HTTP request body; a longer one is refused (413) while it is read.
-    max_body_bytes: PositiveInt = 64 * 1024 * 1024
-    #: HTTP bodies being read, parsed and decoded at once (a body's bytes count from when they
-    #: are read until its request was submitted); past it 429 with Retry-After. At least
-    #: max_body_bytes.
-    max_body_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
-    #: Seconds a request body may take to arrive, from when its handler starts reading it;
-    #: past it 408 (a client that declared more than it sends holds nothing longer).
-    body_timeout_s: PositiveFloat = 30.0
-    #: Requests in flight at once: from before their body is read until they are answered
-    #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
-    max_requests_in_flight: PositiveInt = 64
-    #: Decoded images and clips (pixels x 3 bytes, samples x 4 bytes) the requests in flight hold
-    #: together, reserved from each item's header before it is decoded. Past it 429 with
-    #: Retry-After; a request whose media alone exceed it, 413.
-    max_media_bytes_in_flight: PositiveInt = 1024 * 1024 * 1024
-    #: Deadline of one client request, end to end.
-    request_timeout_s: PositiveFloat = 300.0
-    #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).
-    served_model_name: str | None = None
-    #: vLLM's tool-call parser for the thinker's output (``vllm serve --tool-call-parser``, with
-    #: ``--enable-auto-tool-choice``): "hermes" for Qwen3-Omni. None: requests with tools and a
-    #: ``tool_choice`` other than "none" are refused, as by ``vllm serve`` without the flag.
-    tool_call_parser: Annotated[str, Meta(min_length=1)] | None = None
-    #: The orchestrator's ZMQ inbox, where stages send their outputs ("ipc://..." or
-    #: "tcp://host:port"); ``None`` -> a socket in a directory of the server's own
-    #: (omni_cache/config/addresses.py). Stages on other hosts need a tcp address here, one they
-    #: can reach (the host's name); stages started by hand need it set.
-    control_address: str | None = None
-    #: What the orchestrator binds when that differs from the address stages connect to
-    #: (``tcp://0.0.0.0:5600`` behind ``control_address: tcp://server-host:5600``); None -> bind
-    #: ``control_address``.
-    control_bind_address: str | None = None
-    #: A file holding a shared secret (``python -m omni_cache.wire.stage_auth new-key FILE``): every
-    #: ZMQ connection between the orchestrator and the stages is then authenticated and encrypted
-    #: with CURVE keys derived from it. Every host needs the same file. None -> no authentication.
-    stage_auth_key_file: str | None = None
-    #: Every stage re-announces itself (StageReady) this often: a server started after its stages
-    #: finds them, and the orchestrator watches stages started elsewhere by it.
-    heartbeat_interval_s: PositiveFloat = 0.25
-    #: A stage that has sent nothing for this long (a stopped process, a vanished host) is hung:
-    #: marked down, its in-flight requests fail (503), a spawned one is killed and restarted, a
-    #: hand-started one is back with its next announcement. A stage whose beats come while its
-    #: loop stays in one step is busy, not hung, until ``stages[].step_timeout_s``. Under load a
-    #: busy stage's beats can be late by seconds: keep this well above that.
-    heartbeat_timeout_s: PositiveFloat = 10.0
-    #: Limits on the images and audio clips a chat request may carry.
-    media: MediaConfig = field(default_factory=MediaConfig)
-    #: Limits of the realtime voice sessions (``/v1/realtime``).
-    realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
-    #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
-    #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
-    #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the
-    #: prompt, as its engine reports, unless it is much busier: omni_cache/runtime/routing.py;
-    #: "least_loaded" when none holds any). A request's later messages to a stage go to the
-    #: replica its first one went to.
-    routing: RoutingPolicy = "prefix"
-    #: A Ray cluster to place the stage replicas on (``omni_cache.runtime.ray_placement``):
-    #: "auto" (the cluster this host joined with ``ray start``) or the head's "HOST:PORT". Every
-    #: replica of every stage not ``external`` then runs as a process owned by a Ray actor, placed
-    #: by the stage's ``ray`` resources, at its node's IP and a port its actor picks. None (the
-    #: default): stages are spawned on this machine. ``omni-serve --ray-address`` overrides it.
-    ray_address: str | None = None
-
-
-class RayResources(_Base, kw_only=True):
+class RayResources(ConfigStruct, kw_only=True):
     """What one replica of a stage asks of the Ray cluster (used only with ``server.ray_address``):
     each replica is one actor, one bundle, on one node, placed where these are free."""
 
@@ -204,7 +54,7 @@ class RayResources(_Base, kw_only=True):
         return out
 
 
-class MergedTaps(_Base, kw_only=True):
+class MergedTaps(ConfigStruct, kw_only=True):
     """One latent from two layer taps: ``layer``'s row at every position, except at the prompt's
     image/audio/video placeholder positions, where it is ``media_layer``'s. Emitted (and cached)
     as ``layer_<layer>_media_<media_layer>``."""
@@ -213,7 +63,7 @@ class MergedTaps(_Base, kw_only=True):
     media_layer: Annotated[int, Meta(ge=0)]
 
 
-class LatentSpec(_Base, kw_only=True):
+class LatentSpec(ConfigStruct, kw_only=True):
     """Which per-token latents an autoregressive stage emits (and caches) for the next stage."""
 
     #: The final hidden states (the input of the LM head).
@@ -245,7 +95,7 @@ class LatentSpec(_Base, kw_only=True):
         return "; ".join(parts) if parts else "none"
 
 
-class EngineArgs(_Base, kw_only=True):
+class EngineArgs(ConfigStruct, kw_only=True):
     """vLLM engine arguments of an autoregressive stage. ``None`` leaves vLLM's default."""
 
     max_model_len: PositiveInt | None = None
@@ -291,7 +141,7 @@ class EngineArgs(_Base, kw_only=True):
         return out
 
 
-class Sampling(_Base, kw_only=True):
+class Sampling(ConfigStruct, kw_only=True):
     """How a stage samples when its request does not say: a stage's configured defaults
     (``sampling:``). The entry stage's are the server's defaults for clients (vLLM's
     ``default_sampling_params``); a request's own sampling travels as
@@ -307,7 +157,7 @@ class Sampling(_Base, kw_only=True):
     seed: int | None = None
 
 
-class GenerationArgs(_Base, kw_only=True):
+class GenerationArgs(ConfigStruct, kw_only=True):
     """Settings of a non-autoregressive ("generation") stage such as the codec decoder."""
 
     max_batch_size: PositiveInt = 16
@@ -317,7 +167,7 @@ class GenerationArgs(_Base, kw_only=True):
     device: Annotated[str, Meta(min_length=1)] = "cpu"
 
 
-class PacingConfig(_Base, kw_only=True):
+class PacingConfig(ConfigStruct, kw_only=True):
     """Playback pacing of streamed spoken answers in one stage (scheduler/pacing.py): an answer
     whose audio this stage has emitted more than ``lead_s`` ahead of its playback yields its turn
     to answers that are due (no audio yet first, then the least slack); when nothing else is due it
@@ -344,7 +194,7 @@ class PacingConfig(_Base, kw_only=True):
     max_lead_s: PositiveFloat | None = None
 
 
-class StageConfig(_Base, kw_only=True):
+class StageConfig(ConfigStruct, kw_only=True):
     """One stage of the pipeline, run in its own process."""
 
     #: Unique within the pipeline; lowercase letters, digits, '_' and '-'; at most 64 characters.
@@ -429,7 +279,7 @@ class StageConfig(_Base, kw_only=True):
 
 
 
-class PipelineConfig(_Base, kw_only=True):
+class PipelineConfig(ConfigStruct, kw_only=True):
     """A whole pipeline: the server and its stages."""
 
     name: Annotated[str, Meta(min_length=1)]

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import httpx
 import numpy as np
 
-from omni_cache.config.schema import MediaConfig
+from omni_cache.config.server_schema import MediaConfig
 from omni_cache.runtime.requests import AUDIO, IMAGE, VIDEO, MediaItem
 from omni_cache.serving import video
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_cache.config.schema import MediaConfig
+from omni_cache.config.server_schema import MediaConfig
 
 #: Frames per temporal patch of Qwen3-Omni's vision encoder: sampled frame counts are multiples.
 TEMPORAL_PATCH = 2

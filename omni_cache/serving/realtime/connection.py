@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from omni_cache.config.schema import RealtimeConfig
+from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.serving.realtime.protocol import EventError, error_event, parse_client_event, wire
 from omni_cache.serving.realtime.session import RealtimeSession
 

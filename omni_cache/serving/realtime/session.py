@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.config.schema import RealtimeConfig
+from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.tasks import wait_ended
 from omni_cache.serving.realtime import input_worker, session_config, vad
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
