@@ -60,6 +60,12 @@ from omni_cache.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
+#: WebSocket permessage-deflate (negotiated, so a client that offers it simply goes without).
+#: Off: realtime sessions send audio as base64 JSON, which deflate barely shrinks, and inflating
+#: every 40 ms append was ~12% of the event loop's time under 16 streaming sessions
+#: (benchmarks.realtime_load, py-spy on the loop thread).
+WS_DEFLATE = False
+
 __all__ = ["ServerThread", "create_app", "serve"]
 
 
@@ -188,7 +194,7 @@ def serve(config: Any, args: Any) -> int:
     uv_config = uvicorn.Config(
         app, host=host, port=port, lifespan="on",
         log_level=getattr(args, "log_level", "info") or "info",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, ws_per_message_deflate=WS_DEFLATE,
     )
     server = uvicorn.Server(uv_config)
     holder["server"] = server
@@ -217,7 +223,7 @@ class ServerThread:
         self.app = create_app(orch, api_key=api_key)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host=host, port=port, lifespan="on", log_level=log_level,
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=2, ws_per_message_deflate=WS_DEFLATE,
         ))
         self._host = host
         self._thread = threading.Thread(target=self.server.run, name="omni-cache-http", daemon=True)
