@@ -87,15 +87,22 @@ def make_orchestrator(path: Path) -> Orchestrator:
 
 
 @contextlib.contextmanager
-def fake_server(prefix: str, decoder_env: str = "{}") -> Iterator[ServerThread]:
-    """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
-    orch = make_orchestrator(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}", decoder_env))
-    server = ServerThread(orch, api_key=API_KEY).start()
+def serve_config(path: Path) -> Iterator[ServerThread]:
+    """The fake-stage pipeline of config ``path`` behind a ready HTTP server (API key API_KEY),
+    stopped on exit."""
+    server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
     try:
         server.wait_ready(60)
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def fake_server(prefix: str, decoder_env: str = "{}") -> Iterator[ServerThread]:
+    """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
+    with serve_config(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}", decoder_env)) as server:
+        yield server
 
 
 def sse_events(lines):

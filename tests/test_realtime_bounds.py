@@ -30,8 +30,7 @@ from omni_cache.runtime.admission import InFlightBounds, MediaHold
 from omni_cache.runtime.requests import AUDIO, MediaItem
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.realtime.truncation import MediaTokens, cut_points, first_cut
-from omni_cache.serving.server import ServerThread
-from fake_pipeline import API_KEY, make_orchestrator, write_config
+from fake_pipeline import API_KEY, serve_config, write_config
 
 MAX_MODEL_LEN = 600
 ANSWER_TOKENS = 16
@@ -51,12 +50,8 @@ def fake_server(server_extra: str = "", audio_limit: int | None = None):
         path.write_text(text.replace(f"engine_args: {{max_model_len: {MAX_MODEL_LEN}}}",
                                      f"engine_args: {{max_model_len: {MAX_MODEL_LEN}, extra: "
                                      f"{{limit_mm_per_prompt: {{audio: {audio_limit}}}}}}}"))
-    srv = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
-    try:
-        srv.wait_ready(60)
+    with serve_config(path) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

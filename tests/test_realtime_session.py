@@ -21,8 +21,7 @@ from websockets.exceptions import ConnectionClosed
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import silence, speech
-from omni_cache.serving.server import ServerThread
-from fake_pipeline import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_config
+from fake_pipeline import API_KEY, SAMPLES_PER_TOKEN, serve_config, write_config
 
 
 
@@ -30,12 +29,8 @@ from fake_pipeline import API_KEY, SAMPLES_PER_TOKEN, make_orchestrator, write_c
 def fake_server(token_delay_s: float, realtime: str = "{}"):
     path = write_config(f"rt_{uuid.uuid4().hex[:8]}", token_delay_s=token_delay_s, max_model_len=2048,
                         timeout_s=60, server_extra=f", realtime: {realtime}")
-    srv = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
-    try:
-        srv.wait_ready(60)
+    with serve_config(path) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
