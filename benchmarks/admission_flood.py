@@ -37,7 +37,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -46,10 +45,9 @@ from typing import Any
 
 import yaml
 
+from benchmarks.in_process_server import InProcessServer
 from benchmarks.report import percentile
 
-ROOT = Path(__file__).resolve().parents[1]
-FAKE_STAGE = ROOT / "tests" / "fake_stage.py"
 MIB = 1 << 20
 
 
@@ -175,24 +173,12 @@ def rss(field: str) -> int:
 
 
 async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
-    import uvicorn
-
     from omni_cache.config import load_config
-    from omni_cache.runtime.orchestrator import Orchestrator
-    from omni_cache.serving.server import create_app
 
     config = load_config(flood_config(Path(tempfile.mkdtemp(prefix="flood")), args))
-    orch = Orchestrator(config, stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=300,
-                        shutdown_grace_s=2, echo_stage_logs=False)
-    app = create_app(orch, manage_lifecycle=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    await orch.start()
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    srv = InProcessServer(config)
+    orch = srv.orch
+    url = await srv.start()
     spawn = multiprocessing.get_context("spawn")
     out: Any = spawn.Queue()
     health_out: Any = spawn.Queue()
@@ -221,9 +207,7 @@ async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop.set()
         await probing
-        server.should_exit = True
-        await serving
-        await orch.close()
+        await srv.stop()
     idle = [lag for when, lag in lags if when < flood_start]
     flooded = [lag for when, lag in lags if flood_start <= when <= flood_end]
     by_status: dict[str, int] = {}

@@ -28,7 +28,6 @@ import base64
 import json
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,8 +35,8 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-FAKE_STAGE = ROOT / "tests" / "fake_stage.py"
+from benchmarks.in_process_server import InProcessServer
+
 MIB = 1 << 20
 
 
@@ -128,24 +127,12 @@ def rss(field: str = "VmRSS") -> int:
 
 
 async def serve(args: argparse.Namespace) -> dict[str, Any]:
-    import uvicorn
-
     from omni_cache.config import load_config
-    from omni_cache.runtime.orchestrator import Orchestrator
-    from omni_cache.serving.server import create_app
 
     config = load_config(bench_config(Path(tempfile.mkdtemp(prefix="rtmem"))))
-    orch = Orchestrator(config, stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=300,
-                        shutdown_grace_s=2, echo_stage_logs=False)
-    app = create_app(orch, manage_lifecycle=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    await orch.start()
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    srv = InProcessServer(config)
+    orch, app = srv.orch, srv.app
+    url = await srv.start()
     bounds = orch.admission.bounds
     spawn = multiprocessing.get_context("spawn")
     out: Any = spawn.Queue()
@@ -179,9 +166,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
         result["rss_closed_mib"] = rss() / MIB
         await asyncio.to_thread(clients.join)
     finally:
-        server.should_exit = True
-        await serving
-        await orch.close()
+        await srv.stop()
     return result
 
 
