@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target.add_argument("--sides", default="on,off",
                         help="which pipelines to start, in order: on, off or both (default: %(default)s); "
                              "off,off2 (or on,on2) starts two of the same setting: an A/A run, whose "
-                             "ratios show what the machine alone moves")
+                             "ratios show what the machine alone moves; vllm starts `vllm serve` on the "
+                             "pipeline's entry stage (its checkpoint, engine arguments and env; needs "
+                             "--text-only): vllm,on measures the pipeline against the engine's limit")
     target.add_argument("--rounds", type=int, default=1,
                         help="rounds of --num-requests fresh requests per side, the sides' order "
                              "alternating (on,off / off,on / ...); both pipelines stay up throughout; "
@@ -133,9 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.url and (args.rounds > 1 or args.profile or args.timeline):
         p.error("--rounds, --profile and --timeline apply to the pipelines this command starts, not to --url")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or any(not re.fullmatch(r"(on|off)\d*", s) for s in sides) or len(set(sides)) != len(sides):
+    if not sides or any(not re.fullmatch(r"(on|off)\d*|vllm", s) for s in sides) or len(set(sides)) != len(sides):
         p.error("--sides: a comma-separated list of 'on' and 'off' (or on2, off2, ...: a second "
-                "pipeline of the same setting, for an A/A run)")
+                "pipeline of the same setting, for an A/A run) and 'vllm' (vllm serve on the entry stage)")
+    if "vllm" in sides and not args.text_only:
+        p.error("--sides vllm: vllm serve answers text only; add --text-only")
     args.sides = sides
     env = {}
     for item in args.stage_env:

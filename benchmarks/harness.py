@@ -35,6 +35,7 @@ from benchmarks.client import Driver, Sample, counter_deltas, scrape_metrics, se
 from benchmarks import profiles
 from benchmarks.machine_monitor import Monitor, machine_info
 from benchmarks.side_processes import CpuBurners, ManagedServer, ServerProcess, private_config, socket_dir
+from benchmarks.vllm_serve_side import VLLM_SIDE, VllmServeProcess
 from benchmarks.workloads import Session
 
 __all__ = ["CpuBurners", "ManagedServer", "Monitor", "ServerProcess", "machine_info", "private_config", "run_rounds"]
@@ -183,8 +184,11 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
             stack.callback(shutil.rmtree, socket_dir(side), True)
             env = {TIMELINE_DIR_ENV: os.path.join(timeline_dir, side)} if timeline_dir else None
             path = private_config(config_path, tmp, side, stage_env)
-            servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir,
-                                          env=env)
+            if side == VLLM_SIDE:  # the thinker's engine alone: `vllm serve` (benchmarks/vllm_serve_side.py)
+                servers[side] = VllmServeProcess(path, checkpoint_dir=checkpoint_dir)
+            else:
+                servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir,
+                                              env=env)
             stack.push(servers[side])  # stopped on the way out, started or not
             servers[side].start()
         log(f"starting omni-serve for {', '.join(sides)} at once (stage logs hidden) ...")
