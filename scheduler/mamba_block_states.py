@@ -72,26 +72,60 @@ class BlockStateMambaManager(MambaManager):
         return req_blocks[prev_len:]
 
 
-# Architectures whose GatedDeltaNet layers are vLLM's `QwenGatedDeltaNetAttention`, which this
-# project replaces with the block-state layer. Others (Kimi/OLMo GDN, Mamba2) are left alone.
-BLOCK_STATE_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM"})
+def recurrent_layers_reason(specs: dict[str, Any], layer_types: dict[str, type]) -> str | None:
+    """None when every recurrent layer of the model writes block states, else why not.
+
+    ``specs``: layer name -> its KV-cache spec, for the layers of the engine's Mamba groups;
+    ``layer_types``: layer name -> the class the model built for it. The rule is what the model
+    *is*, not its name: each recurrent layer must be the layer this project put in place of
+    vLLM's ``QwenGatedDeltaNetAttention`` (Qwen3-Next, Qwen3.5 and the models built on their
+    decoder layers) and hold vLLM's GatedDeltaNet state layout (a conv state and a recurrent
+    state, the two tensors the layer copies into a boundary's block). Another recurrent layer
+    (Mamba2, Kimi's KDA, OLMo's GDN) runs its own kernel and would leave the boundary blocks
+    the scheduler hands out unwritten, so one such layer turns block states off for the model.
+    """
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if not specs:
+        return "the model has no recurrent layers"
+    for name, spec in sorted(specs.items()):
+        layer = layer_types.get(name)
+        if layer is None:
+            return f"layer {name} is not built in the scheduler's process"
+        if not getattr(layer, "WRITES_BLOCK_STATES", False):
+            return f"layer {name} is {layer.__name__}, not vLLM's QwenGatedDeltaNetAttention " \
+                   "replaced by the omni_cache vLLM plugin (workers.models:register)"
+        if getattr(spec, "mamba_type", None) != MambaAttentionBackendEnum.GDN_ATTN \
+                or len(getattr(spec, "shapes", ())) != 2:
+            return f"layer {name} does not hold vLLM's GatedDeltaNet state layout " \
+                   "(a conv and a recurrent state)"
+    return None
 
 
-def block_states_supported(vllm_config: Any) -> str | None:
+def _recurrent_layers(scheduler: Any) -> tuple[dict[str, Any], dict[str, type]]:
+    """The scheduler's Mamba-group layers: their specs and the classes the model built.
+
+    A stage runs one in-process vLLM worker, so the model's layers are in this process's
+    forward context (vLLM fills it while it builds the model, before the scheduler starts)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = {name: group.kv_cache_spec for group in scheduler.kv_cache_config.kv_cache_groups
+             if isinstance(group.kv_cache_spec, MambaSpec) for name in group.layer_names}
+    context = scheduler.vllm_config.compilation_config.static_forward_context
+    return specs, {name: type(context[name]) for name in specs if name in context}
+
+
+def block_states_supported(scheduler: Any) -> str | None:
     """None when block states can be on for this engine, else why not (logged)."""
-    from vllm.model_executor.custom_op import op_registry_oot
     from vllm.platforms import current_platform
 
+    vllm_config = scheduler.vllm_config
     cache = vllm_config.cache_config
     if not cache.enable_prefix_caching or cache.mamba_cache_mode != "align":
         return "prefix caching is off or not in align mode"
-    if not set(vllm_config.model_config.architectures or ()) & BLOCK_STATE_ARCHITECTURES:
-        return f"architecture {vllm_config.model_config.architectures} is not one of " \
-               f"{sorted(BLOCK_STATE_ARCHITECTURES)}"
-    # The plugin's layer says it writes block states (workers/models/gdn_block_states.py); the
-    # scheduler does not import the workers package, which imports this one.
-    if not getattr(op_registry_oot.get("QwenGatedDeltaNetAttention"), "WRITES_BLOCK_STATES", False):
-        return "the omni_cache vLLM plugin (workers.models:register) is not loaded"
+    reason = recurrent_layers_reason(*_recurrent_layers(scheduler))
+    if reason is not None:
+        return reason
     if not current_platform.is_cpu():
         return "only vLLM's CPU GatedDeltaNet path writes block states"
     if not vllm_config.model_config.enforce_eager:
@@ -115,7 +149,7 @@ def install(scheduler: Any) -> bool:
     choose the class; BlockStateMambaManager adds no state, so re-classing the built instance is
     exact.
     """
-    reason = block_states_supported(scheduler.vllm_config)
+    reason = block_states_supported(scheduler)
     if reason is not None:
         logger.info("hybrid block states off: %s", reason)
         return False

@@ -1,5 +1,6 @@
-"""Unit tests of the block-state plan (workers/models/gdn_block_states.py) and of the chunk-kernel
-state extraction (workers/models/gdn_chunk_states.py); the engine-level tests are in
+"""Unit tests of the block-state plan (workers/models/gdn_block_states.py), of the rule that turns
+block states on by what a model's recurrent layers are (scheduler/mamba_block_states.py) and of the
+chunk-kernel state extraction (workers/models/gdn_chunk_states.py); the engine-level tests are in
 test_hybrid_block_states.py, the GPU kernel check in benchmarks/gdn_kernel_states.py."""
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ import pytest
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-from workers.models.gdn_block_states import boundary_cuts, plan_segments
+from scheduler.mamba_block_states import recurrent_layers_reason
+from workers.models.gdn_block_states import BlockStateGatedDeltaNet, boundary_cuts, plan_segments
 from workers.models.gdn_chunk_states import chunk_state_rows, store_chunk_states
 
 B = 128
@@ -74,3 +76,51 @@ def test_chunk_state_rows_and_store():
     for bad in ([[0]], [[256]], [[100]]):
         with pytest.raises(ValueError, match="chunk edge"):
             chunk_state_rows([256], bad)
+
+
+def spec(kind: str = "GDN_ATTN", states: int = 2):
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=B, shapes=((3, 64),) * states, dtypes=(torch.bfloat16,) * states,
+                     mamba_type=getattr(MambaAttentionBackendEnum, kind), mamba_cache_mode="align")
+
+
+def test_block_states_turn_on_for_every_replaced_gdn_layer():
+    # Qwen3-Next and Qwen3.5 build the same layer class (vLLM's QwenGatedDeltaNetAttention,
+    # which the plugin replaces): the rule reads the class, not the model's name.
+    names = [f"model.layers.{i}.linear_attn" for i in range(3)]
+    assert recurrent_layers_reason({n: spec() for n in names},
+                                   {n: BlockStateGatedDeltaNet for n in names}) is None
+
+
+@pytest.mark.parametrize("layer,kind,why", [
+    ("qwen", "GDN_ATTN", "replaced by the omni_cache vLLM plugin"),  # plugin not loaded
+    ("olmo", "GDN_ATTN", "OlmoHybridGatedDeltaNetAttention"),
+    ("kimi", "GDN_ATTN", "KimiGatedDeltaNetAttention"),
+    ("mamba2", "MAMBA2", "MambaMixer2"),
+    ("ours", "MAMBA2", "state layout"),
+])
+def test_block_states_stay_off_for_other_recurrent_layers(layer, kind, why):
+    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn import (
+        OlmoHybridGatedDeltaNetAttention,
+    )
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    cls = {"qwen": QwenGatedDeltaNetAttention, "olmo": OlmoHybridGatedDeltaNetAttention,
+           "kimi": KimiGatedDeltaNetAttention, "mamba2": MambaMixer2,
+           "ours": BlockStateGatedDeltaNet}[layer]
+    # One such layer beside replaced GDN layers is enough: its boundary blocks would stay empty.
+    specs = {"layers.0.linear_attn": spec(), "layers.1.mixer": spec(kind)}
+    types = {"layers.0.linear_attn": BlockStateGatedDeltaNet, "layers.1.mixer": cls}
+    reason = recurrent_layers_reason(specs, types)
+    assert reason is not None and why in reason and "layers.1.mixer" in reason
+
+
+def test_block_states_off_without_recurrent_layers_or_their_classes():
+    assert "no recurrent layers" in recurrent_layers_reason({}, {})
+    assert "not built" in recurrent_layers_reason({"layers.0.linear_attn": spec()}, {})
+    assert "state layout" in recurrent_layers_reason({"x": spec(states=3)},
+                                                     {"x": BlockStateGatedDeltaNet})
