@@ -817,18 +817,6 @@ def test_rounds_split_requests_evenly_and_alternate_the_sides():
     assert [side_order(["on", "off"], r) for r in range(3)] == [["on", "off"], ["off", "on"], ["on", "off"]]
 
 
-def test_pipelines_restart_in_blocks_of_rounds_the_start_order_alternating():
-    from benchmarks.harness import restart_blocks, start_order
-
-    assert restart_blocks(8, 0) == [range(0, 8)]  # never: one start serves every round
-    assert restart_blocks(8, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert restart_blocks(7, 3) == [range(0, 3), range(3, 6), range(6, 7)]  # every round served once
-    assert restart_blocks(2, 4) == [range(0, 2)]
-    with pytest.raises(ValueError):
-        restart_blocks(8, -1)
-    assert [start_order(["off", "off2"], b) for b in range(3)] == [["off", "off2"], ["off2", "off"], ["off", "off2"]]
-
-
 def test_monitor_counts_cpu_per_named_process():
     import time as _time
 

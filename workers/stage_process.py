@@ -185,7 +185,9 @@ class StageProcess:
         if changes:
             self.outbox.to_orchestrator(BlockEvents(
                 stage=self.stage.name, replica=self.replica.index, stored=changes.stored,
-                removed=changes.removed, cleared=changes.cleared, block_size=changes.block_size))
+                removed=changes.removed, cleared=changes.cleared, block_size=changes.block_size,
+                recurrent=changes.recurrent, state_stored=changes.state_stored,
+                state_removed=changes.state_removed, hash_block_size=changes.hash_block_size))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

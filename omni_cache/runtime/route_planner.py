@@ -140,7 +140,7 @@ class RoutePlanner:
             if stage != self._entry.name or not self.prefix_routing:
                 route[stage] = self.router.pick(stage, up, load)
                 continue
-            matched, sizes = self.matched_blocks(up, chains)
+            matched, sizes = self.matched_blocks(up, chains, prompt_tokens)
             # One block size per pipeline in practice (the replicas are identical); a replica
             # that reported none holds nothing known and has matched 0.
             size = max(sizes.values(), default=0)
@@ -157,8 +157,8 @@ class RoutePlanner:
             return {}
         return self.hasher(prompt, has_media=False)().chains
 
-    def matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]]
-                       ) -> tuple[dict[int, int], dict[int, int]]:
+    def matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]],
+                       prompt_tokens: int | None = None) -> tuple[dict[int, int], dict[int, int]]:
         """(entry replica -> leading blocks of the prompt it holds, replica -> its block size).
 
         Held is what the replica reported (the prefix index) and also what the requests in
@@ -166,7 +166,10 @@ class RoutePlanner:
         cannot evict them while their request runs, so a request routed there now hits them (in
         the same step, even), though the replica reports them only after its step. Without this,
         a tenant's second request that arrives during its first one's prefill would see nothing
-        held and be sent away, copying the prefix into the other replica's pool as well."""
+        held and be sent away, copying the prefix into the other replica's pool as well. Not on a
+        hybrid (recurrent) replica: there a hit needs a state at its last block, which a request in
+        flight may not leave there (vLLM's align mode keeps few), so only what it reported counts.
+        ``prompt_tokens``: the prompt's length (vLLM computes at least its last token)."""
         matched: dict[int, int] = {}
         sizes: dict[int, int] = {}
         running = self._requests.served_by(self._entry.name)
@@ -176,8 +179,10 @@ class RoutePlanner:
             if not size or chain is None:
                 continue
             sizes[replica] = size
-            n = self.prefix_index.matched_blocks(replica, chain)
-            for r in running:
+            limit = None if prompt_tokens is None else (prompt_tokens - 1) // size
+            n = self.prefix_index.matched_blocks(replica, chain, limit)
+            recurrent = replica in self.prefix_index.recurrent
+            for r in running if not recurrent else ():
                 if r.route.get(self._entry.name, 0) == replica and n < len(chain):
                     n = max(n, common_prefix(chain, r.block_hashes.get(size, ())))
             matched[replica] = n
@@ -217,7 +222,9 @@ class RoutePlanner:
         if msg.stage != self._entry.name or sp is None or not sp.up:
             return  # a replica that is down holds nothing (a late report from its old process)
         self.prefix_index.apply(msg.replica, msg.stored, msg.removed, cleared=msg.cleared,
-                                block_size=msg.block_size)
+                                block_size=msg.block_size, hash_block_size=msg.hash_block_size,
+                                recurrent=msg.recurrent, state_stored=msg.state_stored,
+                                state_removed=msg.state_removed)
 
     def forget(self, replica: Replica) -> None:
         """``replica`` went down: its caches died with it."""

@@ -59,8 +59,14 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
 3. Not covered yet: prompts with images or audio (vLLM adds the media's identifiers and their
    offsets in the *expanded* prompt as extra keys; only the thinker's processor knows the
    expansion: docs/replicas.md, "Routing", says what doing it exactly would take),
-   hash algorithms other than vLLM's default ``sha256``, hybrid thinkers (several KV-cache groups),
+   hash algorithms other than vLLM's default ``sha256``,
    the talker's own prefix (its prompt is embeddings; its segments follow the request instead).
+4. Hybrid thinkers (Qwen3-Next, Qwen3.5: several KV-cache groups) hit only where a recurrent state
+   sits at the hit's last block. Their replicas report attention blocks and states apart, and the
+   index counts the longest held prefix that ends on a state, in whole blocks of the engine (its
+   hash steps may be finer, with ``prefix_match_unit``) and short of the prompt's last token
+   (omni_cache/runtime/prefix_index.py); requests in flight there add nothing (a prefill in
+   flight may leave no state where the next request would need one).
 
 Under every policy, the requests of one session (``Orchestrator.submit(session_id=...)``: a
 realtime conversation) stay on the replicas its earlier requests went to while those are up

@@ -276,6 +276,14 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     cleared: bool = False
     #: Tokens per block of the engine that reports (the router hashes prompts in blocks of it).
     block_size: Annotated[int, Meta(ge=1)]
+    #: A hybrid (recurrent) engine: a hit also needs a state at its last block; ``state_*`` say
+    #: which hashes have one (scheduler/block_events.py).
+    recurrent: bool = False
+    state_stored: list[BlockHash] = []
+    state_removed: list[BlockHash] = []
+    #: Tokens per hash step (vLLM's hash_block_size; 0: block_size). A full block's hash is the
+    #: chain's at the block's end, so the router hashes prompts in steps of this.
+    hash_block_size: Annotated[int, Meta(ge=0)] = 0
 
 
 Message = (Submit | StreamStart | StageOutput | StageError | Abort | StageReady | StatsQuery
