@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from omni_cache.pcm import pcm16  # a clip as audio/pcm, quantized as the server quantizes
+
 __all__ = ["RATE", "pcm16", "silence", "speech", "turn_clip"]
 
 RATE = 24000  # the Realtime API's audio/pcm rate
@@ -53,8 +55,3 @@ def silence(seconds: float, rate: int = RATE) -> np.ndarray:
 def turn_clip(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
     """One user turn: speech between 0.3 s silences."""
     return np.concatenate([silence(0.3, rate), speech(seconds - 0.6, seed, rate), silence(0.3, rate)])
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float32 -> the Realtime API's audio/pcm bytes (16-bit little-endian)."""
-    return (np.clip(samples, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()

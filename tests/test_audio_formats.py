@@ -13,8 +13,9 @@ import pytest
 import soundfile
 from fake_pipeline import API_KEY, SAMPLES_PER_TOKEN, fake_server, sse_events
 
+from omni_cache.pcm import PcmStream, from_int16, resample, to_pcm16
 from omni_cache.serving.audio_formats import FORMATS, UnsupportedFormat, check_format, encode_audio
-from omni_cache.serving.wav import PcmStream, resample, to_pcm16
+from omni_cache.serving.realtime.audio_codecs import PCM
 
 RATE = 24000
 #: libsndfile's name of each container, as the decoder reports it.
@@ -23,7 +24,7 @@ CONTAINER = {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "opus": "OGG"}
 
 def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
     if fmt == "pcm16":
-        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0, RATE
+        return from_int16(np.frombuffer(data, dtype="<i2")), RATE
     info = soundfile.info(io.BytesIO(data))
     assert info.format == CONTAINER[fmt] and info.channels == 1, info
     samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
@@ -104,6 +105,18 @@ def test_a_stream_resampled_chunk_by_chunk_is_the_whole_clip_resampled():
     assert stream.chunk(x[:100], RATE) == to_pcm16(x[:100])
     held = stream.chunk(x[:8000], 16000)
     assert held + stream.chunk(x[:10], RATE) == to_pcm16(x[:8000], 16000) + to_pcm16(x[:10])
+
+
+def test_both_apis_and_the_files_quantize_a_waveform_alike():
+    """One quantizer: the chat API's pcm16 (whole or streamed), the Realtime API's audio/pcm and the
+    16-bit samples inside the chat API's wav and flac files are the same bytes, loud parts too."""
+    x = np.concatenate([2.2 * sine(2400), np.random.default_rng(1).uniform(-1, 1, 2400)]).astype(np.float32)
+    chat = encode_audio(x, RATE, "pcm16")
+    assert chat == PCM.encode(x) == PcmStream().chunk(x, RATE)
+    for fmt in ("wav", "flac"):
+        samples, _ = soundfile.read(io.BytesIO(encode_audio(x, RATE, fmt)), dtype="int16")
+        assert samples.astype("<i2").tobytes() == chat, fmt
+    assert np.frombuffer(chat, "<i2").min() == -32768 and np.frombuffer(chat, "<i2").max() == 32767
 
 
 def test_out_of_range_samples_are_clipped_not_wrapped():

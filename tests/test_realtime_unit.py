@@ -1,19 +1,23 @@
 """The realtime session's parts without engines or processes (omni_cache/serving/realtime/).
 
-Peers as oracles where they define the behaviour: CPython's ``audioop`` for G.711 bytes, the openai
+Peers as oracles where they define the behaviour: ITU-T G.711's levels (and CPython's ``audioop``
+while it exists) for G.711 bytes, soundfile for 16-bit PCM, the openai
 SDK's own models for what a client event may hold, Silero (the real model) for speech detection.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 
 from benchmarks.speech_clips import silence, speech
+from omni_cache.pcm import pcm16, to_int16
 from omni_cache.serving.realtime import audio_codecs as ac
 from omni_cache.serving.realtime.connection import RateLimiter
 from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
@@ -23,23 +27,90 @@ from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetect
 from omni_cache.serving.realtime.vad import SpeechDetector, load_model
 from omni_cache.serving.realtime.vad_batch import BatchScorer
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import audioop  # removed in Python 3.13; the oracle while it exists
-
-
 # ---- audio formats -----------------------------------------------------------------------------
 
 ALL_INT16 = np.arange(-32768, 32768, dtype=np.int16)
 ALL_CODES = np.arange(256, dtype=np.uint8)
 
 
-def test_g711_matches_audioop_on_every_value():
-    pcm = ALL_INT16.astype("<i2").tobytes()
-    assert ac.ulaw_encode(ALL_INT16).tobytes() == audioop.lin2ulaw(pcm, 2)
-    assert ac.alaw_encode(ALL_INT16).tobytes() == audioop.lin2alaw(pcm, 2)
-    assert ac.ulaw_decode(ALL_CODES).astype("<i2").tobytes() == audioop.ulaw2lin(ALL_CODES.tobytes(), 2)
-    assert ac.alaw_decode(ALL_CODES).astype("<i2").tobytes() == audioop.alaw2lin(ALL_CODES.tobytes(), 2)
+def itu_ulaw(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ITU-T G.711 mu-law: each code's level on the 16-bit scale and its segment's step. A code is
+    sent inverted; its sign bit set means negative; on 14 bits a level is (2m + 33) * 2**e - 33."""
+    u = ~codes.astype(np.int64) & 0xFF
+    e, m = (u >> 4) & 7, u & 0xF
+    level = 4 * (((2 * m + 33) << e) - 33)
+    return np.where(u & 0x80, -level, level), 4 * (2 << e)
+
+
+def itu_alaw(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ITU-T G.711 A-law: even bits inverted (0x55), sign bit set means positive; on 13 bits a
+    level is 2m + 1 in segment 0 and (2m + 33) * 2**(e - 1) above."""
+    a = codes.astype(np.int64) ^ 0x55
+    e, m = (a >> 4) & 7, a & 0xF
+    level = 8 * np.where(e == 0, 2 * m + 1, (2 * m + 33) << np.maximum(e - 1, 0))
+    return np.where(a & 0x80, level, -level), 8 * np.where(e == 0, 2, 1 << np.maximum(e, 1))
+
+
+G711 = {"ULAW": itu_ulaw, "ALAW": itu_alaw}
+
+
+@pytest.mark.parametrize("law", G711)
+def test_g711_decodes_to_the_standards_levels(law):
+    assert np.array_equal(ac.g711_decode(ALL_CODES.tobytes(), law), G711[law](ALL_CODES)[0])
+
+
+@pytest.mark.parametrize("law", G711)
+def test_g711_codes_each_sample_inside_its_codes_decision_interval(law):
+    """Every int16 value's code decodes to a level within half that segment's step of it (beyond
+    the top level, to the top level): G.711's decision intervals, and monotone in the sample."""
+    codes = np.frombuffer(ac.g711_encode(ALL_INT16, law), np.uint8)
+    level, step = G711[law](codes)
+    top = np.abs(G711[law](ALL_CODES)[0]).max()
+    x = np.clip(ALL_INT16.astype(np.int64), -top, top)
+    assert np.all(np.abs(x - level) <= step // 2)
+    assert np.all(np.diff(level) >= 0)
+
+
+@pytest.mark.parametrize("law", G711)
+def test_g711_matches_audioop(law):
+    """CPython's audioop (the classic Sun code; removed in Python 3.13): the same levels for every
+    code; the same code for all but a few samples, where the two sit on a decision boundary of a
+    negative segment (audioop shifts -x right, rounding down; libsndfile divides |x|) and pick
+    neighbouring levels."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        audioop = pytest.importorskip("audioop")
+    lin2, to_lin = (audioop.lin2ulaw, audioop.ulaw2lin) if law == "ULAW" else (audioop.lin2alaw, audioop.alaw2lin)
+    assert ac.g711_decode(ALL_CODES.tobytes(), law).astype("<i2").tobytes() == to_lin(ALL_CODES.tobytes(), 2)
+    ours = np.frombuffer(ac.g711_encode(ALL_INT16, law), np.uint8)
+    theirs = np.frombuffer(lin2(ALL_INT16.astype("<i2").tobytes(), 2), np.uint8)
+    differ = ours != theirs
+    assert differ.sum() < 0.01 * len(ALL_INT16) and np.all(ALL_INT16[differ] < 0)
+    levels = np.unique(G711[law](ALL_CODES)[0])
+    rank = [np.searchsorted(levels, G711[law](codes[differ])[0]) for codes in (ours, theirs)]
+    assert np.all(np.abs(rank[0] - rank[1]) == 1)
+
+
+def test_pcm_is_soundfiles_pcm16_rounded_to_nearest():
+    """audio/pcm bytes are the chat API's pcm16 bytes, and libsndfile's PCM_16 of the same floats:
+    x 32768, clipped to [-32768, 32767]. libsndfile up to 1.2.2 floors where later ones round to
+    nearest (its commit d8c58ee): ours rounds, so it is soundfile's value or, where the two
+    roundings differ, one step above it."""
+    x = np.concatenate([np.random.default_rng(0).uniform(-1.2, 1.2, 50_000),
+                        np.arange(-70_000, 70_000) / 65536.0,
+                        [1.0, -1.0, 0.5, -0.5, 32767 / 32768, -32768 / 32768, 4.0, -4.0]]).astype(np.float32)
+    ours = np.frombuffer(ac.PCM.encode(x), "<i2")
+    assert ac.PCM.encode(x) == pcm16(x)
+    buf = io.BytesIO()
+    soundfile.write(buf, x, ac.PCM.rate, format="RAW", subtype="PCM_16")
+    theirs = np.frombuffer(buf.getvalue(), "<i2")
+    scaled = x.astype(np.float64) * 32768
+    same_rounding = np.rint(scaled) == np.floor(scaled)
+    assert np.array_equal(ours[same_rounding], theirs[same_rounding])
+    assert set(np.unique(ours[~same_rounding].astype(int) - theirs[~same_rounding])) <= {0, 1}
+    assert list(ours[-8:]) == [32767, -32768, 16384, -16384, 32767, -32768, 32767, -32768]
+    assert list(to_int16(np.array([np.nan, np.inf, -np.inf]))) == [0, 32767, -32768]
+    assert np.array_equal(ac.PCM.decode(ac.PCM.encode(ours / 32768)), ours / 32768)  # exact both ways
 
 
 @pytest.mark.parametrize("fmt", [ac.PCM, ac.PCMU, ac.PCMA], ids=lambda f: f.type)

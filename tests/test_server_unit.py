@@ -30,7 +30,7 @@ from omni_cache.config.addresses import control_address
 from omni_cache.runtime.process_runner import StageStartError
 from omni_cache.serving.server import ServerThread
 from omni_cache.serving.audio_formats import encode_audio
-from omni_cache.serving.wav import to_pcm16
+from omni_cache.pcm import to_pcm16
 
 from fake_pipeline import (  # noqa: F401  (re-used by this module's tests)
     API_KEY, FAKE_STAGE, MAX_BODY_BYTES, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, SAMPLES_PER_TOKEN,

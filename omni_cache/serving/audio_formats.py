@@ -2,8 +2,8 @@
 
 ``audio.format`` is one of ``wav``, ``flac``, ``mp3``, ``opus`` (in an Ogg container) or ``pcm16``
 (raw little-endian 16-bit samples, no header). Everything is 24 kHz mono: the decoder stage's float
-waveform is resampled by libsoxr if its rate differs and clipped to [-1, 1]
-(:mod:`omni_cache.serving.wav`). The
+waveform is resampled by libsoxr if its rate differs and quantized to 16 bits by the one quantizer
+both APIs share (:func:`omni_cache.pcm.to_int16`). The
 container formats are encoded by libsndfile (the ``soundfile`` package, whose wheels bundle it with
 FLAC, LAME/mpg123 and Opus). Streamed audio is always ``pcm16``, as OpenAI's API requires: chunks
 of a compressed stream would not decode on their own. OpenAI's ``aac`` has no encoder in
@@ -16,7 +16,7 @@ import io
 
 import numpy as np
 
-from omni_cache.serving.wav import SAMPLE_RATE, clipped, resample, to_pcm16
+from omni_cache.pcm import SAMPLE_RATE, resample, to_int16, to_pcm16
 
 __all__ = ["FORMATS", "STREAM_FORMAT", "UnsupportedFormat", "check_format", "encode_audio"]
 
@@ -53,8 +53,9 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     import soundfile
 
     container, subtype = _CONTAINERS[fmt]
-    # libsndfile quantizes to 16 bits from float itself; clip first so it cannot wrap.
+    # Written from our int16 samples, not floats: a file's samples are then the pcm16 bytes of the
+    # same answer (libsndfile's own float quantizer floors in soundfile 0.14's 1.2.2).
     buf = io.BytesIO()
-    soundfile.write(buf, clipped(resample(samples, sample_rate)), SAMPLE_RATE, format=container,
+    soundfile.write(buf, to_int16(resample(samples, sample_rate)), SAMPLE_RATE, format=container,
                     subtype=subtype)
     return buf.getvalue()

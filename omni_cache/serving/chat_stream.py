@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
+from omni_cache.pcm import PcmStream
 from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
 from omni_cache.serving.chat_output import ChoiceWriter
-from omni_cache.serving.wav import PcmStream
 from omni_cache.wire.messages import TokenLogprob
 
 __all__ = ["Answer", "collect_answer", "collect_unless_disconnected", "sse", "stream_chunks", "usage"]

@@ -6,126 +6,79 @@ Three formats, as the API names them (``session.audio.input.format`` / ``.output
 * ``audio/pcm``: 16-bit little-endian mono PCM at 24 kHz (the default);
 * ``audio/pcmu`` / ``audio/pcma``: G.711 mu-law / A-law, one byte per sample at 8 kHz.
 
-G.711 follows ITU-T G.711 as the classic Sun reference implements it (mu-law on the 14 most
-significant bits with bias 0x84, A-law on 13 with even-bit inversion 0x55), so its bytes match
-every telephony stack's (tests check them against CPython's ``audioop``). Decoding is a 256-entry
-table; encoding a ``searchsorted`` over the segment ends.
+Floats become 16-bit samples by the quantizer the chat API uses too
+(:func:`omni_cache.pcm.to_int16`), so both APIs give a waveform the same PCM. G.711 is
+libsndfile's (soundfile's headerless RAW ``ULAW`` / ``ALAW`` subtypes) applied to those 16-bit
+samples: its decoding tables are ITU-T G.711's levels, and its encoder picks the level that
+brackets each sample (tests check both against the standard's levels and CPython's ``audioop``).
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import numpy as np
+import soundfile
 
-__all__ = ["AudioFormat", "FORMATS", "PCM", "PCMA", "PCMU", "StreamResampler", "alaw_decode",
-           "alaw_encode", "float_to_int16", "ulaw_decode", "ulaw_encode"]
+from omni_cache.pcm import from_int16, to_int16
+
+__all__ = ["AudioFormat", "FORMATS", "PCM", "PCMA", "PCMU", "StreamResampler", "g711_decode", "g711_encode"]
 
 
 @dataclass(frozen=True)
 class AudioFormat:
-    """One wire format: its API name and sample rate."""
+    """One wire format: its API name, sample rate and libsndfile subtype (how a sample is coded)."""
 
     type: str
     rate: int
+    subtype: str
 
     @property
     def bytes_per_sample(self) -> int:
-        return 2 if self.type == PCM.type else 1
+        return 2 if self.subtype == "PCM_16" else 1
 
     def decode(self, data: bytes) -> np.ndarray:
         """Wire bytes -> float32 samples in [-1, 1] at ``rate``; ValueError for a torn sample."""
-        if self.type == PCM.type:
+        if self.subtype == "PCM_16":
             if len(data) % 2:
                 raise ValueError("audio/pcm data must be whole 16-bit samples (an even number of bytes)")
-            return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-        codes = np.frombuffer(data, dtype=np.uint8)
-        linear = ulaw_decode(codes) if self.type == PCMU.type else alaw_decode(codes)
-        return linear.astype(np.float32) / 32768.0
+            return from_int16(np.frombuffer(data, dtype="<i2"))
+        return from_int16(g711_decode(data, self.subtype))
 
     def encode(self, samples: np.ndarray) -> bytes:
         """float32 samples at ``rate`` -> wire bytes."""
-        pcm = float_to_int16(samples)
-        if self.type == PCM.type:
+        pcm = to_int16(samples)
+        if self.subtype == "PCM_16":
             return pcm.astype("<i2").tobytes()
-        codes = ulaw_encode(pcm) if self.type == PCMU.type else alaw_encode(pcm)
-        return codes.tobytes()
+        return g711_encode(pcm, self.subtype)
 
 
-PCM = AudioFormat("audio/pcm", 24000)
-PCMU = AudioFormat("audio/pcmu", 8000)
-PCMA = AudioFormat("audio/pcma", 8000)
+PCM = AudioFormat("audio/pcm", 24000, "PCM_16")
+PCMU = AudioFormat("audio/pcmu", 8000, "ULAW")
+PCMA = AudioFormat("audio/pcma", 8000, "ALAW")
 FORMATS = {f.type: f for f in (PCM, PCMU, PCMA)}
 
 
-def float_to_int16(samples: np.ndarray) -> np.ndarray:
-    x = np.nan_to_num(np.asarray(samples, dtype=np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
-    return np.round(np.clip(x, -1.0, 32767 / 32768) * 32768.0).astype(np.int16)
+# ---- G.711 by libsndfile -----------------------------------------------------------------------
+# Headerless RAW through an in-memory file. The samplerate is required by libsndfile for RAW but
+# plays no part in coding a sample, so one value serves both laws.
+
+_G711_RATE = 8000
 
 
-# ---- G.711 mu-law ------------------------------------------------------------------------------
-
-_ULAW_BIAS = 0x84
-_ULAW_CLIP = 8159  # on the 14-bit magnitude
-_ULAW_SEG_END = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF], dtype=np.int32)
-
-
-def ulaw_encode(pcm: np.ndarray) -> np.ndarray:
-    """int16 samples -> mu-law bytes (uint8)."""
-    v = np.asarray(pcm, dtype=np.int32) >> 2
-    mask = np.where(v < 0, 0x7F, 0xFF)
-    v = np.minimum(np.abs(v), _ULAW_CLIP) + (_ULAW_BIAS >> 2)
-    seg = np.searchsorted(_ULAW_SEG_END, v, side="left")
-    code = (np.minimum(seg, 7) << 4) | ((v >> (np.minimum(seg, 7) + 1)) & 0xF)
-    code = np.where(seg >= 8, 0x7F, code)
-    return (code ^ mask).astype(np.uint8)
+def g711_encode(pcm: np.ndarray, subtype: str) -> bytes:
+    """int16 samples -> G.711 bytes, ``subtype`` ``"ULAW"`` (mu-law) or ``"ALAW"`` (A-law)."""
+    buf = io.BytesIO()
+    soundfile.write(buf, np.asarray(pcm, dtype=np.int16), _G711_RATE, format="RAW", subtype=subtype)
+    return buf.getvalue()
 
 
-def _ulaw_table() -> np.ndarray:
-    u = ~np.arange(256, dtype=np.int32) & 0xFF
-    t = (((u & 0x0F) << 3) + _ULAW_BIAS) << ((u & 0x70) >> 4)
-    return np.where(u & 0x80, _ULAW_BIAS - t, t - _ULAW_BIAS).astype(np.int16)
-
-
-_ULAW_TO_LINEAR = _ulaw_table()
-
-
-def ulaw_decode(codes: np.ndarray) -> np.ndarray:
-    """mu-law bytes -> int16 samples."""
-    return _ULAW_TO_LINEAR[np.asarray(codes, dtype=np.uint8)]
-
-
-# ---- G.711 A-law -------------------------------------------------------------------------------
-
-_ALAW_SEG_END = np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF], dtype=np.int32)
-
-
-def alaw_encode(pcm: np.ndarray) -> np.ndarray:
-    """int16 samples -> A-law bytes (uint8)."""
-    v = np.asarray(pcm, dtype=np.int32) >> 3
-    mask = np.where(v >= 0, 0xD5, 0x55)
-    v = np.where(v >= 0, v, -v - 1)
-    seg = np.searchsorted(_ALAW_SEG_END, v, side="left")
-    s = np.minimum(seg, 7)
-    quant = np.where(s < 2, v >> 1, v >> np.maximum(s, 1)) & 0xF
-    code = np.where(seg >= 8, 0x7F, (s << 4) | quant)
-    return (code ^ mask).astype(np.uint8)
-
-
-def _alaw_table() -> np.ndarray:
-    a = np.arange(256, dtype=np.int32) ^ 0x55
-    seg = (a & 0x70) >> 4
-    t = ((a & 0x0F) << 4) + np.where(seg == 0, 8, 0x108)
-    t = np.where(seg > 1, t << np.maximum(seg - 1, 0), t)
-    return np.where(a & 0x80, t, -t).astype(np.int16)
-
-
-_ALAW_TO_LINEAR = _alaw_table()
-
-
-def alaw_decode(codes: np.ndarray) -> np.ndarray:
-    """A-law bytes -> int16 samples."""
-    return _ALAW_TO_LINEAR[np.asarray(codes, dtype=np.uint8)]
+def g711_decode(data: bytes, subtype: str) -> np.ndarray:
+    """G.711 bytes (``subtype`` ``"ULAW"`` or ``"ALAW"``) -> int16 samples."""
+    pcm, _ = soundfile.read(io.BytesIO(data), format="RAW", subtype=subtype, samplerate=_G711_RATE,
+                            channels=1, dtype="int16")
+    return pcm
 
 
 # ---- resampling --------------------------------------------------------------------------------
