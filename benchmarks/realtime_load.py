@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.report import percentile
 from benchmarks.speech_clips import RATE, pcm16, silence, speech
 
 __all__ = ["appends_between", "cpu_per_session_second", "format_table", "main", "percentiles", "session_audio",
@@ -209,15 +210,11 @@ async def run_probes(url: str, model: str, seconds: float) -> dict[str, Any]:
 # ---- summaries (pure) ---------------------------------------------------------------------------
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
-    """n, p50, p90, p99 and max (nearest rank) of ``values``; None without any."""
+    """n, p50, p90, p99 (benchmarks.report.percentile: numpy's linear method) and max of
+    ``values``; None without any."""
     if not values:
         return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
-    s = sorted(values)
-
-    def at(q: float) -> float:
-        return s[min(len(s) - 1, max(0, int(np.ceil(q * len(s))) - 1))]
-
-    return {"n": len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": s[-1]}
+    return {"n": len(values), **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}, "max": max(values)}
 
 
 def appends_between(sent_per_s: list[dict[int, int]], t0: float, t1: float) -> float:
