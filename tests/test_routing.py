@@ -129,13 +129,16 @@ def test_prompts_with_media_and_other_policies_do_not_hash(orch, tmp_path):
 def test_a_session_stays_on_its_replicas_while_they_are_up(orch):
     """Requests of one session (a realtime conversation: prompts with audio, not prefix-hashed)
     go where its first request went, though least_loaded would send them elsewhere."""
-    from omni_cache.runtime.requests import Request
+    import numpy as np
+
+    from omni_cache.runtime.requests import MediaItem, Request
 
     def route(session: str | None) -> Request:
         req = Request(request_id=f"r{len(orch.requests)}", prompt_token_ids=[1] * 64,
                       modalities=("text",), participants=("thinker",), t0=0.0, deadline=1e9,
                       timeout_s=1.0, return_latents=False)
-        orch.routes.assign(req, req.prompt_token_ids, has_media=True, session_id=session)
+        orch.routes.assign(req, req.prompt_token_ids, [MediaItem("audio", np.zeros(1, np.float32))],
+                           session_id=session)
         orch.requests.add(req)
         return req
 

@@ -27,7 +27,7 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import MediaRef, StageOutput, StreamStart, Submit
+from omni_cache.wire.messages import MediaLayout, MediaRef, MediaSpan, StageOutput, StreamStart, Submit
 from omni_cache.wire.sampling import EngineSampling
 from scheduler.pacing import PlaybackClock
 from workers.entry_sampling import sampling_params
@@ -119,6 +119,14 @@ def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
         uuid = ref.uuid + suffix if ref.kind == "video" or ref.in_video else ref.uuid
         out.setdefault(ref.kind, []).append(uuid)
     return out
+
+
+def media_layout(out: StepOutput) -> MediaLayout | None:
+    """How the engine expanded a media prompt (its first output), for the router."""
+    if not out.media_spans:
+        return None
+    return MediaLayout(prompt_token_ids=list(out.prompt_token_ids or ()),
+                       spans=[MediaSpan(*span) for span in out.media_spans])
 
 
 def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: str) -> None:
@@ -397,7 +405,9 @@ class ARRunner(StageRunner):
         if out.codes is not None:  # a multi-codebook talker: every codebook, [G, k]
             tensors = {**tensors, CODES_FRAME: out.codes}
         if self.stage.final_output == "text" or req.return_latents:
-            self.outbox.to_orchestrator(msg, tensors if req.return_latents else None)
+            layout = media_layout(out) if msg.seq == 0 else None
+            self.outbox.to_orchestrator(msg if layout is None else msgspec.structs.replace(
+                msg, media_layout=layout), tensors if req.return_latents else None)
         elif finished:
             # Non-final stages tell the orchestrator they are done with the request (and how much
             # their prefix cache saved), without the payload.

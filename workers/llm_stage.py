@@ -48,6 +48,9 @@ class StepOutput:
     image_grids: list[list[int]] | None = None
     # The prompt's videos (patch grids, seconds per grid); first output only.
     video_grids: VideoGrids | None = None
+    # Its media items as (modality, identifier, offset, length), in the engine's order; first
+    # output only, on a stage that reports its blocks (prefix routing of media prompts).
+    media_spans: list[tuple[str, str, int, int]] | None = None
     # vLLM's stop reason with a "stop" finish: the stop string, or the stop token id.
     stop_reason: int | str | None = None
     # Per new token, its log-probabilities as vLLM ranked them (the sampled token first); only
@@ -73,6 +76,7 @@ class _Tracked:
     sent_prompt: bool = False
     image_grids: list[list[int]] = field(default_factory=list)
     video_grids: VideoGrids | None = None
+    media_spans: list[tuple[str, str, int, int]] | None = None
     # Set for a request a downstream stage speaks: its latent rows go out only as far as the
     # spoken tokens reach.
     spoken: SpokenTokens | None = None
@@ -168,6 +172,10 @@ class LLMStage:
         if prompt.get("multi_modal_data"):
             tracked.image_grids = _image_grids(self.scheduler.requests[internal])
             tracked.video_grids = video_grids(self.scheduler.requests[internal])
+            if self.block_events is not None:  # the router learns where the media went
+                tracked.media_spans = [(f.modality, f.identifier, f.mm_position.offset,
+                                        f.mm_position.length)
+                                       for f in self.scheduler.requests[internal].mm_features or ()]
         if streamed is not None or positions is not None:
             from scheduler import streamed_rows
 
@@ -253,6 +261,7 @@ class LLMStage:
             result.prompt_token_ids = list(out.prompt_token_ids or ())
             result.image_grids = tracked.image_grids
             result.video_grids = tracked.video_grids
+            result.media_spans = tracked.media_spans
             result.engine_times = _engine_times(out.metrics)
             tracked.sent_prompt = True
         if self.capture is not None:

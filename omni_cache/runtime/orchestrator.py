@@ -281,13 +281,12 @@ class Orchestrator:
                                             top_p=top_p, seed=seed,
                                             modalities=modalities, media=media)
             # Hashing grows with the prompt: off the event loop (omni_cache.runtime.route_planner).
-            hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids,
-                                                                has_media=bool(admitted.media)))
+            hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids, admitted.media))
             timeout = float(timeout_s or self.config.server.request_timeout_s)
             req = new_request(admitted.prompt_token_ids, admitted.modalities, admitted.participants,
                               received_at=received_at, timeout=timeout,
                               return_latents=return_latents, ticket=ticket)
-            self.routes.assign(req, admitted.prompt_token_ids, has_media=bool(admitted.media),
+            self.routes.assign(req, admitted.prompt_token_ids, admitted.media,
                                session_id=session_id, hashes=hashes)
             req.submit = submit_message(req, admitted.sampling, admitted.media, stream=stream)
             req.media = media_frames(admitted.media)
@@ -365,7 +364,7 @@ class Orchestrator:
         answer_finished = (entry_out.finish_reason or "stop") if entry_out is not None else None
         next_attempt(req, self.codec.detokenize)
         self.requests.rekey(req, old)
-        self.routes.assign(req, resumed_prompt(req, text_from_entry), has_media=bool(req.media))
+        self.routes.assign(req, resumed_prompt(req, text_from_entry), req.submit.media)
         msg = resumed_submit(req, text_from_entry=text_from_entry, answer_finished=answer_finished)
         self.metrics.request_resumed(dead.stage, dead.index)
         logger.warning("request %s: %s died while serving it; resumed as %s on %s after %d "
@@ -453,7 +452,7 @@ class Orchestrator:
             logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
             return
         try:
-            self.routes.output_seen(req, msg.stage)
+            self.routes.output_seen(req, msg.stage, msg.media_layout)
             if self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic()):
                 self._complete(req)
         except BadOutput as e:

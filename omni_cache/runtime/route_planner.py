@@ -10,9 +10,10 @@ against load):
 * for later stages with a prefix cache of their own, where each thinker prompt prefix's work went
   (:class:`PrefixAffinity`);
 * sessions: requests that name the same ``session_id`` (a realtime conversation) stay on the
-  replicas their session's first request was routed to while those are up. Prompts with media
-  are not hashed (their block hashes depend on the thinker's processor), so without this a
-  conversation with audio turns would have no affinity at all.
+  replicas their session's first request was routed to while those are up;
+* what each media item becomes in the thinker's prompt (:class:`MediaLayouts`, learned from the
+  thinker's first output of a media request), so a prompt with images, audio or video is hashed
+  as its engine will hash it, as far as its items are known.
 
 It reads the in-flight requests (:class:`RequestTable`) and which replicas are up (the supervisor)
 and writes nothing but its own state and the route fields of the request it routes.
@@ -30,18 +31,20 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from omni_cache.config import PipelineConfig
 from omni_cache.config.replicas import Replica, reports_blocks
 from omni_cache.runtime.affinity import AFFINITY_BLOCK_SIZE, PrefixAffinity
-from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.block_hashes import MediaPosition, prompt_block_hashes
+from omni_cache.runtime.media_layouts import MediaLayouts, media_keys
 from omni_cache.runtime.metrics import RoutingSnapshot
 from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.routing import ReplicaRouter
 from omni_cache.runtime.supervisor import StageSupervisor
 from omni_cache.runtime.topology import Topology
-from omni_cache.wire.messages import BlockEvents
+from omni_cache.wire.messages import BlockEvents, MediaLayout
 
 #: Sessions remembered (the least recently routed are forgotten first).
 MAX_SESSIONS = 65536
@@ -49,7 +52,8 @@ MAX_SESSIONS = 65536
 
 @dataclass(frozen=True)
 class PromptHashes:
-    """What routing reads of a prompt's content (nothing for a prompt with media)."""
+    """What routing reads of a prompt's content (for a prompt with media: as far as its items'
+    runs are known; nothing when the first item's place is not known either)."""
 
     #: block size -> the hashes of the prompt's full blocks (prefix routing).
     chains: dict[int, list[int]]
@@ -58,13 +62,14 @@ class PromptHashes:
 
 
 def hash_prompt(prompt: Sequence[int] | None, block_sizes: Sequence[int], seed: str | None,
-                affinity: bool) -> PromptHashes:
+                affinity: bool, media: Sequence[MediaPosition] = ()) -> PromptHashes:
     """``prompt``'s hashes in each of ``block_sizes`` (vLLM's, with the entry engines' ``seed``)
-    and, with ``affinity``, in AFFINITY_BLOCK_SIZE blocks; nothing for None (a prompt with media)."""
-    if prompt is None:
+    and, with ``affinity``, in AFFINITY_BLOCK_SIZE blocks; nothing for None. ``prompt`` is the
+    expanded prompt of a media request, ``media`` its items (omni_cache/runtime/media_layouts.py)."""
+    if not prompt:
         return PromptHashes({})
-    return PromptHashes({size: prompt_block_hashes(prompt, size, seed) for size in block_sizes},
-                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None) if affinity else None)
+    return PromptHashes({size: prompt_block_hashes(prompt, size, seed, media) for size in block_sizes},
+                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None, media) if affinity else None)
 
 
 class RoutePlanner:
@@ -86,24 +91,36 @@ class RoutePlanner:
                           and s.replicas > 1 and s.is_autoregressive and s.prefix_cache}
         self._sessions: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._hash_seed = self._entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
+        #: What media items become in the entry stage's prompt, as its replicas reported.
+        self.media_layouts = MediaLayouts()
 
     # ---- routing a request -----------------------------------------------------------------------
 
-    def hasher(self, prompt: Sequence[int], *, has_media: bool) -> Callable[[], PromptHashes]:
-        """The hashing :meth:`assign` needs for ``prompt``, as a function a worker thread can run:
-        the block sizes it hashes by are read now."""
+    def hasher(self, prompt: Sequence[int], media: Sequence[Any] = ()) -> Callable[[], PromptHashes]:
+        """The hashing :meth:`assign` needs for ``prompt`` with ``media`` (its MediaItems or the
+        Submit's MediaRefs), as a function a worker thread can run: the block sizes it hashes by
+        and what its items expand to are read now (on the caller's thread, which owns the media
+        layouts)."""
         sizes = sorted(set(self.prefix_index.block_size.values())) if self.prefix_routing else []
-        return functools.partial(hash_prompt, None if has_media else list(prompt), sizes,
-                                 self._hash_seed, bool(self._affinity))
+        if not sizes and not self._affinity:
+            return functools.partial(PromptHashes, {})
+        items: list[MediaPosition] = []
+        tokens = list(prompt)
+        if media:
+            expanded = self.media_layouts.expand(prompt, media_keys(media))
+            tokens, items = expanded.token_ids, expanded.media
+        return functools.partial(hash_prompt, tokens, sizes, self._hash_seed, bool(self._affinity),
+                                 items)
 
-    def assign(self, req: Request, prompt: Sequence[int], *, has_media: bool,
+    def assign(self, req: Request, prompt: Sequence[int], media: Sequence[Any] = (), *,
                session_id: str | None = None, hashes: PromptHashes | None = None) -> None:
-        """Route ``req``, whose entry stage is sent ``prompt``: its replicas, the prefill it queues
-        on its entry replica, and the prompt's block hashes (prefix routing; none with media).
-        ``hashes``: what :meth:`hasher` computed (else it is computed here)."""
-        hashed = None if has_media else prompt
+        """Route ``req``, whose entry stage is sent ``prompt`` with ``media`` (MediaItems or
+        MediaRefs): its replicas, the prefill it queues on its entry replica, and the prompt's
+        block hashes (prefix routing). ``hashes``: what :meth:`hasher` computed (else it is
+        computed here)."""
+        hashed = None if media else prompt
         if hashes is None:
-            hashes = self.hasher(prompt, has_media=has_media)()
+            hashes = self.hasher(prompt, media)()
         pinned = self._sessions.get(session_id) if session_id is not None else None
         req.route, req.prefill_backlog = self.route(req.participants, len(prompt), hashes.chains,
                                                     hashed, pinned=pinned,
@@ -131,7 +148,7 @@ class RoutePlanner:
                 route[stage] = self.router.keep(stage, pinned[stage])
                 continue
             affinity = self._affinity.get(stage)
-            if affinity is not None and prompt is not None:
+            if affinity is not None and (prompt is not None or affinity_chain is not None):
                 chain = (affinity_chain if affinity_chain is not None
                          else prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None))
                 route[stage] = self.router.follow(stage, up, load, affinity.lookup(chain, up))
@@ -155,7 +172,7 @@ class RoutePlanner:
         replica reported (prefix routing, prompts without media)."""
         if not self.prefix_routing or prompt is None:
             return {}
-        return self.hasher(prompt, has_media=False)().chains
+        return self.hasher(prompt)().chains
 
     def matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]],
                        prompt_tokens: int | None = None) -> tuple[dict[int, int], dict[int, int]]:
@@ -211,11 +228,24 @@ class RoutePlanner:
 
     # ---- what the replicas report ----------------------------------------------------------------
 
-    def output_seen(self, req: Request, stage: str) -> None:
+    def output_seen(self, req: Request, stage: str, layout: MediaLayout | None = None) -> None:
         """``req``'s stage ``stage`` sent an output: once the entry stage did, its prefill is done
-        and no longer queued work there."""
+        and no longer queued work there. ``layout``: how the entry stage's engine expanded the
+        prompt's media (its first output of a media request)."""
         if stage == self._entry.name:
             req.prefill_backlog = 0
+            if layout is not None:
+                self.learn_media(req, layout)
+
+    def learn_media(self, req: Request, layout: MediaLayout) -> None:
+        """The entry stage's engine expanded ``req``'s prompt as ``layout`` says: remember what
+        its media items became (checked against the prompt sent; a mismatch teaches nothing)."""
+        submit = req.submit
+        if submit is None or not submit.media:
+            return
+        self.media_layouts.learn(submit.prompt_token_ids, media_keys(submit.media),
+                                 layout.prompt_token_ids,
+                                 [(s.modality, s.identifier, s.offset, s.length) for s in layout.spans])
 
     def on_block_events(self, msg: BlockEvents) -> None:
         sp = self._supervisor.replica(msg.stage, msg.replica)

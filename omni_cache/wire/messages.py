@@ -133,6 +133,25 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     stream: bool = False
 
 
+class MediaSpan(msgspec.Struct, array_like=True):
+    """One media item of a prompt as the entry stage's engine placed it: its modality, vLLM's
+    identifier of it (the key of its prefix-cache blocks) and its run in the expanded prompt."""
+
+    modality: Literal["image", "audio", "video"]
+    identifier: Annotated[str, Meta(max_length=512)]
+    offset: Count
+    length: Count
+
+
+class MediaLayout(msgspec.Struct, kw_only=True):
+    """Entry stage -> orchestrator, with a media request's first output: its prompt as the
+    engine expanded it and where each item sits, so the router can hash later prompts with the
+    same media as the engine does (omni_cache/runtime/media_layouts.py)."""
+
+    prompt_token_ids: list[TokenId]
+    spans: list[MediaSpan]
+
+
 class TokenLogprob(msgspec.Struct, array_like=True):
     """One entry of a generated position's log-probabilities, as vLLM's output processor made
     it: the id, its log-probability and its decoded text (None where vLLM did not decode it)."""
@@ -169,6 +188,9 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     #: A downstream stage's final output to the orchestrator: the text of the upstream tokens it
     #: took in (a talker: the text it was given to speak; the answer's audio transcript).
     input_text: str = ""
+    #: The entry stage's first output to the orchestrator of a request with media: how its
+    #: engine expanded the prompt (prefix routing of media prompts).
+    media_layout: MediaLayout | None = None
 
 
 class StreamStart(StageOutput, tag="start", kw_only=True):
