@@ -263,7 +263,7 @@ BAD_CASES = {
         "tiny:talker",
         "tiny:talkr",
         "stages[1].model: unknown tiny checkpoint 'talkr' (known: tiny:decoder, tiny:qwen3-omni, "
-        "tiny:talker, tiny:thinker, tiny:thinker-hybrid)",
+        "tiny:qwen3.5, tiny:talker, tiny:thinker, tiny:thinker-hybrid)",
     ),
     "tiny_model_of_other_kind": (
         "tiny:decoder",

@@ -21,6 +21,11 @@ Checkpoints (``CHECKPOINT_NAMES``):
     Qwen3-Omni (``Qwen3OmniMoeForConditionalGeneration``) in the released layout: thinker (MoE, audio and
     vision encoders), talker and code2wav in one folder, with processor files and a chat template for
     image/audio/video content parts. What goes in it: :mod:`omni_cache.models.tiny_qwen3_omni`.
+``qwen3.5``
+    Qwen3.5 (``Qwen3_5ForConditionalGeneration``) in the released layout: a hybrid text model (3
+    GatedDeltaNet layers, 1 gated full-attention layer) with Qwen3-VL's vision encoder, processor files
+    and a chat template for image/video content parts. What goes in it:
+    :mod:`omni_cache.models.tiny_qwen3_5`.
 
 Determinism: the same (name, seed) gives byte-identical files. Every tensor is drawn from its own
 ``torch.Generator`` seeded from (seed, crc32 of "<checkpoint>/<tensor name>"), so the output does not
@@ -108,7 +113,7 @@ CHECKPOINT_NAMES = tuple(TINY_MODELS)
 # Written last inside a checkpoint directory; its presence means the directory is complete.
 COMPLETE_MARKER = ".omni_cache_complete"
 # Bump when the generator changes what it writes (part of the marker, so stale caches are rebuilt).
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 # ---- helpers ---------------------------------------------------------------------------------------
 def default_checkpoint_dir() -> Path:
@@ -316,12 +321,39 @@ def _write_qwen3_omni(out: Path, seed: int) -> None:
     write_json(out / "video_preprocessor_config.json", q3.video_preprocessor_config())
 
 
+def _write_qwen3_5(out: Path, seed: int) -> None:
+    from omni_cache.models import tiny_qwen3_5 as q35
+
+    cfg = q35.config()
+    write_json(out / "config.json", cfg)
+    write_json(out / "generation_config.json", q35.generation_config())
+    f = TensorFactory("qwen3.5", seed)
+    weights = q35.random_weights(
+        cfg, lambda name, shape, std: f.normal(name, shape, std=std), f.uniform
+    )
+    save_safetensors(out / "model.safetensors", weights)
+    write_tokenizer(
+        out,
+        q35.SPECIAL_TOKENS,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        chat_template=q35.CHAT_TEMPLATE,
+        extra_config=q35.TOKENIZER_EXTRA_CONFIG,
+        fillers=tuple(f"<{i}>" for i in range(256 + len(q35.SPECIAL_TOKENS), q35.VOCAB_SIZE)),
+    )
+    write_json(out / "chat_template.json", {"chat_template": q35.CHAT_TEMPLATE})
+    write_json(out / "preprocessor_config.json", q35.preprocessor_config())
+    write_json(out / "video_preprocessor_config.json", q35.video_preprocessor_config())
+
+
 _WRITERS: dict[str, Callable[[Path, int], None]] = {
     "thinker": _write_thinker,
     "thinker-hybrid": _write_thinker_hybrid,
     "talker": _write_talker,
     "decoder": _write_decoder,
     "qwen3-omni": _write_qwen3_omni,
+    "qwen3.5": _write_qwen3_5,
 }
 
 

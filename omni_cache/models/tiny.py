@@ -21,6 +21,7 @@ TINY_MODELS: dict[str, tuple[str, ...]] = {
     "talker": ("autoregressive",),
     "decoder": ("generation",),
     "qwen3-omni": ("autoregressive", "generation"),
+    "qwen3.5": ("autoregressive",),
 }
 
 #: Environment variable naming where ``tiny:*`` checkpoints are generated (when the config has no
