@@ -27,7 +27,8 @@ from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import MediaLayout, MediaRef, MediaSpan, StageOutput, StreamStart, Submit
+from omni_cache.wire.messages import (MAX_MEDIA_NAME, MediaLayout, MediaRef, MediaSpan, StageOutput,
+                                      StreamStart, Submit)
 from omni_cache.wire.sampling import EngineSampling
 from scheduler.pacing import PlaybackClock
 from workers.entry_sampling import sampling_params
@@ -122,8 +123,10 @@ def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
 
 
 def media_layout(out: StepOutput) -> MediaLayout | None:
-    """How the engine expanded a media prompt (its first output), for the router."""
-    if not out.media_spans:
+    """How the engine expanded a media prompt (its first output), for the router; None for a
+    name too long for the wire (the router then just does not learn these items)."""
+    if not out.media_spans or any(len(m) > MAX_MEDIA_NAME or len(i) > MAX_MEDIA_NAME
+                                  for m, i, _, _ in out.media_spans):
         return None
     return MediaLayout(prompt_token_ids=list(out.prompt_token_ids or ()),
                        spans=[MediaSpan(*span) for span in out.media_spans])

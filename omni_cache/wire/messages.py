@@ -56,6 +56,9 @@ from omni_cache.wire.sampling import EngineSampling
 MAX_SAMPLE_RATE = 384_000
 #: The longest StageError message; a stage cuts a longer one (workers/runner.py).
 MAX_ERROR_MESSAGE = 8192
+#: The longest modality or multimodal identifier a MediaSpan carries (a stage sends no layout
+#: with a longer one: the output carrying it would not decode).
+MAX_MEDIA_NAME = 512
 
 #: A request's id: the orchestrator's (uuid hex; ".r<attempt>" for a resumed attempt).
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -137,8 +140,8 @@ class MediaSpan(msgspec.Struct, array_like=True):
     """One media item of a prompt as the entry stage's engine placed it: its modality, vLLM's
     identifier of it (the key of its prefix-cache blocks) and its run in the expanded prompt."""
 
-    modality: Literal["image", "audio", "video"]
-    identifier: Annotated[str, Meta(max_length=512)]
+    modality: Annotated[str, Meta(max_length=MAX_MEDIA_NAME)]
+    identifier: Annotated[str, Meta(max_length=MAX_MEDIA_NAME)]
     offset: Count
     length: Count
 
