@@ -60,6 +60,20 @@ def test_g711_decodes_to_the_standards_levels(law):
 
 
 @pytest.mark.parametrize("law", G711)
+def test_g711_chunks_are_libsndfiles_own_coding(law):
+    """The codec looks samples up in tables libsndfile made: a chunk's bytes are what soundfile
+    writes for it, and its samples what soundfile reads back."""
+    pcm = np.random.default_rng(2).integers(-32768, 32768, 4000).astype(np.int16)
+    buf = io.BytesIO()
+    soundfile.write(buf, pcm, 8000, format="RAW", subtype=law)
+    assert ac.g711_encode(pcm, law) == buf.getvalue()
+    back, _ = soundfile.read(io.BytesIO(buf.getvalue()), format="RAW", subtype=law, samplerate=8000,
+                             channels=1, dtype="int16")
+    assert np.array_equal(ac.g711_decode(buf.getvalue(), law), back)
+    assert ac.g711_encode(pcm[:0], law) == b"" and ac.g711_decode(b"", law).size == 0
+
+
+@pytest.mark.parametrize("law", G711)
 def test_g711_codes_each_sample_inside_its_codes_decision_interval(law):
     """Every int16 value's code decodes to a level within half that segment's step of it (beyond
     the top level, to the top level): G.711's decision intervals, and monotone in the sample."""
