@@ -23,7 +23,8 @@ import soundfile
 
 from omni_cache.pcm import from_int16, to_int16
 
-__all__ = ["AudioFormat", "FORMATS", "PCM", "PCMA", "PCMU", "StreamResampler", "g711_decode", "g711_encode"]
+__all__ = ["AudioFormat", "FORMATS", "PCM", "PCMA", "PCMU", "StreamResampler", "g711_decode",
+           "g711_encode"]
 
 
 @dataclass(frozen=True)
