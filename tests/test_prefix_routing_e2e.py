@@ -1,10 +1,16 @@
 """Prefix routing between two tiny thinker replicas (real vLLM engines reporting their KV-cache
 events, ZMQ, HTTP): a request goes to the replica that holds its prompt's prefix, as that
 replica's engine reported it, not to the one a load tie would pick; and once a replica evicted the
-prefix (a 64-block pool, churned), the router stops sending the prefix there for it."""
+prefix (a 64-block pool, churned), the router stops sending the prefix there for it.
+
+Media prompts too, on two replicas of the Qwen3-Omni thinker (the tiny checkpoint): a repeated
+image, and a repeated video with its sound track, go to the replica that holds them, by the block
+hashes the orchestrator computed with the items' keys from what the thinker reported of their
+first request (omni_cache/runtime/media_layouts.py)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 from pathlib import Path
@@ -14,6 +20,7 @@ import openai
 import pytest
 import yaml
 
+from media_samples import png_data_url, video_bytes
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.metrics import parse_metrics
 from served_config import served
@@ -133,3 +140,70 @@ def test_a_prefix_being_computed_draws_its_tenants_next_request(server):
     [replica] = {r for r, _ in routed}  # both on one replica
     assert routed == {(replica, "least_loaded"): 1, (replica, "prefix_hit"): 1}
     assert len(cached) == 2 and max(cached) >= 512, cached
+
+
+# ---- media prompts --------------------------------------------------------------------------
+
+MEDIA_NAME = "mediaroute"
+QUESTION = "Describe what you see here, and say how it differs from what you saw before. " * 2
+
+
+@pytest.fixture(scope="module")
+def media_server(tmp_path_factory):
+    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
+    data["name"] = MEDIA_NAME
+    data["server"]["port"] = 0
+    data["server"]["routing"] = "prefix"
+    [thinker] = [s for s in data["stages"] if s["name"] == "thinker"]
+    thinker["address"] = f"ipc:///tmp/omni_cache/{MEDIA_NAME}-{os.getpid()}/thinker.sock"
+    thinker["replicas"] = 2
+    thinker["warmup"] = False
+    thinker.pop("pacing", None)  # nothing downstream to pace
+    thinker["latents"] = {"hidden": False}  # no talker reads them
+    data["stages"] = [thinker]  # text answers: the thinker is the whole pipeline
+    with served(data, tmp_path_factory.mktemp("cfg"), api_key=API_KEY) as srv:
+        yield srv
+
+
+def test_a_repeated_image_or_video_goes_to_the_replica_that_holds_it(media_server):
+    """Two images nobody holds, at once: least loaded puts them on different replicas. Each image
+    again, with another question: to the replica that holds it (``prefix_hit``), served from its
+    cache past the image. The image opens the prompt (after 3 template tokens), so every block the
+    router matched carries the image's key: a hit decision means the orchestrator's hashes of the
+    image's blocks are the ones that replica's engine reported. Then a video with its sound track
+    (one interleaved run, keyed by vLLM with the request's processor kwargs), the same."""
+    client = openai.OpenAI(base_url=media_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    cached: dict[str, int] = {}
+
+    def ask(part: dict, question: str, key: str, max_tokens: int = 2) -> None:
+        r = client.chat.completions.create(
+            model=MEDIA_NAME, max_tokens=max_tokens,
+            messages=[{"role": "user", "content": [part, {"type": "text", "text": question}]}])
+        cached[key] = r.usage.prompt_tokens_details.cached_tokens
+
+    images = {k: {"type": "image_url", "image_url": {"url": png_data_url(128, 96, seed=i)}}
+              for i, k in enumerate("XY")}
+    before = decisions(media_server)
+    threads = [threading.Thread(target=ask, args=(images[k], QUESTION + "first?", k, 24))
+               for k in "XY"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert delta(before, decisions(media_server)) == {("0", "least_loaded"): 1, ("1", "least_loaded"): 1}
+    assert len(media_server.orchestrator.routes.media_layouts) == 2  # both replicas reported theirs
+
+    before = decisions(media_server)
+    for k in "XY":
+        ask(images[k], QUESTION + "second?", k)
+    assert delta(before, decisions(media_server)) == {("0", "prefix_hit"): 1, ("1", "prefix_hit"): 1}
+    assert cached["X"] >= 64 and cached["Y"] >= 64, cached  # the image and the question's blocks
+
+    video = {"type": "video_url", "video_url": {
+        "url": "data:video/mp4;base64," + base64.b64encode(video_bytes(audio_s=2.0)).decode()}}
+    ask(video, QUESTION + "first?", "V")
+    before = decisions(media_server)
+    ask(video, QUESTION + "second?", "V")
+    routed = delta(before, decisions(media_server))
+    assert list(routed.values()) == [1] and next(iter(routed))[1] == "prefix_hit", routed
+    assert cached["V"] >= 64, cached
