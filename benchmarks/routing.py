@@ -22,6 +22,16 @@ Pipelines (one at a time, each a private copy of ``--stage-config``):
 * **reference**: ONE thinker replica whose pool is both pools combined (2 x pool - 1 blocks: each
   pool keeps one null block), same requests: the hit rate a single cache that size reaches.
 
+``--workload media`` (issue 42): the tenants take turns being a text tenant (its system prompt
+as above), an image tenant (one image of about ``--shared-tokens`` vision tokens), a clip tenant
+(one WAV clip of about as many audio tokens) and a video tenant (one MP4 with its sound track,
+read with ``use_audio_in_video``); a media tenant's requests are its medium then a question of
+their own, without a system prompt, so what a replica can hold of them is the medium's blocks,
+keyed by its content digest (omni_cache/runtime/media_layouts.py). Run it on the Qwen3-Omni
+pipeline: ``--stage-config stage_configs/qwen3_omni.yaml --workload media --thinker-only``
+(``--thinker-only``: the entry stage alone, text answers). The hit rate is also reported per
+tenant kind.
+
 With ``--ray``, every round also runs the ``prefix`` turn on the same two-replica pipeline placed
 by Ray (``server.ray_address``) on a two-node cluster the benchmark starts on this machine
 (``ray.cluster_utils``; thinker#0 pinned to one node, thinker#1 to the other): label ``prefix
@@ -59,6 +69,10 @@ import yaml  # noqa: E402
 from benchmarks.workloads import Session, content_sizes, random_text  # noqa: E402
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
+WORKLOADS = {"text": ("text",), "media": ("text", "image", "audio", "video")}
+#: Audio tokens per second of a clip in Qwen3-Omni's thinker (16 kHz, 100 feature frames a second,
+#: downsampled 8x), to size a clip tenant's medium like the others' prefixes.
+AUDIO_TOKENS_PER_S = 12.5
 #: The policy label of the prefix turn on the Ray-placed pipeline (--ray).
 RAY_LABEL = "prefix (ray)"
 
@@ -74,15 +88,53 @@ def tenant_order(tenants: int, num_requests: int, seed: int, round_: int) -> lis
 
 
 def build_requests(order: list[int], *, shared_tokens: int, unique_tokens: int, max_tokens: int,
-                   seed: int, round_: int, label: str) -> list[Session]:
+                   seed: int, round_: int, label: str, kinds: tuple[str, ...] = ("text",)
+                   ) -> list[Session]:
     """The sessions of one turn: tenant prefixes seeded by (seed, round, label), so each policy's
-    turn has prefixes no earlier turn cached; the unique parts are the round's (same per policy)."""
+    turn has prefixes no earlier turn cached; the unique parts are the round's (same per policy).
+    Tenant ``t`` is of kind ``kinds[t % len(kinds)]``: its prefix is a system prompt (text) or
+    its medium (image, audio, video; no system prompt)."""
     sys_chars, user_chars = content_sizes(shared_tokens, unique_tokens)
     prefix_rng = random.Random(f"omni_cache-routing/tenants/{seed}/{round_}/{label}")
-    systems = [random_text(prefix_rng, sys_chars) for _ in range(max(order) + 1)]
+    tenants = [tenant_prefix(kinds[t % len(kinds)], prefix_rng, shared_tokens, sys_chars)
+               for t in range(max(order) + 1)]
     user_rng = random.Random(f"omni_cache-routing/users/{seed}/{round_}")
-    return [Session(i, f"tenant{t}", systems[t], [random_text(user_rng, user_chars)], max_tokens)
+    return [Session(i, f"tenant{t}" if kinds == ("text",) else f"tenant{t}-{kinds[t % len(kinds)]}",
+                    users=[random_text(user_rng, user_chars)], max_tokens=max_tokens, **tenants[t])
             for i, t in enumerate(order)]
+
+
+def tenant_prefix(kind: str, rng: random.Random, shared_tokens: int, sys_chars: int) -> dict[str, Any]:
+    """A tenant's shared part as Session fields: a system prompt, or a medium of about
+    ``shared_tokens`` tokens (seeded by ``rng``)."""
+    from benchmarks.workloads import image_data_url, video_data_url
+
+    if kind == "text":
+        return {"system": random_text(rng, sys_chars)}
+    seed = rng.randrange(1 << 30)
+    if kind == "image":
+        return {"system": "", "image": image_data_url(shared_tokens, seed)}
+    if kind == "audio":
+        return {"system": "", "audio": clip_b64(shared_tokens / AUDIO_TOKENS_PER_S, seed)}
+    if kind == "video":
+        return {"system": "", "video": video_data_url(seed, seconds=4.0, width=192, height=128)}
+    raise ValueError(f"unknown tenant kind {kind!r}")
+
+
+def clip_b64(seconds: float, seed: int, rate: int = 16000) -> str:
+    """A WAV clip (base64) of ``seconds`` of seeded noise under a tone: its content differs by seed."""
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.2 * np.sin(2 * np.pi * rng.uniform(200, 800) * t) + 0.05 * rng.standard_normal(t.size)
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), rate, format="WAV")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def warmup_requests(n: int, max_tokens: int, seed: int) -> list[Session]:
@@ -172,9 +224,10 @@ class RayServer:
 
 
 def routing_config(src: str, dst: Path, *, replicas: int, pool_blocks: int, dtype: str | None,
-                   request_timeout_s: float) -> Path:
+                   request_timeout_s: float, thinker_only: bool = False) -> Path:
     """``src`` with the entry stage (the stage without inputs) as ``replicas`` replicas of
-    ``pool_blocks`` KV blocks each, ``prefix`` routing, and ``dtype`` for every vLLM stage."""
+    ``pool_blocks`` KV blocks each, ``prefix`` routing, and ``dtype`` for every vLLM stage;
+    ``thinker_only``: the entry stage alone (text answers), without warm-up."""
     data = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
     data.setdefault("server", {})["routing"] = "prefix"
     data["server"]["request_timeout_s"] = request_timeout_s
@@ -188,6 +241,11 @@ def routing_config(src: str, dst: Path, *, replicas: int, pool_blocks: int, dtyp
             stage.setdefault("engine_args", {})["dtype"] = dtype
     thinker = entry[0]
     thinker["replicas"] = replicas
+    if thinker_only:
+        data["stages"] = [thinker]
+        thinker.pop("pacing", None)  # nothing downstream to pace
+        thinker["latents"] = {"hidden": False}
+        thinker["warmup"] = False  # the benchmark's own warm-up requests run first
     args = thinker.setdefault("engine_args", {})
     # vLLM refuses a pool that cannot hold one request of max_model_len tokens and keeps one
     # block for itself (its null block).
@@ -246,12 +304,19 @@ def run_turn(srv: Any, model: str, sessions: list[Session], *, concurrency: int,
 
 
 def summarize_turn(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Hit rate and latency percentiles of one turn's requests."""
+    """Hit rate and latency percentiles of one turn's requests (and the hit rate per tenant kind,
+    for kinds named ``tenant<t>-<kind>``)."""
     from benchmarks.report import percentile
 
     ok = [s for s in samples if s["ok"]]
     prompt = sum(s["prompt_tokens"] or 0 for s in ok)
     cached = sum(s["cached_tokens"] or 0 for s in ok)
+    by_kind: dict[str, list[int]] = {}
+    for s in ok:
+        if "-" in s.get("kind", ""):
+            tally = by_kind.setdefault(s["kind"].split("-", 1)[1], [0, 0])
+            tally[0] += s["cached_tokens"] or 0
+            tally[1] += s["prompt_tokens"] or 0
 
     def pct(key: str, q: float) -> float | None:
         vals = [s[key] for s in ok if s.get(key) is not None]
@@ -264,6 +329,8 @@ def summarize_turn(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p50_s": pct("ttft_s", 50), "ttft_p90_s": pct("ttft_s", 90),
         "ttfa_p50_s": pct("ttfa_s", 50), "ttfa_p90_s": pct("ttfa_s", 90),
         "e2e_p50_s": pct("e2e_s", 50),
+        "hit_rate_by_kind": {k: c / p if p else 0.0 for k, (c, p) in sorted(by_kind.items())},
+        "prompt_tokens_by_kind": {k: p for k, (_, p) in sorted(by_kind.items())},
     }
 
 
@@ -282,7 +349,13 @@ def aggregate(turns: list[dict[str, Any]], reference: list[dict[str, Any]]) -> d
         policies[policy] = {k: _median([m[k] for m in mine]) for k in keys}
         policies[policy]["rounds"] = len(mine)
         policies[policy]["errors"] = sum(m["errors"] for m in mine)
+        kinds = sorted({k for m in mine for k in m.get("hit_rate_by_kind", {})})
+        policies[policy]["hit_rate_by_kind"] = {
+            k: _median([m["hit_rate_by_kind"].get(k) for m in mine]) for k in kinds}
     ref_hit = _median([r["summary"]["hit_rate"] for r in reference]) if reference else None
+    ref_kinds = sorted({k for r in reference for k in r["summary"].get("hit_rate_by_kind", {})})
+    ref_by_kind = {k: _median([r["summary"]["hit_rate_by_kind"].get(k) for r in reference])
+                   for k in ref_kinds}
     targets = []
     p = policies.get("prefix")
     if p and ref_hit:
@@ -299,8 +372,12 @@ def aggregate(turns: list[dict[str, Any]], reference: list[dict[str, Any]]) -> d
     if p and ray:
         ray_vs_local = {k: ray[k] / p[k] for k in ("ttft_p50_s", "ttfa_p50_s", "e2e_p50_s")
                         if ray[k] and p[k]}
-    return {"policies": policies, "reference_hit_rate": ref_hit, "targets": targets,
-            "ray_vs_local": ray_vs_local}
+    ll = policies.get("least_loaded")
+    if p and ll and ref_hit:
+        targets.append({"target": "least_loaded hit rate / one replica's (reported beside prefix's)",
+                        "value": ll["hit_rate"] / ref_hit, "met": None})
+    return {"policies": policies, "reference_hit_rate": ref_hit, "reference_hit_rate_by_kind": ref_by_kind,
+            "targets": targets, "ray_vs_local": ray_vs_local}
 
 
 def format_table(agg: dict[str, Any]) -> str:
@@ -314,11 +391,20 @@ def format_table(agg: dict[str, Any]) -> str:
                      f"{ms(p['ttfa_p50_s'])} / {ms(p['ttfa_p90_s'])} | {ms(p['e2e_p50_s'])} | {p['rounds']} |")
     if agg["reference_hit_rate"] is not None:
         lines.append(f"| one replica, both pools (reference) | {agg['reference_hit_rate']:.3f} | | | | |")
+    kinds = sorted({k for p in agg["policies"].values() for k in p.get("hit_rate_by_kind") or {}})
+    if kinds:
+        rows = [(name, p.get("hit_rate_by_kind") or {}) for name, p in agg["policies"].items()]
+        rows.append(("one replica (reference)", agg.get("reference_hit_rate_by_kind") or {}))
+        lines += ["", "| policy | " + " | ".join(f"hit rate, {k}" for k in kinds) + " |",
+                  "|---|" + "---|" * len(kinds)]
+        lines += [f"| {name} | " + " | ".join("-" if by.get(k) is None else f"{by[k]:.3f}" for k in kinds)
+                  + " |" for name, by in rows]
     if agg.get("ray_vs_local"):
         lines.append("\nprefix placed by Ray / local spawn: " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f}x" for k, v in agg["ray_vs_local"].items()))
     for t in agg["targets"]:
-        lines.append(f"\n{t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})")
+        verdict = "" if t["met"] is None else f" ({'met' if t['met'] else 'NOT met'})"
+        lines.append(f"\n{t['target']}: {t['value']:.2f}{verdict}")
     return "\n".join(lines)
 
 
@@ -341,6 +427,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage-config", default="stage_configs/tiny_omni.yaml")
     p.add_argument("--checkpoint-dir", help="where tiny checkpoints live (default: the config's)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="text",
+                   help="text: tenants with system prompts; media: text, image, clip and video tenants in turn")
+    p.add_argument("--thinker-only", action="store_true",
+                   help="the entry stage alone, text answers (implies --text-only)")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--shared-tokens", type=int, default=2000)
     p.add_argument("--unique-tokens", type=int, default=100)
@@ -363,6 +453,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write every number and sample here")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.text_only = args.text_only or args.thinker_only
     if not args.policies or any(x not in POLICIES for x in args.policies):
         p.error(f"--policies: a comma-separated list of {', '.join(POLICIES)}")
     if args.tenants < 1 or args.num_requests < 1 or args.concurrency < 1 or args.rounds < 1:
@@ -382,12 +473,12 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.max_tokens, block_size)
     tmp = Path(tempfile.mkdtemp(prefix="omni_cache_routing_"))
     two = routing_config(args.stage_config, tmp / "two.yaml", replicas=2, pool_blocks=pool,
-                         dtype=args.dtype or None, request_timeout_s=900.0)
+                         dtype=args.dtype or None, request_timeout_s=900.0, thinker_only=args.thinker_only)
     one = routing_config(args.stage_config, tmp / "one.yaml", replicas=1, pool_blocks=2 * pool - 1,
-                         dtype=args.dtype or None, request_timeout_s=900.0)
+                         dtype=args.dtype or None, request_timeout_s=900.0, thinker_only=args.thinker_only)
     config = {k: getattr(args, k) for k in ("tenants", "shared_tokens", "unique_tokens", "num_requests",
                                             "concurrency", "max_tokens", "policies", "rounds", "dtype",
-                                            "text_only", "seed", "ray")}
+                                            "text_only", "seed", "ray", "workload", "thinker_only")}
     config.update(pool_blocks_per_replica=pool, reference_pool_blocks=2 * pool - 1, block_size=block_size,
                   stage_config=os.path.abspath(args.stage_config),
                   two_replica_yaml=two.read_text(), reference_yaml=one.read_text())
@@ -406,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def sessions(label: str) -> list[Session]:
                 return build_requests(order, shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
-                                      max_tokens=args.max_tokens, seed=args.seed, round_=rnd, label=label)
+                                      max_tokens=args.max_tokens, seed=args.seed, round_=rnd, label=label,
+                                      kinds=WORKLOADS[args.workload])
 
             harness.log(f"round {rnd}: two thinker replicas of {pool} blocks each; policies {policies}")
             with harness.ManagedServer(two, prefix_cache=True, tag=f"routing2-{rnd}",
@@ -467,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         "samples": {t["label"]: t["samples"] for t in turns + reference},
     }
     print()
-    print(f"routing: {args.tenants} tenants x {args.shared_tokens} shared + {args.unique_tokens} unique tokens, "
+    print(f"routing ({args.workload}): {args.tenants} tenants x {args.shared_tokens} shared + "
+          f"{args.unique_tokens} unique tokens, "
           f"{args.num_requests} requests at concurrency {args.concurrency}, pool {pool} blocks per replica; "
           f"{machine['cpu_model']}, {machine['nproc']} CPUs")
     print(format_table(agg))

@@ -84,6 +84,8 @@ class Session:
     image: str | None = None
     #: A video (data: URL) sent there likewise (``video``).
     video: str | None = None
+    #: An audio clip (base64 WAV, ``input_audio``) sent there likewise (benchmarks.routing).
+    audio: str | None = None
 
     @property
     def turns(self) -> int:
@@ -118,6 +120,9 @@ def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[s
         elif k == 0 and session.video is not None:
             content = [{"type": "video_url", "video_url": {"url": session.video}},
                        {"type": "text", "text": session.users[0]}]
+        elif k == 0 and session.audio is not None:
+            content = [{"type": "input_audio", "input_audio": {"data": session.audio, "format": "wav"}},
+                       {"type": "text", "text": session.users[0]}]
         msgs.append({"role": "user", "content": content})
         if k < turn:
             msgs.append({"role": "assistant", "content": answers[k]})
@@ -126,8 +131,8 @@ def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[s
 
 def prompt_tokens_expected(session: Session, turn: int, answers: list[str]) -> int | None:
     """The prompt length the tiny template and byte-level tokenizer give (UTF-8 bytes + template
-    tokens; an answer may hold non-ASCII text); None for a prompt with an image or a video."""
-    if session.image is not None or session.video is not None:
+    tokens; an answer may hold non-ASCII text); None for a prompt with an image, video or clip."""
+    if session.image is not None or session.video is not None or session.audio is not None:
         return None
     n = TEMPLATE["system"] + _nbytes(session.system) + TEMPLATE["generation"]
     for k in range(turn):

@@ -87,3 +87,38 @@ def test_summary_counts_errors_and_skips_them_in_the_hit_rate():
     bad = dict(ok=False, prompt_tokens=None, cached_tokens=None, ttft_s=None, ttfa_s=None, e2e_s=None)
     s = routing.summarize_turn([ok, {**ok, "cached_tokens": 0}, bad])
     assert s["errors"] == 1 and s["hit_rate"] == pytest.approx(0.45) and s["requests"] == 3
+
+
+def test_the_media_workload_gives_tenants_their_own_medium_in_turn():
+    order = routing.tenant_order(4, 8, seed=2, round_=0)
+    kw = dict(shared_tokens=64, unique_tokens=40, max_tokens=4, seed=2, round_=0,
+              kinds=routing.WORKLOADS["media"])
+    a = routing.build_requests(order, label="prefix", **kw)
+    b = routing.build_requests(order, label="least_loaded", **kw)
+    kinds = {s.kind.split("-")[1]: s for s in a}
+    assert set(kinds) == {"text", "image", "audio", "video"}
+    assert kinds["text"].system and not (kinds["text"].image or kinds["text"].audio or kinds["text"].video)
+    assert kinds["image"].image and kinds["audio"].audio and kinds["video"].video
+    assert not (kinds["image"].system or kinds["audio"].system or kinds["video"].system)
+    # A tenant's requests share its medium; another policy's turn has other media, same questions.
+    for s in a:
+        assert (s.image, s.audio, s.video, s.system) == (kinds[s.kind.split("-")[1]].image,
+                                                          kinds[s.kind.split("-")[1]].audio,
+                                                          kinds[s.kind.split("-")[1]].video,
+                                                          kinds[s.kind.split("-")[1]].system)
+    assert not {s.audio for s in a} & {s.audio for s in b if s.audio}
+    assert [s.users for s in a] == [s.users for s in b]
+    content = messages_for(kinds["audio"], 0, [])[-1]["content"]
+    assert content[0]["type"] == "input_audio" and content[0]["input_audio"]["format"] == "wav"
+
+
+def test_per_kind_hit_rates_and_the_thinker_only_config(tmp_path):
+    ok = dict(ok=True, ttft_s=0.1, ttfa_s=None, e2e_s=0.5)
+    s = routing.summarize_turn([{**ok, "kind": "tenant0-image", "prompt_tokens": 100, "cached_tokens": 90},
+                                {**ok, "kind": "tenant1-text", "prompt_tokens": 100, "cached_tokens": 10},
+                                {**ok, "kind": "tenant2-image", "prompt_tokens": 100, "cached_tokens": 0}])
+    assert s["hit_rate_by_kind"] == {"image": pytest.approx(0.45), "text": pytest.approx(0.1)}
+    cfg = load_config(routing.routing_config("stage_configs/qwen3_omni.yaml", tmp_path / "t.yaml", replicas=2,
+                                             pool_blocks=100, dtype=None, request_timeout_s=60.0,
+                                             thinker_only=True))
+    assert [s.name for s in cfg.stages] == ["thinker"] and cfg.stages[0].replicas == 2
