@@ -212,3 +212,14 @@ def test_a_repeated_image_goes_to_the_replica_that_reported_it(orch):
     # Another image after the same text: its run is not known, the text before it is (one block).
     other = routed(orch, [[1] * 40, item("image", "img2"), [3] * 30])
     assert other.block_hashes[BS] == prompt_block_hashes([1] * 40, BS)
+
+
+def test_a_known_media_prompt_counts_its_expanded_length(orch):
+    """Prefix and backlog are in the engine's tokens: an image's run counts, not its placeholder."""
+    image = item("image", "img")
+    prompt, media = prompt_of([[1] * 3, image, [2] * 10])
+    ids, spans = engine_expand(prompt, media)
+    orch.routes.media_layouts.learn(prompt, media_keys(media), ids, spans)
+    req = routed(orch, [[1] * 3, image, [2] * 10])
+    assert req.prefill_backlog == len(ids) == 3 + 1 + 70 + 1 + 10
+    assert orch.routes.hasher(*prompt_of([[1] * 3, item("image", "new"), [2] * 10]))().prompt_tokens == 5

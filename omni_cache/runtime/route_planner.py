@@ -59,17 +59,22 @@ class PromptHashes:
     chains: dict[int, list[int]]
     #: Its hashes in AFFINITY_BLOCK_SIZE blocks (later stages that follow a prefix); None: none.
     affinity: list[int] | None = None
+    #: Its length in the engine's tokens as far as known (media expanded; a lower bound when an
+    #: item is not known); 0: the length of the prompt sent.
+    prompt_tokens: int = 0
 
 
 def hash_prompt(prompt: Sequence[int] | None, block_sizes: Sequence[int], seed: str | None,
-                affinity: bool, media: Sequence[MediaPosition] = ()) -> PromptHashes:
+                affinity: bool, media: Sequence[MediaPosition] = (), length: int = 0) -> PromptHashes:
     """``prompt``'s hashes in each of ``block_sizes`` (vLLM's, with the entry engines' ``seed``)
     and, with ``affinity``, in AFFINITY_BLOCK_SIZE blocks; nothing for None. ``prompt`` is the
-    expanded prompt of a media request, ``media`` its items (omni_cache/runtime/media_layouts.py)."""
+    expanded prompt of a media request (as far as known), ``media`` its items
+    (omni_cache/runtime/media_layouts.py), ``length`` the engine's prompt length, if known."""
     if not prompt:
-        return PromptHashes({})
+        return PromptHashes({}, prompt_tokens=length)
     return PromptHashes({size: prompt_block_hashes(prompt, size, seed, media) for size in block_sizes},
-                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None, media) if affinity else None)
+                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None, media) if affinity else None,
+                        length)
 
 
 class RoutePlanner:
@@ -106,11 +111,14 @@ class RoutePlanner:
             return functools.partial(PromptHashes, {})
         items: list[MediaPosition] = []
         tokens = list(prompt)
+        length = 0
         if media:
             expanded = self.media_layouts.expand(prompt, media_keys(media))
             tokens, items = expanded.token_ids, expanded.media
+            # Unknown items expand to at least one token each: past the known part, one more.
+            length = len(tokens) if expanded.complete else len(tokens) + 1
         return functools.partial(hash_prompt, tokens, sizes, self._hash_seed, bool(self._affinity),
-                                 items)
+                                 items, length)
 
     def assign(self, req: Request, prompt: Sequence[int], media: Sequence[Any] = (), *,
                session_id: str | None = None, hashes: PromptHashes | None = None) -> None:
@@ -122,7 +130,9 @@ class RoutePlanner:
         if hashes is None:
             hashes = self.hasher(prompt, media)()
         pinned = self._sessions.get(session_id) if session_id is not None else None
-        req.route, req.prefill_backlog = self.route(req.participants, len(prompt), hashes.chains,
+        # The engine's length: media expanded where known (prefix and backlog count its tokens).
+        length = max(len(prompt), hashes.prompt_tokens)
+        req.route, req.prefill_backlog = self.route(req.participants, length, hashes.chains,
                                                     hashed, pinned=pinned,
                                                     affinity_chain=hashes.affinity)
         req.block_hashes = hashes.chains
