@@ -15,8 +15,8 @@ Policies, among the replicas that are up:
 * ``prefix`` (the default): the replica of the entry stage (the thinker) whose prefix cache holds
   the longest prefix of the prompt (decision ``prefix_hit``), unless it is much busier (below:
   decision ``load_over_prefix``); when no replica holds any block of it, or for a stage other
-  than the entry, the prompt has media, or the replicas cannot report (see below), as
-  ``least_loaded`` (decision ``least_loaded``).
+  than the entry, or the replicas cannot report (see below), as ``least_loaded`` (decision
+  ``least_loaded``).
 
 Trading the prefix against load (``prefix``). What a request waits for before its first token is
 mostly prefill: the prompt tokens its replica must compute, its own and those of the requests
@@ -47,7 +47,7 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
    in the stage process) and keeps each hash's net change; after every step the stage sends them
    to the orchestrator (``BlockEvents``).
 2. The orchestrator keeps, per replica, the hashes it holds (omni_cache/runtime/prefix_index.py),
-   forgets a replica's when it dies, and for each text prompt computes the same chain of block
+   forgets a replica's when it dies, and for each prompt computes the same chain of block
    hashes vLLM computes (omni_cache/runtime/block_hashes.py: SHA-256 over the pickled
    ``(parent hash, block tokens, extra keys)``, the first parent from ``PYTHONHASHSEED`` or vLLM's
    fixed seed, reported as the digest's low 64 bits; tests/test_block_hashes.py checks them
@@ -56,10 +56,12 @@ How ``prefix`` knows what a replica holds (nothing is guessed from past routing)
    a prompt's blocks when it schedules them and cannot evict them while their request runs, but
    the replica reports them only after its step, and a tenant's second request that arrives
    during the first one's prefill would otherwise be sent away from it.
-3. Not covered yet: prompts with images or audio (vLLM adds the media's identifiers and their
-   offsets in the *expanded* prompt as extra keys; only the thinker's processor knows the
-   expansion: docs/replicas.md, "Routing", says what doing it exactly would take),
-   hash algorithms other than vLLM's default ``sha256``,
+3. Prompts with images, audio or video are hashed over the prompt the thinker's engine will see
+   (each placeholder expanded to its item's run, each item's key in the blocks over its run):
+   the thinker reports how it expanded a media request (with its first output), the orchestrator
+   learns each item's run from that (omni_cache/runtime/media_layouts.py) and hashes a later
+   prompt with the same items exactly; an item not answered yet cuts the chain at its
+   placeholder. Not covered yet: hash algorithms other than vLLM's default ``sha256``,
    the talker's own prefix (its prompt is embeddings; its segments follow the request instead).
 4. Hybrid thinkers (Qwen3-Next, Qwen3.5: several KV-cache groups) hit only where a recurrent state
    sits at the hit's last block. Their replicas report attention blocks and states apart, and the
