@@ -5,6 +5,8 @@ test_hybrid_block_states.py, the GPU kernel check in benchmarks/gdn_kernel_state
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
@@ -56,6 +58,23 @@ def test_segments_tile_the_batch_and_continue_cut_rows():
     assert last.num_actual_tokens == 44 and last.has_initial_state.tolist() == [True]
     assert sum(s.metadata.num_actual_tokens for s in plan.segments) == 501
     assert plan.exported_blocks == [11, 12, 22]
+
+
+def test_a_lone_one_token_piece_runs_as_a_decode():
+    """A row cut one token before its chunk's end leaves a one-token segment: it runs as a decode
+    (vLLM's rule for one-token chunks; its CPU conv kernel refuses a one-token prefill of Qwen3.5)."""
+    meta, qsl, seq_lens, running, table = batch()
+    seq_lens[2] = 257  # B: tokens 100-256, so boundary 256 is one token before its end
+    qsl[3] = 301 + 157
+    meta = replace(meta, num_prefill_tokens=457, num_actual_tokens=458,
+                   non_spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32))
+    plan = plan_segments(meta, qsl, boundary_cuts(seq_lens, qsl, 1, 3, B, table, running))
+    last = plan.segments[-1].metadata
+    assert (plan.segments[-1].start, plan.segments[-1].end) == (457, 458)
+    assert (last.num_decodes, last.num_decode_tokens, last.num_prefills) == (1, 1, 0)
+    assert last.non_spec_state_indices_tensor.tolist() == [9]
+    middle = plan.segments[-2].metadata  # B's head beside A's tail: two prefill pieces stay prefills
+    assert (middle.num_decodes, middle.num_prefills) == (0, 2)
 
 
 def test_no_cuts_without_blocks():

@@ -108,6 +108,12 @@ def plan_segments(meta: GDNAttentionMetadata, query_start_loc: list[int],
             init.append(bool(has_initial[r]) or lo > query_start_loc[r])
             states.append(state_indices[r])
             decodes += r < meta.num_decodes
+        if len(lens) - decodes == 1 and lens[decodes] == 1:
+            # A lone one-token prefill piece (a chunk cut one token before its end) runs as a
+            # decode, as vLLM classifies any one-token chunk: its CPU conv kernel refuses a
+            # one-token prefill taken from Qwen3.5's unfused projection ("expect x to be
+            # transposed"). The piece always continues its row's state (it follows a cut).
+            decodes += 1
         segments.append(Segment(start, end, _segment_metadata(meta, lens, init, states, decodes),
                                 tuple(exports_at.get(end, ()))))
     return BlockStatePlan(tuple(segments))
