@@ -31,6 +31,7 @@ from omni_cache.runtime.requests import AUDIO, MediaItem
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.realtime.truncation import MediaTokens, cut_points, first_cut
 from fake_pipeline import API_KEY, serve_config, write_config
+from media_samples import flat_png_data_url
 
 MAX_MODEL_LEN = 600
 ANSWER_TOKENS = 16
@@ -337,6 +338,90 @@ def test_a_client_that_stops_reading_is_closed_and_freed(small):
     assert answer.done.response.status in ("completed", "incomplete")
     bounds = small.orchestrator.admission.bounds
     wait_until(lambda: len(small.app.state.realtime_sessions) == 0 and bounds.media_bytes == 0)
+
+
+# ---- images ---------------------------------------------------------------------------------------
+
+IMAGE_SIDE = 300  # one colour: a few KiB sent, 270,000 bytes decoded (three fit a session's share)
+
+
+def image_part(seed: int, side: int = IMAGE_SIDE) -> dict:
+    return {"type": "input_image", "image_url": flat_png_data_url(side, side, (seed, 30, 90))}
+
+
+async def show(s: Session, *parts: dict):
+    """A user item of ``parts`` (an image and its question); its item.done or the error."""
+    await s.conn.conversation.item.create(item={"type": "message", "role": "user", "content": list(parts)})
+    event = await s.until("conversation.item.done")
+    if event.type == "conversation.item.done":
+        s.items.append((event.item.id, "user"))
+    return event
+
+
+def test_images_are_held_before_they_are_decoded_and_truncated_like_clips(small):
+    wait_until(lambda: len(small.app.state.realtime_sessions) == 0)
+    bounds = small.orchestrator.admission.bounds
+    cache = small.app.state.media_cache
+    room = int(BUFFER_S * small.orchestrator.audio_input_rate) * 4
+    share = POOL // SESSIONS
+    image_bytes = IMAGE_SIDE * IMAGE_SIDE * 3
+    fit = (share - room) // image_bytes
+    question = {"type": "input_text", "text": "What is in this picture?"}
+
+    async def go():
+        async with connect(small.url, model(small), API_KEY) as conn:
+            s = Session(conn)
+            await s.open(truncation="disabled")
+            added = [await show(s, image_part(i), question) for i in range(fit)]
+            held, cached = bounds.media_bytes, len(cache)
+            refused = await show(s, image_part(fit))  # one more than the share holds
+            after_refusal = bounds.media_bytes, len(cache)
+            answer, _ = await s.answer()
+            await conn.session.update(session={"type": "realtime", "truncation": "auto"})
+            assert (await s.until("session.updated")).type == "session.updated"
+            truncated = await show(s, image_part(fit + 1), question)
+            return added, held, cached, refused, after_refusal, answer, truncated, s.deleted
+
+    added, held, cached, refused, after_refusal, answer, truncated, deleted = run(go())
+    assert fit == 3
+    for event in added:
+        assert event.type == "conversation.item.done", event
+        assert [c.type for c in event.item.content] == ["input_image", "input_text"]
+    assert room + fit * image_bytes <= held <= share
+    # The image past the share is refused from its header: nothing of it was decoded (the
+    # decoded-item cache did not see it) and its room was given back.
+    assert refused.type == "error" and refused.error.code == "session_memory_limit_reached"
+    assert after_refusal == (held, cached)
+    assert answer.done.response.status in ("completed", "incomplete")
+    # auto: the oldest image turns leave (the client is told) to make room for the new one.
+    assert truncated.type == "conversation.item.done" and len(deleted) >= 2
+    wait_until(lambda: len(small.app.state.realtime_sessions) == 0 and bounds.media_bytes == 0)
+
+
+@pytest.mark.parametrize("part, param, message", [
+    ({"type": "input_image", "image_url": "data:image/png;base64,bm90IGFuIGltYWdl"},
+     "item.content.0.image_url", "could not be decoded"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,@@@@"}, "item.content.0.image_url",
+     "not valid base64"),
+    ({"type": "input_image", "image_url": "file:///etc/passwd"}, "item.content.0.image_url", "scheme file:"),
+    ({"type": "input_image"}, "item.content.0.image_url", "needs 'image_url'"),
+    (image_part(1, side=4100), "item.content.0.image_url", "server.media.max_image_pixels"),
+    ([image_part(i, side=8) for i in range(9)], "item.content", "server.media.max_items"),
+], ids=["not-an-image", "bad-base64", "file-url", "no-url", "too-many-pixels", "too-many-images"])
+def test_a_bad_image_is_an_error_naming_it_and_the_session_goes_on(small, part, param, message):
+    async def go():
+        async with connect(small.url, model(small), API_KEY) as conn:
+            s = Session(conn)
+            await s.open()
+            bad = await show(s, *(part if isinstance(part, list) else [part]))
+            good = await show(s, image_part(2, side=16), {"type": "input_text", "text": "and this?"})
+            answer, _ = await s.answer()
+            return bad, good, answer
+
+    bad, good, answer = run(go())
+    assert bad.type == "error" and bad.error.param == param and message in bad.error.message, bad
+    assert good.type == "conversation.item.done"
+    assert answer.done.response.status in ("completed", "incomplete")
 
 
 # ---- the planning, unit by unit ------------------------------------------------------------------

@@ -37,7 +37,6 @@ from omni_cache.serving.errors import APIError, Unauthorized
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.runtime.metrics import CONTENT_TYPE
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
-from omni_cache.serving.realtime.protocol import EventError
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -209,17 +208,11 @@ async def realtime(websocket: WebSocket) -> None:
         await websocket.close(code=CLOSE_POLICY, reason=problem)  # before accept: HTTP 403
         return
     orch: Orchestrator = state.orchestrator
+    # input_image parts: the chat API's limits and decoded-item cache (client_items.py)
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
                            cache=state.media_cache)
-
-    def decode_image(url: str, param: str) -> MediaItem:
-        try:
-            return decoder.image(url, param)
-        except MediaError as e:
-            raise EventError(str(e), param=e.param or param, code="invalid_value") from None
-
     await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
-                         served_model=state.served_model_name, decode_image=decode_image)
+                         served_model=state.served_model_name, media=decoder)
 
 
 async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,

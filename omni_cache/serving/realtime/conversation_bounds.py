@@ -5,9 +5,10 @@ buffer in the server's media bound, ``server.max_media_bytes_in_flight``, beside
 requests' media (:class:`~omni_cache.runtime.admission.MediaHold`): at most
 ``max_media_bytes_in_flight / server.realtime.max_sessions`` each, so a full house of sessions fits
 the bound together. The input buffer's room (``server.realtime.max_buffer_s`` of float32 samples
-at the encoder's rate) is reserved when the session opens; each item is held from when it is
-added until it leaves the conversation; the responses' requests do not reserve the same media a
-second time. An item that does not fit is refused with an ``error`` (the session goes on) unless
+at the encoder's rate) is reserved when the session opens; each item is held from before its
+clips and images are decoded (their size read from their headers and lengths,
+:mod:`.client_items`) until it leaves the conversation; the responses' requests do not
+reserve the same media a second time. An item that does not fit is refused with an ``error`` (the session goes on) unless
 truncation can drop older turns for it.
 
 Prompts: before each response the conversation is fitted to the thinker's limits
@@ -56,6 +57,9 @@ class ConversationBounds:
         self.hold = MediaHold(admission.bounds, admission.bounds.max_media_bytes // max_sessions)
         #: The input buffer's room, reserved while the session is open.
         self.buffer_room = int(max_buffer_s * rate) * SAMPLE_BYTES
+        #: Room made for an item not in the conversation yet (its media being decoded): held
+        #: until it joins or is given up (:meth:`done`), whatever settles meanwhile.
+        self.pending = 0
         self.media_tokens = MediaTokens()
         extra = dict(pipeline.topology.entry.engine_args.extra) \
             if pipeline.topology.entry.engine_args is not None else {}
@@ -84,7 +88,8 @@ class ConversationBounds:
                   keep: Item | None = None) -> list[Item]:
         """Room for one more item of ``nbytes``: the oldest turns to drop for it (none when it
         fits), its bytes held; EventError when it cannot have room. Nothing is dropped here: the
-        caller removes the items returned. ``keep``: an item that must not be dropped."""
+        caller removes the items returned, adds the item and calls :meth:`done`. ``keep``: an
+        item that must not be dropped."""
         items = conversation.items
         protect = items.index(keep) if keep is not None and keep in items else len(items)
         sizes = [i.nbytes for i in items]
@@ -102,11 +107,17 @@ class ConversationBounds:
                 raise self._no_room(len(items), sum(sizes) + nbytes, truncation)
             cut = found
         self._hold(self.buffer_room + sum(sizes[cut:]) + nbytes)
+        self.pending = nbytes
         return items[:cut]
 
     def settle(self, conversation: Conversation) -> None:
         """Hold what the conversation holds now (an item left, an answer's text grew)."""
-        self.hold.settle(self.buffer_room + conversation.nbytes)
+        self.hold.settle(self.buffer_room + conversation.nbytes + self.pending)
+
+    def done(self, conversation: Conversation) -> None:
+        """The item :meth:`make_room` made room for joined the conversation or was given up."""
+        self.pending = 0
+        self.settle(conversation)
 
     def _hold(self, nbytes: int) -> None:
         try:

@@ -19,19 +19,15 @@ starts a response when ``create_response``. With ``turn_detection: null`` the cl
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.tasks import wait_ended
-from omni_cache.serving.realtime import input_worker, session_config, vad
-from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
+from omni_cache.serving.media import MediaDecoder
+from omni_cache.serving.realtime import client_items, input_worker, session_config, vad
 from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
 from omni_cache.serving.realtime.conversation_bounds import ConversationBounds
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
@@ -49,13 +45,13 @@ MIN_COMMIT_MS = 100
 
 class RealtimeSession:
     def __init__(self, pipeline: Any, send: Callable[[Any], None], *, limits: RealtimeConfig,
-                 served_model: str, decode_image: Callable[[str, str], Any] | None = None) -> None:
+                 served_model: str, media: MediaDecoder | None = None) -> None:
         self.id = new_id("sess")
         self.pipeline, self.send = pipeline, send
         self.served_model = served_model
-        # (data URL, param) -> the decoded image (the server's media decoder, with its limits and
-        # cache); EventError naming param when it cannot be. None: images are refused.
-        self.decode_image = decode_image
+        # The server's media decoder (server.media's limits, its decoded-item cache) for
+        # input_image parts; None: images are refused.
+        self.media = media
         self.config = SessionConfig()
         self.rate = int(pipeline.audio_input_rate)
         self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
@@ -174,21 +170,6 @@ class RealtimeSession:
         if task is not None and not task.done() and self.response.reason == "turn_detected":
             await asyncio.wait({task})  # not cancelled with this task (close() awaits it)
 
-    def _clip(self, fmt: AudioFormat, data: str, param: str) -> np.ndarray:
-        """A whole clip (base64 in ``fmt``) at the encoder's rate; run it off the loop."""
-        samples = self._decode_audio(fmt, data, param)
-        return StreamResampler(fmt.rate, self.rate)(samples, last=True)
-
-    def _decode_audio(self, fmt: AudioFormat, data: str, param: str) -> np.ndarray:
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise EventError("audio is not valid base64", param=param, code="invalid_value") from None
-        try:
-            return fmt.decode(raw)
-        except ValueError as e:
-            raise EventError(str(e), param=param, code="invalid_value") from None
-
     def _speech_started(self, at_ms: int) -> None:
         from openai.types.realtime import InputAudioBufferSpeechStartedEvent
 
@@ -259,55 +240,19 @@ class RealtimeSession:
     async def on_conversation_item_create(self, event: Any) -> None:
         from openai.types.realtime import ConversationItemAdded, ConversationItemDone
 
-        item = await self._item_from_client(event.item)
-        dropped = self._room(item.nbytes)
+        # Read and checked first (images from their headers), room made for what decoding will
+        # hold, then decoded: the bytes are in the server's bound before they exist.
+        fmt = self.config.input_format
+        pending = await asyncio.to_thread(client_items.read, event.item, fmt, self.rate, self.media)
+        dropped = self._room(pending.nbytes)
+        try:
+            item = await asyncio.to_thread(client_items.decode, pending, fmt, self.rate, self.media)
+        except BaseException:
+            self.bounds.done(self.conversation)  # the room is given back; nothing was dropped
+            raise
         previous = self._add(item, event.previous_item_id, dropped)
         self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
         self.send(make_event(ConversationItemDone, item=item.sdk(), previous_item_id=previous))
-
-    async def _item_from_client(self, sdk_item: Any) -> Item:
-        role = getattr(sdk_item, "role", None)
-        if getattr(sdk_item, "type", None) != "message" or role not in ("user", "system", "assistant"):
-            raise EventError(f"item type {sdk_item.type!r} is not supported (messages only: this "
-                             "server serves no tools)", param="item.type", code="unsupported")
-        if not sdk_item.content:
-            raise EventError("a message needs content", param="item.content", code="invalid_value")
-        parts: list[ItemPart] = []
-        for i, c in enumerate(sdk_item.content):
-            param = f"item.content.{i}"
-            kind = c.type or ("input_text" if role != "assistant" else "output_text")
-            if kind in ("input_text", "output_text"):
-                if c.text is None:
-                    raise EventError(f"a {kind} part needs 'text'", param=param + ".text",
-                                     code="invalid_value")
-                parts.append(ItemPart(kind, c.text))
-            elif kind == "input_audio":
-                if c.audio is None:
-                    raise EventError("an input_audio part needs 'audio' (base64, in the session's "
-                                     "input format)", param=param + ".audio", code="invalid_value")
-                samples = await asyncio.to_thread(self._clip, self.config.input_format, c.audio,
-                                                  param + ".audio")
-                parts.append(ItemPart(kind, c.transcript or "", media=audio_item(samples, self.rate)))
-            elif kind == "input_image":
-                parts.append(ItemPart(kind, media=await self._image(c.image_url, param + ".image_url")))
-            elif kind == "output_audio":
-                # An assistant turn the client supplies: its transcript is what the user heard.
-                parts.append(ItemPart(kind, c.transcript or ""))
-            else:
-                raise EventError(f"content type {kind!r} is not supported", param=param + ".type",
-                                 code="unsupported")
-        item = Item(role, parts, id=sdk_item.id or new_id("item"))
-        if role == "assistant":
-            item.spoken = SpokenText(finished=True)
-        return item
-
-    async def _image(self, url: str | None, param: str) -> Any:
-        if self.decode_image is None:
-            raise EventError("images are not taken by this server", param=param, code="unsupported")
-        if not url:
-            raise EventError("an input_image part needs 'image_url' (a data: URL)", param=param,
-                             code="invalid_value")
-        return await asyncio.to_thread(self.decode_image, url, param)
 
     def on_conversation_item_delete(self, event: Any) -> None:
         from openai.types.realtime import ConversationItemDeletedEvent
@@ -421,7 +366,7 @@ class RealtimeSession:
         try:
             return self.conversation.add(item, previous_item_id)
         finally:
-            self.bounds.settle(self.conversation)
+            self.bounds.done(self.conversation)  # held as it is now, the item's room included
 
     def _drop(self, items: list[Item]) -> None:
         """Truncation: these oldest turns leave the conversation and the client is told."""
