@@ -25,6 +25,7 @@ from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
+from media_samples import png_data_url
 from served_config import write_pipeline_config
 
 pytestmark = pytest.mark.vllm
@@ -200,6 +201,49 @@ def test_later_turns_hit_the_caches_on_the_earlier_turns(server):
     # The talker's prompt holds the user turns: turns 2 and 3 each hit (at least a block) on the
     # earlier ones, counted over the turn itself.
     assert deltas[1] >= talker_block and deltas[2] >= talker_block, deltas
+
+
+def test_an_image_turn_is_answered_and_the_next_turn_hits_the_caches_on_it(server):
+    block = server.orchestrator.config.stage("thinker").engine_args.block_size
+    # 128 x 96: 12 image tokens after the processor's 32-pixel patch x merge (no resize)
+    image = {"type": "input_image", "image_url": png_data_url(128, 96, seed=5)}
+    turns = [[image, {"type": "input_text", "text": "What is in this picture? Describe it."}],
+             [{"type": "input_text", "text": "And what colours does it have?"}]]
+
+    async def go():
+        usages, counters = [], []
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, **MANUAL)
+            for content in turns:
+                before = await asyncio.to_thread(image_counters, server)
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": content})
+                added = await next_event(conn)
+                assert added.type == "conversation.item.added", added
+                assert (await next_event(conn)).type == "conversation.item.done"
+                await conn.response.create()
+                answer = await read_answer(conn)
+                assert_spoken(answer)
+                usages.append(answer.done.response.usage)
+                after = await asyncio.to_thread(image_counters, server)
+                counters.append([b - a for a, b in zip(before, after)])
+        return usages, counters
+
+    (first, second), (_, (encoder_runs, rows_served)) = run(go())
+    assert first.input_tokens >= 12
+    # The image turn is the next prompt's prefix: a hit on every full block of it, the image's
+    # (the first block) included, its latents served from the hidden-state cache, and the image
+    # not encoded again. (The answer is in the prompt as its transcript, which a random-weight
+    # model's text need not re-tokenize to: the hit is counted up to the turn's prompt.)
+    assert second.input_token_details.cached_tokens >= first.input_tokens // block * block >= block
+    assert rows_served >= block
+    assert encoder_runs == 0
+
+
+def image_counters(server) -> tuple[float, float]:
+    """The thinker's encoder runs and latent rows served from the hidden-state cache."""
+    return (stage_metric(server, "omni_cache_stage_encoder_runs", "thinker"),
+            stage_metric(server, "omni_cache_latent_rows_served_total", "thinker"))
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(server):
