@@ -99,6 +99,12 @@ def ttft_row(workload: str, concurrency: int, result: Mapping[str, Any]) -> dict
         "ratio_rounds": per_round,
         "rounds_pipeline_slower": sum(1 for r in per_round if r > 1),
         "requests_with_text": [sides["vllm"]["ttft_s"].get("n"), sides["on"]["ttft_s"].get("n")],
+        # Beside TTFT (kept in the summary): means, the engine split, end to end and throughput.
+        "ttft_mean_s": {side: sides[side]["ttft_s"].get("mean") for side in SIDES},
+        "engine_s": result.get("engine"),
+        "e2e_p50_s": {side: sides[side].get("e2e_s", {}).get("p50") for side in SIDES},
+        "requests_per_s": {side: sides[side].get("throughput", {}).get("requests_per_s") for side in SIDES},
+        "loadavg": {side: (sides[side].get("resources") or {}).get("loadavg_mean") for side in SIDES},
     }
 
 
