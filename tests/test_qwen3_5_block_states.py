@@ -1,0 +1,243 @@
+"""Block states on a real hybrid: Qwen3.5 (vLLM's ``Qwen3_5ForConditionalGeneration``: 3 GatedDeltaNet
+layers, 1 gated attention layer, Qwen3-VL's vision encoder), issue 43 items 2 and 4.
+
+One engine per mode, reused by every row: ours (block states), vLLM 0.32's plain align mode beside
+it (``block_states=False``), and a cache-off engine as the reference. B is the block vLLM picks for
+the tiny checkpoint (128 on x86 CPUs). "best" is the longest block-aligned prefix shared with an
+earlier request, short of the prompt's last token.
+
+- The hits table of the issue (docs/hybrid-thinkers.md): ours at the best block in every row, media
+  included (``[system, image, question A]`` then ``[system, image, question B]`` hits past the image);
+  align mode beside it, which misses the branch rows.
+- Every answer against the cache-off engine (tokens, and latent rows within HYBRID_ROW_RTOL, as
+  tests/test_hybrid_block_states.py) and the rows a hit served bitwise the first computation's.
+- Routing (item 4): each engine's own KV-cache events, fed through the stage's collector into the
+  router's index, predict exactly the hit the engine then serves, in both modes: the index never
+  says "hit" where the engine recomputes.
+- A seeded branching workload of 100 requests on ours with a pool small enough to evict: every
+  answer equal to the cache-off engine's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from PIL import Image
+from thinker_harness import NAMES, TAP, Result, close, comparable_rows, run
+from thinker_pair import HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
+
+from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.prefix_index import PrefixIndex
+
+# Starts three in-process vLLM engines (the module fixture): skipped by -m "not vllm".
+pytestmark = pytest.mark.vllm
+
+MODEL = "qwen3.5"
+VISION_START, IMAGE_PAD, VISION_END = 259, 262, 260  # checked against the tokenizer below
+# 24 MiB: about 96 pages of the tiny model. A request of ~5 blocks takes ~20 (its attention blocks
+# and a state per GatedDeltaNet group at every boundary), so the workload's 100 requests evict.
+ENGINE = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", max_model_len=2048,
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=24 * 2**20,
+              limit_mm_per_prompt={"image": 1, "video": 0})
+
+
+def make(mode: str):
+    from workers.latent_capture import LatentOptions
+    from workers.llm_stage import LLMStage
+
+    cache = mode != "off"
+    args = dict(ENGINE, prefix_cache_retention_interval=None) if cache else dict(ENGINE)
+    return LLMStage(str(ensure_checkpoint(MODEL)), args, prefix_cache=cache,
+                    block_states=mode == "ours", report_blocks=cache,
+                    latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
+
+
+class Engine:
+    """One cache-on engine and the router's view of it (its own block events)."""
+
+    def __init__(self, mode: str) -> None:
+        self.stage = make(mode)
+        self.index = PrefixIndex()
+        self.B = self.stage.engine.vllm_config.cache_config.block_size
+        self.predictions: list[tuple[int, int]] = []  # (index said, engine hit), text prompts
+
+    def ask(self, rid: str, prompt, max_tokens: int = 4) -> Result:
+        text = isinstance(prompt, list)
+        if text:
+            steps = self.index.block_size.get(0, self.B)
+            said = self.index.matched_blocks(0, prompt_block_hashes(prompt, steps),
+                                             (len(prompt) - 1) // steps) * steps
+        result = run(self.stage, {rid: prompt}, max_tokens)[rid]
+        if text:
+            self.predictions.append((said, result.num_cached_tokens))
+        changes = self.stage.block_events.take()
+        self.index.apply(0, changes.stored, changes.removed, cleared=changes.cleared,
+                         block_size=changes.block_size, hash_block_size=changes.hash_block_size,
+                         recurrent=changes.recurrent, state_stored=changes.state_stored,
+                         state_removed=changes.state_removed)
+        return result
+
+
+class Engines:
+    def __init__(self) -> None:
+        self.ours, self.align = Engine("ours"), Engine("align")
+        self.off = make("off")
+        assert self.ours.stage.scheduler.block_states, "block states should be on for Qwen3.5"
+        assert not self.align.stage.scheduler.block_states
+        self.B = self.ours.B
+        self.table: dict[str, list[tuple[int, int, int]]] = {}  # row -> (best, align, ours)
+
+    def row(self, name: str, prompts: list, best: list[int], max_tokens: int = 4) -> list[Result]:
+        """Run a table row's requests in order through both cache-on engines, check ours against
+        the cache-off engine and its hits bitwise against the first computation."""
+        results = []
+        for i, (prompt, want) in enumerate(zip(prompts, best)):
+            rid = f"{name}{i}"
+            ours = self.ours.ask(rid, prompt, max_tokens)
+            align = self.align.ask(rid, prompt, max_tokens)
+            self.table.setdefault(name, []).append((want, align.num_cached_tokens, ours.num_cached_tokens))
+            assert ours.num_cached_tokens == want, f"{rid}: hit {ours.num_cached_tokens}, best {want}"
+            close_to_off(ours, run(self.off, {rid: prompt}, max_tokens)[rid], rid)
+            if want:
+                source = next(r for r in results if common_rows(r, ours) >= want)
+                assert_bitwise(ours.latents, source.latents, want, f"{rid} vs an earlier request")
+            results.append(ours)
+        return results
+
+    def close(self) -> None:
+        for stage in (self.ours.stage, self.align.stage, self.off):
+            close(stage)
+
+
+def common_rows(a: Result, b: Result) -> int:
+    n = 0
+    for x, y in zip(a.prompt_token_ids, b.prompt_token_ids):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def close_to_off(on: Result, off: Result, what: str, check_from: int = 0) -> None:
+    rows = comparable_rows(on, off, what, HYBRID_TIE_MARGIN)
+    for name in NAMES:
+        a, b = on.latents[name][check_from:rows].float(), off.latents[name][check_from:rows].float()
+        rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
+        assert float(rel.max()) <= HYBRID_ROW_RTOL, (
+            f"{what}/{name}: row {check_from + int(rel.argmax())} differs from the cache-off engine "
+            f"by {float(rel.max()):.2e}")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    e = Engines()
+    yield e
+    print("\nQwen3.5 hits, tokens (best, align mode, ours):", e.table)
+    e.close()
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def test_the_image_tokens_are_the_tokenizers():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_checkpoint(MODEL)))
+    ids = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    assert ids == [VISION_START, IMAGE_PAD, VISION_END]
+
+
+def test_shared_prefix_then_different_suffixes(engines):
+    B, rng = engines.B, random.Random(21)
+    shared = tokens(rng, 2 * B + 1)
+    engines.row("shared", [shared + tokens(rng, B + 9 * i) for i in range(3)], [0, 2 * B, 2 * B])
+    # vLLM's align mode: no state inside the first request's chunk, so the second one misses.
+    assert engines.table["shared"][1][1] < 2 * B
+
+
+def test_a_branch_inside_a_prompt(engines):
+    B, rng = engines.B, random.Random(22)
+    first = tokens(rng, 5 * B)
+    engines.row("branch", [first, first[: 5 * B // 2] + tokens(rng, B)], [0, 2 * B])
+    assert engines.table["branch"][1][1] < 2 * B
+
+
+def test_an_image_then_different_questions_hits_past_the_image(engines):
+    B, rng = engines.B, random.Random(23)
+    pixels = np.random.default_rng(23).integers(0, 256, (256, 256, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)  # 256 x 256: 64 image tokens after the 2 x 2 merge
+    system, context = tokens(rng, 90), tokens(rng, 150)
+    # Questions longer than a block: the branch lies before the first prompt's last boundary,
+    # where vLLM's align mode keeps its only state (a shorter question hits there in both modes).
+    ids = [system + [VISION_START, IMAGE_PAD, VISION_END] + context + tokens(rng, B + 40 + 7 * i)
+           for i in range(3)]
+    prompts = [{"prompt_token_ids": p, "multi_modal_data": {"image": image}} for p in ids]
+    shared = 90 + 2 + 64 + 150  # expanded: system, start/end, the image's 64 tokens, context
+    best = shared // B * B
+    assert best > 90 + 2 + 64, "the best block should lie past the image"
+    engines.row("image", prompts, [0, best, best])
+    assert engines.table["image"][1][1] < best
+
+
+def test_multi_turn(engines):
+    """Each turn resends the history, the answer and new text. Rows a hit serves here were computed
+    by the previous turn's decode steps: compared bitwise with those; the cache-off engine recomputes
+    them by prefill, and vLLM's GDN decode and prefill kernels differ in bfloat16 (see
+    tests/test_hybrid_block_states.py), so only the rows this turn computes are compared with it."""
+    B, rng = engines.B, random.Random(24)
+    answer = 16
+    prompt = tokens(rng, B + 60)
+    previous = engines.ours.ask("turn0", prompt, answer)
+    engines.align.ask("turn0", prompt, answer)
+    for turn in (1, 2):
+        fed = len(prompt) + answer - 1  # the previous turn fed its prompt and all but its last token
+        prompt = prompt + previous.token_ids + tokens(rng, 90)
+        best = fed // B * B
+        rid = f"turn{turn}"
+        ours = engines.ours.ask(rid, prompt, answer)
+        align = engines.align.ask(rid, prompt, answer)
+        engines.table.setdefault("multi-turn", []).append((best, align.num_cached_tokens,
+                                                           ours.num_cached_tokens))
+        assert ours.num_cached_tokens == best, f"{rid}: hit {ours.num_cached_tokens}, best {best}"
+        assert_bitwise(ours.latents, previous.latents, best, f"{rid} vs the previous turn")
+        close_to_off(ours, run(engines.off, {rid: prompt}, answer)[rid], rid, check_from=best)
+        previous = ours
+
+
+def test_the_routing_index_predicts_every_hit(engines):
+    """Every text request so far: what the router's index said the replica holds (from the engine's
+    own block events) against what the engine hit. Align mode is the case where attention blocks
+    alone would have said "hit" on the branch rows."""
+    for engine in (engines.ours, engines.align):
+        assert engine.index.recurrent == {0}
+        assert engine.predictions and all(said == hit for said, hit in engine.predictions), \
+            engine.predictions
+    assert any(hit > 0 for _, hit in engines.align.predictions)
+
+
+def test_a_branching_workload_that_evicts_equals_cache_off(engines):
+    """100 seeded requests over 8 shared roots (4 submitted together), in a pool that holds a few
+    requests: hits, evictions and misses mixed; every answer equals the cache-off engine's (run
+    in the same batches: the tiny Qwen3.5's MLP is dense, no expert routing to flip)."""
+    B, rng = engines.B, random.Random(25)
+    roots = [tokens(rng, rng.randrange(B // 2, 2 * B + 16)) for _ in range(8)]
+    stage, hits = engines.ours.stage, 0
+    for start in range(0, 100, 4):
+        batch = {}
+        for i in range(start, start + 4):
+            root = rng.choice(roots)
+            cut = rng.randrange(len(root) // 2, len(root) + 1)
+            batch[f"w{i}"] = root[:cut] + tokens(rng, rng.randrange(4, 40))
+        got, off = run(stage, batch, 2), run(engines.off, batch, 2)
+        for rid in batch:
+            close_to_off(got[rid], off[rid], rid)
+            hits += got[rid].num_cached_tokens > 0
+    # A root shorter than a block, or cut before its first boundary, cannot hit: 26 of 100 hit
+    # (AMD EPYC, this seed); the bound only checks that hits are part of what was compared.
+    assert hits >= 20, f"only {hits} of 100 requests hit"
+    # BlockRemoved events come from evictions only (no reset here).
+    assert stage.block_events.take().removed, "the pool never evicted: eviction was not tested"
