@@ -1,6 +1,6 @@
 """Hybrid thinker block states: what they cost in prefill time and what they buy in hits.
 
-    python -m benchmarks.hybrid_block_states [--rounds 7] [--traces 3] [--turns 10] [--json PATH]
+    python -m benchmarks.hybrid_block_states [--model qwen3.5] [--rounds 7] [--traces 3] [--turns 10] [--json PATH]
 
 Engines (in-process vLLM stages with the hidden-state cache on, as the thinker stage runs them;
 the tiny hybrid and dense thinkers in bfloat16, as the shipped configs, block size picked by vLLM
@@ -12,7 +12,9 @@ for the hybrid and 32 for the dense thinker):
   ends on a block boundary: the obvious way to get the same states, and the baseline to beat;
 - `fine`: block states plus vLLM's `prefix_match_unit: 32` (hashes every 32 tokens; vLLM then keeps
   a state at the prompt's last 32-token boundary too and hits there), the stretch toward finer hits;
-- `dense`: the tiny dense thinker (block 32), for the hit rates a hybrid cannot reach at its block.
+- `dense`: the tiny dense thinker (block 32), for the hit rates a hybrid cannot reach at its block;
+- `none`: the hybrid without prefix caching (every request computes its whole prompt).
+`--model` picks the hybrid checkpoint: `thinker-hybrid` (Qwen3-Next, the default) or `qwen3.5`.
 
 Part 1, prefill: a fresh 4-block prompt (nothing cached) per engine and round, engines interleaved
 in a rotating order, time from submission to the first token (max_tokens=1). Then a request that
@@ -49,18 +51,22 @@ ANSWER = 48
 FIRST_TURN = 700
 
 
-def _stage(model: str, *, block_states: bool = True, **engine_args: Any) -> Any:
+def _stage(model: str, *, block_states: bool = True, prefix_cache: bool = True,
+           **engine_args: Any) -> Any:
     from omni_cache.models.checkpoints import ensure_checkpoint
     from workers.latent_capture import LatentOptions
     from workers.llm_stage import LLMStage
 
     args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", max_model_len=16384,
                 kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=8192)
-    if model == "thinker-hybrid":
+    if model != "thinker" and prefix_cache:
         args["prefix_cache_retention_interval"] = None  # as stage_configs/tiny_omni_hybrid.yaml
+    if model == "qwen3.5":
+        args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # text prompts only here
     args.update(engine_args)
-    return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=True, block_states=block_states,
-                    latents=LatentOptions(hidden=True, cache=True))
+    return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=prefix_cache,
+                    block_states=block_states,
+                    latents=LatentOptions(hidden=True, cache=prefix_cache))
 
 
 def _block(stage: Any) -> int:
@@ -93,11 +99,12 @@ def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in stages}
     cpu: dict[str, list[float]] = {name: [] for name in stages}
     hits: dict[str, list[int]] = {name: [] for name in stages}
+    branch_times: dict[str, list[float]] = {name: [] for name in stages}
     names = list(stages)
     for r in range(rounds + 1):  # round 0 warms each engine up and is not counted
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            B = _block(stages[name])
+            B = _block(stages["align"])  # without prefix caching vLLM picks another block
             prompt = [rng.randrange(256) for _ in range(PROMPT_BLOCKS * B)]
             first = ask(stages[name], f"p{r}-{name}", prompt, 1)
             branch = prompt[: PROMPT_BLOCKS * B * 5 // 8] + [rng.randrange(256) for _ in range(64)]
@@ -106,10 +113,11 @@ def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
                 times[name].append(first["ttft_s"])
                 cpu[name].append(first["ttft_cpu_s"])
                 hits[name].append(second["hit"])
+                branch_times[name].append(second["ttft_s"])
     med = {name: statistics.median(t) for name, t in times.items()}
     paired = lambda xs: {n: statistics.median(a / b for a, b in zip(xs[n], xs["align"])) for n in xs}  # noqa: E731
     return {
-        "prompt_tokens": {n: PROMPT_BLOCKS * _block(s) for n, s in stages.items()},
+        "prompt_tokens": {n: PROMPT_BLOCKS * _block(stages["align"]) for n in stages},
         "prefill_s": times, "median_s": med, "prefill_cpu_s": cpu,
         "median_cpu_s": {name: statistics.median(t) for name, t in cpu.items()},
         "vs_align": {n: med[n] / med["align"] for n in med},
@@ -117,7 +125,11 @@ def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
         # this shared VM hits both sides of a ratio. CPU time (this process) ignores time stolen.
         "paired_vs_align": paired(times), "paired_cpu_vs_align": paired(cpu),
         "branch_hit_tokens": hits,
-        "branch_best_tokens": {n: 2 * _block(s) for n, s in stages.items()},
+        # The branch request's time to first token: a branching workload (it shares 2.5 blocks).
+        "branch_ttft_s": branch_times,
+        "branch_ttft_p50_s": {n: statistics.median(t) for n, t in branch_times.items()},
+        "branch_paired_vs_align": paired(branch_times),
+        "branch_best_tokens": {n: 2 * _block(stages["align"]) for n in stages},
     }
 
 
@@ -209,30 +221,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-only", action="store_true", help="skip the agent traces")
     parser.add_argument("--engines", default="block_states,align,split,fine",
                         help="engines of the prefill part (comma-separated; align is always run)")
+    parser.add_argument("--model", default="thinker-hybrid", choices=("thinker-hybrid", "qwen3.5"),
+                        help="the hybrid checkpoint")
     args = parser.parse_args(argv)
 
     result: dict[str, Any] = {"machine": machine_info(),
                               "command": command_line("benchmarks.hybrid_block_states")}
     engines = set(args.engines.split(",")) | {"align"}
     if not args.prefill_only:
-        engines |= {"block_states", "fine"}  # the agent traces use them
-    hybrid = {"align": _stage("thinker-hybrid", block_states=False)}
+        engines |= {"block_states", "fine", "dense"}  # the agent traces use them
+    model = args.model
+    result["model"] = model
+    hybrid = {"align": _stage(model, block_states=False)}
     assert not hybrid["align"].scheduler.block_states
     B = _block(hybrid["align"])
     if "block_states" in engines:
-        hybrid["block_states"] = _stage("thinker-hybrid")
+        hybrid["block_states"] = _stage(model)
         assert hybrid["block_states"].scheduler.block_states
     if "split" in engines:
-        hybrid["split"] = _stage("thinker-hybrid", block_states=False, max_num_batched_tokens=B)
+        hybrid["split"] = _stage(model, block_states=False, max_num_batched_tokens=B)
     if "fine" in engines:
-        hybrid["fine"] = _stage("thinker-hybrid", prefix_match_unit=32)
+        hybrid["fine"] = _stage(model, prefix_match_unit=32)
+    if "none" in engines:
+        hybrid["none"] = _stage(model, prefix_cache=False)
     result["prefill"] = prefill(hybrid, args.rounds, args.seed)
     p = result["prefill"]
     print(f"prefill of {PROMPT_BLOCKS} x {B} tokens, median of {args.rounds} (s):")
     for name in result["prefill"]["median_s"]:
         print(f"  {name:13s} {p['median_s'][name]:.3f}  x{p['vs_align'][name]:.3f} of align "
               f"(paired x{p['paired_vs_align'][name]:.3f}, CPU time paired x{p['paired_cpu_vs_align'][name]:.3f})   "
-              f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B})")
+              f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B}), "
+              f"its TTFT p50 {p['branch_ttft_p50_s'][name]:.3f} s (paired x{p['branch_paired_vs_align'][name]:.3f} of align)")
     if "block_states" in hybrid:
         result["memory"] = state_memory(hybrid["block_states"])
         print("memory:", result["memory"])
@@ -241,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         hybrid = {}
 
     result["agent"] = {}
-    if hybrid:
+    if hybrid and "dense" in engines:
         hybrid["dense"] = _stage("thinker", block_size=32)
     for name in hybrid:
         a = agent_trace(hybrid[name], args.traces, args.turns, args.seed)
