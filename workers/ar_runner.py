@@ -37,6 +37,7 @@ from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
 from workers.runner import StageRunner, deadline_in, stage_pacer, time_left
 from workers.spoken_tokens import SpokenDelta
+from workers.video_input import VideoInput, video_input
 from workers.warmup import no_warmup, warm_up
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,11 @@ class _ARRequest:
     clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
 
 
-def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) -> dict[str, list]:
-    """A Submit's media as vLLM's ``multi_modal_data``: PIL images and ``(samples, rate)`` clips,
-    in prompt order. A frame that is missing or not what its MediaRef says is a ValueError (400)."""
+def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor],
+                     video: VideoInput = VideoInput()) -> dict[str, list]:
+    """A Submit's media as vLLM's ``multi_modal_data``: PIL images, ``(samples, rate)`` clips and
+    videos in the form the model takes (``video``), in prompt order. A frame that is missing or not
+    what its MediaRef says is a ValueError (400)."""
     from PIL import Image
 
     out: dict[str, list] = {}
@@ -89,31 +92,32 @@ def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor]) ->
             out.setdefault("audio", []).append((t.numpy(), ref.sample_rate))
         elif ref.kind == "video" and t is not None and t.dtype == torch.uint8 and t.dim() == 4 \
                 and t.shape[-1] == 3 and ref.fps > 0:
-            out.setdefault("video", []).append(t.numpy())
+            out.setdefault("video", []).append(video.item(t.numpy(), ref.fps))
         else:
             raise ValueError(f"media item {ref.tensor!r} ({ref.kind}) is missing or malformed")
     return out
 
 
-def mm_processor_kwargs(media: list[MediaRef]) -> dict[str, Any] | None:
+def mm_processor_kwargs(media: list[MediaRef], video: VideoInput = VideoInput()) -> dict[str, Any] | None:
     """vLLM's ``mm_processor_kwargs`` for a Submit with videos: the rate of their sampled frames
     (Qwen3-Omni's processor takes one per request: the first video's; its temporal positions
-    are 2 / fps seconds per patch) and ``use_audio_in_video`` when their sound tracks came along.
+    are 2 / fps seconds per patch) and ``use_audio_in_video`` when their sound tracks came along;
+    None for a model that reads the rate from each video's metadata (workers/video_input.py).
     A video frame that came without a rate is a ValueError (400)."""
     videos = [ref for ref in media if ref.kind == "video"]
     if not videos:
         return None
-    return {"fps": videos[0].fps, "use_audio_in_video": any(ref.in_video for ref in media)}
+    return video.processor_kwargs(videos[0].fps, any(ref.in_video for ref in media))
 
 
-def multi_modal_uuids(media: list[MediaRef]) -> dict[str, list] | None:
+def multi_modal_uuids(media: list[MediaRef], video: VideoInput = VideoInput()) -> dict[str, list] | None:
     """vLLM's ``multi_modal_uuids`` for a Submit's media (the server's content digests), laid out
     as ``multi_modal_data``; None unless every item has one. A video's processed inputs depend on
     the request's processor kwargs too (:func:`mm_processor_kwargs`): its UUID and its sound
     track's carry them, so vLLM's caches never mix two readings of one file."""
     if not media or not all(ref.uuid for ref in media):
         return None
-    kwargs = mm_processor_kwargs(media)
+    kwargs = mm_processor_kwargs(media, video)
     suffix = "" if kwargs is None else f":fps={kwargs['fps']:.6g}:av={int(kwargs['use_audio_in_video'])}"
     out: dict[str, list] = {}
     for ref in media:
@@ -185,6 +189,7 @@ class ARRunner(StageRunner):
             logger.info("stage %s: warmed up in %.1f s (%s)", stage.name, self.warmup.total_s,
                         ", ".join(f"{p} {s:.2f} s" for p, s in self.warmup.seconds.items()))
         self.max_model_len = self.llm.max_model_len
+        self.video = video_input(self.llm.engine)
         self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
         self.handoff_ctx = HandoffContext(Path(model))
         self.requests: dict[str, _ARRequest] = {}
@@ -208,7 +213,7 @@ class ARRunner(StageRunner):
             raise ValueError(f"request id {msg.request_id!r} is already running")
         if self.is_dead(msg):
             return
-        media = multi_modal_data(msg.media, tensors) if msg.media else None
+        media = multi_modal_data(msg.media, tensors, self.video) if msg.media else None
         req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
                          deadline=deadline_in(msg.time_left_s),
                          return_latents=msg.return_latents, route=dict(msg.route),
@@ -222,8 +227,8 @@ class ARRunner(StageRunner):
         self.timeline.mark(req.request_id, "input")
         self._start(req, GenerateJob(prompt_token_ids=list(msg.prompt_token_ids),
                                      multi_modal_data=media,
-                                     multi_modal_uuids=multi_modal_uuids(msg.media),
-                                     mm_processor_kwargs=mm_processor_kwargs(msg.media),
+                                     multi_modal_uuids=multi_modal_uuids(msg.media, self.video),
+                                     mm_processor_kwargs=mm_processor_kwargs(msg.media, self.video),
                                      max_tokens=msg.sampling.max_tokens, last=True))
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:

@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.video_input import video_input
+
 logger = logging.getLogger(__name__)
 
 #: vLLM request ids of the warm-up (never a client's: those are the server's uuids).
@@ -174,6 +176,7 @@ def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]
     from vllm.model_executor.model_loader import get_model_cls
 
     model_cls = get_model_cls(model_config)
+    video = video_input(llm.engine)
     items = {"image": _image, "audio": _audio, "video": _video}
     out = []
     for modality, make in items.items():
@@ -185,10 +188,14 @@ def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]
             continue
         if not placeholder:
             continue
+        item = make()
+        if modality == "video":  # in the form the model takes videos (workers/video_input.py)
+            item = video.item(item, VIDEO_FPS)
         prompt = {"prompt_token_ids": tokenizer.encode(f"{placeholder}{PROMPT}"),
-                  "multi_modal_data": {modality: [make()]}}
-        if modality == "video":
-            prompt["mm_processor_kwargs"] = {"fps": VIDEO_FPS, "use_audio_in_video": False}
+                  "multi_modal_data": {modality: [item]}}
+        kwargs = video.processor_kwargs(VIDEO_FPS, False) if modality == "video" else None
+        if kwargs:
+            prompt["mm_processor_kwargs"] = kwargs
         out.append(WarmupRequest(modality, prompt, params))
     return out
 

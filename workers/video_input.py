@@ -1,0 +1,52 @@
+"""How a video's sampled frames go to vLLM's multimodal processor: the one place where the two
+families of video models differ.
+
+The server samples and decodes a clip's frames itself (omni_cache/serving/video.py) and sends them
+``uint8 [T, H, W, 3]`` with the rate they were sampled at. vLLM's processors then want them in one
+of two forms, which the model's data parser says (``video_needs_metadata``):
+
+* Qwen3-Omni (and Qwen2.5-Omni): bare frames; the rate goes in the request's
+  ``mm_processor_kwargs`` (``fps``: its temporal positions are 2 / fps seconds per patch), beside
+  ``use_audio_in_video`` when the sound tracks came along.
+* Qwen3-VL and Qwen3.5: ``(frames, metadata)``. Their processor writes a ``<t seconds>`` stamp before
+  each pair of frames from the metadata's frame indices and rate; the frames arrive sampled, so
+  the metadata says ``do_sample_frames: False`` and the sampled frames are the whole video (index
+  i at the sampled rate: frame i's time). No processor kwargs: these models read no sound track.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """The form a stage's model takes videos in (default: bare frames, Qwen3-Omni's)."""
+
+    needs_metadata: bool = False
+
+    def item(self, frames: np.ndarray, fps: float) -> Any:
+        """One video of ``multi_modal_data``."""
+        if not self.needs_metadata:
+            return frames
+        count = int(frames.shape[0])
+        return frames, {"fps": float(fps), "duration": count / float(fps), "total_num_frames": count,
+                        "frames_indices": list(range(count)), "video_backend": "opencv",
+                        "do_sample_frames": False}
+
+    def processor_kwargs(self, fps: float, use_audio_in_video: bool) -> dict[str, Any] | None:
+        """A request's ``mm_processor_kwargs`` for its videos (the first video's sampled rate)."""
+        if self.needs_metadata:
+            return None
+        return {"fps": fps, "use_audio_in_video": use_audio_in_video}
+
+
+def video_input(engine: Any) -> VideoInput:
+    """What the engine's multimodal processor asks of videos (bare frames for a text-only model)."""
+    processor = getattr(getattr(engine, "renderer", None), "mm_processor", None)
+    if processor is None:
+        return VideoInput()
+    return VideoInput(needs_metadata=bool(processor.info.data_parser.video_needs_metadata))
