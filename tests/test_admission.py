@@ -11,6 +11,7 @@ with the server for the 2 cores, without testing anything more of admission).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import sys
 import tempfile
@@ -226,6 +227,60 @@ def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory():
         wait_idle(srv)  # every place and byte given back
         r = httpx.post(srv.url + "/v1/chat/completions", json=bodies[1], timeout=60)
         assert r.status_code == 200, r.text
+
+
+#: The video flood: 6 clients, a 640 x 360 video each (2 s at 8 fps: 4 frames sampled at 2 fps,
+#: 2.6 MiB decoded), a media bound of two such requests (benchmarks/admission_flood.py --kind
+#: video floods with larger ones and reads the server's RSS).
+VIDEO_W, VIDEO_H, VIDEO_FRAMES, VIDEO_CLIENTS = 640, 360, 16, 6
+VIDEO_MEDIA = 4 * VIDEO_W * VIDEO_H * 3
+
+
+def test_a_flood_of_videos_is_held_to_the_media_bound_before_decoding():
+    """Each video's decoded size is reserved from its header before it is decoded and given back
+    after its answer: what the requests hold never passes server.max_media_bytes_in_flight, the
+    refused ones (429) were never decoded (the decoded-item cache holds only the answered
+    ones' videos), and everything is given back."""
+    from media_samples import video_bytes
+
+    media = {"max_items": 1, "max_video_frame_pixels": VIDEO_W * VIDEO_H,
+             "decoded_cache_bytes": VIDEO_CLIENTS * VIDEO_MEDIA}
+    with fake_server(max_media_bytes_in_flight=2 * VIDEO_MEDIA, media=media) as srv:
+        bounds, cache = srv.orchestrator.admission.bounds, srv.app.state.media_cache
+        bodies = [{"model": srv.orchestrator.served_model_name, "max_tokens": 30, "messages": [{
+            "role": "user", "content": [{"type": "text", "text": "what happens?"}, {
+                "type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(
+                    video_bytes(VIDEO_FRAMES, VIDEO_W, VIDEO_H, 8, seed=c, noise=False)).decode()}}]}]}
+            for c in range(VIDEO_CLIENTS)]
+        held: list[int] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                held.append(bounds.media_bytes)
+                time.sleep(0.002)
+
+        start = threading.Barrier(VIDEO_CLIENTS)
+
+        def post(body: dict) -> httpx.Response:
+            start.wait()
+            return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(VIDEO_CLIENTS) as pool:
+                responses = list(pool.map(post, bodies))
+        finally:
+            done.set()
+            watcher.join()
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429} and codes.count(200) >= 1 and codes.count(429) >= 1, codes
+        assert all("server.max_media_bytes_in_flight" in r.json()["error"]["message"]
+                   for r in responses if r.status_code == 429)
+        assert VIDEO_MEDIA <= max(held) <= 2 * VIDEO_MEDIA
+        assert len(cache) == codes.count(200)  # a refused video was never decoded
+        wait_idle(srv)  # and every reserved byte was given back
 
 
 def test_the_count_bound_refuses_before_reading_and_the_sdk_sees_a_rate_limit():
