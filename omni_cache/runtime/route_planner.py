@@ -196,7 +196,9 @@ class RoutePlanner:
         held and be sent away, copying the prefix into the other replica's pool as well. Not on a
         hybrid (recurrent) replica: there a hit needs a state at its last block, which a request in
         flight may not leave there (vLLM's align mode keeps few), so only what it reported counts.
-        ``prompt_tokens``: the prompt's length (vLLM computes at least its last token)."""
+        ``prompt_tokens``: the length of the prompt sent (vLLM computes at least its last token,
+        so the last block of a block-aligned prompt cannot be hit). A media prompt's chain is of
+        its expanded prompt, longer than the prompt sent: no limit is known for it."""
         matched: dict[int, int] = {}
         sizes: dict[int, int] = {}
         running = self._requests.served_by(self._entry.name)
@@ -206,7 +208,8 @@ class RoutePlanner:
             if not size or chain is None:
                 continue
             sizes[replica] = size
-            limit = None if prompt_tokens is None else (prompt_tokens - 1) // size
+            aligned = prompt_tokens is not None and len(chain) * size == prompt_tokens
+            limit = len(chain) - 1 if aligned else None
             n = self.prefix_index.matched_blocks(replica, chain, limit)
             recurrent = replica in self.prefix_index.recurrent
             for r in running if not recurrent else ():
