@@ -156,71 +156,118 @@ def side_order(sides: list[str], round_index: int, order: str = "alternate") -> 
     return list(sides) if order == "same" or round_index % 2 == 0 else list(sides)[::-1]
 
 
+def restart_blocks(n_rounds: int, every: int) -> list[range]:
+    """The rounds each start of the pipelines serves: blocks of ``every`` rounds (0: one start
+    for all of them). A pipeline instance keeps for its life whatever its start gave it (where
+    its memory landed, its heap's layout, how the scheduler paired its processes on the cores):
+    in A/A runs one instance was a few percent faster than its twin in every round, and which
+    one changed from start to start. Fresh instances every few rounds turn that edge into noise
+    the rounds average over."""
+    if every < 0:
+        raise ValueError(f"restart every {every} rounds: want 0 (never) or more")
+    step = every or max(n_rounds, 1)
+    return [range(i, min(i + step, n_rounds)) for i in range(0, n_rounds, step)]
+
+
+def block_round_order(sides: Sequence[str], block: int, round_in_block: int, order: str = "alternate") -> list[str]:
+    """The sides' turns in a round of a start's block: :func:`side_order` counted from the block's
+    own first round, shifted by one every other block. Counting from the round number instead let
+    the first side of ``sides`` lead every block's first round and so go second, after the other
+    side's two runs, in every block's second round: an idle pipeline's heap is given back to the
+    system and faulted in again, and that side faulted 1.4-1.7x as often in those rounds."""
+    return side_order(list(sides), block + round_in_block, order)
+
+
+def start_order(sides: Sequence[str], block: int) -> list[str]:
+    """The order the sides are started and warmed up in for ``block``: as given in even blocks,
+    reversed in odd ones, so no side is always the one spawned and warmed first."""
+    return list(sides) if block % 2 == 0 else list(sides)[::-1]
+
+
+def _start_sides(stack: contextlib.ExitStack, tmp: str, config_path: str, sides: list[str], *,
+                 checkpoint_dir: str | None, stage_env: dict[str, str] | None,
+                 timeline_dir: str | None) -> dict[str, Any]:
+    """Start every side's server at once (in the order of ``sides``) and wait until all serve;
+    each is stopped when ``stack`` closes."""
+    from omni_cache.timeline import TIMELINE_DIR_ENV
+
+    servers: dict[str, Any] = {}
+    # All sides start at once: no side's processes, and the memory they take, are always the
+    # older ones (in A/A runs the side started first was the slower one in 5 runs of 5).
+    for side in sides:
+        stack.callback(shutil.rmtree, socket_dir(side), True)
+        env = {TIMELINE_DIR_ENV: os.path.join(timeline_dir, side)} if timeline_dir else None
+        path = private_config(config_path, tmp, side, stage_env)
+        if side == VLLM_SIDE:  # the thinker's engine alone: `vllm serve` (benchmarks/vllm_serve_side.py)
+            servers[side] = VllmServeProcess(path, checkpoint_dir=checkpoint_dir)
+        else:
+            servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir,
+                                          env=env)
+        stack.push(servers[side])  # stopped on the way out, started or not
+        servers[side].start()
+    log(f"starting {', '.join(sides)} at once (stage logs hidden) ...")
+    for side, srv in servers.items():
+        srv.wait_ready()
+        log(f"cache {side}: ready after {srv.startup_s:.1f} s at {srv.url}")
+    return servers
+
+
 def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds: list[list[Session]], *,
                concurrency: int | None, rate: float | None, progress: bool, monitor: Monitor,
                checkpoint_dir: str | None = None, stage_env: dict[str, str] | None = None,
                audio: bool = True, one_message: bool = False, profile: profiles.Recorder | None = None,
                timeline_dir: str | None = None, cpu_burners: int = 0, order: str = "alternate",
-               on_run: Callable[[dict[str, Any]], None] | None = None,
+               restart_every: int = 0, on_run: Callable[[dict[str, Any]], None] | None = None,
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Start every side's pipeline (``omni-serve`` in a process of its own, cache on or off), warm
     each up, then run ``rounds``: round r's sessions on every side, in the order of ``sides`` for
-    even r and reversed for odd r; every pipeline stays up until the last round has run. Returns
-    the runs (one per side and round: samples, counters, resources) and per side its start-up
-    time and warm-up samples. ``timeline_dir``: every side's processes write their request
-    timelines (omni_cache.timeline) under ``timeline_dir/<side>``. ``cpu_burners``: that many
-    :class:`CpuBurners` run from the first round to the last. ``on_run`` sees each run as it
+    even r and reversed for odd r (counted within each start's block: :func:`block_round_order`).
+    ``restart_every`` K > 0: the pipelines are stopped and started
+    afresh every K rounds (:func:`restart_blocks`; the start and warm-up order alternating,
+    :func:`start_order`); 0: they stay up until the last round has run. Returns the runs (one
+    per side and round: samples, counters, resources) and per side its start-up times and first
+    warm-up's samples. ``timeline_dir``: every side's processes write their request timelines
+    (omni_cache.timeline) under ``timeline_dir/<side>``. ``cpu_burners``: that many
+    :class:`CpuBurners` run while the rounds run. ``on_run`` sees each run as it
     ends."""
-    from omni_cache.timeline import TIMELINE_DIR_ENV
-
     runs: list[dict[str, Any]] = []
-    info: dict[str, Any] = {}
-    with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="omni_cache_bench_"))
-        servers: dict[str, ServerProcess] = {}
-        # All sides start at once: no side's processes, and the memory they take, are always the
-        # older ones (in A/A runs the side started first was the slower one in 5 runs of 5).
-        for side in sides:
-            stack.callback(shutil.rmtree, socket_dir(side), True)
-            env = {TIMELINE_DIR_ENV: os.path.join(timeline_dir, side)} if timeline_dir else None
-            path = private_config(config_path, tmp, side, stage_env)
-            if side == VLLM_SIDE:  # the thinker's engine alone: `vllm serve` (benchmarks/vllm_serve_side.py)
-                servers[side] = VllmServeProcess(path, checkpoint_dir=checkpoint_dir)
-            else:
-                servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir,
-                                              env=env)
-            stack.push(servers[side])  # stopped on the way out, started or not
-            servers[side].start()
-        log(f"starting omni-serve for {', '.join(sides)} at once (stage logs hidden) ...")
-        for side, srv in servers.items():
-            srv.wait_ready()
-            log(f"cache {side}: ready after {srv.startup_s:.1f} s at {srv.url}")
-        models = {side: asyncio.run(served_model(srv.url)) for side, srv in servers.items()}
-        for side, srv in servers.items():
-            info[side] = {"startup_s": srv.startup_s,
-                          "warmup": warm_up(srv.url, models[side], warmup, api_key=None,
-                                            label=f"cache {side}", audio=audio, one_message=one_message)}
-        if cpu_burners:
-            log(f"{cpu_burners} CPU burner(s) on")
-            stack.enter_context(CpuBurners(cpu_burners))
-        for r, sessions in enumerate(rounds):
-            for side in side_order(sides, r, order):
-                srv = servers[side]
-                log(f"round {r + 1}/{len(rounds)}, cache {side}: {sum(s.turns for s in sessions)} request(s)")
-                if profile is not None:
-                    profile.tag = f"{side}-r{r}"
-                out = measure(srv.url, models[side], sessions, api_key=None, concurrency=concurrency,
-                              rate=rate, label=f"cache {side}", progress=progress, monitor=monitor,
-                              processes=srv.processes, profile=profile, audio=audio,
-                              one_message=one_message)
-                restarts = sum(int(c.get("restarts", 0)) for c in (out["counters"] or {}).values())
-                if restarts:
-                    log(f"cache {side}: WARNING: {restarts} stage restart(s) during round {r + 1}")
-                for sample in out["samples"]:
-                    sample["round"] = r
-                run = {"side": side, "round": r, **out}
-                runs.append(run)
-                if on_run is not None:
-                    on_run(run)
-    log("pipelines stopped")
+    info: dict[str, Any] = {side: {"startups_s": []} for side in sides}
+    with contextlib.ExitStack() as outer:
+        tmp = outer.enter_context(tempfile.TemporaryDirectory(prefix="omni_cache_bench_"))
+        for b, block in enumerate(restart_blocks(len(rounds), restart_every)):
+            with contextlib.ExitStack() as stack:
+                servers = _start_sides(stack, tmp, config_path, start_order(sides, b),
+                                       checkpoint_dir=checkpoint_dir, stage_env=stage_env,
+                                       timeline_dir=timeline_dir)
+                models = {side: asyncio.run(served_model(srv.url)) for side, srv in servers.items()}
+                for side, srv in servers.items():
+                    warm = warm_up(srv.url, models[side], warmup, api_key=None, label=f"cache {side}",
+                                   audio=audio, one_message=one_message)
+                    info[side]["startups_s"].append(srv.startup_s)
+                    info[side].setdefault("startup_s", srv.startup_s)
+                    info[side].setdefault("warmup", warm)
+                if cpu_burners:  # beside the rounds only, not the start-ups
+                    log(f"{cpu_burners} CPU burner(s) on")
+                    stack.enter_context(CpuBurners(cpu_burners))
+                for r in block:
+                    sessions = rounds[r]
+                    for side in block_round_order(sides, b, r - block.start, order):
+                        srv = servers[side]
+                        log(f"round {r + 1}/{len(rounds)}, cache {side}: {sum(s.turns for s in sessions)} request(s)")
+                        if profile is not None:
+                            profile.tag = f"{side}-r{r}"
+                        out = measure(srv.url, models[side], sessions, api_key=None, concurrency=concurrency,
+                                      rate=rate, label=f"cache {side}", progress=progress, monitor=monitor,
+                                      processes=srv.processes, profile=profile, audio=audio,
+                                      one_message=one_message)
+                        restarts = sum(int(c.get("restarts", 0)) for c in (out["counters"] or {}).values())
+                        if restarts:
+                            log(f"cache {side}: WARNING: {restarts} stage restart(s) during round {r + 1}")
+                        for sample in out["samples"]:
+                            sample["round"] = r
+                        run = {"side": side, "round": r, "start": b, **out}
+                        runs.append(run)
+                        if on_run is not None:
+                            on_run(run)
+            log("pipelines stopped")
     return runs, info

@@ -817,6 +817,36 @@ def test_rounds_split_requests_evenly_and_alternate_the_sides():
     assert [side_order(["on", "off"], r) for r in range(3)] == [["on", "off"], ["off", "on"], ["on", "off"]]
 
 
+def test_pipelines_restart_in_blocks_of_rounds_the_start_order_alternating():
+    from benchmarks.harness import restart_blocks, start_order
+
+    assert restart_blocks(8, 0) == [range(0, 8)]  # never: one start serves every round
+    assert restart_blocks(8, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert restart_blocks(7, 3) == [range(0, 3), range(3, 6), range(6, 7)]  # every round served once
+    assert restart_blocks(2, 4) == [range(0, 2)]
+    with pytest.raises(ValueError):
+        restart_blocks(8, -1)
+    assert [start_order(["off", "off2"], b) for b in range(3)] == [["off", "off2"], ["off2", "off"], ["off", "off2"]]
+
+
+def test_each_side_runs_second_after_the_other_sides_two_runs_equally_often():
+    from benchmarks.harness import block_round_order, restart_blocks
+
+    def cold_turns(every: int, order_of) -> list[str]:
+        """Runs that follow the other side's two runs within one start (the longest idle)."""
+        out = []
+        for b, block in enumerate(restart_blocks(8, every)):
+            turns = [side for r in block for side in order_of(b, r, r - block.start)]
+            out += [turns[i] for i in range(2, len(turns)) if turns[i - 1] == turns[i - 2] != turns[i]]
+        return out
+
+    for every in (2, 4):
+        cold = cold_turns(every, lambda b, r, k: block_round_order(["on", "off"], b, k))
+        assert cold.count("on") == cold.count("off") > 0, (every, cold)
+    # Counted from the round number, "on" went second in every block's second round.
+    assert cold_turns(2, lambda b, r, k: block_round_order(["on", "off"], 0, r)) == ["on"] * 4
+
+
 def test_monitor_counts_cpu_per_named_process():
     import time as _time
 
