@@ -36,7 +36,9 @@ from omni_cache.serving.chat_stream import (
 from omni_cache.serving.errors import APIError, Unauthorized
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.runtime.metrics import CONTENT_TYPE
+from omni_cache.serving.realtime.client_items import ImageSource
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
+from omni_cache.serving.realtime.protocol import EventError
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -208,11 +210,32 @@ async def realtime(websocket: WebSocket) -> None:
         await websocket.close(code=CLOSE_POLICY, reason=problem)  # before accept: HTTP 403
         return
     orch: Orchestrator = state.orchestrator
-    # input_image parts: the chat API's limits and decoded-item cache (client_items.py)
+    await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
+                         served_model=state.served_model_name, images=_realtime_images(orch, state))
+
+
+def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
+    """A session's input_image parts read with the chat API's limits and decoded-item cache:
+    checked from the header first, decoded once the session made room (realtime/client_items.py)."""
     decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
                            cache=state.media_cache)
-    await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
-                         served_model=state.served_model_name, media=decoder)
+
+    def event_error(e: MediaError, param: str) -> EventError:
+        return EventError(str(e), param=e.param or param, code="invalid_value")
+
+    def read(url: str, param: str) -> Any:
+        try:
+            return decoder.read_image(url, param)
+        except MediaError as e:
+            raise event_error(e, param) from None
+
+    def decode(item: Any) -> MediaItem:
+        try:
+            return decoder.decode_all([item])[0]
+        except MediaError as e:
+            raise event_error(e, item.param) from None
+
+    return ImageSource(read, decode, decoder.limits.max_items)
 
 
 async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,

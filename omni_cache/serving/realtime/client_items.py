@@ -3,8 +3,8 @@ steps so its media are held in the server's bounds before they are decoded.
 
 :func:`read` checks the SDK-validated item and what each part carries without decoding any
 media: an ``input_image`` (``{"type": "input_image", "image_url": "data:image/png;base64,..."}``)
-is read and checked from its header by the server's :class:`~omni_cache.serving.media.MediaDecoder`
-with the chat API's limits (``server.media``: the encoded size, the pixel count, the formats,
+is read and checked from its header by the server's media decoder (an :class:`ImageSource` the
+server builds around :class:`omni_cache.serving.media.MediaDecoder`) with the chat API's limits (``server.media``: the encoded size, the pixel count, the formats,
 allowed hosts for an http(s) URL) and gets the chat API's digest (so the same image is the same
 vLLM multimodal UUID and prefix-cache key in a chat request and in every turn of a session); an
 ``input_audio`` clip's decoded size is bounded from its base64 length. The
@@ -21,20 +21,36 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from omni_cache.serving.media import EncodedItem, MediaDecoder, MediaError
+from omni_cache.runtime.requests import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item, ItemPart, SpokenText, audio_item
 from omni_cache.serving.realtime.protocol import EventError, new_id
 
-__all__ = ["PendingItem", "PendingPart", "clip_bound", "decode", "decode_clip", "read"]
+__all__ = ["ImageSource", "PendingItem", "PendingPart", "clip_bound", "decode", "decode_clip", "read"]
 
 #: Bytes of one decoded audio sample (float32).
 SAMPLE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """How the server reads ``input_image`` parts (its MediaDecoder: ``server.media``'s limits and
+    its decoded-item cache; omni_cache/serving/routes.py builds it). Both calls raise EventError
+    naming the part."""
+
+    #: (URL, param) -> the image read and checked from its header, nothing decoded: an object
+    #: with ``decoded_bytes`` and ``param`` (the decoder's EncodedItem).
+    read: Callable[[str, str], Any]
+    #: What ``read`` returned -> the decoded image.
+    decode: Callable[[Any], MediaItem]
+    #: Clips and images one item may carry (``server.media.max_items``, as one chat request).
+    max_items: int
 
 
 @dataclass
@@ -42,7 +58,7 @@ class PendingPart:
     type: str
     text: str = ""
     audio: str | None = None  # an input_audio part's base64, decoded by decode()
-    image: EncodedItem | None = None  # an input_image part, read and checked, not decoded
+    image: Any = None  # an input_image part as ImageSource.read returned it (not decoded)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +87,7 @@ def clip_bound(fmt: AudioFormat, data: str, rate: int) -> int:
     return (-(-samples * rate // fmt.rate) + 1) * SAMPLE_BYTES
 
 
-def read(sdk_item: Any, fmt: AudioFormat, rate: int, media: MediaDecoder | None) -> PendingItem:
+def read(sdk_item: Any, fmt: AudioFormat, rate: int, images: ImageSource | None) -> PendingItem:
     """The client's message item checked part by part, its images read from their headers
     (nothing decoded); EventError naming the first part that cannot be used."""
     role = getattr(sdk_item, "role", None)
@@ -80,7 +96,7 @@ def read(sdk_item: Any, fmt: AudioFormat, rate: int, media: MediaDecoder | None)
                          "server serves no tools)", param="item.type", code="unsupported")
     if not sdk_item.content:
         raise EventError("a message needs content", param="item.content", code="invalid_value")
-    _check_media_count(sdk_item.content, media)
+    _check_media_count(sdk_item.content, images)
     item = PendingItem(role, sdk_item.id or new_id("item"), [])
     for i, c in enumerate(sdk_item.content):
         param = f"item.content.{i}"
@@ -96,7 +112,7 @@ def read(sdk_item: Any, fmt: AudioFormat, rate: int, media: MediaDecoder | None)
             item.parts.append(PendingPart(kind, c.transcript or "", audio=c.audio))
             item.audio_bytes += clip_bound(fmt, c.audio, rate)
         elif kind == "input_image":
-            item.parts.append(PendingPart(kind, image=_read_image(media, c.image_url, param + ".image_url")))
+            item.parts.append(PendingPart(kind, image=_read_image(images, c.image_url, param + ".image_url")))
         elif kind == "output_audio":
             # An assistant turn the client supplies: its transcript is what the user heard.
             item.parts.append(PendingPart(kind, c.transcript or ""))
@@ -106,7 +122,7 @@ def read(sdk_item: Any, fmt: AudioFormat, rate: int, media: MediaDecoder | None)
     return item
 
 
-def decode(pending: PendingItem, fmt: AudioFormat, rate: int, media: MediaDecoder | None) -> Item:
+def decode(pending: PendingItem, fmt: AudioFormat, rate: int, images: ImageSource | None) -> Item:
     """The item with its clips and images decoded (the server's decoded-item cache is used for
     images, as for chat requests); EventError naming a part that does not decode."""
     parts: list[ItemPart] = []
@@ -115,10 +131,7 @@ def decode(pending: PendingItem, fmt: AudioFormat, rate: int, media: MediaDecode
             samples = decode_clip(fmt, p.audio, f"item.content.{i}.audio", rate)
             parts.append(ItemPart(p.type, p.text, media=audio_item(samples, rate)))
         elif p.image is not None:
-            try:
-                parts.append(ItemPart(p.type, media=media.decode_all([p.image])[0]))
-            except MediaError as e:
-                raise EventError(str(e), param=e.param or p.image.param, code="invalid_value") from None
+            parts.append(ItemPart(p.type, media=images.decode(p.image)))
         else:
             parts.append(ItemPart(p.type, p.text))
     item = Item(pending.role, parts, id=pending.id)
@@ -140,23 +153,20 @@ def decode_clip(fmt: AudioFormat, data: str, param: str, rate: int) -> np.ndarra
     return StreamResampler(fmt.rate, rate)(samples, last=True)
 
 
-def _check_media_count(content: list[Any], media: MediaDecoder | None) -> None:
+def _check_media_count(content: list[Any], images: ImageSource | None) -> None:
     """One item carries at most ``server.media.max_items`` clips and images, as one chat request."""
     n = sum(c.type in ("input_audio", "input_image") for c in content)
-    limit = media.limits.max_items if media is not None else None
+    limit = images.max_items if images is not None else None
     if limit is not None and n > limit:
         raise EventError(f"the item has {n} audio clips and images; at most {limit} are accepted "
                          "in one item (server.media.max_items)", param="item.content",
                          code="invalid_value")
 
 
-def _read_image(media: MediaDecoder | None, url: str | None, param: str) -> EncodedItem:
-    if media is None:
+def _read_image(images: ImageSource | None, url: str | None, param: str) -> Any:
+    if images is None:
         raise EventError("images are not taken by this server", param=param, code="unsupported")
     if not url:
         raise EventError("an input_image part needs 'image_url' (a data: URL)", param=param,
                          code="invalid_value")
-    try:
-        return media.read_image(url, param)
-    except MediaError as e:
-        raise EventError(str(e), param=e.param or param, code="invalid_value") from None
+    return images.read(url, param)

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketState
 
 from omni_cache.config.server_schema import RealtimeConfig
-from omni_cache.serving.media import MediaDecoder
+from omni_cache.serving.realtime.client_items import ImageSource
 from omni_cache.serving.realtime.protocol import EventError, error_event, parse_client_event, wire
 from omni_cache.serving.realtime.session import RealtimeSession
 
@@ -119,7 +119,7 @@ class EventWriter:
 
 async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig,
                          registry: SessionRegistry, *, served_model: str,
-                         media: MediaDecoder | None = None) -> None:
+                         images: ImageSource | None = None) -> None:
     """Run one connection's session until the client leaves or a limit ends it."""
     await websocket.accept()
     model = websocket.query_params.get("model")
@@ -140,7 +140,7 @@ async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig
         await _close(websocket, outbox, refusal[1], refusal[0].code or "")
         return
     session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model,
-                              media=media)
+                              images=images)
     registry.sessions[session.id] = session
     try:
         try:

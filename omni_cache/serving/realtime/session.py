@@ -26,7 +26,6 @@ from typing import Any
 
 from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.tasks import wait_ended
-from omni_cache.serving.media import MediaDecoder
 from omni_cache.serving.realtime import client_items, input_worker, session_config, vad
 from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
 from omni_cache.serving.realtime.conversation_bounds import ConversationBounds
@@ -45,13 +44,13 @@ MIN_COMMIT_MS = 100
 
 class RealtimeSession:
     def __init__(self, pipeline: Any, send: Callable[[Any], None], *, limits: RealtimeConfig,
-                 served_model: str, media: MediaDecoder | None = None) -> None:
+                 served_model: str, images: client_items.ImageSource | None = None) -> None:
         self.id = new_id("sess")
         self.pipeline, self.send = pipeline, send
         self.served_model = served_model
-        # The server's media decoder (server.media's limits, its decoded-item cache) for
-        # input_image parts; None: images are refused.
-        self.media = media
+        # How input_image parts are read and decoded (server.media's limits, the server's
+        # decoded-item cache); None: images are refused.
+        self.images = images
         self.config = SessionConfig()
         self.rate = int(pipeline.audio_input_rate)
         self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
@@ -243,10 +242,10 @@ class RealtimeSession:
         # Read and checked first (images from their headers), room made for what decoding will
         # hold, then decoded: the bytes are in the server's bound before they exist.
         fmt = self.config.input_format
-        pending = await asyncio.to_thread(client_items.read, event.item, fmt, self.rate, self.media)
+        pending = await asyncio.to_thread(client_items.read, event.item, fmt, self.rate, self.images)
         dropped = self._room(pending.nbytes)
         try:
-            item = await asyncio.to_thread(client_items.decode, pending, fmt, self.rate, self.media)
+            item = await asyncio.to_thread(client_items.decode, pending, fmt, self.rate, self.images)
         except BaseException:
             self.bounds.done(self.conversation)  # the room is given back; nothing was dropped
             raise
