@@ -1,0 +1,266 @@
+"""Qwen3.5 as a thinker stage (stage_configs/qwen3_5.yaml on the tiny checkpoint: a real omni-serve
+with its vLLM stage process, ZMQ and HTTP) against transformers' reference
+`Qwen3_5ForConditionalGeneration` on the same checkpoint, for text, image and video prompts, with
+and without prefix hits, greedy and seeded sampling, streamed and not.
+
+What "equal" means here. vLLM's CPU GatedDeltaNet kernel takes only bfloat16, and a random model's
+next-token distribution is flat (top logprobs ~ -5.2 over 512 ids), so two bf16 implementations
+(vLLM's kernels, transformers' torch reference) sometimes order a near-tie differently: on the tiny
+checkpoint greedy answers differed once in 12 tokens, where transformers' top two were 0.008 apart.
+So every served answer is checked token by token against the reference fed the same tokens
+(teacher forcing, one forward over prompt + answer):
+
+* the prompt the server rendered equals the reference's chat template, token for token, and the
+  stage expanded its media placeholders (Qwen3.5's per-frame timestamps included) to the reference
+  processor's length;
+* each answer token's logprob as served equals the reference's within LOGPROB_ATOL (a wrong state,
+  KV block or media row moves them by ~0.1-1);
+* greedy: each answer token is the reference's argmax, or within TIE of it; and the answer equals
+  transformers' own `generate` up to its first near-tie (none, in most runs).
+
+Seeded sampling is vLLM's sampler (transformers' draws different random numbers for the same
+seed), so there only the distribution is compared: the logprobs of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import yaml
+
+from media_samples import png_data_url, video_bytes
+from served_config import served, system_prompt
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "q35parity"
+TOKENS = 8
+# bf16 noise between vLLM's kernels and transformers' reference, in nats: at most 0.012 over 92
+# answer tokens on an AMD EPYC (AVX2); greedy answers were the reference's argmax at every step.
+LOGPROB_ATOL = 0.05
+TIE = 0.05
+# Longer than a block (128 tokens here, up to 640 on other CPUs), so a repeat can hit.
+CONTEXT = system_prompt(720, seed=35)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from omni_cache.models.checkpoints import ensure_checkpoint
+
+    root = tmp_path_factory.mktemp("q35ckpt")
+    return ensure_checkpoint("qwen3.5", root)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cfg")
+    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_5.yaml").read_text())
+    data.update(name=NAME, checkpoint_dir=str(checkpoint.parent))
+    data["server"]["port"] = 0
+    for stage in data["stages"]:
+        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
+        stage["warmup"] = False
+    with served(data, tmp) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+# ---- requests -----------------------------------------------------------------------------------
+def chat(server, messages: list[dict], **fields: Any) -> dict:
+    """One answer: its token ids, each token's served logprob, the prompt ids, cached tokens."""
+    body = {"model": NAME, "messages": messages, "max_tokens": TOKENS, "temperature": 0.0,
+            "logprobs": True, "return_token_ids": True, **fields}
+    if body.get("stream"):
+        return _streamed(server, body)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
+            "prompt_ids": out["prompt_token_ids"], "text": choice["message"]["content"],
+            "prompt_tokens": out["usage"]["prompt_tokens"],
+            "cached": (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
+
+
+def _streamed(server, body: dict) -> dict:
+    body = {**body, "stream_options": {"include_usage": True}}
+    ids, logprobs, text, prompt_ids, cached, prompt_tokens = [], [], "", None, 0, 0
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            for choice in chunk.get("choices") or ():
+                ids += choice.get("token_ids") or []
+                text += choice["delta"].get("content") or ""
+                logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or ()]
+    return {"ids": ids, "logprobs": logprobs, "prompt_ids": prompt_ids, "text": text, "cached": cached,
+            "prompt_tokens": prompt_tokens}
+
+
+def image_url(seed: int) -> str:
+    return png_data_url(64, 48, seed=seed)
+
+
+def video_url(seed: int) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(video_bytes(seed=seed)).decode()
+
+
+def user(*parts: dict | str, context: str = CONTEXT) -> list[dict]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [{"role": "system", "content": context}, {"role": "user", "content": content}]
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+# ---- the reference ------------------------------------------------------------------------------
+def reference_inputs(processor, messages: list[dict]) -> dict[str, torch.Tensor]:
+    """transformers' processor over the same chat and the media as the server decodes them
+    (its image decoding; its video frame sampling, the frames at their sampled rate)."""
+    from omni_cache.serving.chat_request import MediaPart
+    from omni_cache.serving.media import MediaDecoder
+
+    decoder = MediaDecoder(use_audio_in_video=False)
+    images, videos, metadata = [], [], []
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else ():
+            if part["type"] == "image_url":
+                images.append(decoder.image(part["image_url"]["url"], "image").array)
+            elif part["type"] == "video_url":
+                [frames] = decoder.decode_all(decoder.read_all([MediaPart("video", part, "video")]))
+                count = frames.array.shape[0]
+                videos.append(frames.array)
+                metadata.append({"fps": frames.fps, "frames_indices": list(range(count)),
+                                 "total_num_frames": count, "duration": count / frames.fps})
+    # (transformers' processor rewrites the parts of the conversation it is given: a copy)
+    text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True,
+                                         tokenize=False)
+    kwargs: dict[str, Any] = {}
+    if images:
+        kwargs["images"] = images
+    if videos:
+        kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False)
+    return dict(processor(text=[text], return_tensors="pt", **kwargs))
+
+
+def teacher_forced(model, inputs: dict, answer: list[int]) -> torch.Tensor:
+    """The reference's log-softmax at every answer position, fed the served answer."""
+    prompt = inputs["input_ids"]
+    ids = torch.cat([prompt, torch.tensor([answer])], dim=1)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    pad = torch.zeros(1, len(answer), dtype=inputs["mm_token_type_ids"].dtype)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                       mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], pad], dim=1),
+                       **extra).logits[0]
+    n = prompt.shape[1]
+    return logits[n - 1:n - 1 + len(answer)].float().log_softmax(-1)
+
+
+def reference_generate(model, inputs: dict) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) -> None:
+    model, processor = reference
+    inputs = reference_inputs(processor, messages)
+    # The chat template's output (media placeholders not yet expanded) and the expanded length.
+    text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True,
+                                         tokenize=False)
+    assert got["prompt_ids"] == processor.tokenizer(text)["input_ids"], "the server rendered another prompt"
+    assert got["prompt_tokens"] == inputs["input_ids"].shape[1], "media expanded to another length"
+    assert got["ids"] and len(got["logprobs"]) == len(got["ids"])
+    ref = teacher_forced(model, inputs, got["ids"])
+    for step, (token, served) in enumerate(zip(got["ids"], got["logprobs"])):
+        want = ref[step, token].item()
+        assert abs(served - want) <= LOGPROB_ATOL, (step, token, served, want)
+        if greedy:
+            assert ref[step].max().item() - want <= TIE, f"step {step}: {token} is not the reference's choice"
+    if greedy:
+        generated = reference_generate(model, inputs)
+        same = next((i for i, (a, b) in enumerate(zip(got["ids"], generated)) if a != b), None)
+        if same is not None:  # only at a near-tie of the reference
+            top = ref[same].topk(2).values
+            assert (top[0] - top[1]).item() <= TIE, (same, got["ids"], generated)
+        else:
+            assert got["ids"] == generated[:len(got["ids"])]
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["text", "image", "video"])
+def test_answers_equal_the_reference_with_and_without_a_prefix_hit(server, reference, kind):
+    media = {"text": [], "image": [image_part(image_url(3))], "video": [video_part(video_url(4))]}[kind]
+    messages = user(*media, f"Describe the {kind} in one line.")
+    first = chat(server, messages)
+    check(reference, messages, first)
+    again = chat(server, messages)  # the same prompt: a prefix hit through the media
+    media_end = max((i for i, t in enumerate(again["prompt_ids"])
+                     if t in (reference[0].config.image_token_id, reference[0].config.video_token_id)),
+                    default=0)
+    assert again["cached"] > media_end, again["cached"]
+    check(reference, messages, again)
+
+
+def test_a_follow_up_turn_hits_the_first_turn_and_equals_the_reference(server, reference):
+    """The next turn resends the first (its image, its answer): a prefix hit up to the first
+    turn's last block boundary, then the rest."""
+    first_turn = user(image_part(image_url(7)), "What colour dominates?")
+    answer = chat(server, first_turn)
+    follow_up = first_turn + [{"role": "assistant", "content": answer["text"]},
+                              {"role": "user", "content": [{"type": "text", "text": "And the edges?"}]}]
+    got = chat(server, follow_up)
+    assert got["cached"] > 0
+    check(reference, follow_up, got)
+
+
+def test_a_streamed_answer_equals_the_reference(server, reference):
+    messages = user("Stream a short story.", context=system_prompt(720, seed=36))  # not seen before
+    got = chat(server, messages, stream=True)
+    check(reference, messages, got)
+    assert got["cached"] == 0
+    again = chat(server, messages, stream=True)
+    assert again["cached"] > 0
+    check(reference, messages, again)
+
+
+def test_seeded_sampling_draws_from_the_reference_distribution(server, reference):
+    """Seeded sampling at temperature 1: the sampled tokens' logprobs are the reference's (also on
+    the repeat, a prefix hit, and under another seed, which draws another answer)."""
+    messages = user(image_part(image_url(9)), "Tell me something random.")
+    first = chat(server, messages, temperature=1.0, seed=1234)
+    check(reference, messages, first, greedy=False)
+    again = chat(server, messages, temperature=1.0, seed=1234)
+    assert again["cached"] > 0
+    check(reference, messages, again, greedy=False)
+    other = chat(server, messages, temperature=1.0, seed=4321)
+    check(reference, messages, other, greedy=False)
+    assert other["ids"] != first["ids"], "another seed drew the same answer"
