@@ -105,6 +105,27 @@ def test_body_bytes_are_held_until_released_and_refused_past_the_bound():
     assert (bounds.body_bytes, bounds.requests) == (0, 0)
 
 
+def test_an_answered_request_lets_go_of_its_media_with_its_ticket():
+    """The bytes go back to the bound when the request is answered, and so do the arrays: the
+    client's handle keeps the request a while longer (its answer is still being sent)."""
+    import weakref
+
+    import torch
+
+    from omni_cache.runtime.requests import Request, RequestTable
+
+    bounds = InFlightBounds(max_requests=2, max_media_bytes=100)
+    ticket = bounds.enter()
+    ticket.hold_media(60)
+    req = Request("r", [1], ("text",), ("thinker",), 0.0, 1e9, 10.0, False)
+    req.ticket, req.media = ticket, {"media.0": torch.zeros(60, dtype=torch.uint8)}
+    frames = weakref.ref(req.media["media.0"])
+    table = RequestTable()
+    table.add(req)
+    table.answered(req)
+    assert bounds.media_bytes == 0 and frames() is None  # req itself is still held here
+
+
 # ---- a server of fake stages -------------------------------------------------------------------
 
 

@@ -140,6 +140,10 @@ class RequestTable:
         self._requests.pop(req.wire_id, None)
         self._clients.pop(req.request_id, None)
         self.remember(req.wire_id)
+        # Its decoded media go with the bytes its ticket gives back: the client's handle keeps
+        # the request a while longer (its answer is still being sent), and the arrays would
+        # outlive their reservation (a flood of videos saw one request's frames held past it).
+        req.media = {}
         if req.ticket is not None:
             req.ticket.release()
 
