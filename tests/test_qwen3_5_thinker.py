@@ -78,7 +78,8 @@ def reference(checkpoint):
     from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
 
     model = Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    # (model, processor, what was computed per chat: a repeat of a prompt asks the same again)
+    return model, AutoProcessor.from_pretrained(checkpoint), {}
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -190,23 +191,32 @@ def reference_generate(model, inputs: dict) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def memo(reference, key: tuple, compute):
+    done = reference[2]
+    if key not in done:
+        done[key] = compute()
+    return done[key]
+
+
 def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) -> None:
-    model, processor = reference
-    inputs = reference_inputs(processor, messages)
+    model, processor, _ = reference
+    chat_key = json.dumps(messages, sort_keys=True)
+    inputs = memo(reference, ("inputs", chat_key), lambda: reference_inputs(processor, messages))
     # The chat template's output (media placeholders not yet expanded) and the expanded length.
     text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True,
                                          tokenize=False)
     assert got["prompt_ids"] == processor.tokenizer(text)["input_ids"], "the server rendered another prompt"
     assert got["prompt_tokens"] == inputs["input_ids"].shape[1], "media expanded to another length"
     assert got["ids"] and len(got["logprobs"]) == len(got["ids"])
-    ref = teacher_forced(model, inputs, got["ids"])
+    ref = memo(reference, ("forced", chat_key, tuple(got["ids"])),
+               lambda: teacher_forced(model, inputs, got["ids"]))
     for step, (token, served) in enumerate(zip(got["ids"], got["logprobs"])):
         want = ref[step, token].item()
         assert abs(served - want) <= LOGPROB_ATOL, (step, token, served, want)
         if greedy:
             assert ref[step].max().item() - want <= TIE, f"step {step}: {token} is not the reference's choice"
     if greedy:
-        generated = reference_generate(model, inputs)
+        generated = memo(reference, ("generate", chat_key), lambda: reference_generate(model, inputs))
         same = next((i for i, (a, b) in enumerate(zip(got["ids"], generated)) if a != b), None)
         if same is not None:  # only at a near-tie of the reference
             top = ref[same].topk(2).values
