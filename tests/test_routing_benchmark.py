@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from benchmarks import routing
+from benchmarks.routing_pipelines import routing_config
 from benchmarks.workloads import messages_for, prompt_tokens_expected
 from omni_cache.config import load_config
 
@@ -46,10 +47,10 @@ def test_default_pool_holds_half_the_tenants_requests():
 
 def test_configs_give_the_thinker_replicas_and_their_pool(tmp_path):
     src = "stage_configs/tiny_omni.yaml"
-    two = load_config(routing.routing_config(src, tmp_path / "two.yaml", replicas=2, pool_blocks=200,
-                                             dtype="float32", request_timeout_s=900.0))
-    one = load_config(routing.routing_config(src, tmp_path / "one.yaml", replicas=1, pool_blocks=399,
-                                             dtype=None, request_timeout_s=900.0))
+    two = load_config(routing_config(src, tmp_path / "two.yaml", replicas=2, pool_blocks=200,
+                                     dtype="float32", request_timeout_s=900.0))
+    one = load_config(routing_config(src, tmp_path / "one.yaml", replicas=1, pool_blocks=399,
+                                     dtype=None, request_timeout_s=900.0))
     t2 = {s.name: s for s in two.stages}
     assert two.server.routing == "prefix" and t2["thinker"].replicas == 2
     assert t2["thinker"].engine_args.extra["num_gpu_blocks_override"] == 200
@@ -118,7 +119,7 @@ def test_per_kind_hit_rates_and_the_thinker_only_config(tmp_path):
                                 {**ok, "kind": "tenant1-text", "prompt_tokens": 100, "cached_tokens": 10},
                                 {**ok, "kind": "tenant2-image", "prompt_tokens": 100, "cached_tokens": 0}])
     assert s["hit_rate_by_kind"] == {"image": pytest.approx(0.45), "text": pytest.approx(0.1)}
-    cfg = load_config(routing.routing_config("stage_configs/qwen3_omni.yaml", tmp_path / "t.yaml", replicas=2,
-                                             pool_blocks=100, dtype=None, request_timeout_s=60.0,
-                                             thinker_only=True))
+    cfg = load_config(routing_config("stage_configs/qwen3_omni.yaml", tmp_path / "t.yaml", replicas=2,
+                                     pool_blocks=100, dtype=None, request_timeout_s=60.0,
+                                     thinker_only=True))
     assert [s.name for s in cfg.stages] == ["thinker"] and cfg.stages[0].replicas == 2
