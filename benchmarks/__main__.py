@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target.add_argument("--order", choices=("alternate", "same"), default="alternate",
                         help="the sides' turns per round: alternate (A B, B A, ...) or same (A B, A B, ...) "
                              "(default: %(default)s)")
+    target.add_argument("--restart-every", type=int, default=0, metavar="K",
+                        help="stop and start every side's pipeline afresh every K rounds, the start order "
+                             "alternating, so that no pipeline instance's own luck (where its memory and "
+                             "processes landed) runs through the whole comparison; 0: never (default: "
+                             "%(default)s)")
     target.add_argument("--checkpoint-dir", help="where tiny checkpoints live (default: the config's)")
     target.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
                         help="add KEY=VALUE to every stage's env in the private config copy (repeatable; "
@@ -132,8 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rate must be > 0")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    if args.url and (args.rounds > 1 or args.profile or args.timeline):
-        p.error("--rounds, --profile and --timeline apply to the pipelines this command starts, not to --url")
+    if args.restart_every < 0:
+        p.error("--restart-every must be >= 0 (0: never)")
+    if args.url and (args.rounds > 1 or args.profile or args.timeline or args.restart_every):
+        p.error("--rounds, --restart-every, --profile and --timeline apply to the pipelines this command "
+                "starts, not to --url")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or any(not re.fullmatch(r"(on|off)\d*|vllm", s) for s in sides) or len(set(sides)) != len(sides):
         p.error("--sides: a comma-separated list of 'on' and 'off' (or on2, off2, ...: a second "
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_env": args.stage_env or None,
         "profile": {"dir": os.path.abspath(args.profile), "rate": args.profile_rate} if args.profile else None,
         "timeline": args.timeline,
-        "cpu_burners": args.cpu_burners, "order": args.order,
+        "cpu_burners": args.cpu_burners, "order": args.order, "restart_every": args.restart_every,
     }
     machine = harness.machine_info()
     runs: list[dict[str, Any]] = []
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     rate=args.rate, progress=progress, monitor=monitor, checkpoint_dir=args.checkpoint_dir,
                     stage_env=args.stage_env or None, audio=not args.text_only, one_message=args.one_message,
                     profile=profile, timeline_dir=timeline_dir, cpu_burners=args.cpu_burners, order=args.order,
-                    on_run=runs.append)
+                    restart_every=args.restart_every, on_run=runs.append)
         except KeyboardInterrupt:
             print("benchmarks: interrupted", file=sys.stderr)
             if not runs:

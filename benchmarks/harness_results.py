@@ -82,8 +82,8 @@ def assemble(config: dict[str, Any], machine: dict[str, Any], runs: list[dict[st
         for rnd in sorted({r["round"] for r in runs}):
             a = [r for r in runs if r["side"] == first and r["round"] == rnd]
             b = [r for r in runs if r["side"] == second and r["round"] == rnd]
-            if a and b:
-                per_round.append({"round": rnd, **ratios(_summary(a), _summary(b))})
+            if a and b:  # "start": which start of the pipelines served the round (--restart-every)
+                per_round.append({"round": rnd, "start": a[0].get("start", 0), **ratios(_summary(a), _summary(b))})
         result["ratios_per_round"] = per_round
         result["paired_ratios"] = paired_ratios(per_round)
         result["paired_ratios_median"] = paired_ratios(per_round, "median")
