@@ -27,5 +27,7 @@ $(STAMP): pyproject.toml
 serve: setup
 	.venv/bin/omni-serve --stage-config $(CONFIG)
 
+# Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the run before any test.
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

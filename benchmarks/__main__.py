@@ -42,7 +42,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from benchmarks import profiles  # noqa: E402
 from benchmarks.breakdown import format_breakdown, summarize_breakdown  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
-    WORKLOADS, Sizes, arrival_times, build_workload, parse_mix, split_rounds,
+    WORKLOADS,
+    Sizes,
+    arrival_times,
+    build_workload,
+    parse_mix,
+    split_rounds,
 )
 from omni_cache import timeline  # noqa: E402
 
@@ -84,9 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "e.g. OMP_NUM_THREADS=1)")
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
-    wl.add_argument("--num-requests", type=int, help=f"measured requests per side and round (default {DEFAULTS['num_requests']}, "
+    wl.add_argument("--num-requests", type=int, help=f"measured requests per side and round "
+                    f"(default {DEFAULTS['num_requests']}, "
                     f"--quick {QUICK['num_requests']})")
-    wl.add_argument("--shared-tokens", type=int, help="S: shared system-prompt tokens (shared-prefix), image tokens (image), opening "
+    wl.add_argument("--shared-tokens", type=int, help="S: shared system-prompt tokens (shared-prefix), "
+                    "image tokens (image), opening "
                     f"tokens (multi-turn, zero-reuse) (default {DEFAULTS['shared_tokens']}, "
                     f"--quick {QUICK['shared_tokens']})")
     wl.add_argument("--unique-tokens", type=int, help=f"U: unique tokens per request / turn (default "

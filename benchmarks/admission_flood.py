@@ -17,7 +17,8 @@ The clients run in another process (they would otherwise compete for this proces
 ``--clients`` posts, again and again for ``--seconds``, a chat request with ``--items`` one-colour
 PNG images of ``--side`` x ``--side`` pixels (a few KiB each, ``side * side * 3`` bytes decoded:
 the most decoded media ``server.media`` lets one request carry; each body is encoded once before
-the flood), ignoring Retry-After, while a poller in a third process asks ``/health`` every 100 ms. Limits: ``server.max_media_bytes_in_flight`` is
+the flood), ignoring Retry-After, while a poller in a third process asks ``/health`` every 100 ms. Limits:
+``server.max_media_bytes_in_flight`` is
 ``--media-requests`` requests' worth of media, ``server.max_requests_in_flight`` is
 ``--max-in-flight``. With ``--noise`` the images are random pixels instead: every body is about as
 large as the pixels (the server then also reads and parses that much per request).

@@ -59,16 +59,16 @@ def bench_kernels(dev, hiddens, names_list, tokens_list, quick, timer, gen, log)
                 reps = 10 if quick else 25
                 if not cuda:
                     reps = 5 if nbytes > (64 << 20) else reps
-                copy_fns = [lambda i=i: cp_dst[i].copy_(cp_src[i]) for i in range(R)]
+                copy_fns = [lambda d=cp_dst[i], s=cp_src[i]: d.copy_(s) for i in range(R)]
                 t_copy = timer.graph(copy_fns, reps) if cuda else timer.eager(copy_fns, reps)
                 t_copy_min = t_copy if cuda else timer.last_min
                 if not cuda:  # an allocating copy: gather returns fresh tensors, and first touches
                     # of fresh memory can dominate on CPU (page faults)
-                    t_clone = timer.eager([lambda i=i: cp_src[i].clone() for i in range(R)], reps)
+                    t_clone = timer.eager([lambda s=cp_src[i]: s.clone() for i in range(R)], reps)
                     t_clone_min = timer.last_min
                 for p, store in stores.items():
-                    wr = [lambda i=i, s=store: s.write(sms[i], srcs[i]) for i in range(R)]
-                    ga = [lambda i=i, s=store: s.gather(sms[i]) for i in range(R)]
+                    wr = [lambda sm=sms[i], src=srcs[i], s=store: s.write(sm, src) for i in range(R)]
+                    ga = [lambda sm=sms[i], s=store: s.gather(sm) for i in range(R)]
                     for op, fns in (("write", wr), ("gather", ga)):
                         t_eager = timer.eager(fns, reps)
                         t_min = t_eager if cuda else timer.last_min
@@ -133,8 +133,8 @@ def bench_host(dev, timer, gen, log, quick):
     nbytes = 256 << 20
     d = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
     hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    t_d2h = timer.eager([lambda: hbuf.copy_(d, non_blocking=True)], 10)
-    t_h2d = timer.eager([lambda: d.copy_(hbuf, non_blocking=True)], 10)
+    t_d2h = timer.eager([lambda h=hbuf, d=d: h.copy_(d, non_blocking=True)], 10)
+    t_h2d = timer.eager([lambda h=hbuf, d=d: d.copy_(h, non_blocking=True)], 10)
     res["d2h_GBps"], res["h2d_GBps"] = nbytes / t_d2h / 1e9, nbytes / t_h2d / 1e9
     # host scatter (what the drain thread does): index_copy_ of 8 KiB rows as complex128 words
     rows = nbytes // 8192
@@ -177,7 +177,7 @@ def bench_host(dev, timer, gen, log, quick):
                 t = statistics.median(ts[1:])
                 hb = torch.empty(nb, dtype=torch.uint8, pin_memory=True)
                 db = torch.empty(nb, dtype=torch.uint8, device=dev)
-                t_ref = timer.eager([lambda: db.copy_(hb, non_blocking=True)], 5)
+                t_ref = timer.eager([lambda db=db, hb=hb: db.copy_(hb, non_blocking=True)], 5)
                 row = dict(mode=mode, hidden=h, names=k, tokens=M, bytes=nb, t_us=t * 1e6,
                            GBps=nb / t / 1e9, h2d_GBps=nb / t_ref / 1e9, frac=t_ref / t)
                 gathers.append(row)
@@ -261,7 +261,7 @@ def main(argv=None):
     big = (1 << 30) if cuda else (256 << 20)
     a = torch.empty(big, dtype=torch.uint8, device=dev).random_(0, 255)
     b = torch.empty_like(a)
-    t = timer.eager([lambda: b.copy_(a)], 10)
+    t = timer.eager([lambda a=a, b=b: b.copy_(a)], 10)
     res["copy_peak_GBps"] = 2 * big / t / 1e9
     log(f"plain copy of {big >> 20} MiB: {res['copy_peak_GBps']:.1f} GB/s (read + write)")
     del a, b

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -82,7 +81,9 @@ def timeline_engine_means(samples: Sequence[Mapping[str, Any]],
         if s.get("ok") and all(k in think for k in ("queued", "scheduled", "first_token")):
             queue.append(think["scheduled"] - think["queued"])
             prefill.append(think["first_token"] - think["scheduled"])
-    mean = (lambda xs: sum(xs) / len(xs) if xs else math.nan)
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else math.nan
+
     return {"queue": mean(queue), "prefill": mean(prefill), "requests": len(queue)}
 
 

@@ -39,14 +39,13 @@ from typing import Any
 
 import yaml
 
-from omni_cache.config import PacingConfig
-
 from benchmarks import profiles
 from benchmarks.client import Driver, counter_deltas, scrape_metrics, served_model
 from benchmarks.first_audio_results import LABELS, assemble, format_table, plot
 from benchmarks.listener import DEFAULT_JITTER_S
 from benchmarks.report import write_json
 from benchmarks.workloads import Sizes, arrival_times, build_workload
+from omni_cache.config import PacingConfig
 
 __all__ = ["main", "plan", "side_config"]
 

@@ -31,10 +31,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.client import Driver, Sample, counter_deltas, scrape_metrics, served_model
 from benchmarks import profiles
+from benchmarks.client import Driver, Sample, counter_deltas, scrape_metrics, served_model
 from benchmarks.machine_monitor import Monitor, machine_info
-from benchmarks.side_processes import CpuBurners, ManagedServer, ServerProcess, private_config, socket_dir
+from benchmarks.side_processes import (
+    CpuBurners,
+    ManagedServer,
+    ServerProcess,
+    private_config,
+    socket_dir,
+)
 from benchmarks.vllm_serve_side import VLLM_SIDE, VllmServeProcess
 from benchmarks.workloads import Session
 

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:13s} {p['median_s'][name]:.3f}  x{p['vs_align'][name]:.3f} of align "
               f"(paired x{p['paired_vs_align'][name]:.3f}, CPU time paired x{p['paired_cpu_vs_align'][name]:.3f})   "
               f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B}), "
-              f"its TTFT p50 {p['branch_ttft_p50_s'][name]:.3f} s (paired x{p['branch_paired_vs_align'][name]:.3f} of align)")
+              f"its TTFT p50 {p['branch_ttft_p50_s'][name]:.3f} s "
+              f"(paired x{p['branch_paired_vs_align'][name]:.3f} of align)")
     if "block_states" in hybrid:
         result["memory"] = state_memory(hybrid["block_states"])
         print("memory:", result["memory"])

@@ -35,8 +35,8 @@ import yaml
 
 from benchmarks import harness
 from benchmarks.client import counter_deltas, scrape_metrics
-from benchmarks.report import percentile
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
+from benchmarks.report import percentile
 from benchmarks.speech_clips import turn_clip
 
 __all__ = ["main", "summarize"]

@@ -97,7 +97,7 @@ async def _one_session(url: str, model: str, index: int, spec: dict[str, Any], s
 
     texts = append_texts(session_audio(index, spec["sessions"], spec["turn_every_s"], spec["speech_s"]))
     ws_url = url.replace("http", "ws", 1) + f"/v1/realtime?model={model}"
-    for attempt in range(30):  # a session the last phase left may still count (1013: try later)
+    for _attempt in range(30):  # a session the last phase left may still count (1013: try later)
         ws = await websockets.connect(ws_url, max_size=None)
         first = json.loads(await ws.recv())
         if first["type"] == "session.created":

@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             k = rnd % len(args.policies)
             policies = args.policies[k:] + args.policies[:k]
 
-            def sessions(label: str) -> list[Session]:
+            def sessions(label: str, order=order, rnd=rnd) -> list[Session]:
                 return build_requests(order, shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
                                       max_tokens=args.max_tokens, seed=args.seed, round_=rnd, label=label,
                                       kinds=WORKLOADS[args.workload])

@@ -47,7 +47,6 @@ must end as ``failed`` (a 503 naming the stage) or ``ok``, never ``lost``.
 
 from __future__ import annotations
 
-
 import argparse
 import asyncio
 import contextlib
@@ -272,7 +271,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the server's request_timeout_s in the private config (default 120)")
     p.add_argument("--margin", type=float, default=30.0,
                    help="the client waits request timeout + this before it counts a request lost")
-    p.add_argument("--mix", type=float, nargs=4, default=[3.0, 3.0, 3.0, 1.0], metavar=("TEXT", "AUDIO", "STREAM", "ABANDON"),
+    p.add_argument("--mix", type=float, nargs=4, default=[3.0, 3.0, 3.0, 1.0],
+                   metavar=("TEXT", "AUDIO", "STREAM", "ABANDON"),
                    help="relative weights of the request kinds (default 3 3 3 1)")
     p.add_argument("--rotate-every", type=int, default=40,
                    help="replace one of the shared prefixes every N requests (default 40)")

@@ -62,7 +62,8 @@ end, untimed, so its latents can be checked).
 
 Checks (the benchmark fails rather than time a broken path): APC modes must hit all 4,000 shared
 tokens on shared_prefix (on shared_image / shared_audio: the shared prefix after vLLM expanded the
-placeholder, in whole blocks) and nothing on zero_reuse; the encoder must run exactly as said above; in the latents modes each request's latents must
+placeholder, in whole blocks) and nothing on zero_reuse; the encoder must run exactly as said above; in the
+latents modes each request's latents must
 tile positions 0.. contiguously and hold prompt + generated - 1 rows; and the `latents_cache` rows
 must match the `latents` (cache-off) rows of the same prompt within the test suite's bf16 tolerance
 (relative L2 per row <= 2**-6), compared over the prompt rows and the generated rows up to the first
@@ -71,7 +72,8 @@ engines; the row after a flipped token is another token's row, so it is not comp
 counted in OUT.json).
 
 In-process timers: each engine's process wraps a few methods with perf_counter timers (microseconds
-per call) and records, per request up to its first token, the time in `LLMStage.add`/`step`, the model runner's `execute_model` (input preparation + forward, the
+per call) and records, per request up to its first token, the time in `LLMStage.add`/`step`, the model
+runner's `execute_model` (input preparation + forward, the
 same work in every mode), sampling, scheduling, and the latent path (`LatentCapture.on_step`, of
 which `LatentStore.write` and the mirror gathers, and `LLMStage._attach_latents`).
 
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([os.path.relpath(sys.executable) if sys.executable else "python",
                              "-m", "benchmarks.thinker_cache", *sys.argv[1:]]),
         "argv": sys.argv,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "engine_args": {**mspec.engine_args,
                         "model": f"{mspec.checkpoint} (omni_cache.models.checkpoints, seed 0)"},

@@ -66,7 +66,7 @@ class EngineProcess:
         try:
             status, value = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the {self.mode} engine process died (exit code {self.proc.exitcode})")
+            raise RuntimeError(f"the {self.mode} engine process died (exit code {self.proc.exitcode})") from None
         if status == "error":
             raise RuntimeError(f"{self.mode} engine: {value}")
         return value

@@ -15,7 +15,13 @@ import torch
 from benchmarks.thinker_engine import start_engines
 from benchmarks.thinker_prompts import Prompt, random_tokens, spare_prompt
 from benchmarks.thinker_requests import RequestResult, check_request
-from benchmarks.thinker_specs import EXTRA_WARMUPS, MODES, RETRY_WAIT_FRACTION, ModelSpec, model_spec
+from benchmarks.thinker_specs import (
+    EXTRA_WARMUPS,
+    MODES,
+    RETRY_WAIT_FRACTION,
+    ModelSpec,
+    model_spec,
+)
 
 
 def wait_for_idle(max_s: float, busy_cores: float = 0.2, window_s: float = 0.5) -> dict[str, float] | None:
@@ -110,7 +116,8 @@ def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], ro
                 for m in request_order(modes, i):
                     acc = per_mode[m]
 
-                    def attempt(k: int, m: str = m, i: int = i) -> RequestResult:
+                    def attempt(k: int, m: str = m, i: int = i, wl=wl, wl_prompts=wl_prompts,
+                                acc=acc) -> RequestResult:
                         prompt = wl_prompts[1 + i] if k == 0 else spare_prompt(wl_prompts, wl, seed, round_index, i, k)
                         acc["idle"].append(wait_for_idle(idle_wait))
                         r = engines[m].run(f"{m}-r{round_index}-{wl}-{i}-{k}", prompt, True)

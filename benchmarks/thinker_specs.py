@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-
 MODES: dict[str, dict[str, Any]] = {
     "plain": dict(latents=False, prefix_cache=False),
     "plain_apc": dict(latents=False, prefix_cache=True),

@@ -1,7 +1,8 @@
 """Handing the heap's free pages back to the system: glibc's ``malloc_trim(0)``, now and then.
 
 Who runs it: every stage process, from its loop's housekeeping, and the server process (HTTP,
-orchestrator), from the orchestrator's deadline loop. Why a stage needs it: glibc raises its mmap threshold (up to 32 MiB) each time a block it had
+orchestrator), from the orchestrator's deadline loop. Why a stage needs it: glibc raises its mmap threshold
+(up to 32 MiB) each time a block it had
 mmapped is freed, so after warm-up a stage's per-step tensors (hidden rows, prompt embeddings,
 logits, all of sizes that vary with the batch) come from the main heap. Freed, they leave free
 chunks in the middle of the heap; glibc only gives memory back from the heap's top, so the pages of
@@ -9,7 +10,8 @@ those chunks stay resident, and the heap's resident size creeps up as the mix of
 (benchmarks/results/soak.md: the thinker +27% and the talker +8% from minute 5 to 30 before this,
 in ``[heap]``, with nothing kept alive). The server churns the same way through audio frames,
 base64 and JSON bodies of varying size, on several threads (each with its own glibc arena; the
-trim walks all of them): the soak saw it grow ~0.5 MiB a minute under load while idle it stayed flat. ``malloc_trim(0)`` also releases whole free pages inside
+trim walks all of them): the soak saw it grow ~0.5 MiB a minute under load while idle it stayed flat.
+``malloc_trim(0)`` also releases whole free pages inside
 the heap (``MADV_DONTNEED``), so the resident size follows what is live. It costs well under a
 millisecond when little was freed since the last call, a few milliseconds after a burst of frees;
 pages it released fault in again when reused. Fixing the mmap threshold instead

@@ -215,7 +215,7 @@ class Pipeline:
         outcomes = self._run(self._generate(token_lists, kwargs, media))
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
         if errors:
-            for i, e in errors.items():
+            for e in errors.values():
                 if not isinstance(e, RequestError):
                     raise e
             results = [None if isinstance(o, BaseException) else o for o in outcomes]

@@ -3,7 +3,8 @@
 The scheduler is where prefix-cache hits are decided, so it is where they are counted: every newly
 admitted request records its prompt length (queried tokens) and the tokens vLLM's prefix cache let
 it skip (hit tokens). It also counts the multimodal items whose encoder it scheduled: an image or
-audio clip served from the prefix cache (or vLLM's encoder cache) is never encoded again. The counters are cumulative and read in-process by the stage (they feed
+audio clip served from the prefix cache (or vLLM's encoder cache) is never encoded again. The counters are
+cumulative and read in-process by the stage (they feed
 `/metrics`). `OmniScheduler` extends the synchronous scheduler, `AsyncOmniScheduler` the one vLLM
 uses with async scheduling; the stage picks the one matching `async_scheduling`.
 
@@ -11,7 +12,8 @@ Both also hold back requests fed by streamed rows (the Qwen3-Omni talker) whose 
 arrived yet (scheduler/streamed_rows.py), and hand the worker each scheduled request's rows. With a
 `pacer` (scheduler/pacing.py, the stage's `pacing:`), streamed spoken answers more than the lead
 ahead of their playback sit a step out the same way while other work is due (an answer that is due
-but starved counts: the stage then waits for its row), and the running requests go in pacing's order (no audio yet first, then least slack). A request held back stays in
+but starved counts: the stage then waits for its row), and the running requests go in pacing's order (no
+audio yet first, then least slack). A request held back stays in
 `running` and keeps its slot: vLLM skips it this step (`next_decode_eligible_step`, the hook vLLM's
 own schedulers use to skip a running request), so no new request is admitted past `max_num_seqs`.
 

@@ -198,7 +198,8 @@ def cases(model: str, n: int, seed: int, max_body_bytes: int) -> Iterator[Case]:
     """``n`` malformed requests, the same ones for the same seed."""
     rng = random.Random(seed)
     makers: list[Callable[[str, random.Random], Case]] = [
-        lambda m, r: _deep(m, r, max_body_bytes), _huge_number, _wrong_type, _truncated, _bad_utf8, _content_type, _lying_length,
+        lambda m, r: _deep(m, r, max_body_bytes), _huge_number, _wrong_type, _truncated, _bad_utf8, _content_type,
+        _lying_length,
         _garbage, lambda m, r: _oversized(m, r, max_body_bytes)]
     for i in range(n):
         yield makers[i % len(makers)](model, rng)
@@ -207,7 +208,7 @@ def cases(model: str, n: int, seed: int, max_body_bytes: int) -> Iterator[Case]:
 def send(host: str, port: int, case: Case, *, api_key: str | None, timeout: float) -> Outcome:
     """Send ``case`` to ``/v1/chat/completions`` on a connection of its own and read the
     status line and body of the answer (``Connection: close``)."""
-    headers = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {host}:{port}",
+    headers = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host}:{port}",
                "Connection: close"]
     if case.content_type is not None:
         headers.append(f"Content-Type: {case.content_type}")

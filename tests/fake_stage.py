@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from omni_cache.config import load_config
+from omni_cache.config.addresses import control_address
 from omni_cache.config.replicas import stage_replicas
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
@@ -51,7 +52,6 @@ from omni_cache.wire.messages import (
     StreamStart,
     Submit,
 )
-from omni_cache.config.addresses import control_address
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 from workers.announcer import Announcer

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
-from omni_cache.runtime.metrics import parse_metrics
 from served_config import served
 from sse_client import read_events
+
+from omni_cache.runtime.metrics import parse_metrics
 
 #: Bound of the waits for a restart (vLLM start-up) and for an answer.
 WAIT_S = 300.0

@@ -26,14 +26,14 @@ import httpx
 import openai
 import pytest
 import yaml
+from fake_pipeline import FAKE_STAGE, ByteTokenizer, echo
+from media_samples import flat_png_data_url
 
 from omni_cache.config import load_config
 from omni_cache.runtime.admission import RETRY_AFTER_S, InFlightBounds
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.server import ServerThread
-from media_samples import flat_png_data_url
-from fake_pipeline import ByteTokenizer, FAKE_STAGE, echo
 
 MIB = 1 << 20
 #: The flood's limits: 4 images of at most 2048 x 2048 per request (48 MiB decoded, the most one

@@ -29,7 +29,6 @@ from benchmarks.workloads import (
     prompt_tokens_expected,
 )
 
-
 # ---- workloads ----------------------------------------------------------------------------------
 
 def _tiny_template_tokens(messages: list[dict[str, str]]) -> int:
@@ -665,7 +664,8 @@ def _thinker_cache_round(ttft: dict[tuple[str, str], float], workloads: tuple[st
             wls[wl] = {"ttft_s": [t, t], "ttft_cpu_s": [t, t], "ttft_runqueue_wait_s": [0.0, 0.0],
                        "num_cached_tokens": [90, 90] if MODES[mode]["prefix_cache"] and wl != "zero_reuse" else [0, 0],
                        "num_prompt_tokens": [100, 100],
-                       "encoder_runs": [0, 0] if MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse") else [1, 1],
+                       "encoder_runs": ([0, 0] if MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse")
+                                        else [1, 1]),
                        "timers_s": {FORWARD: [t / 2, t / 2], "LLMStage.add": [0.0, 0.0], "LLMStage.step": [t, t]}}
         modes[mode] = {"workloads": wls}
     return {"modes": modes}
@@ -682,7 +682,8 @@ def test_thinker_cache_summary_has_a_ratio_and_target_per_modality():
         ttft.update({("plain", wl): off, ("latents", wl): off, ("plain_apc", wl): apc, ("latents_cache", wl): hid})
     s = summarize([_thinker_cache_round(ttft, workloads)] * 3, True, 0.97)
     r = s["ratios"]
-    assert r["apc_speedup"]["value"] == pytest.approx(10.0) and r["hidden_cache_speedup"]["value"] == pytest.approx(10.0)
+    assert r["apc_speedup"]["value"] == pytest.approx(10.0)
+    assert r["hidden_cache_speedup"]["value"] == pytest.approx(10.0)
     assert r["apc_speedup_image"]["value"] == pytest.approx(10.0)
     assert r["hidden_cache_speedup_image"]["value"] == pytest.approx(8.0)
     assert r["apc_speedup_audio"]["value"] == pytest.approx(5.0)
@@ -727,7 +728,7 @@ def test_thinker_cache_retries_a_contended_request_within_the_budget():
     from benchmarks.thinker_requests import RequestResult
     from benchmarks.thinker_round import measure_with_retries
 
-    def result(wait_fraction: float) -> "RequestResult":
+    def result(wait_fraction: float) -> RequestResult:
         return RequestResult(ttft_s=1.0, ttft_cpu_s=1.0, ttft_wait_s=wait_fraction, total_s=1.0,
                                 num_cached_tokens=0, generated=1)
 
@@ -879,7 +880,7 @@ def _timeline(t0: float) -> dict:
 
 
 def test_breakdown_segments_add_up_to_ttfa_and_ttft():
-    from benchmarks.breakdown import request_segments, summarize_breakdown, TEXT_SEGMENTS
+    from benchmarks.breakdown import TEXT_SEGMENTS, request_segments, summarize_breakdown
 
     t0 = 1000.0
     sample = {"ok": True, "sent_at": t0, "ttfa_s": 0.305, "ttft_s": 0.112, "response_id": "chatcmpl-abc"}

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from body_fuzz import Case, cases, send
 from fake_pipeline import API_KEY, make_orchestrator, write_config
+
 from omni_cache.serving.chat_request import parse_chat_request
 from omni_cache.serving.json_body import MAX_JSON_DEPTH, BodyError, json_depth, parse_json
 from omni_cache.serving.server import ServerThread

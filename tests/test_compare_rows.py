@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from thinker_harness import Result, comparable_rows
 
 PROMPT = 5

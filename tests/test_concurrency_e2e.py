@@ -27,8 +27,8 @@ import zmq
 
 from omni_cache.config import load_config
 from omni_cache.models.checkpoints import THINKER_HIDDEN
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Sender

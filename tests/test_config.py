@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from omni_cache import cli
-from omni_cache.config.addresses import run_root
 from omni_cache.config import (
     ConfigError,
     EngineArgs,
@@ -26,6 +25,7 @@ from omni_cache.config import (
     resolve_model,
     validate_config,
 )
+from omni_cache.config.addresses import run_root
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "stage_configs"
@@ -692,7 +692,8 @@ def test_cli_override_revalidated(capsys: pytest.CaptureFixture[str], tmp_path: 
     rc = cli.main(["--stage-config", str(path), "--check", "--port", "9100"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert f"omni-serve: config error: {path}: stages[1].address: 'tcp://127.0.0.1:9100' is the HTTP server's port" in err
+    want = f"omni-serve: config error: {path}: stages[1].address: 'tcp://127.0.0.1:9100' is the HTTP server's port"
+    assert want in err
 
 
 def test_cli_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -831,7 +832,8 @@ def test_replicas_of_a_hand_started_stage_are_refused_from_the_command_line(
 # --------------------------------------------------------------------------------------------------
 
 CONTROL_NULL = "  control_address: null "
-THINKER_RAY = THINKER_ADDRESS + "\n    replicas: 2\n    ray: {num_cpus: 1, replica_resources: [{node_a: 1}, {node_b: 1}]}  #"
+THINKER_RAY = (THINKER_ADDRESS + "\n    replicas: 2\n"
+               "    ray: {num_cpus: 1, replica_resources: [{node_a: 1}, {node_b: 1}]}  #")
 
 
 def test_ray_placement_is_read_and_summarised(tmp_path: Path,

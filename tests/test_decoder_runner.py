@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decoder_harness import make_runner
 
 from omni_cache.handoff import CODES_FRAME, FIRST_CHUNK_CODES, GenerateJob
 from omni_cache.models.codec_decoder import CodecDecoder
@@ -19,8 +20,6 @@ from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder
 from omni_cache.wire.messages import StageError, StageOutput, StreamStart
 from workers.decoder_runner import DecoderRunner
 from workers.runner import DEADLINE_GRACE_S, time_left
-
-from decoder_harness import make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,14 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from fake_pipeline import FAKE_STAGE, ByteTokenizer, echo, fake_pipeline_config
 
 from omni_cache import Pipeline
 from omni_cache.config import ConfigError, load_config
 from omni_cache.config.addresses import new_run_dir, run_root, with_default_addresses
 from omni_cache.config.replicas import stage_replicas
 from omni_cache.runtime.orchestrator import Orchestrator
-from fake_pipeline import fake_pipeline_config
-from fake_pipeline import ByteTokenizer, FAKE_STAGE, echo
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "stage_configs" / "tiny_omni.yaml"

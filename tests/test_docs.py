@@ -310,7 +310,8 @@ def test_quickstart_setup_is_what_the_makefile_does():
     # mkdocs comes from the extras make setup installs
     declared = _pyproject_extras()
     installed = [req for extra in extras.split(",") for req in declared.get(extra, [])]
-    assert any(r.startswith("mkdocs==") for r in installed) and any(r.startswith("mkdocs-material==") for r in installed)
+    assert any(r.startswith("mkdocs==") for r in installed)
+    assert any(r.startswith("mkdocs-material==") for r in installed)
 
 
 def _pyproject_extras() -> dict[str, list[str]]:

@@ -12,9 +12,9 @@ import time
 import uuid
 
 import httpx
+from fake_pipeline import API_KEY, MAX_MODEL_LEN, echo, make_orchestrator, write_config
 
 from omni_cache.serving.server import ServerThread
-from fake_pipeline import API_KEY, MAX_MODEL_LEN, echo, make_orchestrator, write_config
 
 #: What the file is edited to while the server runs: shorter than the prompt the test sends.
 EDITED_MAX_MODEL_LEN = 64

@@ -15,7 +15,11 @@ import yaml
 
 from omni_cache.config import ConfigError, load_config
 from omni_cache.config.engine_args_extra import (
-    REFUSED, REFUSED_PREFIXES, ROUTED_HASH_ALGO, SET_FOR_TALKER, STAGE_ADDITIONAL_CONFIG,
+    REFUSED,
+    REFUSED_PREFIXES,
+    ROUTED_HASH_ALGO,
+    SET_FOR_TALKER,
+    STAGE_ADDITIONAL_CONFIG,
 )
 from omni_cache.config.vllm_engine_args import ENGINE_ARG_NAMES, VLLM_VERSION
 

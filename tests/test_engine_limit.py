@@ -95,7 +95,8 @@ def test_the_harness_takes_a_vllm_side_only_with_text_only_requests():
 
 
 def _hist(name: str, total: float, count: int) -> str:
-    return f"# TYPE {name} histogram\n{name}_sum{{model_name=\"m\"}} {total}\n{name}_count{{model_name=\"m\"}} {count}\n"
+    return (f"# TYPE {name} histogram\n{name}_sum{{model_name=\"m\"}} {total}\n"
+            f"{name}_count{{model_name=\"m\"}} {count}\n")
 
 
 def test_histogram_means_are_the_deltas_between_two_scrapes():

@@ -27,16 +27,16 @@ import httpx
 import pytest
 import zmq
 import zmq.utils.monitor
+from stage_probe import inject
 
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
-from omni_cache.wire.messages import MESSAGE_TYPES, StageReady
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
+from omni_cache.wire.messages import MESSAGE_TYPES, StageReady
 from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
 from omni_cache.wire.transport import Codec, Receiver
-from stage_probe import inject
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")

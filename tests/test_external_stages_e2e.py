@@ -85,11 +85,11 @@ def test_killed_stage_under_load_fails_its_requests_and_comes_back(hosts):
 
 def test_stage_refuses_a_peer_without_the_key(hosts):
     import zmq
+    from stage_probe import inject
 
     from omni_cache.config import load_config
     from omni_cache.wire.messages import MESSAGE_TYPES
     from omni_cache.wire.transport import Codec
-    from stage_probe import inject
 
     config = load_config(hosts.config_path)
     codec = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)

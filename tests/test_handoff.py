@@ -9,11 +9,17 @@ import random
 
 import torch
 
-from omni_cache.models.codec_decoder import CodecDecoder, CodecWindowDecoder, random_decoder_weights
 from omni_cache.handoff import (
-    CODES_PER_TOKEN, FIRST_CHUNK_CODES, FIRST_SEGMENT_TOKENS, SEGMENT_TOKENS, HandoffContext, Upstream,
-    talker_to_decoder, thinker_to_talker,
+    CODES_PER_TOKEN,
+    FIRST_CHUNK_CODES,
+    FIRST_SEGMENT_TOKENS,
+    SEGMENT_TOKENS,
+    HandoffContext,
+    Upstream,
+    talker_to_decoder,
+    thinker_to_talker,
 )
+from omni_cache.models.codec_decoder import CodecDecoder, CodecWindowDecoder, random_decoder_weights
 
 
 def talker_ctx(dim=16, out=8):

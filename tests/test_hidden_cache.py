@@ -47,7 +47,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from thinker_harness import Result
 from thinker_pair import HYBRID, Thinker, assert_bitwise, tokens
 

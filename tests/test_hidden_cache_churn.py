@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from thinker_pair import Thinker, tokens
 
 pytestmark = pytest.mark.vllm

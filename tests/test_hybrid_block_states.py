@@ -18,8 +18,8 @@ import random
 
 import pytest
 import torch
-from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
 from thinker_harness import NAMES, close, comparable_rows, make_stage, run
+from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
 
 from omni_cache.models.checkpoints import ensure_checkpoint
 
@@ -190,7 +190,8 @@ def test_stored_states_equal_a_recurrent_reference(hybrid):
         assert _rel(conv, ref_conv) <= STATE_RTOL, f"conv state {key}"
         layer, position = key
         other = reference[(layer, position + B if position < 3 * B else position - B)][1]
-        assert _rel(ssm.reshape(other.shape), other) > 4 * STATE_RTOL, "states of neighbouring boundaries are indistinguishable"
+        assert _rel(ssm.reshape(other.shape), other) > 4 * STATE_RTOL, (
+            "states of neighbouring boundaries are indistinguishable")
 
 
 def test_chunks_ending_mid_block_keep_the_right_states(hybrid):
@@ -232,7 +233,7 @@ def test_finer_hits_with_prefix_match_unit(hybrid):
         second = run(stage, {"f1": shared + tokens(rng, B)}, 2)["f1"]
         assert second.num_cached_tokens == 2 * B
         assert_bitwise(second.latents, first.latents, 2 * B, "fine branch vs first")
-        prompt, previous, gained = tokens(rng, B + 150), None, 0
+        prompt, previous, previous_prompt, gained = tokens(rng, B + 150), None, [], 0
         for turn in range(3):
             if previous is not None:
                 prompt = prompt + previous.token_ids + tokens(rng, 150)

@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 import yaml
-
 from served_config import served
 from spoken_streams import QWEN3_OMNI, WAIT_S, Stream, answers_again, stage_metrics
+
 from workers.step_hold import ENV as HOLD_ENV
 
 pytestmark = pytest.mark.vllm

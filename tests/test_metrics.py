@@ -6,7 +6,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_cache.runtime.metrics import (
-    STAGE_DONE, TTFA, TTFT, OrchestratorMetrics, RoutingSnapshot, StageSnapshot, parse_metrics,
+    STAGE_DONE,
+    TTFA,
+    TTFT,
+    OrchestratorMetrics,
+    RoutingSnapshot,
+    StageSnapshot,
+    parse_metrics,
 )
 
 VLLM_STAGE = {"requests": 3, "errors": 0, "queue_depth": 1, "prefix_cache_queried_tokens": 200,

@@ -15,12 +15,12 @@ import re
 
 import httpx
 import pytest
-
 from media_samples import clip_b64, png_data_url
+from served_config import write_pipeline_config
+
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
-from served_config import write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 

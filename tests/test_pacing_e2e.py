@@ -10,7 +10,8 @@ shares nothing with the others): it must come no later than that plus how far th
 ahead (the talker's lead_s + MARGIN_S). A loose bound on purpose: on the tiny models both are
 fractions of a second to two and vary with the machine's load (single runs on a 2-core AMD EPYC
 beside other work: 0.06 / 0.83 s and 0.17 / 2.07 s unloaded / late with pacing on, 0.06 / 0.38 s
-with it off); it catches a late request left waiting behind the answers ahead, not a ratio. Pacing only reorders work, so the codes and audio of
+with it off); it catches a late request left waiting behind the answers ahead, not a ratio. Pacing only
+reorders work, so the codes and audio of
 those paced answers must equal the same prompts' unpaced answers (sent not streamed, never
 paced), greedy. A counter a stage does not report fails the test (it is not read as 0).
 """

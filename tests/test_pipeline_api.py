@@ -5,7 +5,6 @@ before these two pipelines start (memory)."""
 from __future__ import annotations
 
 import pytest
-
 from served_config import system_prompt, write_pipeline_config
 
 pytestmark = pytest.mark.vllm

@@ -22,12 +22,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from served_config import system_prompt, write_pipeline_config
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
-
-from served_config import system_prompt, write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 

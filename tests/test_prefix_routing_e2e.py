@@ -19,11 +19,11 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from media_samples import png_data_url, video_bytes
+from served_config import served
+
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.metrics import parse_metrics
-from served_config import served
 
 pytestmark = pytest.mark.vllm
 

@@ -35,7 +35,6 @@ import httpx
 import pytest
 import torch
 import yaml
-
 from media_samples import png_data_url, video_bytes
 from served_config import served, system_prompt
 
@@ -210,9 +209,9 @@ def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) ->
     assert got["ids"] and len(got["logprobs"]) == len(got["ids"])
     ref = memo(reference, ("forced", chat_key, tuple(got["ids"])),
                lambda: teacher_forced(model, inputs, got["ids"]))
-    for step, (token, served) in enumerate(zip(got["ids"], got["logprobs"])):
+    for step, (token, got_lp) in enumerate(zip(got["ids"], got["logprobs"])):
         want = ref[step, token].item()
-        assert abs(served - want) <= LOGPROB_ATOL, (step, token, served, want)
+        assert abs(got_lp - want) <= LOGPROB_ATOL, (step, token, got_lp, want)
         if greedy:
             assert ref[step].max().item() - want <= TIE, f"step {step}: {token} is not the reference's choice"
     if greedy:

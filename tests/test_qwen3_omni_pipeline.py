@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from media_samples import clip_b64, png_data_url
 
 from omni_cache.config import load_config
 from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.pipeline import Pipeline
 from omni_cache.serving.media import MediaDecoder
-from media_samples import clip_b64, png_data_url
 
 pytestmark = [
     pytest.mark.vllm,
@@ -271,8 +271,9 @@ VIDEO_PROMPT = [{"role": "user", "content": [
 def a_video(with_audio: bool):
     """16 frames of 96x64 at 8 fps (2 s) read as the server reads a video part: 4 frames sampled
     at 2 fps and, with ``with_audio``, its 2 s sound track at 16 kHz (use_audio_in_video)."""
-    from omni_cache.serving.chat_request import MediaPart
     from media_samples import video_data_url
+
+    from omni_cache.serving.chat_request import MediaPart
 
     url = video_data_url(audio_s=2.0 if with_audio else None, seed=5)
     decoder = MediaDecoder(audio_sample_rate=16000, use_audio_in_video=with_audio)

@@ -109,7 +109,7 @@ class Server:
             return None
         return {"code": r.status_code, **r.json()}
 
-    def wait_health(self, ok: "callable", timeout: float, what: str) -> dict:
+    def wait_health(self, ok: callable, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             h = self.health()
@@ -236,7 +236,7 @@ def test_a_dead_actor_is_replaced_on_its_node_at_the_same_address(cluster, serve
     server.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", RESTART_S,
                        "thinker#1 back on a new actor")
     log = server.log_path.read_text(errors="replace")
-    assert "stage thinker#1 (pid %d) its Ray actor on Ray node" % old_pid in log, server.log()
+    assert f"stage thinker#1 (pid {old_pid}) its Ray actor on Ray node" in log, server.log()
     assert "stage thinker#1: new Ray actor on node" in log, server.log()
     after = actor_where("thinker#1")  # the name now belongs to the new actor
     assert after["node_id"] == nodes["node_b"] and after["stage_pid"] not in (None, old_pid)

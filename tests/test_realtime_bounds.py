@@ -22,6 +22,8 @@ import uuid
 import httpx
 import numpy as np
 import pytest
+from fake_pipeline import API_KEY, serve_config, write_config
+from media_samples import flat_png_data_url
 from websockets.exceptions import ConnectionClosed
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
@@ -30,8 +32,6 @@ from omni_cache.runtime.admission import InFlightBounds, MediaHold
 from omni_cache.runtime.requests import AUDIO, MediaItem
 from omni_cache.runtime.results import RequestError
 from omni_cache.serving.realtime.truncation import MediaTokens, cut_points, first_cut
-from fake_pipeline import API_KEY, serve_config, write_config
-from media_samples import flat_png_data_url
 
 MAX_MODEL_LEN = 600
 ANSWER_TOKENS = 16

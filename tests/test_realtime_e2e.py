@@ -18,15 +18,15 @@ import time
 import httpx
 import numpy as np
 import pytest
+from media_samples import png_data_url
+from served_config import write_pipeline_config
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import silence, speech, turn_clip
 from omni_cache.config import load_config
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
-from media_samples import png_data_url
-from served_config import write_pipeline_config
 
 pytestmark = pytest.mark.vllm
 
@@ -310,7 +310,8 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
     turns); in the second half longer text turns with a clip every sixth under a retention ratio
     of 0.5 and a token limit (``post_instructions``, 1200: the token path; with the real
     8192-token context this half took ~10 minutes on a loaded 2-vCPU machine, and the fake
-    pipeline's tests truncate at max_model_len). Every turn is answered; each turn after the first hits the prefix cache: on
+    pipeline's tests truncate at max_model_len). Every turn is answered; each turn after the first hits the
+    prefix cache: on
     the whole previous prompt between truncations, on the instructions' blocks on a turn that
     truncated."""
     block = server.orchestrator.config.stage("thinker").engine_args.block_size

@@ -12,9 +12,9 @@ import uuid
 
 import numpy as np
 import pytest
+from fake_pipeline import make_orchestrator, write_config
 
 from benchmarks.speech_clips import pcm16, silence, speech
-from fake_pipeline import make_orchestrator, write_config
 from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.serving.realtime import vad
 from omni_cache.serving.realtime.audio_codecs import PCM, StreamResampler

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from benchmarks.realtime_load import (
-    CHUNK, append_texts, appends_between, cpu_per_session_second, format_table, percentiles, session_audio,
+    CHUNK,
+    append_texts,
+    appends_between,
+    cpu_per_session_second,
+    format_table,
+    percentiles,
+    session_audio,
     summarize_turns,
 )
 from benchmarks.speech_clips import RATE, pcm16

@@ -20,10 +20,21 @@ from benchmarks.speech_clips import silence, speech
 from omni_cache.pcm import pcm16, to_int16
 from omni_cache.serving.realtime import audio_codecs as ac
 from omni_cache.serving.realtime.connection import RateLimiter
-from omni_cache.serving.realtime.conversation import ItemPart, Conversation, Item, SpokenText, audio_item
+from omni_cache.serving.realtime.conversation import (
+    Conversation,
+    Item,
+    ItemPart,
+    SpokenText,
+    audio_item,
+)
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
-from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
+from omni_cache.serving.realtime.session_config import (
+    SessionConfig,
+    TurnDetection,
+    describe,
+    updated,
+)
 from omni_cache.serving.realtime.vad import SpeechDetector, load_model
 from omni_cache.serving.realtime.vad_batch import BatchScorer
 
@@ -396,9 +407,9 @@ def test_a_bad_realtime_limit_names_its_key(tmp_path):
 
 
 def test_benchmark_config_and_summary(tmp_path):
-    from benchmarks.realtime import bench_config, summarize
-
     import yaml
+
+    from benchmarks.realtime import bench_config, summarize
 
     shipped = yaml.safe_load(Path("stage_configs/qwen3_omni.yaml").read_text())["stages"]
     limit = next(s for s in shipped if s["name"] == "thinker")["engine_args"]["extra"][

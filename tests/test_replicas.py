@@ -17,15 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sse_client import read_events
 
 from omni_cache.config import load_config
+from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.prefix_index import PrefixIndex
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.routing import ReplicaRouter
-from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
-from sse_client import read_events
 
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")
 API_KEY = "replica-test-key"

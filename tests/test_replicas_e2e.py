@@ -19,10 +19,10 @@ import httpx
 import openai
 import pytest
 import yaml
-
-from omni_cache.runtime.metrics import parse_metrics
 from served_config import served
 from sse_client import read_events
+
+from omni_cache.runtime.metrics import parse_metrics
 
 pytestmark = pytest.mark.vllm
 

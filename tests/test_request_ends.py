@@ -22,9 +22,9 @@ import uuid
 
 import httpx
 import pytest
+from fake_pipeline import API_KEY, make_orchestrator, write_config
 from starlette.requests import ClientDisconnect
 
-from fake_pipeline import API_KEY, make_orchestrator, write_config
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.serving.server import ServerThread
 from omni_cache.tasks import cancel_and_wait, finish_or_cancel, wait_ended

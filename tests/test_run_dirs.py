@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_pipeline import FAKE_STAGE, ByteTokenizer
 
-from fake_pipeline import ByteTokenizer, FAKE_STAGE
 from omni_cache.config import load_config
 from omni_cache.config.addresses import RunDirError, new_run_dir, run_root
 from omni_cache.runtime.orchestrator import Orchestrator

@@ -23,20 +23,31 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-
-from omni_cache.config import load_config
-from omni_cache.runtime.metrics import parse_metrics
-from omni_cache.config.addresses import control_address
-from omni_cache.runtime.process_runner import StageStartError
-from omni_cache.serving.server import ServerThread
-from omni_cache.serving.audio_formats import encode_audio
-from omni_cache.pcm import to_pcm16
-
 from fake_pipeline import (  # noqa: F401  (re-used by this module's tests)
-    API_KEY, FAKE_STAGE, MAX_BODY_BYTES, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, SAMPLES_PER_TOKEN,
-    TIMEOUT_S, TOKEN_DELAY_S, ByteTokenizer, echo, fake_server, make_orchestrator, sse_events,
+    API_KEY,
+    FAKE_STAGE,
+    MAX_BODY_BYTES,
+    MAX_MESSAGE_BYTES,
+    MAX_MODEL_LEN,
+    SAMPLES_PER_TOKEN,
+    TIMEOUT_S,
+    TOKEN_DELAY_S,
+    ByteTokenizer,
+    echo,
+    fake_server,
+    make_orchestrator,
+    sse_events,
     write_config,
 )
+
+from omni_cache.config import load_config
+from omni_cache.config.addresses import control_address
+from omni_cache.pcm import to_pcm16
+from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.process_runner import StageStartError
+from omni_cache.serving.audio_formats import encode_audio
+from omni_cache.serving.server import ServerThread
+
 
 def assert_gone(pids) -> None:
     for pid in pids:
@@ -201,7 +212,8 @@ def test_stream_with_openai_client(srv, oai):
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}).encode(),
      400, "modalities"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                 "audio": {"voice": "default", "format": "aac"}}).encode(), 400, "'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
+                 "audio": {"voice": "default", "format": "aac"}}).encode(),
+     400, "'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
                  "stream": True, "audio": {"voice": "default", "format": "wav"}}).encode(), 400, "'pcm16'"),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": [

@@ -22,8 +22,16 @@ import zmq
 
 from omni_cache.config import load_config
 from omni_cache.wire.messages import (
-    MESSAGE_TYPES, Abort, Shutdown, StageError, StageOutput, StageReady, StageStats, StatsQuery,
-    StreamStart, Submit,
+    MESSAGE_TYPES,
+    Abort,
+    Shutdown,
+    StageError,
+    StageOutput,
+    StageReady,
+    StageStats,
+    StatsQuery,
+    StreamStart,
+    Submit,
 )
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver, Sender

@@ -15,8 +15,8 @@ import uuid
 import httpx
 import openai
 import pytest
-from fake_stage import SLOW_FIRST_TOKEN_S, UTF8BAD_ANSWER
 from fake_pipeline import API_KEY, echo, fake_server, sse_events
+from fake_stage import SLOW_FIRST_TOKEN_S, UTF8BAD_ANSWER
 
 from omni_cache.runtime.metrics import parse_metrics
 

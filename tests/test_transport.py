@@ -261,7 +261,7 @@ def test_codec_edges():
     with pytest.raises(TypeError):
         CODEC.encode(Hello("x"), {"t": torch.zeros(2, dtype=torch.complex64)})
     # A Union works as well as a tuple, and frames may be bytes or memoryviews.
-    codec = Codec(Union[Hello, Bye])
+    codec = Codec(Union[Hello, Bye])  # noqa: UP007 - typing.Union is what this checks
     t = torch.arange(6, dtype=torch.int16).reshape(2, 3)
     frames = [bytes(f) for f in codec.encode(Bye("b"), {"t": t})]
     msg, got = codec.decode([frames[0], memoryview(frames[1])])

@@ -18,7 +18,6 @@ import re
 import httpx
 import pytest
 import yaml
-
 from media_samples import clip_b64, png_data_url, video_bytes
 from served_config import served, write_pipeline_config
 

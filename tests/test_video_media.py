@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from media_samples import video_bytes
+
 from omni_cache.config import load_config
 from omni_cache.config.errors import ConfigError
 from omni_cache.config.server_schema import MediaConfig

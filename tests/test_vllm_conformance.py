@@ -42,10 +42,10 @@ import httpx
 import openai
 import pytest
 import yaml
+from served_config import served
 
 from omni_cache.config import load_config
 from omni_cache.models.checkpoints import ensure_checkpoint
-from served_config import served
 
 pytestmark = [
     pytest.mark.vllm,

@@ -14,10 +14,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import yaml
-
 from media_samples import clip_b64, png_data_url
-from omni_cache.runtime.metrics import parse_metrics
 from served_config import served, write_pipeline_config
+
+from omni_cache.runtime.metrics import parse_metrics
 
 pytestmark = pytest.mark.vllm
 

@@ -22,18 +22,28 @@ import pytest
 import torch
 import yaml
 import zmq
+from fake_pipeline import FAKE_STAGE, ByteTokenizer, fake_pipeline_config
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.messages import (
-    MAX_ERROR_MESSAGE, MAX_SAMPLE_RATE, MESSAGE_TYPES, Abort, BlockEvents, MediaRef, Shutdown,
-    StageError, StageOutput, StageReady, StageStats, StreamStart, Submit,
+    MAX_ERROR_MESSAGE,
+    MAX_SAMPLE_RATE,
+    MESSAGE_TYPES,
+    Abort,
+    BlockEvents,
+    MediaRef,
+    Shutdown,
+    StageError,
+    StageOutput,
+    StageReady,
+    StageStats,
+    StreamStart,
+    Submit,
 )
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import Codec, Receiver
-from fake_pipeline import fake_pipeline_config
-from fake_pipeline import FAKE_STAGE, ByteTokenizer
 
 CODEC = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
 

@@ -66,7 +66,7 @@ class LatentOptions:
     storage: str = "host"  # "host" | "device"
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> "LatentOptions | None":
+    def from_vllm_config(cls, vllm_config: Any) -> LatentOptions | None:
         raw = (vllm_config.additional_config or {}).get("omni_cache")
         if raw is None:
             return None

@@ -21,8 +21,14 @@ from typing import Any
 
 import torch
 
-from workers.latent_capture import (HIDDEN, LatentCapture, LatentOptions, layer_name, media_token_ids,
-                                    reused_storages)
+from workers.latent_capture import (
+    HIDDEN,
+    LatentCapture,
+    LatentOptions,
+    layer_name,
+    media_token_ids,
+    reused_storages,
+)
 from workers.talker_steps import TalkerSteps
 
 
@@ -115,4 +121,5 @@ def __getattr__(name: str) -> type:
     return cls
 
 
-__all__ = ["LatentWorkerMixin", "CPULatentWorker", "GPULatentWorker", "HIDDEN", "layer_name"]
+# CPULatentWorker and GPULatentWorker are built on first access by the module __getattr__ above.
+__all__ = ["LatentWorkerMixin", "CPULatentWorker", "GPULatentWorker", "HIDDEN", "layer_name"]  # noqa: F822

@@ -30,13 +30,20 @@ import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
 from omni_cache.config.replicas import reports_blocks, stage_replicas
+from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.wire.messages import (
-    MESSAGE_TYPES, Abort, BlockEvents, Shutdown, StageOutput, StageStats, StatsQuery, Submit,
+    MESSAGE_TYPES,
+    Abort,
+    BlockEvents,
+    Shutdown,
+    StageOutput,
+    StageStats,
+    StatsQuery,
+    Submit,
 )
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
-from omni_cache.heap_trim import HeapTrimmer
 from workers.loop_progress import LoopProgress
 from workers.outbox import Outbox, send_timeout_s
 from workers.step_hold import StepHold

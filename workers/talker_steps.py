@@ -30,8 +30,9 @@ the stage drains them after every step (and discards them on abort).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

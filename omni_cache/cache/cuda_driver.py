@@ -76,7 +76,7 @@ def current_stream_handle(device_index: int):
     return lambda: torch.cuda.current_stream(device_index).cuda_stream
 
 
-def event_handle(event: "torch.cuda.Event", stream: "torch.cuda.Stream") -> int:
+def event_handle(event: torch.cuda.Event, stream: torch.cuda.Stream) -> int:
     """Raw handle of a torch event (torch creates the CUDA event lazily, at its first record)."""
     event.record(stream)
     event.synchronize()

@@ -406,7 +406,8 @@ class HostPipeline:
                 launch_rows(MODE_GATHER, idx, m, [(mirror.flat[nm], out[nm]) for nm in mirror.names])
                 return out
             except (ValueError, RuntimeError) as exc:  # the driver refused the host pointer
-                warnings.warn(f"latent store: zero-copy gather unavailable ({exc}); using staging")
+                warnings.warn(f"latent store: zero-copy gather unavailable ({exc}); using staging",
+                              stacklevel=2)
                 self.host_gather = "staging"
         # staging: CPU index_select per name into one pinned buffer, then one H2D copy
         offsets, total = self._layout(m)

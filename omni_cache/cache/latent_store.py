@@ -27,13 +27,21 @@ The store owns no eviction logic: vLLM's block pool decides which slots are live
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
 from omni_cache.cache.host_pipeline import HostMirror, HostPipeline, page_lock
 from omni_cache.cache.row_kernels import (
-    HAS_TRITON, MODE_GATHER, MODE_WRITE, as_words, launch_rows, select_rows, word_dtype)
+    HAS_TRITON,
+    MODE_GATHER,
+    MODE_WRITE,
+    as_words,
+    launch_rows,
+    select_rows,
+    word_dtype,
+)
 
 __all__ = ["LatentStore"]
 
@@ -276,7 +284,7 @@ class LatentStore:
         if self._pipeline is not None:
             self._pipeline.close()
 
-    def __enter__(self) -> "LatentStore":
+    def __enter__(self) -> LatentStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:

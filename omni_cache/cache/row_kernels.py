@@ -18,7 +18,8 @@ one contiguous range (one copy between device and host).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class ConfigIssue:
     """One problem in a config: ``<file>: <key path>: <message> (line N)``."""

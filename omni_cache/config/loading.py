@@ -18,7 +18,6 @@ from omni_cache.config.errors import ConfigError, ConfigIssue, IssueCollector, P
 from omni_cache.config.schema import PipelineConfig
 from omni_cache.config.validation import CheckPaths, collect_config_issues
 
-
 # --------------------------------------------------------------------------------------------------
 # YAML reading with line numbers
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from msgspec import Meta, field
 from omni_cache.config.server_schema import ServerConfig
 from omni_cache.config.struct_base import ConfigStruct, PositiveFloat, PositiveInt
 
-
 StageKind = Literal["autoregressive", "generation"]
 FinalOutput = Literal["text", "audio"]
 

@@ -16,7 +16,7 @@ INIT_STD = 0.02
 
 def tensor_seed(seed: int, ckpt: str, tensor_name: str) -> int:
     # Stable across processes and Python versions (no hash()), independent of creation order.
-    key = zlib.crc32(f"{ckpt}/{tensor_name}".encode("utf-8"))
+    key = zlib.crc32(f"{ckpt}/{tensor_name}".encode())
     return (int(seed) * 0x9E3779B1 + key) % (2**63 - 1)
 
 

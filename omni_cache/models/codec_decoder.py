@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +131,7 @@ class CodecDecoder(nn.Module):
         return len(self.convs) * (self.kernel_size // 2)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> "CodecDecoder":
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> CodecDecoder:
         from safetensors.torch import load_file
 
         path = Path(path)

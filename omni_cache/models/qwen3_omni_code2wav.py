@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ class Code2WavDecoder:
     @classmethod
     def from_pretrained(
         cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> "Code2WavDecoder":
+    ) -> Code2WavDecoder:
         """Build from a Qwen3-Omni folder, reading only the ``code2wav.*`` tensors."""
         from transformers import AutoConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav

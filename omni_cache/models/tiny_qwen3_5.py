@@ -33,7 +33,7 @@ checkpoints), then filler tokens up to :data:`VOCAB_SIZE` so every id the random
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -30,7 +30,7 @@ the end-of-speech marker by counting answer tokens from there).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -44,10 +44,16 @@ from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
 from omni_cache.runtime.requests import (
-    MediaItem, Request, RequestTable, media_frames, new_request, submit_message, with_time_left,
+    MediaItem,
+    Request,
+    RequestTable,
+    media_frames,
+    new_request,
+    submit_message,
+    with_time_left,
 )
-from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
 from omni_cache.runtime.results import Failed, RequestError, RequestHandle
+from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
 from omni_cache.runtime.route_planner import RoutePlanner
 from omni_cache.runtime.stage_fleet import StageFleet
 from omni_cache.runtime.stats import StageStatsBoard
@@ -56,7 +62,15 @@ from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
 from omni_cache.tasks import cancel_and_wait
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit
+from omni_cache.wire.messages import (
+    Abort,
+    BlockEvents,
+    StageError,
+    StageOutput,
+    StageReady,
+    StageStats,
+    Submit,
+)
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
 

@@ -17,8 +17,8 @@ import numpy as np
 from omni_cache.config import StageConfig
 from omni_cache.runtime.metrics import STAGE_DONE, TTFA, TTFT, OrchestratorMetrics
 from omni_cache.runtime.requests import Request
-from omni_cache.runtime.resume import new_samples, new_tokens
 from omni_cache.runtime.results import AudioDelta, Completed, TextDelta
+from omni_cache.runtime.resume import new_samples, new_tokens
 from omni_cache.runtime.topology import Topology
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import CODES_FRAME, StageOutput

@@ -25,8 +25,8 @@ from typing import Any
 from omni_cache.config import PipelineConfig, StageConfig
 from omni_cache.config.errors import IssueCollector
 from omni_cache.config.overrides import config_text
-from omni_cache.config.stage_addresses import check_hand_started
 from omni_cache.config.replicas import Replica, replica_name, stage_replicas
+from omni_cache.config.stage_addresses import check_hand_started
 from omni_cache.runtime.process_runner import ProcessRunner, default_stage_argv
 
 logger = logging.getLogger(__name__)

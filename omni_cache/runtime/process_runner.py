@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+
 def default_stage_argv() -> list[str]:
     """The command a stage process runs, before its ``--stage-config ...`` arguments."""
     return [sys.executable, "-m", "workers"]

@@ -33,8 +33,8 @@ died (a request that crashes its replica) fails with 503 rather than taking down
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 

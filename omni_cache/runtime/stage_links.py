@@ -95,7 +95,7 @@ class StageLinks:
         try:
             await asyncio.wait_for(sender.send(msg, tensors), timeout)
             return True
-        except (asyncio.TimeoutError, zmq.ZMQError) as e:
+        except (TimeoutError, zmq.ZMQError) as e:
             logger.warning("could not send %s to stage %s: %s", type(msg).__name__, name, e or "timeout")
             return False
 

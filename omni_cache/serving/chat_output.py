@@ -40,7 +40,9 @@ def chat_logprobs(token_ids: Sequence[int], positions: Sequence[Sequence[TokenLo
     its position in vLLM's order (every entry with ``return_all``: ``logprob_token_ids``).
     ``decode``: one token id -> its text, where vLLM did not decode one."""
     from vllm.entrypoints.openai.chat_completion.protocol import (
-        ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
+        ChatCompletionLogProb,
+        ChatCompletionLogProbs,
+        ChatCompletionLogProbsContent,
     )
 
     def token_text(entry: TokenLogprob) -> str:
@@ -168,7 +170,8 @@ class ChoiceWriter:
         """The whole answer's choice (``audio``: its ``message.audio``, OpenAI's type)."""
         from vllm.entrypoints.generate.base.protocol import ToolCall
         from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseChoice, ChatMessage,
+            ChatCompletionResponseChoice,
+            ChatMessage,
         )
         from vllm.renderers.chat_utils import make_tool_call_id
 

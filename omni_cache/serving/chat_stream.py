@@ -32,7 +32,14 @@ import numpy as np
 from starlette.requests import Request
 
 from omni_cache.pcm import PcmStream
-from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
+from omni_cache.runtime.results import (
+    AudioDelta,
+    Completed,
+    Failed,
+    RequestError,
+    RequestHandle,
+    TextDelta,
+)
 from omni_cache.serving.chat_output import ChoiceWriter
 from omni_cache.wire.messages import TokenLogprob
 
@@ -135,7 +142,8 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: Cho
     """
     from vllm.entrypoints.generate.base.protocol import DeltaMessage
     from vllm.entrypoints.openai.chat_completion.protocol import (
-        ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
     )
 
     audio_id = f"audio_{handle.request_id}"

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from omni_cache.runtime.admission import Ticket
+from omni_cache.runtime.metrics import CONTENT_TYPE
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
@@ -31,11 +32,13 @@ from omni_cache.serving.chat_prompt import rendered_prompt, tool_parser
 from omni_cache.serving.chat_request import ChatRequest, drain_body, parse_chat_request, read_body
 from omni_cache.serving.chat_sampling import engine_sampling
 from omni_cache.serving.chat_stream import (
-    StreamOptions, collect_unless_disconnected, stream_chunks, usage,
+    StreamOptions,
+    collect_unless_disconnected,
+    stream_chunks,
+    usage,
 )
 from omni_cache.serving.errors import APIError, Unauthorized
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
-from omni_cache.runtime.metrics import CONTENT_TYPE
 from omni_cache.serving.realtime.client_items import ImageSource
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
 from omni_cache.serving.realtime.protocol import EventError

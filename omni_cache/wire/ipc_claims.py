@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 
 class AddressInUseError(RuntimeError):

@@ -4,7 +4,8 @@ steps so its media are held in the server's bounds before they are decoded.
 :func:`read` checks the SDK-validated item and what each part carries without decoding any
 media: an ``input_image`` (``{"type": "input_image", "image_url": "data:image/png;base64,..."}``)
 is read and checked from its header by the server's media decoder (an :class:`ImageSource` the
-server builds around :class:`omni_cache.serving.media.MediaDecoder`) with the chat API's limits (``server.media``: the encoded size, the pixel count, the formats,
+server builds around :class:`omni_cache.serving.media.MediaDecoder`) with the chat API's limits
+(``server.media``: the encoded size, the pixel count, the formats,
 allowed hosts for an http(s) URL) and gets the chat API's digest (so the same image is the same
 vLLM multimodal UUID and prefix-cache key in a chat request and in every turn of a session); an
 ``input_audio`` clip's decoded size is bounded from its base64 length. The

@@ -122,7 +122,8 @@ class Item:
     def sdk(self) -> Any:
         """The item as the SDK's ConversationItem (audio bytes are not echoed back)."""
         from openai.types.realtime import (
-            RealtimeConversationItemAssistantMessage, RealtimeConversationItemSystemMessage,
+            RealtimeConversationItemAssistantMessage,
+            RealtimeConversationItemSystemMessage,
             RealtimeConversationItemUserMessage,
         )
 

@@ -8,7 +8,8 @@ the bound together. The input buffer's room (``server.realtime.max_buffer_s`` of
 at the encoder's rate) is reserved when the session opens; each item is held from before its
 clips and images are decoded (their size read from their headers and lengths,
 :mod:`.client_items`) until it leaves the conversation; the responses' requests do not
-reserve the same media a second time. An item that does not fit is refused with an ``error`` (the session goes on) unless
+reserve the same media a second time. An item that does not fit is refused with an ``error`` (the session
+goes on) unless
 truncation can drop older turns for it.
 
 Prompts: before each response the conversation is fitted to the thinker's limits
@@ -28,7 +29,12 @@ from omni_cache.runtime.results import RequestError
 from omni_cache.serving.realtime.conversation import Conversation, Item, render
 from omni_cache.serving.realtime.protocol import EventError
 from omni_cache.serving.realtime.truncation import (
-    MediaTokens, PromptLimits, Truncation, cut_points, first_cut, media_limit,
+    MediaTokens,
+    PromptLimits,
+    Truncation,
+    cut_points,
+    first_cut,
+    media_limit,
 )
 
 __all__ = ["ConversationBounds", "Prompt"]

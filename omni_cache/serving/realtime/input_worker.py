@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from omni_cache.serving.realtime import vad
-from omni_cache.serving.realtime.vad_batch import BatchScorer
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.protocol import EventError
+from omni_cache.serving.realtime.vad_batch import BatchScorer
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 

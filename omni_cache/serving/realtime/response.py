@@ -99,7 +99,9 @@ class ResponseRun:
 
     async def run(self) -> None:
         from openai.types.realtime import (
-            ConversationItemAdded, ResponseContentPartAddedEvent, ResponseCreatedEvent,
+            ConversationItemAdded,
+            ResponseContentPartAddedEvent,
+            ResponseCreatedEvent,
             ResponseOutputItemAddedEvent,
         )
 
@@ -204,8 +206,12 @@ class ResponseRun:
 
     def _finish(self) -> None:
         from openai.types.realtime import (
-            ConversationItemDone, ResponseAudioDoneEvent, ResponseAudioTranscriptDoneEvent,
-            ResponseContentPartDoneEvent, ResponseDoneEvent, ResponseOutputItemDoneEvent,
+            ConversationItemDone,
+            ResponseAudioDoneEvent,
+            ResponseAudioTranscriptDoneEvent,
+            ResponseContentPartDoneEvent,
+            ResponseDoneEvent,
+            ResponseOutputItemDoneEvent,
             ResponseTextDoneEvent,
         )
 

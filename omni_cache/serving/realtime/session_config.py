@@ -188,7 +188,9 @@ def _format_model(fmt: AudioFormat) -> Any:
 def describe(config: SessionConfig, served_model: str, session_id: str) -> Any:
     """The session as ``session.created`` / ``session.updated`` carry it."""
     from openai.types.realtime import (
-        RealtimeAudioConfig, RealtimeAudioConfigInput, RealtimeAudioConfigOutput,
+        RealtimeAudioConfig,
+        RealtimeAudioConfigInput,
+        RealtimeAudioConfigOutput,
         RealtimeSessionCreateRequest,
     )
     from openai.types.realtime.realtime_audio_input_turn_detection import ServerVad

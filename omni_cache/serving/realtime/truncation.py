@@ -72,7 +72,8 @@ class Truncation:
         if self.mode != "retention_ratio":
             return self.mode
         from openai.types.realtime.realtime_truncation_retention_ratio import (
-            RealtimeTruncationRetentionRatio, TokenLimits,
+            RealtimeTruncationRetentionRatio,
+            TokenLimits,
         )
 
         limits = None if self.post_instructions is None else TokenLimits(
