@@ -41,14 +41,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from benchmarks import profiles  # noqa: E402
 from benchmarks.breakdown import format_breakdown, summarize_breakdown  # noqa: E402
-from benchmarks.workloads import (  # noqa: E402
-    WORKLOADS,
-    Sizes,
-    arrival_times,
-    build_workload,
-    parse_mix,
-    split_rounds,
-)
+from benchmarks.workloads import WORKLOADS, Sizes, arrival_times, build_workload, parse_mix, split_rounds  # noqa: E402
 from omni_cache import timeline  # noqa: E402
 
 DEFAULTS = dict(num_requests=32, shared_tokens=4000, unique_tokens=100, turns=3, max_tokens=32)

@@ -34,13 +34,7 @@ from typing import Any
 from benchmarks import profiles
 from benchmarks.client import Driver, Sample, counter_deltas, scrape_metrics, served_model
 from benchmarks.machine_monitor import Monitor, machine_info
-from benchmarks.side_processes import (
-    CpuBurners,
-    ManagedServer,
-    ServerProcess,
-    private_config,
-    socket_dir,
-)
+from benchmarks.side_processes import CpuBurners, ManagedServer, ServerProcess, private_config, socket_dir
 from benchmarks.vllm_serve_side import VLLM_SIDE, VllmServeProcess
 from benchmarks.workloads import Session
 

@@ -10,13 +10,7 @@ from typing import Any
 
 from benchmarks.harness import command_line, compared_sides
 from benchmarks.machine_monitor import Monitor
-from benchmarks.report import (
-    answers_identical,
-    evaluate_targets,
-    paired_ratios,
-    ratios,
-    summarize_side,
-)
+from benchmarks.report import answers_identical, evaluate_targets, paired_ratios, ratios, summarize_side
 
 
 def _sum_resources(dicts: list[dict[str, Any]]) -> dict[str, Any]:

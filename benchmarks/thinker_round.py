@@ -15,13 +15,7 @@ import torch
 from benchmarks.thinker_engine import start_engines
 from benchmarks.thinker_prompts import Prompt, random_tokens, spare_prompt
 from benchmarks.thinker_requests import RequestResult, check_request
-from benchmarks.thinker_specs import (
-    EXTRA_WARMUPS,
-    MODES,
-    RETRY_WAIT_FRACTION,
-    ModelSpec,
-    model_spec,
-)
+from benchmarks.thinker_specs import EXTRA_WARMUPS, MODES, RETRY_WAIT_FRACTION, ModelSpec, model_spec
 
 
 def wait_for_idle(max_s: float, busy_cores: float = 0.2, window_s: float = 0.5) -> dict[str, float] | None:

@@ -16,14 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omni_cache.config import (
-    CHECKPOINTS_ENV,
-    ConfigError,
-    ConfigIssue,
-    PipelineConfig,
-    checkpoint_root,
-    load_config,
-)
+from omni_cache.config import CHECKPOINTS_ENV, ConfigError, ConfigIssue, PipelineConfig, checkpoint_root, load_config
 from omni_cache.config.addresses import run_root
 from omni_cache.config.replicas import replica_name, stage_replicas
 from omni_cache.serving.auth import API_KEY_ENV

@@ -21,21 +21,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from omni_cache.serving.chat_fields import (
-    EXTRA_FIELDS,
-    FIELDS,
-    IGNORED,
-    REFUSED,
-    SUPPORTED,
-    refusal,
-)
+from omni_cache.serving.chat_fields import EXTRA_FIELDS, FIELDS, IGNORED, REFUSED, SUPPORTED, refusal
 from omni_cache.serving.chat_request import parse_chat_request
-from omni_cache.serving.chat_sampling import (
-    CARRIED,
-    NOT_FROM_REQUESTS,
-    engine_sampling,
-    wire_sampling,
-)
+from omni_cache.serving.chat_sampling import CARRIED, NOT_FROM_REQUESTS, engine_sampling, wire_sampling
 from omni_cache.serving.errors import APIError
 from omni_cache.wire.sampling import EngineSampling
 

@@ -122,9 +122,7 @@ def test_block_states_turn_on_for_every_replaced_gdn_layer():
 ])
 def test_block_states_stay_off_for_other_recurrent_layers(layer, kind, why):
     from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
-    from vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn import (
-        OlmoHybridGatedDeltaNetAttention,
-    )
+    from vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn import OlmoHybridGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 

@@ -14,14 +14,7 @@ import pytest
 from media_samples import clip_b64, png_data_url
 
 from omni_cache.config.server_schema import MediaConfig
-from omni_cache.serving.media import (
-    AUDIO,
-    B64_SLICE_CHARS,
-    IMAGE,
-    DecodedCache,
-    MediaDecoder,
-    MediaError,
-)
+from omni_cache.serving.media import AUDIO, B64_SLICE_CHARS, IMAGE, DecodedCache, MediaDecoder, MediaError
 
 
 def test_png_and_jpeg_decode_to_rgb():

@@ -20,21 +20,10 @@ from benchmarks.speech_clips import silence, speech
 from omni_cache.pcm import pcm16, to_int16
 from omni_cache.serving.realtime import audio_codecs as ac
 from omni_cache.serving.realtime.connection import RateLimiter
-from omni_cache.serving.realtime.conversation import (
-    Conversation,
-    Item,
-    ItemPart,
-    SpokenText,
-    audio_item,
-)
+from omni_cache.serving.realtime.conversation import Conversation, Item, ItemPart, SpokenText, audio_item
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
-from omni_cache.serving.realtime.session_config import (
-    SessionConfig,
-    TurnDetection,
-    describe,
-    updated,
-)
+from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
 from omni_cache.serving.realtime.vad import SpeechDetector, load_model
 from omni_cache.serving.realtime.vad_batch import BatchScorer
 

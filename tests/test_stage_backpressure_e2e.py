@@ -19,14 +19,7 @@ import time
 
 import httpx
 import pytest
-from spoken_streams import (
-    WAIT_S,
-    Stream,
-    answers_again,
-    qwen3_omni_server,
-    spoken,
-    wait_until_no_stage_holds_anything,
-)
+from spoken_streams import WAIT_S, Stream, answers_again, qwen3_omni_server, spoken, wait_until_no_stage_holds_anything
 from sse_client import read_events
 
 pytestmark = pytest.mark.vllm

@@ -17,13 +17,7 @@ import time
 
 import httpx
 import pytest
-from spoken_streams import (
-    WAIT_S,
-    Stream,
-    answers_again,
-    qwen3_omni_server,
-    wait_until_no_stage_holds_anything,
-)
+from spoken_streams import WAIT_S, Stream, answers_again, qwen3_omni_server, wait_until_no_stage_holds_anything
 
 pytestmark = pytest.mark.vllm
 

@@ -27,15 +27,7 @@ from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import (
-    MAX_MEDIA_NAME,
-    MediaLayout,
-    MediaRef,
-    MediaSpan,
-    StageOutput,
-    StreamStart,
-    Submit,
-)
+from omni_cache.wire.messages import MAX_MEDIA_NAME, MediaLayout, MediaRef, MediaSpan, StageOutput, StreamStart, Submit
 from omni_cache.wire.sampling import EngineSampling
 from scheduler.pacing import PlaybackClock
 from workers.entry_sampling import sampling_params

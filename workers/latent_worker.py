@@ -21,14 +21,7 @@ from typing import Any
 
 import torch
 
-from workers.latent_capture import (
-    HIDDEN,
-    LatentCapture,
-    LatentOptions,
-    layer_name,
-    media_token_ids,
-    reused_storages,
-)
+from workers.latent_capture import HIDDEN, LatentCapture, LatentOptions, layer_name, media_token_ids, reused_storages
 from workers.talker_steps import TalkerSteps
 
 

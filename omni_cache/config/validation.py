@@ -14,19 +14,8 @@ from typing import Any
 
 from omni_cache.config.engine_args_extra import extra_problems
 from omni_cache.config.errors import IssueCollector
-from omni_cache.config.schema import (
-    EngineArgs,
-    PipelineConfig,
-    Sampling,
-    StageConfig,
-    find_input_cycle,
-)
-from omni_cache.config.stage_addresses import (
-    check_addresses,
-    check_hand_started,
-    check_ray,
-    check_replicas,
-)
+from omni_cache.config.schema import EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle
+from omni_cache.config.stage_addresses import check_addresses, check_hand_started, check_ray, check_replicas
 from omni_cache.models.tiny import TINY_MODELS, TINY_PREFIX
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of

@@ -78,14 +78,7 @@ def bytes_to_unicode() -> dict[int, str]:
 def tokenizer_json(special_tokens: tuple[str, ...], fillers: tuple[str, ...] = ()) -> dict:
     """tokenizer.json for a byte-level BPE with no merges: token id == byte value, specials at 256+,
     then `fillers` (plain added tokens, so every id of a larger model vocabulary decodes to text)."""
-    from tokenizers import (
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {sym: b for b, sym in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))

@@ -9,13 +9,7 @@ import math
 import torch
 
 from omni_cache.models.checkpoint_files import INIT_STD, TensorFactory
-from omni_cache.models.tiny_vocab import (
-    IM_END_ID,
-    MAX_POSITIONS,
-    TEXT_PAD_ID,
-    TEXT_VOCAB_SIZE,
-    THINKER_HIDDEN,
-)
+from omni_cache.models.tiny_vocab import IM_END_ID, MAX_POSITIONS, TEXT_PAD_ID, TEXT_VOCAB_SIZE, THINKER_HIDDEN
 
 
 def hybrid_config() -> dict:

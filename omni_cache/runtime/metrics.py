@@ -39,12 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-    UnknownMetricFamily,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_cache.runtime.loop_lag import LAG_BUCKETS

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_cache.config import PipelineConfig, resolve_model
 from omni_cache.config.addresses import new_run_dir, with_default_addresses
@@ -43,15 +43,7 @@ from omni_cache.runtime.loop_lag import watch_loop_lag
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
-from omni_cache.runtime.requests import (
-    MediaItem,
-    Request,
-    RequestTable,
-    media_frames,
-    new_request,
-    submit_message,
-    with_time_left,
-)
+from omni_cache.runtime.requests import Request, RequestTable, media_frames, new_request, submit_message, with_time_left
 from omni_cache.runtime.results import Failed, RequestError, RequestHandle
 from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
 from omni_cache.runtime.route_planner import RoutePlanner
@@ -62,17 +54,12 @@ from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
 from omni_cache.tasks import cancel_and_wait
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import (
-    Abort,
-    BlockEvents,
-    StageError,
-    StageOutput,
-    StageReady,
-    StageStats,
-    Submit,
-)
+from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
+
+if TYPE_CHECKING:  # used in annotations only
+    from omni_cache.runtime.requests import MediaItem
 
 logger = logging.getLogger(__name__)
 

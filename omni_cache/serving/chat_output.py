@@ -78,9 +78,7 @@ class ChoiceWriter:
 
     def __init__(self, req: Any, parser: Any, decode: Callable[[int], str],
                  prompt_token_ids: list[int]) -> None:
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionNamedToolChoiceParam,
-        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam
 
         self.req = req
         self.parser = parser
@@ -110,9 +108,7 @@ class ChoiceWriter:
         """The stream choice of one text delta (``last``: the text stage's final one), or None
         when vLLM sends no chunk for it."""
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseStreamChoice
 
         logprobs = self.logprobs(token_ids, positions)
         if not text and not token_ids and not self.num_tokens and not last:
@@ -130,9 +126,7 @@ class ChoiceWriter:
     def finish(self, finish_reason: str, stop_reason: int | str | None) -> Any:
         """The stream's finishing choice (the text stage's last delta was sent before it)."""
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseStreamChoice
 
         message = DeltaMessage()
         if not self._parsed_last:  # the text stage's last output had no new text or tokens
@@ -169,10 +163,7 @@ class ChoiceWriter:
                stop_reason: int | str | None, audio: Any = None) -> Any:
         """The whole answer's choice (``audio``: its ``message.audio``, OpenAI's type)."""
         from vllm.entrypoints.generate.base.protocol import ToolCall
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseChoice,
-            ChatMessage,
-        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseChoice, ChatMessage
         from vllm.renderers.chat_utils import make_tool_call_id
 
         content, tool_calls = text, []

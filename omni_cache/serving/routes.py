@@ -31,12 +31,7 @@ from omni_cache.serving.chat_output import ChoiceWriter
 from omni_cache.serving.chat_prompt import rendered_prompt, tool_parser
 from omni_cache.serving.chat_request import ChatRequest, drain_body, parse_chat_request, read_body
 from omni_cache.serving.chat_sampling import engine_sampling
-from omni_cache.serving.chat_stream import (
-    StreamOptions,
-    collect_unless_disconnected,
-    stream_chunks,
-    usage,
-)
+from omni_cache.serving.chat_stream import StreamOptions, collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError, Unauthorized
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.serving.realtime.client_items import ImageSource

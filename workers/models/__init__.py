@@ -17,9 +17,7 @@ QWEN3_OMNI_ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
 def register() -> None:
     _register_qwen3_omni()
     from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-        QwenGatedDeltaNetAttention,
-    )
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
     from workers.models.gdn_block_states import BlockStateGatedDeltaNet
 

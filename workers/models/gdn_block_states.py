@@ -30,11 +30,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
-from vllm.v1.attention.backends.gdn_attn import (
-    GDNAttentionBackend,
-    GDNAttentionMetadata,
-    GDNAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadata, GDNAttentionMetadataBuilder
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 

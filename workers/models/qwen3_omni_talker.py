@@ -29,10 +29,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
-)
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeSparseMoeBlock
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention

@@ -18,9 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.model_executor.models.qwen3_omni_moe_thinker import (
-    Qwen3OmniMoeThinkerForConditionalGeneration,
-)
+from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
 
 
 class Qwen3OmniThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGeneration):

@@ -26,22 +26,10 @@ from typing import Any
 
 from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.serving.realtime import client_items, input_worker, session_config, vad
-from omni_cache.serving.realtime.conversation import (
-    Conversation,
-    Item,
-    ItemPart,
-    SpokenText,
-    audio_item,
-)
+from omni_cache.serving.realtime.conversation import Conversation, Item, ItemPart, SpokenText, audio_item
 from omni_cache.serving.realtime.conversation_bounds import ConversationBounds
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
-from omni_cache.serving.realtime.protocol import (
-    EventError,
-    error_event,
-    make_event,
-    new_id,
-    refuse_unsupported,
-)
+from omni_cache.serving.realtime.protocol import EventError, error_event, make_event, new_id, refuse_unsupported
 from omni_cache.serving.realtime.response import ResponseOptions, ResponseRun
 from omni_cache.serving.realtime.session_config import SessionConfig
 from omni_cache.tasks import wait_ended
@@ -217,11 +205,7 @@ class RealtimeSession:
         self._commit(item_id)
 
     def _commit(self, item_id: str) -> None:
-        from openai.types.realtime import (
-            ConversationItemAdded,
-            ConversationItemDone,
-            InputAudioBufferCommittedEvent,
-        )
+        from openai.types.realtime import ConversationItemAdded, ConversationItemDone, InputAudioBufferCommittedEvent
 
         # Room first (EventError keeps the buffer): a float32 sample is 4 bytes.
         dropped = self._room(self.buffer.size * 4)
