@@ -6,8 +6,8 @@ alone, and an orchestrator that was built but not started."""
 from __future__ import annotations
 
 import pytest
+from routing_orchestrator import two_replica_orchestrator
 
-from omni_cache.config import load_config
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.runtime.routing import LOAD_RATIO, ReplicaRouter
@@ -46,25 +46,7 @@ def test_the_longest_prefix_wins_until_its_replica_waits_more_than_load_ratio_ti
 def orch(tmp_path):
     """A pipeline of two thinker replicas with prefix routing, built but not started: both
     replicas up, both reported blocks of 32 tokens."""
-    path = tmp_path / "p.yaml"
-    path.write_text(f"""
-name: routing_unit
-server: {{routing: prefix}}
-stages:
-  - name: thinker
-    kind: autoregressive
-    model: tiny:thinker
-    address: ipc://{tmp_path}/thinker.sock
-    replicas: 2
-    prefix_cache: true
-    final_output: text
-    engine_args: {{max_model_len: 4096}}
-""")
-    o = Orchestrator(load_config(path), tokenizer=object(), echo_stage_logs=False)
-    o.supervisor.up_replicas = lambda stage: [0, 1]  # type: ignore[method-assign]
-    for i in (0, 1):
-        o.routes.prefix_index.apply(i, stored=[], removed=[], block_size=BS)
-    return o
+    return two_replica_orchestrator(tmp_path, "routing_unit", BS)
 
 
 def _submit(o: Orchestrator, prompt: list[int]):

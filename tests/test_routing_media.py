@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from routing_orchestrator import two_replica_orchestrator
 
-from omni_cache.config import load_config
 from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.media_layouts import MediaLayouts, media_keys
 from omni_cache.runtime.orchestrator import Orchestrator
@@ -151,25 +151,7 @@ def test_the_least_recently_used_items_are_forgotten():
 def orch(tmp_path):
     """Two thinker replicas with prefix routing, built but not started, both up, both reported
     blocks of 32 tokens (as tests/test_routing.py's)."""
-    path = tmp_path / "p.yaml"
-    path.write_text(f"""
-name: routing_media
-server: {{routing: prefix}}
-stages:
-  - name: thinker
-    kind: autoregressive
-    model: tiny:thinker
-    address: ipc://{tmp_path}/thinker.sock
-    replicas: 2
-    prefix_cache: true
-    final_output: text
-    engine_args: {{max_model_len: 4096}}
-""")
-    o = Orchestrator(load_config(path), tokenizer=object(), echo_stage_logs=False)
-    o.supervisor.up_replicas = lambda stage: [0, 1]  # type: ignore[method-assign]
-    for i in (0, 1):
-        o.routes.prefix_index.apply(i, stored=[], removed=[], block_size=BS)
-    return o
+    return two_replica_orchestrator(tmp_path, "routing_media", BS)
 
 
 def routed(o: Orchestrator, parts: list) -> Request:
