@@ -101,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--concurrency", type=int, help="requests in flight (closed loop; default 1)")
     load.add_argument("--rate", type=float, help="Poisson arrivals: new sessions (requests, or "
                       "conversations for multi-turn) per second")
+    wl.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                    help="closed loop: client k sends its first request k * S seconds after the round "
+                         "starts (default 0: all at once). With all c clients opening together, the first "
+                         "c requests of a round share one batched prefill and their time to first text is "
+                         "2-4x the later ones'; set S near the end-to-end time / c to compare sides at "
+                         "concurrency > 1 (docs/benchmarks.md)")
     wl.add_argument("--text-only", action="store_true",
                     help='text-only requests ("modalities": ["text"]), like vllm bench serve sends them')
     wl.add_argument("--one-message", action="store_true",
@@ -135,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency must be >= 1")
     if args.rate is not None and not (args.rate > 0 and math.isfinite(args.rate)):
         p.error("--rate must be > 0")
+    if not (args.stagger >= 0 and math.isfinite(args.stagger)):
+        p.error("--stagger must be >= 0")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     if args.restart_every < 0:
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_round": [sum(s.turns for s in group) for group in rounds],
         "mix": args.mix if args.workload == "mixed" else None,
         "concurrency": args.concurrency, "rate": args.rate, "seed": args.seed, "quick": args.quick,
-        "text_only": args.text_only, "one_message": args.one_message,
+        "text_only": args.text_only, "one_message": args.one_message, "stagger_s": args.stagger,
         "sessions": len(sessions), "warmup_requests": sum(s.turns for s in warmup),
         "sides": ["server"] if args.url else args.sides, "rounds": len(rounds),
         "url": args.url, "stage_config": None if args.url else os.path.abspath(args.stage_config),
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 harness.log(f"measuring {args.url}: warm-up, then {sum(s.turns for s in sessions)} request(s)")
                 r = harness.drive(args.url, args.model, warmup, sessions, api_key=args.api_key,
                                   concurrency=args.concurrency, rate=args.rate, label="server", progress=progress,
-                                  audio=not args.text_only, one_message=args.one_message)
+                                  audio=not args.text_only, one_message=args.one_message, stagger_s=args.stagger)
                 runs.append({"side": "server", "round": 0, **r})
             else:
                 _, sides_info = harness.run_rounds(
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                     rate=args.rate, progress=progress, monitor=monitor, checkpoint_dir=args.checkpoint_dir,
                     stage_env=args.stage_env or None, audio=not args.text_only, one_message=args.one_message,
                     profile=profile, timeline_dir=timeline_dir, cpu_burners=args.cpu_burners, order=args.order,
-                    restart_every=args.restart_every, on_run=runs.append)
+                    restart_every=args.restart_every, stagger_s=args.stagger, on_run=runs.append)
         except KeyboardInterrupt:
             print("benchmarks: interrupted", file=sys.stderr)
             if not runs:

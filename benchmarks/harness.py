@@ -81,9 +81,10 @@ def measure(url: str, model: str, sessions: list[Session], *, api_key: str | Non
             concurrency: int | None, rate: float | None, label: str, progress: bool,
             monitor: Monitor | None = None, processes: Callable[[], dict] | None = None,
             profile: profiles.Recorder | None = None, request_timeout_s: float = 600.0,
-            audio: bool = True, one_message: bool = False) -> dict[str, Any]:
+            audio: bool = True, one_message: bool = False, stagger_s: float = 0.0) -> dict[str, Any]:
     """Run the measured sessions against ``url``: samples, counters, resources of ``processes``
-    (name -> pid), and a py-spy profile of them when ``profile`` is given."""
+    (name -> pid), and a py-spy profile of them when ``profile`` is given. ``stagger_s``: the
+    closed loop's clients open k * stagger_s apart (:class:`client.Driver`)."""
     total = sum(s.turns for s in sessions)
     errors = 0
     bar = _progress(total, f"{label:>9}", progress)
@@ -97,7 +98,7 @@ def measure(url: str, model: str, sessions: list[Session], *, api_key: str | Non
 
     driver = Driver(url, model, api_key=api_key, concurrency=concurrency, rate=rate,
                     request_timeout_s=request_timeout_s, audio=audio, one_message=one_message,
-                    on_done=on_done)
+                    on_done=on_done, stagger_s=stagger_s)
     before = asyncio.run(scrape_metrics(url, api_key))
     pids = processes() if processes is not None else {}
     with profile.record(pids) if profile is not None else contextlib.nullcontext():
@@ -120,13 +121,13 @@ def measure(url: str, model: str, sessions: list[Session], *, api_key: str | Non
 def drive(url: str, model: str | None, warmup: list[Session], sessions: list[Session], *,
           api_key: str | None, concurrency: int | None, rate: float | None, label: str,
           progress: bool, request_timeout_s: float = 600.0, audio: bool = True,
-          one_message: bool = False) -> dict[str, Any]:
+          one_message: bool = False, stagger_s: float = 0.0) -> dict[str, Any]:
     """Warm up, then run the measured sessions against a running server (``--url``)."""
     model = model or asyncio.run(served_model(url, api_key))
     warm = warm_up(url, model, warmup, api_key=api_key, label=label, audio=audio, one_message=one_message)
     out = measure(url, model, sessions, api_key=api_key, concurrency=concurrency, rate=rate, label=label,
                   progress=progress, request_timeout_s=request_timeout_s, audio=audio,
-                  one_message=one_message)
+                  one_message=one_message, stagger_s=stagger_s)
     return {**out, "warmup": warm}
 
 
@@ -218,7 +219,7 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
                audio: bool = True, one_message: bool = False, profile: profiles.Recorder | None = None,
                timeline_dir: str | None = None, cpu_burners: int = 0, order: str = "alternate",
                restart_every: int = 0, on_run: Callable[[dict[str, Any]], None] | None = None,
-               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+               stagger_s: float = 0.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Start every side's pipeline (``omni-serve`` in a process of its own, cache on or off), warm
     each up, then run ``rounds``: round r's sessions on every side, in the order of ``sides`` for
     even r and reversed for odd r (counted within each start's block: :func:`block_round_order`).
@@ -259,7 +260,7 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
                         out = measure(srv.url, models[side], sessions, api_key=None, concurrency=concurrency,
                                       rate=rate, label=f"cache {side}", progress=progress, monitor=monitor,
                                       processes=srv.processes, profile=profile, audio=audio,
-                                      one_message=one_message)
+                                      one_message=one_message, stagger_s=stagger_s)
                         restarts = sum(int(c.get("restarts", 0)) for c in (out["counters"] or {}).values())
                         if restarts:
                             log(f"cache {side}: WARNING: {restarts} stage restart(s) during round {r + 1}")

@@ -251,6 +251,28 @@ def test_driver_rate_mode_follows_arrival_times():
     assert starts[0] < 0.05 and 0.09 < starts[1] < 0.2 and 0.19 < starts[2] < 0.3
 
 
+def test_driver_closed_loop_stagger_opens_clients_apart():
+    # Each answer takes ~0.3 s, so every client's first request starts before any answer ends: the
+    # opening wave is spread by the stagger alone, and later requests follow their client's last.
+    transport, _ = _fake_server(delay_s=0.15)
+    _, sessions = build_workload("zero-reuse", Sizes(num_requests=6, shared_tokens=100, unique_tokens=30), 0)
+    _, samples = _run_driver(transport, sessions, concurrency=3, stagger_s=0.1)
+    starts = sorted(s.start_s for s in samples)
+    assert starts[0] < 0.05 and 0.09 < starts[1] < 0.15 and 0.19 < starts[2] < 0.25
+    assert len(samples) == 6 and all(s.ok for s in samples)
+    _, samples = _run_driver(transport, sessions, concurrency=3)
+    assert sorted(s.start_s for s in samples)[2] < 0.05  # default: all at once
+
+
+def test_harness_stagger_flag():
+    from benchmarks.__main__ import parse_args
+
+    assert parse_args(["--concurrency", "4", "--stagger", "1.5"]).stagger == 1.5
+    assert parse_args([]).stagger == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--stagger", "-1"])
+
+
 def test_audio_bytes_of_b64():
     for n in range(0, 20):
         data = base64.b64encode(bytes(range(n))).decode()
