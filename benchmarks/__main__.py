@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("omni_cache", "uvicorn", "httpx", "vllm"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from benchmarks import harness, harness_results, report
+    from benchmarks import harness, harness_results, report, report_plot
 
     sizes = Sizes(num_requests=args.num_requests, shared_tokens=args.shared_tokens,
                   unique_tokens=args.unique_tokens, turns=args.turns, max_tokens=args.max_tokens,
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
     if args.plot:
-        report.plot(args.plot, result)
+        report_plot.plot(args.plot, result)
         print(f"wrote {args.plot}")
     failed = any(r["samples"] and not any(s["ok"] for s in r["samples"]) for r in runs)
     return 1 if failed else 0

@@ -1,4 +1,5 @@
-"""Statistics, on/off ratios, the terminal table, the JSON and the PNG of ``python -m benchmarks``.
+"""Statistics, on/off ratios, the terminal table and the JSON of ``python -m benchmarks`` (its PNG:
+:mod:`benchmarks.report_plot`).
 
 Everything here works on plain dicts (a sample is :meth:`benchmarks.client.Sample.to_dict`), so it
 can be tested, and re-run on a saved JSON, without engines.
@@ -18,11 +19,10 @@ __all__ = [
     "LATENCIES",
     "distribution",
     "evaluate_targets",
-    "fmt_seconds",
+    "fmt_number",
     "format_table",
     "paired_ratios",
     "percentile",
-    "plot",
     "ratios",
     "summarize_side",
     "write_json",
@@ -31,7 +31,6 @@ __all__ = [
 #: sample key -> label, in the order tables and plots show them.
 LATENCIES = {"ttfa_s": "time to first audio", "ttft_s": "time to first text", "e2e_s": "end-to-end"}
 SIDES = ("on", "off")
-COLORS = {"on": "#1f77b4", "off": "#d62728", "server": "#2ca02c"}
 LABELS = {"on": "prefix cache on", "off": "prefix cache off", "server": "server"}
 
 #: Issue 5's target: shared-prefix, median TTFA, off / on.
@@ -57,25 +56,45 @@ def percentile(values: Sequence[float], q: float) -> float:
 def distribution(values: Iterable[float | None]) -> dict[str, float | int]:
     xs = [float(v) for v in values if v is not None]
     if not xs:
-        return {"n": 0, "p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan,
-                "min": math.nan, "max": math.nan}
-    return {"n": len(xs), "p50": percentile(xs, 50), "p90": percentile(xs, 90), "p99": percentile(xs, 99),
-            "mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}
+        return {
+            "n": 0,
+            "p50": math.nan,
+            "p90": math.nan,
+            "p99": math.nan,
+            "mean": math.nan,
+            "min": math.nan,
+            "max": math.nan,
+        }
+    return {
+        "n": len(xs),
+        "p50": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "p99": percentile(xs, 99),
+        "mean": sum(xs) / len(xs),
+        "min": min(xs),
+        "max": max(xs),
+    }
 
 
 def _rate(num: float, den: float) -> float:
     return num / den if den else math.nan
 
 
-def summarize_side(samples: Sequence[Mapping[str, Any]], duration_s: float,
-                   counters: Mapping[str, Mapping[str, float]] | None = None,
-                   resources: Mapping[str, float] | None = None, entry_stage: str = "thinker") -> dict[str, Any]:
+def summarize_side(
+    samples: Sequence[Mapping[str, Any]],
+    duration_s: float,
+    counters: Mapping[str, Mapping[str, float]] | None = None,
+    resources: Mapping[str, float] | None = None,
+    entry_stage: str = "thinker",
+) -> dict[str, Any]:
     """One side's numbers: latency distributions of the successful requests, throughput over the
     measured phase's wall time, prefix-cache hit rates (server counters and usage), errors."""
     ok = [s for s in samples if s.get("ok")]
     errors = [s for s in samples if not s.get("ok")]
     out: dict[str, Any] = {
-        "requests": len(samples), "ok": len(ok), "errors": len(errors),
+        "requests": len(samples),
+        "ok": len(ok),
+        "errors": len(errors),
         "error_examples": sorted({str(s.get("error")) for s in errors})[:3],
         "duration_s": duration_s,
     }
@@ -93,20 +112,26 @@ def summarize_side(samples: Sequence[Mapping[str, Any]], duration_s: float,
     out["audio_s_total"] = audio_s
     prompt = sum(int(s.get("prompt_tokens") or 0) for s in ok)
     cached = sum(int(s.get("cached_tokens") or 0) for s in ok)
-    cache: dict[str, Any] = {"usage_prompt_tokens": prompt, "usage_cached_tokens": cached,
-                             "usage_hit_rate": _rate(cached, prompt)}
+    cache: dict[str, Any] = {
+        "usage_prompt_tokens": prompt,
+        "usage_cached_tokens": cached,
+        "usage_hit_rate": _rate(cached, prompt),
+    }
     if counters:
         for stage, c in counters.items():
             cache[stage] = {
-                "queried_tokens": c.get("queried", 0.0), "hit_tokens": c.get("hit", 0.0),
+                "queried_tokens": c.get("queried", 0.0),
+                "hit_tokens": c.get("hit", 0.0),
                 "hit_rate": _rate(c.get("hit", 0.0), c.get("queried", 0.0)),
                 "latent_rows_served": c.get("latent_rows", 0.0),
-                "restarts": c.get("restarts", 0.0), "fresh": c.get("fresh", 1.0),
+                "restarts": c.get("restarts", 0.0),
+                "fresh": c.get("fresh", 1.0),
             }
         e = cache.get(entry_stage, {})
         cache["thinker_hit_rate"] = e.get("hit_rate", math.nan)
-        cache["latent_rows_served"] = sum(v.get("latent_rows_served", 0.0) for k, v in cache.items()
-                                          if isinstance(v, dict))
+        cache["latent_rows_served"] = sum(
+            v.get("latent_rows_served", 0.0) for k, v in cache.items() if isinstance(v, dict)
+        )
     else:
         cache["thinker_hit_rate"] = cache["usage_hit_rate"]
         cache["latent_rows_served"] = math.nan
@@ -137,8 +162,9 @@ def ratios(on: Mapping[str, Any], off: Mapping[str, Any]) -> dict[str, Any]:
         out["throughput_change"][key] = _ratio(on["throughput"][key], off["throughput"][key]) - 1
     ron, roff = on.get("resources") or {}, off.get("resources") or {}
     if "stage_cpu_s_per_request" in ron and "stage_cpu_s_per_request" in roff:
-        out["stage_cpu_per_request_change"] = _ratio(ron["stage_cpu_s_per_request"],
-                                                     roff["stage_cpu_s_per_request"]) - 1
+        out["stage_cpu_per_request_change"] = (
+            _ratio(ron["stage_cpu_s_per_request"], roff["stage_cpu_s_per_request"]) - 1
+        )
     return out
 
 
@@ -168,8 +194,7 @@ def paired_ratios(per_round: Sequence[Mapping[str, Any]], how: str = "geomean") 
         return math.exp(sum(math.log(v) for v in vals) / len(vals)) - change
 
     first = per_round[0]
-    out: dict[str, Any] = {"rounds": len(per_round), "average": how, "speedup": {},
-                           "throughput_change": {}}
+    out: dict[str, Any] = {"rounds": len(per_round), "average": how, "speedup": {}, "throughput_change": {}}
     for key, by_p in first["speedup"].items():
         out["speedup"][key] = {p: average(("speedup", key, p)) for p in by_p}
     for key in first["throughput_change"]:
@@ -200,9 +225,12 @@ def _hit_rates(side: Mapping[str, Any]) -> dict[str, float]:
     return {k: v["hit_rate"] for k, v in cache.items() if isinstance(v, Mapping) and "hit_rate" in v}
 
 
-def evaluate_targets(workload: str, rat: Mapping[str, Any] | None,
-                     sizes: Mapping[str, Any] | None = None,
-                     sides: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+def evaluate_targets(
+    workload: str,
+    rat: Mapping[str, Any] | None,
+    sizes: Mapping[str, Any] | None = None,
+    sides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """The targets that apply to this workload (`met` is None where the sizes differ from the
     ones the target is stated for). ``rat``: the ratios judged (the paired ones of a run with
     rounds); ``sides``: the per-side summaries (hit rates)."""
@@ -212,28 +240,50 @@ def evaluate_targets(workload: str, rat: Mapping[str, Any] | None,
     if workload == "shared-prefix":
         v = rat["speedup"]["ttfa_s"]["p50"]
         applies = sizes is None or all(sizes.get(k) == n for k, n in TARGET_SHARED_SIZES.items())
-        out.append({"name": "shared-prefix: median TTFA speedup (off / on)", "value": v,
-                    "target": f">= {TARGET_TTFA_SPEEDUP:g}",
-                    "met": bool(v >= TARGET_TTFA_SPEEDUP) if applies else None})
+        out.append(
+            {
+                "name": "shared-prefix: median TTFA speedup (off / on)",
+                "value": v,
+                "target": f">= {TARGET_TTFA_SPEEDUP:g}",
+                "met": bool(v >= TARGET_TTFA_SPEEDUP) if applies else None,
+            }
+        )
     if workload == "zero-reuse":
         spread = TARGET_ZERO_REUSE_SPREAD
         for key in ("ttft_s", "ttfa_s", "e2e_s"):
             v = rat["speedup"][key]["p50"]
-            out.append({"name": f"zero-reuse: {LATENCIES[key]} p50, off / on", "value": v,
-                        "target": f"1 +- {spread:.0%}",
-                        "met": None if math.isnan(v) else bool(abs(v - 1) <= spread)})
+            out.append(
+                {
+                    "name": f"zero-reuse: {LATENCIES[key]} p50, off / on",
+                    "value": v,
+                    "target": f"1 +- {spread:.0%}",
+                    "met": None if math.isnan(v) else bool(abs(v - 1) <= spread),
+                }
+            )
         v = rat["throughput_change"]["requests_per_s"]
-        out.append({"name": "zero-reuse: throughput change (on / off - 1, requests/s)", "value": v,
-                    "target": f"0 +- {spread:.0%}", "met": None if math.isnan(v) else bool(abs(v) <= spread)})
+        out.append(
+            {
+                "name": "zero-reuse: throughput change (on / off - 1, requests/s)",
+                "value": v,
+                "target": f"0 +- {spread:.0%}",
+                "met": None if math.isnan(v) else bool(abs(v) <= spread),
+            }
+        )
         if sides:
             rates = [r for side in sides.values() for r in _hit_rates(side).values() if not math.isnan(r)]
-            out.append({"name": "zero-reuse: highest prefix-cache hit rate of any stage, either side",
-                        "value": max(rates) if rates else math.nan, "target": "0",
-                        "met": bool(rates) and max(rates) == 0})
+            out.append(
+                {
+                    "name": "zero-reuse: highest prefix-cache hit rate of any stage, either side",
+                    "value": max(rates) if rates else math.nan,
+                    "target": "0",
+                    "met": bool(rates) and max(rates) == 0,
+                }
+            )
     return out
 
 
 # ---- terminal -----------------------------------------------------------------------------------
+
 
 def _per_request(side: Mapping[str, Any], key: str, name: str) -> float:
     value = (side.get("resources") or {}).get(key, {}).get(name)
@@ -244,7 +294,8 @@ def _ms(v: float) -> str:
     return "-" if v is None or math.isnan(v) else f"{v * 1000:.0f}"
 
 
-def _f(v: float, fmt: str = ".2f") -> str:
+def fmt_number(v: float, fmt: str = ".2f") -> str:
+    """``v`` formatted with ``fmt``; '-' for None or NaN (the table's and the plot's numbers)."""
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 
@@ -256,8 +307,11 @@ def format_table(result: Mapping[str, Any]) -> str:
     paired = result.get("paired_ratios") if (result.get("paired_ratios") or {}).get("rounds", 0) > 1 else None
     w0 = 30
     pair = result.get("compared") or {"first": "on", "second": "off"}
-    head = f"{'':<{w0}}" + "".join(f"{LABELS.get(s, s):>18}" for s in sides) \
+    head = (
+        f"{'':<{w0}}"
+        + "".join(f"{LABELS.get(s, s):>18}" for s in sides)
         + (f"{pair['second'] + '/' + pair['first']:>10}" if rat else "")
+    )
     if paired:
         head += f"{'paired':>10}"
     lines = [head, "-" * len(head)]
@@ -265,58 +319,91 @@ def format_table(result: Mapping[str, Any]) -> str:
         for p in ("p50", "p90", "p99"):
             row = f"{label + ' ' + p + ' (ms)':<{w0}}" + "".join(f"{_ms(summ[s][key][p]):>18}" for s in sides)
             if rat:
-                row += f"{_f(rat['speedup'][key][p]) + 'x':>10}"
+                row += f"{fmt_number(rat['speedup'][key][p]) + 'x':>10}"
             if paired:
-                row += f"{_f(paired['speedup'][key][p]) + 'x':>10}"
+                row += f"{fmt_number(paired['speedup'][key][p]) + 'x':>10}"
             lines.append(row)
     # What `vllm bench serve` reports as "Mean TTFT": the first chunk that has choices (this server
     # sends none before the first text or audio, or the finish when the answer has neither).
-    lines.append(f"{'first chunk mean (ms)':<{w0}}"
-                 + "".join(f"{_ms(summ[s]['first_chunk_s']['mean']):>18}" for s in sides))
+    lines.append(
+        f"{'first chunk mean (ms)':<{w0}}" + "".join(f"{_ms(summ[s]['first_chunk_s']['mean']):>18}" for s in sides)
+    )
     tp = [("requests/s", "requests_per_s", ".3f"), ("audio s/s", "audio_s_per_s", ".3f")]
     for label, key, fmt in tp:
-        row = f"{'throughput ' + label:<{w0}}" + "".join(f"{_f(summ[s]['throughput'][key], fmt):>18}" for s in sides)
+        row = f"{'throughput ' + label:<{w0}}" + "".join(
+            f"{fmt_number(summ[s]['throughput'][key], fmt):>18}" for s in sides
+        )
         if rat:
-            row += f"{_f(rat['throughput_change'][key] * 100, '+.1f') + '%':>10}"
+            row += f"{fmt_number(rat['throughput_change'][key] * 100, '+.1f') + '%':>10}"
         if paired:
-            row += f"{_f(paired['throughput_change'][key] * 100, '+.1f') + '%':>10}"
+            row += f"{fmt_number(paired['throughput_change'][key] * 100, '+.1f') + '%':>10}"
         lines.append(row)
-    lines.append(f"{'thinker prefix-cache hit rate':<{w0}}"
-                 + "".join(f"{_f(summ[s]['cache']['thinker_hit_rate'] * 100, '.1f') + '%':>18}" for s in sides))
+    lines.append(
+        f"{'thinker prefix-cache hit rate':<{w0}}"
+        + "".join(f"{fmt_number(summ[s]['cache']['thinker_hit_rate'] * 100, '.1f') + '%':>18}" for s in sides)
+    )
     if any("talker" in summ[s]["cache"] for s in sides):
-        lines.append(f"{'talker prefix-cache hit rate':<{w0}}" + "".join(
-            f"{_f(summ[s]['cache'].get('talker', {}).get('hit_rate', math.nan) * 100, '.1f') + '%':>18}"
-            for s in sides))
-    lines.append(f"{'hidden-state rows from cache':<{w0}}"
-                 + "".join(f"{_f(summ[s]['cache']['latent_rows_served'], '.0f'):>18}" for s in sides))
+        lines.append(
+            f"{'talker prefix-cache hit rate':<{w0}}"
+            + "".join(
+                f"{fmt_number(summ[s]['cache'].get('talker', {}).get('hit_rate', math.nan) * 100, '.1f') + '%':>18}"
+                for s in sides
+            )
+        )
+    lines.append(
+        f"{'hidden-state rows from cache':<{w0}}"
+        + "".join(f"{fmt_number(summ[s]['cache']['latent_rows_served'], '.0f'):>18}" for s in sides)
+    )
     if all("resources" in summ[s] for s in sides):
         row = f"{'stage CPU s / request':<{w0}}" + "".join(
-            f"{_f(summ[s]['resources'].get('stage_cpu_s_per_request', math.nan), '.2f'):>18}" for s in sides)
+            f"{fmt_number(summ[s]['resources'].get('stage_cpu_s_per_request', math.nan), '.2f'):>18}" for s in sides
+        )
         if rat and "stage_cpu_per_request_change" in rat:
-            row += f"{_f(rat['stage_cpu_per_request_change'] * 100, '+.1f') + '%':>10}"
+            row += f"{fmt_number(rat['stage_cpu_per_request_change'] * 100, '+.1f') + '%':>10}"
         lines.append(row)
         procs = sorted({n for s in sides for n in summ[s]["resources"].get("cpu_s_by_process", {})})
         for name in procs:
-            lines.append(f"{'  CPU s / request, ' + name:<{w0}}" + "".join(
-                f"{_f(_per_request(summ[s], 'cpu_s_by_process', name), '.3f'):>18}" for s in sides))
-        for key, label, fmt in (("system_cpu_s_by_process", "  of it in the kernel", ".3f"),
-                                ("minor_faults_by_process", "  page faults / request", ".0f")):
+            lines.append(
+                f"{'  CPU s / request, ' + name:<{w0}}"
+                + "".join(f"{fmt_number(_per_request(summ[s], 'cpu_s_by_process', name), '.3f'):>18}" for s in sides)
+            )
+        for key, label, fmt in (
+            ("system_cpu_s_by_process", "  of it in the kernel", ".3f"),
+            ("minor_faults_by_process", "  page faults / request", ".0f"),
+        ):
             if all(key in (summ[s].get("resources") or {}) for s in sides):
-                lines.append(f"{label:<{w0}}" + "".join(
-                    f"{_f(sum(_per_request(summ[s], key, n) for n in procs), fmt):>18}" for s in sides))
+                lines.append(
+                    f"{label:<{w0}}"
+                    + "".join(
+                        f"{fmt_number(sum(_per_request(summ[s], key, n) for n in procs), fmt):>18}" for s in sides
+                    )
+                )
         if all("rss_mib_by_process" in (summ[s].get("resources") or {}) for s in sides):
-            lines.append(f"{'resident memory, MiB (largest)':<{w0}}" + "".join(
-                f"{_f(sum(summ[s]['resources']['rss_mib_by_process'].values()), '.0f'):>18}" for s in sides))
-        lines.append(f"{'machine load (1-min avg)':<{w0}}" + "".join(
-            f"{_f(summ[s]['resources'].get('loadavg_mean', math.nan), '.1f'):>18}" for s in sides))
-    lines.append(f"{'ok requests without text/audio':<{w0}}" + "".join(
-        f"{str(summ[s]['missing_ttft']) + ' / ' + str(summ[s]['missing_ttfa']):>18}" for s in sides))
-    lines.append(f"{'requests ok / errors':<{w0}}" + "".join(
-        f"{str(summ[s]['ok']) + ' / ' + str(summ[s]['errors']):>18}" for s in sides))
+            lines.append(
+                f"{'resident memory, MiB (largest)':<{w0}}"
+                + "".join(
+                    f"{fmt_number(sum(summ[s]['resources']['rss_mib_by_process'].values()), '.0f'):>18}" for s in sides
+                )
+            )
+        lines.append(
+            f"{'machine load (1-min avg)':<{w0}}"
+            + "".join(f"{fmt_number(summ[s]['resources'].get('loadavg_mean', math.nan), '.1f'):>18}" for s in sides)
+        )
+    lines.append(
+        f"{'ok requests without text/audio':<{w0}}"
+        + "".join(f"{str(summ[s]['missing_ttft']) + ' / ' + str(summ[s]['missing_ttfa']):>18}" for s in sides)
+    )
+    lines.append(
+        f"{'requests ok / errors':<{w0}}"
+        + "".join(f"{str(summ[s]['ok']) + ' / ' + str(summ[s]['errors']):>18}" for s in sides)
+    )
     for t in result.get("targets", []):
-        verdict = ("MET" if t["met"] else "NOT MET") if t["met"] is not None else \
-            "no verdict (the target is stated for S=4000, U=100)"
-        lines.append(f"target {t['name']}: {_f(t['value'], '.3f')} (want {t['target']}): {verdict}")
+        verdict = (
+            ("MET" if t["met"] else "NOT MET")
+            if t["met"] is not None
+            else "no verdict (the target is stated for S=4000, U=100)"
+        )
+        lines.append(f"target {t['name']}: {fmt_number(t['value'], '.3f')} (want {t['target']}): {verdict}")
     for s in sides:
         for e in summ[s]["error_examples"]:
             lines.append(f"error ({LABELS.get(s, s)}): {e}")
@@ -324,6 +411,7 @@ def format_table(result: Mapping[str, Any]) -> str:
 
 
 # ---- files --------------------------------------------------------------------------------------
+
 
 def _clean(obj: Any) -> Any:
     """NaN/inf -> None (strict JSON)."""
@@ -342,121 +430,3 @@ def write_json(path: str | os.PathLike[str], result: Mapping[str, Any]) -> None:
         json.dump(_clean(result), f, indent=1, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
-
-
-def fmt_seconds(v: float) -> str:
-    """0.0123 -> '12.3 ms', 0.68 -> '680 ms', 5.9 -> '5.90 s', 22.2 -> '22.2 s'."""
-    if v is None or math.isnan(v):
-        return "-"
-    if v < 0.1:
-        return f"{v * 1000:.1f} ms"
-    if v < 1:
-        return f"{v * 1000:.0f} ms"
-    if v < 10:
-        return f"{v:.2f} s"
-    return f"{v:.1f} s"
-
-
-def _scale_axis(ax: Any, which: str, values: Sequence[float]) -> str:
-    """A log scale (plain-number ticks at 1, 2, 3, 5 x 10^k) when the values span more than 4x,
-    else linear; returns the scale's name for the axis label."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    pos = [v for v in values if v > 0]
-    if not pos or max(pos) / min(pos) <= 4:
-        return "linear"
-    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
-    axis = ax.xaxis if which == "x" else ax.yaxis
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(NullFormatter())
-    return "log"
-
-
-def plot(path: str | os.PathLike[str], result: Mapping[str, Any]) -> None:
-    """CDFs of TTFA, TTFT and end-to-end latency per side (medians marked), and TTFA of every
-    request over the run (to spot drift and outliers)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    samples: dict[str, list[Mapping[str, Any]]] = result["samples"]
-    sides = [s for s in samples if samples[s]]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5), constrained_layout=True)
-    panels = [("ttfa_s", axes[0][0]), ("ttft_s", axes[0][1]), ("e2e_s", axes[1][0])]
-    for key, ax in panels:
-        every: list[float] = []
-        medians: list[tuple[int, str, float]] = []
-        for k, side in enumerate(sides):
-            xs = sorted(float(s[key]) for s in samples[side] if s.get("ok") and s.get(key) is not None)
-            if not xs:
-                continue
-            every += xs
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step([xs[0], *xs], [0.0, *ys], where="post", color=COLORS.get(side), lw=2,
-                    label=f"{LABELS.get(side, side)} (n={len(xs)})")
-            med = percentile(xs, 50)
-            ax.axvline(med, color=COLORS.get(side), ls="--", lw=1.2)
-            medians.append((k, side, med))
-        ax.set_title(LATENCIES[key], fontsize=12)
-        scale = _scale_axis(ax, "x", every)
-        ax.autoscale_view()
-        for k, side, med in medians:
-            # Label right of the median line, or left of it near the right edge.
-            frac = ax.transAxes.inverted().transform(ax.transData.transform((med, 0.0)))[0]
-            left = frac > 0.7
-            ax.annotate(f"median {fmt_seconds(med)}", xy=(med, 0.62 - 0.2 * k), xytext=(-6 if left else 6, 0),
-                        textcoords="offset points", color=COLORS.get(side), fontsize=10,
-                        fontweight="bold", va="center", ha="right" if left else "left",
-                        bbox=dict(boxstyle="round,pad=0.25", fc="white", ec=COLORS.get(side), alpha=0.9))
-        ax.set_xlabel("seconds after the request was sent" + (" (log scale)" if scale == "log" else ""))
-        ax.set_ylabel("fraction of requests (CDF)")
-        ax.set_ylim(0, 1.02)
-        if every:
-            ax.legend(loc="best", fontsize=9)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.grid(True, which="major", alpha=0.3)
-    ax = axes[1][1]
-    every = []
-    for side in sides:
-        pts = [(float(s["start_s"]), float(s["ttfa_s"])) for s in samples[side]
-               if s.get("ok") and s.get("ttfa_s") is not None]
-        if pts:
-            every += [p[1] for p in pts]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=20, color=COLORS.get(side),
-                       label=LABELS.get(side, side), alpha=0.8)
-    ax.set_title("time to first audio of each request, in the order sent", fontsize=12)
-    ax.set_xlabel("request sent at (s after its side's measured phase started)")
-    scale = _scale_axis(ax, "y", every)
-    ax.set_ylabel("time to first audio (s" + (", log scale)" if scale == "log" else ")"))
-    if every:
-        ax.legend(fontsize=9)
-    ax.grid(True, which="major", alpha=0.3)
-    cfg = result.get("config", {})
-    title = f"omni_cache end to end: workload {cfg.get('workload')}"
-    sizes = cfg.get("sizes") or {}
-    if sizes:
-        title += (f"  (N={sizes.get('num_requests')}, S={sizes.get('shared_tokens')}, "
-                  f"U={sizes.get('unique_tokens')}, max_tokens={sizes.get('max_tokens')}, "
-                  + (f"rate {cfg['rate']}/s" if cfg.get("rate") else f"concurrency {cfg.get('concurrency')}") + ")")
-    rat = result.get("ratios")
-    sub = []
-    if rat:
-        sp = rat["speedup"]
-        sub.append(f"median speedup off/on: TTFA {_f(sp['ttfa_s']['p50'])}x, TTFT {_f(sp['ttft_s']['p50'])}x, "
-                   f"e2e {_f(sp['e2e_s']['p50'])}x;  throughput on/off - 1: "
-                   f"{_f(rat['throughput_change']['requests_per_s'] * 100, '+.1f')}%")
-    m = result.get("machine", {})
-    if m:
-        loads = []
-        for side in sides:
-            la = ((result.get("sides", {}).get(side) or {}).get("resources") or {}).get("loadavg_mean")
-            if la is not None and not math.isnan(la):
-                loads.append(f"{side} {la:.1f}")
-        sub.append(f"{m.get('cpu_model')}, {m.get('nproc')} CPUs"
-                   + (f"; mean load average while measuring: {', '.join(loads)}" if loads else ""))
-    fig.suptitle(title + ("\n" + "\n".join(sub) if sub else ""), fontsize=12)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

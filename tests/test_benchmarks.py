@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import report, soak, soak_outcomes, soak_requests, soak_samples
+from benchmarks import report, report_plot, soak, soak_outcomes, soak_requests, soak_samples
 from benchmarks.client import Driver, Sample, audio_bytes_of_b64, counter_deltas, metric_counters
 from benchmarks.harness import private_config
 from benchmarks.harness_results import assemble, pool_runs
@@ -398,7 +398,7 @@ def test_json_is_strict_and_png_is_written(tmp_path):
     assert data["sides"]["on"]["ttft_s"]["p99"] is None
     assert len(data["samples"]["on"]) == 10 and data["machine"]["cpu_model"] == "Test CPU"
     png = tmp_path / "out.png"
-    report.plot(png, result)
+    report_plot.plot(png, result)
     head = png.read_bytes()[:8]
     assert head == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
 
@@ -407,7 +407,7 @@ def test_plot_with_one_side_and_no_data(tmp_path):
     result = _fake_result()
     result["samples"] = {"server": result["samples"]["on"][:3], "empty": []}
     result.pop("ratios")
-    report.plot(tmp_path / "one.png", result)
+    report_plot.plot(tmp_path / "one.png", result)
     assert (tmp_path / "one.png").stat().st_size > 10000
 
 
