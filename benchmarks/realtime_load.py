@@ -4,9 +4,9 @@ A fresh ``omni-serve`` (the default pipeline, a process of its own) serves N ``/
 sessions (``--sessions``, 16 and 64), each appending 40 ms of pcm16 24 kHz audio every 40 ms
 with server VAD on. Every session's audio is a speech-like clip (benchmarks/speech_clips.py,
 its own seed) once every ``--turn-every`` seconds (10) and silence between, the sessions'
-clips spread over that period. The clients run in a process of their own (raw WebSocket
-JSON, appends encoded in advance, each sent at its time on an absolute schedule); the probes
-run in this process:
+clips spread over that period. The clients run in a process of their own
+(benchmarks/realtime_load_clients.py: raw WebSocket JSON, appends encoded in advance, each sent
+at its time on an absolute schedule); the probes run in this process:
 
 * ``/health`` every 100 ms: latency p50/p99;
 * a text chat request (stream, 4 tokens) one after the other, 250 ms apart: time to the first
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import multiprocessing
 import os
@@ -36,141 +35,20 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks import harness
+from benchmarks.realtime_load_clients import CHUNK_S, client_process
 from benchmarks.report import percentile
-from benchmarks.speech_clips import RATE, pcm16, silence, speech
 
-__all__ = ["appends_between", "cpu_per_session_second", "format_table", "main", "percentiles", "session_audio",
-           "summarize_turns"]
+__all__ = ["appends_between", "cpu_per_session_second", "format_table", "main", "percentiles", "summarize_turns"]
 
-CHUNK_S = 0.04
-CHUNK = int(RATE * CHUNK_S)  # 960 samples: one append
 TARGETS = {"health_p99_ms": 20.0, "ttft_p99_over_idle": 1.5, "cpu_ms_per_session_s": 5.0}
 
 
-# ---- the audio each session streams -------------------------------------------------------------
-
-def session_audio(index: int, sessions: int, period_s: float, speech_s: float) -> np.ndarray:
-    """One period of session ``index``'s audio: speech (its own seed) at an offset that spreads
-    the N sessions' clips over the period, silence elsewhere (24 kHz float32)."""
-    offset_s = 0.5 + (period_s - speech_s - 1.5) * index / max(1, sessions)
-    clip = speech(speech_s, seed=1000 + index)
-    out = silence(period_s)
-    start = int(offset_s * RATE)
-    out[start:start + len(clip)] = clip
-    return out
-
-
-def append_texts(samples: np.ndarray) -> list[str]:
-    """The ``input_audio_buffer.append`` events (JSON text) of ``samples`` in 40 ms chunks."""
-    data = pcm16(samples)
-    step = CHUNK * 2
-    return [json.dumps({"type": "input_audio_buffer.append",
-                        "audio": base64.b64encode(data[i:i + step]).decode()})
-            for i in range(0, len(data) - step + 1, step)]
-
-
-# ---- the clients (a process of their own) -------------------------------------------------------
-
-@dataclass
-class SessionStats:
-    appends: int = 0
-    #: Appends sent per wall-clock second (int(time.time())): what reached the server when.
-    sent_per_s: dict[int, int] = field(default_factory=dict)
-    late_s: list[float] = field(default_factory=list)  # send time - scheduled time, sampled
-    events: dict[str, int] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    #: One per speech_stopped: seconds to the first audio delta (None: no audio came) and how
-    #: its response ended.
-    turns: list[dict[str, Any]] = field(default_factory=list)
-
-
-async def _one_session(url: str, model: str, index: int, spec: dict[str, Any], stats: SessionStats,
-                       go: asyncio.Event, opened: list[int], stop: Any) -> None:
-    import websockets
-
-    texts = append_texts(session_audio(index, spec["sessions"], spec["turn_every_s"], spec["speech_s"]))
-    ws_url = url.replace("http", "ws", 1) + f"/v1/realtime?model={model}"
-    for _attempt in range(30):  # a session the last phase left may still count (1013: try later)
-        ws = await websockets.connect(ws_url, max_size=None)
-        first = json.loads(await ws.recv())
-        if first["type"] == "session.created":
-            break
-        await ws.close()
-        await asyncio.sleep(0.5)
-    else:
-        raise RuntimeError(f"session {index} was refused: {first}")
-    await ws.send(json.dumps({"type": "session.update", "session": {
-        "type": "realtime", "max_output_tokens": spec["max_tokens"],
-        "audio": {"input": {"turn_detection": {"type": "server_vad",
-                                               "create_response": spec["respond"]}}}}}))
-    async def read() -> None:
-        async for raw in ws:
-            event = json.loads(raw)
-            kind = event["type"]
-            stats.events[kind] = stats.events.get(kind, 0) + 1
-            turn = stats.turns[-1] if stats.turns else {}
-            if kind == "error":
-                stats.errors.append(event["error"].get("message", "")[:200])
-            elif kind == "input_audio_buffer.speech_stopped":
-                stats.turns.append({"stopped_at": time.monotonic(), "first_audio_s": None})
-            elif kind == "response.created" and turn and "response_id" not in turn:
-                turn["response_id"] = event["response"]["id"]
-            elif kind == "response.output_audio.delta" and turn.get("response_id") == event["response_id"] \
-                    and turn["first_audio_s"] is None:
-                turn["first_audio_s"] = time.monotonic() - turn["stopped_at"]
-            elif kind == "response.done" and turn.get("response_id") == event["response"]["id"]:
-                turn["status"] = event["response"]["status"]
-
-    reader = asyncio.create_task(read())
-    opened.append(index)
-    await go.wait()
-    t0, k = time.monotonic(), 0
-    while not stop.is_set():
-        await ws.send(texts[k % len(texts)])
-        stats.appends += 1
-        second = int(time.time())
-        stats.sent_per_s[second] = stats.sent_per_s.get(second, 0) + 1
-        k += 1
-        late = time.monotonic() - (t0 + (k - 1) * CHUNK_S)
-        if k % 25 == 0:
-            stats.late_s.append(late)
-        await asyncio.sleep(max(0.0, t0 + k * CHUNK_S - time.monotonic()))
-    await ws.close()
-    reader.cancel()
-
-
-async def _clients(url: str, model: str, spec: dict[str, Any], out: Any, stop: Any) -> None:
-    stats = [SessionStats() for _ in range(spec["sessions"])]
-    go, opened = asyncio.Event(), []
-    tasks = [asyncio.create_task(_one_session(url, model, i, spec, stats[i], go, opened, stop))
-             for i in range(spec["sessions"])]
-    while len(opened) < len(tasks):
-        failed = [t for t in tasks if t.done() and t.exception() is not None]
-        if failed:
-            raise failed[0].exception()
-        await asyncio.sleep(0.05)
-    go.set()
-    out.put("streaming")
-    await asyncio.gather(*tasks)
-    out.put([asdict(s) for s in stats])
-
-
-def client_process(url: str, model: str, spec: dict[str, Any], out: Any, stop: Any) -> None:
-    try:
-        asyncio.run(_clients(url, model, spec, out, stop))
-    except BaseException as e:  # noqa: BLE001 -- told to the benchmark, which stops
-        out.put(f"error: {type(e).__name__}: {e}")
-        raise
-
-
 # ---- the probes (this process) ------------------------------------------------------------------
+
 
 async def _probe_health(http: Any, url: str, end: float, out: list[float]) -> None:
     while time.monotonic() < end:
@@ -186,8 +64,17 @@ async def _probe_chat(http: Any, url: str, model: str, end: float, out: list[flo
 
     while time.monotonic() < end:
         sample = Sample(id="probe", session=0, kind="text", turn=0)
-        await stream_chat(http, url, model, [{"role": "user", "content": "Say something short."}], 4,
-                          sample, {}, time.perf_counter(), audio=False)
+        await stream_chat(
+            http,
+            url,
+            model,
+            [{"role": "user", "content": "Say something short."}],
+            4,
+            sample,
+            {},
+            time.perf_counter(),
+            audio=False,
+        )
         if sample.ttft_s is not None:
             out.append(sample.ttft_s)
         elif sample.error:
@@ -208,6 +95,7 @@ async def run_probes(url: str, model: str, seconds: float) -> dict[str, Any]:
 
 
 # ---- summaries (pure) ---------------------------------------------------------------------------
+
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
     """n, p50, p90, p99 (benchmarks.report.percentile: numpy's linear method) and max of
@@ -235,16 +123,24 @@ def cpu_per_session_second(cpu_s: float, seconds: float, audio_s: float, idle_co
     raw, and less the idle server's use (``idle_cores``: its CPU seconds per second with the
     probes alone) over the same ``seconds``."""
     audio_s = max(audio_s, 1e-9)
-    return {"cores": cpu_s / seconds, "audio_s": audio_s, "ms_raw": 1000 * cpu_s / audio_s,
-            "ms_above_idle": 1000 * max(0.0, cpu_s - idle_cores * seconds) / audio_s}
+    return {
+        "cores": cpu_s / seconds,
+        "audio_s": audio_s,
+        "ms_raw": 1000 * cpu_s / audio_s,
+        "ms_above_idle": 1000 * max(0.0, cpu_s - idle_cores * seconds) / audio_s,
+    }
 
 
 def summarize_turns(sessions: list[dict[str, Any]]) -> dict[str, Any]:
     """First audio of every turn with audio (p50/p90), and how many turns had none."""
     turns = [t for s in sessions for t in s["turns"]]
     first = [t["first_audio_s"] for t in turns if t.get("first_audio_s") is not None]
-    return {"turns": len(turns), "answered": len(first), "without_audio": len(turns) - len(first),
-            "first_audio_s": percentiles(first)}
+    return {
+        "turns": len(turns),
+        "answered": len(first),
+        "without_audio": len(turns) - len(first),
+        "first_audio_s": percentiles(first),
+    }
 
 
 def _ms(v: float | None) -> str:
@@ -254,23 +150,28 @@ def _ms(v: float | None) -> str:
 def format_table(result: dict[str, Any]) -> str:
     """The results as one markdown table: a row per phase."""
     idle = result["phases"][0]
-    rows = ["| phase | sessions | /health p50 / p99 ms | chat TTFT p50 / p99 ms (p99 / idle) | "
-            "server cores | CPU ms per session-s (above idle) | first audio p50 / p90 ms | appends late p90 ms |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| phase | sessions | /health p50 / p99 ms | chat TTFT p50 / p99 ms (p99 / idle) | "
+        "server cores | CPU ms per session-s (above idle) | first audio p50 / p90 ms | appends late p90 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for ph in result["phases"]:
         h, t = ph["health"], ph["ttft"]
         ratio = (t["p99"] / idle["ttft"]["p99"]) if t["p99"] and idle["ttft"]["p99"] else None
         cpu = ph.get("cpu") or {}
         fa = (ph.get("turns") or {}).get("first_audio_s") or {}
         per = "-" if not ph["sessions"] else f"{cpu['ms_raw']:.1f} ({cpu['ms_above_idle']:.1f})"
-        rows.append(f"| {ph['name']} | {ph['sessions']} | {_ms(h['p50'])} / {_ms(h['p99'])} | "
-                    f"{_ms(t['p50'])} / {_ms(t['p99'])} ({'-' if ratio is None else f'{ratio:.2f}x'}) | "
-                    f"{cpu.get('cores', 0):.2f} | {per} | {_ms(fa.get('p50'))} / {_ms(fa.get('p90'))} | "
-                    f"{_ms((ph.get('client_late_s') or {}).get('p90'))} |")
+        rows.append(
+            f"| {ph['name']} | {ph['sessions']} | {_ms(h['p50'])} / {_ms(h['p99'])} | "
+            f"{_ms(t['p50'])} / {_ms(t['p99'])} ({'-' if ratio is None else f'{ratio:.2f}x'}) | "
+            f"{cpu.get('cores', 0):.2f} | {per} | {_ms(fa.get('p50'))} / {_ms(fa.get('p90'))} | "
+            f"{_ms((ph.get('client_late_s') or {}).get('p90'))} |"
+        )
     return "\n".join(rows)
 
 
 # ---- phases -------------------------------------------------------------------------------------
+
 
 def _server_cpu_s(pid: int) -> float:
     import psutil
@@ -279,16 +180,28 @@ def _server_cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
-def run_phase(srv: harness.ServerProcess, model: str, name: str, sessions: int, respond: bool,
-              args: argparse.Namespace, idle_cores: float = 0.0) -> dict[str, Any]:
+def run_phase(
+    srv: harness.ServerProcess,
+    model: str,
+    name: str,
+    sessions: int,
+    respond: bool,
+    args: argparse.Namespace,
+    idle_cores: float = 0.0,
+) -> dict[str, Any]:
     """``sessions`` streaming sessions (none: the idle server) while the probes run."""
     spawn = multiprocessing.get_context("spawn")
     out, stop = spawn.Queue(), spawn.Event()
     proc = None
     seconds = args.turn_seconds if respond else args.seconds if sessions else args.idle_seconds
     if sessions:
-        spec = {"sessions": sessions, "respond": respond, "turn_every_s": args.turn_every,
-                "speech_s": args.speech_seconds, "max_tokens": args.max_tokens}
+        spec = {
+            "sessions": sessions,
+            "respond": respond,
+            "turn_every_s": args.turn_every,
+            "speech_s": args.speech_seconds,
+            "max_tokens": args.max_tokens,
+        }
         proc = spawn.Process(target=client_process, args=(srv.url, model, spec, out, stop), daemon=True)
         proc.start()
         msg = out.get(timeout=300)
@@ -299,10 +212,17 @@ def run_phase(srv: harness.ServerProcess, model: str, name: str, sessions: int, 
     load0, cpu0, t0, wall0 = os.getloadavg()[0], _server_cpu_s(srv.pid), time.monotonic(), time.time()
     probes = asyncio.run(run_probes(srv.url, model, seconds))
     cpu_s, elapsed, wall1 = _server_cpu_s(srv.pid) - cpu0, time.monotonic() - t0, time.time()
-    phase: dict[str, Any] = {"name": name, "sessions": sessions, "respond": respond, "seconds": elapsed,
-                             "loadavg": [load0, os.getloadavg()[0]],
-                             "health": percentiles(probes["health_s"]), "ttft": percentiles(probes["ttft_s"]),
-                             "chat_errors": probes["chat_errors"], "cpu": {"cores": cpu_s / elapsed}}
+    phase: dict[str, Any] = {
+        "name": name,
+        "sessions": sessions,
+        "respond": respond,
+        "seconds": elapsed,
+        "loadavg": [load0, os.getloadavg()[0]],
+        "health": percentiles(probes["health_s"]),
+        "ttft": percentiles(probes["ttft_s"]),
+        "chat_errors": probes["chat_errors"],
+        "cpu": {"cores": cpu_s / elapsed},
+    }
     if proc is not None:
         stop.set()
         stats = None
@@ -321,11 +241,20 @@ def run_phase(srv: harness.ServerProcess, model: str, name: str, sessions: int, 
         late = [x for s in stats for x in s["late_s"]]
         audio_s = CHUNK_S * appends_between([s["sent_per_s"] for s in stats], wall0, wall1)
         phase["cpu"] = cpu_per_session_second(cpu_s, elapsed, audio_s, idle_cores)
-        phase.update(appends=sum(s["appends"] for s in stats), client_late_s=percentiles(late),
-                     errors=sorted({e for s in stats for e in s["errors"]})[:5],
-                     events={k: sum(s["events"].get(k, 0) for s in stats)
-                             for k in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                                       "response.done", "error")})
+        phase.update(
+            appends=sum(s["appends"] for s in stats),
+            client_late_s=percentiles(late),
+            errors=sorted({e for s in stats for e in s["errors"]})[:5],
+            events={
+                k: sum(s["events"].get(k, 0) for s in stats)
+                for k in (
+                    "input_audio_buffer.speech_started",
+                    "input_audio_buffer.speech_stopped",
+                    "response.done",
+                    "error",
+                )
+            },
+        )
         if respond:
             phase["turns"] = summarize_turns(stats)
     return phase
@@ -341,8 +270,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turn-seconds", type=float, default=30.0, help="measured seconds per turn phase")
     p.add_argument("--turn-every", type=float, default=10.0, help="a speech clip every this many seconds")
     p.add_argument("--speech-seconds", type=float, default=1.5)
-    p.add_argument("--turn-sessions", type=int, nargs="*", default=None,
-                   help="session counts of the turn phase (default: --sessions); none: no turn phase")
+    p.add_argument(
+        "--turn-sessions",
+        type=int,
+        nargs="*",
+        default=None,
+        help="session counts of the turn phase (default: --sessions); none: no turn phase",
+    )
     p.add_argument("--settle", type=float, default=3.0, help="seconds of streaming before measuring")
     p.add_argument("--max-tokens", type=int, default=8, help="thinker tokens per answer")
     p.add_argument("--talker-max-tokens", type=int, default=32, help="codec steps per answer")
@@ -363,8 +297,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     phases: list[dict[str, Any]] = []
     try:
         # Room for every clip of a turn phase in one prompt, and short answers.
-        config = bench_config(args.stage_config, tmp / "base.yaml", turns=int(args.turn_seconds // args.turn_every) + 4,
-                              talker_max_tokens=args.talker_max_tokens)
+        config = bench_config(
+            args.stage_config,
+            tmp / "base.yaml",
+            turns=int(args.turn_seconds // args.turn_every) + 4,
+            talker_max_tokens=args.talker_max_tokens,
+        )
         config = harness.private_config(config, tmp, "rtload")
         with harness.ServerProcess(config, checkpoint_dir=args.checkpoint_dir) as srv:
             model = asyncio.run(_served_model(srv.url))
@@ -381,12 +319,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     phases.append(run_phase(srv, model, f"turns x{n}", n, True, args, cores))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"benchmark": "realtime_load", "command": harness.command_line("benchmarks.realtime_load"),
-            "machine": machine, "note": args.note, "targets": TARGETS,
-            "config": {k: getattr(args, k) for k in ("sessions", "seconds", "idle_seconds", "turn_seconds",
-                                                      "turn_every", "speech_seconds", "turn_sessions",
-                                                      "max_tokens", "talker_max_tokens")},
-            "phases": phases}
+    return {
+        "benchmark": "realtime_load",
+        "command": harness.command_line("benchmarks.realtime_load"),
+        "machine": machine,
+        "note": args.note,
+        "targets": TARGETS,
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "sessions",
+                "seconds",
+                "idle_seconds",
+                "turn_seconds",
+                "turn_every",
+                "speech_seconds",
+                "turn_sessions",
+                "max_tokens",
+                "talker_max_tokens",
+            )
+        },
+        "phases": phases,
+    }
 
 
 async def _served_model(url: str) -> str:
@@ -408,12 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.log:
         m = result["machine"]
         with open(args.log, "a", encoding="utf-8") as f:
-            f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n`{result['command']}`\n\n"
-                    f"{m['cpu_model']}, {m['nproc']} CPUs, load average at start {m['loadavg_start'][0]:.1f}"
-                    f"{'; ' + args.note if args.note else ''}\n\n{table}\n\n")
+            f.write(
+                f"\n## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n`{result['command']}`\n\n"
+                f"{m['cpu_model']}, {m['nproc']} CPUs, load average at start {m['loadavg_start'][0]:.1f}"
+                f"{'; ' + args.note if args.note else ''}\n\n{table}\n\n"
+            )
             for ph in result["phases"]:
-                extra = {k: ph.get(k) for k in ("loadavg", "appends", "client_late_s", "events", "errors",
-                                               "chat_errors", "turns") if ph.get(k)}
+                extra = {
+                    k: ph.get(k)
+                    for k in ("loadavg", "appends", "client_late_s", "events", "errors", "chat_errors", "turns")
+                    if ph.get(k)
+                }
                 f.write(f"- {ph['name']}: {json.dumps(extra, default=str)}\n")
     return 0
 

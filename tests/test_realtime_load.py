@@ -10,16 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.realtime_load import (
-    CHUNK,
-    append_texts,
-    appends_between,
-    cpu_per_session_second,
-    format_table,
-    percentiles,
-    session_audio,
-    summarize_turns,
-)
+from benchmarks.realtime_load import appends_between, cpu_per_session_second, format_table, percentiles, summarize_turns
+from benchmarks.realtime_load_clients import CHUNK, append_texts, session_audio
 from benchmarks.speech_clips import RATE, pcm16
 
 
