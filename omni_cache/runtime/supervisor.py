@@ -16,7 +16,6 @@ processes and has a monitor report a dead one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -30,6 +29,7 @@ from omni_cache.config.replicas import Replica, stage_replicas
 from omni_cache.runtime.connection_watch import ConnectionWatch
 from omni_cache.runtime.hang_watch import HangWatch, step_timeout_s
 from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
+from omni_cache.runtime.stage_stopping import kill_replicas, stop_replicas
 from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.tasks import wait_ended
 from omni_cache.wire.messages import StageReady
@@ -93,8 +93,14 @@ class StageSupervisor:
 
     # ---- the stages ------------------------------------------------------------------------------
 
-    def add(self, stage: StageConfig, argv: list[str] | ProcessRunner | None, env: dict[str, str],
-            echo: bool, replica: Replica | None = None) -> None:
+    def add(
+        self,
+        stage: StageConfig,
+        argv: list[str] | ProcessRunner | None,
+        env: dict[str, str],
+        echo: bool,
+        replica: Replica | None = None,
+    ) -> None:
         """Supervise a replica of ``stage`` (default: replica 0): ``argv`` is its command (spawned
         here with ``env``), a :class:`ProcessRunner` that runs it elsewhere (Ray), or None when it
         is started by hand."""
@@ -116,8 +122,7 @@ class StageSupervisor:
 
     def replicas_of(self, stage: str) -> list[SupervisedReplica]:
         """The replicas of ``stage``, by index."""
-        return sorted((sp for sp in self._stages.values() if sp.stage == stage),
-                      key=lambda sp: sp.index)
+        return sorted((sp for sp in self._stages.values() if sp.stage == stage), key=lambda sp: sp.index)
 
     def replica(self, stage: str, index: int) -> SupervisedReplica | None:
         name = self._by_replica.get((stage, index))
@@ -142,8 +147,7 @@ class StageSupervisor:
         """The replicas whose process is running."""
         return [sp.name for sp in self._stages.values() if sp.alive()]
 
-    def not_ready(self, stage_names: Iterable[str], *, entry: str,
-                  starting: bool) -> dict[str, str]:
+    def not_ready(self, stage_names: Iterable[str], *, entry: str, starting: bool) -> dict[str, str]:
         """stage -> why it is not serving: the stages none of whose replicas is up; while
         ``starting`` (the server takes requests once every replica was ready), also those with a
         replica not up yet, and the entry stage while the server itself is still starting. A stage
@@ -155,8 +159,11 @@ class StageSupervisor:
             if not replicas:
                 out[name] = "not started"
             elif len(down) == len(replicas) or (down and starting):
-                out[name] = (down[0].why_down() if len(replicas) == 1
-                             else "; ".join(f"{sp.name}: {sp.why_down()}" for sp in down))
+                out[name] = (
+                    down[0].why_down()
+                    if len(replicas) == 1
+                    else "; ".join(f"{sp.name}: {sp.why_down()}" for sp in down)
+                )
             elif name == entry and starting:
                 # Stages started elsewhere can be up before the server loaded its tokenizer.
                 out[name] = "up; the server is still starting (loading the tokenizer)"
@@ -199,24 +206,26 @@ class StageSupervisor:
                 if not sp.ever_ready and not sp.external and sp.last_exit is not None:
                     raise StageStartError(
                         f"stage {sp.name!r} exited before it was ready ({sp.last_exit_words}); "
-                        f"command: {' '.join(sp.argv or [])}\nlast lines of its output:\n"
-                        + sp.log_tail()
+                        f"command: {' '.join(sp.argv or [])}\nlast lines of its output:\n" + sp.log_tail()
                     )
             if time.monotonic() >= deadline:
                 parts = []
                 for sp in pending:
                     if sp.external and sp.announced:
-                        state = (f"started elsewhere, pid {sp.pid} on {sp.host or '?'}: announced "
-                                 f"itself, but the connection to {sp.address} never came up")
+                        state = (
+                            f"started elsewhere, pid {sp.pid} on {sp.host or '?'}: announced "
+                            f"itself, but the connection to {sp.address} never came up"
+                        )
                     elif sp.external:
                         state = f"started elsewhere, never announced itself to {self._announce_to}"
                     else:
                         code = sp.poll() if sp.running else sp.last_exit
-                        state = f"pid {sp.pid} " + (sp.runner.describe_exit(code)
-                                                    if sp.runner is not None and code is not None
-                                                    else "still running")
-                    parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n"
-                                 + sp.log_tail())
+                        state = f"pid {sp.pid} " + (
+                            sp.runner.describe_exit(code)
+                            if sp.runner is not None and code is not None
+                            else "still running"
+                        )
+                    parts.append(f"stage {sp.name!r} ({state}); last lines of its output:\n" + sp.log_tail())
                 raise StageStartError(
                     f"stage(s) {', '.join(repr(sp.name) for sp in pending)} not ready after "
                     f"{timeout:g} s:\n" + "\n".join(parts)
@@ -227,8 +236,9 @@ class StageSupervisor:
         """A StageReady (first announcement or heartbeat)."""
         sp = self.replica(msg.stage, msg.replica)
         if sp is None:
-            logger.warning("StageReady from unknown stage %r replica %d (pid %d), ignored",
-                           msg.stage, msg.replica, msg.pid)
+            logger.warning(
+                "StageReady from unknown stage %r replica %d (pid %d), ignored", msg.stage, msg.replica, msg.pid
+            )
             return
         if sp.external:
             self._on_external_announcement(sp, msg)
@@ -236,8 +246,7 @@ class StageSupervisor:
         # A spawned stage's heartbeats confirm what its process handle says, and whether its
         # loop moves.
         if msg.pid in sp.old_pids or not sp.running or sp.hung:
-            logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored",
-                         sp.name, msg.pid)
+            logger.debug("stage %s: StageReady from pid %d that is not its current process, ignored", sp.name, msg.pid)
             return
         sp.liveness.beat(msg, time.monotonic())
         if msg.max_model_len:
@@ -245,8 +254,12 @@ class StageSupervisor:
         if not sp.up:
             sp.up = True
             sp.ever_ready = True
-            logger.info("stage %s: ready (pid %d%s)", sp.name, msg.pid,
-                        f", max_model_len {msg.max_model_len}" if msg.max_model_len else "")
+            logger.info(
+                "stage %s: ready (pid %d%s)",
+                sp.name,
+                msg.pid,
+                f", max_model_len {msg.max_model_len}" if msg.max_model_len else "",
+            )
             self._events.on_stage_up(sp.name)
 
     def _on_external_announcement(self, sp: SupervisedReplica, msg: StageReady) -> None:
@@ -272,16 +285,20 @@ class StageSupervisor:
             sp.max_model_len = msg.max_model_len
         sp.announced = True
         if sp.connection_down:
-            logger.debug("stage %s: announced itself; up once the connection to %s is",
-                         sp.name, sp.address)
+            logger.debug("stage %s: announced itself; up once the connection to %s is", sp.name, sp.address)
             return
         self._external_up(sp)
 
     def _external_up(self, sp: SupervisedReplica) -> None:
         sp.up = True
         sp.ever_ready = True
-        logger.info("stage %s: ready (started elsewhere: pid %d on %s%s)", sp.name, sp.pid,
-                    sp.host or "?", f", max_model_len {sp.max_model_len}" if sp.max_model_len else "")
+        logger.info(
+            "stage %s: ready (started elsewhere: pid %d on %s%s)",
+            sp.name,
+            sp.pid,
+            sp.host or "?",
+            f", max_model_len {sp.max_model_len}" if sp.max_model_len else "",
+        )
         self._events.on_stage_up(sp.name)
 
     def heard_from(self, name: str) -> None:
@@ -349,8 +366,7 @@ class StageSupervisor:
                 code = sp.poll()
                 if code is not None and not self._stopping:
                     self._on_stage_exit(sp, code)
-            elif (sp.restart_at is not None and now >= sp.restart_at and self._started
-                  and not self._stopping):
+            elif sp.restart_at is not None and now >= sp.restart_at and self._started and not self._stopping:
                 sp.restarts += 1
                 sp.tail.append(f"--- restart {sp.restarts} ---")
                 try:
@@ -372,8 +388,13 @@ class StageSupervisor:
         group is killed; its exit (:meth:`_on_stage_exit`) restarts it."""
         sp.up = False
         sp.hung = why
-        logger.error("stage %s (pid %s) %s: killing its process group; last lines of its "
-                     "output:\n%s", sp.name, sp.pid, why, sp.log_tail(10))
+        logger.error(
+            "stage %s (pid %s) %s: killing its process group; last lines of its output:\n%s",
+            sp.name,
+            sp.pid,
+            why,
+            sp.log_tail(10),
+        )
         self._events.on_stage_down(sp.name, f"{why} and was killed")
         sp.signal_group(signal.SIGKILL)
 
@@ -400,8 +421,14 @@ class StageSupervisor:
         hung, sp.hung = sp.hung, None
         if hung is not None:
             what = sp.last_exit_words = f"{what} after it {hung}"
-        logger.error("stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
-                     sp.name, sp.pid, what, uptime, sp.log_tail(10))
+        logger.error(
+            "stage %s (pid %s) %s after %.1f s; last lines of its output:\n%s",
+            sp.name,
+            sp.pid,
+            what,
+            uptime,
+            sp.log_tail(10),
+        )
         sp.signal_group(signal.SIGKILL)  # helpers it may have left behind
         if hung is None:  # a hung one was reported down when it was found
             self._events.on_stage_down(sp.name, f"died ({what})")
@@ -421,33 +448,10 @@ class StageSupervisor:
         self._stopping = True
 
     def stop_processes(self, grace: float) -> None:
-        """Blocking: wait ``grace`` for the stages to exit, then SIGTERM, then SIGKILL."""
+        """Blocking: wait ``grace`` for the stages to exit, then SIGTERM, then SIGKILL
+        (:mod:`omni_cache.runtime.stage_stopping`)."""
         self._stopping = True
-        procs = [sp for sp in self._stages.values() if sp.running]
-        end = time.monotonic() + grace
-        while time.monotonic() < end and any(sp.poll() is None for sp in procs):
-            time.sleep(0.05)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            running = [sp for sp in procs if sp.poll() is None]
-            if not running:
-                break
-            logger.info("stopping stage(s) %s with %s", ", ".join(sp.name for sp in running), sig.name)
-            for sp in running:
-                sp.signal_group(sig)
-            end = time.monotonic() + grace
-            while time.monotonic() < end and any(sp.poll() is None for sp in running):
-                time.sleep(0.05)
-        for sp in procs:
-            # Leftovers in the stage's process group (helpers of a stage that already exited).
-            sp.signal_group(signal.SIGKILL)
-            assert sp.runner is not None
-            with contextlib.suppress(Exception):
-                sp.runner.wait(1.0)
-            sp.up = False
-        for sp in self._stages.values():
-            if sp.runner is not None:
-                with contextlib.suppress(Exception):
-                    sp.runner.close()
+        stop_replicas(self._stages.values(), grace)
 
     async def close(self) -> None:
         """Cancel the monitor and the connection watchers (after :meth:`stop_processes`)."""
@@ -462,18 +466,4 @@ class StageSupervisor:
     def kill_all_sync(self, grace: float = 3.0) -> None:
         """Last resort when the event loop is gone (atexit, a crashed server): SIGTERM every stage
         process group, then SIGKILL after ``grace``."""
-        procs = [sp for sp in self._stages.values() if sp.alive()]
-        for sp in procs:
-            sp.signal_group(signal.SIGTERM)
-        end = time.monotonic() + grace
-        while time.monotonic() < end and any(sp.alive() for sp in procs):
-            time.sleep(0.05)
-        for sp in procs:
-            sp.signal_group(signal.SIGKILL)
-            assert sp.runner is not None
-            with contextlib.suppress(Exception):
-                sp.runner.wait(1.0)
-        for sp in self._stages.values():
-            if sp.runner is not None:
-                with contextlib.suppress(Exception):
-                    sp.runner.close()
+        kill_replicas(self._stages.values(), grace)
