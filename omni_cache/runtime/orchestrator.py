@@ -15,12 +15,16 @@ state and module, as vLLM's engine client owns its engine processes:
   deadline and route; a request whose replica died starts again on live replicas from where its
   client is (:mod:`~omni_cache.runtime.resume`);
 * ``outputs`` (:mod:`~omni_cache.runtime.output_assembly`): the stages' outputs turned into the
-  client's events; ``metrics`` and the stages' counters (:mod:`~omni_cache.runtime.stats`).
+  client's events; ``metrics`` and the stages' counters (:mod:`~omni_cache.runtime.stats`);
+* ``ends`` (:mod:`~omni_cache.runtime.request_ends`): every request's end, exactly one terminal
+  event on its :class:`~omni_cache.runtime.results.RequestHandle`, ``Completed`` (every stage it
+  needs finished) or ``Failed`` (stage died -> 503, stage error -> its status, a failure handling
+  its output -> 500, deadline -> 504, shutdown -> 503);
+* ``inbox`` (:mod:`~omni_cache.runtime.stage_messages`): the dispatch of what the stages send;
+* ``losses`` (:mod:`~omni_cache.runtime.replica_loss`): a replica down, its requests resumed or failed.
 
-What stays here is coordination: start and close, the dispatch of what the stages send, and every
-request's end: exactly one terminal event on its :class:`~omni_cache.runtime.results.RequestHandle`,
-``Completed`` (every stage it needs finished) or ``Failed`` (stage died -> 503, stage error -> its
-status, a failure handling its output -> 500, deadline -> 504, shutdown -> 503).
+What stays here is coordination: start and close, a request's intake and its hand-off to the entry
+stage, aborts, the deadline loop, and what the rest of the server reads.
 """
 
 from __future__ import annotations
@@ -35,26 +39,27 @@ from typing import TYPE_CHECKING, Any
 from omni_cache.config import PipelineConfig, resolve_model
 from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
-from omni_cache.config.replicas import Replica
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, audio_input_rate
 from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
 from omni_cache.runtime.loop_lag import watch_loop_lag
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
-from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
+from omni_cache.runtime.output_assembly import OutputAssembler
 from omni_cache.runtime.placement import external_stages_of
+from omni_cache.runtime.replica_loss import ReplicaLoss
+from omni_cache.runtime.request_ends import RequestEnds
 from omni_cache.runtime.requests import Request, RequestTable, media_frames, new_request, submit_message, with_time_left
-from omni_cache.runtime.results import Failed, RequestError, RequestHandle
-from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
+from omni_cache.runtime.results import RequestHandle
 from omni_cache.runtime.route_planner import RoutePlanner
 from omni_cache.runtime.stage_fleet import StageFleet
+from omni_cache.runtime.stage_messages import StageMessages
 from omni_cache.runtime.stats import StageStatsBoard
 from omni_cache.runtime.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRACE_S
 from omni_cache.runtime.text_codec import TextCodec
 from omni_cache.runtime.topology import Topology
 from omni_cache.tasks import cancel_and_wait
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats, Submit
+from omni_cache.wire.messages import Submit
 from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
 
@@ -107,14 +112,21 @@ class Orchestrator:
         external = external_stages_of(config, external_stages)
         run_dir = new_run_dir(config)
         self.config = config = with_default_addresses(
-            with_overrides(config, checkpoint_dir=checkpoint_dir, prefix_cache=prefix_cache), run_dir)
+            with_overrides(config, checkpoint_dir=checkpoint_dir, prefix_cache=prefix_cache), run_dir
+        )
         self.topology = topology = Topology.of(config)
         self.served_model_name = config.server.served_model_name or config.name
-        self.fleet = StageFleet(config, self, run_dir=run_dir, stage_argv=stage_argv,
-                                external=external, control_addr=control_addr, echo_stage_logs=echo_stage_logs,
-                                start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None
-                                                 else float(start_timeout_s)),
-                                shutdown_grace_s=shutdown_grace_s)
+        self.fleet = StageFleet(
+            config,
+            self,
+            run_dir=run_dir,
+            stage_argv=stage_argv,
+            external=external,
+            control_addr=control_addr,
+            echo_stage_logs=echo_stage_logs,
+            start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None else float(start_timeout_s)),
+            shutdown_grace_s=shutdown_grace_s,
+        )
         #: The stage processes (read only: the fleet's).
         self.supervisor = self.fleet.supervisor
         self.codec = TextCodec(tokenizer)
@@ -128,6 +140,38 @@ class Orchestrator:
         self.timeline = Timeline("server")  # omni_cache/timeline.py: off unless OMNI_CACHE_TIMELINE_DIR is set
         self.outputs = OutputAssembler(topology, self.metrics, self.timeline)
         self._stats = StageStatsBoard()
+        self.ends = RequestEnds(
+            self.requests,
+            fleet=self.fleet,
+            admission=self.admission,
+            outputs=self.outputs,
+            metrics=self.metrics,
+            spawn=self._spawn,
+        )
+        self.inbox = StageMessages(
+            config,
+            topology,
+            fleet=self.fleet,
+            requests=self.requests,
+            routes=self.routes,
+            outputs=self.outputs,
+            metrics=self.metrics,
+            stats=self._stats,
+            ends=self.ends,
+            spawn=self._spawn,
+        )
+        self.losses = ReplicaLoss(
+            topology,
+            fleet=self.fleet,
+            requests=self.requests,
+            routes=self.routes,
+            admission=self.admission,
+            codec=self.codec,
+            metrics=self.metrics,
+            ends=self.ends,
+            hand_to_entry=self._hand_to_entry,
+            spawn=self._spawn,
+        )
         # The server's own heap: see omni_cache/heap_trim.py (trimmed from the deadline loop).
         self.heap = HeapTrimmer()
         self._tasks: list[asyncio.Task] = []
@@ -175,8 +219,11 @@ class Orchestrator:
         self._ready_event = asyncio.Event()
         try:
             await self.fleet.bind()
-            for name, coro in [("recv", self.fleet.receive(self.on_message)), ("deadlines", self._deadline_loop()),
-                               ("loop-lag", watch_loop_lag(self.metrics.loop_lag.observe))]:
+            for name, coro in [
+                ("recv", self.fleet.receive(self.on_message)),
+                ("deadlines", self._deadline_loop()),
+                ("loop-lag", watch_loop_lag(self.metrics.loop_lag.observe)),
+            ]:
                 self._tasks.append(asyncio.create_task(coro, name=f"omni-cache-{name}"))
             await self.fleet.launch(self.topology.entry.name, self._load_entry_model)
             self.admission.state = OPEN
@@ -207,7 +254,7 @@ class Orchestrator:
         self.admission.state = CLOSED
         self.supervisor.begin_stop()
         for req in self.requests.all():
-            self._fail(req, 503, "the server is shutting down", abort=False)
+            self.ends.fail(req, 503, "the server is shutting down", abort=False)
         await cancel_and_wait(*self._tasks, *self._background)
         self._tasks.clear()
         await self.fleet.close()
@@ -228,17 +275,8 @@ class Orchestrator:
 
     def on_stage_down(self, stage: str, why: str) -> None:
         """A stage replica stopped serving: drop what was queued for it and resume or fail what
-        it was serving (the requests routed to the other replicas of its stage go on)."""
-        replica = self.fleet.replicas[stage]
-        self.routes.forget(replica)
-        hint = ("retry when it is back" if replica.stage in self.fleet.external
-                else "it is being restarted, retry shortly")
-        for req in self.requests.served_by(replica.stage, replica.index):
-            if self._can_resume(req):
-                self._resume(req, replica)
-            else:
-                self._fail(req, 503, f"stage {stage!r} {why} while serving this request; {hint}",
-                           stage=replica.stage)
+        it was serving (:mod:`~omni_cache.runtime.replica_loss`)."""
+        self.losses.on_replica_down(stage, why)
 
     def on_stage_up(self, stage: str) -> None:
         """A stage replica announced itself ready: the entry stage's context length is now its."""
@@ -253,7 +291,9 @@ class Orchestrator:
         *,
         sampling: EngineSampling | None = None,
         max_tokens: int | None = None,
-        temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
         modalities: Iterable[str] = ("text",),
         media: Sequence[MediaItem] = (),
         return_latents: bool = False,
@@ -277,18 +317,30 @@ class Orchestrator:
         plays it as it comes (stages pace its audio: docs/pacing.md)."""
         ticket = ticket or self.admission.enter()
         try:
-            admitted = self.admission.check(prompt_token_ids, ticket=ticket, sampling=sampling,
-                                            max_tokens=max_tokens, temperature=temperature,
-                                            top_p=top_p, seed=seed,
-                                            modalities=modalities, media=media)
+            admitted = self.admission.check(
+                prompt_token_ids,
+                ticket=ticket,
+                sampling=sampling,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                modalities=modalities,
+                media=media,
+            )
             # Hashing grows with the prompt: off the event loop (omni_cache.runtime.route_planner).
             hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids, admitted.media))
             timeout = float(timeout_s or self.config.server.request_timeout_s)
-            req = new_request(admitted.prompt_token_ids, admitted.modalities, admitted.participants,
-                              received_at=received_at, timeout=timeout,
-                              return_latents=return_latents, ticket=ticket)
-            self.routes.assign(req, admitted.prompt_token_ids, admitted.media,
-                               session_id=session_id, hashes=hashes)
+            req = new_request(
+                admitted.prompt_token_ids,
+                admitted.modalities,
+                admitted.participants,
+                received_at=received_at,
+                timeout=timeout,
+                return_latents=return_latents,
+                ticket=ticket,
+            )
+            self.routes.assign(req, admitted.prompt_token_ids, admitted.media, session_id=session_id, hashes=hashes)
             req.submit = submit_message(req, admitted.sampling, admitted.media, stream=stream)
             req.media = media_frames(admitted.media)
             self.requests.add(req)
@@ -305,17 +357,23 @@ class Orchestrator:
         (unless a later attempt replaced it meanwhile)."""
         entry = self.topology.entry.name
         try:
-            sent = await self.fleet.send(self._serving(req, entry), with_time_left(msg, req),
-                                         req.media, timeout=timeout)
+            sent = await self.fleet.send(
+                self.ends.serving(req, entry), with_time_left(msg, req), req.media, timeout=timeout
+            )
         except MessageTooLarge as e:
-            self._fail(req, 400, f"the request is too large to send to stage {entry!r} ({e}); "
-                                 "send less media or raise server.max_message_bytes", stage=entry)
+            self.ends.fail(
+                req,
+                400,
+                f"the request is too large to send to stage {entry!r} ({e}); "
+                "send less media or raise server.max_message_bytes",
+                stage=entry,
+            )
             return
         except Exception as e:  # noqa: BLE001
             logger.warning("request %s: could not send it to %s: %s", req.request_id, entry, e)
             sent = False
         if not sent and req.wire_id == msg.request_id:
-            self._fail(req, 503, f"could not hand the request to stage {entry!r}", stage=entry)
+            self.ends.fail(req, 503, f"could not hand the request to stage {entry!r}", stage=entry)
 
     def end_session(self, session_id: str) -> None:
         """The session's replicas are no longer kept for it (its client went away)."""
@@ -325,54 +383,13 @@ class Orchestrator:
         """Drop a request (client went away): fail its handle (499) and tell its stages."""
         req = self.requests.find(request_id)
         if req is not None:
-            self._fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
+            self.ends.fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
 
     def abort_threadsafe(self, request_id: str, reason: str = "aborted") -> None:
         """`abort` from any thread, run on the orchestrator's loop (unknown or finished: ignored)."""
         if self._loop is None:
             raise RuntimeError("the orchestrator is not started")
         self._loop.call_soon_threadsafe(self.abort, request_id, reason)
-
-    def _serving(self, req: Request, stage: str) -> str:
-        """The name of the replica of ``stage`` that serves ``req``."""
-        name = self.fleet.name_of(stage, req.route.get(stage, 0))
-        assert name is not None, (stage, req.route)
-        return name
-
-    def _abort_on_stages(self, req: Request, *, skip: str | None = None) -> None:
-        """Tell every live replica still running ``req``'s current attempt to drop it."""
-        for name in req.participants:
-            sp = self.supervisor.stages.get(self._serving(req, name))
-            if name != skip and name not in req.finished and sp is not None and sp.up:
-                self._spawn(self.fleet.send(sp.name, Abort(request_id=req.wire_id), timeout=1.0))
-
-    # ---- a replica died: the requests it served go on elsewhere (omni_cache.runtime.resume) ----
-
-    def _can_resume(self, req: Request) -> bool:
-        """Whether ``req`` can start again on live replicas: every stage it needs has one up (the
-        dead replica is already down) and it has attempts left."""
-        return (req.submit is not None and req.attempt + 1 < MAX_ATTEMPTS
-                and self.admission.state != CLOSED
-                and all(self.supervisor.up_replicas(s) for s in req.participants))
-
-    def _resume(self, req: Request, dead: Replica) -> None:
-        """Start ``req`` again as a new attempt, routed among the replicas that are up, from where
-        its client is; the old attempt ends on the live replicas that still run it."""
-        self._abort_on_stages(req)
-        old = req.wire_id
-        text_from_entry = self.topology.text_stage.name == self.topology.entry.name
-        entry_out = req.finished.get(self.topology.entry.name)
-        answer_finished = (entry_out.finish_reason or "stop") if entry_out is not None else None
-        next_attempt(req, self.codec.detokenize)
-        self.requests.rekey(req, old)
-        self.routes.assign(req, resumed_prompt(req, text_from_entry), req.submit.media)
-        msg = resumed_submit(req, text_from_entry=text_from_entry, answer_finished=answer_finished)
-        self.metrics.request_resumed(dead.stage, dead.index)
-        logger.warning("request %s: %s died while serving it; resumed as %s on %s after %d "
-                       "token(s) and %d audio sample(s) its client has", req.request_id, dead.name,
-                       req.wire_id, self._serving(req, self.topology.entry.name), len(req.answer_tokens),
-                       req.audio_samples)
-        self._spawn(self._hand_to_entry(req, msg, timeout=10.0))
 
     # ---- a request's end -------------------------------------------------------------------------
 
@@ -381,96 +398,16 @@ class Orchestrator:
             await asyncio.sleep(DEADLINE_CHECK_INTERVAL_S)
             now = time.monotonic()
             try:
-                self._fail_expired(now)
+                self.ends.fail_expired(now)
             except Exception:  # noqa: BLE001
                 logger.exception("orchestrator: deadline check failed")
             self.heap.maybe_trim(now)
 
-    def _fail_expired(self, now: float) -> None:
-        for req in self.requests.expired(now):
-            waiting = req.waiting_for()
-            self._fail(req, 504,
-                       f"request timed out after {req.timeout_s:g} s (server.request_timeout_s); "
-                       f"still waiting for stage(s): {', '.join(waiting)}",
-                       stage=waiting[0] if waiting else None)
-
-    def _fail(self, req: Request, status: int, message: str, *, stage: str | None = None,
-              abort: bool = True, count: bool = True) -> None:
-        if req.done:
-            return
-        req.done = True
-        self.requests.answered(req)
-        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
-        if count:
-            self.metrics.request_done(status)
-            if stage is not None:
-                self.metrics.stage_failed_request(stage)
-        if abort and self.admission.state != CLOSED:
-            self._abort_on_stages(req, skip=stage)
-        logger.info("request %s failed (%d): %s", req.request_id, status, message)
-
-    def _complete(self, req: Request) -> None:
-        completed = self.outputs.completed(req)  # first: if this fails, the request is failed
-        req.done = True
-        self.requests.answered(req)
-        req.queue.put_nowait(completed)
-        self.metrics.request_done(None)
-
     # ---- what the stages send --------------------------------------------------------------------
 
     def on_message(self, msg: Any, tensors: dict[str, Any]) -> None:
-        """One message from a stage (the receive loop's dispatch)."""
-        if isinstance(msg, (StageOutput, StageError, StageStats)):
-            self.supervisor.heard_from(msg.stage)  # any message says the stage is alive, not only beats
-        if isinstance(msg, StageOutput):
-            self._on_output(msg, tensors)
-        elif isinstance(msg, StageError):
-            self._on_error(msg)
-        elif isinstance(msg, StageReady):
-            self.supervisor.on_announcement(msg)
-        elif isinstance(msg, BlockEvents):
-            self.routes.on_block_events(msg)
-        elif isinstance(msg, StageStats):
-            name = self.fleet.name_of(msg.stage, msg.replica)
-            if name is None:
-                logger.warning("stats from unknown stage %r replica %d, ignored", msg.stage, msg.replica)
-                return
-            self._stats.record(name, msg.counters)
-        else:
-            logger.warning("orchestrator: unexpected %s message, ignored", type(msg).__name__)
-
-    def _on_output(self, msg: StageOutput, tensors: dict[str, Any]) -> None:
-        req = self.requests.get(msg.request_id)
-        if req is None:
-            if not self.requests.recently_answered(msg.request_id) and msg.stage in self.topology.stage_names:
-                # A request this orchestrator does not know (e.g. queued before a restart); the
-                # output does not say which replica sent it: every replica of the stage forgets it.
-                self.requests.remember(msg.request_id)
-                for sp in self.supervisor.replicas_of(msg.stage):
-                    self._spawn(self.fleet.send(sp.name, Abort(request_id=msg.request_id), timeout=1.0))
-            return
-        if msg.stage not in self.topology.stage_names:
-            logger.warning("request %s: output from unknown stage %r, ignored", msg.request_id, msg.stage)
-            return
-        try:
-            self.routes.output_seen(req, msg.stage, msg.media_layout)
-            if self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic()):
-                self._complete(req)
-        except BadOutput as e:
-            self._fail(req, 500, str(e), stage=msg.stage)
-        except Exception as e:  # noqa: BLE001 -- a bug: this request ends now, not at its deadline
-            logger.exception("request %s: handling stage %s's output failed", req.request_id, msg.stage)
-            self.metrics.output_failed(msg.stage)
-            self._fail(req, 500, f"the server failed on stage {msg.stage!r}'s output: {type(e).__name__}: {e}",
-                       stage=msg.stage)
-
-    def _on_error(self, msg: StageError) -> None:
-        req = self.requests.get(msg.request_id)
-        if req is None:
-            logger.info("stage %s: error for unknown request %s: %s", msg.stage, msg.request_id, msg.message)
-            return
-        status = msg.status if 400 <= msg.status <= 599 else 500
-        self._fail(req, status, f"stage {msg.stage!r}: {msg.message}", stage=msg.stage)
+        """One message from a stage (the receive loop's dispatch: :mod:`~omni_cache.runtime.stage_messages`)."""
+        self.inbox.on_message(msg, tensors)
 
     # ---- status ----------------------------------------------------------------------------------
 
@@ -496,5 +433,6 @@ class Orchestrator:
 
     async def render_metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        return self.metrics.render(await self.stage_stats(), self.in_flight,
-                                   routing=self.routes.snapshot(), heap=self.heap.counters())
+        return self.metrics.render(
+            await self.stage_stats(), self.in_flight, routing=self.routes.snapshot(), heap=self.heap.counters()
+        )
