@@ -1,6 +1,7 @@
 """Hybrid thinker block states: what they cost in prefill time and what they buy in hits.
 
     python -m benchmarks.hybrid_block_states [--model qwen3.5] [--rounds 7] [--traces 3] [--turns 10] [--json PATH]
+    python -m benchmarks.hybrid_block_states --model qwen3.5 --cost-only [--cost-blocks 4,16,32] [--rounds 41]
 
 Engines (in-process vLLM stages with the hidden-state cache on, as the thinker stage runs them;
 the tiny hybrid and dense thinkers in bfloat16, as the shipped configs, block size picked by vLLM
@@ -33,18 +34,23 @@ context floored to the block, for sub-agents 2-4. vLLM's align mode cannot hit f
 sub-agent (no state inside the first one's chunk) and stops the second one's chunk at the branch,
 which lets the third and fourth hit.
 Memory: recurrent-state bytes held per cached token, from the engine's KV-cache spec.
+`--cost-only`: the cost on a workload with no reuse instead (benchmarks/hybrid_cost.py): fresh prompts
+of each `--cost-blocks` length, engines alternating ABAB/BABA, wall and CPU time, paired ratios.
+Every engine runs on `--threads` compute threads (1: this process's CPU time is then the engine's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
 from typing import Any
 
 from benchmarks.harness import command_line, machine_info
+from benchmarks.hybrid_cost import cost_lines, no_reuse_cost
 
 PROMPT_BLOCKS = 4
 ANSWER = 48
@@ -223,7 +229,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="engines of the prefill part (comma-separated; align is always run)")
     parser.add_argument("--model", default="thinker-hybrid", choices=("thinker-hybrid", "qwen3.5"),
                         help="the hybrid checkpoint")
+    parser.add_argument("--cost-only", action="store_true",
+                        help="only the no-reuse cost: fresh prompts of each --cost-blocks length")
+    parser.add_argument("--cost-blocks", default="4,16,32", help="prompt lengths of --cost-only, in blocks")
+    parser.add_argument("--threads", type=int, default=1, help="torch compute threads of the engines")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)  # before vLLM's CPU worker pins it
 
     result: dict[str, Any] = {"machine": machine_info(),
                               "command": command_line("benchmarks.hybrid_block_states")}
@@ -244,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         hybrid["fine"] = _stage(model, prefix_match_unit=32)
     if "none" in engines:
         hybrid["none"] = _stage(model, prefix_cache=False)
+    if args.cost_only:
+        lengths = [int(b) * B for b in args.cost_blocks.split(",")]
+        run = lambda name, rid, prompt: ask(hybrid[name], rid, prompt, 1)  # noqa: E731
+        result["cost"] = no_reuse_cost(run, list(hybrid), lengths, args.rounds, args.seed)
+        result["cost"]["threads"] = torch.get_num_threads()
+        print("\n".join(cost_lines(result["cost"], B)))
+        return _finish(result, args.json)
     result["prefill"] = prefill(hybrid, args.rounds, args.seed)
     p = result["prefill"]
     print(f"prefill of {PROMPT_BLOCKS} x {B} tokens, median of {args.rounds} (s):")
@@ -275,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         a["shared_context"] = c
         print(f"  shared context: hit rate {c['hit_rate']:.3f} (best {c['best_rate']:.3f}, "
               f"{c['at_best']}/{c['counted']} at best), mean TTFT {c['mean_ttft_s']:.3f} s")
-    result["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
-    if args.json:
-        with open(args.json, "w") as f:
+    return _finish(result, args.json)
+
+
+def _finish(result: dict[str, Any], path: str | None) -> int:
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
     return 0
 
