@@ -106,6 +106,7 @@ __all__ = [
     "default_checkpoint_dir",
     "ensure_checkpoint",
     "write_checkpoint",
+    "write_talker",
 ]
 
 CHECKPOINT_NAMES = tuple(TINY_MODELS)
@@ -233,19 +234,28 @@ def _write_thinker_hybrid(out: Path, seed: int) -> None:
     _write_text_tokenizer(out)
 
 
-def talker_config() -> dict:
+def talker_config(thinker_hidden: int = THINKER_HIDDEN) -> dict:
     """Contents of the talker's ``talker_config.json``."""
     return {
         "codebook_size": CODEBOOK_SIZE,
         "codec_bos_id": CODEC_BOS_ID,
         "codec_eos_id": CODEC_EOS_ID,
         "codec_pad_id": CODEC_PAD_ID,
-        "thinker_hidden_size": THINKER_HIDDEN,
+        "thinker_hidden_size": thinker_hidden,
         "talker_hidden_size": TALKER_HIDDEN,
     }
 
 
 def _write_talker(out: Path, seed: int) -> None:
+    write_talker(out, seed)
+
+
+def write_talker(out: Path, seed: int = 0, thinker_hidden: int = THINKER_HIDDEN) -> Path:
+    """The tiny talker, its thinker projection sized for a thinker of hidden size
+    ``thinker_hidden`` (``tiny:talker`` is sized for ``tiny:thinker``; a test pipeline puts it
+    behind another thinker, e.g. ``tiny:qwen3.5``'s 256)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     cfg = _qwen3_config(
         vocab_size=TALKER_VOCAB_SIZE, hidden=TALKER_HIDDEN, layers=4, heads=4, kv_heads=2, head_dim=64,
         intermediate=768, eos_token_id=CODEC_EOS_ID, bos_token_id=CODEC_BOS_ID,
@@ -265,12 +275,12 @@ def _write_talker(out: Path, seed: int) -> None:
     # thinker hidden (RMS-normed, ~unit scale) -> talker input embedding (~INIT_STD scale, like the
     # talker's own token embeddings). float32: the caller projects, then casts to the talker's dtype.
     proj = {
-        "weight": f.normal("thinker_projection.weight", (TALKER_HIDDEN, THINKER_HIDDEN),
-                           std=INIT_STD / math.sqrt(THINKER_HIDDEN)),
+        "weight": f.normal("thinker_projection.weight", (TALKER_HIDDEN, thinker_hidden),
+                           std=INIT_STD / math.sqrt(thinker_hidden)),
         "bias": f.normal("thinker_projection.bias", (TALKER_HIDDEN,), std=INIT_STD / 4),
     }
     save_safetensors(out / "thinker_projection.safetensors", proj)
-    write_json(out / "talker_config.json", talker_config())
+    write_json(out / "talker_config.json", talker_config(thinker_hidden))
     # Codes 0..255 are the byte symbols (meaningless as text, harmless to detokenize); the specials
     # are the codec's, so the tokenizer's eos is codec_eos.
     write_tokenizer(
@@ -281,6 +291,7 @@ def _write_talker(out: Path, seed: int) -> None:
         bos="<|codec_bos|>",
         chat_template=None,
     )
+    return out
 
 
 def _write_decoder(out: Path, seed: int) -> None:
