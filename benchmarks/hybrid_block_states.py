@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write all figures here")
     parser.add_argument("--prefill-only", action="store_true", help="skip the agent traces")
     parser.add_argument("--engines", default="block_states,align,split,fine",
-                        help="engines of the prefill part (comma-separated; align is always run)")
+                        help="engines of the prefill part or of --cost-only (comma-separated; align is always run)")
     parser.add_argument("--model", default="thinker-hybrid", choices=("thinker-hybrid", "qwen3.5"),
                         help="the hybrid checkpoint")
     parser.add_argument("--cost-only", action="store_true",
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": machine_info(),
                               "command": command_line("benchmarks.hybrid_block_states")}
     engines = set(args.engines.split(",")) | {"align"}
-    if not args.prefill_only:
+    if not (args.prefill_only or args.cost_only):
         engines |= {"block_states", "fine", "dense"}  # the agent traces use them
     model = args.model
     result["model"] = model
