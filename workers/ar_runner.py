@@ -126,13 +126,14 @@ def multi_modal_uuids(media: list[MediaRef], video: VideoInput = VideoInput()) -
 
 
 def media_layout(out: StepOutput) -> MediaLayout | None:
-    """How the engine expanded a media prompt (its first output), for the router; None for a
-    name too long for the wire (the router then just does not learn these items)."""
-    if not out.media_spans or any(len(m) > MAX_MEDIA_NAME or len(i) > MAX_MEDIA_NAME
-                                  for m, i, _, _ in out.media_spans):
+    """How the engine expanded a media prompt (its first output): the client's
+    ``prompt_token_ids`` and, for the router, its items' spans (none for a name too long for the
+    wire: the router then just does not learn these items). None for a prompt without media."""
+    if not out.media_spans:
         return None
+    too_long = any(len(m) > MAX_MEDIA_NAME or len(i) > MAX_MEDIA_NAME for m, i, _, _ in out.media_spans)
     return MediaLayout(prompt_token_ids=list(out.prompt_token_ids or ()),
-                       spans=[MediaSpan(*span) for span in out.media_spans])
+                       spans=[] if too_long else [MediaSpan(*span) for span in out.media_spans])
 
 
 def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: str) -> None:

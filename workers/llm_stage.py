@@ -49,7 +49,7 @@ class StepOutput:
     # The prompt's videos (patch grids, seconds per grid); first output only.
     video_grids: VideoGrids | None = None
     # Its media items as (modality, identifier, offset, length), in the engine's order; first
-    # output only, on a stage that reports its blocks (prefix routing of media prompts).
+    # output of a media prompt only.
     media_spans: list[tuple[str, str, int, int]] | None = None
     # vLLM's stop reason with a "stop" finish: the stop string, or the stop token id.
     stop_reason: int | str | None = None
@@ -172,10 +172,11 @@ class LLMStage:
         if prompt.get("multi_modal_data"):
             tracked.image_grids = _image_grids(self.scheduler.requests[internal])
             tracked.video_grids = video_grids(self.scheduler.requests[internal])
-            if self.block_events is not None:  # the router learns where the media went
-                tracked.media_spans = [(f.modality, f.identifier, f.mm_position.offset,
-                                        f.mm_position.length)
-                                       for f in self.scheduler.requests[internal].mm_features or ()]
+            # Where the media went: the client's prompt_token_ids are the expanded prompt (as
+            # vLLM answers them) and the router learns the items' runs (prefix routing).
+            tracked.media_spans = [(f.modality, f.identifier, f.mm_position.offset,
+                                    f.mm_position.length)
+                                   for f in self.scheduler.requests[internal].mm_features or ()]
         if streamed is not None or positions is not None:
             from scheduler import streamed_rows
 

@@ -52,6 +52,9 @@ class OutputAssembler:
             # per sample it sent; a rate like that is a broken or hostile stage.
             raise BadOutput(f"stage {msg.stage!r} sent audio at {msg.sample_rate} Hz "
                             f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})")
+        if msg.media_layout is not None and req.attempt == 0 and stage.name == self._topology.entry.name:
+            # (A resumed attempt's prompt holds the answer so far: not the client's prompt.)
+            req.engine_prompt_token_ids = list(msg.media_layout.prompt_token_ids)
         self._text(req, stage, msg, now)
         if stage.final_output == "audio":
             self._audio(req, stage, msg, tensors, now)

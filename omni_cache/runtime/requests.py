@@ -69,6 +69,9 @@ class Request:
     got_token: bool = False
     got_audio: bool = False
     done: bool = False
+    #: Its prompt as the entry stage's engine expanded the media placeholders (the first output
+    #: of a media request says; None until then, and for a prompt without media).
+    engine_prompt_token_ids: list[int] | None = None
     #: The Submit that started it and its media frames: a resumed attempt is built from them.
     submit: Submit | None = None
     media: dict[str, Any] = field(default_factory=dict)

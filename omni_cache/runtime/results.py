@@ -126,6 +126,13 @@ class RequestHandle:
         self._terminal = False
 
     @property
+    def engine_prompt_token_ids(self) -> list[int]:
+        """The prompt as the entry stage's engine saw it, media placeholders expanded (what vLLM
+        answers as ``prompt_token_ids``): known once the entry stage's first output came; the
+        prompt sent until then and for a prompt without media."""
+        return self._req.engine_prompt_token_ids or self.prompt_token_ids
+
+    @property
     def done(self) -> bool:
         """Whether the terminal event was consumed."""
         return self._terminal

@@ -247,7 +247,9 @@ class RoutePlanner:
         prompt's media (its first output of a media request)."""
         if stage == self._entry.name:
             req.prefill_backlog = 0
-            if layout is not None:
+            # (Every media request's first output has one, for its client: only a router that
+            # hashes media prompts keeps what it says.)
+            if layout is not None and self.prefix_routing:
                 self.learn_media(req, layout)
 
     def learn_media(self, req: Request, layout: MediaLayout) -> None:

@@ -121,7 +121,9 @@ class StreamOptions:
 
     include_usage: bool = False
     continuous_usage: bool = False  # usage on every chunk (continuous_usage_stats)
-    prompt_token_ids: list[int] | None = None  # on the first chunk (return_token_ids)
+    #: The prompt's token ids on the first chunk, media placeholders expanded as vLLM's engine
+    #: saw them (the chunk goes out after the entry stage's first output, which says).
+    return_token_ids: bool = False
 
 
 async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: ChoiceWriter, *,
@@ -149,8 +151,8 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: Cho
         response = ChatCompletionStreamResponse(**base, choices=[choice])
         if not sent_first:
             choice.delta.role = "assistant"
-            if options.prompt_token_ids is not None:
-                response.prompt_token_ids = options.prompt_token_ids
+            if options.return_token_ids:
+                response.prompt_token_ids = handle.engine_prompt_token_ids
             sent_first = True
         if options.continuous_usage:
             response.usage = usage(prompt_tokens, writer.num_tokens, 0)

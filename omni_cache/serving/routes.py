@@ -138,8 +138,8 @@ async def chat_completions(request: Request):
         ticket.release()  # refused (or the client went away) before it was accepted
         raise
     if a.chat.body.stream:
-        return _stream(a.handle, a.chat, orch, a.writer, a.answer_id, a.prompt)
-    return await _complete(a.handle, a.chat, orch, request, a.writer, a.answer_id, a.prompt)
+        return _stream(a.handle, a.chat, orch, a.writer, a.answer_id)
+    return await _complete(a.handle, a.chat, orch, request, a.writer, a.answer_id)
 
 
 @dataclass
@@ -150,7 +150,6 @@ class _Accepted:
     chat: ChatRequest
     writer: ChoiceWriter
     answer_id: str
-    prompt: list[int]
 
 
 async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
@@ -191,7 +190,7 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
     answer_id = f"chatcmpl-{req.request_id}" if "request_id" in req.model_fields_set \
         else f"chatcmpl-{handle.request_id}"
     writer = ChoiceWriter(chat.body, parser, orch.codec.decode_token, prompt)
-    return _Accepted(handle, chat, writer, answer_id, prompt)
+    return _Accepted(handle, chat, writer, answer_id)
 
 
 #: The context length used before the entry stage reported one (vLLM then still checks its own).
@@ -260,7 +259,7 @@ def _use_audio_in_video(chat: ChatRequest) -> bool | None:
 
 
 def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter,
-            answer_id: str, prompt: list[int]) -> StreamingResponse:
+            answer_id: str) -> StreamingResponse:
     """The answer as SSE chunks (:mod:`omni_cache.serving.chat_stream`)."""
     req = chat.body
     base = {"id": answer_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -269,7 +268,7 @@ def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer
     options = StreamOptions(
         include_usage=bool(so and so.include_usage),
         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
-        prompt_token_ids=prompt if req.return_token_ids else None)
+        return_token_ids=bool(req.return_token_ids))
     return _RequestStream(
         handle,
         stream_chunks(handle, base, writer, entry_stage=orch.topology.entry.name, options=options,
@@ -298,7 +297,7 @@ class _RequestStream(StreamingResponse):
 
 
 async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request,
-                    writer: ChoiceWriter, answer_id: str, prompt: list[int]) -> Response:
+                    writer: ChoiceWriter, answer_id: str) -> Response:
     """The whole answer as one chat.completion (audio encoded in the requested format)."""
     from openai.types.chat.chat_completion_audio import ChatCompletionAudio
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
@@ -323,7 +322,8 @@ async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator
             id=answer_id, created=created, model=orch.served_model_name, choices=[choice],
             usage=usage(done.num_prompt_tokens, answer.num_tokens,
                         done.cached_tokens.get(orch.topology.entry.name, 0)),
-            prompt_token_ids=prompt if chat.body.return_token_ids else None)
+            # vLLM's prompt_token_ids: media placeholders expanded, as its engine saw them.
+            prompt_token_ids=handle.engine_prompt_token_ids if chat.body.return_token_ids else None)
         return JSONResponse(response.model_dump()).body
 
     return Response(await asyncio.to_thread(body), media_type="application/json")

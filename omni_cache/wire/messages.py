@@ -148,8 +148,9 @@ class MediaSpan(msgspec.Struct, array_like=True):
 
 class MediaLayout(msgspec.Struct, kw_only=True):
     """Entry stage -> orchestrator, with a media request's first output: its prompt as the
-    engine expanded it and where each item sits, so the router can hash later prompts with the
-    same media as the engine does (omni_cache/runtime/media_layouts.py)."""
+    engine expanded it (the client's ``prompt_token_ids``, as `vllm serve` answers them) and where
+    each item sits, so the router can hash later prompts with the same media as the engine does
+    (omni_cache/runtime/media_layouts.py; no spans where an item's name is too long for the wire)."""
 
     prompt_token_ids: list[TokenId]
     spans: list[MediaSpan]
@@ -192,7 +193,7 @@ class StageOutput(msgspec.Struct, tag="output", kw_only=True):
     #: took in (a talker: the text it was given to speak; the answer's audio transcript).
     input_text: str = ""
     #: The entry stage's first output to the orchestrator of a request with media: how its
-    #: engine expanded the prompt (prefix routing of media prompts).
+    #: engine expanded the prompt (the client's prompt_token_ids; prefix routing of media prompts).
     media_layout: MediaLayout | None = None
 
 
