@@ -10,9 +10,9 @@ checkpoint greedy answers differed once in 12 tokens, where transformers' top tw
 So every served answer is checked token by token against the reference fed the same tokens
 (teacher forcing, one forward over prompt + answer):
 
-* the prompt the server rendered equals the reference's chat template, token for token, and the
-  stage expanded its media placeholders (Qwen3.5's per-frame timestamps included) to the reference
-  processor's length;
+* the prompt as the server answers it (``prompt_token_ids``, media placeholders expanded as
+  vLLM's engine saw them, Qwen3.5's per-frame timestamps included) equals the reference
+  processor's, token for token;
 * each answer token's logprob as served equals the reference's within LOGPROB_ATOL (a wrong state,
   KV block or media row moves them by ~0.1-1);
 * greedy: each answer token is the reference's argmax, or within TIE of it; and the answer equals
@@ -27,21 +27,18 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-import yaml
 from media_samples import png_data_url, video_bytes
-from served_config import served, system_prompt
+from qwen3_5_served import NAME
+from served_config import system_prompt
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
-NAME = "q35parity"
 TOKENS = 8
 # bf16 noise between vLLM's kernels and transformers' reference, in nats: at most 0.012 over 92
 # answer tokens on an AMD EPYC (AVX2); greedy answers were the reference's argmax at every step.
@@ -52,24 +49,15 @@ CONTEXT = system_prompt(720, seed=35)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from omni_cache.models.checkpoints import ensure_checkpoint
-
-    root = tmp_path_factory.mktemp("q35ckpt")
-    return ensure_checkpoint("qwen3.5", root)
+def server(qwen3_5_server):
+    """The omni-serve on stage_configs/qwen3_5.yaml that tests/test_vllm_conformance.py uses too
+    (tests/conftest.py)."""
+    return qwen3_5_server
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cfg")
-    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_5.yaml").read_text())
-    data.update(name=NAME, checkpoint_dir=str(checkpoint.parent))
-    data["server"]["port"] = 0
-    for stage in data["stages"]:
-        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
-        stage["warmup"] = False
-    with served(data, tmp) as srv:
-        yield srv
+def checkpoint(server) -> Path:
+    return server.checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +189,10 @@ def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) ->
     model, processor, _ = reference
     chat_key = json.dumps(messages, sort_keys=True)
     inputs = memo(reference, ("inputs", chat_key), lambda: reference_inputs(processor, messages))
-    # The chat template's output (media placeholders not yet expanded) and the expanded length.
-    text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True,
-                                         tokenize=False)
-    assert got["prompt_ids"] == processor.tokenizer(text)["input_ids"], "the server rendered another prompt"
-    assert got["prompt_tokens"] == inputs["input_ids"].shape[1], "media expanded to another length"
+    # The prompt as the engine saw it (vLLM's prompt_token_ids: media placeholders expanded, a
+    # video's per-frame timestamps included) is the reference processor's, token for token.
+    assert got["prompt_ids"] == inputs["input_ids"][0].tolist(), "another prompt, or media expanded otherwise"
+    assert got["prompt_tokens"] == inputs["input_ids"].shape[1]
     assert got["ids"] and len(got["logprobs"]) == len(got["ids"])
     ref = memo(reference, ("forced", chat_key, tuple(got["ids"])),
                lambda: teacher_forced(model, inputs, got["ids"]))
@@ -228,10 +215,14 @@ def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) ->
 @pytest.mark.parametrize("kind", ["text", "image", "video"])
 def test_answers_equal_the_reference_with_and_without_a_prefix_hit(server, reference, kind):
     media = {"text": [], "image": [image_part(image_url(3))], "video": [video_part(video_url(4))]}[kind]
-    messages = user(*media, f"Describe the {kind} in one line.")
+    # (A question long enough that a block boundary lies past the media: the prompt as the engine
+    # sees it, placeholders expanded, is ~850 tokens without it, its media ending near 800.)
+    messages = user(*media, f"Describe the {kind} in one line; then name its main colour, the corner "
+                    "that stands out most and the mood it sets, each in a word or two, please.")
     first = chat(server, messages)
     check(reference, messages, first)
     again = chat(server, messages)  # the same prompt: a prefix hit through the media
+    # (prompt_ids are the engine's: the media's last placeholder position there.)
     media_end = max((i for i, t in enumerate(again["prompt_ids"])
                      if t in (reference[0].config.image_token_id, reference[0].config.video_token_id)),
                     default=0)
