@@ -121,7 +121,7 @@ def test_a_sound_track_goes_along_where_it_can():
 
 def test_the_submits_uuids_carry_the_processor_kwargs():
     from omni_cache.wire.messages import MediaRef
-    from workers.ar_runner import mm_processor_kwargs, multi_modal_uuids
+    from workers.engine_media import mm_processor_kwargs, multi_modal_uuids
 
     refs = [MediaRef(kind="image", tensor="media.0", uuid="i"),
             MediaRef(kind="video", tensor="media.1", uuid="v", fps=2.0),

@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +25,17 @@ from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk
 from omni_cache.config import PipelineConfig, StageConfig, resolve_handoff
 from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext, Upstream
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import MAX_MEDIA_NAME, MediaLayout, MediaRef, MediaSpan, StageOutput, StreamStart, Submit
-from omni_cache.wire.sampling import EngineSampling
+from omni_cache.wire.messages import StageOutput, StreamStart, Submit
 from scheduler.pacing import PlaybackClock
+from workers.ar_request import ARRequest
+from workers.engine_media import media_layout, mm_processor_kwargs, multi_modal_data, multi_modal_uuids
 from workers.entry_sampling import sampling_params
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
+from workers.resumed_output import resumed_as_undisturbed
 from workers.runner import StageRunner, deadline_in, stage_pacer, time_left
-from workers.spoken_tokens import SpokenDelta
-from workers.video_input import VideoInput, video_input
+from workers.video_input import video_input
 from workers.warmup import no_warmup, warm_up
 
 logger = logging.getLogger(__name__)
@@ -45,154 +44,63 @@ logger = logging.getLogger(__name__)
 TIMELINE_OUTPUTS = 4
 
 
-@dataclass
-class _ARRequest:
-    request_id: str
-    modalities: list[str]
-    sampling: EngineSampling | None
-    deadline: float = 0.0  # time.monotonic(); 0 = none
-    return_latents: bool = False
-    route: dict[str, int] = field(default_factory=dict)  # forwarded with the StreamStart
-    seq: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    upstream: Upstream | None = None
-    upstream_rows: LatentBuffer | None = None
-    upstream_text: list[str] = field(default_factory=list)  # the text of the upstream's tokens
-    handoff_state: dict = field(default_factory=dict)
-    jobs: deque[GenerateJob] = field(default_factory=deque)
-    active: str | None = None  # vLLM request id of the job running now
-    active_job: GenerateJob | None = None
-    num_jobs: int = 0
-    generated: int = 0  # tokens this stage wrote for the request, over all its jobs
-    #: A resumed request (Submit.resumed_tokens): the answer tokens at the end of its prompt,
-    #: sent again with its first output; None once sent.
-    resumed_tail: list[int] | None = None
-    answer_finished: str = ""  # Submit.answer_finished
-    stream: bool = False  # Submit.stream, forwarded downstream in the StreamStart
-    clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
-
-
-def multi_modal_data(media: list[MediaRef], tensors: dict[str, torch.Tensor],
-                     video: VideoInput = VideoInput()) -> dict[str, list]:
-    """A Submit's media as vLLM's ``multi_modal_data``: PIL images, ``(samples, rate)`` clips and
-    videos in the form the model takes (``video``), in prompt order. A frame that is missing or not
-    what its MediaRef says is a ValueError (400)."""
-    from PIL import Image
-
-    out: dict[str, list] = {}
-    for ref in media:
-        t = tensors.get(ref.tensor)
-        if ref.kind == "image" and t is not None and t.dtype == torch.uint8 and t.dim() == 3 \
-                and t.shape[-1] == 3:
-            out.setdefault("image", []).append(Image.fromarray(t.numpy()))
-        elif ref.kind == "audio" and t is not None and t.dtype == torch.float32 and t.dim() == 1 \
-                and ref.sample_rate > 0:
-            out.setdefault("audio", []).append((t.numpy(), ref.sample_rate))
-        elif ref.kind == "video" and t is not None and t.dtype == torch.uint8 and t.dim() == 4 \
-                and t.shape[-1] == 3 and ref.fps > 0:
-            out.setdefault("video", []).append(video.item(t.numpy(), ref.fps))
-        else:
-            raise ValueError(f"media item {ref.tensor!r} ({ref.kind}) is missing or malformed")
-    return out
-
-
-def mm_processor_kwargs(media: list[MediaRef], video: VideoInput = VideoInput()) -> dict[str, Any] | None:
-    """vLLM's ``mm_processor_kwargs`` for a Submit with videos: the rate of their sampled frames
-    (Qwen3-Omni's processor takes one per request: the first video's; its temporal positions
-    are 2 / fps seconds per patch) and ``use_audio_in_video`` when their sound tracks came along;
-    None for a model that reads the rate from each video's metadata (workers/video_input.py).
-    A video frame that came without a rate is a ValueError (400)."""
-    videos = [ref for ref in media if ref.kind == "video"]
-    if not videos:
-        return None
-    return video.processor_kwargs(videos[0].fps, any(ref.in_video for ref in media))
-
-
-def multi_modal_uuids(media: list[MediaRef], video: VideoInput = VideoInput()) -> dict[str, list] | None:
-    """vLLM's ``multi_modal_uuids`` for a Submit's media (the server's content digests), laid out
-    as ``multi_modal_data``; None unless every item has one. A video's processed inputs depend on
-    the request's processor kwargs too (:func:`mm_processor_kwargs`): its UUID and its sound
-    track's carry them, so vLLM's caches never mix two readings of one file."""
-    if not media or not all(ref.uuid for ref in media):
-        return None
-    kwargs = mm_processor_kwargs(media, video)
-    suffix = "" if kwargs is None else f":fps={kwargs['fps']:.6g}:av={int(kwargs['use_audio_in_video'])}"
-    out: dict[str, list] = {}
-    for ref in media:
-        uuid = ref.uuid + suffix if ref.kind == "video" or ref.in_video else ref.uuid
-        out.setdefault(ref.kind, []).append(uuid)
-    return out
-
-
-def media_layout(out: StepOutput) -> MediaLayout | None:
-    """How the engine expanded a media prompt (its first output): the client's
-    ``prompt_token_ids`` and, for the router, its items' spans (none for a name too long for the
-    wire: the router then just does not learn these items). None for a prompt without media."""
-    if not out.media_spans:
-        return None
-    too_long = any(len(m) > MAX_MEDIA_NAME or len(i) > MAX_MEDIA_NAME for m, i, _, _ in out.media_spans)
-    return MediaLayout(prompt_token_ids=list(out.prompt_token_ids or ()),
-                       spans=[] if too_long else [MediaSpan(*span) for span in out.media_spans])
-
-
-def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: str) -> None:
-    """Rewrite a resumed request's first output (omni_cache.runtime.resume) as the output an
-    undisturbed run would have sent by now: its prompt is the client's, and the answer tokens at
-    the end of the resumed prompt are generated ones, sent with the new token. vLLM outputs
-    nothing before the first token, so this first output holds the whole prefill's rows: one per
-    position fed, as an undisturbed run has after sampling as many tokens.
-
-    ``answer_finished``: the answer was complete; the token vLLM sampled now is not part of it,
-    and neither is the row of the answer's last token, which an undisturbed run never feeds."""
-    k = len(tail)
-    out.num_prompt_tokens -= k
-    if out.prompt_token_ids:
-        out.prompt_token_ids = out.prompt_token_ids[:-k]
-    if answer_finished:
-        out.token_ids, out.text = list(tail), ""
-        out.finished, out.finish_reason = True, answer_finished
-        out.latents = {name: rows[:-1] for name, rows in out.latents.items()}
-        if out.spoken is not None:
-            # The token that stopped the answer is not spoken (its text the client never got).
-            out.spoken = SpokenDelta(list(tail[:-1] if answer_finished == "stop" else tail))
-    else:
-        out.token_ids = [*tail, *out.token_ids]
-        if out.spoken is not None:
-            out.spoken = SpokenDelta([*tail, *out.spoken.token_ids], out.spoken.text)
-
-
 class ARRunner(StageRunner):
-    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
-                 prefix_cache: bool, report_blocks: bool = False, timeline: Timeline | None = None) -> None:
-        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s,
-                         timeline=timeline)
+    def __init__(
+        self,
+        config: PipelineConfig,
+        stage: StageConfig,
+        model: str,
+        outbox: Any,
+        prefix_cache: bool,
+        report_blocks: bool = False,
+        timeline: Timeline | None = None,
+    ) -> None:
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s, timeline=timeline)
         self.downstream = bool(config.downstream(stage.name))
         spec = stage.latents
         latents = None
         if spec.any():
             merged = (spec.merged.layer, spec.merged.media_layer) if spec.merged else None
-            latents = LatentOptions(hidden=spec.hidden, layers=tuple(spec.layers), merged=merged,
-                                    cache=prefix_cache, storage=stage.latent_cache_device)
+            latents = LatentOptions(
+                hidden=spec.hidden,
+                layers=tuple(spec.layers),
+                merged=merged,
+                cache=prefix_cache,
+                storage=stage.latent_cache_device,
+            )
         engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
         async_scheduling = bool(engine_args.pop("async_scheduling", False))
         kv_source = resolve_kv_cache_size(stage.name, engine_args, os.environ)
         self.pacer = stage_pacer(stage)
-        self.llm = LLMStage(model, engine_args, prefix_cache=prefix_cache, latents=latents,
-                            async_scheduling=async_scheduling, submodel=stage.submodel,
-                            report_blocks=report_blocks, pacer=self.pacer)
-        logger.info("stage %s: KV cache: %s (sized by %s)", stage.name,
-                    describe_pool(self.llm.engine.vllm_config.cache_config), kv_source)
-        self.warmup = (warm_up(self.llm, stage.sampling, entry=not stage.inputs) if stage.warmup
-                       else no_warmup())
+        self.llm = LLMStage(
+            model,
+            engine_args,
+            prefix_cache=prefix_cache,
+            latents=latents,
+            async_scheduling=async_scheduling,
+            submodel=stage.submodel,
+            report_blocks=report_blocks,
+            pacer=self.pacer,
+        )
+        logger.info(
+            "stage %s: KV cache: %s (sized by %s)",
+            stage.name,
+            describe_pool(self.llm.engine.vllm_config.cache_config),
+            kv_source,
+        )
+        self.warmup = warm_up(self.llm, stage.sampling, entry=not stage.inputs) if stage.warmup else no_warmup()
         if stage.warmup:
-            logger.info("stage %s: warmed up in %.1f s (%s)", stage.name, self.warmup.total_s,
-                        ", ".join(f"{p} {s:.2f} s" for p, s in self.warmup.seconds.items()))
+            logger.info(
+                "stage %s: warmed up in %.1f s (%s)",
+                stage.name,
+                self.warmup.total_s,
+                ", ".join(f"{p} {s:.2f} s" for p, s in self.warmup.seconds.items()),
+            )
         self.max_model_len = self.llm.max_model_len
         self.video = video_input(self.llm.engine)
         self.handoff = resolve_handoff(stage.handoff) if stage.handoff else None
         self.handoff_ctx = HandoffContext(Path(model))
-        self.requests: dict[str, _ARRequest] = {}
+        self.requests: dict[str, ARRequest] = {}
         self.by_job: dict[str, str] = {}
         # vLLM's vllm:prompt_tokens / vllm:generation_tokens, summed over this stage's engine requests.
         self.prompt_tokens = 0
@@ -207,29 +115,41 @@ class ARRunner(StageRunner):
 
     def _submit(self, msg: Submit, tensors: dict[str, torch.Tensor]) -> None:
         if not 0 <= msg.resumed_tokens < len(msg.prompt_token_ids):
-            raise ValueError(f"resumed_tokens {msg.resumed_tokens} is not within the prompt "
-                             f"({len(msg.prompt_token_ids)} tokens)")
+            raise ValueError(
+                f"resumed_tokens {msg.resumed_tokens} is not within the prompt ({len(msg.prompt_token_ids)} tokens)"
+            )
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already running")
         if self.is_dead(msg):
             return
         media = multi_modal_data(msg.media, tensors, self.video) if msg.media else None
-        req = _ARRequest(msg.request_id, list(msg.modalities), msg.sampling,
-                         deadline=deadline_in(msg.time_left_s),
-                         return_latents=msg.return_latents, route=dict(msg.route),
-                         stream=msg.stream)
+        req = ARRequest(
+            msg.request_id,
+            list(msg.modalities),
+            msg.sampling,
+            deadline=deadline_in(msg.time_left_s),
+            return_latents=msg.return_latents,
+            route=dict(msg.route),
+            stream=msg.stream,
+        )
         req.clock = self._clock(req)
         if msg.resumed_tokens:
-            req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens:])
+            req.resumed_tail = list(msg.prompt_token_ids[-msg.resumed_tokens :])
             req.answer_finished = msg.answer_finished
         self.requests[msg.request_id] = req
         self.total_requests += 1
         self.timeline.mark(req.request_id, "input")
-        self._start(req, GenerateJob(prompt_token_ids=list(msg.prompt_token_ids),
-                                     multi_modal_data=media,
-                                     multi_modal_uuids=multi_modal_uuids(msg.media, self.video),
-                                     mm_processor_kwargs=mm_processor_kwargs(msg.media, self.video),
-                                     max_tokens=msg.sampling.max_tokens, last=True))
+        self._start(
+            req,
+            GenerateJob(
+                prompt_token_ids=list(msg.prompt_token_ids),
+                multi_modal_data=media,
+                multi_modal_uuids=multi_modal_uuids(msg.media, self.video),
+                mm_processor_kwargs=mm_processor_kwargs(msg.media, self.video),
+                max_tokens=msg.sampling.max_tokens,
+                last=True,
+            ),
+        )
 
     def _from_upstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         req = self.requests.get(msg.request_id)
@@ -243,8 +163,7 @@ class ARRunner(StageRunner):
         up = req.upstream
         # What an upstream sends for one request is bounded by what this stage can take in.
         if len(up.token_ids) + len(msg.token_ids) > self.max_model_len:
-            raise ValueError(f"stage {msg.stage!r} sent more than max_model_len "
-                             f"({self.max_model_len}) tokens")
+            raise ValueError(f"stage {msg.stage!r} sent more than max_model_len ({self.max_model_len}) tokens")
         up.token_ids.extend(msg.token_ids)
         req.upstream_text.append(msg.text)
         up.num_prompt_tokens = msg.num_prompt_tokens or up.num_prompt_tokens
@@ -262,40 +181,47 @@ class ARRunner(StageRunner):
             elif isinstance(job, GenerateJob):
                 req.jobs.append(job)
             else:
-                raise TypeError(f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
-                                "an autoregressive stage runs GenerateJob and FeedJob")
+                raise TypeError(
+                    f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
+                    "an autoregressive stage runs GenerateJob and FeedJob"
+                )
         self._next_job(req)
 
-    def _clock(self, req: _ARRequest) -> PlaybackClock | None:
+    def _clock(self, req: ARRequest) -> PlaybackClock | None:
         """A playback clock for a spoken answer its client streams, when this stage paces."""
         if self.pacer is None or not req.stream or "audio" not in req.modalities:
             return None
         return self.pacer.clock()
 
-    def _open(self, start: StreamStart) -> _ARRequest:
+    def _open(self, start: StreamStart) -> ARRequest:
         """A request from its upstream's first output, with the context that came with it."""
-        req = _ARRequest(start.request_id, list(start.modalities), start.sampling,
-                         deadline=deadline_in(start.time_left_s),
-                         return_latents=start.return_latents, route=dict(start.route),
-                         upstream=Upstream.opened_by(start), stream=start.stream)
+        req = ARRequest(
+            start.request_id,
+            list(start.modalities),
+            start.sampling,
+            deadline=deadline_in(start.time_left_s),
+            return_latents=start.return_latents,
+            route=dict(start.route),
+            upstream=Upstream.opened_by(start),
+            stream=start.stream,
+        )
         req.clock = self._clock(req)
         self.requests[start.request_id] = req
         self.total_requests += 1
         return req
 
-    def _feed(self, req: _ARRequest, job: FeedJob) -> None:
+    def _feed(self, req: ARRequest, job: FeedJob) -> None:
         """Streamed rows for the request's streaming job: to vLLM if it runs, else into the job."""
         target = req.active_job if req.active is not None else (req.jobs[-1] if req.jobs else None)
         if target is None or target.stream is None:
-            raise ValueError(f"hand-off fed rows to request {req.request_id!r}, which has no "
-                             "streaming job")
+            raise ValueError(f"hand-off fed rows to request {req.request_id!r}, which has no streaming job")
         if req.active is not None:
             self.llm.feed(req.active, job.rows, job.done)
             return
         target.stream.rows = torch.cat([target.stream.rows, job.rows])
         target.stream.done = target.stream.done or job.done
 
-    def _next_job(self, req: _ARRequest) -> None:
+    def _next_job(self, req: ARRequest) -> None:
         """Start the request's next job, unless one runs. On a stage fed by a hand-off the
         stage's `sampling.max_tokens` caps the whole answer: once its jobs wrote that many
         tokens, the remaining jobs are skipped and the request ends with the last one."""
@@ -305,12 +231,21 @@ class ARRunner(StageRunner):
                 self._start(req, job)
             elif job.last:
                 req.active_job = job
-                self._emit(req, StepOutput(request_id="", token_ids=[], text="", finished=True,
-                                           finish_reason="length", num_prompt_tokens=0,
-                                           num_cached_tokens=0))
+                self._emit(
+                    req,
+                    StepOutput(
+                        request_id="",
+                        token_ids=[],
+                        text="",
+                        finished=True,
+                        finish_reason="length",
+                        num_prompt_tokens=0,
+                        num_cached_tokens=0,
+                    ),
+                )
                 return
 
-    def _params(self, req: _ARRequest, job: GenerateJob) -> Any:
+    def _params(self, req: ARRequest, job: GenerateJob) -> Any:
         """vLLM's SamplingParams of a job: the client's (Submit.sampling) on the entry stage, the
         stage's configured sampling and the job's own rules on a stage fed by a hand-off."""
         from vllm import SamplingParams
@@ -320,11 +255,16 @@ class ARRunner(StageRunner):
         defaults = self.stage.sampling
         max_tokens = min(job.max_tokens or defaults.max_tokens, defaults.max_tokens - req.generated)
         return SamplingParams(
-            max_tokens=max_tokens, temperature=defaults.temperature, top_p=defaults.top_p,
-            seed=defaults.seed, extra_args=job.extra_args, stop_token_ids=job.stop_token_ids,
-            allowed_token_ids=job.allowed_token_ids)
+            max_tokens=max_tokens,
+            temperature=defaults.temperature,
+            top_p=defaults.top_p,
+            seed=defaults.seed,
+            extra_args=job.extra_args,
+            stop_token_ids=job.stop_token_ids,
+            allowed_token_ids=job.allowed_token_ids,
+        )
 
-    def _start(self, req: _ARRequest, job: GenerateJob) -> None:
+    def _start(self, req: ARRequest, job: GenerateJob) -> None:
         params = self._params(req, job)
         if job.prompt_embeds is not None:
             prompt = {"prompt_embeds": job.prompt_embeds}
@@ -346,8 +286,9 @@ class ARRunner(StageRunner):
             streamed.add(job.stream.rows, job.stream.done)
         # The entry stage hands downstream only what the client's text covers (spoken_tokens.py).
         spoken = self.handoff is None and self.downstream and "audio" in req.modalities
-        self.llm.add(vllm_id, prompt, params, streamed=streamed, positions=job.positions,
-                     clock=req.clock, spoken=spoken)
+        self.llm.add(
+            vllm_id, prompt, params, streamed=streamed, positions=job.positions, clock=req.clock, spoken=spoken
+        )
         self.timeline.mark(req.request_id, "job")
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
@@ -365,16 +306,21 @@ class ARRunner(StageRunner):
                     self.llm.abort(out.request_id)  # nothing of it stays in the engine
                 continue
             if out.error is not None:  # its output could not be assembled: it fails alone
-                logger.error("stage %s: request %s: its step output failed: %s: %s",
-                             self.stage.name, req.request_id, type(out.error).__name__, out.error,
-                             exc_info=out.error)
+                logger.error(
+                    "stage %s: request %s: its step output failed: %s: %s",
+                    self.stage.name,
+                    req.request_id,
+                    type(out.error).__name__,
+                    out.error,
+                    exc_info=out.error,
+                )
                 self.fail(req.request_id, out.error)
                 continue
             # Starting its next job (vLLM may refuse it) or sending its output (too large for
             # max_message_bytes, or a peer that stopped reading) fails this request only.
             self.guarded(req.request_id, lambda req=req, out=out: self._emit(req, out))
 
-    def _emit(self, req: _ARRequest, out: StepOutput) -> None:
+    def _emit(self, req: ARRequest, out: StepOutput) -> None:
         if req.resumed_tail is not None:
             resumed_as_undisturbed(out, req.resumed_tail, req.answer_finished)
             req.resumed_tail = None
@@ -395,16 +341,22 @@ class ARRunner(StageRunner):
             req.active, req.active_job = None, None  # until the next job (or more upstream input)
         req.num_prompt_tokens = req.num_prompt_tokens or out.num_prompt_tokens
         msg = StageOutput(
-            request_id=req.request_id, stage=self.stage.name, seq=req.seq,
+            request_id=req.request_id,
+            stage=self.stage.name,
+            seq=req.seq,
             # A multi-codebook talker's codes travel as frames (every codebook, known one step
             # after vLLM samples the first); its sampled ids are not output of their own.
             token_ids=[] if self.llm.talker is not None else out.token_ids,
-            text=out.text, latent_start=out.latent_start,
-            finished=finished, finish_reason=out.finish_reason if finished else None,
-            stop_reason=out.stop_reason if finished else None, logprobs=out.logprobs,
+            text=out.text,
+            latent_start=out.latent_start,
+            finished=finished,
+            finish_reason=out.finish_reason if finished else None,
+            stop_reason=out.stop_reason if finished else None,
+            logprobs=out.logprobs,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens if job_done else out.num_cached_tokens,
-            input_text=self._input_text(req) if finished else "")
+            input_text=self._input_text(req) if finished else "",
+        )
         self._mark_output(req, out)
         req.seq += 1
         # The orchestrator hears first: when the downstream's final output reaches it, it has
@@ -414,28 +366,35 @@ class ARRunner(StageRunner):
             tensors = {**tensors, CODES_FRAME: out.codes}
         if self.stage.final_output == "text" or req.return_latents:
             layout = media_layout(out) if msg.seq == 0 else None
-            self.outbox.to_orchestrator(msg if layout is None else msgspec.structs.replace(
-                msg, media_layout=layout), tensors if req.return_latents else None)
+            self.outbox.to_orchestrator(
+                msg if layout is None else msgspec.structs.replace(msg, media_layout=layout),
+                tensors if req.return_latents else None,
+            )
         elif finished:
             # Non-final stages tell the orchestrator they are done with the request (and how much
             # their prefix cache saved), without the payload.
-            self.outbox.to_orchestrator(StageOutput(
-                request_id=req.request_id, stage=self.stage.name, seq=msg.seq, finished=True,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                input_text=msg.input_text))
+            self.outbox.to_orchestrator(
+                StageOutput(
+                    request_id=req.request_id,
+                    stage=self.stage.name,
+                    seq=msg.seq,
+                    finished=True,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                    input_text=msg.input_text,
+                )
+            )
         if self.downstream and "audio" in req.modalities:
             down = msg
             if out.spoken is not None:  # only the tokens whose text the client has
-                down = msgspec.structs.replace(msg, token_ids=out.spoken.token_ids,
-                                               text=out.spoken.text, logprobs=None)
-            self.outbox.to_downstream(self._stream_start(req, down, out) if msg.seq == 0 else down,
-                                      tensors)
+                down = msgspec.structs.replace(msg, token_ids=out.spoken.token_ids, text=out.spoken.text, logprobs=None)
+            self.outbox.to_downstream(self._stream_start(req, down, out) if msg.seq == 0 else down, tensors)
         if finished:
             del self.requests[req.request_id]
         elif job_done:
             self._next_job(req)  # after this output: its seq comes first
 
-    def _mark_output(self, req: _ARRequest, out: StepOutput) -> None:
+    def _mark_output(self, req: ARRequest, out: StepOutput) -> None:
         """Timeline points of an output about to be sent (omni_cache/timeline.py)."""
         if not self.timeline.on:
             return
@@ -447,22 +406,27 @@ class ARRunner(StageRunner):
             self.timeline.mark(req.request_id, "codes_out")
 
     @staticmethod
-    def _input_text(req: _ARRequest) -> str:
+    def _input_text(req: ARRequest) -> str:
         """The text of the tokens the upstream handed this request ("" on the entry stage)."""
         return "".join(req.upstream_text)
 
     @staticmethod
-    def _stream_start(req: _ARRequest, first: StageOutput, out: StepOutput) -> StreamStart:
+    def _stream_start(req: ARRequest, first: StageOutput, out: StepOutput) -> StreamStart:
         """The request's first output downstream, with its context and the prompt this stage's
         engine saw (vLLM reports it with a request's first output)."""
         return StreamStart.opening(
-            first, modalities=req.modalities, sampling=req.sampling,
+            first,
+            modalities=req.modalities,
+            sampling=req.sampling,
             time_left_s=time_left(req.deadline),
-            return_latents=req.return_latents, route=req.route,
-            prompt_token_ids=out.prompt_token_ids or [], image_grids=out.image_grids or [],
+            return_latents=req.return_latents,
+            route=req.route,
+            prompt_token_ids=out.prompt_token_ids or [],
+            image_grids=out.image_grids or [],
             video_grids=out.video_grids.grids if out.video_grids else [],
             video_seconds_per_grid=out.video_grids.seconds_per_grid if out.video_grids else [],
-            stream=req.stream)
+            stream=req.stream,
+        )
 
     # ---- control ---------------------------------------------------------------------------
     def drop(self, request_id: str) -> None:
@@ -476,8 +440,13 @@ class ARRunner(StageRunner):
 
     def counters(self) -> dict[str, float]:
         running, waiting = self.llm.scheduler.get_request_counts()
-        return {**super().counters(), **self.llm.counters(),
-                **(self.pacer.stats.counters() if self.pacer is not None else {}),
-                **self.warmup.counters(),
-                "num_requests_running": running, "num_requests_waiting": waiting,
-                "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens}
+        return {
+            **super().counters(),
+            **self.llm.counters(),
+            **(self.pacer.stats.counters() if self.pacer is not None else {}),
+            **self.warmup.counters(),
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+        }
