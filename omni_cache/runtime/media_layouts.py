@@ -44,7 +44,7 @@ MAX_ITEMS = 4096
 @dataclass(frozen=True)
 class MediaKey:
     """What decides an item's run and identifier: its content digest and kind, and the processor
-    kwargs the thinker passes with the whole request (workers/ar_runner.py: the first video's
+    kwargs the thinker passes with the whole request (workers/engine_media.py: the first video's
     frame rate and ``use_audio_in_video``, which vLLM folds into every item's identifier)."""
 
     kind: str
