@@ -27,7 +27,9 @@ $(STAMP): pyproject.toml
 serve: setup
 	.venv/bin/omni-serve --stage-config $(CONFIG)
 
-# Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the run before any test.
+# Lint and format check first (rules in pyproject.toml's [tool.ruff]): a finding, or a file
+# `ruff format` would change, fails the run before any test.
 test: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

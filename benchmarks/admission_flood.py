@@ -85,8 +85,7 @@ AUDIO_RATE = 16000
 
 def video_shape(args: argparse.Namespace) -> dict[str, Any]:
     width, _, height = args.video_size.partition("x")
-    return {"seconds": args.video_seconds, "fps": args.video_fps, "width": int(width),
-            "height": int(height)}
+    return {"seconds": args.video_seconds, "fps": args.video_fps, "width": int(width), "height": int(height)}
 
 
 def video_limits(args: argparse.Namespace) -> Any:
@@ -94,32 +93,51 @@ def video_limits(args: argparse.Namespace) -> Any:
     from omni_cache.config.server_schema import MediaConfig
 
     shape = video_shape(args)
-    return MediaConfig(max_items=args.items, max_video_frame_pixels=shape["width"] * shape["height"],
-                       max_video_seconds=args.video_seconds + 1,
-                       max_video_audio_seconds=args.video_seconds + 1)
+    return MediaConfig(
+        max_items=args.items,
+        max_video_frame_pixels=shape["width"] * shape["height"],
+        max_video_seconds=args.video_seconds + 1,
+        max_video_audio_seconds=args.video_seconds + 1,
+    )
 
 
 def flood_config(directory: Path, args: argparse.Namespace) -> Path:
     request_media = request_media_bytes(args)
-    media: dict[str, Any] = {"max_items": args.items, "max_image_pixels": args.side * args.side,
-                             "decoded_cache_bytes": args.decoded_cache_mib * MIB}
+    media: dict[str, Any] = {
+        "max_items": args.items,
+        "max_image_pixels": args.side * args.side,
+        "decoded_cache_bytes": args.decoded_cache_mib * MIB,
+    }
     if args.kind == "video":
         limits = video_limits(args)
-        media |= {"max_video_frame_pixels": limits.max_video_frame_pixels,
-                  "max_video_seconds": limits.max_video_seconds,
-                  "max_video_audio_seconds": limits.max_video_audio_seconds}
+        media |= {
+            "max_video_frame_pixels": limits.max_video_frame_pixels,
+            "max_video_seconds": limits.max_video_seconds,
+            "max_video_audio_seconds": limits.max_video_audio_seconds,
+        }
     data = {
         "name": f"flood-{os.getpid()}",
-        "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 60,
-                   "max_message_bytes": max(256 * MIB, 2 * request_media),
-                   "max_requests_in_flight": args.max_in_flight,
-                   "max_body_bytes": max(64 * MIB, 2 * request_media),
-                   "max_media_bytes_in_flight": args.media_requests * request_media,
-                   "media": media},
-        "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:qwen3-omni",
-                    "final_output": "text", "engine_args": {"max_model_len": 8192},
-                    "sampling": {"max_tokens": args.answer_tokens},
-                    "env": {"FAKE_TOKEN_DELAY": str(args.token_delay)}}],
+        "server": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "request_timeout_s": 60,
+            "max_message_bytes": max(256 * MIB, 2 * request_media),
+            "max_requests_in_flight": args.max_in_flight,
+            "max_body_bytes": max(64 * MIB, 2 * request_media),
+            "max_media_bytes_in_flight": args.media_requests * request_media,
+            "media": media,
+        },
+        "stages": [
+            {
+                "name": "thinker",
+                "kind": "autoregressive",
+                "model": "tiny:qwen3-omni",
+                "final_output": "text",
+                "engine_args": {"max_model_len": 8192},
+                "sampling": {"max_tokens": args.answer_tokens},
+                "env": {"FAKE_TOKEN_DELAY": str(args.token_delay)},
+            }
+        ],
     }
     path = directory / "flood.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -130,12 +148,21 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     """n, p50 / p90 / p99 (benchmarks.report.percentile: numpy's linear method), max and mean."""
     if not samples:
         return {}
-    return {"n": len(samples), **{f"p{q}": percentile(samples, q) for q in (50, 90, 99)},
-            "max": max(samples), "mean": statistics.fmean(samples)}
+    return {
+        "n": len(samples),
+        **{f"p{q}": percentile(samples, q) for q in (50, 90, 99)},
+        "max": max(samples),
+        "mean": statistics.fmean(samples),
+    }
 
 
-async def probe(lags: list[tuple[float, float]], interval: float, stop: asyncio.Event,
-                bounds: Any = None, held: list[int] | None = None) -> None:
+async def probe(
+    lags: list[tuple[float, float]],
+    interval: float,
+    stop: asyncio.Event,
+    bounds: Any = None,
+    held: list[int] | None = None,
+) -> None:
     """(when, lag): how much later than ``interval`` each sleep of the event loop woke; with
     ``bounds``, the media bytes they hold at each wake-up go to ``held``."""
     while not stop.is_set():
@@ -148,6 +175,7 @@ async def probe(lags: list[tuple[float, float]], interval: float, stop: asyncio.
 
 
 # ---- the clients (another process) ---------------------------------------------------------------
+
 
 def png_data_url(side: int, seed: int, noise: bool) -> str:
     """One colour (a few KiB: the most decoded bytes for the least sent) or, with ``noise``,
@@ -170,10 +198,14 @@ def media_parts(args: dict[str, Any], client: int) -> list[dict[str, Any]]:
     if args["kind"] == "video":
         from benchmarks.workloads import video_data_url
 
-        return [{"type": "video_url", "video_url": {"url": video_data_url(
-            client * 100 + i, **args["video"])}} for i in range(args["items"])]
-    return [{"type": "image_url", "image_url": {"url": png_data_url(
-        args["side"], client * 100 + i, args["noise"])}} for i in range(args["items"])]
+        return [
+            {"type": "video_url", "video_url": {"url": video_data_url(client * 100 + i, **args["video"])}}
+            for i in range(args["items"])
+        ]
+    return [
+        {"type": "image_url", "image_url": {"url": png_data_url(args["side"], client * 100 + i, args["noise"])}}
+        for i in range(args["items"])
+    ]
 
 
 def run_clients(url: str, model: str, args: dict[str, Any], go: Any, out: Any) -> None:
@@ -186,8 +218,11 @@ def run_clients(url: str, model: str, args: dict[str, Any], go: Any, out: Any) -
     bodies = []
     for c in range(args["clients"]):
         parts = [{"type": "text", "text": f"what is in these {args['kind']}s?"}, *media_parts(args, c)]
-        bodies.append(json.dumps({"model": model, "max_tokens": args["answer_tokens"],
-                                  "messages": [{"role": "user", "content": parts}]}).encode())
+        bodies.append(
+            json.dumps(
+                {"model": model, "max_tokens": args["answer_tokens"], "messages": [{"role": "user", "content": parts}]}
+            ).encode()
+        )
     # One request first, answered before the baseline: the server's first use of its decoders
     # (their libraries' buffers and thread pools) is not the flood's growth.
     with httpx.Client(timeout=120, headers={"Content-Type": "application/json"}) as http:
@@ -236,6 +271,7 @@ def poll_health(url: str, seconds: float, go: Any, out: Any) -> None:
 
 # ---- the server (this process) -------------------------------------------------------------------
 
+
 def rss(field: str) -> int:
     """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -255,10 +291,25 @@ async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
     out: Any = spawn.Queue()
     health_out: Any = spawn.Queue()
     go = spawn.Event()
-    clients = spawn.Process(target=run_clients, args=(url, orch.served_model_name, {
-        "clients": args.clients, "seconds": args.seconds, "items": args.items, "side": args.side,
-        "answer_tokens": args.answer_tokens, "noise": args.noise, "kind": args.kind,
-        "video": video_shape(args)}, go, out))
+    clients = spawn.Process(
+        target=run_clients,
+        args=(
+            url,
+            orch.served_model_name,
+            {
+                "clients": args.clients,
+                "seconds": args.seconds,
+                "items": args.items,
+                "side": args.side,
+                "answer_tokens": args.answer_tokens,
+                "noise": args.noise,
+                "kind": args.kind,
+                "video": video_shape(args),
+            },
+            go,
+            out,
+        ),
+    )
     poller = spawn.Process(target=poll_health, args=(url, args.seconds, go, health_out))
     clients.start()
     poller.start()
@@ -290,19 +341,28 @@ async def serve_and_flood(args: argparse.Namespace) -> dict[str, Any]:
     for code in statuses:
         by_status[str(code)] = by_status.get(str(code), 0) + 1
     return {
-        "loop_lag_idle_s": percentiles(idle), "loop_lag_flood_s": percentiles(flooded),
-        "answers_by_status": by_status, "requests_per_s": len(statuses) / (flood_end - flood_start),
-        "latency_s": {str(code): percentiles([lat for c, lat in zip(statuses, latencies) if c == code])
-                      for code in sorted(set(statuses))},
-        "health_latency_s": percentiles(health), "health_statuses": sorted(set(health_codes)),
+        "loop_lag_idle_s": percentiles(idle),
+        "loop_lag_flood_s": percentiles(flooded),
+        "answers_by_status": by_status,
+        "requests_per_s": len(statuses) / (flood_end - flood_start),
+        "latency_s": {
+            str(code): percentiles([lat for c, lat in zip(statuses, latencies) if c == code])
+            for code in sorted(set(statuses))
+        },
+        "health_latency_s": percentiles(health),
+        "health_statuses": sorted(set(health_codes)),
         "server_rss_before_flood_mib": rss_before / MIB,
         "server_peak_rss_during_flood_mib": rss("VmHWM") / MIB,
         "request_media_mib": request_media_bytes(args) / MIB,
         "media_bound_mib": bounds.max_media_bytes / MIB,
         "media_held_peak_mib": max(held, default=0) / MIB,
         # What the bounds let the flood add to the RSS (see the module's docstring).
-        "rss_growth_allowed_mib": (bounds.max_media_bytes + args.decoded_cache_mib * MIB
-                                   + min(bounds.max_body_bytes, args.clients * body_bytes)) / MIB,
+        "rss_growth_allowed_mib": (
+            bounds.max_media_bytes
+            + args.decoded_cache_mib * MIB
+            + min(bounds.max_body_bytes, args.clients * body_bytes)
+        )
+        / MIB,
     }
 
 
@@ -312,21 +372,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", choices=("image", "video"), default="image", help="the media each request carries")
     ap.add_argument("--seconds", type=float, default=30.0, help="how long the flood lasts")
     ap.add_argument("--idle-seconds", type=float, default=3.0, help="the idle baseline before it")
-    ap.add_argument("--items", type=int, default=4,
-                    help="images or videos per request (server.media.max_items)")
+    ap.add_argument("--items", type=int, default=4, help="images or videos per request (server.media.max_items)")
     ap.add_argument("--video-size", default="1280x720", help="--kind video: frame width x height")
     ap.add_argument("--video-seconds", type=float, default=8.0, help="--kind video: duration")
     ap.add_argument("--video-fps", type=int, default=8, help="--kind video: frame rate (sampled at 2 fps)")
-    ap.add_argument("--side", type=int, default=2048,
-                    help="image width = height (server.media.max_image_pixels is side^2)")
-    ap.add_argument("--noise", action="store_true",
-                    help="random-pixel images (bodies of about items * side^2 * 4 bytes) instead "
-                         "of one-colour ones (a few KiB)")
-    ap.add_argument("--media-requests", type=int, default=4,
-                    help="server.max_media_bytes_in_flight in requests' worth of media")
+    ap.add_argument(
+        "--side", type=int, default=2048, help="image width = height (server.media.max_image_pixels is side^2)"
+    )
+    ap.add_argument(
+        "--noise",
+        action="store_true",
+        help="random-pixel images (bodies of about items * side^2 * 4 bytes) instead of one-colour ones (a few KiB)",
+    )
+    ap.add_argument(
+        "--media-requests", type=int, default=4, help="server.max_media_bytes_in_flight in requests' worth of media"
+    )
     ap.add_argument("--max-in-flight", type=int, default=64, help="server.max_requests_in_flight")
-    ap.add_argument("--decoded-cache-mib", type=int, default=256,
-                    help="server.media.decoded_cache_bytes in MiB (0: off)")
+    ap.add_argument(
+        "--decoded-cache-mib", type=int, default=256, help="server.media.decoded_cache_bytes in MiB (0: off)"
+    )
     ap.add_argument("--answer-tokens", type=int, default=20)
     ap.add_argument("--token-delay", type=float, default=0.02, help="the fake thinker's pace (s)")
     ap.add_argument("--probe-interval", type=float, default=0.01)
@@ -335,21 +399,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.harness import machine_info
 
-    result = {"args": vars(args) | {"json": str(args.json) if args.json else None},
-              "machine": machine_info(), **asyncio.run(serve_and_flood(args))}
+    result = {
+        "args": vars(args) | {"json": str(args.json) if args.json else None},
+        "machine": machine_info(),
+        **asyncio.run(serve_and_flood(args)),
+    }
     lag, idle = result["loop_lag_flood_s"], result["loop_lag_idle_s"]
-    print(f"event loop lag under the flood: p50 {lag['p50'] * 1e3:.1f} ms, p99 "
-          f"{lag['p99'] * 1e3:.1f} ms, max {lag['max'] * 1e3:.1f} ms ({lag['n']} probes; idle p99 "
-          f"{idle['p99'] * 1e3:.1f} ms)")
-    print(f"answers: {result['answers_by_status']} ({result['requests_per_s']:.1f}/s); /health p99 "
-          f"{result['health_latency_s']['p99'] * 1e3:.1f} ms, statuses {result['health_statuses']}; "
-          f"server RSS {result['server_rss_before_flood_mib']:.0f} MiB before, peak "
-          f"{result['server_peak_rss_during_flood_mib']:.0f} MiB during the flood "
-          f"({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})")
+    print(
+        f"event loop lag under the flood: p50 {lag['p50'] * 1e3:.1f} ms, p99 "
+        f"{lag['p99'] * 1e3:.1f} ms, max {lag['max'] * 1e3:.1f} ms ({lag['n']} probes; idle p99 "
+        f"{idle['p99'] * 1e3:.1f} ms)"
+    )
+    print(
+        f"answers: {result['answers_by_status']} ({result['requests_per_s']:.1f}/s); /health p99 "
+        f"{result['health_latency_s']['p99'] * 1e3:.1f} ms, statuses {result['health_statuses']}; "
+        f"server RSS {result['server_rss_before_flood_mib']:.0f} MiB before, peak "
+        f"{result['server_peak_rss_during_flood_mib']:.0f} MiB during the flood "
+        f"({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})"
+    )
     growth = result["server_peak_rss_during_flood_mib"] - result["server_rss_before_flood_mib"]
-    print(f"{args.kind}s: {result['request_media_mib']:.1f} MiB decoded per request; media held "
-          f"peak {result['media_held_peak_mib']:.1f} of the {result['media_bound_mib']:.1f} MiB bound; "
-          f"RSS grew {growth:.0f} MiB, the bounds allow {result['rss_growth_allowed_mib']:.0f} MiB")
+    print(
+        f"{args.kind}s: {result['request_media_mib']:.1f} MiB decoded per request; media held "
+        f"peak {result['media_held_peak_mib']:.1f} of the {result['media_bound_mib']:.1f} MiB bound; "
+        f"RSS grew {growth:.0f} MiB, the bounds allow {result['rss_growth_allowed_mib']:.0f} MiB"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -19,8 +19,14 @@ from typing import Any
 
 from benchmarks.report import distribution
 
-__all__ = ["AUDIO_SEGMENTS", "TEXT_SEGMENTS", "format_breakdown", "request_id_of", "request_segments",
-           "summarize_breakdown"]
+__all__ = [
+    "AUDIO_SEGMENTS",
+    "TEXT_SEGMENTS",
+    "format_breakdown",
+    "request_id_of",
+    "request_segments",
+    "summarize_breakdown",
+]
 
 #: (segment, from point, to point) from the client's request to the thinker's first token: the
 #: start of the way to the first audio and to the first text alike.
@@ -76,8 +82,11 @@ def _points(sample: Mapping[str, Any], timeline: Mapping[str, Mapping[str, float
     return points
 
 
-def request_segments(sample: Mapping[str, Any], timeline: Mapping[str, Mapping[str, float]],
-                     segments: Sequence[tuple[str, str, str]] = AUDIO_SEGMENTS) -> dict[str, float] | None:
+def request_segments(
+    sample: Mapping[str, Any],
+    timeline: Mapping[str, Mapping[str, float]],
+    segments: Sequence[tuple[str, str, str]] = AUDIO_SEGMENTS,
+) -> dict[str, float] | None:
     """segment -> seconds for one request, or None when a point is missing (a request without
     audio, a timeline that was off)."""
     points = _points(sample, timeline)
@@ -95,8 +104,9 @@ def request_id_of(sample: Mapping[str, Any]) -> str | None:
     return rid.removeprefix("chatcmpl-") if rid else None
 
 
-def summarize_breakdown(samples: Sequence[Mapping[str, Any]],
-                        timelines: Mapping[str, Mapping[str, Mapping[str, float]]]) -> dict[str, Any]:
+def summarize_breakdown(
+    samples: Sequence[Mapping[str, Any]], timelines: Mapping[str, Mapping[str, Mapping[str, float]]]
+) -> dict[str, Any]:
     """One side's breakdown: per segment the distribution (seconds) over the requests that have
     every point, for the first audio and the first text, and how many requests that was."""
     out: dict[str, Any] = {}
@@ -109,11 +119,12 @@ def summarize_breakdown(samples: Sequence[Mapping[str, Any]],
             seg = request_segments(s, timelines[rid], segments)
             if seg is not None:
                 rows.append(seg)
-        out[label] = {"requests": len(rows),
-                      "segments": {name: distribution(r[name] for r in rows) for name, _, _ in segments}}
+        out[label] = {
+            "requests": len(rows),
+            "segments": {name: distribution(r[name] for r in rows) for name, _, _ in segments},
+        }
         if label == "audio":
-            out[label]["server_share"] = distribution(
-                sum(r[n] for n in SERVER_SEGMENTS) for r in rows)
+            out[label]["server_share"] = distribution(sum(r[n] for n in SERVER_SEGMENTS) for r in rows)
     return out
 
 

@@ -47,8 +47,12 @@ def bench_kernels(dev, hiddens, names_list, tokens_list, quick, timer, gen, log)
     for h in hiddens:
         for k in names_list:
             specs = {f"l{i}": (h, torch.bfloat16) for i in range(k)}
-            stores = {p: LatentStore(specs, num_slots // BLOCK, BLOCK, storage="device", device=dev,
-                                     use_triton=ut if cuda else None) for p, ut in paths}
+            stores = {
+                p: LatentStore(
+                    specs, num_slots // BLOCK, BLOCK, storage="device", device=dev, use_triton=ut if cuda else None
+                )
+                for p, ut in paths
+            }
             for T in tokens_list:
                 nbytes = T * k * h * 2
                 R = rotations(nbytes, cache_budget)
@@ -73,21 +77,42 @@ def bench_kernels(dev, hiddens, names_list, tokens_list, quick, timer, gen, log)
                         t_eager = timer.eager(fns, reps)
                         t_min = t_eager if cuda else timer.last_min
                         t_gpu = timer.graph(fns, reps) if cuda else t_eager
-                        row = dict(op=op, path=p, hidden=h, names=k, tokens=T, bytes=nbytes,
-                                   t_us=t_gpu * 1e6, t_eager_us=t_eager * 1e6,
-                                   GBps=2 * nbytes / t_gpu / 1e9, copy_us=t_copy * 1e6,
-                                   copy_GBps=2 * nbytes / t_copy / 1e9, frac=t_copy / t_gpu)
+                        row = dict(
+                            op=op,
+                            path=p,
+                            hidden=h,
+                            names=k,
+                            tokens=T,
+                            bytes=nbytes,
+                            t_us=t_gpu * 1e6,
+                            t_eager_us=t_eager * 1e6,
+                            GBps=2 * nbytes / t_gpu / 1e9,
+                            copy_us=t_copy * 1e6,
+                            copy_GBps=2 * nbytes / t_copy / 1e9,
+                            frac=t_copy / t_gpu,
+                        )
                         if not cuda:  # minimum over calls: less sensitive to other processes
-                            row.update(t_min_us=t_min * 1e6, copy_min_us=t_copy_min * 1e6,
-                                       GBps_min=2 * nbytes / t_min / 1e9, frac_min=t_copy_min / t_min,
-                                       clone_us=t_clone * 1e6, clone_min_us=t_clone_min * 1e6,
-                                       frac_clone_min=t_clone_min / t_min)
+                            row.update(
+                                t_min_us=t_min * 1e6,
+                                copy_min_us=t_copy_min * 1e6,
+                                GBps_min=2 * nbytes / t_min / 1e9,
+                                frac_min=t_copy_min / t_min,
+                                clone_us=t_clone * 1e6,
+                                clone_min_us=t_clone_min * 1e6,
+                                frac_clone_min=t_clone_min / t_min,
+                            )
                         rows.append(row)
-                        log(f"{op:6s} {p:6s} h={h} k={k} T={T:6d}  {row['t_us']:9.1f} us "
+                        log(
+                            f"{op:6s} {p:6s} h={h} k={k} T={T:6d}  {row['t_us']:9.1f} us "
                             f"(eager {row['t_eager_us']:9.1f})  {row['GBps']:7.1f} GB/s  "
                             f"copy {row['copy_GBps']:7.1f} GB/s  frac {row['frac']:.2f}"
-                            + (f"  [min: {row['t_min_us']:9.1f} us, frac {row['frac_min']:.2f}, "
-                               f"vs clone {row['frac_clone_min']:.2f}]" if not cuda else ""))
+                            + (
+                                f"  [min: {row['t_min_us']:9.1f} us, frac {row['frac_min']:.2f}, "
+                                f"vs clone {row['frac_clone_min']:.2f}]"
+                                if not cuda
+                                else ""
+                            )
+                        )
                 del srcs, sms, cp_src, cp_dst
             for s in stores.values():
                 s.close()
@@ -110,17 +135,27 @@ def bench_tiles(dev, timer, gen, log):
     nbytes = T * k * h * 2
     orig = row_kernels.launch_config
     try:
-        for bt, bd, w in [(8, 1024, 4), (4, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
-                          (2, 2048, 8), (1, 4096, 8)]:
+        for bt, bd, w in [
+            (8, 1024, 4),
+            (4, 1024, 4),
+            (16, 512, 4),
+            (16, 1024, 8),
+            (32, 256, 4),
+            (2, 2048, 8),
+            (1, 4096, 8),
+        ]:
             row_kernels.launch_config = lambda n, d, c=(bt, bd, w): c
             for op in ("write", "gather"):
-                fns = [(lambda i=i: store.write(sms[i], srcs[i])) if op == "write"
-                       else (lambda i=i: store.gather(sms[i])) for i in range(R)]
+                fns = [
+                    (lambda i=i: store.write(sms[i], srcs[i])) if op == "write" else (lambda i=i: store.gather(sms[i]))
+                    for i in range(R)
+                ]
                 t = timer.graph(fns, 20)
-                out.append(dict(op=op, block_t=bt, block_d=bd, warps=w, t_us=t * 1e6,
-                                GBps=2 * nbytes / t / 1e9))
-                log(f"tile {op:6s} BLOCK_T={bt:3d} BLOCK_D={bd:5d} warps={w}: {t*1e6:8.1f} us "
-                    f"{2*nbytes/t/1e9:7.1f} GB/s")
+                out.append(dict(op=op, block_t=bt, block_d=bd, warps=w, t_us=t * 1e6, GBps=2 * nbytes / t / 1e9))
+                log(
+                    f"tile {op:6s} BLOCK_T={bt:3d} BLOCK_D={bd:5d} warps={w}: {t * 1e6:8.1f} us "
+                    f"{2 * nbytes / t / 1e9:7.1f} GB/s"
+                )
     finally:
         row_kernels.launch_config = orig
     store.close()
@@ -148,8 +183,10 @@ def bench_host(dev, timer, gen, log, quick):
         ts.append(time.perf_counter() - t0)
     res["host_scatter_GBps"] = nbytes / statistics.median(ts) / 1e9
     res["host_threads"] = torch.get_num_threads()
-    log(f"pinned D2H {res['d2h_GBps']:.1f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s, host scatter "
-        f"{res['host_scatter_GBps']:.1f} GB/s ({res['host_threads']} threads)")
+    log(
+        f"pinned D2H {res['d2h_GBps']:.1f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s, host scatter "
+        f"{res['host_scatter_GBps']:.1f} GB/s ({res['host_threads']} threads)"
+    )
     del d, hbuf, mirror
     gathers = []
     h = 4096
@@ -157,14 +194,13 @@ def bench_host(dev, timer, gen, log, quick):
         specs = {f"l{i}": (h, torch.bfloat16) for i in range(k)}
         num_slots = 65536
         for mode in ("zero_copy", "staging"):
-            store = LatentStore(specs, num_slots // BLOCK, BLOCK, storage="host", device=dev,
-                                host_gather=mode)
+            store = LatentStore(specs, num_slots // BLOCK, BLOCK, storage="host", device=dev, host_gather=mode)
             # fill the mirror through the pipeline
             for lo in range(0, num_slots, 8192):
                 sm = torch.arange(lo, lo + 8192, device=dev)
                 store.write(sm, {n: torch.randn(8192, h, device=dev).to(torch.bfloat16) for n in specs})
             store.synchronize()
-            for M in ((1024, 16384) if quick else (256, 1024, 4096, 16384)):
+            for M in (1024, 16384) if quick else (256, 1024, 4096, 16384):
                 sl = [block_slots(M, num_slots, gen) for _ in range(3)]
                 nb = M * k * h * 2
                 ts = []
@@ -178,11 +214,22 @@ def bench_host(dev, timer, gen, log, quick):
                 hb = torch.empty(nb, dtype=torch.uint8, pin_memory=True)
                 db = torch.empty(nb, dtype=torch.uint8, device=dev)
                 t_ref = timer.eager([lambda db=db, hb=hb: db.copy_(hb, non_blocking=True)], 5)
-                row = dict(mode=mode, hidden=h, names=k, tokens=M, bytes=nb, t_us=t * 1e6,
-                           GBps=nb / t / 1e9, h2d_GBps=nb / t_ref / 1e9, frac=t_ref / t)
+                row = dict(
+                    mode=mode,
+                    hidden=h,
+                    names=k,
+                    tokens=M,
+                    bytes=nb,
+                    t_us=t * 1e6,
+                    GBps=nb / t / 1e9,
+                    h2d_GBps=nb / t_ref / 1e9,
+                    frac=t_ref / t,
+                )
                 gathers.append(row)
-                log(f"host gather {mode:9s} k={k} M={M:6d}: {row['t_us']:9.1f} us {row['GBps']:6.1f} GB/s"
-                    f" (H2D copy of the same bytes {row['h2d_GBps']:6.1f} GB/s, frac {row['frac']:.2f})")
+                log(
+                    f"host gather {mode:9s} k={k} M={M:6d}: {row['t_us']:9.1f} us {row['GBps']:6.1f} GB/s"
+                    f" (H2D copy of the same bytes {row['h2d_GBps']:6.1f} GB/s, frac {row['frac']:.2f})"
+                )
                 del hb, db
             store.close()
     res["gather"] = gathers
@@ -191,32 +238,42 @@ def bench_host(dev, timer, gen, log, quick):
 
 def print_tables(res, log):
     log("\n== write / gather (device-resident mirror) ==")
-    log(f"{'op':6s} {'path':6s} {'h':>5s} {'k':>2s} {'tokens':>6s} {'MiB':>8s} {'t_us':>9s} "
-        f"{'eager_us':>9s} {'GB/s':>7s} {'copy GB/s':>9s} {'frac':>5s} {'min_us':>9s} {'frac_min':>8s}")
+    log(
+        f"{'op':6s} {'path':6s} {'h':>5s} {'k':>2s} {'tokens':>6s} {'MiB':>8s} {'t_us':>9s} "
+        f"{'eager_us':>9s} {'GB/s':>7s} {'copy GB/s':>9s} {'frac':>5s} {'min_us':>9s} {'frac_min':>8s}"
+    )
     for r in res["kernels"]:
-        log(f"{r['op']:6s} {r['path']:6s} {r['hidden']:5d} {r['names']:2d} {r['tokens']:6d} "
-            f"{r['bytes']/2**20:8.2f} {r['t_us']:9.1f} {r['t_eager_us']:9.1f} {r['GBps']:7.1f} "
+        log(
+            f"{r['op']:6s} {r['path']:6s} {r['hidden']:5d} {r['names']:2d} {r['tokens']:6d} "
+            f"{r['bytes'] / 2**20:8.2f} {r['t_us']:9.1f} {r['t_eager_us']:9.1f} {r['GBps']:7.1f} "
             f"{r['copy_GBps']:9.1f} {r['frac']:5.2f} {r.get('t_min_us', float('nan')):9.1f} "
-            f"{r.get('frac_min', float('nan')):8.2f}")
+            f"{r.get('frac_min', float('nan')):8.2f}"
+        )
     if res.get("slowdown"):
         log("\n== host mirror: stand-in step slowdown ==")
-        log(f"{'h':>5s} {'k':>2s} {'tokens':>6s} {'step_us':>10s} {'with_us':>10s} {'added_us':>9s} "
+        log(
+            f"{'h':>5s} {'k':>2s} {'tokens':>6s} {'step_us':>10s} {'with_us':>10s} {'added_us':>9s} "
             f"{'call_us':>8s} {'slowdown':>8s} {'waits':>5s} {'min: step':>10s} {'with':>10s} "
-            f"{'call':>8s} {'slowdown':>8s}")
+            f"{'call':>8s} {'slowdown':>8s}"
+        )
         for r in res["slowdown"]:
-            log(f"{r['hidden']:5d} {r['names']:2d} {r['tokens']:6d} {r['step_us']:10.1f} "
+            log(
+                f"{r['hidden']:5d} {r['names']:2d} {r['tokens']:6d} {r['step_us']:10.1f} "
                 f"{r['step_with_write_us']:10.1f} {r['added_us']:9.1f} {r['write_call_us']:8.1f} "
-                f"{100*r['slowdown']:7.2f}% {r['ring_waits']:5d} {r['step_min_us']:10.1f} "
+                f"{100 * r['slowdown']:7.2f}% {r['ring_waits']:5d} {r['step_min_us']:10.1f} "
                 f"{r['step_with_write_min_us']:10.1f} {r['write_call_min_us']:8.1f} "
-                f"{100*r['slowdown_min']:7.2f}%")
+                f"{100 * r['slowdown_min']:7.2f}%"
+            )
     big = [r for r in res["kernels"] if r["tokens"] >= 4096]
     if big:
         for op in ("write", "gather"):
             for path in sorted({r["path"] for r in big}):
                 fr = [r["frac"] for r in big if r["op"] == op and r["path"] == path]
                 if fr:
-                    log(f"{op} [{path}] tokens>=4096: frac of copy bandwidth min {min(fr):.2f} "
-                        f"median {statistics.median(fr):.2f}")
+                    log(
+                        f"{op} [{path}] tokens>=4096: frac of copy bandwidth min {min(fr):.2f} "
+                        f"median {statistics.median(fr):.2f}"
+                    )
 
 
 def main(argv=None):
@@ -225,8 +282,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--layers", type=int, default=None, help="stand-in layers (default 4 GPU, 1 CPU)")
-    ap.add_argument("--graph-max-tokens", type=int, default=0,
-                    help="slowdown: steps of <= N tokens run as a CUDA-graph replay (default 0: eager)")
+    ap.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=0,
+        help="slowdown: steps of <= N tokens run as a CUDA-graph replay (default 0: eager)",
+    )
     ap.add_argument("--diag", action="store_true", help="also compare host-write variants")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: kernels,tiles,host,slowdown")
     args = ap.parse_args(argv)
@@ -243,12 +304,18 @@ def main(argv=None):
 
     if cuda:
         props = torch.cuda.get_device_properties(dev)
-        device_name = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory/2**30:.0f} GiB)"
+        device_name = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
     else:
         device_name = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-    res = {"device": device_name, "device_type": dev.type, "torch": torch.__version__,
-           "triton": getattr(row_kernels.triton, "__version__", None), "quick": args.quick,
-           "layers": args.layers, "graph_max_tokens": args.graph_max_tokens}
+    res = {
+        "device": device_name,
+        "device_type": dev.type,
+        "torch": torch.__version__,
+        "triton": getattr(row_kernels.triton, "__version__", None),
+        "quick": args.quick,
+        "layers": args.layers,
+        "graph_max_tokens": args.graph_max_tokens,
+    }
     log(f"device: {device_name}; torch {torch.__version__}; triton {res['triton']}")
 
     hiddens = [2048, 4096]
@@ -282,8 +349,7 @@ def main(argv=None):
         res["host"] = bench_host(dev, timer, gen, log, args.quick)
         dump()
     if args.diag:
-        res["diag"] = bench_diag(dev, args.layers or (4 if cuda else 1), args.quick, gen, log,
-                                 args.graph_max_tokens)
+        res["diag"] = bench_diag(dev, args.layers or (4 if cuda else 1), args.quick, gen, log, args.graph_max_tokens)
         dump()
     if "slowdown" not in skip:
         layers = args.layers or (4 if cuda else 1)
@@ -291,8 +357,7 @@ def main(argv=None):
             st = [1, 256, 4096, 16384] if args.quick else [1, 64, 1024, 4096, 16384, 32768]
         else:
             st = [16, 256] if args.quick else [16, 256, 1024]
-        res["slowdown"] = bench_slowdown(dev, hiddens, [1, 3], st, layers, args.quick, gen, log,
-                                         args.graph_max_tokens)
+        res["slowdown"] = bench_slowdown(dev, hiddens, [1, 3], st, layers, args.quick, gen, log, args.graph_max_tokens)
     res.setdefault("kernels", [])
     print_tables(res, log)
     dump()

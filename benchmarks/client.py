@@ -26,8 +26,16 @@ import httpx
 
 from benchmarks.workloads import Session, messages_for, prompt_tokens_expected
 
-__all__ = ["Driver", "Sample", "audio_bytes_of_b64", "counter_deltas", "metric_counters", "scrape_metrics",
-           "served_model", "stream_chat"]
+__all__ = [
+    "Driver",
+    "Sample",
+    "audio_bytes_of_b64",
+    "counter_deltas",
+    "metric_counters",
+    "scrape_metrics",
+    "served_model",
+    "stream_chat",
+]
 
 SAMPLE_RATE = 24000  # the server's streamed PCM: 24 kHz mono 16-bit
 
@@ -53,11 +61,11 @@ class Sample:
     error: str | None = None
     status: int | None = None
     scheduled_s: float | None = None  # rate mode: when it was due (measured phase clock)
-    start_s: float = 0.0              # when it was sent (measured phase clock)
+    start_s: float = 0.0  # when it was sent (measured phase clock)
     #: When it was sent, time.perf_counter() (CLOCK_MONOTONIC on Linux: the clock of the
     #: server's request timelines, omni_cache/timeline.py).
     sent_at: float = 0.0
-    response_id: str | None = None    # the stream's "id" (chatcmpl-<the server's request id>)
+    response_id: str | None = None  # the stream's "id" (chatcmpl-<the server's request id>)
     ttft_s: float | None = None
     ttfa_s: float | None = None
     e2e_s: float | None = None
@@ -72,7 +80,7 @@ class Sample:
     audio_s: float = 0.0
     finish_reason: str | None = None
     answer_sha1: str | None = None
-    answer_head: str | None = None    # the first 48 characters of the answer text
+    answer_head: str | None = None  # the first 48 characters of the answer text
     #: Arrival times (s after sending) of every text / audio chunk.
     text_times: list[float] = field(default_factory=list)
     audio_times: list[float] = field(default_factory=list)
@@ -84,14 +92,27 @@ class Sample:
         return asdict(self)
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]],
-                      max_tokens: int, sample: Sample, headers: dict[str, str], t_base: float,
-                      audio: bool = True) -> str:
+async def stream_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    sample: Sample,
+    headers: dict[str, str],
+    t_base: float,
+    audio: bool = True,
+) -> str:
     """Send one streamed request, fill ``sample`` and return the answer text (``audio=False``:
     a text-only request, as ``vllm bench serve`` sends them)."""
     body = {
-        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
         "stream_options": {"include_usage": True},
     }
     if not audio:
@@ -168,10 +189,20 @@ class Driver:
     """Runs sessions against one server: warm-up (sequential, not recorded in the results), then
     the measured sessions at a fixed concurrency or at their Poisson arrival times."""
 
-    def __init__(self, url: str, model: str, *, api_key: str | None = None, concurrency: int | None = None,
-                 rate: float | None = None, request_timeout_s: float = 600.0,
-                 on_done: Callable[[Sample], None] | None = None, audio: bool = True,
-                 one_message: bool = False, stagger_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        request_timeout_s: float = 600.0,
+        on_done: Callable[[Sample], None] | None = None,
+        audio: bool = True,
+        one_message: bool = False,
+        stagger_s: float = 0.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self.audio = audio
         #: Single-turn requests as one user message (system + user text), the way vllm bench
@@ -194,14 +225,20 @@ class Driver:
         answers: list[str] = []
         for turn in range(s.turns):
             msgs = messages_for(s, turn, answers)
-            sample = Sample(id=s.request_id(turn), session=s.index, kind=s.kind, turn=turn,
-                            scheduled_s=s.arrival_s if turn == 0 else None,
-                            prompt_tokens_expected=prompt_tokens_expected(s, turn, answers))
+            sample = Sample(
+                id=s.request_id(turn),
+                session=s.index,
+                kind=s.kind,
+                turn=turn,
+                scheduled_s=s.arrival_s if turn == 0 else None,
+                prompt_tokens_expected=prompt_tokens_expected(s, turn, answers),
+            )
             if self.one_message and s.turns == 1:
                 msgs = [{"role": "user", "content": s.system + s.users[0]}]
                 sample.prompt_tokens_expected = None  # the template's count is for system + user
-            answer = await stream_chat(client, self.url, self.model, msgs, s.max_tokens, sample,
-                                       self.headers, self.t_base, audio=self.audio)
+            answer = await stream_chat(
+                client, self.url, self.model, msgs, s.max_tokens, sample, self.headers, self.t_base, audio=self.audio
+            )
             out.append(sample)
             if self.on_done is not None:
                 self.on_done(sample)
@@ -209,8 +246,13 @@ class Driver:
                 # A failed turn ends its conversation: the next turn would need its answer. The
                 # turns not sent are recorded as errors so every planned request is accounted for.
                 for k in range(turn + 1, s.turns):
-                    skipped = Sample(id=s.request_id(k), session=s.index, kind=s.kind, turn=k,
-                                     error="not sent: an earlier turn of its conversation failed")
+                    skipped = Sample(
+                        id=s.request_id(k),
+                        session=s.index,
+                        kind=s.kind,
+                        turn=k,
+                        error="not sent: an earlier turn of its conversation failed",
+                    )
                     out.append(skipped)
                     if self.on_done is not None:
                         self.on_done(skipped)
@@ -219,8 +261,9 @@ class Driver:
 
     def _client(self) -> httpx.AsyncClient:
         n = max(4, (self.concurrency or 0) + 4)
-        return httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None,
-                                                                           max_keepalive_connections=n))
+        return httpx.AsyncClient(
+            timeout=self.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=n)
+        )
 
     async def warmup(self, sessions: list[Session]) -> list[Sample]:
         out: list[Sample] = []
@@ -235,6 +278,7 @@ class Driver:
         async with self._client() as client:
             self.t_base = time.perf_counter()
             if self.rate is not None:
+
                 async def due(s: Session) -> None:
                     delay = (s.arrival_s or 0.0) - (time.perf_counter() - self.t_base)
                     if delay > 0:
@@ -310,8 +354,9 @@ async def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, dict
         return None
 
 
-def counter_deltas(before: dict[str, dict[str, float]] | None,
-                   after: dict[str, dict[str, float]] | None) -> dict[str, dict[str, float]] | None:
+def counter_deltas(
+    before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None
+) -> dict[str, dict[str, float]] | None:
     """after - before for every counter of every stage (None if either scrape failed)."""
     if before is None or after is None:
         return None
@@ -331,4 +376,3 @@ async def served_model(url: str, api_key: str | None = None) -> str:
         raise RuntimeError(f"{url}: 401 Unauthorized: missing or wrong --api-key")
     r.raise_for_status()
     return str(r.json()["data"][0]["id"])
-

@@ -38,8 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="the JSONL file to write")
     args = p.parse_args(argv)
-    sizes = Sizes(num_requests=args.num_requests, shared_tokens=args.shared_tokens,
-                  unique_tokens=args.unique_tokens, max_tokens=args.max_tokens)
+    sizes = Sizes(
+        num_requests=args.num_requests,
+        shared_tokens=args.shared_tokens,
+        unique_tokens=args.unique_tokens,
+        max_tokens=args.max_tokens,
+    )
     try:
         rows = prompts(args.workload, sizes, args.seed)
     except ValueError as e:

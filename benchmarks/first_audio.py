@@ -58,43 +58,70 @@ DEFAULT_MAX_LEAD_S = 4.0
 
 # ---- what to run --------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.first_audio",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.first_audio",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--stage-config", default="stage_configs/qwen3_omni.yaml")
     p.add_argument("--url", help="sweep this running OpenAI-compatible server instead (one side)")
     p.add_argument("--api-key", default=os.environ.get("OMNI_CACHE_API_KEY"))
     p.add_argument("--model", help="model name for --url (default: the first of /v1/models)")
-    p.add_argument("--sides", default="on,off",
-                   help="pacing on, off, capped (on, with --max-lead-s), in this order (default: %(default)s)")
-    p.add_argument("--max-lead-s", type=float, default=DEFAULT_MAX_LEAD_S,
-                   help="side capped: pacing.max_lead_s of every paced stage, at least its lead_s "
-                        "(default: %(default)s)")
+    p.add_argument(
+        "--sides",
+        default="on,off",
+        help="pacing on, off, capped (on, with --max-lead-s), in this order (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-lead-s",
+        type=float,
+        default=DEFAULT_MAX_LEAD_S,
+        help="side capped: pacing.max_lead_s of every paced stage, at least its lead_s (default: %(default)s)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="rounds, sides alternating order (default: 1)")
-    p.add_argument("--first-round", type=int, default=0,
-                   help="index of the first round (its prompts and side order): runs made apart keep distinct rounds")
+    p.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="index of the first round (its prompts and side order): runs made apart keep distinct rounds",
+    )
     p.add_argument("--workloads", default="shared-prefix,image")
     p.add_argument("--concurrency", default=",".join(map(str, LEVELS)), help="levels (default: %(default)s)")
     p.add_argument("--arrivals", default=",".join(ARRIVALS), help="closed, poisson or both (default: %(default)s)")
-    p.add_argument("--requests-per-stream", type=int, default=3,
-                   help="requests per point: this many per stream of the level ... (default: 3)")
+    p.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=3,
+        help="requests per point: this many per stream of the level ... (default: 3)",
+    )
     p.add_argument("--min-requests", type=int, default=8, help="... and at least this many (default: 8)")
     p.add_argument("--shared-tokens", type=int, default=4000)
     p.add_argument("--unique-tokens", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rate-per-stream", default="",
-                   help="Poisson sessions/s per stream of the level, per workload (shared-prefix=0.35,image=0.12); "
-                        "default: the first closed-loop concurrency-1 throughput of the run")
-    p.add_argument("--no-stagger", dest="stagger", action="store_false",
-                   help="closed loop: start all C clients at once (default: 1 / rate-per-stream / C apart)")
+    p.add_argument(
+        "--rate-per-stream",
+        default="",
+        help="Poisson sessions/s per stream of the level, per workload (shared-prefix=0.35,image=0.12); "
+        "default: the first closed-loop concurrency-1 throughput of the run",
+    )
+    p.add_argument(
+        "--no-stagger",
+        dest="stagger",
+        action="store_false",
+        help="closed loop: start all C clients at once (default: 1 / rate-per-stream / C apart)",
+    )
     p.add_argument("--jitter-ms", type=float, default=DEFAULT_JITTER_S * 1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="said in the JSON (e.g. that the machine was shared)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="pool these results instead of running")
-    p.add_argument("--profile", metavar="DIR",
-                   help="py-spy profiles of the stages and of this process (the in-process server and "
-                        "the clients) at every point, one file per process in DIR (the bench extra)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="py-spy profiles of the stages and of this process (the in-process server and "
+        "the clients) at every point, one file per process in DIR (the bench extra)",
+    )
     p.add_argument("--profile-rate", type=int, default=100, help="samples per second (default: %(default)s)")
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -128,18 +155,26 @@ def plan(workload: str, args: argparse.Namespace, round_index: int) -> tuple[lis
     same on every side."""
     points = [(a, c) for a in args.arrivals for c in args.levels]
     sizes = [requests_at(c, args.requests_per_stream, args.min_requests) for _, c in points]
-    warmup, sessions = build_workload(workload, Sizes(
-        num_requests=sum(sizes), shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
-        max_tokens=args.max_tokens), seed=args.seed * 1000 + round_index)
+    warmup, sessions = build_workload(
+        workload,
+        Sizes(
+            num_requests=sum(sizes),
+            shared_tokens=args.shared_tokens,
+            unique_tokens=args.unique_tokens,
+            max_tokens=args.max_tokens,
+        ),
+        seed=args.seed * 1000 + round_index,
+    )
     out, start = {}, 0
     for point, n in zip(points, sizes):
-        out[point] = sessions[start:start + n]
+        out[point] = sessions[start : start + n]
         start += n
     return warmup, out
 
 
-def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLike[str],
-                max_lead_s: float = DEFAULT_MAX_LEAD_S) -> Path:
+def side_config(
+    src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLike[str], max_lead_s: float = DEFAULT_MAX_LEAD_S
+) -> Path:
     """A copy of the stage config whose pacing blocks are enabled (``on``), only measure
     (``off``), or are enabled with every answer capped at ``max_lead_s`` ahead of its playback
     (``capped``; at least each stage's ``lead_s``); ValueError if no stage paces."""
@@ -159,15 +194,26 @@ def side_config(src: str | os.PathLike[str], side: str, dst_dir: str | os.PathLi
 
 # ---- running ------------------------------------------------------------------------------------
 
+
 def profile_tag(side: str, workload: str, arrival: str, level: int, round_index: int) -> str:
     """A point's profile file prefix: :func:`benchmarks.profiles.summarize_dir` pools the rounds
     of what precedes ``-r<k>-`` (so no dash before it), one summary per side and point."""
     return f"{side}_{workload.replace('-', '_')}_{arrival}{level}-r{round_index}"
 
 
-def run_point(url: str, model: str, sessions: list, arrival: str, level: int, rate: float | None,
-              args: argparse.Namespace, seed: int, monitor: Any = None,
-              stage_pids: Any = None, profile: Any = None) -> dict[str, Any]:
+def run_point(
+    url: str,
+    model: str,
+    sessions: list,
+    arrival: str,
+    level: int,
+    rate: float | None,
+    args: argparse.Namespace,
+    seed: int,
+    monitor: Any = None,
+    stage_pids: Any = None,
+    profile: Any = None,
+) -> dict[str, Any]:
     """One (arrival, level) point: drive its sessions, with /metrics and resources around it,
     sampled by ``profile`` (a :class:`benchmarks.profiles.Recorder` tagged for the point) when
     given."""
@@ -181,27 +227,46 @@ def run_point(url: str, model: str, sessions: list, arrival: str, level: int, ra
     # concurrency-1 throughput), as clients that came one by one would; started at once, answers
     # of equal length (the image workload's) keep ending, and starting again, in waves of C.
     stagger = 1.0 / rate / level if arrival == "closed" and rate and args.stagger else 0.0
-    driver = Driver(url, model, api_key=args.api_key, concurrency=level if arrival == "closed" else None,
-                    rate=rate * level if arrival == "poisson" else None, stagger_s=stagger)
+    driver = Driver(
+        url,
+        model,
+        api_key=args.api_key,
+        concurrency=level if arrival == "closed" else None,
+        rate=rate * level if arrival == "poisson" else None,
+        stagger_s=stagger,
+    )
     before = asyncio.run(scrape_metrics(url, args.api_key))
     if monitor is not None:
         monitor.begin(stage_pids())  # name -> pid (benchmarks.machine_monitor.Monitor)
-    sampled = ({"server": os.getpid(), **stage_pids()} if profile is not None and stage_pids is not None
-               else None)
+    sampled = {"server": os.getpid(), **stage_pids()} if profile is not None and stage_pids is not None else None
     with profile.record(sampled) if sampled else contextlib.nullcontext():
         samples = asyncio.run(driver.run(sessions))
     resources = monitor.end() if monitor is not None else None
     after = asyncio.run(scrape_metrics(url, args.api_key))
     ok = sum(s.ok for s in samples)
     log(f"  {arrival} C={level}: {ok}/{len(samples)} ok in {driver.t_end - driver.t_base:.1f} s")
-    return {"arrival": arrival, "level": level, "rate": rate * level if arrival == "poisson" else None,
-            "stagger_s": stagger,
-            "duration_s": driver.t_end - driver.t_base, "samples": [s.to_dict() for s in samples],
-            "counters": counter_deltas(before, after), "resources": resources}
+    return {
+        "arrival": arrival,
+        "level": level,
+        "rate": rate * level if arrival == "poisson" else None,
+        "stagger_s": stagger,
+        "duration_s": driver.t_end - driver.t_base,
+        "samples": [s.to_dict() for s in samples],
+        "counters": counter_deltas(before, after),
+        "resources": resources,
+    }
 
 
-def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates: dict[str, float],
-          monitor: Any = None, stage_pids: Any = None, profile: Any = None) -> list[dict[str, Any]]:
+def sweep(
+    url: str,
+    args: argparse.Namespace,
+    side: str,
+    round_index: int,
+    rates: dict[str, float],
+    monitor: Any = None,
+    stage_pids: Any = None,
+    profile: Any = None,
+) -> list[dict[str, Any]]:
     """Every workload's warm-up and points on one running server."""
     from benchmarks.harness import log
 
@@ -215,13 +280,25 @@ def sweep(url: str, args: argparse.Namespace, side: str, round_index: int, rates
         log(f"{LABELS.get(side, side)}, round {round_index}, {workload}")
         for (arrival, level), todo in sessions.items():
             if arrival == "poisson" and workload not in rates:
-                raise RuntimeError(f"{workload}: no --rate-per-stream and no closed-loop "
-                                   "concurrency-1 run before the Poisson points to derive it from")
+                raise RuntimeError(
+                    f"{workload}: no --rate-per-stream and no closed-loop "
+                    "concurrency-1 run before the Poisson points to derive it from"
+                )
             if profile is not None:
                 profile.tag = profile_tag(side, workload, arrival, level, round_index)
-            point = run_point(url, model, todo, arrival, level, rates.get(workload), args,
-                              args.seed * 1000 + round_index * 100 + level, monitor, stage_pids,
-                              profile)
+            point = run_point(
+                url,
+                model,
+                todo,
+                arrival,
+                level,
+                rates.get(workload),
+                args,
+                args.seed * 1000 + round_index * 100 + level,
+                monitor,
+                stage_pids,
+                profile,
+            )
             point.update(side=side, round=round_index, workload=workload)
             points.append(point)
             if arrival == "closed" and level == 1 and workload not in rates:
@@ -244,21 +321,32 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float
         return points, rates
     with Monitor() as monitor, tempfile.TemporaryDirectory(prefix="omni_cache_pacing_") as tmp:
         for r in range(args.first_round, args.first_round + args.rounds):
-            for side in (args.sides if r % 2 == 0 else list(reversed(args.sides))):
-                with ManagedServer(side_config(args.stage_config, side, tmp, args.max_lead_s), prefix_cache=True,
-                                   tag=f"pace-{side}") as srv:
+            for side in args.sides if r % 2 == 0 else list(reversed(args.sides)):
+                with ManagedServer(
+                    side_config(args.stage_config, side, tmp, args.max_lead_s), prefix_cache=True, tag=f"pace-{side}"
+                ) as srv:
                     points += sweep(srv.url, args, side, r, rates, monitor, srv.stage_pids, profile)
     return points, rates
 
 
 def run_config(args: argparse.Namespace, rates: Mapping[str, float]) -> dict[str, Any]:
-    return {"workloads": args.workloads, "levels": args.levels, "arrivals": args.arrivals,
-            "jitter_s": args.jitter_ms / 1000, "requests_per_stream": args.requests_per_stream,
-            "min_requests": args.min_requests, "shared_tokens": args.shared_tokens,
-            "unique_tokens": args.unique_tokens, "max_tokens": args.max_tokens, "max_lead_s": args.max_lead_s,
-            "rate_per_stream": dict(rates), "stagger": args.stagger, "url": args.url,
-            "stage_config": None if args.url else os.path.abspath(args.stage_config),
-            "stage_config_yaml": None if args.url else Path(args.stage_config).read_text()}
+    return {
+        "workloads": args.workloads,
+        "levels": args.levels,
+        "arrivals": args.arrivals,
+        "jitter_s": args.jitter_ms / 1000,
+        "requests_per_stream": args.requests_per_stream,
+        "min_requests": args.min_requests,
+        "shared_tokens": args.shared_tokens,
+        "unique_tokens": args.unique_tokens,
+        "max_tokens": args.max_tokens,
+        "max_lead_s": args.max_lead_s,
+        "rate_per_stream": dict(rates),
+        "stagger": args.stagger,
+        "url": args.url,
+        "stage_config": None if args.url else os.path.abspath(args.stage_config),
+        "stage_config_yaml": None if args.url else Path(args.stage_config).read_text(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,15 +357,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
         points = [p for part in parts for p in part["points"]]
-        config = {**parts[0]["config"], "rate_per_stream": {
-            k: v for part in parts for k, v in part["config"]["rate_per_stream"].items()}}
+        config = {
+            **parts[0]["config"],
+            "rate_per_stream": {k: v for part in parts for k, v in part["config"]["rate_per_stream"].items()},
+        }
         if args.jitter_ms != DEFAULT_JITTER_S * 1000:
             config["jitter_s"] = args.jitter_ms / 1000
         machine = parts[0]["machine"]
         note = args.note or parts[0].get("note", "")
-        extra = {"merged_from": [{"file": str(f), "date": part["date"], "command": part["command"],
-                                  "note": part.get("note", ""), "machine": part["machine"]}
-                                 for f, part in zip(args.merge, parts)]}
+        extra = {
+            "merged_from": [
+                {
+                    "file": str(f),
+                    "date": part["date"],
+                    "command": part["command"],
+                    "note": part.get("note", ""),
+                    "machine": part["machine"],
+                }
+                for f, part in zip(args.merge, parts)
+            ]
+        }
     else:
         machine = machine_info()
         points, rates = run(args)
@@ -285,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         config, note, extra = run_config(args, rates), args.note, None
     result = assemble(points, config, note, machine, extra)
     if args.profile and not args.merge:
-        result["profile"] = {"dir": os.path.abspath(args.profile), "rate": args.profile_rate,
-                             "summary": profiles.summarize_dir(args.profile, args.profile_rate)}
+        result["profile"] = {
+            "dir": os.path.abspath(args.profile),
+            "rate": args.profile_rate,
+            "summary": profiles.summarize_dir(args.profile, args.profile_rate),
+        }
     print(format_table(result))
     if result.get("profile"):
         print(profiles.format_summary(result["profile"]["summary"]))

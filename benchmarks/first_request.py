@@ -90,12 +90,19 @@ def _video_data_url(seed: int, frames: int = 8, w: int = 64, h: int = 48, fps: i
     return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
 
-_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "n": {"type": "integer"}},
-           "required": ["answer"]}
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["answer"],
+}
 
 
 def request_body(kind: str, nth: int, max_tokens: int) -> dict[str, Any]:
@@ -118,32 +125,48 @@ def request_body(kind: str, nth: int, max_tokens: int) -> dict[str, Any]:
     elif kind == "top_p":
         extra = {"temperature": 0.8, "top_p": 0.9}
     elif kind == "json_schema":
-        extra = {"response_format": {"type": "json_schema",
-                                     "json_schema": {"name": "reply", "schema": _SCHEMA}}}
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": _SCHEMA}}}
     elif kind == "named_tool":
-        extra = {"tools": [_TOOL],
-                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        extra = {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     elif kind == "image":
-        content = [{"type": "text", "text": text},
-                   {"type": "image_url", "image_url": {"url": _png_data_url(nth)}}]
+        content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": _png_data_url(nth)}}]
     elif kind == "audio_in":
-        content = [{"type": "text", "text": text},
-                   {"type": "input_audio", "input_audio": {"data": _wav_b64(330.0 + 110 * nth),
-                                                           "format": "wav"}}]
+        content = [
+            {"type": "text", "text": text},
+            {"type": "input_audio", "input_audio": {"data": _wav_b64(330.0 + 110 * nth), "format": "wav"}},
+        ]
     elif kind == "video":
-        content = [{"type": "text", "text": text},
-                   {"type": "video_url", "video_url": {"url": _video_data_url(nth)}}]
+        content = [{"type": "text", "text": text}, {"type": "video_url", "video_url": {"url": _video_data_url(nth)}}]
     elif kind == "spoken":
         extra = {"modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"}}
     elif kind != "text":
         raise ValueError(f"unknown kind {kind!r}")
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
 
 
-KINDS = ("text", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-         "repetition_penalty", "seed", "top_p", "json_schema", "named_tool", "image", "audio_in",
-         "video", "spoken")
+KINDS = (
+    "text",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "top_p",
+    "json_schema",
+    "named_tool",
+    "image",
+    "audio_in",
+    "video",
+    "spoken",
+)
 
 
 @dataclass
@@ -161,8 +184,7 @@ class Timed:
     audio_bytes: int = 0
 
 
-async def send(client: httpx.AsyncClient, url: str, model: str, kind: str, nth: int,
-               max_tokens: int) -> Timed:
+async def send(client: httpx.AsyncClient, url: str, model: str, kind: str, nth: int, max_tokens: int) -> Timed:
     out = Timed(kind, nth)
     body = {"model": model, **request_body(kind, nth, max_tokens)}
     t0 = time.perf_counter()
@@ -185,8 +207,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, kind: str, nth: 
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     audio = (delta.get("audio") or {}).get("data")
-                    if out.ttft_s is None and (delta.get("content") or delta.get("tool_calls")
-                                               or audio):
+                    if out.ttft_s is None and (delta.get("content") or delta.get("tool_calls") or audio):
                         out.ttft_s = time.perf_counter() - t0
                     if audio:
                         out.audio_bytes += len(audio) * 3 // 4
@@ -201,8 +222,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, kind: str, nth: 
     return out
 
 
-def side_config(src: Path, directory: str, side: str, tag: str,
-                heartbeat_timeout_s: float | None = None) -> Path:
+def side_config(src: Path, directory: str, side: str, tag: str, heartbeat_timeout_s: float | None = None) -> Path:
     """A private copy of ``src`` for one side: ``no_warmup`` turns every vLLM stage's warm-up
     off; ``heartbeat_timeout_s`` replaces the server's (a long one lets a slow first request
     run to its end instead of its stage being judged hung: for finding what is slow)."""
@@ -259,8 +279,9 @@ def restarts(counters: dict[str, dict[str, float]] | None) -> float | None:
     return sum(stage.get("restarts", 0.0) for stage in counters.values())
 
 
-async def one_server(args: argparse.Namespace, side: str, round_index: int,
-                     recorder: profiles.Recorder | None) -> dict[str, Any]:
+async def one_server(
+    args: argparse.Namespace, side: str, round_index: int, recorder: profiles.Recorder | None
+) -> dict[str, Any]:
     """A fresh server of ``side``: its start-up time, every kind's first and second request, and
     the stage restarts the requests saw."""
     tag = f"fr{round_index}{side[:2]}"
@@ -285,19 +306,24 @@ async def one_server(args: argparse.Namespace, side: str, round_index: int,
                     if second.status != 200 or second.error:
                         await wait_serving(client, srv.url, args.timeout)
                     timed += [first, second]
-                    print(f"  {side:>9} round {round_index} {kind:<18} first "
-                          f"{_ms(first.e2e_s)} (TTFT {_ms(first.ttft_s)}, {first.status}) "
-                          f"second {_ms(second.e2e_s)} (TTFT {_ms(second.ttft_s)}, "
-                          f"{second.status}){'  ' + first.error if first.error else ''}",
-                          flush=True)
+                    print(
+                        f"  {side:>9} round {round_index} {kind:<18} first "
+                        f"{_ms(first.e2e_s)} (TTFT {_ms(first.ttft_s)}, {first.status}) "
+                        f"second {_ms(second.e2e_s)} (TTFT {_ms(second.ttft_s)}, "
+                        f"{second.status}){'  ' + first.error if first.error else ''}",
+                        flush=True,
+                    )
             after = restarts(await scrape_metrics(srv.url))
             compiles = await stage_samples(srv.url, ("compiles_while_serving",))
-    return {"side": side, "round": round_index, "startup_s": srv.startup_s,
-            "warmup_s": {k: v.get("warmup_s") for k, v in warmup.items()},
-            "compiles_while_serving": {k: v.get("compiles_while_serving")
-                                       for k, v in compiles.items()},
-            "restarts": None if before is None or after is None else after - before,
-            "requests": [asdict(t) for t in timed]}
+    return {
+        "side": side,
+        "round": round_index,
+        "startup_s": srv.startup_s,
+        "warmup_s": {k: v.get("warmup_s") for k, v in warmup.items()},
+        "compiles_while_serving": {k: v.get("compiles_while_serving") for k, v in compiles.items()},
+        "restarts": None if before is None or after is None else after - before,
+        "requests": [asdict(t) for t in timed],
+    }
 
 
 def _ms(s: float | None) -> str:
@@ -334,20 +360,26 @@ def summarize(servers: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]
                 if a["ttft_s"] and b["ttft_s"]:
                     ttft_ratios.append(a["ttft_s"] / b["ttft_s"])
             per_kind[kind] = {
-                "measure": key, "first_s": _median(firsts), "second_s": _median(seconds),
-                "ratio": _median(ratios), "max_ratio": max(ratios) if ratios else None,
-                "ttft_ratio": _median(ttft_ratios), "first_not_200": failed,
-                "within_target": bool(ratios) and not failed and max(ratios) <= TARGET_RATIO}
+                "measure": key,
+                "first_s": _median(firsts),
+                "second_s": _median(seconds),
+                "ratio": _median(ratios),
+                "max_ratio": max(ratios) if ratios else None,
+                "ttft_ratio": _median(ttft_ratios),
+                "first_not_200": failed,
+                "within_target": bool(ratios) and not failed and max(ratios) <= TARGET_RATIO,
+            }
         stages = sorted({st for r in runs for st in r["warmup_s"]})
-        out[side] = {"startup_s": _median([r["startup_s"] for r in runs]),
-                     "warmup_s": {st: _median([r["warmup_s"][st] for r in runs
-                                               if r["warmup_s"].get(st) is not None])
-                                  for st in stages},
-                     "compiles_while_serving": sum(sum(v or 0 for v in r["compiles_while_serving"].values())
-                                                   for r in runs),
-                     "restarts": sum(r["restarts"] or 0 for r in runs),
-                     "restarts_unknown": sum(r["restarts"] is None for r in runs),
-                     "kinds": per_kind}
+        out[side] = {
+            "startup_s": _median([r["startup_s"] for r in runs]),
+            "warmup_s": {
+                st: _median([r["warmup_s"][st] for r in runs if r["warmup_s"].get(st) is not None]) for st in stages
+            },
+            "compiles_while_serving": sum(sum(v or 0 for v in r["compiles_while_serving"].values()) for r in runs),
+            "restarts": sum(r["restarts"] or 0 for r in runs),
+            "restarts_unknown": sum(r["restarts"] is None for r in runs),
+            "kinds": per_kind,
+        }
     return out
 
 
@@ -357,17 +389,25 @@ def _median(xs: list[float]) -> float | None:
 
 def print_summary(summary: dict[str, Any]) -> None:
     for side, s in summary.items():
-        print(f"\n{side}: start-up median {s['startup_s']:.1f} s (warm-up medians "
-              f"{s['warmup_s']}), stage restarts {s['restarts']:.0f}, torch.compile frames while "
-              f"serving {s['compiles_while_serving']:.0f}")
-        print(f"  {'kind':<18} {'first':>9} {'second':>9} {'ratio':>6} {'max':>6} {'TTFT r':>6} "
-              f"{'not 200':>7}  (first and second: full latency; spoken: first audio)")
+        print(
+            f"\n{side}: start-up median {s['startup_s']:.1f} s (warm-up medians "
+            f"{s['warmup_s']}), stage restarts {s['restarts']:.0f}, torch.compile frames while "
+            f"serving {s['compiles_while_serving']:.0f}"
+        )
+        print(
+            f"  {'kind':<18} {'first':>9} {'second':>9} {'ratio':>6} {'max':>6} {'TTFT r':>6} "
+            f"{'not 200':>7}  (first and second: full latency; spoken: first audio)"
+        )
         for kind, k in s["kinds"].items():
+
             def f(x: float | None, scale: float = 1.0, fmt: str = "{:6.2f}") -> str:
                 return fmt.format(x * scale) if x is not None else "     -"
-            print(f"  {kind:<18} {f(k['first_s'], 1e3, '{:7.0f}ms')} "
-                  f"{f(k['second_s'], 1e3, '{:7.0f}ms')} {f(k['ratio'])} {f(k['max_ratio'])} "
-                  f"{f(k['ttft_ratio'])} {k['first_not_200']:7d}")
+
+            print(
+                f"  {kind:<18} {f(k['first_s'], 1e3, '{:7.0f}ms')} "
+                f"{f(k['second_s'], 1e3, '{:7.0f}ms')} {f(k['ratio'])} {f(k['max_ratio'])} "
+                f"{f(k['ttft_ratio'])} {k['first_not_200']:7d}"
+            )
 
 
 def print_profiles(directory: Path, rate: int) -> None:
@@ -391,33 +431,53 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for side in order:
                 servers.append(await one_server(args, side, i, recorder))
                 last = servers[-1]
-                print(f"  {side:>9} round {i}: start-up {last['startup_s']:.1f} s (warm-up "
-                      f"{last['warmup_s']}), stage restarts {last['restarts']}, torch.compile "
-                      f"frames while serving {last['compiles_while_serving']}", flush=True)
+                print(
+                    f"  {side:>9} round {i}: start-up {last['startup_s']:.1f} s (warm-up "
+                    f"{last['warmup_s']}), stage restarts {last['restarts']}, torch.compile "
+                    f"frames while serving {last['compiles_while_serving']}",
+                    flush=True,
+                )
     summary = summarize(servers, args.kinds)
     print_summary(summary)
     if args.profile:
         print_profiles(args.profile, recorder.rate)
-    return {"command": command_line("benchmarks.first_request"), "machine": machine_info(),
-            "burners": args.burners, "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "stage_config": str(args.stage_config), "summary": summary, "servers": servers}
+    return {
+        "command": command_line("benchmarks.first_request"),
+        "machine": machine_info(),
+        "burners": args.burners,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "stage_config": str(args.stage_config),
+        "summary": summary,
+        "servers": servers,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--stage-config", type=Path, default=ROOT / "stage_configs" / "qwen3_omni.yaml")
     ap.add_argument("--rounds", type=int, default=3, help="fresh servers per side")
     ap.add_argument("--burners", type=int, default=0, help="busy-loop processes beside the run")
-    ap.add_argument("--sides", default=",".join(SIDES),
-                    help="warmup (the config as is), no_warmup (every vLLM stage's warm-up off)")
+    ap.add_argument(
+        "--sides", default=",".join(SIDES), help="warmup (the config as is), no_warmup (every vLLM stage's warm-up off)"
+    )
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=None,
-                    help="replace the config's server.heartbeat_timeout_s (finding what is slow)")
+    ap.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=None,
+        help="replace the config's server.heartbeat_timeout_s (finding what is slow)",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
-    ap.add_argument("--profile", type=Path, default=None,
-                    help="py-spy every process during each first request, files in this folder")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy every process during each first request, files in this folder",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]

@@ -62,12 +62,21 @@ def make_inputs(seq_lens, heads, dim, seed):
 def forward_with_states(ops, q, k, v, g, beta, scale, h0, cu, chunk_indices):
     """fla's chunk forward, composed from its stages so that `h` (per-chunk states) is returned."""
     g = ops["cumsum"](g, chunk_size=CHUNK, scale=ops["RCP_LN2"], cu_seqlens=cu, chunk_indices=chunk_indices)
-    w, u, _ = ops["intra"](k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=chunk_indices,
-                           chunk_size=CHUNK)
-    h, v_new, final = ops["fwd_h"](k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
-                                   cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=CHUNK)
-    o = ops["fwd_o"](q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu,
-                     chunk_indices=chunk_indices, chunk_size=CHUNK)
+    w, u, _ = ops["intra"](k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=CHUNK)
+    h, v_new, final = ops["fwd_h"](
+        k=k,
+        w=w,
+        u=u,
+        g=g,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu,
+        chunk_indices=chunk_indices,
+        chunk_size=CHUNK,
+    )
+    o = ops["fwd_o"](
+        q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=CHUNK
+    )
     return o, final, h
 
 
@@ -81,9 +90,15 @@ def load_fla(path: str) -> dict:
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
 
-    return {"fwd": chunk_gated_delta_rule_fwd, "fwd_h": chunk_gated_delta_rule_fwd_h, "fwd_o": chunk_fwd_o,
-            "intra": chunk_gated_delta_rule_fwd_intra, "cumsum": chunk_local_cumsum,
-            "RCP_LN2": RCP_LN2, "chunk_indices": prepare_chunk_indices}
+    return {
+        "fwd": chunk_gated_delta_rule_fwd,
+        "fwd_h": chunk_gated_delta_rule_fwd_h,
+        "fwd_o": chunk_fwd_o,
+        "intra": chunk_gated_delta_rule_fwd_intra,
+        "cumsum": chunk_local_cumsum,
+        "RCP_LN2": RCP_LN2,
+        "chunk_indices": prepare_chunk_indices,
+    }
 
 
 def rel(a, b) -> float:
@@ -92,7 +107,7 @@ def rel(a, b) -> float:
 
 def case(ops, seq_lens, block, heads, dim, reps, check, seed=0):
     q, k, v, g, beta, h0, cu = make_inputs(seq_lens, heads, dim, seed)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     chunk_indices = ops["chunk_indices"](cu, CHUNK)
     boundaries = [list(range(block, n, block)) for n in seq_lens]
     rows = torch.tensor(chunk_state_rows(seq_lens, boundaries), device="cuda")  # once per step
@@ -109,15 +124,20 @@ def case(ops, seq_lens, block, heads, dim, reps, check, seed=0):
         i = 0
         for s, n in enumerate(seq_lens):
             a, b = int(cu[s]), int(cu[s + 1])
-            r_out, r_states = recurrence(q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b],
-                                         h0[s], scale, {*boundaries[s], n})
+            r_out, r_states = recurrence(
+                q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], h0[s], scale, {*boundaries[s], n}
+            )
             for offset in boundaries[s]:
                 errs.append(rel(pool[blocks[i]], r_states[offset]))
                 i += 1
             out_errs.append(rel(o[0, a:b], r_out))
             final_errs.append(rel(final[s], r_states[n]))
-        out.update(state_rel_max=max(errs), state_rel_median=statistics.median(errs),
-                   output_rel_max=max(out_errs), final_state_rel_max=max(final_errs))
+        out.update(
+            state_rel_max=max(errs),
+            state_rel_median=statistics.median(errs),
+            output_rel_max=max(out_errs),
+            final_state_rel_max=max(final_errs),
+        )
 
     def timed(fn):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -139,7 +159,7 @@ def case(ops, seq_lens, block, heads, dim, reps, check, seed=0):
         plain(), composed(), with_states()
     for r in range(reps):
         fns = [("fla_fwd", plain), ("composed", composed), ("composed_with_states", with_states)]
-        for name, fn in fns[r % 3:] + fns[: r % 3]:
+        for name, fn in fns[r % 3 :] + fns[: r % 3]:
             times[name].append(timed(fn))
     med = {name: statistics.median(t) for name, t in times.items()}
     out["median_ms"] = med
@@ -155,11 +175,18 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     ops = load_fla(args.fla)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "cases": []}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "cases": [],
+    }
     # Qwen3-Next-80B's GatedDeltaNet per GPU at TP 1: 32 value heads (keys repeated to match), 128.
-    for seq_lens, block, check in (([4096, 2048, 1536, 512], 512, True),
-                                   ([16384], 1024, False), ([1024] * 8, 256, False)):
+    for seq_lens, block, check in (
+        ([4096, 2048, 1536, 512], 512, True),
+        ([16384], 1024, False),
+        ([1024] * 8, 256, False),
+    ):
         c = case(ops, seq_lens, block, 32, 128, args.reps, check)
         result["cases"].append(c)
         print(json.dumps(c))

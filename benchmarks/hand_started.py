@@ -63,8 +63,11 @@ class HandStartedPipeline:
         server["stage_auth_key_file"] = None
         if auth:
             key = self.dir / "stage.key"
-            subprocess.run([sys.executable, "-m", "omni_cache.wire.stage_auth", "new-key", str(key)],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "omni_cache.wire.stage_auth", "new-key", str(key)],
+                check=True,
+                capture_output=True,
+            )
             server["stage_auth_key_file"] = str(key)
         for stage in data["stages"]:
             port = free_port()
@@ -82,12 +85,14 @@ class HandStartedPipeline:
 
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
         log = open(self.dir / log_name, "ab")  # noqa: SIM115 -- the child keeps it open
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=REPO)
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
 
     def start_server(self) -> None:
-        self.server = self._spawn([str(Path(sys.executable).with_name("omni-serve")), "--stage-config",
-                                   str(self.config_path)], "server.log")
+        self.server = self._spawn(
+            [str(Path(sys.executable).with_name("omni-serve")), "--stage-config", str(self.config_path)], "server.log"
+        )
 
     def stop_server(self, timeout: float = 60.0) -> int:
         assert self.server is not None
@@ -97,8 +102,9 @@ class HandStartedPipeline:
         return code
 
     def start_stage(self, name: str) -> None:
-        self.stages[name] = self._spawn([sys.executable, "-m", "workers", "--stage-config",
-                                         str(self.config_path), "--stage", name], f"{name}.log")
+        self.stages[name] = self._spawn(
+            [sys.executable, "-m", "workers", "--stage-config", str(self.config_path), "--stage", name], f"{name}.log"
+        )
 
     def kill_stage(self, name: str) -> float:
         """SIGKILL the stage's process; returns the monotonic time of the kill."""
@@ -145,27 +151,40 @@ class HandStartedPipeline:
             if resp is not None and resp.status_code == status:
                 return resp
             if time.monotonic() > deadline:
-                raise TimeoutError(f"/health not {status} within {timeout:g} s: "
-                                   f"{resp.text if resp is not None else 'no answer'}\n"
-                                   f"server log:\n{self.log('server')}")
+                raise TimeoutError(
+                    f"/health not {status} within {timeout:g} s: "
+                    f"{resp.text if resp is not None else 'no answer'}\n"
+                    f"server log:\n{self.log('server')}"
+                )
             if self.server is not None and self.server.poll() is not None:
                 raise RuntimeError(f"omni-serve exited {self.server.returncode}:\n{self.log('server')}")
             time.sleep(0.2)
 
-    def chat(self, content: str, *, max_tokens: int = 16, audio: bool = True,
-             timeout: float = 300.0) -> httpx.Response:
-        return httpx.post(self.url + "/v1/chat/completions", timeout=timeout, json={
-            "model": self.model, "max_tokens": max_tokens,
-            "modalities": ["text", "audio"] if audio else ["text"],
-            "messages": [{"role": "user", "content": content}]})
+    def chat(self, content: str, *, max_tokens: int = 16, audio: bool = True, timeout: float = 300.0) -> httpx.Response:
+        return httpx.post(
+            self.url + "/v1/chat/completions",
+            timeout=timeout,
+            json={
+                "model": self.model,
+                "max_tokens": max_tokens,
+                "modalities": ["text", "audio"] if audio else ["text"],
+                "messages": [{"role": "user", "content": content}],
+            },
+        )
 
-    def stream(self, content: str, *, max_tokens: int, started: threading.Event,
-               timeout: float = 300.0) -> dict[str, Any]:
+    def stream(
+        self, content: str, *, max_tokens: int, started: threading.Event, timeout: float = 300.0
+    ) -> dict[str, Any]:
         """One streaming request with audio: ``{'error': message or None, 'error_at': monotonic
         time the error arrived, 'done': bool}``; sets ``started`` at its first chunk."""
         out: dict[str, Any] = {"error": None, "error_at": None, "done": False, "status": None}
-        body = {"model": self.model, "max_tokens": max_tokens, "stream": True,
-                "modalities": ["text", "audio"], "messages": [{"role": "user", "content": content}]}
+        body = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "modalities": ["text", "audio"],
+            "messages": [{"role": "user", "content": content}],
+        }
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=timeout) as r:
             out["status"] = r.status_code
             if r.status_code != 200:
@@ -176,7 +195,7 @@ class HandStartedPipeline:
                 if not line.startswith("data: "):
                     continue
                 started.set()
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     out["done"] = True
                     break
@@ -195,8 +214,7 @@ def kill_under_load(p: HandStartedPipeline, stage: str, n: int, max_tokens: int)
     started = [threading.Event() for _ in range(n)]
 
     def run(i: int) -> None:
-        results[i] = p.stream(f"request {i}: tell me a long story", max_tokens=max_tokens,
-                              started=started[i])
+        results[i] = p.stream(f"request {i}: tell me a long story", max_tokens=max_tokens, started=started[i])
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -210,8 +228,13 @@ def kill_under_load(p: HandStartedPipeline, stage: str, n: int, max_tokens: int)
     for r in results:
         if r.get("error_at") is not None:
             r["seconds_to_error"] = round(r["error_at"] - killed_at, 3)
-    return {"killed": stage, "requests": n, "hung": hung, "results": results,
-            "seconds_to_error": [r["seconds_to_error"] for r in results if "seconds_to_error" in r]}
+    return {
+        "killed": stage,
+        "requests": n,
+        "hung": hung,
+        "results": results,
+        "seconds_to_error": [r["seconds_to_error"] for r in results if "seconds_to_error" in r],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

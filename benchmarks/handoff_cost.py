@@ -31,16 +31,17 @@ def run(prompt: int, hidden: int, messages: int, mode: str) -> float:
     gen = torch.Generator().manual_seed(0)
     ctx.resources["projection"] = (
         torch.randn(TALKER_HIDDEN, hidden, generator=gen, dtype=torch.float64) / hidden**0.5,
-        torch.zeros(TALKER_HIDDEN, dtype=torch.float64), {})
+        torch.zeros(TALKER_HIDDEN, dtype=torch.float64),
+        {},
+    )
     rows = torch.randn(prompt + messages, hidden, generator=gen).to(torch.bfloat16)
     up = Upstream("thinker", [], {}, prompt, False)
     state: dict = {}
-    held: LatentBuffer | LatentRows = LatentBuffer(("hidden",)) if mode == "buffer" \
-        else LatentRows(("hidden",))
+    held: LatentBuffer | LatentRows = LatentBuffer(("hidden",)) if mode == "buffer" else LatentRows(("hidden",))
     times = []
     for i in range(messages + 1):
         start, n = (0, prompt) if i == 0 else (prompt + i - 1, 1)
-        chunk = LatentChunk(start, {"hidden": rows[start:start + n].clone()})
+        chunk = LatentChunk(start, {"hidden": rows[start : start + n].clone()})
         t0 = time.perf_counter()
         held.add(chunk)
         up.latents = held.view() if mode == "buffer" else held.all()
@@ -52,15 +53,16 @@ def run(prompt: int, hidden: int, messages: int, mode: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff_cost",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--prompts", default="1024,4096,16384")
     parser.add_argument("--messages", type=int, default=64, help="messages after the prompt's")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"hidden {args.hidden} (bf16), talker width {TALKER_HIDDEN}, {args.messages} messages "
-          "of one row after the prompt's; median per message")
+    print(
+        f"hidden {args.hidden} (bf16), talker width {TALKER_HIDDEN}, {args.messages} messages "
+        "of one row after the prompt's; median per message"
+    )
     print(f"{'prompt tokens':>14} {'buffer (ms)':>12} {'concat (ms)':>12}")
     for prompt in (int(p) for p in args.prompts.split(",")):
         buffer = run(prompt, args.hidden, args.messages, "buffer")

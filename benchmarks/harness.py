@@ -51,8 +51,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
         with contextlib.suppress(ImportError):
             from tqdm import tqdm
 
-            return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True,
-                        leave=True)
+            return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=True)
 
     class _Quiet:
         def update(self, n: int = 1) -> None: ...
@@ -66,8 +65,16 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def warm_up(url: str, model: str, warmup: list[Session], *, api_key: str | None, label: str,
-            audio: bool = True, one_message: bool = False) -> list[dict[str, Any]]:
+def warm_up(
+    url: str,
+    model: str,
+    warmup: list[Session],
+    *,
+    api_key: str | None,
+    label: str,
+    audio: bool = True,
+    one_message: bool = False,
+) -> list[dict[str, Any]]:
     """Send the warm-up sessions (not measured); fails when one of them fails."""
     driver = Driver(url, model, api_key=api_key, audio=audio, one_message=one_message)
     warm = asyncio.run(driver.warmup(warmup))
@@ -77,11 +84,24 @@ def warm_up(url: str, model: str, warmup: list[Session], *, api_key: str | None,
     return [w.to_dict() for w in warm]
 
 
-def measure(url: str, model: str, sessions: list[Session], *, api_key: str | None,
-            concurrency: int | None, rate: float | None, label: str, progress: bool,
-            monitor: Monitor | None = None, processes: Callable[[], dict] | None = None,
-            profile: profiles.Recorder | None = None, request_timeout_s: float = 600.0,
-            audio: bool = True, one_message: bool = False, stagger_s: float = 0.0) -> dict[str, Any]:
+def measure(
+    url: str,
+    model: str,
+    sessions: list[Session],
+    *,
+    api_key: str | None,
+    concurrency: int | None,
+    rate: float | None,
+    label: str,
+    progress: bool,
+    monitor: Monitor | None = None,
+    processes: Callable[[], dict] | None = None,
+    profile: profiles.Recorder | None = None,
+    request_timeout_s: float = 600.0,
+    audio: bool = True,
+    one_message: bool = False,
+    stagger_s: float = 0.0,
+) -> dict[str, Any]:
     """Run the measured sessions against ``url``: samples, counters, resources of ``processes``
     (name -> pid), and a py-spy profile of them when ``profile`` is given. ``stagger_s``: the
     closed loop's clients open k * stagger_s apart (:class:`client.Driver`)."""
@@ -96,9 +116,18 @@ def measure(url: str, model: str, sessions: list[Session], *, api_key: str | Non
         ttfa = f"{s.ttfa_s * 1000:.0f} ms" if s.ttfa_s is not None else "-"
         bar.set_postfix_str(f"last TTFA {ttfa}" + (f", {errors} error(s)" if errors else ""))
 
-    driver = Driver(url, model, api_key=api_key, concurrency=concurrency, rate=rate,
-                    request_timeout_s=request_timeout_s, audio=audio, one_message=one_message,
-                    on_done=on_done, stagger_s=stagger_s)
+    driver = Driver(
+        url,
+        model,
+        api_key=api_key,
+        concurrency=concurrency,
+        rate=rate,
+        request_timeout_s=request_timeout_s,
+        audio=audio,
+        one_message=one_message,
+        on_done=on_done,
+        stagger_s=stagger_s,
+    )
     before = asyncio.run(scrape_metrics(url, api_key))
     pids = processes() if processes is not None else {}
     with profile.record(pids) if profile is not None else contextlib.nullcontext():
@@ -118,16 +147,39 @@ def measure(url: str, model: str, sessions: list[Session], *, api_key: str | Non
     }
 
 
-def drive(url: str, model: str | None, warmup: list[Session], sessions: list[Session], *,
-          api_key: str | None, concurrency: int | None, rate: float | None, label: str,
-          progress: bool, request_timeout_s: float = 600.0, audio: bool = True,
-          one_message: bool = False, stagger_s: float = 0.0) -> dict[str, Any]:
+def drive(
+    url: str,
+    model: str | None,
+    warmup: list[Session],
+    sessions: list[Session],
+    *,
+    api_key: str | None,
+    concurrency: int | None,
+    rate: float | None,
+    label: str,
+    progress: bool,
+    request_timeout_s: float = 600.0,
+    audio: bool = True,
+    one_message: bool = False,
+    stagger_s: float = 0.0,
+) -> dict[str, Any]:
     """Warm up, then run the measured sessions against a running server (``--url``)."""
     model = model or asyncio.run(served_model(url, api_key))
     warm = warm_up(url, model, warmup, api_key=api_key, label=label, audio=audio, one_message=one_message)
-    out = measure(url, model, sessions, api_key=api_key, concurrency=concurrency, rate=rate, label=label,
-                  progress=progress, request_timeout_s=request_timeout_s, audio=audio,
-                  one_message=one_message, stagger_s=stagger_s)
+    out = measure(
+        url,
+        model,
+        sessions,
+        api_key=api_key,
+        concurrency=concurrency,
+        rate=rate,
+        label=label,
+        progress=progress,
+        request_timeout_s=request_timeout_s,
+        audio=audio,
+        one_message=one_message,
+        stagger_s=stagger_s,
+    )
     return {**out, "warmup": warm}
 
 
@@ -185,9 +237,16 @@ def start_order(sides: Sequence[str], block: int) -> list[str]:
     return list(sides) if block % 2 == 0 else list(sides)[::-1]
 
 
-def _start_sides(stack: contextlib.ExitStack, tmp: str, config_path: str, sides: list[str], *,
-                 checkpoint_dir: str | None, stage_env: dict[str, str] | None,
-                 timeline_dir: str | None) -> dict[str, Any]:
+def _start_sides(
+    stack: contextlib.ExitStack,
+    tmp: str,
+    config_path: str,
+    sides: list[str],
+    *,
+    checkpoint_dir: str | None,
+    stage_env: dict[str, str] | None,
+    timeline_dir: str | None,
+) -> dict[str, Any]:
     """Start every side's server at once (in the order of ``sides``) and wait until all serve;
     each is stopped when ``stack`` closes."""
     from omni_cache.timeline import TIMELINE_DIR_ENV
@@ -202,8 +261,7 @@ def _start_sides(stack: contextlib.ExitStack, tmp: str, config_path: str, sides:
         if side == VLLM_SIDE:  # the thinker's engine alone: `vllm serve` (benchmarks/vllm_serve_side.py)
             servers[side] = VllmServeProcess(path, checkpoint_dir=checkpoint_dir)
         else:
-            servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir,
-                                          env=env)
+            servers[side] = ServerProcess(path, prefix_cache=cache_of(side), checkpoint_dir=checkpoint_dir, env=env)
         stack.push(servers[side])  # stopped on the way out, started or not
         servers[side].start()
     log(f"starting {', '.join(sides)} at once (stage logs hidden) ...")
@@ -213,13 +271,28 @@ def _start_sides(stack: contextlib.ExitStack, tmp: str, config_path: str, sides:
     return servers
 
 
-def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds: list[list[Session]], *,
-               concurrency: int | None, rate: float | None, progress: bool, monitor: Monitor,
-               checkpoint_dir: str | None = None, stage_env: dict[str, str] | None = None,
-               audio: bool = True, one_message: bool = False, profile: profiles.Recorder | None = None,
-               timeline_dir: str | None = None, cpu_burners: int = 0, order: str = "alternate",
-               restart_every: int = 0, on_run: Callable[[dict[str, Any]], None] | None = None,
-               stagger_s: float = 0.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_rounds(
+    config_path: str,
+    sides: list[str],
+    warmup: list[Session],
+    rounds: list[list[Session]],
+    *,
+    concurrency: int | None,
+    rate: float | None,
+    progress: bool,
+    monitor: Monitor,
+    checkpoint_dir: str | None = None,
+    stage_env: dict[str, str] | None = None,
+    audio: bool = True,
+    one_message: bool = False,
+    profile: profiles.Recorder | None = None,
+    timeline_dir: str | None = None,
+    cpu_burners: int = 0,
+    order: str = "alternate",
+    restart_every: int = 0,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+    stagger_s: float = 0.0,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Start every side's pipeline (``omni-serve`` in a process of its own, cache on or off), warm
     each up, then run ``rounds``: round r's sessions on every side, in the order of ``sides`` for
     even r and reversed for odd r (counted within each start's block: :func:`block_round_order`).
@@ -237,13 +310,26 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
         tmp = outer.enter_context(tempfile.TemporaryDirectory(prefix="omni_cache_bench_"))
         for b, block in enumerate(restart_blocks(len(rounds), restart_every)):
             with contextlib.ExitStack() as stack:
-                servers = _start_sides(stack, tmp, config_path, start_order(sides, b),
-                                       checkpoint_dir=checkpoint_dir, stage_env=stage_env,
-                                       timeline_dir=timeline_dir)
+                servers = _start_sides(
+                    stack,
+                    tmp,
+                    config_path,
+                    start_order(sides, b),
+                    checkpoint_dir=checkpoint_dir,
+                    stage_env=stage_env,
+                    timeline_dir=timeline_dir,
+                )
                 models = {side: asyncio.run(served_model(srv.url)) for side, srv in servers.items()}
                 for side, srv in servers.items():
-                    warm = warm_up(srv.url, models[side], warmup, api_key=None, label=f"cache {side}",
-                                   audio=audio, one_message=one_message)
+                    warm = warm_up(
+                        srv.url,
+                        models[side],
+                        warmup,
+                        api_key=None,
+                        label=f"cache {side}",
+                        audio=audio,
+                        one_message=one_message,
+                    )
                     info[side]["startups_s"].append(srv.startup_s)
                     info[side].setdefault("startup_s", srv.startup_s)
                     info[side].setdefault("warmup", warm)
@@ -257,10 +343,22 @@ def run_rounds(config_path: str, sides: list[str], warmup: list[Session], rounds
                         log(f"round {r + 1}/{len(rounds)}, cache {side}: {sum(s.turns for s in sessions)} request(s)")
                         if profile is not None:
                             profile.tag = f"{side}-r{r}"
-                        out = measure(srv.url, models[side], sessions, api_key=None, concurrency=concurrency,
-                                      rate=rate, label=f"cache {side}", progress=progress, monitor=monitor,
-                                      processes=srv.processes, profile=profile, audio=audio,
-                                      one_message=one_message, stagger_s=stagger_s)
+                        out = measure(
+                            srv.url,
+                            models[side],
+                            sessions,
+                            api_key=None,
+                            concurrency=concurrency,
+                            rate=rate,
+                            label=f"cache {side}",
+                            progress=progress,
+                            monitor=monitor,
+                            processes=srv.processes,
+                            profile=profile,
+                            audio=audio,
+                            one_message=one_message,
+                            stagger_s=stagger_s,
+                        )
                         restarts = sum(int(c.get("restarts", 0)) for c in (out["counters"] or {}).values())
                         if restarts:
                             log(f"cache {side}: WARNING: {restarts} stage restart(s) during round {r + 1}")

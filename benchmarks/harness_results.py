@@ -55,8 +55,9 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summarize_side(pooled["samples"], pooled["duration_s"], pooled["counters"], pooled["resources"])
 
 
-def assemble(config: dict[str, Any], machine: dict[str, Any], runs: list[dict[str, Any]],
-             monitor: Monitor | None) -> dict[str, Any]:
+def assemble(
+    config: dict[str, Any], machine: dict[str, Any], runs: list[dict[str, Any]], monitor: Monitor | None
+) -> dict[str, Any]:
     """The JSON document: per-side pooled summaries, ratios (pooled, per round, and the median of
     the per-round ratios), targets, every sample."""
     sides: dict[str, Any] = {}
@@ -88,8 +89,9 @@ def assemble(config: dict[str, Any], machine: dict[str, Any], runs: list[dict[st
         result["paired_ratios"] = paired_ratios(per_round)
         result["paired_ratios_median"] = paired_ratios(per_round, "median")
         result["answers_identical"] = answers_identical(samples[first], samples[second])
-        result["targets"] = evaluate_targets(config.get("workload", ""), result["paired_ratios"],
-                                             config.get("sizes"), sides=sides)
+        result["targets"] = evaluate_targets(
+            config.get("workload", ""), result["paired_ratios"], config.get("sizes"), sides=sides
+        )
     result["runs"] = [{k: v for k, v in r.items() if k != "samples"} for r in runs]
     result["samples"] = samples
     if monitor is not None:

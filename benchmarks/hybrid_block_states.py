@@ -57,22 +57,31 @@ ANSWER = 48
 FIRST_TURN = 700
 
 
-def _stage(model: str, *, block_states: bool = True, prefix_cache: bool = True,
-           **engine_args: Any) -> Any:
+def _stage(model: str, *, block_states: bool = True, prefix_cache: bool = True, **engine_args: Any) -> Any:
     from omni_cache.models.checkpoints import ensure_checkpoint
     from workers.latent_capture import LatentOptions
     from workers.llm_stage import LLMStage
 
-    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", max_model_len=16384,
-                kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=8192)
+    args = dict(
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        dtype="bfloat16",
+        max_model_len=16384,
+        kv_cache_memory_bytes=512 * 2**20,
+        max_num_batched_tokens=8192,
+    )
     if model != "thinker" and prefix_cache:
         args["prefix_cache_retention_interval"] = None  # as stage_configs/tiny_omni_hybrid.yaml
     if model == "qwen3.5":
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # text prompts only here
     args.update(engine_args)
-    return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=prefix_cache,
-                    block_states=block_states,
-                    latents=LatentOptions(hidden=True, cache=prefix_cache))
+    return LLMStage(
+        str(ensure_checkpoint(model)),
+        args,
+        prefix_cache=prefix_cache,
+        block_states=block_states,
+        latents=LatentOptions(hidden=True, cache=prefix_cache),
+    )
 
 
 def _block(stage: Any) -> int:
@@ -108,7 +117,7 @@ def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
     branch_times: dict[str, list[float]] = {name: [] for name in stages}
     names = list(stages)
     for r in range(rounds + 1):  # round 0 warms each engine up and is not counted
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             B = _block(stages["align"])  # without prefix caching vLLM picks another block
             prompt = [rng.randrange(256) for _ in range(PROMPT_BLOCKS * B)]
@@ -124,12 +133,15 @@ def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
     paired = lambda xs: {n: statistics.median(a / b for a, b in zip(xs[n], xs["align"])) for n in xs}  # noqa: E731
     return {
         "prompt_tokens": {n: PROMPT_BLOCKS * _block(stages["align"]) for n in stages},
-        "prefill_s": times, "median_s": med, "prefill_cpu_s": cpu,
+        "prefill_s": times,
+        "median_s": med,
+        "prefill_cpu_s": cpu,
         "median_cpu_s": {name: statistics.median(t) for name, t in cpu.items()},
         "vs_align": {n: med[n] / med["align"] for n in med},
         # Median of the per-round ratios: each round's engines ran back to back, so a slow spell of
         # this shared VM hits both sides of a ratio. CPU time (this process) ignores time stolen.
-        "paired_vs_align": paired(times), "paired_cpu_vs_align": paired(cpu),
+        "paired_vs_align": paired(times),
+        "paired_cpu_vs_align": paired(cpu),
         "branch_hit_tokens": hits,
         # The branch request's time to first token: a branching workload (it shares 2.5 blocks).
         "branch_ttft_s": branch_times,
@@ -139,8 +151,9 @@ def prefill(stages: dict[str, Any], rounds: int, seed: int) -> dict[str, Any]:
     }
 
 
-def agent_trace(stage: Any, traces: int, turns: int, seed: int, fan_out_at: int = 5,
-                siblings: int = 4) -> dict[str, Any]:
+def agent_trace(
+    stage: Any, traces: int, turns: int, seed: int, fan_out_at: int = 5, siblings: int = 4
+) -> dict[str, Any]:
     B = _block(stage)
     per_turn: list[dict[str, Any]] = []
     fan: list[dict[str, Any]] = []
@@ -151,8 +164,9 @@ def agent_trace(stage: Any, traces: int, turns: int, seed: int, fan_out_at: int 
         for turn in range(1, turns + 1):
             r = ask(stage, f"trace{t}-turn{turn}", prompt, ANSWER)
             best = min(fed // B * B, len(prompt) - 1) if turn > 1 else 0
-            per_turn.append({"trace": t, "turn": turn, "prompt": len(prompt), "hit": r["hit"],
-                             "best": best, "ttft_s": r["ttft_s"]})
+            per_turn.append(
+                {"trace": t, "turn": turn, "prompt": len(prompt), "hit": r["hit"], "best": best, "ttft_s": r["ttft_s"]}
+            )
             fed = len(prompt) + len(r["tokens"]) - 1
             history = prompt + r["tokens"]
             if turn == fan_out_at:
@@ -160,16 +174,26 @@ def agent_trace(stage: Any, traces: int, turns: int, seed: int, fan_out_at: int 
                 for i in range(siblings):
                     sibling = history + [sib_rng.randrange(256) for _ in range(sib_rng.randint(100, 600))]
                     s = ask(stage, f"trace{t}-sibling{i}", sibling, 1)
-                    fan.append({"trace": t, "sibling": i, "prompt": len(sibling), "hit": s["hit"],
-                                "best": len(history) // B * B, "ttft_s": s["ttft_s"]})
+                    fan.append(
+                        {
+                            "trace": t,
+                            "sibling": i,
+                            "prompt": len(sibling),
+                            "hit": s["hit"],
+                            "best": len(history) // B * B,
+                            "ttft_s": s["ttft_s"],
+                        }
+                    )
             prompt = history + [rng.randrange(256) for _ in range(rng.randint(100, 600))]
     later = [p for p in per_turn if p["turn"] > 1]
     prompt_tokens = sum(p["prompt"] for p in later)
     return {
-        "block_size": B, "turns": per_turn,
+        "block_size": B,
+        "turns": per_turn,
         "hit_rate": sum(p["hit"] for p in later) / prompt_tokens,
         "best_rate": sum(p["best"] for p in later) / prompt_tokens,
-        "turns_at_best": sum(p["hit"] == p["best"] for p in later), "turns_counted": len(later),
+        "turns_at_best": sum(p["hit"] == p["best"] for p in later),
+        "turns_counted": len(later),
         "mean_ttft_s": statistics.mean(p["ttft_s"] for p in later),
         "fan_out": fan,
         "fan_out_hit_rate": sum(f["hit"] for f in fan) / sum(f["prompt"] for f in fan),
@@ -188,14 +212,26 @@ def shared_context(stage: Any, groups: int, agents: int, seed: int) -> dict[str,
         for a in range(agents):
             prompt = context + [rng.randrange(256) for _ in range(rng.randint(500, 1000))]
             r = ask(stage, f"group{grp}-agent{a}", prompt, 1)
-            rows.append({"group": grp, "agent": a, "prompt": len(prompt), "hit": r["hit"],
-                         "best": len(context) // B * B if a else 0, "ttft_s": r["ttft_s"]})
+            rows.append(
+                {
+                    "group": grp,
+                    "agent": a,
+                    "prompt": len(prompt),
+                    "hit": r["hit"],
+                    "best": len(context) // B * B if a else 0,
+                    "ttft_s": r["ttft_s"],
+                }
+            )
     later = [r for r in rows if r["agent"]]
-    return {"block_size": B, "requests": rows,
-            "hit_rate": sum(r["hit"] for r in later) / sum(r["prompt"] for r in later),
-            "best_rate": sum(r["best"] for r in later) / sum(r["prompt"] for r in later),
-            "at_best": sum(r["hit"] == r["best"] for r in later), "counted": len(later),
-            "mean_ttft_s": statistics.mean(r["ttft_s"] for r in later)}
+    return {
+        "block_size": B,
+        "requests": rows,
+        "hit_rate": sum(r["hit"] for r in later) / sum(r["prompt"] for r in later),
+        "best_rate": sum(r["best"] for r in later) / sum(r["prompt"] for r in later),
+        "at_best": sum(r["hit"] == r["best"] for r in later),
+        "counted": len(later),
+        "mean_ttft_s": statistics.mean(r["ttft_s"] for r in later),
+    }
 
 
 def state_memory(stage: Any) -> dict[str, Any]:
@@ -210,7 +246,9 @@ def state_memory(stage: Any) -> dict[str, Any]:
     attn_layers = sum(len(g.layer_names) for g in attention)
     spec = mamba[0]
     return {
-        "block_size": B, "gdn_layers": layers, "state_bytes": spec.real_page_size_bytes,
+        "block_size": B,
+        "gdn_layers": layers,
+        "state_bytes": spec.real_page_size_bytes,
         "page_bytes": spec.page_size_bytes,
         "state_bytes_per_token": layers * spec.page_size_bytes / B,
         "attention_kv_bytes_per_token": attn_layers * attention[0].kv_cache_spec.page_size_bytes / B,
@@ -225,12 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write all figures here")
     parser.add_argument("--prefill-only", action="store_true", help="skip the agent traces")
-    parser.add_argument("--engines", default="block_states,align,split,fine",
-                        help="engines of the prefill part or of --cost-only (comma-separated; align is always run)")
-    parser.add_argument("--model", default="thinker-hybrid", choices=("thinker-hybrid", "qwen3.5"),
-                        help="the hybrid checkpoint")
-    parser.add_argument("--cost-only", action="store_true",
-                        help="only the no-reuse cost: fresh prompts of each --cost-blocks length")
+    parser.add_argument(
+        "--engines",
+        default="block_states,align,split,fine",
+        help="engines of the prefill part or of --cost-only (comma-separated; align is always run)",
+    )
+    parser.add_argument(
+        "--model", default="thinker-hybrid", choices=("thinker-hybrid", "qwen3.5"), help="the hybrid checkpoint"
+    )
+    parser.add_argument(
+        "--cost-only", action="store_true", help="only the no-reuse cost: fresh prompts of each --cost-blocks length"
+    )
     parser.add_argument("--cost-blocks", default="4,16,32", help="prompt lengths of --cost-only, in blocks")
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads of the engines")
     args = parser.parse_args(argv)
@@ -238,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)  # before vLLM's CPU worker pins it
 
-    result: dict[str, Any] = {"machine": machine_info(),
-                              "command": command_line("benchmarks.hybrid_block_states")}
+    result: dict[str, Any] = {"machine": machine_info(), "command": command_line("benchmarks.hybrid_block_states")}
     engines = set(args.engines.split(",")) | {"align"}
     if not (args.prefill_only or args.cost_only):
         engines |= {"block_states", "fine", "dense"}  # the agent traces use them
@@ -268,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     p = result["prefill"]
     print(f"prefill of {PROMPT_BLOCKS} x {B} tokens, median of {args.rounds} (s):")
     for name in result["prefill"]["median_s"]:
-        print(f"  {name:13s} {p['median_s'][name]:.3f}  x{p['vs_align'][name]:.3f} of align "
-              f"(paired x{p['paired_vs_align'][name]:.3f}, CPU time paired x{p['paired_cpu_vs_align'][name]:.3f})   "
-              f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B}), "
-              f"its TTFT p50 {p['branch_ttft_p50_s'][name]:.3f} s "
-              f"(paired x{p['branch_paired_vs_align'][name]:.3f} of align)")
+        print(
+            f"  {name:13s} {p['median_s'][name]:.3f}  x{p['vs_align'][name]:.3f} of align "
+            f"(paired x{p['paired_vs_align'][name]:.3f}, CPU time paired x{p['paired_cpu_vs_align'][name]:.3f})   "
+            f"branch at 2.5 blocks hits {p['branch_hit_tokens'][name]} (best {2 * B}), "
+            f"its TTFT p50 {p['branch_ttft_p50_s'][name]:.3f} s "
+            f"(paired x{p['branch_paired_vs_align'][name]:.3f} of align)"
+        )
     if "block_states" in hybrid:
         result["memory"] = state_memory(hybrid["block_states"])
         print("memory:", result["memory"])
@@ -286,15 +330,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in hybrid:
         a = agent_trace(hybrid[name], args.traces, args.turns, args.seed)
         result["agent"][name] = a
-        print(f"agent trace {name:13s} block {a['block_size']:4d}: hit rate {a['hit_rate']:.3f} "
-              f"(best {a['best_rate']:.3f}, {a['turns_at_best']}/{a['turns_counted']} turns at best), "
-              f"mean TTFT turns 2-{args.turns} {a['mean_ttft_s']:.3f} s")
-        print(f"  fan-out: hit rate {a['fan_out_hit_rate']:.3f} (best {a['fan_out_best_rate']:.3f}, "
-              f"{a['fan_out_at_best']}/{len(a['fan_out'])} at best), mean TTFT {a['fan_out_mean_ttft_s']:.3f} s")
+        print(
+            f"agent trace {name:13s} block {a['block_size']:4d}: hit rate {a['hit_rate']:.3f} "
+            f"(best {a['best_rate']:.3f}, {a['turns_at_best']}/{a['turns_counted']} turns at best), "
+            f"mean TTFT turns 2-{args.turns} {a['mean_ttft_s']:.3f} s"
+        )
+        print(
+            f"  fan-out: hit rate {a['fan_out_hit_rate']:.3f} (best {a['fan_out_best_rate']:.3f}, "
+            f"{a['fan_out_at_best']}/{len(a['fan_out'])} at best), mean TTFT {a['fan_out_mean_ttft_s']:.3f} s"
+        )
         c = shared_context(hybrid[name], 3, 4, args.seed)
         a["shared_context"] = c
-        print(f"  shared context: hit rate {c['hit_rate']:.3f} (best {c['best_rate']:.3f}, "
-              f"{c['at_best']}/{c['counted']} at best), mean TTFT {c['mean_ttft_s']:.3f} s")
+        print(
+            f"  shared context: hit rate {c['hit_rate']:.3f} (best {c['best_rate']:.3f}, "
+            f"{c['at_best']}/{c['counted']} at best), mean TTFT {c['mean_ttft_s']:.3f} s"
+        )
     return _finish(result, args.json)
 
 

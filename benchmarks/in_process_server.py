@@ -23,11 +23,17 @@ class InProcessServer:
         from omni_cache.runtime.orchestrator import Orchestrator
         from omni_cache.serving.server import create_app
 
-        self.orch = Orchestrator(config, stage_argv=[sys.executable, str(FAKE_STAGE)],
-                                 start_timeout_s=300, shutdown_grace_s=2, echo_stage_logs=False)
+        self.orch = Orchestrator(
+            config,
+            stage_argv=[sys.executable, str(FAKE_STAGE)],
+            start_timeout_s=300,
+            shutdown_grace_s=2,
+            echo_stage_logs=False,
+        )
         self.app = create_app(self.orch, manage_lifecycle=False)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                     log_level="warning", lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        )
         self._serving: asyncio.Task | None = None
 
     async def start(self) -> str:

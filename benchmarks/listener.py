@@ -53,8 +53,7 @@ def play(times: Sequence[float], seconds: Sequence[float], jitter_s: float = DEF
             stall_s += t - runs_out
             runs_out = t
         runs_out += s
-    return Playback(first, sum(s for _, s in chunks), stalls, stall_s,
-                    None if low == float("inf") else low)
+    return Playback(first, sum(s for _, s in chunks), stalls, stall_s, None if low == float("inf") else low)
 
 
 def listen(sample: Mapping[str, Any], jitter_s: float = DEFAULT_JITTER_S) -> Playback:

@@ -125,11 +125,14 @@ class Monitor:
 
         named = {pid for pid in processes.values() if pid}
         self._procs = {name: _proc_tree(pid, named - {pid}) for name, pid in processes.items()}
-        self._begin = {"t": time.time(), "own_cpu_s": _cpu_s([psutil.Process()]),
-                       "cpu": {n: _cpu_s(p) for n, p in self._procs.items()},
-                       "sys": {n: _sys_cpu_s(p) for n, p in self._procs.items()},
-                       "faults": {n: _faults(p) for n, p in self._procs.items()},
-                       "wait": {n: _runqueue_wait_s(p) for n, p in self._procs.items()}}
+        self._begin = {
+            "t": time.time(),
+            "own_cpu_s": _cpu_s([psutil.Process()]),
+            "cpu": {n: _cpu_s(p) for n, p in self._procs.items()},
+            "sys": {n: _sys_cpu_s(p) for n, p in self._procs.items()},
+            "faults": {n: _faults(p) for n, p in self._procs.items()},
+            "wait": {n: _runqueue_wait_s(p) for n, p in self._procs.items()},
+        }
 
     def end(self) -> dict[str, Any]:
         import psutil
@@ -146,8 +149,10 @@ class Monitor:
             "stage_cpu_s": sum(cpu[n] for n in stages),
             "stage_runqueue_wait_s": sum(wait[n] for n in stages),
             "client_process_cpu_s": _cpu_s([psutil.Process()]) - self._begin.get("own_cpu_s", 0.0),
-            "cpu_s_by_process": cpu, "runqueue_wait_s_by_process": wait,
-            "system_cpu_s_by_process": sys_cpu, "minor_faults_by_process": minor,
+            "cpu_s_by_process": cpu,
+            "runqueue_wait_s_by_process": wait,
+            "system_cpu_s_by_process": sys_cpu,
+            "minor_faults_by_process": minor,
             "major_faults_by_process": major,
             "rss_mib_by_process": {n: _rss_mib(p) for n, p in self._procs.items()},
         }
@@ -180,7 +185,11 @@ def machine_info() -> dict[str, Any]:
             versions[pkg] = metadata.version(pkg)
     return {
         "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_count": os.cpu_count(), "cpu_model": cpu_model, "mem_gib": mem_gib,
-        "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "mem_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
         "loadavg_start": list(os.getloadavg()),
     }

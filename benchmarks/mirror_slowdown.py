@@ -15,8 +15,13 @@ from omni_cache.cache.latent_store import LatentStore
 
 def _stand_in(dev, h, layers):
     dt = torch.bfloat16
-    return [((torch.randn(h, 4 * h, device=dev) / h ** 0.5).to(dt),
-             (torch.randn(4 * h, h, device=dev) / (4 * h) ** 0.5).to(dt)) for _ in range(layers)]
+    return [
+        (
+            (torch.randn(h, 4 * h, device=dev) / h**0.5).to(dt),
+            (torch.randn(4 * h, h, device=dev) / (4 * h) ** 0.5).to(dt),
+        )
+        for _ in range(layers)
+    ]
 
 
 def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None, graph_max_tokens=0):
@@ -82,18 +87,32 @@ def slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=None, graph_max_tokens
     calls.clear()
     waits0 = store.stats["ring_waits"]
     for r in range(rounds):
-        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+        for mode in (False, True) if r % 2 == 0 else (True, False):
             run(mode, steps)
     store.synchronize()
     t0, t1 = statistics.median(times[False]), statistics.median(times[True])
-    row = dict(hidden=h, names=k, tokens=T, layers=len(ws), graphed=graphed, step_us=t0 * 1e6,
-               step_with_write_us=t1 * 1e6, added_us=(t1 - t0) * 1e6, slowdown=t1 / t0 - 1,
-               write_call_us=statistics.median(calls) * 1e6, latent_bytes=T * k * h * 2,
-               # minima: a steadier estimate where other processes share the cores (CPU runs)
-               step_min_us=min(times[False]) * 1e6, step_with_write_min_us=min(times[True]) * 1e6,
-               slowdown_min=min(times[True]) / min(times[False]) - 1, write_call_min_us=min(calls) * 1e6,
-               ring_waits=store.stats["ring_waits"] - waits0, staging_tokens=store.staging_tokens,
-               staging_depth=store.staging_depth, store_kw={a: str(b) for a, b in (store_kw or {}).items()})
+    row = dict(
+        hidden=h,
+        names=k,
+        tokens=T,
+        layers=len(ws),
+        graphed=graphed,
+        step_us=t0 * 1e6,
+        step_with_write_us=t1 * 1e6,
+        added_us=(t1 - t0) * 1e6,
+        slowdown=t1 / t0 - 1,
+        write_call_us=statistics.median(calls) * 1e6,
+        latent_bytes=T * k * h * 2,
+        # minima: a steadier estimate where other processes share the cores (CPU runs)
+        step_min_us=min(times[False]) * 1e6,
+        step_with_write_min_us=min(times[True]) * 1e6,
+        slowdown_min=min(times[True]) / min(times[False]) - 1,
+        write_call_min_us=min(calls) * 1e6,
+        ring_waits=store.stats["ring_waits"] - waits0,
+        staging_tokens=store.staging_tokens,
+        staging_depth=store.staging_depth,
+        store_kw={a: str(b) for a, b in (store_kw or {}).items()},
+    )
     store.close()
     return row
 
@@ -106,10 +125,12 @@ def bench_slowdown(dev, hiddens, names_list, tokens_list, layers, quick, gen, lo
             for k in names_list:
                 row = slowdown_point(dev, ws, h, k, T, quick, gen, graph_max_tokens=graph_max_tokens)
                 rows.append(row)
-                log(f"slowdown h={h} k={k} T={T:6d}: step {row['step_us']:10.1f} us, with write "
-                    f"{row['step_with_write_us']:10.1f} us -> {100*row['slowdown']:+6.2f}%  "
+                log(
+                    f"slowdown h={h} k={k} T={T:6d}: step {row['step_us']:10.1f} us, with write "
+                    f"{row['step_with_write_us']:10.1f} us -> {100 * row['slowdown']:+6.2f}%  "
                     f"(+{row['added_us']:.1f} us; write() call {row['write_call_us']:.1f} us; "
-                    f"{row['latent_bytes']/2**20:.1f} MiB latents/step, ring waits {row['ring_waits']})")
+                    f"{row['latent_bytes'] / 2**20:.1f} MiB latents/step, ring waits {row['ring_waits']})"
+                )
         del ws
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -126,16 +147,16 @@ DIAG_VARIANTS = {  # host-write variants: how the caller issues the copies, the 
 
 def bench_diag(dev, layers, quick, gen, log, graph_max_tokens=0):
     rows = []
-    points = [(2048, 1, 1), (4096, 3, 64), (2048, 3, 4096), (4096, 1, 16384), (2048, 3, 32768),
-              (4096, 3, 32768)]
+    points = [(2048, 1, 1), (4096, 3, 64), (2048, 3, 4096), (4096, 1, 16384), (2048, 3, 32768), (4096, 3, 32768)]
     cache = {}
     for h, k, T in points:
         ws = cache.setdefault(h, _stand_in(dev, h, layers))
         for name, kw in DIAG_VARIANTS.items():
-            row = slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=kw,
-                                 graph_max_tokens=graph_max_tokens)
+            row = slowdown_point(dev, ws, h, k, T, quick, gen, store_kw=kw, graph_max_tokens=graph_max_tokens)
             row["variant"] = name
             rows.append(row)
-            log(f"diag h={h} k={k} T={T:6d} {name:38s}: {100*row['slowdown']:+7.2f}% "
-                f"(+{row['added_us']:8.1f} us, call {row['write_call_us']:7.1f} us, waits {row['ring_waits']})")
+            log(
+                f"diag h={h} k={k} T={T:6d} {name:38s}: {100 * row['slowdown']:+7.2f}% "
+                f"(+{row['added_us']:8.1f} us, call {row['write_call_us']:7.1f} us, waits {row['ring_waits']})"
+            )
     return rows

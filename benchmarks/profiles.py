@@ -66,10 +66,25 @@ class Recorder:
             if not pid:
                 continue
             out = self.directory / f"{self.tag}-{name}.txt"
-            procs.append(subprocess.Popen(
-                [self.exe, "record", "--pid", str(pid), "--rate", str(self.rate), "--nonblocking",
-                 "--format", "raw", "--output", str(out)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        self.exe,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--rate",
+                        str(self.rate),
+                        "--nonblocking",
+                        "--format",
+                        "raw",
+                        "--output",
+                        str(out),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         try:
             yield
         finally:
@@ -138,9 +153,13 @@ def summarize(stacks: Counter[tuple[str, ...]], rate: int, top: int = 15) -> dic
     def share(c: Counter[str]) -> list[list[Any]]:
         return [[k, round(v / total, 4)] for k, v in c.most_common(top)] if total else []
 
-    return {"samples": total, "cpu_s": total / rate if rate else None,
-            "parts": {k: round(v / total, 4) for k, v in by_part.most_common()} if total else {},
-            "top_inclusive": share(inclusive), "top_self": share(own)}
+    return {
+        "samples": total,
+        "cpu_s": total / rate if rate else None,
+        "parts": {k: round(v / total, 4) for k, v in by_part.most_common()} if total else {},
+        "top_inclusive": share(inclusive),
+        "top_self": share(own),
+    }
 
 
 def summarize_dir(directory: str | os.PathLike[str], rate: int, top: int = 15) -> dict[str, Any]:
@@ -153,8 +172,9 @@ def summarize_dir(directory: str | os.PathLike[str], rate: int, top: int = 15) -
             continue
         acc = pooled.setdefault(m["side"], {}).setdefault(m["proc"], Counter())
         acc.update(parse_collapsed(path.read_text(encoding="utf-8", errors="replace")))
-    return {side: {proc: summarize(c, rate, top) for proc, c in sorted(procs.items())}
-            for side, procs in pooled.items()}
+    return {
+        side: {proc: summarize(c, rate, top) for proc, c in sorted(procs.items())} for side, procs in pooled.items()
+    }
 
 
 def format_summary(summary: dict[str, Any], parts: int = 6) -> str:

@@ -60,14 +60,16 @@ def bench_config(src: str, dst: Path, *, turns: int, talker_max_tokens: int) -> 
     return dst
 
 
-async def one_session(url: str, model: str, *, turns: int, max_tokens: int, clip_s: tuple[float, float],
-                      seed: int) -> list[dict[str, Any]]:
+async def one_session(
+    url: str, model: str, *, turns: int, max_tokens: int, clip_s: tuple[float, float], seed: int
+) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     out: list[dict[str, Any]] = []
     async with connect(url, model) as conn:
         assert (await next_event(conn)).type == "session.created"
-        await conn.session.update(session={"type": "realtime", "max_output_tokens": max_tokens,
-                                           "audio": {"input": {"turn_detection": None}}})
+        await conn.session.update(
+            session={"type": "realtime", "max_output_tokens": max_tokens, "audio": {"input": {"turn_detection": None}}}
+        )
         assert (await next_event(conn)).type == "session.updated"
         for turn in range(turns):
             seconds = float(rng.uniform(*clip_s))
@@ -80,13 +82,18 @@ async def one_session(url: str, model: str, *, turns: int, max_tokens: int, clip
             if response.status not in ("completed", "incomplete"):
                 raise RuntimeError(f"turn {turn}: response {response.status}: {response.status_details}")
             usage = response.usage
-            out.append({"turn": turn + 1, "clip_s": round(seconds, 3),
-                        "first_audio_s": answer.first_audio_s,
-                        "response_s": time.monotonic() - t0,
-                        "input_tokens": usage.input_tokens,
-                        "cached_tokens": usage.input_token_details.cached_tokens,
-                        "output_tokens": usage.output_tokens,
-                        "audio_s": len(answer.audio) / 2 / 24000})
+            out.append(
+                {
+                    "turn": turn + 1,
+                    "clip_s": round(seconds, 3),
+                    "first_audio_s": answer.first_audio_s,
+                    "response_s": time.monotonic() - t0,
+                    "input_tokens": usage.input_tokens,
+                    "cached_tokens": usage.input_token_details.cached_tokens,
+                    "output_tokens": usage.output_tokens,
+                    "audio_s": len(answer.audio) / 2 / 24000,
+                }
+            )
     return out
 
 
@@ -96,26 +103,31 @@ async def run_sessions(url: str, model: str, n: int, seed0: int, **kw: Any) -> l
 
 def run_side(config: Path, side: str, args: argparse.Namespace, monitor: harness.Monitor) -> dict[str, Any]:
     kw = {"turns": args.turns, "max_tokens": args.max_tokens, "clip_s": tuple(args.clip_seconds)}
-    with harness.ManagedServer(config, prefix_cache=side == "on", tag=f"realtime-{side}",
-                               checkpoint_dir=args.checkpoint_dir) as srv:
+    with harness.ManagedServer(
+        config, prefix_cache=side == "on", tag=f"realtime-{side}", checkpoint_dir=args.checkpoint_dir
+    ) as srv:
         model = srv.server.orchestrator.served_model_name
         harness.log(f"cache {side}: ready after {srv.startup_s:.0f} s; warm-up session")
-        asyncio.run(one_session(srv.url, model, turns=2, max_tokens=args.max_tokens,
-                                clip_s=kw["clip_s"], seed=10_000))
+        asyncio.run(one_session(srv.url, model, turns=2, max_tokens=args.max_tokens, clip_s=kw["clip_s"], seed=10_000))
         before = asyncio.run(scrape_metrics(srv.url))
         monitor.begin(list(srv.stage_pids().values()))
         sessions = []
         t0 = time.monotonic()
         for rnd in range(args.rounds):
-            harness.log(f"cache {side}: round {rnd + 1}/{args.rounds}, {args.sessions} sessions x "
-                        f"{args.turns} turns")
-            for i, turns in enumerate(asyncio.run(run_sessions(
-                    srv.url, model, args.sessions, args.seed + 100 * rnd, **kw))):
+            harness.log(f"cache {side}: round {rnd + 1}/{args.rounds}, {args.sessions} sessions x {args.turns} turns")
+            for i, turns in enumerate(
+                asyncio.run(run_sessions(srv.url, model, args.sessions, args.seed + 100 * rnd, **kw))
+            ):
                 sessions.append({"round": rnd, "session": i, "turns": turns})
         resources = monitor.end()
         after = asyncio.run(scrape_metrics(srv.url))
-    return {"side": side, "duration_s": time.monotonic() - t0, "sessions": sessions,
-            "counters": counter_deltas(before, after), "resources": resources}
+    return {
+        "side": side,
+        "duration_s": time.monotonic() - t0,
+        "sessions": sessions,
+        "counters": counter_deltas(before, after),
+        "resources": resources,
+    }
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -132,13 +144,18 @@ def summarize(side: dict[str, Any]) -> dict[str, Any]:
     for k in sorted(by_turn):
         rows = by_turn[k]
         fa = [r["first_audio_s"] for r in rows if r["first_audio_s"] is not None]
-        turns.append({
-            "turn": k, "n": len(rows),
-            "first_audio_p50_s": _quantile(fa, 0.5), "first_audio_p90_s": _quantile(fa, 0.9),
-            "prompt_tokens_mean": float(np.mean([r["input_tokens"] for r in rows])),
-            "cached_share": float(sum(r["cached_tokens"] for r in rows)
-                                  / max(1, sum(r["input_tokens"] for r in rows))),
-        })
+        turns.append(
+            {
+                "turn": k,
+                "n": len(rows),
+                "first_audio_p50_s": _quantile(fa, 0.5),
+                "first_audio_p90_s": _quantile(fa, 0.9),
+                "prompt_tokens_mean": float(np.mean([r["input_tokens"] for r in rows])),
+                "cached_share": float(
+                    sum(r["cached_tokens"] for r in rows) / max(1, sum(r["input_tokens"] for r in rows))
+                ),
+            }
+        )
     hit_rates = {}
     for stage, c in (side.get("counters") or {}).items():
         if c.get("queried"):
@@ -151,10 +168,16 @@ def summarize(side: dict[str, Any]) -> dict[str, Any]:
     if len(xs) >= 2:
         slope, intercept = np.polyfit(xs, ys, 1)
         at_first, at_last = intercept + slope * xs[0], intercept + slope * xs[-1]
-        fit = {"slope_ms_per_turn": 1000 * float(slope),
-               "last_over_first": float(at_last / at_first) if at_first > 0 else None}
-    return {"turns": turns, "stage_hit_rates": hit_rates,
-            "last_over_first_p50": (last / first) if first and last else None, "linear_fit": fit}
+        fit = {
+            "slope_ms_per_turn": 1000 * float(slope),
+            "last_over_first": float(at_last / at_first) if at_first > 0 else None,
+        }
+    return {
+        "turns": turns,
+        "stage_hit_rates": hit_rates,
+        "last_over_first_p50": (last / first) if first and last else None,
+        "linear_fit": fit,
+    }
 
 
 def plot(path: str, result: dict[str, Any]) -> None:
@@ -168,25 +191,39 @@ def plot(path: str, result: dict[str, Any]) -> None:
     for side, summary in result["summary"].items():
         turns = summary["turns"]
         x = [t["turn"] for t in turns]
-        ax1.plot(x, [t["first_audio_p50_s"] * 1000 for t in turns], "o-", color=colors.get(side),
-                 label=f"cache {side} p50")
-        ax1.plot(x, [t["first_audio_p90_s"] * 1000 for t in turns], "o--", color=colors.get(side),
-                 alpha=0.5, label=f"cache {side} p90")
-        ax2.plot(x, [100 * t["cached_share"] for t in turns], "o-", color=colors.get(side),
-                 label=f"cache {side}")
-    ax1.set(xlabel="turn", ylabel="commit -> first audio delta (ms)", ylim=(0, None),
-            title=f"{result['config']['sessions']} sessions at once, {result['config']['turns']} turns "
-                  f"of {result['config']['clip_seconds'][0]:g}-{result['config']['clip_seconds'][1]:g} s")
-    ax2.set(xlabel="turn", ylabel="thinker prompt tokens cached (%)", ylim=(0, 100),
-            title="thinker cached share by turn")
+        ax1.plot(
+            x, [t["first_audio_p50_s"] * 1000 for t in turns], "o-", color=colors.get(side), label=f"cache {side} p50"
+        )
+        ax1.plot(
+            x,
+            [t["first_audio_p90_s"] * 1000 for t in turns],
+            "o--",
+            color=colors.get(side),
+            alpha=0.5,
+            label=f"cache {side} p90",
+        )
+        ax2.plot(x, [100 * t["cached_share"] for t in turns], "o-", color=colors.get(side), label=f"cache {side}")
+    ax1.set(
+        xlabel="turn",
+        ylabel="commit -> first audio delta (ms)",
+        ylim=(0, None),
+        title=f"{result['config']['sessions']} sessions at once, {result['config']['turns']} turns "
+        f"of {result['config']['clip_seconds'][0]:g}-{result['config']['clip_seconds'][1]:g} s",
+    )
+    ax2.set(
+        xlabel="turn", ylabel="thinker prompt tokens cached (%)", ylim=(0, 100), title="thinker cached share by turn"
+    )
     from matplotlib.ticker import MaxNLocator
 
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"/v1/realtime, tiny Qwen3-Omni, {result['machine']['cpu_model']} "
-                 f"({result['machine']['nproc']} CPUs, shared machine)", fontsize=10)
+    fig.suptitle(
+        f"/v1/realtime, tiny Qwen3-Omni, {result['machine']['cpu_model']} "
+        f"({result['machine']['nproc']} CPUs, shared machine)",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=110)
 
 
@@ -199,8 +236,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--clip-seconds", type=float, nargs=2, default=(2.0, 4.0), metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, default=8, help="thinker tokens per answer")
-    p.add_argument("--talker-max-tokens", type=int, default=64,
-                   help="codec steps per answer (12.5 per second of speech; default: %(default)s)")
+    p.add_argument(
+        "--talker-max-tokens",
+        type=int,
+        default=64,
+        help="codec steps per answer (12.5 per second of speech; default: %(default)s)",
+    )
     p.add_argument("--sides", default="on,off", help="cache on, off or both (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="added to the result file (e.g. the machine's load)")
@@ -219,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     sides: dict[str, Any] = {}
     machine = harness.machine_info()
     try:
-        config = bench_config(args.stage_config, tmp / "realtime.yaml", turns=args.turns + 2,
-                              talker_max_tokens=args.talker_max_tokens)
+        config = bench_config(
+            args.stage_config, tmp / "realtime.yaml", turns=args.turns + 2, talker_max_tokens=args.talker_max_tokens
+        )
         with harness.Monitor() as monitor:
             for side in args.sides:
                 sides[side] = run_side(config, side, args, monitor)
@@ -229,27 +271,46 @@ def main(argv: list[str] | None = None) -> int:
     summary = {side: summarize(r) for side, r in sides.items()}
     on = summary.get("on", {}).get("last_over_first_p50")
     result = {
-        "benchmark": "realtime", "command": harness.command_line("benchmarks.realtime"),
+        "benchmark": "realtime",
+        "command": harness.command_line("benchmarks.realtime"),
         "machine": machine,
         "machine_note": "shared: other sessions ran on this 2-core machine meanwhile (see loadavg and "
-                        "run-queue wait in resources). " + args.note,
-        "config": {k: getattr(args, k) for k in ("stage_config", "sessions", "turns", "rounds",
-                                                  "clip_seconds", "max_tokens", "talker_max_tokens",
-                                                  "sides", "seed")},
-        "target": {"turn_last_over_first_p50_max": TARGET_RATIO, "cache_on": on,
-                   "met": None if on is None else on <= TARGET_RATIO,
-                   "cache_on_linear_fit": (summary.get("on", {}).get("linear_fit") or {}).get("last_over_first")},
-        "summary": summary, "sides": sides,
+        "run-queue wait in resources). " + args.note,
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "stage_config",
+                "sessions",
+                "turns",
+                "rounds",
+                "clip_seconds",
+                "max_tokens",
+                "talker_max_tokens",
+                "sides",
+                "seed",
+            )
+        },
+        "target": {
+            "turn_last_over_first_p50_max": TARGET_RATIO,
+            "cache_on": on,
+            "met": None if on is None else on <= TARGET_RATIO,
+            "cache_on_linear_fit": (summary.get("on", {}).get("linear_fit") or {}).get("last_over_first"),
+        },
+        "summary": summary,
+        "sides": sides,
     }
     for side, s in summary.items():
-        line = ", ".join(f"t{t['turn']} {t['first_audio_p50_s'] * 1000:.0f}/{t['first_audio_p90_s'] * 1000:.0f}"
-                         for t in s["turns"])
+        line = ", ".join(
+            f"t{t['turn']} {t['first_audio_p50_s'] * 1000:.0f}/{t['first_audio_p90_s'] * 1000:.0f}" for t in s["turns"]
+        )
         print(f"cache {side}: first audio p50/p90 ms by turn: {line}")
         fit = s["linear_fit"] or {}
-        print(f"cache {side}: turn {s['turns'][-1]['turn']} / turn 1 (p50) = {s['last_over_first_p50']:.2f} "
-              f"(line through the p50s: {fit.get('slope_ms_per_turn', float('nan')):+.1f} ms/turn, "
-              f"{fit.get('last_over_first') or float('nan'):.2f}x); "
-              f"hit rates {', '.join(f'{k} {v:.1%}' for k, v in s['stage_hit_rates'].items())}")
+        print(
+            f"cache {side}: turn {s['turns'][-1]['turn']} / turn 1 (p50) = {s['last_over_first_p50']:.2f} "
+            f"(line through the p50s: {fit.get('slope_ms_per_turn', float('nan')):+.1f} ms/turn, "
+            f"{fit.get('last_over_first') or float('nan'):.2f}x); "
+            f"hit rates {', '.join(f'{k} {v:.1%}' for k, v in s['stage_hit_rates'].items())}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
     if args.plot:

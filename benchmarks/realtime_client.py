@@ -26,8 +26,9 @@ CHUNK_SAMPLES = 4800
 def client(url: str, api_key: str = "unused") -> Any:
     from openai import AsyncOpenAI
 
-    return AsyncOpenAI(base_url=url + "/v1", websocket_base_url=url.replace("http", "ws", 1) + "/v1",
-                       api_key=api_key, max_retries=0)
+    return AsyncOpenAI(
+        base_url=url + "/v1", websocket_base_url=url.replace("http", "ws", 1) + "/v1", api_key=api_key, max_retries=0
+    )
 
 
 def connect(url: str, model: str, api_key: str = "unused") -> Any:
@@ -48,7 +49,7 @@ async def append_audio(conn: Any, samples: np.ndarray, chunk: int = CHUNK_SAMPLE
     data = pcm16(samples)
     step = chunk * 2
     for i in range(0, len(data), step):
-        await conn.input_audio_buffer.append(audio=base64.b64encode(data[i:i + step]).decode())
+        await conn.input_audio_buffer.append(audio=base64.b64encode(data[i : i + step]).decode())
 
 
 @dataclass
@@ -67,8 +68,9 @@ class Answer:
         return [e.type for e in self.events]
 
 
-async def read_answer(conn: Any, t0: float | None = None, timeout: float = 300.0,
-                      on_event: Callable[[Any, Answer], Any] | None = None) -> Answer:
+async def read_answer(
+    conn: Any, t0: float | None = None, timeout: float = 300.0, on_event: Callable[[Any, Answer], Any] | None = None
+) -> Answer:
     """Events until ``response.done``; ``on_event(event, answer)`` sees each as it comes (it may
     send events; returning ``"stop"`` ends the read early)."""
     t0 = time.monotonic() if t0 is None else t0

@@ -43,11 +43,23 @@ MIB = 1 << 20
 def bench_config(directory: Path) -> Path:
     data = {
         "name": f"rtmem-{os.getpid()}",
-        "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 120,
-                   "realtime": {"max_events_per_s": 2000.0, "idle_timeout_s": 1800.0}},
-        "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:qwen3-omni",
-                    "final_output": "text", "engine_args": {"max_model_len": 8192},
-                    "sampling": {"max_tokens": 8}, "env": {"FAKE_TOKEN_DELAY": "0.001"}}],
+        "server": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "request_timeout_s": 120,
+            "realtime": {"max_events_per_s": 2000.0, "idle_timeout_s": 1800.0},
+        },
+        "stages": [
+            {
+                "name": "thinker",
+                "kind": "autoregressive",
+                "model": "tiny:qwen3-omni",
+                "final_output": "text",
+                "engine_args": {"max_model_len": 8192},
+                "sampling": {"max_tokens": 8},
+                "env": {"FAKE_TOKEN_DELAY": "0.001"},
+            }
+        ],
     }
     path = directory / "rtmem.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -55,6 +67,7 @@ def bench_config(directory: Path) -> Path:
 
 
 # ---- the clients (another process) ---------------------------------------------------------------
+
 
 def run_clients(url: str, model: str, args: dict[str, Any], steps: Any, out: Any) -> None:
     """Drive the sessions; put a message on ``out`` at each stage and wait for ``steps`` (the
@@ -69,7 +82,7 @@ async def _clients(url: str, model: str, args: dict[str, Any], steps: Any, out: 
     chunks = []  # a few different clips, each as its 200 ms appends
     for seed in range(8):
         data = pcm16(speech(args["clip_s"], seed=seed))
-        chunks.append([base64.b64encode(data[i:i + 9600]).decode() for i in range(0, len(data), 9600)])
+        chunks.append([base64.b64encode(data[i : i + 9600]).decode() for i in range(0, len(data), 9600)])
 
     async def commit(conn, turn: int) -> Any:
         for chunk in chunks[turn % len(chunks)]:
@@ -82,9 +95,14 @@ async def _clients(url: str, model: str, args: dict[str, Any], steps: Any, out: 
 
     async def fill(conn) -> int:
         assert (await next_event(conn, timeout=600)).type == "session.created"
-        await conn.session.update(session={"type": "realtime", "truncation": "disabled",
-                                           "output_modalities": ["text"],
-                                           "audio": {"input": {"turn_detection": None}}})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "truncation": "disabled",
+                "output_modalities": ["text"],
+                "audio": {"input": {"turn_detection": None}},
+            }
+        )
         assert (await next_event(conn, timeout=600)).type == "session.updated"
         refused = 0
         for turn in range(args["turns"]):
@@ -107,10 +125,15 @@ async def _clients(url: str, model: str, args: dict[str, Any], steps: Any, out: 
             err = event.error
         else:
             extra += 1
-    out.put({"answer_status": answer.done.response.status,
-             "answer_input_tokens": answer.done.response.usage.input_tokens,
-             "more_turns_before_refusal": extra, "refusal_code": err.code if err else None,
-             "refusal_message": err.message if err else None})
+    out.put(
+        {
+            "answer_status": answer.done.response.status,
+            "answer_input_tokens": answer.done.response.usage.input_tokens,
+            "more_turns_before_refusal": extra,
+            "refusal_code": err.code if err else None,
+            "refusal_message": err.message if err else None,
+        }
+    )
     await asyncio.to_thread(steps.get)
     for conn in conns:
         await conn.close()
@@ -118,6 +141,7 @@ async def _clients(url: str, model: str, args: dict[str, Any], steps: Any, out: 
 
 
 # ---- the server (this process) -------------------------------------------------------------------
+
 
 def rss(field: str = "VmRSS") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -137,10 +161,20 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
     spawn = multiprocessing.get_context("spawn")
     out: Any = spawn.Queue()
     steps: Any = spawn.Queue()
-    clients = spawn.Process(target=run_clients, args=(url, orch.served_model_name, {
-        "sessions": args.sessions, "turns": args.turns, "clip_s": args.clip_s}, steps, out))
-    result: dict[str, Any] = {"bound_bytes": bounds.max_media_bytes,
-                              "session_share_bytes": bounds.max_media_bytes // config.server.realtime.max_sessions}
+    clients = spawn.Process(
+        target=run_clients,
+        args=(
+            url,
+            orch.served_model_name,
+            {"sessions": args.sessions, "turns": args.turns, "clip_s": args.clip_s},
+            steps,
+            out,
+        ),
+    )
+    result: dict[str, Any] = {
+        "bound_bytes": bounds.max_media_bytes,
+        "session_share_bytes": bounds.max_media_bytes // config.server.realtime.max_sessions,
+    }
     try:
         await asyncio.sleep(1.0)
         result["rss_before_mib"] = rss() / MIB
@@ -180,19 +214,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.harness import machine_info
 
-    result = {"args": vars(args) | {"json": str(args.json) if args.json else None},
-              "machine": machine_info(), **asyncio.run(serve(args))}
+    result = {
+        "args": vars(args) | {"json": str(args.json) if args.json else None},
+        "machine": machine_info(),
+        **asyncio.run(serve(args)),
+    }
     r = result
     audio_mib = args.sessions * args.turns * args.clip_s * 16000 * 4 / MIB
-    print(f"{args.sessions} sessions x {args.turns} turns of {args.clip_s:g} s ({audio_mib:.0f} MiB of "
-          f"16 kHz float32) committed in {r['filled_s']:.0f} s, {r['refused']} refused; held in the "
-          f"bound {r['held_bytes_filled'] / MIB:.0f} MiB of {r['bound_bytes'] / MIB:.0f} MiB")
-    print(f"server RSS {r['rss_before_mib']:.0f} MiB before, {r['rss_filled_mib']:.0f} MiB holding the "
-          f"turns (+{r['rss_filled_mib'] - r['rss_before_mib']:.0f}), peak {r['rss_peak_mib']:.0f} MiB, "
-          f"{r['rss_closed_mib']:.0f} MiB after all closed (held {r['held_bytes_closed']} bytes)")
-    print(f"answer while full: {r['answer_status']} ({r['answer_input_tokens']} prompt tokens); the "
-          f"first session took {r['more_turns_before_refusal']} more turns, then {r['refusal_code']}: "
-          f"{r['refusal_message']} ({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})")
+    print(
+        f"{args.sessions} sessions x {args.turns} turns of {args.clip_s:g} s ({audio_mib:.0f} MiB of "
+        f"16 kHz float32) committed in {r['filled_s']:.0f} s, {r['refused']} refused; held in the "
+        f"bound {r['held_bytes_filled'] / MIB:.0f} MiB of {r['bound_bytes'] / MIB:.0f} MiB"
+    )
+    print(
+        f"server RSS {r['rss_before_mib']:.0f} MiB before, {r['rss_filled_mib']:.0f} MiB holding the "
+        f"turns (+{r['rss_filled_mib'] - r['rss_before_mib']:.0f}), peak {r['rss_peak_mib']:.0f} MiB, "
+        f"{r['rss_closed_mib']:.0f} MiB after all closed (held {r['held_bytes_closed']} bytes)"
+    )
+    print(
+        f"answer while full: {r['answer_status']} ({r['answer_input_tokens']} prompt tokens); the "
+        f"first session took {r['more_turns_before_refusal']} more turns, then {r['refusal_code']}: "
+        f"{r['refusal_message']} ({result['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -66,8 +66,7 @@ class RayServer:
         from omni_cache.serving.server import ServerThread
 
         t0 = time.monotonic()
-        orch = Orchestrator(load_config(self.config), prefix_cache=True,
-                            echo_stage_logs=False)
+        orch = Orchestrator(load_config(self.config), prefix_cache=True, echo_stage_logs=False)
         self.server = ServerThread(orch, log_level="error").start()
         self.url = self.server.url
         try:
@@ -82,8 +81,16 @@ class RayServer:
         self.server.stop()
 
 
-def routing_config(src: str, dst: Path, *, replicas: int, pool_blocks: int, dtype: str | None,
-                   request_timeout_s: float, thinker_only: bool = False) -> Path:
+def routing_config(
+    src: str,
+    dst: Path,
+    *,
+    replicas: int,
+    pool_blocks: int,
+    dtype: str | None,
+    request_timeout_s: float,
+    thinker_only: bool = False,
+) -> Path:
     """``src`` with the entry stage (the stage without inputs) as ``replicas`` replicas of
     ``pool_blocks`` KV blocks each, ``prefix`` routing, and ``dtype`` for every vLLM stage;
     ``thinker_only``: the entry stage alone (text answers), without warm-up."""

@@ -27,8 +27,9 @@ def socket_dir(tag: str) -> str:
     return f"/tmp/omni_cache/bench-{os.getpid()}-{tag}"
 
 
-def private_config(src: str | os.PathLike[str], dst_dir: str | os.PathLike[str], tag: str,
-                   stage_env: dict[str, str] | None = None) -> Path:
+def private_config(
+    src: str | os.PathLike[str], dst_dir: str | os.PathLike[str], tag: str, stage_env: dict[str, str] | None = None
+) -> Path:
     """A copy of the stage config ``src`` in ``dst_dir`` with its own name, ipc socket paths and
     port 0 (and ``stage_env`` added to every stage's ``env``). Relative model paths and
     checkpoint_dir are made absolute (relative to the current directory, as the original would
@@ -59,9 +60,16 @@ def private_config(src: str | os.PathLike[str], dst_dir: str | os.PathLike[str],
 class ManagedServer:
     """The pipeline of one side, served over HTTP from a background thread (a context manager)."""
 
-    def __init__(self, config_path: str | os.PathLike[str], *, prefix_cache: bool, tag: str,
-                 checkpoint_dir: str | None = None, start_timeout_s: float = 900.0,
-                 stage_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        *,
+        prefix_cache: bool,
+        tag: str,
+        checkpoint_dir: str | None = None,
+        start_timeout_s: float = 900.0,
+        stage_env: dict[str, str] | None = None,
+    ) -> None:
         self.config_path = config_path
         self.stage_env = stage_env
         self.prefix_cache = prefix_cache
@@ -82,8 +90,12 @@ class ManagedServer:
         try:
             path = private_config(self.config_path, self._tmp, self.tag, self.stage_env)
             t0 = time.monotonic()
-            orch = Orchestrator(load_config(path), prefix_cache=self.prefix_cache,
-                                checkpoint_dir=self.checkpoint_dir, echo_stage_logs=False)
+            orch = Orchestrator(
+                load_config(path),
+                prefix_cache=self.prefix_cache,
+                checkpoint_dir=self.checkpoint_dir,
+                echo_stage_logs=False,
+            )
             self.server = ServerThread(orch, log_level="error").start()
             self.url = self.server.url
             self.server.wait_ready(self.start_timeout_s)
@@ -116,9 +128,15 @@ class ServerProcess:
 
     READY = re.compile(r"ready: model '[^']*' at (http://\S+)")
 
-    def __init__(self, config_path: str | os.PathLike[str], *, prefix_cache: bool = True,
-                 checkpoint_dir: str | None = None, start_timeout_s: float = 900.0,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        *,
+        prefix_cache: bool = True,
+        checkpoint_dir: str | None = None,
+        start_timeout_s: float = 900.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.config_path = config_path
         self.prefix_cache = prefix_cache
         self.checkpoint_dir = checkpoint_dir
@@ -147,8 +165,14 @@ class ServerProcess:
         if self.checkpoint_dir:
             argv += ["--checkpoint-dir", self.checkpoint_dir]
         self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, env={**os.environ, **(self.env or {})})
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(self.env or {})},
+        )
         # The output is read to the end by a thread (a full pipe would block the server).
         threading.Thread(target=self._read, daemon=True, name="bench-server-output").start()
 
@@ -203,8 +227,7 @@ class CpuBurners:
     suite does to the cores, their caches and the memory bus), at the default priority. For
     measuring how the pipelines hold up with the cores contended; both sides meet the same."""
 
-    CODE = ("import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
-            "while True:\n    a = torch.tanh(a @ a)\n")
+    CODE = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = torch.tanh(a @ a)\n"
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -212,8 +235,11 @@ class CpuBurners:
 
     def __enter__(self) -> CpuBurners:
         for _ in range(self.count):
-            self.procs.append(subprocess.Popen([sys.executable, "-c", self.CODE],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", self.CODE], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

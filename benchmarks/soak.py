@@ -109,8 +109,9 @@ def soak_config(src: str, dst_dir: str, *, kv_blocks: int, request_timeout_s: fl
 
 
 class Soak:
-    def __init__(self, url: str, model: str, args: argparse.Namespace, stage_pids: Any,
-                 server_pid: int | None = None) -> None:
+    def __init__(
+        self, url: str, model: str, args: argparse.Namespace, stage_pids: Any, server_pid: int | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.args = args
@@ -128,9 +129,11 @@ class Soak:
 
     def _client(self) -> httpx.AsyncClient:
         timeout = httpx.Timeout(self.args.request_timeout + self.args.margin + 30.0, connect=30.0)
-        return httpx.AsyncClient(timeout=timeout, trust_env=False,
-                                 limits=httpx.Limits(max_connections=None,
-                                                     max_keepalive_connections=self.args.concurrency + 4))
+        return httpx.AsyncClient(
+            timeout=timeout,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=self.args.concurrency + 4),
+        )
 
     async def _worker(self, client: httpx.AsyncClient, stop_at: float) -> None:
         limit = self.args.request_timeout + self.args.margin
@@ -160,16 +163,24 @@ class Soak:
             record["pid_after"] = now
             if now == pid:  # still the stopped process: the server did not notice
                 os.kill(pid, signal.SIGCONT)
-            log(f"soak: {stage} after the pause: " + (f"replaced by pid {now}" if now != pid
-                                                      else "the same process, continued"))
+            log(
+                f"soak: {stage} after the pause: "
+                + (f"replaced by pid {now}" if now != pid else "the same process, continued")
+            )
 
     async def _minute(self, client: httpx.AsyncClient, index: int, since: float, until: float) -> dict[str, Any]:
         ended = [o for o in self.outcomes if since <= o.end_s < until]
         metrics = await scrape(client, self.url)
-        row = {"minute": index, "t_end_s": round(until, 1), **summarize(ended),
-               "started_total": self.started, "rss_mib": rss_mib(self.stage_pids(), self.server_pid),
-               "loadavg": loadavg(), "prefix_hit_rate": hit_rates(self._last_scrape, metrics),
-               "metrics": metrics}
+        row = {
+            "minute": index,
+            "t_end_s": round(until, 1),
+            **summarize(ended),
+            "started_total": self.started,
+            "rss_mib": rss_mib(self.stage_pids(), self.server_pid),
+            "loadavg": loadavg(),
+            "prefix_hit_rate": hit_rates(self._last_scrape, metrics),
+            "metrics": metrics,
+        }
         self._last_scrape = metrics or self._last_scrape
         self._print_row(row)
         return row
@@ -181,19 +192,24 @@ class Soak:
     def _print_row(self, row: dict[str, Any]) -> None:
         rss = " ".join(f"{v if v is not None else '-'}" for v in row["rss_mib"].values())
         hits = " ".join(f"{s}={'-' if v is None else f'{v:.0%}'}" for s, v in row["prefix_hit_rate"].items())
-        print(f"{row['minute']!s:>5} {row['ok']:>5} {row['failed']:>6} {row['aborted']:>7} {row['lost']:>5} "
-              f"{self._ms(row['e2e_p50_s']):>8} {self._ms(row['e2e_p99_s']):>8} "
-              f"{self._ms(row['ttfa_p50_s']):>8} {self._ms(row['ttfa_p99_s']):>8}  {rss:<32} "
-              f"{' '.join(f'{x:.2f}' for x in row['loadavg'])}  {hits}", flush=True)
+        print(
+            f"{row['minute']!s:>5} {row['ok']:>5} {row['failed']:>6} {row['aborted']:>7} {row['lost']:>5} "
+            f"{self._ms(row['e2e_p50_s']):>8} {self._ms(row['e2e_p99_s']):>8} "
+            f"{self._ms(row['ttfa_p50_s']):>8} {self._ms(row['ttfa_p99_s']):>8}  {rss:<32} "
+            f"{' '.join(f'{x:.2f}' for x in row['loadavg'])}  {hits}",
+            flush=True,
+        )
 
     async def run(self) -> dict[str, Any]:
         args = self.args
         async with self._client() as client:
             procs = " ".join(rss_mib(self.stage_pids(), self.server_pid))
-            print(f"\n{'min':>5} {'ok':>5} {'failed':>6} {'aborted':>7} {'lost':>5} {'e2e p50':>8} "
-                  f"{'e2e p99':>8} {'ttfa p50':>8} {'ttfa p99':>8}  RSS MiB ({procs})  loadavg 1/5/15  "
-                  "prefix-cache hit rate",
-                  flush=True)
+            print(
+                f"\n{'min':>5} {'ok':>5} {'failed':>6} {'aborted':>7} {'lost':>5} {'e2e p50':>8} "
+                f"{'e2e p99':>8} {'ttfa p50':>8} {'ttfa p99':>8}  RSS MiB ({procs})  loadavg 1/5/15  "
+                "prefix-cache hit rate",
+                flush=True,
+            )
             print(f"{'':>5} {'':>5} {'':>6} {'':>7} {'':>5} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8}", flush=True)
             self.t_base = time.perf_counter()
             stop_at = self.t_base + args.minutes * 60.0
@@ -213,16 +229,26 @@ class Soak:
             await pauser  # a pause that started before the end has ended by now
             t_drain = time.perf_counter() - self.t_base
             since = len(self.minutes) * 60.0
-            drain = await self._minute(client, "drain", since, float("inf")) if any(
-                o.end_s >= since for o in self.outcomes) else None
+            drain = (
+                await self._minute(client, "drain", since, float("inf"))
+                if any(o.end_s >= since for o in self.outcomes)
+                else None
+            )
             idle = await self._idle(client)
         totals = summarize(self.outcomes)
         unended = self.started - len(self.outcomes)
         return {
-            "measured_s": round(t_drain, 1), "started": self.started, "ended": len(self.outcomes),
-            "not_ended": unended, "totals": totals, "minutes": self.minutes, "drain": drain,
-            "rss_growth": rss_growth(self.minutes, args.rss_baseline_minute), "idle": idle,
-            "prompt_rotations": self.prompts.rotations, "pauses": self.pauses,
+            "measured_s": round(t_drain, 1),
+            "started": self.started,
+            "ended": len(self.outcomes),
+            "not_ended": unended,
+            "totals": totals,
+            "minutes": self.minutes,
+            "drain": drain,
+            "rss_growth": rss_growth(self.minutes, args.rss_baseline_minute),
+            "idle": idle,
+            "prompt_rotations": self.prompts.rotations,
+            "pauses": self.pauses,
             "lost_examples": [asdict(o) for o in self.outcomes if o.outcome == "lost"][:20],
             "failed_examples": [asdict(o) for o in self.outcomes if o.outcome == "failed"][:20],
         }
@@ -236,28 +262,46 @@ class Soak:
             empty = m is not None and not m["in_flight"] and not any(held.values())
             waited = time.perf_counter() - t0
             if empty or waited > self.args.idle_wait:
-                return {"empty": empty, "waited_s": round(waited, 1), "queue_depth": held,
-                        "in_flight": None if m is None else m["in_flight"], "metrics": m}
+                return {
+                    "empty": empty,
+                    "waited_s": round(waited, 1),
+                    "queue_depth": held,
+                    "in_flight": None if m is None else m["in_flight"],
+                    "metrics": m,
+                }
             await asyncio.sleep(1.0)
 
 
 def print_summary(result: dict[str, Any]) -> None:
     t = result["totals"]
-    print(f"\ntotals: {t['requests']} requests ({result['started']} started, {result['not_ended']} not ended): "
-          f"ok {t['ok']}, failed {t['failed']} {t['failed_by_status'] or ''}, aborted {t['aborted']}, "
-          f"lost {t['lost']} {t['lost_by_reason'] or ''}")
-    print(f"by kind: {t['by_kind']}; e2e p50/p99 {Soak._ms(t['e2e_p50_s'])}/{Soak._ms(t['e2e_p99_s'])} ms, "
-          f"ttfa p50/p99 {Soak._ms(t['ttfa_p50_s'])}/{Soak._ms(t['ttfa_p99_s'])} ms")
+    print(
+        f"\ntotals: {t['requests']} requests ({result['started']} started, {result['not_ended']} not ended): "
+        f"ok {t['ok']}, failed {t['failed']} {t['failed_by_status'] or ''}, aborted {t['aborted']}, "
+        f"lost {t['lost']} {t['lost_by_reason'] or ''}"
+    )
+    print(
+        f"by kind: {t['by_kind']}; e2e p50/p99 {Soak._ms(t['e2e_p50_s'])}/{Soak._ms(t['e2e_p99_s'])} ms, "
+        f"ttfa p50/p99 {Soak._ms(t['ttfa_p50_s'])}/{Soak._ms(t['ttfa_p99_s'])} ms"
+    )
     for proc, g in result["rss_growth"].items():
-        print(f"RSS {proc}: {g['baseline_mib']} MiB (end of minute {g['baseline_minute']}) -> "
-              f"{g['end_mib']} MiB: {g['growth_pct']:+.2f}%")
+        print(
+            f"RSS {proc}: {g['baseline_mib']} MiB (end of minute {g['baseline_minute']}) -> "
+            f"{g['end_mib']} MiB: {g['growth_pct']:+.2f}%"
+        )
     for pause in result.get("pauses") or []:
-        print(f"pause at {pause['at_s']:g} s: {pause['stage']} (pid {pause['pid']}) "
-              + ("replaced by pid " + str(pause.get("pid_after")) if pause.get("replaced")
-                 else pause.get("skipped") or "continued"))
+        print(
+            f"pause at {pause['at_s']:g} s: {pause['stage']} (pid {pause['pid']}) "
+            + (
+                "replaced by pid " + str(pause.get("pid_after"))
+                if pause.get("replaced")
+                else pause.get("skipped") or "continued"
+            )
+        )
     idle = result["idle"]
-    print(f"idle after {idle['waited_s']} s: empty={idle['empty']}, queue_depth={idle['queue_depth']}, "
-          f"in flight={idle['in_flight']}")
+    print(
+        f"idle after {idle['waited_s']} s: empty={idle['empty']}, queue_depth={idle['queue_depth']}, "
+        f"in flight={idle['in_flight']}"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -265,35 +309,73 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, required=True, help="how long to send new requests")
     p.add_argument("--concurrency", type=int, default=8, help="clients in flight (default 8)")
     p.add_argument("--config", default="stage_configs/tiny_omni.yaml")
-    p.add_argument("--kv-blocks", type=int, default=256,
-                   help="KV blocks of every vLLM stage (default 256: 8,192 token slots at block_size 32)")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="the server's request_timeout_s in the private config (default 120)")
-    p.add_argument("--margin", type=float, default=30.0,
-                   help="the client waits request timeout + this before it counts a request lost")
-    p.add_argument("--mix", type=float, nargs=4, default=[3.0, 3.0, 3.0, 1.0],
-                   metavar=("TEXT", "AUDIO", "STREAM", "ABANDON"),
-                   help="relative weights of the request kinds (default 3 3 3 1)")
-    p.add_argument("--rotate-every", type=int, default=40,
-                   help="replace one of the shared prefixes every N requests (default 40)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=256,
+        help="KV blocks of every vLLM stage (default 256: 8,192 token slots at block_size 32)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="the server's request_timeout_s in the private config (default 120)",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=30.0,
+        help="the client waits request timeout + this before it counts a request lost",
+    )
+    p.add_argument(
+        "--mix",
+        type=float,
+        nargs=4,
+        default=[3.0, 3.0, 3.0, 1.0],
+        metavar=("TEXT", "AUDIO", "STREAM", "ABANDON"),
+        help="relative weights of the request kinds (default 3 3 3 1)",
+    )
+    p.add_argument(
+        "--rotate-every", type=int, default=40, help="replace one of the shared prefixes every N requests (default 40)"
+    )
     p.add_argument("--max-requests", type=int, default=100_000, help="stop starting requests after N")
     p.add_argument("--rss-baseline-minute", type=int, default=5)
     p.add_argument("--idle-wait", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=900.0)
-    p.add_argument("--stage-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment of every stage process (repeatable), e.g. "
-                        "MALLOC_MMAP_THRESHOLD_=131072 to see how much RSS growth is glibc's heap")
-    p.add_argument("--server-process", action="store_true",
-                   help="serve with omni-serve in a process of its own (its RSS reported apart from "
-                        "the probe's client) instead of a thread of this process")
-    p.add_argument("--pause-stages", default="", metavar="STAGE[,STAGE...]",
-                   help="SIGSTOP these stages in turn (each pause the next one), to see hung stages "
-                        "noticed and replaced (default: none)")
-    p.add_argument("--pause-every", type=float, default=300.0,
-                   help="seconds between pauses, the first one this far into the run (default 300)")
-    p.add_argument("--pause-for", type=float, default=30.0,
-                   help="seconds a paused stage stays stopped unless replaced (default 30)")
+    p.add_argument(
+        "--stage-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of every stage process (repeatable), e.g. "
+        "MALLOC_MMAP_THRESHOLD_=131072 to see how much RSS growth is glibc's heap",
+    )
+    p.add_argument(
+        "--server-process",
+        action="store_true",
+        help="serve with omni-serve in a process of its own (its RSS reported apart from "
+        "the probe's client) instead of a thread of this process",
+    )
+    p.add_argument(
+        "--pause-stages",
+        default="",
+        metavar="STAGE[,STAGE...]",
+        help="SIGSTOP these stages in turn (each pause the next one), to see hung stages "
+        "noticed and replaced (default: none)",
+    )
+    p.add_argument(
+        "--pause-every",
+        type=float,
+        default=300.0,
+        help="seconds between pauses, the first one this far into the run (default 300)",
+    )
+    p.add_argument(
+        "--pause-for",
+        type=float,
+        default=30.0,
+        help="seconds a paused stage stays stopped unless replaced (default 30)",
+    )
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     for item in args.stage_env:
@@ -316,26 +398,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"soak: starting the pipeline ({args.config}, {args.kv_blocks} KV blocks per vLLM stage) ...")
         stage_env = dict(item.split("=", 1) for item in args.stage_env) or None
         if args.server_process:
-            served: Any = ServerProcess(private_config(cfg, tmp, "soak", stage_env),
-                                        start_timeout_s=args.start_timeout)
+            served: Any = ServerProcess(private_config(cfg, tmp, "soak", stage_env), start_timeout_s=args.start_timeout)
         else:
-            served = ManagedServer(cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout,
-                                   stage_env=stage_env)
+            served = ManagedServer(
+                cfg, prefix_cache=True, tag="soak", start_timeout_s=args.start_timeout, stage_env=stage_env
+            )
         with served as srv:
             model = asyncio.run(served_model(srv.url))
-            log(f"soak: ready after {srv.startup_s:.1f} s at {srv.url}; stage pids {srv.stage_pids()}; "
-                f"{args.minutes:g} min at concurrency {args.concurrency}")
+            log(
+                f"soak: ready after {srv.startup_s:.1f} s at {srv.url}; stage pids {srv.stage_pids()}; "
+                f"{args.minutes:g} min at concurrency {args.concurrency}"
+            )
             unknown = {x for x in args.pause_stages.split(",") if x} - set(srv.stage_pids())
             if unknown:
-                raise SystemExit(f"--pause-stages: no stage {', '.join(sorted(unknown))} in "
-                                 f"{args.config} (its stages: {', '.join(srv.stage_pids())})")
-            soak = Soak(srv.url, model, args, srv.stage_pids,
-                        server_pid=srv.pid if args.server_process else None)
+                raise SystemExit(
+                    f"--pause-stages: no stage {', '.join(sorted(unknown))} in "
+                    f"{args.config} (its stages: {', '.join(srv.stage_pids())})"
+                )
+            soak = Soak(srv.url, model, args, srv.stage_pids, server_pid=srv.pid if args.server_process else None)
             result = asyncio.run(soak.run())
             result["startup_s"] = round(srv.startup_s, 1)
-    result = {"probe": "omni_cache soak (python -m benchmarks.soak)", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": command_line("benchmarks.soak"), "machine": {**machine, "loadavg_end": loadavg()},
-              "config": {k: v for k, v in vars(args).items() if k != "json"}, **result}
+    result = {
+        "probe": "omni_cache soak (python -m benchmarks.soak)",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command_line("benchmarks.soak"),
+        "machine": {**machine, "loadavg_end": loadavg()},
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        **result,
+    }
     print_summary(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -18,8 +18,8 @@ class Outcome:
     """How one request ended, as the client saw it."""
 
     kind: str
-    outcome: str             # one of OUTCOMES
-    end_s: float             # when it ended (s since the measured phase began)
+    outcome: str  # one of OUTCOMES
+    end_s: float  # when it ended (s since the measured phase began)
     e2e_s: float
     ttfa_s: float | None = None
     status: str | None = None  # failed: "http_<code>", "sse_error" or "no_audio"; lost: why
@@ -28,8 +28,16 @@ class Outcome:
     request: dict[str, Any] | None = None
 
 
-def classify(*, timed_out: bool, abandoned: bool, status_code: int | None, sse_error: bool,
-             complete: bool, audio_asked: bool, got_audio: bool) -> tuple[str, str | None]:
+def classify(
+    *,
+    timed_out: bool,
+    abandoned: bool,
+    status_code: int | None,
+    sse_error: bool,
+    complete: bool,
+    audio_asked: bool,
+    got_audio: bool,
+) -> tuple[str, str | None]:
     """(outcome, status) of one request from what the client saw. ``complete``: a JSON 200 body
     was read, or ``data: [DONE]`` arrived."""
     if timed_out:
@@ -65,8 +73,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "failed_by_status": dict(sorted(Counter(o.status for o in outcomes if o.outcome == "failed").items())),
         "lost_by_reason": dict(sorted(Counter(o.status for o in outcomes if o.outcome == "lost").items())),
         "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-        "ttfa_p50_s": percentile(ttfa, 50), "ttfa_p99_s": percentile(ttfa, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "ttfa_p50_s": percentile(ttfa, 50),
+        "ttfa_p99_s": percentile(ttfa, 99),
     }
 
 
@@ -82,6 +92,10 @@ def rss_growth(minutes: Sequence[dict[str, Any]], baseline_minute: int) -> dict[
         start = base["rss_mib"].get(proc)
         if start is None or end is None or start <= 0:
             continue
-        out[proc] = {"baseline_minute": base["minute"], "baseline_mib": start, "end_mib": end,
-                     "growth_pct": round(100.0 * (end - start) / start, 2)}
+        out[proc] = {
+            "baseline_minute": base["minute"],
+            "baseline_mib": start,
+            "end_mib": end,
+            "growth_pct": round(100.0 * (end - start) / start, 2),
+        }
     return out

@@ -25,8 +25,16 @@ class PromptSource:
     prefix never seen before; then a fresh user message. Sizes in characters (= thinker tokens of
     the tiny byte-level tokenizer)."""
 
-    def __init__(self, rng: random.Random, *, shared: int = 4, prefix_chars: int = 384,
-                 fresh: float = 0.5, rotate_every: int = 40, user_chars: tuple[int, int] = (16, 128)) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        shared: int = 4,
+        prefix_chars: int = 384,
+        fresh: float = 0.5,
+        rotate_every: int = 40,
+        user_chars: tuple[int, int] = (16, 128),
+    ) -> None:
         self.rng = rng
         self.prefix_chars = prefix_chars
         self.fresh = fresh
@@ -101,8 +109,9 @@ async def _json_request(client: httpx.AsyncClient, url: str, body: dict[str, Any
     seen.complete = isinstance(message.get("content"), str)
 
 
-async def _stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], seen: _Seen,
-                          leave_after: int | None, t0: float) -> None:
+async def _stream_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], seen: _Seen, leave_after: int | None, t0: float
+) -> None:
     chunks = 0
     async with client.stream("POST", url, json=body) as r:
         seen.status_code = r.status_code
@@ -133,12 +142,15 @@ async def _stream_request(client: httpx.AsyncClient, url: str, body: dict[str, A
                 return
 
 
-async def run_request(client: httpx.AsyncClient, base_url: str, model: str, req: Request,
-                      timeout_s: float, t_base: float) -> Outcome:
+async def run_request(
+    client: httpx.AsyncClient, base_url: str, model: str, req: Request, timeout_s: float, t_base: float
+) -> Outcome:
     """Send ``req`` and classify how it ended; never raises and always returns within
     ``timeout_s`` (plus the time a cancelled request takes to unwind)."""
     body: dict[str, Any] = {
-        "model": model, "max_tokens": req.max_tokens, "temperature": 0.0,
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
         "messages": [{"role": "system", "content": req.system}, {"role": "user", "content": req.user}],
     }
     if req.audio:
@@ -167,10 +179,22 @@ async def run_request(client: httpx.AsyncClient, base_url: str, model: str, req:
     except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError) as e:
         seen.detail = f"{type(e).__name__}: {e}"[:200]
     t1 = time.perf_counter()
-    outcome, status = classify(timed_out=timed_out, abandoned=seen.abandoned, status_code=seen.status_code,
-                               sse_error=seen.sse_error, complete=seen.complete, audio_asked=req.audio,
-                               got_audio=seen.got_audio)
-    return Outcome(kind=req.kind, outcome=outcome, end_s=t1 - t_base, e2e_s=t1 - t0,
-                   ttfa_s=seen.ttfa_s if req.streamed else None, status=status,
-                   detail=seen.detail if outcome in ("failed", "lost") else None,
-                   request=asdict(req) if outcome in ("failed", "lost") else None)
+    outcome, status = classify(
+        timed_out=timed_out,
+        abandoned=seen.abandoned,
+        status_code=seen.status_code,
+        sse_error=seen.sse_error,
+        complete=seen.complete,
+        audio_asked=req.audio,
+        got_audio=seen.got_audio,
+    )
+    return Outcome(
+        kind=req.kind,
+        outcome=outcome,
+        end_s=t1 - t_base,
+        e2e_s=t1 - t0,
+        ttfa_s=seen.ttfa_s if req.streamed else None,
+        status=status,
+        detail=seen.detail if outcome in ("failed", "lost") else None,
+        request=asdict(req) if outcome in ("failed", "lost") else None,
+    )

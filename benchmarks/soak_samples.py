@@ -95,6 +95,7 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | N
 
 # ---- the run -------------------------------------------------------------------------------------
 
+
 def hit_rates(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float | None]:
     """Per vLLM stage: prefix-cache hit tokens / queried tokens between two scrapes (``before``
     None: since the stages started)."""

@@ -26,7 +26,7 @@ def _resonance(f: float, bw: float, rate: int, n: int = 600) -> np.ndarray:
     r = np.exp(-np.pi * bw / rate)
     theta = 2 * np.pi * f / rate
     k = np.arange(n)
-    return (1 - r) * r ** k * np.sin((k + 1) * theta) / np.sin(theta)
+    return (1 - r) * r**k * np.sin((k + 1) * theta) / np.sin(theta)
 
 
 def speech(seconds: float, seed: int = 0, rate: int = RATE) -> np.ndarray:
@@ -41,9 +41,8 @@ def speech(seconds: float, seed: int = 0, rate: int = RATE) -> np.ndarray:
         f0 = rng.uniform(100, 170) * (1 + 0.1 * np.sin(2 * np.pi * 3 * t))
         pulses = (np.diff(np.floor(np.cumsum(f0) / rate), prepend=0) > 0).astype(float)
         formants = VOWELS[int(rng.integers(len(VOWELS)))]
-        voiced = sum(np.convolve(pulses, _resonance(f, bw, rate))[:length]
-                     for f, bw in zip(formants, BANDWIDTHS))
-        out[pos:pos + length] = voiced * np.sin(np.pi * np.arange(length) / length) ** 0.5
+        voiced = sum(np.convolve(pulses, _resonance(f, bw, rate))[:length] for f, bw in zip(formants, BANDWIDTHS))
+        out[pos : pos + length] = voiced * np.sin(np.pi * np.arange(length) / length) ** 0.5
         pos += length
     return (0.5 * out / (np.abs(out).max() + 1e-9)).astype(np.float32)
 

@@ -30,16 +30,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def kill_mid_answer(url: str, model: str, pid: int) -> dict[str, Any]:
     """One round: the delay from SIGKILL to the error event, and what the event said."""
-    body = {"model": model, "messages": [{"role": "user", "content": "a long answer"}],
-            "max_tokens": 2000, "stream": True, "modalities": ["text", "audio"],
-            "audio": {"voice": "default", "format": "pcm16"}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "a long answer"}],
+        "max_tokens": 2000,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+    }
     killed_at = None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 if killed_at is None:
                     return {"error": event["error"], "delay_s": None}
@@ -73,22 +78,38 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeat):
             res = kill_mid_answer(srv.url, model, srv.stage_pids()[args.stage])
             rounds.append(res)
-            print(f"round {i + 1}: {args.stage} killed, error after "
-                  f"{res['delay_s'] * 1e3:.0f} ms: {res['error']}" if res["delay_s"] is not None
-                  else f"round {i + 1}: not counted ({res})", flush=True)
+            print(
+                f"round {i + 1}: {args.stage} killed, error after {res['delay_s'] * 1e3:.0f} ms: {res['error']}"
+                if res["delay_s"] is not None
+                else f"round {i + 1}: not counted ({res})",
+                flush=True,
+            )
             wait_healthy(srv.url)
-            r = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={
-                "model": model, "messages": [{"role": "user", "content": "back?"}],
-                "max_tokens": 4, "modalities": ["text", "audio"]})
+            r = httpx.post(
+                srv.url + "/v1/chat/completions",
+                timeout=300,
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": "back?"}],
+                    "max_tokens": 4,
+                    "modalities": ["text", "audio"],
+                },
+            )
             r.raise_for_status()
     delays = [r["delay_s"] for r in rounds if r["delay_s"] is not None]
-    summary = {"stage": args.stage, "rounds": rounds, "machine": machine_info(),
-               "median_delay_s": statistics.median(delays) if delays else None,
-               "max_delay_s": max(delays) if delays else None}
+    summary = {
+        "stage": args.stage,
+        "rounds": rounds,
+        "machine": machine_info(),
+        "median_delay_s": statistics.median(delays) if delays else None,
+        "max_delay_s": max(delays) if delays else None,
+    }
     if delays:
-        print(f"kill -9 of {args.stage} -> error event: median {summary['median_delay_s'] * 1e3:.0f} ms, "
-              f"max {summary['max_delay_s'] * 1e3:.0f} ms over {len(delays)} rounds "
-              f"({summary['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})")
+        print(
+            f"kill -9 of {args.stage} -> error event: median {summary['median_delay_s'] * 1e3:.0f} ms, "
+            f"max {summary['max_delay_s'] * 1e3:.0f} ms over {len(delays)} rounds "
+            f"({summary['machine']['cpu_model']}, load {os.getloadavg()[0]:.1f})"
+        )
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     return 0 if delays else 1

@@ -43,8 +43,7 @@ MIN_SERIES = 5
 #: Lists of records up to this long are kept whole (per-round figures); longer ones are folded.
 MAX_RECORDS = 32
 #: Keys whose lists hold raw samples, folded whatever their length.
-SAMPLE_KEYS = frozenset({"samples", "attempts", "idle_wait", "machine_timeline", "timeline",
-                         "requests", "per_request"})
+SAMPLE_KEYS = frozenset({"samples", "attempts", "idle_wait", "machine_timeline", "timeline", "requests", "per_request"})
 #: A list whose folded form is still larger than this (as JSON) keeps its length and first item.
 MAX_LIST_BYTES = 16_000
 #: Significant digits a float keeps (timings to well under the noise of any run here).
@@ -102,8 +101,7 @@ def summarize(doc: Any, key: str | None = None) -> Any:
     if len(doc) >= MIN_SERIES and all(_is_number(x) for x in doc):
         return series_stats(doc)
     flat = _flatten(doc)
-    if flat and all(isinstance(x, dict) for x in flat) and (
-            key in SAMPLE_KEYS or len(flat) > MAX_RECORDS):
+    if flat and all(isinstance(x, dict) for x in flat) and (key in SAMPLE_KEYS or len(flat) > MAX_RECORDS):
         return fold_records(flat)
     folded = [summarize(x) for x in doc]
     if len(folded) > 1 and len(json.dumps(folded)) > MAX_LIST_BYTES:
@@ -123,19 +121,27 @@ def write_summary(raw: Path, out_dir: Path = SUMMARY_DIR) -> Path:
         doc = json.load(f)
     # One line per top-level key: compact, yet a new run's diff shows which parts changed.
     folded = summarize(doc)
-    lines = [f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in folded.items()] \
-        if isinstance(folded, dict) else [json.dumps(folded, separators=(",", ":"))]
+    lines = (
+        [f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in folded.items()]
+        if isinstance(folded, dict)
+        else [json.dumps(folded, separators=(",", ":"))]
+    )
     body = "{\n" + ",\n".join(lines) + "\n}" if isinstance(folded, dict) else lines[0]
     out.write_text(body + "\n")
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.summarize", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.summarize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("raw", nargs="+", type=Path, help="raw result files (a benchmark's --json)")
-    ap.add_argument("--out-dir", type=Path, default=SUMMARY_DIR,
-                    help="where the summaries go (default: benchmarks/results/summaries)")
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        default=SUMMARY_DIR,
+        help="where the summaries go (default: benchmarks/results/summaries)",
+    )
     args = ap.parse_args(argv)
     for raw in args.raw:
         out = write_summary(raw, args.out_dir)

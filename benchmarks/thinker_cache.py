@@ -171,10 +171,14 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "platform": platform.platform(), "python": platform.python_version(),
-        "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
         "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm.__version__,
         "loadavg_start": list(os.getloadavg()),
     }
 
@@ -182,27 +186,50 @@ def machine_info() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write all numbers")
-    ap.add_argument("--quick", action="store_true",
-                    help="5 requests per workload, 1 round (< 5 min): figures, but no verdict on the targets")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="5 requests per workload, 1 round (< 5 min): figures, but no verdict on the targets",
+    )
     ap.add_argument("--rounds", type=int, default=None, help="rounds of all four engines (default 3, quick 1)")
-    ap.add_argument("--requests", type=int, default=None,
-                    help="measured requests per workload and round (default 10, quick 5)")
+    ap.add_argument(
+        "--requests", type=int, default=None, help="measured requests per workload and round (default 10, quick 5)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", choices=("thinker", "qwen3-omni"), default="thinker",
-                    help="thinker: the tiny text-only Qwen3 thinker, workloads shared_prefix and zero_reuse "
-                         "(default); qwen3-omni: the tiny Qwen3-Omni thinker (float32), shared_prefix, "
-                         "shared_image, shared_audio and zero_reuse")
-    ap.add_argument("--retries", type=int, default=None, metavar="K",
-                    help="re-measure a request whose threads waited for a CPU > 25%% of its TTFT up to "
-                         "K times with a spare prompt of the same shape, keep the least contended "
-                         "attempt (default 2, quick 0)")
-    ap.add_argument("--retry-budget", type=float, default=900.0, metavar="S",
-                    help="stop retrying once retries took S seconds in all (default 900)")
-    ap.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
-                    help="before each request (untimed), wait up to S seconds for other jobs to leave "
-                         "the CPUs idle (< 0.2 busy cores over 0.5 s); default 0 = off. It sleeps, "
-                         "which slows the next request's memory-bound work on a VM: for shared "
-                         "machines only")
+    ap.add_argument(
+        "--model",
+        choices=("thinker", "qwen3-omni"),
+        default="thinker",
+        help="thinker: the tiny text-only Qwen3 thinker, workloads shared_prefix and zero_reuse "
+        "(default); qwen3-omni: the tiny Qwen3-Omni thinker (float32), shared_prefix, "
+        "shared_image, shared_audio and zero_reuse",
+    )
+    ap.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        metavar="K",
+        help="re-measure a request whose threads waited for a CPU > 25%% of its TTFT up to "
+        "K times with a spare prompt of the same shape, keep the least contended "
+        "attempt (default 2, quick 0)",
+    )
+    ap.add_argument(
+        "--retry-budget",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="stop retrying once retries took S seconds in all (default 900)",
+    )
+    ap.add_argument(
+        "--idle-wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each request (untimed), wait up to S seconds for other jobs to leave "
+        "the CPUs idle (< 0.2 busy cores over 0.5 s); default 0 = off. It sleeps, "
+        "which slows the next request's memory-bound work on a VM: for shared "
+        "machines only",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=argparse.SUPPRESS)  # debugging only
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -217,24 +244,42 @@ def main(argv: list[str] | None = None) -> int:
     latents = talker_latents(model)
     t0 = time.perf_counter()
     res: dict[str, Any] = {
-        "command": " ".join([os.path.relpath(sys.executable) if sys.executable else "python",
-                             "-m", "benchmarks.thinker_cache", *sys.argv[1:]]),
+        "command": " ".join(
+            [
+                os.path.relpath(sys.executable) if sys.executable else "python",
+                "-m",
+                "benchmarks.thinker_cache",
+                *sys.argv[1:],
+            ]
+        ),
         "argv": sys.argv,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "engine_args": {**mspec.engine_args,
-                        "model": f"{mspec.checkpoint} (omni_cache.models.checkpoints, seed 0)"},
-        "config": {"rounds": rounds, "requests": requests, "seed": args.seed, "shared_tokens": SHARED_TOKENS,
-                   "unique_tokens": UNIQUE_TOKENS, "max_tokens": MAX_TOKENS, "quick": args.quick,
-                   "idle_wait_s": args.idle_wait, "retries": args.retries,
-                   "retry_wait_fraction": RETRY_WAIT_FRACTION,
-                   "retry_budget_s": args.retry_budget, "quiet_wait_fraction": QUIET_WAIT_FRACTION,
-                   "modes": {m: dict(v) for m, v in MODES.items()},
-                   "model": args.model, "workloads": list(mspec.workloads),
-                   "latent_names": list(latent_names(latents)),
-                   "row_rtol": mspec.row_rtol, "target_fraction": mspec.target_fraction,
-                   "mm_context_tokens": MM_CONTEXT_TOKENS, "mm_tail_tokens": MM_TAIL_TOKENS,
-                   "image_side": IMAGE_SIDE, "audio_seconds": AUDIO_SECONDS},
+        "engine_args": {**mspec.engine_args, "model": f"{mspec.checkpoint} (omni_cache.models.checkpoints, seed 0)"},
+        "config": {
+            "rounds": rounds,
+            "requests": requests,
+            "seed": args.seed,
+            "shared_tokens": SHARED_TOKENS,
+            "unique_tokens": UNIQUE_TOKENS,
+            "max_tokens": MAX_TOKENS,
+            "quick": args.quick,
+            "idle_wait_s": args.idle_wait,
+            "retries": args.retries,
+            "retry_wait_fraction": RETRY_WAIT_FRACTION,
+            "retry_budget_s": args.retry_budget,
+            "quiet_wait_fraction": QUIET_WAIT_FRACTION,
+            "modes": {m: dict(v) for m, v in MODES.items()},
+            "model": args.model,
+            "workloads": list(mspec.workloads),
+            "latent_names": list(latent_names(latents)),
+            "row_rtol": mspec.row_rtol,
+            "target_fraction": mspec.target_fraction,
+            "mm_context_tokens": MM_CONTEXT_TOKENS,
+            "mm_tail_tokens": MM_TAIL_TOKENS,
+            "image_side": IMAGE_SIDE,
+            "audio_seconds": AUDIO_SECONDS,
+        },
         "rounds": [],
     }
     mode_names = [m for m in args.modes.split(",") if m]
@@ -243,15 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_workloads(args.seed, ri, requests, mspec.workloads)
         order = mode_names if ri % 2 == 0 else mode_names[::-1]
         tm = time.perf_counter()
-        modes = run_round(order, model, prompts, ri, args.idle_wait, args.retries, args.seed,
-                          budget, mspec, latents)
+        modes = run_round(order, model, prompts, ri, args.idle_wait, args.retries, args.seed, budget, mspec, latents)
         res["rounds"].append({"order": order, "modes": modes})
         for mode in order:
-            print(f"[round {ri + 1}/{rounds}] {mode}: "
-                  + ", ".join(f"{wl} median TTFT {statistics.median(w['ttft_s']) * 1e3:.1f} ms"
-                              for wl, w in modes[mode]["workloads"].items()), flush=True)
-        print(f"[round {ri + 1}/{rounds}] {time.perf_counter() - tm:.0f} s, load "
-              f"{os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                f"[round {ri + 1}/{rounds}] {mode}: "
+                + ", ".join(
+                    f"{wl} median TTFT {statistics.median(w['ttft_s']) * 1e3:.1f} ms"
+                    for wl, w in modes[mode]["workloads"].items()
+                ),
+                flush=True,
+            )
+        print(f"[round {ri + 1}/{rounds}] {time.perf_counter() - tm:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
     res["wall_s"] = time.perf_counter() - t0
     res["retry_budget_left_s"] = budget["retry_s"]
     res["machine"]["loadavg_end"] = list(os.getloadavg())

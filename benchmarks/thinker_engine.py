@@ -26,15 +26,18 @@ class EngineProcess:
     latents come back to this process for the checks, so the engine keeps nothing between requests
     (as a stage that sends its rows on)."""
 
-    def __init__(self, mode: str, model: str, engine_args: dict[str, Any],
-                 latents: dict[str, Any]) -> None:
+    def __init__(self, mode: str, model: str, engine_args: dict[str, Any], latents: dict[str, Any]) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self.mode = mode
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, name=f"thinker_cache-{mode}", daemon=True,
-                                args=(child, mode, model, engine_args, latents))
+        self.proc = ctx.Process(
+            target=_engine_main,
+            name=f"thinker_cache-{mode}",
+            daemon=True,
+            args=(child, mode, model, engine_args, latents),
+        )
         self.proc.start()
         child.close()
         self.info: dict[str, Any] = {}
@@ -72,8 +75,7 @@ class EngineProcess:
         return value
 
 
-def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
-                 latents: dict[str, Any]) -> None:
+def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any], latents: dict[str, Any]) -> None:
     """Body of an EngineProcess: build the mode's stage, then serve requests until "stop"."""
     import traceback
 
@@ -90,8 +92,7 @@ def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
     try:
         t_start = time.perf_counter()
         stage = LLMStage(model, dict(engine_args), prefix_cache=spec["prefix_cache"], latents=options)
-        conn.send(("ok", {"startup_s": time.perf_counter() - t_start,
-                          "torch_threads": torch.get_num_threads()}))
+        conn.send(("ok", {"startup_s": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads()}))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -103,12 +104,12 @@ def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
                 if op == "run":
                     rid, prompt, timed = args
                     gc.collect()
-                    value: Any = run_request(stage, rid, prompt, params, spec["latents"],
-                                             timers if timed else None, spec["prefix_cache"])
+                    value: Any = run_request(
+                        stage, rid, prompt, params, spec["latents"], timers if timed else None, spec["prefix_cache"]
+                    )
                 elif op == "counters":
                     store = stage.capture.store if stage.capture is not None else None
-                    value = {"counters": stage.counters(),
-                             "mirror": repr(store) if store is not None else None}
+                    value = {"counters": stage.counters(), "mirror": repr(store) if store is not None else None}
                 elif op == "stop":
                     conn.send(("ok", None))
                     return
@@ -123,8 +124,7 @@ def _engine_main(conn: Any, mode: str, model: str, engine_args: dict[str, Any],
         stage.engine.engine_core.shutdown()
 
 
-def start_engines(modes: list[str], model: str, mspec: ModelSpec,
-                  latents: dict[str, Any]) -> dict[str, EngineProcess]:
+def start_engines(modes: list[str], model: str, mspec: ModelSpec, latents: dict[str, Any]) -> dict[str, EngineProcess]:
     """All modes' engines, started together (each in its own process) and ready."""
     engines = {m: EngineProcess(m, model, mspec.engine_args, latents) for m in modes}
     try:

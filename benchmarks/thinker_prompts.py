@@ -59,13 +59,16 @@ def make_audio(seed: str) -> tuple[Any, int]:
 def media_placeholder(modality: str) -> list[int]:
     from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
 
-    names = {"image": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
-             "audio": ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>")}[modality]
+    names = {
+        "image": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
+        "audio": ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"),
+    }[modality]
     return [TOKEN_ID[n] for n in names]
 
 
-def make_workloads(seed: int, round_index: int, num_requests: int,
-                   workloads: tuple[str, ...] = WORKLOADS) -> dict[str, list[Prompt]]:
+def make_workloads(
+    seed: int, round_index: int, num_requests: int, workloads: tuple[str, ...] = WORKLOADS
+) -> dict[str, list[Prompt]]:
     """Prompts of one round: [warm-up, measured...] per workload. Fresh per round (so no round hits
     an earlier round's blocks), identical across modes. shared_image / shared_audio: a text context
     and one image / clip (the same object, so the same bytes and vLLM multimodal hash, in every
@@ -78,8 +81,9 @@ def make_workloads(seed: int, round_index: int, num_requests: int,
             shared, media = random_tokens(rng, SHARED_TOKENS), None
         elif wl in ("shared_image", "shared_audio"):
             modality = SHARED_WORKLOADS[wl]
-            shared = (random_tokens(rng, MM_CONTEXT_TOKENS) + media_placeholder(modality)
-                      + random_tokens(rng, MM_TAIL_TOKENS))
+            shared = (
+                random_tokens(rng, MM_CONTEXT_TOKENS) + media_placeholder(modality) + random_tokens(rng, MM_TAIL_TOKENS)
+            )
             tag = f"thinker_cache/{seed}/{round_index}/{wl}"
             media = {modality: make_image(tag) if modality == "image" else make_audio(tag)}
         elif wl == "zero_reuse":
@@ -87,8 +91,9 @@ def make_workloads(seed: int, round_index: int, num_requests: int,
             continue
         else:
             raise ValueError(f"unknown workload {wl!r}")
-        out[wl] = [Prompt(shared + random_tokens(rng, UNIQUE_TOKENS), media, len(shared))
-                   for _ in range(num_requests + 1)]
+        out[wl] = [
+            Prompt(shared + random_tokens(rng, UNIQUE_TOKENS), media, len(shared)) for _ in range(num_requests + 1)
+        ]
     return out
 
 
@@ -111,6 +116,5 @@ def spare_prompt(prompts: list[Prompt], wl: str, seed: int, round_index: int, i:
     rng = random.Random(f"thinker_cache/{seed}/{round_index}/{wl}/{i}/retry{k}")
     first = prompts[0]
     if first.shared:
-        return Prompt(first.token_ids[:first.shared] + random_tokens(rng, UNIQUE_TOKENS), first.media,
-                      first.shared)
+        return Prompt(first.token_ids[: first.shared] + random_tokens(rng, UNIQUE_TOKENS), first.media, first.shared)
     return Prompt(random_tokens(rng, SHARED_TOKENS + UNIQUE_TOKENS))

@@ -35,8 +35,15 @@ class RequestResult:
     ttft_minor_faults: int = 0
 
 
-def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, with_latents: bool,
-                timers: PathTimers | None, prefix_cache: bool = True) -> RequestResult:
+def run_request(
+    stage: Any,
+    rid: str,
+    prompt: Prompt | list[int],
+    params: Any,
+    with_latents: bool,
+    timers: PathTimers | None,
+    prefix_cache: bool = True,
+) -> RequestResult:
     if not isinstance(prompt, Prompt):
         prompt = Prompt(list(prompt))
     chunks: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -76,9 +83,18 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
     total = time.perf_counter() - t0
     if ttft is None:
         raise RuntimeError(f"{rid}: finished without a token")
-    res = RequestResult(ttft, ttft_cpu, ttft_wait, total, cached, generated, token_ids, num_prompt,
-                        stage.counters()["encoder_runs"] - encoder_before,
-                        ttft_minor_faults=ttft_faults)
+    res = RequestResult(
+        ttft,
+        ttft_cpu,
+        ttft_wait,
+        total,
+        cached,
+        generated,
+        token_ids,
+        num_prompt,
+        stage.counters()["encoder_runs"] - encoder_before,
+        ttft_minor_faults=ttft_faults,
+    )
     if timers:
         res.path_s = {k: at_ttft[k] - before.get(k, 0.0) for k in at_ttft}
     if with_latents:
@@ -92,8 +108,9 @@ def run_request(stage: Any, rid: str, prompt: Prompt | list[int], params: Any, w
             pos += next(iter(lengths.values()))
         expected = num_prompt + generated - 1
         if pos != expected:
-            raise RuntimeError(f"{rid}: {pos} latent rows, expected {expected} (prompt {num_prompt} "
-                               f"+ generated {generated} - 1)")
+            raise RuntimeError(
+                f"{rid}: {pos} latent rows, expected {expected} (prompt {num_prompt} + generated {generated} - 1)"
+            )
         res.latent_rows = pos
         names = chunks[0][1].keys() if chunks else ()
         res.latents = {n: torch.cat([rows[n] for _, rows in chunks]) for n in names}
@@ -112,9 +129,19 @@ def expected_hit(prompt: Prompt, r: RequestResult, block_size: int) -> int:
     return (prompt.shared + expanded) // block_size * block_size
 
 
-def check_request(mode: str, wl: str, i: int, k: int, spec: dict[str, Any], r: RequestResult,
-                  prompt: Prompt, reference: dict[tuple, tuple[dict[str, torch.Tensor], list[int]]],
-                  checks: dict[str, Any], row_rtol: float = ROW_RTOL, block_size: int = 32) -> None:
+def check_request(
+    mode: str,
+    wl: str,
+    i: int,
+    k: int,
+    spec: dict[str, Any],
+    r: RequestResult,
+    prompt: Prompt,
+    reference: dict[tuple, tuple[dict[str, torch.Tensor], list[int]]],
+    checks: dict[str, Any],
+    row_rtol: float = ROW_RTOL,
+    block_size: int = 32,
+) -> None:
     """Fail loudly if the benchmark is not measuring what it claims: prefix hits where they must be
     (the whole shared prefix, its image / clip included; nothing on zero reuse), the encoder run
     exactly when it must (every request without prefix caching, never on a prefix hit over the
@@ -152,7 +179,9 @@ def check_request(mode: str, wl: str, i: int, k: int, spec: dict[str, Any], r: R
             per = checks.setdefault("max_rel_err_by_latent", {})
             per[name] = max(per.get(name, 0.0), err)
             if err > row_rtol:
-                raise RuntimeError(f"{label}: latent {name!r} differs from the other latents mode's by "
-                                   f"{err:.2e} (> {row_rtol:.0e}) over its first {n} rows")
+                raise RuntimeError(
+                    f"{label}: latent {name!r} differs from the other latents mode's by "
+                    f"{err:.2e} (> {row_rtol:.0e}) over its first {n} rows"
+                )
         checks["compared"] += 1
     r.latents = None

@@ -51,8 +51,9 @@ def request_order(modes: list[str], i: int) -> list[str]:
     return modes[k:] + modes[:k]
 
 
-def measure_with_retries(attempt: Callable[[int], RequestResult], retries: int,
-                         budget: dict[str, float]) -> list[RequestResult]:
+def measure_with_retries(
+    attempt: Callable[[int], RequestResult], retries: int, budget: dict[str, float]
+) -> list[RequestResult]:
     """Attempts 0, 1, ... of one measured request (`attempt(k)` runs and checks attempt k): again
     while an attempt waited for a CPU more than RETRY_WAIT_FRACTION of its TTFT, up to `retries`
     times and while the retry budget lasts (retries spend it)."""
@@ -70,10 +71,18 @@ def measure_with_retries(attempt: Callable[[int], RequestResult], retries: int,
     return tries
 
 
-def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], round_index: int,
-              idle_wait: float = 0.0, retries: int = 0, seed: int = 0,
-              budget: dict[str, float] | None = None, mspec: ModelSpec | None = None,
-              latents: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_round(
+    modes: list[str],
+    model: str,
+    prompts: dict[str, list[Prompt]],
+    round_index: int,
+    idle_wait: float = 0.0,
+    retries: int = 0,
+    seed: int = 0,
+    budget: dict[str, float] | None = None,
+    mspec: ModelSpec | None = None,
+    latents: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One round: the modes' engines side by side; every workload's warm-up on each, then its
     measured requests interleaved: request i runs on every engine before request i + 1 runs on
     any, starting at engine i mod 4 of `modes` (so each mode goes first, second, ... equally often).
@@ -104,14 +113,16 @@ def run_round(modes: list[str], model: str, prompts: dict[str, list[Prompt]], ro
                 # requests of an image or clip page-fault in the HF processor's buffers (26 MB of
                 # fresh pages, 20-40 ms, measured), until glibc keeps them on its heap.
                 for j in range(EXTRA_WARMUPS):
-                    e.run(f"{m}-r{round_index}-{wl}-warmup{j + 1}",
-                          spare_prompt(wl_prompts, wl, seed, round_index, -1, j), False)
+                    e.run(
+                        f"{m}-r{round_index}-{wl}-warmup{j + 1}",
+                        spare_prompt(wl_prompts, wl, seed, round_index, -1, j),
+                        False,
+                    )
             for i in range(len(wl_prompts) - 1):
                 for m in request_order(modes, i):
                     acc = per_mode[m]
 
-                    def attempt(k: int, m: str = m, i: int = i, wl=wl, wl_prompts=wl_prompts,
-                                acc=acc) -> RequestResult:
+                    def attempt(k: int, m: str = m, i: int = i, wl=wl, wl_prompts=wl_prompts, acc=acc) -> RequestResult:
                         prompt = wl_prompts[1 + i] if k == 0 else spare_prompt(wl_prompts, wl, seed, round_index, i, k)
                         acc["idle"].append(wait_for_idle(idle_wait))
                         r = engines[m].run(f"{m}-r{round_index}-{wl}-{i}-{k}", prompt, True)

@@ -18,8 +18,12 @@ MODES: dict[str, dict[str, Any]] = {
 # Workloads whose requests share a prefix, and the modality of what they share.
 SHARED_WORKLOADS = {"shared_prefix": "text", "shared_image": "image", "shared_audio": "audio"}
 ENGINE_ARGS: dict[str, Any] = dict(
-    enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", block_size=32,
-    max_model_len=8192, kv_cache_memory_bytes=2**30,
+    enforce_eager=True,
+    gpu_memory_utilization=0.3,
+    dtype="bfloat16",
+    block_size=32,
+    max_model_len=8192,
+    kv_cache_memory_bytes=2**30,
 )
 SHARED_TOKENS, UNIQUE_TOKENS = 4000, 100
 MAX_TOKENS = 2
@@ -42,8 +46,12 @@ AUDIO_SECONDS, AUDIO_RATE = 30.0, 16000
 OMNI_ENGINE_ARGS: dict[str, Any] = dict(
     # float32: the MoE router's top-2 choice flips on bf16 rounding, which would make rows of the two
     # latents modes differ for reasons that have nothing to do with the cache.
-    enforce_eager=True, gpu_memory_utilization=0.3, dtype="float32", block_size=32,
-    max_model_len=8192, kv_cache_memory_bytes=2**30,
+    enforce_eager=True,
+    gpu_memory_utilization=0.3,
+    dtype="float32",
+    block_size=32,
+    max_model_len=8192,
+    kv_cache_memory_bytes=2**30,
     limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
     mm_processor_kwargs={"max_pixels": IMAGE_SIDE * IMAGE_SIDE},
     # No processor cache in any mode: every request's image / clip goes through the HF processor
@@ -70,12 +78,15 @@ class ModelSpec:
 
 def model_spec(name: str) -> ModelSpec:
     if name == "thinker":
-        return ModelSpec("thinker", ENGINE_ARGS, ("shared_prefix", "zero_reuse"), ROW_RTOL,
-                         TARGET_SPEEDUP_FRACTION)
+        return ModelSpec("thinker", ENGINE_ARGS, ("shared_prefix", "zero_reuse"), ROW_RTOL, TARGET_SPEEDUP_FRACTION)
     if name == "qwen3-omni":
-        return ModelSpec("qwen3-omni", OMNI_ENGINE_ARGS,
-                         ("shared_prefix", "shared_image", "shared_audio", "zero_reuse"),
-                         OMNI_ROW_RTOL, OMNI_TARGET_SPEEDUP_FRACTION)
+        return ModelSpec(
+            "qwen3-omni",
+            OMNI_ENGINE_ARGS,
+            ("shared_prefix", "shared_image", "shared_audio", "zero_reuse"),
+            OMNI_ROW_RTOL,
+            OMNI_TARGET_SPEEDUP_FRACTION,
+        )
     raise ValueError(f"unknown model {name!r} (thinker, qwen3-omni)")
 
 

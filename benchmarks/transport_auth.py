@@ -78,8 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("off", "on"):
             runs[side].append(one_run(auth if side == "on" else None, args.rows, args.dim, args.messages))
     summary = {side: max(r["MB_per_s"] for r in rs) for side, rs in runs.items()}
-    report = {"rows": args.rows, "dim": args.dim, "messages": args.messages, "runs": runs,
-              "best_MB_per_s": summary, "on_over_off": summary["on"] / summary["off"]}
+    report = {
+        "rows": args.rows,
+        "dim": args.dim,
+        "messages": args.messages,
+        "runs": runs,
+        "best_MB_per_s": summary,
+        "on_over_off": summary["on"] / summary["off"],
+    }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -14,8 +14,9 @@ def main() -> None:
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="python -m benchmarks.vllm_bench_serve",
-                                    description="vllm bench serve (vLLM's online serving benchmark)")
+    parser = FlexibleArgumentParser(
+        prog="python -m benchmarks.vllm_bench_serve", description="vllm bench serve (vLLM's online serving benchmark)"
+    )
     add_cli_args(parser)
     bench_main(parser.parse_args())
 

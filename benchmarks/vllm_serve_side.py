@@ -32,15 +32,26 @@ VLLM_SIDE = "vllm"
 class ServeArgs:
     """What ``vllm serve`` needs to run a stage's engine as the pipeline runs it."""
 
-    model: str                 # the checkpoint folder (tiny:* resolved)
-    served_model_name: str     # the name clients send (the pipeline's)
-    flags: tuple[str, ...]     # engine flags, prefix caching included
-    env: dict[str, str]        # the stage's environment (VLLM_CPU_KVCACHE_SPACE, OMP_NUM_THREADS, ...)
+    model: str  # the checkpoint folder (tiny:* resolved)
+    served_model_name: str  # the name clients send (the pipeline's)
+    flags: tuple[str, ...]  # engine flags, prefix caching included
+    env: dict[str, str]  # the stage's environment (VLLM_CPU_KVCACHE_SPACE, OMP_NUM_THREADS, ...)
 
     def argv(self, port: int, host: str = "127.0.0.1") -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", self.served_model_name, "--host", host, "--port", str(port),
-                *self.flags]
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *self.flags,
+        ]
 
 
 def serve_flags(engine_args: dict[str, Any]) -> list[str]:
@@ -63,13 +74,13 @@ def serve_flags(engine_args: dict[str, Any]) -> list[str]:
         elif isinstance(value, (str, int, float)):
             flags += [flag, str(value)]
         else:
-            raise ValueError(f"engine argument {key}: {type(value).__name__} {value!r} has no "
-                             "`vllm serve` flag")
+            raise ValueError(f"engine argument {key}: {type(value).__name__} {value!r} has no `vllm serve` flag")
     return flags
 
 
-def thinker_serve_args(config_path: str | os.PathLike[str], checkpoint_dir: str | None = None,
-                       prefix_cache: bool | None = None) -> ServeArgs:
+def thinker_serve_args(
+    config_path: str | os.PathLike[str], checkpoint_dir: str | None = None, prefix_cache: bool | None = None
+) -> ServeArgs:
     """The ``vllm serve`` arguments of the entry stage of the pipeline at ``config_path``: its
     model resolved as the stage resolves it (``tiny:NAME`` generated under the config's, or
     ``checkpoint_dir``'s, checkpoint folder), its ``engine_args``, ``--enable-prefix-caching`` as
@@ -85,8 +96,10 @@ def thinker_serve_args(config_path: str | os.PathLike[str], checkpoint_dir: str 
         config = msgspec.structs.replace(config, checkpoint_dir=checkpoint_dir)
     entry = [s for s in config.stages if not s.inputs]
     if len(entry) != 1 or entry[0].kind != "autoregressive":
-        raise ValueError(f"{config_path}: the vllm side needs one autoregressive entry stage "
-                         f"(found {[f'{s.name} ({s.kind})' for s in entry]})")
+        raise ValueError(
+            f"{config_path}: the vllm side needs one autoregressive entry stage "
+            f"(found {[f'{s.name} ({s.kind})' for s in entry]})"
+        )
     stage = entry[0]
     engine_args = stage.engine_args.to_vllm_kwargs() if stage.engine_args else {}
     # The stage runs its engine without async scheduling unless the config says so
@@ -97,9 +110,12 @@ def thinker_serve_args(config_path: str | os.PathLike[str], checkpoint_dir: str 
     resolve_kv_cache_size(stage.name, engine_args, env)
     cache = stage.prefix_cache if prefix_cache is None else prefix_cache
     flags = [*serve_flags(engine_args), "--enable-prefix-caching" if cache else "--no-enable-prefix-caching"]
-    return ServeArgs(model=resolve_model(stage, config),
-                     served_model_name=config.server.served_model_name or config.name,
-                     flags=tuple(flags), env=env)
+    return ServeArgs(
+        model=resolve_model(stage, config),
+        served_model_name=config.server.served_model_name or config.name,
+        flags=tuple(flags),
+        env=env,
+    )
 
 
 def free_port() -> int:
@@ -114,8 +130,14 @@ class VllmServeProcess:
     :class:`~benchmarks.side_processes.ServerProcess`: ``start``, ``wait_ready``, ``url``,
     ``startup_s``, ``pid``, ``processes()``, a context manager."""
 
-    def __init__(self, config_path: str | os.PathLike[str], *, checkpoint_dir: str | None = None,
-                 start_timeout_s: float = 900.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        *,
+        checkpoint_dir: str | None = None,
+        start_timeout_s: float = 900.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.config_path = config_path
         self.checkpoint_dir = checkpoint_dir
         self.start_timeout_s = start_timeout_s
@@ -141,9 +163,15 @@ class VllmServeProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.args.argv(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True,
-                                     env={**os.environ, **self.args.env, **(self.env or {})})
+        self.proc = subprocess.Popen(
+            self.args.argv(port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            env={**os.environ, **self.args.env, **(self.env or {})},
+        )
         # A full pipe would block the server: a thread reads its output to the end.
         threading.Thread(target=self._read, daemon=True, name="bench-vllm-output").start()
 
@@ -195,4 +223,3 @@ class VllmServeProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-

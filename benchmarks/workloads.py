@@ -55,11 +55,11 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz     .,"
 #: omni_cache.models.checkpoints.CHAT_TEMPLATE): ``<|im_start|>ROLE\n CONTENT <|im_end|>\n`` per message,
 #: plus ``<|im_start|>assistant\n`` as the generation prompt.
 TEMPLATE = {
-    "system": 10,       # <|im_start|> + "system\n" (7) + <|im_end|> + "\n"
-    "user": 8,          # <|im_start|> + "user\n" (5) + <|im_end|> + "\n"
-    "assistant": 13,    # <|im_start|> + "assistant\n" (10) + <|im_end|> + "\n"
-    "generation": 11,   # <|im_start|> + "assistant\n"
-    "user_head": 6,     # <|im_start|> + "user\n": part of the shared prefix of a shared-prefix request
+    "system": 10,  # <|im_start|> + "system\n" (7) + <|im_end|> + "\n"
+    "user": 8,  # <|im_start|> + "user\n" (5) + <|im_end|> + "\n"
+    "assistant": 13,  # <|im_start|> + "assistant\n" (10) + <|im_end|> + "\n"
+    "generation": 11,  # <|im_start|> + "assistant\n"
+    "user_head": 6,  # <|im_start|> + "user\n": part of the shared prefix of a shared-prefix request
 }
 
 
@@ -102,8 +102,7 @@ class Sizes:
     unique_tokens: int = 100
     turns: int = 3
     max_tokens: int = 32
-    mix: dict[str, float] = field(default_factory=lambda: {"shared-prefix": 2.0, "multi-turn": 1.0,
-                                                           "zero-reuse": 1.0})
+    mix: dict[str, float] = field(default_factory=lambda: {"shared-prefix": 2.0, "multi-turn": 1.0, "zero-reuse": 1.0})
 
 
 def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[str, str]]:
@@ -115,14 +114,20 @@ def messages_for(session: Session, turn: int, answers: list[str]) -> list[dict[s
     for k in range(turn + 1):
         content: str | list = session.users[k]
         if k == 0 and session.image is not None:
-            content = [{"type": "image_url", "image_url": {"url": session.image}},
-                       {"type": "text", "text": session.users[0]}]
+            content = [
+                {"type": "image_url", "image_url": {"url": session.image}},
+                {"type": "text", "text": session.users[0]},
+            ]
         elif k == 0 and session.video is not None:
-            content = [{"type": "video_url", "video_url": {"url": session.video}},
-                       {"type": "text", "text": session.users[0]}]
+            content = [
+                {"type": "video_url", "video_url": {"url": session.video}},
+                {"type": "text", "text": session.users[0]},
+            ]
         elif k == 0 and session.audio is not None:
-            content = [{"type": "input_audio", "input_audio": {"data": session.audio, "format": "wav"}},
-                       {"type": "text", "text": session.users[0]}]
+            content = [
+                {"type": "input_audio", "input_audio": {"data": session.audio, "format": "wav"}},
+                {"type": "text", "text": session.users[0]},
+            ]
         msgs.append({"role": "user", "content": content})
         if k < turn:
             msgs.append({"role": "assistant", "content": answers[k]})
@@ -150,11 +155,15 @@ def content_sizes(shared: int, unique: int) -> tuple[int, int]:
     sys_chars = shared - TEMPLATE["system"] - TEMPLATE["user_head"]
     user_chars = unique - (TEMPLATE["user"] - TEMPLATE["user_head"]) - TEMPLATE["generation"]
     if sys_chars < 1:
-        raise ValueError(f"--shared-tokens {shared} is shorter than the chat template's "
-                         f"{TEMPLATE['system'] + TEMPLATE['user_head'] + 1} tokens")
+        raise ValueError(
+            f"--shared-tokens {shared} is shorter than the chat template's "
+            f"{TEMPLATE['system'] + TEMPLATE['user_head'] + 1} tokens"
+        )
     if user_chars < 1:
-        raise ValueError(f"--unique-tokens {unique} is shorter than the chat template's "
-                         f"{TEMPLATE['user'] - TEMPLATE['user_head'] + TEMPLATE['generation'] + 1} tokens")
+        raise ValueError(
+            f"--unique-tokens {unique} is shorter than the chat template's "
+            f"{TEMPLATE['user'] - TEMPLATE['user_head'] + TEMPLATE['generation'] + 1} tokens"
+        )
     return sys_chars, user_chars
 
 
@@ -218,20 +227,28 @@ def build_workload(name: str, sizes: Sizes, seed: int) -> tuple[list[Session], l
 
     def make(index: int, kind: str, warmup: bool = False) -> Session:
         if kind == "shared-prefix":
-            return Session(index, kind, shared_system, [random_text(rng, user_chars)],
-                           sizes.max_tokens, warmup)
+            return Session(index, kind, shared_system, [random_text(rng, user_chars)], sizes.max_tokens, warmup)
         if kind == "image":
-            return Session(index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens,
-                           warmup, image=shared_image)
+            return Session(
+                index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens, warmup, image=shared_image
+            )
         if kind == "video":
-            return Session(index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens,
-                           warmup, video=shared_video)
+            return Session(
+                index, kind, "", [random_text(rng, user_chars)], sizes.max_tokens, warmup, video=shared_video
+            )
         if kind == "zero-reuse":
-            return Session(index, kind, random_text(rng, sys_chars), [random_text(rng, user_chars)],
-                           sizes.max_tokens, warmup)
+            return Session(
+                index, kind, random_text(rng, sys_chars), [random_text(rng, user_chars)], sizes.max_tokens, warmup
+            )
         turns = 1 if warmup else sizes.turns
-        return Session(index, kind, random_text(rng, sys_chars),
-                       [random_text(rng, user_chars) for _ in range(turns)], sizes.max_tokens, warmup)
+        return Session(
+            index,
+            kind,
+            random_text(rng, sys_chars),
+            [random_text(rng, user_chars) for _ in range(turns)],
+            sizes.max_tokens,
+            warmup,
+        )
 
     sessions: list[Session] = []
     if name == "mixed":
@@ -286,16 +303,20 @@ def image_data_url(tokens: int, seed: int) -> str:
     side = max(1, round(math.sqrt(tokens))) * PIXELS_PER_IMAGE_TOKEN
     phase = random.Random(f"omni_cache-e2e/image/{seed}").random() * 2 * math.pi
     row = bytes(int(127 + 120 * math.sin(phase + x / 37.0)) for x in range(side))
-    img = Image.merge("RGB", [Image.frombytes("L", (side, 1), row).resize((side, side)),
-                              Image.frombytes("L", (1, side), row).resize((side, side)),
-                              Image.new("L", (side, side), 96)])
+    img = Image.merge(
+        "RGB",
+        [
+            Image.frombytes("L", (side, 1), row).resize((side, side)),
+            Image.frombytes("L", (1, side), row).resize((side, side)),
+            Image.new("L", (side, side), 96),
+        ],
+    )
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def video_data_url(seed: int, seconds: float = 2.0, fps: int = 8, width: int = 96,
-                   height: int = 64) -> str:
+def video_data_url(seed: int, seconds: float = 2.0, fps: int = 8, width: int = 96, height: int = 64) -> str:
     """An MP4 (data: URL) of moving colour bands with a seeded phase and a sine-tone sound track
     (AAC, 16 kHz), written with PyAV."""
     import os
@@ -324,7 +345,7 @@ def video_data_url(seed: int, seconds: float = 2.0, fps: int = 8, width: int = 9
             n = int(seconds * 16000)
             tone = (0.3 * np.sin(2 * np.pi * 330 * np.arange(n) / 16000 + phase)).astype(np.float32)
             for off in range(0, n, 1024):
-                frame = av.AudioFrame.from_ndarray(tone[None, off:off + 1024], format="fltp", layout="mono")
+                frame = av.AudioFrame.from_ndarray(tone[None, off : off + 1024], format="fltp", layout="mono")
                 frame.sample_rate, frame.pts = 16000, off
                 for p in a.encode(frame):
                     c.mux(p)

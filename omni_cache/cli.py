@@ -43,9 +43,7 @@ def _port(text: str) -> int:
 
 def _log_level(text: str) -> str:
     if text.lower() not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(
-            f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
     return text.lower()
 
 
@@ -57,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
             "its own process) described by one YAML stage config."
         ),
         epilog=(
-            "exit status: 0 served / config valid (--check), 1 serving not available, "
-            "2 invalid config or arguments"
+            "exit status: 0 served / config valid (--check), 1 serving not available, 2 invalid config or arguments"
         ),
     )
     parser.add_argument(
@@ -77,11 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not require filesystem 'model' paths to exist (for a config meant for another host)",
     )
+    parser.add_argument("--host", metavar="H", default=None, help="HTTP listen address (overrides server.host)")
     parser.add_argument(
-        "--host", metavar="H", default=None, help="HTTP listen address (overrides server.host)"
-    )
-    parser.add_argument(
-        "--port", metavar="P", type=_port, default=None,
+        "--port",
+        metavar="P",
+        type=_port,
+        default=None,
         help="HTTP port, 0 for any free one (overrides server.port)",
     )
     parser.add_argument(
@@ -156,9 +154,13 @@ def apply_overrides(config: PipelineConfig, args: argparse.Namespace) -> Pipelin
             names = known
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ConfigError(ConfigIssue(
-                "--external-stages", None,
-                f"unknown stage(s) {', '.join(map(repr, unknown))} (stages: {', '.join(known)}, or 'all')"))
+            raise ConfigError(
+                ConfigIssue(
+                    "--external-stages",
+                    None,
+                    f"unknown stage(s) {', '.join(map(repr, unknown))} (stages: {', '.join(known)}, or 'all')",
+                )
+            )
         for stage in config.stages:
             if stage.name in names:
                 stage.external = True
@@ -169,9 +171,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):g} MiB"
 
 
-def format_summary(
-    config: PipelineConfig, *, source: str | None = None, api_key: str | None = None
-) -> str:
+def format_summary(config: PipelineConfig, *, source: str | None = None, api_key: str | None = None) -> str:
     """A human-readable description of the pipeline: server, checkpoints, and every stage."""
     s = config.server
     lines = [f"pipeline: {config.name}"]
@@ -179,15 +179,14 @@ def format_summary(
         lines.append(f"  config:       {source}")
     lines.append(f"  server:       http://{s.host}:{s.port} (model name {s.served_model_name!r})")
     lines.append(f"  api key:      {'required' if api_key else 'none (no authentication)'}")
-    lines.append("  stage auth:   " + (f"CURVE, key file {s.stage_auth_key_file}"
-                                      if s.stage_auth_key_file else "none"))
-    lines.append(
-        f"  limits:       request timeout {s.request_timeout_s:g} s, "
-        f"max message {_mib(s.max_message_bytes)}"
-    )
+    lines.append("  stage auth:   " + (f"CURVE, key file {s.stage_auth_key_file}" if s.stage_auth_key_file else "none"))
+    lines.append(f"  limits:       request timeout {s.request_timeout_s:g} s, max message {_mib(s.max_message_bytes)}")
     if any(st.replicas > 1 for st in config.stages):
-        note = (" (the thinker replica holding the longest prefix, as its engine reports; else "
-                "least_loaded)") if s.routing == "prefix" else ""
+        note = (
+            (" (the thinker replica holding the longest prefix, as its engine reports; else least_loaded)")
+            if s.routing == "prefix"
+            else ""
+        )
         lines.append(f"  routing:      {s.routing}{note}")
     if any(st.model.startswith("tiny:") for st in config.stages):
         lines.append(f"  checkpoints:  {checkpoint_root(config)} (tiny:* models)")
@@ -206,33 +205,43 @@ def format_summary(
             lines.append("  inputs:       client request (entry stage)")
         if config.placed_by_ray(st):
             res = st.ray
-            asks = (f"{res.num_cpus:g} CPU, {res.num_gpus:g} GPU" if res is not None
-                    else "1 CPU, 0 GPU")
-            lines.append(f"  placed by:    Ray ({s.ray_address}): one actor per replica, asking "
-                         + asks + "; address: its node's IP, a port it picks"
-                         + (f" (the configured {st.address} is not used)" if st.address else ""))
+            asks = f"{res.num_cpus:g} CPU, {res.num_gpus:g} GPU" if res is not None else "1 CPU, 0 GPU"
+            lines.append(
+                f"  placed by:    Ray ({s.ray_address}): one actor per replica, asking "
+                + asks
+                + "; address: its node's IP, a port it picks"
+                + (f" (the configured {st.address} is not used)" if st.address else "")
+            )
             if res is not None:
                 for i in range(st.replicas):
                     if res.for_replica(i):
-                        lines.append(f"  resources:    {replica_name(st.name, i, st.replicas)}: "
-                                     + ", ".join(f"{k}={v:g}" for k, v in res.for_replica(i).items()))
+                        lines.append(
+                            f"  resources:    {replica_name(st.name, i, st.replicas)}: "
+                            + ", ".join(f"{k}={v:g}" for k, v in res.for_replica(i).items())
+                        )
         elif st.address is None and not st.replica_addresses:
-            lines.append(f"  address:      chosen at start: ipc://{run_root()}/<name>-<pid>-<random>/"
-                         f"{st.name}.sock (this server's own)")
+            lines.append(
+                f"  address:      chosen at start: ipc://{run_root()}/<name>-<pid>-<random>/"
+                f"{st.name}.sock (this server's own)"
+            )
         else:
-            lines.append(f"  address:      {st.address}"
-                         + (f" (binds {st.bind_address})" if st.bind_address else ""))
+            lines.append(f"  address:      {st.address}" + (f" (binds {st.bind_address})" if st.bind_address else ""))
             if st.ray is not None and not st.external:
                 lines.append("  ray:          used only with --ray-address / server.ray_address")
         if st.replicas > 1 and not config.placed_by_ray(st):
-            lines.append(f"  replicas:     {st.replicas}: " + (", ".join(
-                f"{r.name} at {r.address}" for r in stage_replicas(st))
-                if st.address or st.replica_addresses else ", ".join(
-                    replica_name(st.name, i, st.replicas) for i in range(st.replicas))
-                + " (each its own socket in that directory)"))
+            lines.append(
+                f"  replicas:     {st.replicas}: "
+                + (
+                    ", ".join(f"{r.name} at {r.address}" for r in stage_replicas(st))
+                    if st.address or st.replica_addresses
+                    else ", ".join(replica_name(st.name, i, st.replicas) for i in range(st.replicas))
+                    + " (each its own socket in that directory)"
+                )
+            )
         if st.external:
-            lines.append("  started:      by hand (external: python -m workers ... --stage "
-                         f"{st.name}), not by omni-serve")
+            lines.append(
+                f"  started:      by hand (external: python -m workers ... --stage {st.name}), not by omni-serve"
+            )
         if st.kind == "autoregressive":
             cache = "on" if st.prefix_cache else "off"
             if st.prefix_cache:
@@ -241,9 +250,7 @@ def format_summary(
             lines.append(f"  latents:      {st.latents.describe()}")
             engine = st.engine_args.to_vllm_kwargs() if st.engine_args else {}
             if engine:
-                lines.append(
-                    "  engine args:  " + ", ".join(f"{k}={v}" for k, v in engine.items())
-                )
+                lines.append("  engine args:  " + ", ".join(f"{k}={v}" for k, v in engine.items()))
             sp = st.sampling
             lines.append(
                 f"  sampling:     temperature={sp.temperature:g}, top_p={sp.top_p:g}, "
@@ -254,17 +261,17 @@ def format_summary(
             g = st.generation
             if g is not None:
                 lines.append(
-                    f"  generation:   max_batch_size={g.max_batch_size}, "
-                    f"chunk_size={g.chunk_size}, device={g.device}"
+                    f"  generation:   max_batch_size={g.max_batch_size}, chunk_size={g.chunk_size}, device={g.device}"
                 )
         if st.pacing is not None:
             pace = st.pacing
-            lines.append(f"  pacing:       {'on' if pace.enabled else 'measured only'}, "
-                         f"lead {pace.lead_s:g} s"
-                         + (f", {pace.token_audio_s:g} s of audio per token" if pace.token_audio_s else "")
-                         + (f", {pace.ahead_batch_size} windows a batch ahead of time"
-                            if pace.ahead_batch_size else "")
-                         + (f", never more than {pace.max_lead_s:g} s ahead" if pace.max_lead_s else ""))
+            lines.append(
+                f"  pacing:       {'on' if pace.enabled else 'measured only'}, "
+                f"lead {pace.lead_s:g} s"
+                + (f", {pace.token_audio_s:g} s of audio per token" if pace.token_audio_s else "")
+                + (f", {pace.ahead_batch_size} windows a batch ahead of time" if pace.ahead_batch_size else "")
+                + (f", never more than {pace.max_lead_s:g} s ahead" if pace.max_lead_s else "")
+            )
         if st.env:
             lines.append("  env:          " + ", ".join(f"{k}={v}" for k, v in st.env.items()))
         lines.append(f"  final output: {st.final_output or 'none (feeds the next stage)'}")
@@ -291,8 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_paths = not args.no_path_check
     try:
         # The overrides come before the checks: a Ray address, say, changes what is required.
-        config = load_config(args.stage_config, check_paths=check_paths,
-                             overrides=lambda c: apply_overrides(c, args))
+        config = load_config(args.stage_config, check_paths=check_paths, overrides=lambda c: apply_overrides(c, args))
     except ConfigError as e:
         return _config_error(e)
 

@@ -71,11 +71,17 @@ class Upstream:
     def opened_by(cls, start: StreamStart) -> Upstream:
         """What a request's upstream has produced once its stream opened: the prompt it saw, no
         output yet (the runner adds the first message's tokens and rows like every later one's)."""
-        return cls(start.stage, [], {}, start.num_prompt_tokens, False,
-                   prompt_token_ids=list(start.prompt_token_ids),
-                   image_grids=[list(g) for g in start.image_grids],
-                   video_grids=[list(g) for g in start.video_grids],
-                   video_seconds_per_grid=list(start.video_seconds_per_grid))
+        return cls(
+            start.stage,
+            [],
+            {},
+            start.num_prompt_tokens,
+            False,
+            prompt_token_ids=list(start.prompt_token_ids),
+            image_grids=[list(g) for g in start.image_grids],
+            video_grids=[list(g) for g in start.video_grids],
+            video_seconds_per_grid=list(start.video_seconds_per_grid),
+        )
 
 
 @dataclass
@@ -183,9 +189,14 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Ge
     fresh = (hidden[start:rows].double() @ weight.T + bias).to(torch.bfloat16)
     embeds.add(LatentChunk(start, {"embeds": fresh}))
     state["rows_done"] = rows
-    return [GenerateJob(prompt_embeds=embeds.view().get("embeds", fresh),
-                        max_tokens=CODES_PER_TOKEN * max(new, 1), last=up.finished,
-                        allowed_token_ids=_talker_codes_and_eos(ctx))]
+    return [
+        GenerateJob(
+            prompt_embeds=embeds.view().get("embeds", fresh),
+            max_tokens=CODES_PER_TOKEN * max(new, 1),
+            last=up.finished,
+            allowed_token_ids=_talker_codes_and_eos(ctx),
+        )
+    ]
 
 
 def _talker_codes_and_eos(ctx: HandoffContext) -> list[int]:
@@ -205,8 +216,7 @@ def _talker_codes_and_eos(ctx: HandoffContext) -> list[int]:
 QWEN3_OMNI_TALKER_REPETITION_PENALTY = 1.05
 
 
-def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream,
-                                 state: dict) -> list[GenerateJob | FeedJob]:
+def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[GenerateJob | FeedJob]:
     """Qwen3-Omni's talker over the thinker's output, as transformers' reference builds it, streamed.
 
     One talker request per answer. It starts once the thinker's first output (the prompt's rows)
@@ -239,7 +249,8 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream,
         raise ValueError(
             "the Qwen3-Omni talker needs the thinker's latents.merged {layer: 0, media_layer: "
             f"{accept_layer}}} (or latents.layers [0, {accept_layer}]); it sent "
-            f"{sorted(up.latents) or 'none'}")
+            f"{sorted(up.latents) or 'none'}"
+        )
     if not up.prompt_token_ids:
         raise ValueError("the thinker sent no prompt token ids (needed to find the user turn)")
     known = len(up.prompt_token_ids) + len(up.token_ids)  # positions whose row is known
@@ -250,30 +261,32 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream,
         token_ids = list(up.prompt_token_ids) + list(up.token_ids)
         head = _qwen3_omni_rows(prompt, embeds, up, 0, min(need, known))
         start = prompt.build(token_ids, head, accept)
-        positions, delta = prompt.positions(token_ids, up.image_grids, up.video_grids,
-                                            up.video_seconds_per_grid)
+        positions, delta = prompt.positions(token_ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
         state["started"] = True
-        text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, need, known),
-                                      up.finished)
+        text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, need, known), up.finished)
         state["rows_done"] = max(known, need)
-        return [GenerateJob(prompt_embeds=start, stream=RowStream(prompt.tts_pad, text, done),
-                            last=True, stop_token_ids=[prompt.codec_eos_id],
-                            extra_args=_qwen3_omni_logits(prompt),
-                            positions=(positions, delta) if delta else None)]
+        return [
+            GenerateJob(
+                prompt_embeds=start,
+                stream=RowStream(prompt.tts_pad, text, done),
+                last=True,
+                stop_token_ids=[prompt.codec_eos_id],
+                extra_args=_qwen3_omni_logits(prompt),
+                positions=(positions, delta) if delta else None,
+            )
+        ]
     if state.get("rows_finished"):
         return []
     done_rows = state["rows_done"]
     if known <= done_rows and not up.finished:
         return []
-    text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, done_rows, known),
-                                  up.finished)
+    text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, done_rows, known), up.finished)
     state["rows_done"] = max(known, done_rows)
     state["rows_finished"] = done
     return [FeedJob(text, done)]
 
 
-def _qwen3_omni_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int,
-                     stop: int) -> torch.Tensor:
+def _qwen3_omni_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int, stop: int) -> torch.Tensor:
     """The thinker's input-embedding rows of positions start..stop-1: the prompt's from its tap,
     the answer's by token id from the checkpoint (in the tap's dtype)."""
     n_prompt = len(up.prompt_token_ids)
@@ -281,9 +294,9 @@ def _qwen3_omni_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int
         return embeds[:0]
     if min(stop, n_prompt) > embeds.shape[0]:
         raise ValueError(f"the thinker sent {embeds.shape[0]} prompt rows of {n_prompt}")
-    parts = [embeds[start:min(stop, n_prompt)]]
+    parts = [embeds[start : min(stop, n_prompt)]]
     if stop > n_prompt:
-        ids = up.token_ids[max(start - n_prompt, 0):stop - n_prompt]
+        ids = up.token_ids[max(start - n_prompt, 0) : stop - n_prompt]
         parts.append(prompt.embedding_rows(ids).to(embeds.dtype))
     return torch.cat(parts)
 
@@ -311,15 +324,13 @@ CODEC_LOGITS_KEY = "codec_logits"
 def codec_logits_args(penalty: float, suppress: tuple[int, int], keep: list[int]) -> dict[str, Any]:
     """extra_args asking for the codec logits rules: a repetition penalty over the request's
     generated codes, and the ids in [suppress[0], suppress[1]) never sampled except `keep`."""
-    return {CODEC_LOGITS_KEY: {"penalty": float(penalty), "suppress": list(suppress),
-                               "keep": list(keep)}}
+    return {CODEC_LOGITS_KEY: {"penalty": float(penalty), "suppress": list(suppress), "keep": list(keep)}}
 
 
 def _qwen3_omni_logits(prompt: Any) -> dict[str, Any]:
     # The talker's vocabulary ends with 1,024 control codes transformers never samples but EOS.
     vocab = prompt.talker_vocab_size
-    return codec_logits_args(QWEN3_OMNI_TALKER_REPETITION_PENALTY, (vocab - 1024, vocab),
-                             keep=[prompt.codec_eos_id])
+    return codec_logits_args(QWEN3_OMNI_TALKER_REPETITION_PENALTY, (vocab - 1024, vocab), keep=[prompt.codec_eos_id])
 
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[DecodeJob]:
@@ -342,8 +353,14 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[De
         size = min(FIRST_CHUNK_CODES << state.get("windows", 0), chunk)
         if not up.finished and codes.shape[-1] - rf.right_codes < emitted + size:
             break  # wait for a whole chunk and its lookahead
-        window = next_window(rf, codes, emitted, up.finished, max_codes=size,
-                             left_context=rf.context_codes(ctx.resources["samples_per_code"]))
+        window = next_window(
+            rf,
+            codes,
+            emitted,
+            up.finished,
+            max_codes=size,
+            left_context=rf.context_codes(ctx.resources["samples_per_code"]),
+        )
         if window is None:
             break
         emitted += window.stop - window.start
@@ -373,8 +390,10 @@ def _decoder_codes(ctx: HandoffContext, up: Upstream, state: dict) -> torch.Tens
     q, codebook = ctx.resources["num_quantizers"], ctx.resources["codebook_size"]
     if q != 1:
         if up.token_ids:
-            raise ValueError(f"the decoder reads {q} codebooks: the talker must send its codes as a "
-                             f"{CODES_FRAME!r} tensor frame [{q}, k], not as token ids")
+            raise ValueError(
+                f"the decoder reads {q} codebooks: the talker must send its codes as a "
+                f"{CODES_FRAME!r} tensor frame [{q}, k], not as token ids"
+            )
         return torch.zeros(q, 0, dtype=torch.long)
     if tokens is None:
         tokens = state["token_codes"] = LatentBuffer(("codes",))

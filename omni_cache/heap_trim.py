@@ -64,8 +64,7 @@ def keep_freed_pages() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TOP_TRIM_THRESHOLD))
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TOP_TRIM_THRESHOLD))
 
 
 def find_malloc_trim() -> Callable[[int], int] | None:
@@ -85,8 +84,7 @@ class HeapTrimmer:
     With the C library's own ``malloc_trim`` (``trim`` not given) it also takes trimming over from
     ``free()`` (:func:`keep_freed_pages`)."""
 
-    def __init__(self, interval_s: float = TRIM_INTERVAL_S,
-                 trim: Callable[[int], int] | None = None) -> None:
+    def __init__(self, interval_s: float = TRIM_INTERVAL_S, trim: Callable[[int], int] | None = None) -> None:
         self.interval_s = interval_s
         self._trim = trim if trim is not None else find_malloc_trim()
         if self._trim is None:

@@ -69,23 +69,32 @@ class Pipeline:
     ready. ``close()`` (or leaving the ``with`` block) stops them.
     """
 
-    def __init__(self, config: PipelineConfig, *, prefix_cache: bool = True,
-                 checkpoint_dir: str | os.PathLike[str] | None = None,
-                 **orchestrator_kwargs: Any) -> None:
-        self.orchestrator = Orchestrator(config, checkpoint_dir=checkpoint_dir,
-                                         prefix_cache=prefix_cache, **orchestrator_kwargs)
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        prefix_cache: bool = True,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        **orchestrator_kwargs: Any,
+    ) -> None:
+        self.orchestrator = Orchestrator(
+            config, checkpoint_dir=checkpoint_dir, prefix_cache=prefix_cache, **orchestrator_kwargs
+        )
         #: The config it runs: ``config`` with the overrides applied (a copy).
         self.config = self.orchestrator.config
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-cache-pipeline",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-cache-pipeline", daemon=True)
         self._started = False
         self._closed = False
 
     @classmethod
-    def from_config(cls, path: str | os.PathLike[str] | PipelineConfig, prefix_cache: bool = True,
-                    checkpoint_dir: str | os.PathLike[str] | None = None,
-                    **orchestrator_kwargs: Any) -> Pipeline:
+    def from_config(
+        cls,
+        path: str | os.PathLike[str] | PipelineConfig,
+        prefix_cache: bool = True,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        **orchestrator_kwargs: Any,
+    ) -> Pipeline:
         """Load (and validate) a stage config, start its stage processes, wait until they are
         ready. ``path`` may also be an already loaded :class:`PipelineConfig`.
 
@@ -95,8 +104,7 @@ class Pipeline:
         ``echo_stage_logs``).
         """
         config = path if isinstance(path, PipelineConfig) else load_config(path)
-        pipe = cls(config, prefix_cache=prefix_cache, checkpoint_dir=checkpoint_dir,
-                   **orchestrator_kwargs)
+        pipe = cls(config, prefix_cache=prefix_cache, checkpoint_dir=checkpoint_dir, **orchestrator_kwargs)
         pipe.start()
         return pipe
 
@@ -205,13 +213,22 @@ class Pipeline:
             elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
                 token_lists.append(list(p))
             else:
-                raise TypeError(f"prompt {i}: expected a str, a list of chat messages or a list of "
-                                f"token ids, got {type(p).__name__}")
+                raise TypeError(
+                    f"prompt {i}: expected a str, a list of chat messages or a list of "
+                    f"token ids, got {type(p).__name__}"
+                )
         if media is not None and len(media) != len(token_lists):
             raise ValueError(f"media: {len(media)} lists for {len(token_lists)} prompts")
-        kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                      modalities=tuple(modalities), return_latents=return_latents, timeout_s=timeout_s,
-                      stream=stream)
+        kwargs = dict(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            modalities=tuple(modalities),
+            return_latents=return_latents,
+            timeout_s=timeout_s,
+            stream=stream,
+        )
         outcomes = self._run(self._generate(token_lists, kwargs, media))
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
         if errors:
@@ -222,8 +239,9 @@ class Pipeline:
             raise GenerationError(errors, results)  # type: ignore[arg-type]
         return outcomes
 
-    async def _generate(self, token_lists: list[list[int]], kwargs: dict[str, Any],
-                        media: Sequence[Sequence[Any]] | None = None) -> list[Any]:
+    async def _generate(
+        self, token_lists: list[list[int]], kwargs: dict[str, Any], media: Sequence[Sequence[Any]] | None = None
+    ) -> list[Any]:
         orch = self.orchestrator
         handles: list[Any] = []
         results: list[asyncio.Future] = []  # each accepted request's result, as it is awaited
@@ -255,8 +273,7 @@ class Pipeline:
         """stage -> its counters (requests, errors, queue_depth, prefix_cache_queried_tokens,
         prefix_cache_hit_tokens, latent_rows_served, ...), plus ``up`` and ``restarts``."""
         snap = self._run(self.orchestrator.stage_stats(timeout))
-        return {name: {**s.counters, "up": float(s.up), "restarts": float(s.restarts)}
-                for name, s in snap.items()}
+        return {name: {**s.counters, "up": float(s.up), "restarts": float(s.restarts)} for name, s in snap.items()}
 
     def health(self) -> dict[str, str]:
         """stage -> why it is not serving, for the stages that are not (empty: all up)."""

@@ -83,7 +83,7 @@ def read(directory: str) -> dict[str, dict[str, dict[str, float]]]:
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
         if not name.endswith(".jsonl"):
             continue
-        process = name[:-len(".jsonl")].rsplit("-", 1)[0]
+        process = name[: -len(".jsonl")].rsplit("-", 1)[0]
         with open(os.path.join(directory, name), encoding="utf-8") as f:
             for line in f:
                 try:

@@ -53,8 +53,7 @@ class BlockChanges:
     hash_block_size: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.cleared or self.state_stored
-                    or self.state_removed)
+        return bool(self.stored or self.removed or self.cleared or self.state_stored or self.state_removed)
 
 
 def _as_int(block_hash: Any) -> int:
@@ -71,8 +70,13 @@ class BlockEventCollector:
     ``state_groups``: the KV-cache group ids of the engine's recurrent layers (none: every group
     is attention and a hash is held while any group holds it, as for a dense model)."""
 
-    def __init__(self, inner: Any, state_groups: frozenset[int] = frozenset(),
-                 attention_groups: frozenset[int] = frozenset({0}), hash_block_size: int = 0) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        state_groups: frozenset[int] = frozenset(),
+        attention_groups: frozenset[int] = frozenset({0}),
+        hash_block_size: int = 0,
+    ) -> None:
         self.inner = inner
         self._state_groups = frozenset(state_groups)
         self._attention_groups = frozenset(attention_groups)
@@ -121,8 +125,12 @@ class BlockEventCollector:
     def take(self) -> BlockChanges:
         """The changes since the last call (and forget them)."""
         recurrent = bool(self._state_groups)
-        out = BlockChanges(cleared=self._cleared, block_size=self._block_size, recurrent=recurrent,
-                           hash_block_size=self._hash_block_size or self._block_size)
+        out = BlockChanges(
+            cleared=self._cleared,
+            block_size=self._block_size,
+            recurrent=recurrent,
+            hash_block_size=self._hash_block_size or self._block_size,
+        )
         for block_hash in self._dirty:
             groups = self._groups.get(block_hash, set())
             if not recurrent:
@@ -147,8 +155,10 @@ def install(scheduler: Any) -> BlockEventCollector | None:
     groups = scheduler.kv_cache_config.kv_cache_groups
     state = frozenset(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec))
     collector = BlockEventCollector(
-        scheduler.kv_event_publisher, state_groups=state,
+        scheduler.kv_event_publisher,
+        state_groups=state,
         attention_groups=frozenset(range(len(groups))) - state,
-        hash_block_size=getattr(scheduler, "hash_block_size", 0) or 0)
+        hash_block_size=getattr(scheduler, "hash_block_size", 0) or 0,
+    )
     scheduler.kv_event_publisher = collector
     return collector

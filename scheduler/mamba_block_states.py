@@ -33,21 +33,38 @@ class BlockStateMambaManager(MambaManager):
     """
 
     def _covers(self, request_id: str) -> bool:
-        return (self.mamba_cache_mode == "align" and self.num_speculative_blocks == 0
-                and request_id not in self._partial_hit_reqs)
+        return (
+            self.mamba_cache_mode == "align"
+            and self.num_speculative_blocks == 0
+            and request_id not in self._partial_hit_reqs
+        )
 
     def _num_interior(self, first_new_column: int, num_tokens: int) -> int:
         # vLLM nulls columns [first_new_column, cdiv(num_tokens, B) - 1); the last one is the
         # chunk's running state block.
         return max(0, cdiv(num_tokens, self.block_size) - 1 - first_new_column)
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Any, total_computed_tokens: int,
-                                   num_local_computed_tokens: int, num_tokens_main_model: int,
-                                   *args: Any, **kwargs: Any) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> int:
         needed = super().get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-            num_local_computed_tokens, num_tokens_main_model, *args, **kwargs)
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            *args,
+            **kwargs,
+        )
         if needed > self.block_pool.num_gpu_blocks or not self._covers(request_id):
             return needed  # "not this step" or a case left to vLLM
         if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
@@ -55,8 +72,7 @@ class BlockStateMambaManager(MambaManager):
         first_new = len(self.req_to_blocks[request_id]) + len(new_computed_blocks)
         return needed + self._num_interior(first_new, num_tokens_main_model)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int,
-                            num_tokens_main_model: int) -> list:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list:
         covered = self._covers(request_id)
         req_blocks = self.req_to_blocks[request_id]
         prev_len = len(req_blocks)
@@ -93,12 +109,15 @@ def recurrent_layers_reason(specs: dict[str, Any], layer_types: dict[str, type])
         if layer is None:
             return f"layer {name} is not built in the scheduler's process"
         if not getattr(layer, "WRITES_BLOCK_STATES", False):
-            return f"layer {name} is {layer.__name__}, not vLLM's QwenGatedDeltaNetAttention " \
-                   "replaced by the omni_cache vLLM plugin (workers.models:register)"
-        if getattr(spec, "mamba_type", None) != MambaAttentionBackendEnum.GDN_ATTN \
-                or len(getattr(spec, "shapes", ())) != 2:
-            return f"layer {name} does not hold vLLM's GatedDeltaNet state layout " \
-                   "(a conv and a recurrent state)"
+            return (
+                f"layer {name} is {layer.__name__}, not vLLM's QwenGatedDeltaNetAttention "
+                "replaced by the omni_cache vLLM plugin (workers.models:register)"
+            )
+        if (
+            getattr(spec, "mamba_type", None) != MambaAttentionBackendEnum.GDN_ATTN
+            or len(getattr(spec, "shapes", ())) != 2
+        ):
+            return f"layer {name} does not hold vLLM's GatedDeltaNet state layout (a conv and a recurrent state)"
     return None
 
 
@@ -109,8 +128,12 @@ def _recurrent_layers(scheduler: Any) -> tuple[dict[str, Any], dict[str, type]]:
     forward context (vLLM fills it while it builds the model, before the scheduler starts)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    specs = {name: group.kv_cache_spec for group in scheduler.kv_cache_config.kv_cache_groups
-             if isinstance(group.kv_cache_spec, MambaSpec) for name in group.layer_names}
+    specs = {
+        name: group.kv_cache_spec
+        for group in scheduler.kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, MambaSpec)
+        for name in group.layer_names
+    }
     context = scheduler.vllm_config.compilation_config.static_forward_context
     return specs, {name: type(context[name]) for name in specs if name in context}
 
@@ -138,8 +161,9 @@ def block_states_supported(scheduler: Any) -> str | None:
 def needs_aligned_chunks(scheduler: Any) -> bool:
     """Cases where vLLM's chunk stops carry more than block states replace: partial-block hash hits
     (a hash block below the attention block) and EAGLE's dropped block."""
-    return bool(getattr(scheduler, "mamba_partial_cache_hit", False)
-                or getattr(scheduler, "use_eagle_block_drop", False))
+    return bool(
+        getattr(scheduler, "mamba_partial_cache_hit", False) or getattr(scheduler, "use_eagle_block_drop", False)
+    )
 
 
 def install(scheduler: Any) -> bool:

@@ -60,15 +60,15 @@ class OmniSchedulerMixin:
         if getattr(self, "has_mamba_layers", False):
             self.block_states = mamba_block_states.install(self)
 
-    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, *args: Any,
-                                   **kwargs: Any) -> int:
+    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> int:
         # vLLM's align mode ends prefill chunks where a state must be kept (the prompt's last block
         # boundary, a chunk started mid-block, a branch point), costing a forward pass per stop.
         # With block states every boundary inside a chunk gets its state, so no stop is needed.
         if self.block_states and not mamba_block_states.needs_aligned_chunks(self):
             return num_new_tokens
         return super()._mamba_block_aligned_split(  # type: ignore[misc]
-            request, num_new_tokens, *args, **kwargs)
+            request, num_new_tokens, *args, **kwargs
+        )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # A held request sits this step out: a running one is skipped by vLLM (it keeps its slot
@@ -79,8 +79,7 @@ class OmniSchedulerMixin:
         skipped = {id(r): r.next_decode_eligible_step for r in held}
         for request in held:
             # schedule() advances current_step before it checks eligibility: + 2 skips this call.
-            request.next_decode_eligible_step = max(request.next_decode_eligible_step,
-                                                    self.current_step + 2)  # type: ignore[attr-defined]
+            request.next_decode_eligible_step = max(request.next_decode_eligible_step, self.current_step + 2)  # type: ignore[attr-defined]
         if held_waiting:
             self.waiting.remove_requests(held_waiting)  # type: ignore[attr-defined]
         try:
@@ -91,15 +90,24 @@ class OmniSchedulerMixin:
             if held_waiting:
                 self.waiting.prepend_requests(held_waiting)  # type: ignore[attr-defined]
         if self.pacer is not None:
-            self.pacer.note_step((pacing.of(self.requests[rid])  # type: ignore[attr-defined]
-                                  for rid in output.num_scheduled_tokens), now)
+            self.pacer.note_step(
+                (
+                    pacing.of(self.requests[rid])  # type: ignore[attr-defined]
+                    for rid in output.num_scheduled_tokens
+                ),
+                now,
+            )
         # The worker reads the rows of the positions it feeds (in-process: no copy).
         output.streamed_rows = {
-            req_id: rows for req_id in output.num_scheduled_tokens
-            if (rows := streamed_rows.of(self.requests[req_id])) is not None}  # type: ignore[attr-defined]
+            req_id: rows
+            for req_id in output.num_scheduled_tokens
+            if (rows := streamed_rows.of(self.requests[req_id])) is not None
+        }  # type: ignore[attr-defined]
         output.prompt_positions = {
-            new.req_id: pos for new in output.scheduled_new_reqs
-            if (pos := streamed_rows.positions_of(self.requests[new.req_id])) is not None}  # type: ignore[attr-defined]
+            new.req_id: pos
+            for new in output.scheduled_new_reqs
+            if (pos := streamed_rows.positions_of(self.requests[new.req_id])) is not None
+        }  # type: ignore[attr-defined]
         counters = self.__dict__.setdefault("prefix_counters", PrefixCacheCounters())
         for new in output.scheduled_new_reqs:
             request = self.requests[new.req_id]  # type: ignore[attr-defined]
@@ -124,10 +132,13 @@ class OmniSchedulerMixin:
             yielding = {id(r) for r in self.pacer.hold(runnable, now, blocked)}
             if self.pacer.policy.enabled:
                 self.running[:] = self.pacer.order(  # type: ignore[attr-defined]
-                    running, pacing.of, lambda r: r.num_output_tokens > 0, now)
+                    running, pacing.of, lambda r: r.num_output_tokens > 0, now
+                )
         out = starved | yielding
-        return ([r for r in self.running if id(r) in out],  # type: ignore[attr-defined]
-                [r for r in waiting if id(r) in out])
+        return (
+            [r for r in self.running if id(r) in out],  # type: ignore[attr-defined]
+            [r for r in waiting if id(r) in out],
+        )
 
     def has_runnable_requests(self) -> bool:
         """Whether a step would do anything: False when every unfinished request is starved or
@@ -147,8 +158,11 @@ class OmniSchedulerMixin:
 
     def _free_slots(self) -> int:
         """Requests vLLM would still admit from the waiting queue this step."""
-        return (self.max_num_active_reqs - len(self.running)  # type: ignore[attr-defined]
-                - self.num_waiting_for_streaming_input)  # type: ignore[attr-defined]
+        return (
+            self.max_num_active_reqs
+            - len(self.running)  # type: ignore[attr-defined]
+            - self.num_waiting_for_streaming_input
+        )  # type: ignore[attr-defined]
 
 
 class OmniScheduler(OmniSchedulerMixin, Scheduler):

@@ -47,8 +47,7 @@ ATTRIBUTE = "playback_clock"
 
 #: Bucket bounds (seconds of slack: audio emitted minus playback time) of the slack histogram.
 #: Negative slack is an underrun; the upper bounds reach the lead of an answer written far ahead.
-SLACK_BUCKETS: tuple[float, ...] = (-5.0, -1.0, -0.5, -0.2, 0.0, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
-                                    30.0, 60.0)
+SLACK_BUCKETS: tuple[float, ...] = (-5.0, -1.0, -0.5, -0.2, 0.0, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 #: StageStats counter names (omni_cache/runtime/pacing_metrics.py renders them).
 PACED_REQUESTS = "paced_requests"
 UNDERRUNS = "audio_underruns"
@@ -85,8 +84,11 @@ class PacingStats:
         """``paced_requests``, ``audio_underruns``, ``first_audio_shared_steps`` and the slack
         histogram as ``pacing_slack_seconds_bucket:<le>`` (cumulative; ``+Inf`` is the count).
         No sum: with negative observations it is not a counter (Prometheus leaves it out)."""
-        out: dict[str, float] = {PACED_REQUESTS: self.paced_requests, UNDERRUNS: self.underruns,
-                                 SHARED_FIRST_AUDIO_STEPS: self.shared_first_audio_steps}
+        out: dict[str, float] = {
+            PACED_REQUESTS: self.paced_requests,
+            UNDERRUNS: self.underruns,
+            SHARED_FIRST_AUDIO_STEPS: self.shared_first_audio_steps,
+        }
         running = 0
         for bound, n in zip((*SLACK_BUCKETS, float("inf")), self.slack_counts):
             running += n
@@ -176,8 +178,12 @@ class Pacer:
             return (0, 0.0)
         return (1, clock.ahead(now))
 
-    def hold(self, runnable: Sequence[tuple[T, PlaybackClock | None]], now: float,
-             waiting: Iterable[PlaybackClock | None] = ()) -> list[T]:
+    def hold(
+        self,
+        runnable: Sequence[tuple[T, PlaybackClock | None]],
+        now: float,
+        waiting: Iterable[PlaybackClock | None] = (),
+    ) -> list[T]:
         """Of the work that could run now (item, its answer's clock or None), what yields: the
         answers more than ``lead_s`` ahead, if anything else is due; nothing when pacing is off or
         when nothing else is due (then the ahead-of-time work runs: nothing starves).

@@ -37,8 +37,11 @@ class Outcome:
 
 
 def _base(model: str, rng: random.Random) -> dict:
-    return {"model": model, "max_tokens": rng.randint(1, 8),
-            "messages": [{"role": "user", "content": f"hi {rng.randint(0, 999)}"}]}
+    return {
+        "model": model,
+        "max_tokens": rng.randint(1, 8),
+        "messages": [{"role": "user", "content": f"hi {rng.randint(0, 999)}"}],
+    }
 
 
 def _nest(depth: int, rng: random.Random) -> object:
@@ -54,7 +57,7 @@ def _deep(model: str, rng: random.Random, max_body_bytes: int) -> Case:
     depth = rng.choice([70, 200, 1000, 5000, max_body_bytes // 6])
     where = rng.choice(["top", "content", "extra", "tool", "raw"])
     if where == "raw":  # only brackets, open or closed
-        opener = rng.choice([b"[", b"{\"a\":"])
+        opener = rng.choice([b"[", b'{"a":'])
         closer = b"]" if opener == b"[" else b"}"
         return Case("deep", opener * depth + (closer * depth if rng.random() < 0.5 else b""))
     body = _base(model, rng)
@@ -91,12 +94,33 @@ def json_dumps_deep(value: object) -> bytes:
 def _huge_number(model: str, rng: random.Random) -> Case:
     """Numbers no field takes: thousands of digits, exponents past a double, NaN, negatives."""
     body = _base(model, rng)
-    field = rng.choice(["max_tokens", "temperature", "top_p", "n", "seed", "logprobs",
-                        "top_logprobs", "presence_penalty", "max_completion_tokens"])
-    literal = rng.choice([
-        "9" * rng.choice([400, 5000, 50000]), "1e999999", "-1e999999", "NaN", "Infinity",
-        "-Infinity", "-" + "9" * 30, "1" + "0" * 40, "-1", "1e400",
-    ])
+    field = rng.choice(
+        [
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "seed",
+            "logprobs",
+            "top_logprobs",
+            "presence_penalty",
+            "max_completion_tokens",
+        ]
+    )
+    literal = rng.choice(
+        [
+            "9" * rng.choice([400, 5000, 50000]),
+            "1e999999",
+            "-1e999999",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "-" + "9" * 30,
+            "1" + "0" * 40,
+            "-1",
+            "1e400",
+        ]
+    )
     if field in ("seed", "presence_penalty") and literal == "-1":  # both take -1
         literal = "-1e400"
     if field == "logprobs":  # a bool field: any number is the wrong type
@@ -106,18 +130,28 @@ def _huge_number(model: str, rng: random.Random) -> Case:
 
 
 _WRONG = {
-    "model": [[], {}, 1, True], "messages": ["hi", 1, {}, None, [1], ["x"], [[]], [None]],
-    "max_tokens": ["eight", [], {}, 1.5, -3], "temperature": ["hot", [], {}, -1],
-    "stream": ["maybe", 1.5, [], {}], "n": ["one", [], 0], "stop": [1, {}, [1, 2]],
-    "logit_bias": ["x", [1], {"a": "b"}], "tools": ["f", 1, [1], [{"type": "nope"}]],
-    "response_format": ["json", 1, {"type": "nope"}], "modalities": ["audio", 1, ["video"], {}],
+    "model": [[], {}, 1, True],
+    "messages": ["hi", 1, {}, None, [1], ["x"], [[]], [None]],
+    "max_tokens": ["eight", [], {}, 1.5, -3],
+    "temperature": ["hot", [], {}, -1],
+    "stream": ["maybe", 1.5, [], {}],
+    "n": ["one", [], 0],
+    "stop": [1, {}, [1, 2]],
+    "logit_bias": ["x", [1], {"a": "b"}],
+    "tools": ["f", 1, [1], [{"type": "nope"}]],
+    "response_format": ["json", 1, {"type": "nope"}],
+    "modalities": ["audio", 1, ["video"], {}],
     "audio": ["wav", 1, [], {"voice": "nobody"}],
-    "stream_options": ["x", 1], "tool_choice": [1, [], {"type": "x"}],
+    "stream_options": ["x", 1],
+    "tool_choice": [1, [], {"type": "x"}],
 }
 _WRONG_MESSAGE = [
-    {"role": 1, "content": "x"}, {"content": "x"},
-    {"role": "user", "content": 1}, {"role": "user", "content": {"a": 1}},
-    {"role": "user", "content": [1]}, {"role": "user", "content": [{"type": "video", "x": 1}]},
+    {"role": 1, "content": "x"},
+    {"content": "x"},
+    {"role": "user", "content": 1},
+    {"role": "user", "content": {"a": 1}},
+    {"role": "user", "content": [1]},
+    {"role": "user", "content": [{"type": "video", "x": 1}]},
     {"role": "user", "content": [{"type": "image_url"}]},
     {"role": "user", "content": [{"type": "image_url", "image_url": "notadict"}]},
     {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": 1}}]},
@@ -141,13 +175,14 @@ def _wrong_type(model: str, rng: random.Random) -> Case:
 
 def _truncated(model: str, rng: random.Random) -> Case:
     text = json.dumps(_base(model, rng)).encode()
-    return Case("truncated", text[:rng.randint(0, len(text) - 1)])
+    return Case("truncated", text[: rng.randint(0, len(text) - 1)])
 
 
 def _bad_utf8(model: str, rng: random.Random) -> Case:
     text = json.dumps(_base(model, rng)).encode()
-    bad = rng.choice([b"\xff", b"\xc3\x28", b"\xe2\x82", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
-                      b"\x80", b"\xc0\xaf"])
+    bad = rng.choice(
+        [b"\xff", b"\xc3\x28", b"\xe2\x82", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\x80", b"\xc0\xaf"]
+    )
     at = text.index(b"hi ") + rng.randint(0, 3)  # inside the content string
     if rng.random() < 0.3:
         at = rng.randint(0, len(text))  # anywhere
@@ -176,8 +211,17 @@ def _oversized(model: str, rng: random.Random, max_body_bytes: int) -> Case:
 
 def _content_type(model: str, rng: random.Random) -> Case:
     text = json.dumps(_base(model, rng)).encode()
-    kind = rng.choice(["text/plain", None, "multipart/form-data; boundary=x",
-                       "application/x-www-form-urlencoded", "application/jsonx", "", "json"])
+    kind = rng.choice(
+        [
+            "text/plain",
+            None,
+            "multipart/form-data; boundary=x",
+            "application/x-www-form-urlencoded",
+            "application/jsonx",
+            "",
+            "json",
+        ]
+    )
     return Case("content_type", text, content_type=kind)
 
 
@@ -198,9 +242,16 @@ def cases(model: str, n: int, seed: int, max_body_bytes: int) -> Iterator[Case]:
     """``n`` malformed requests, the same ones for the same seed."""
     rng = random.Random(seed)
     makers: list[Callable[[str, random.Random], Case]] = [
-        lambda m, r: _deep(m, r, max_body_bytes), _huge_number, _wrong_type, _truncated, _bad_utf8, _content_type,
+        lambda m, r: _deep(m, r, max_body_bytes),
+        _huge_number,
+        _wrong_type,
+        _truncated,
+        _bad_utf8,
+        _content_type,
         _lying_length,
-        _garbage, lambda m, r: _oversized(m, r, max_body_bytes)]
+        _garbage,
+        lambda m, r: _oversized(m, r, max_body_bytes),
+    ]
     for i in range(n):
         yield makers[i % len(makers)](model, rng)
 
@@ -208,8 +259,7 @@ def cases(model: str, n: int, seed: int, max_body_bytes: int) -> Iterator[Case]:
 def send(host: str, port: int, case: Case, *, api_key: str | None, timeout: float) -> Outcome:
     """Send ``case`` to ``/v1/chat/completions`` on a connection of its own and read the
     status line and body of the answer (``Connection: close``)."""
-    headers = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host}:{port}",
-               "Connection: close"]
+    headers = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
     if case.content_type is not None:
         headers.append(f"Content-Type: {case.content_type}")
     if api_key:
@@ -238,4 +288,4 @@ def send(host: str, port: int, case: Case, *, api_key: str | None, timeout: floa
     head, rest = data.split(b"\r\n\r\n", 1)
     length = re.search(rb"(?im)^content-length: *(\d+)", head)
     # The first answer only (a lying Content-Length may have earned a second one)
-    return Outcome(int(data[9:12]), "", rest[:int(length.group(1))] if length else rest)
+    return Outcome(int(data[9:12]), "", rest[: int(length.group(1))] if length else rest)

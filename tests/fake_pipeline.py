@@ -33,8 +33,7 @@ class ByteTokenizer:
 
     chat_template = ""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None,
-                            **template_kwargs):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None, **template_kwargs):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return {"input_ids": list(text.encode())}  # like transformers 5's BatchEncoding
 
@@ -47,9 +46,15 @@ def echo(content: str, max_tokens: int) -> str:
     return f"user: {content}\n".encode()[:max_tokens].decode(errors="replace")
 
 
-def write_config(name: str, decoder_env: str = "{}", *, token_delay_s: float = TOKEN_DELAY_S,
-                 max_model_len: int = MAX_MODEL_LEN, timeout_s: float = TIMEOUT_S,
-                 server_extra: str = "") -> Path:
+def write_config(
+    name: str,
+    decoder_env: str = "{}",
+    *,
+    token_delay_s: float = TOKEN_DELAY_S,
+    max_model_len: int = MAX_MODEL_LEN,
+    timeout_s: float = TIMEOUT_S,
+    server_extra: str = "",
+) -> Path:
     """The fake pipeline's config; ``server_extra``: more ``server`` keys (", key: value")."""
     d = tempfile.mkdtemp(prefix="ocu")  # short: ipc paths are limited to 107 bytes
     path = Path(d) / "pipeline.yaml"
@@ -80,8 +85,11 @@ stages:
 
 def make_orchestrator(path: Path) -> Orchestrator:
     return Orchestrator(
-        load_config(path), tokenizer=ByteTokenizer(),
-        stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60, shutdown_grace_s=2,
+        load_config(path),
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
         echo_stage_logs=False,
     )
 
@@ -111,7 +119,7 @@ def sse_events(lines):
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -122,12 +130,23 @@ def fake_pipeline_config(directory: Path, name: str, **thinker: object) -> Path:
         "name": name,
         "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 30},
         "stages": [
-            {"name": "thinker", "kind": "autoregressive", "model": "tiny:thinker",
-             "final_output": "text", "engine_args": {"max_model_len": 512},
-             "sampling": {"max_tokens": 8}, **thinker},
-            {"name": "decoder", "kind": "generation", "model": "tiny:decoder",
-             "inputs": ["thinker"], "handoff": "omni_cache.handoff.talker_to_decoder",
-             "final_output": "audio"},
+            {
+                "name": "thinker",
+                "kind": "autoregressive",
+                "model": "tiny:thinker",
+                "final_output": "text",
+                "engine_args": {"max_model_len": 512},
+                "sampling": {"max_tokens": 8},
+                **thinker,
+            },
+            {
+                "name": "decoder",
+                "kind": "generation",
+                "model": "tiny:decoder",
+                "inputs": ["thinker"],
+                "handoff": "omni_cache.handoff.talker_to_decoder",
+                "final_output": "audio",
+            },
         ],
     }
     path = directory / f"{name}.yaml"

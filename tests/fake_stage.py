@@ -81,11 +81,11 @@ class FakeStage:
         self.auth = load_stage_auth(config)  # server.stage_auth_key_file: CURVE like real stages
         if self.auth is not None:
             self.auth.guard(self.ctx)
-        self.inbox = AsyncReceiver(self.ctx, self.replica.bind_address or self.replica.address,
-                                   codec, bind=True, auth=self.auth)
+        self.inbox = AsyncReceiver(
+            self.ctx, self.replica.bind_address or self.replica.address, codec, bind=True, auth=self.auth
+        )
         self.orch = AsyncSender(self.ctx, orchestrator, codec, auth=self.auth)
-        self.down = [AsyncSender(self.ctx, d.address, codec, auth=self.auth)
-                     for d in config.downstream(stage.name)]
+        self.down = [AsyncSender(self.ctx, d.address, codec, auth=self.auth) for d in config.downstream(stage.name)]
         self.orchestrator, self.codec = orchestrator, codec
         self.tasks: dict[str, asyncio.Task] = {}
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
@@ -93,18 +93,32 @@ class FakeStage:
         self.aborted: set[str] = set()
         self.seen: list[list[int]] = []
         self.delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.01"))
-        self.counters = {k: 0.0 for k in ("requests", "errors", "queue_depth",
-                                          "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
-                                          "latent_rows_served")}
+        self.counters = {
+            k: 0.0
+            for k in (
+                "requests",
+                "errors",
+                "queue_depth",
+                "prefix_cache_queried_tokens",
+                "prefix_cache_hit_tokens",
+                "latent_rows_served",
+            )
+        }
 
     async def run(self) -> None:
         await asyncio.sleep(float(os.environ.get("FAKE_START_DELAY", "0")))
         max_len = self.stage.engine_args.max_model_len if self.stage.engine_args else 0
         # Heartbeats as a real stage sends them (workers/announcer.py), first one queued.
-        announcer = Announcer(zmq.Context.shadow(self.ctx.underlying), self.codec, self.orchestrator,
-                              self.name, interval_s=self.config.server.heartbeat_interval_s,
-                              max_model_len=max_len or 0, auth=self.auth,
-                              replica=self.replica.index)
+        announcer = Announcer(
+            zmq.Context.shadow(self.ctx.underlying),
+            self.codec,
+            self.orchestrator,
+            self.name,
+            interval_s=self.config.server.heartbeat_interval_s,
+            max_model_len=max_len or 0,
+            auth=self.auth,
+            replica=self.replica.index,
+        )
         await self.orch.send(announcer.message)
         announcer.start()
         while True:
@@ -126,8 +140,9 @@ class FakeStage:
                     task.cancel()
             elif isinstance(msg, StatsQuery):
                 self.counters["queue_depth"] = float(len(self.tasks) + len(self.decoding))
-                await self.orch.send(StageStats(stage=self.name, replica=self.replica.index,
-                                                counters=dict(self.counters)))
+                await self.orch.send(
+                    StageStats(stage=self.name, replica=self.replica.index, counters=dict(self.counters))
+                )
             elif isinstance(msg, Shutdown):
                 return
 
@@ -147,8 +162,8 @@ class FakeStage:
         rid = sub.request_id
         k = sub.resumed_tokens
         prompt = list(sub.prompt_token_ids)
-        tail = prompt[len(prompt) - k:] if k else []
-        prompt = prompt[:len(prompt) - k]
+        tail = prompt[len(prompt) - k :] if k else []
+        prompt = prompt[: len(prompt) - k]
         raw = bytes(t for t in prompt if t < 256)
         cached = self._cached(prompt)
         self.counters["prefix_cache_queried_tokens"] += len(prompt)
@@ -156,13 +171,14 @@ class FakeStage:
         self.counters["latent_rows_served"] += cached
         if b"FAIL" in raw:
             self.counters["errors"] += 1
-            await self.orch.send(StageError(request_id=rid, stage=self.name,
-                                            message="fake failure requested", status=500))
+            await self.orch.send(
+                StageError(request_id=rid, stage=self.name, message="fake failure requested", status=500)
+            )
             return
         if b"HANG" in raw:
             await asyncio.sleep(3600)
         answer = UTF8BAD_ANSWER if b"UTF8BAD" in raw else raw
-        out = list(answer[k: k + sub.sampling.max_tokens])
+        out = list(answer[k : k + sub.sampling.max_tokens])
         if b"STALL" in raw and not k:
             out = out[:2]
         flush_at_end = b"UTF8BAD" not in raw
@@ -170,8 +186,9 @@ class FakeStage:
         seq = 0
         if sub.return_latents:
             rows = torch.arange(len(prompt) * 4, dtype=torch.float32).reshape(-1, 4)
-            await self.orch.send(StageOutput(request_id=rid, stage=self.name, seq=seq, latent_start=0),
-                                 {"hidden": rows})
+            await self.orch.send(
+                StageOutput(request_id=rid, stage=self.name, seq=seq, latent_start=0), {"hidden": rows}
+            )
             seq += 1
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reason = "length" if len(out) >= sub.sampling.max_tokens else "stop"
@@ -183,12 +200,18 @@ class FakeStage:
             out_msgs[0] = (tail + out_msgs[0][0], out_msgs[0][1])
         for i, (toks, last) in enumerate(out_msgs):
             await asyncio.sleep(SLOW_FIRST_TOKEN_S if i == 0 and b"SLOWSTART" in raw else self.delay)
-            new = toks[len(tail):] if i == 0 else toks  # vLLM's text covers new tokens only
+            new = toks[len(tail) :] if i == 0 else toks  # vLLM's text covers new tokens only
             text = decoder.decode(bytes(new), final=last and flush_at_end)
             msg = StageOutput(
-                request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text,
-                finished=last, finish_reason=reason if last else None,
-                num_prompt_tokens=len(prompt), num_cached_tokens=cached,
+                request_id=rid,
+                stage=self.name,
+                seq=seq,
+                token_ids=toks,
+                text=text,
+                finished=last,
+                finish_reason=reason if last else None,
+                num_prompt_tokens=len(prompt),
+                num_cached_tokens=cached,
             )
             tensors = None
             if sub.return_latents and toks:
@@ -197,11 +220,9 @@ class FakeStage:
                 msg.latent_start = pos
             await self.orch.send(msg, tensors)
             if audio:
-                fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks,
-                                  text=text, finished=last)
+                fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text, finished=last)
                 if i == 0:
-                    fwd = StreamStart.opening(fwd, modalities=list(sub.modalities),
-                                              sampling=sub.sampling)
+                    fwd = StreamStart.opening(fwd, modalities=list(sub.modalities), sampling=sub.sampling)
                 for d in self.down:
                     await d.send(fwd)
             seq += 1
@@ -227,9 +248,16 @@ class FakeStage:
         if up.finished:
             self.decoding.pop(rid, None)
             self.counters["requests"] += 1
-            await self.orch.send(StageOutput(request_id=rid, stage=self.name, seq=seq, finished=True,
-                                             sample_rate=SAMPLE_RATE,
-                                             input_text=self.spoken.pop(rid, "")))
+            await self.orch.send(
+                StageOutput(
+                    request_id=rid,
+                    stage=self.name,
+                    seq=seq,
+                    finished=True,
+                    sample_rate=SAMPLE_RATE,
+                    input_text=self.spoken.pop(rid, ""),
+                )
+            )
 
 
 def main() -> int:

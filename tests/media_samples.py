@@ -18,8 +18,7 @@ def png_data_url(w: int = 40, h: int = 30, seed: int = 0, fmt: str = "PNG") -> s
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def clip_b64(seconds: float = 0.5, rate: int = 44100, channels: int = 1, fmt: str = "WAV",
-             freq: float = 440.0) -> str:
+def clip_b64(seconds: float = 0.5, rate: int = 44100, channels: int = 1, fmt: str = "WAV", freq: float = 440.0) -> str:
     """A sine tone as base64 audio file bytes (OpenAI's ``input_audio.data``)."""
     t = np.arange(int(seconds * rate)) / rate
     x = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
@@ -38,8 +37,18 @@ def flat_png_data_url(w: int, h: int, colour: tuple[int, int, int] = (200, 30, 9
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def video_bytes(frames: int = 16, w: int = 96, h: int = 64, fps: int = 8, *, audio_s: float | None = None,
-                seed: int = 0, fmt: str = "mp4", faststart: bool = False, noise: bool = True) -> bytes:
+def video_bytes(
+    frames: int = 16,
+    w: int = 96,
+    h: int = 64,
+    fps: int = 8,
+    *,
+    audio_s: float | None = None,
+    seed: int = 0,
+    fmt: str = "mp4",
+    faststart: bool = False,
+    noise: bool = True,
+) -> bytes:
     """A video of random frames (MPEG-4 part 2, which every FFmpeg build encodes) and, when
     ``audio_s`` is given, an AAC sound track of a sine tone that long (16 kHz mono).
     ``faststart``: the MP4 index goes before the frames (so a truncated file keeps its header).
@@ -61,8 +70,11 @@ def video_bytes(frames: int = 16, w: int = 96, h: int = 64, fps: int = 8, *, aud
             if a is not None:
                 a.layout = "mono"
             for _ in range(frames):
-                img = (rng.integers(0, 255, (h, w, 3), dtype=np.uint8) if noise
-                       else np.full((h, w, 3), rng.integers(0, 255, 3), dtype=np.uint8))
+                img = (
+                    rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+                    if noise
+                    else np.full((h, w, 3), rng.integers(0, 255, 3), dtype=np.uint8)
+                )
                 for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
                     c.mux(p)
             for p in v.encode():
@@ -71,8 +83,7 @@ def video_bytes(frames: int = 16, w: int = 96, h: int = 64, fps: int = 8, *, aud
                 n = int(audio_s * 16000)
                 tone = (0.3 * np.sin(2 * np.pi * (330 + 40 * seed) * np.arange(n) / 16000)).astype(np.float32)
                 for off in range(0, n, 1024):
-                    frame = av.AudioFrame.from_ndarray(tone[None, off:off + 1024], format="fltp",
-                                                       layout="mono")
+                    frame = av.AudioFrame.from_ndarray(tone[None, off : off + 1024], format="fltp", layout="mono")
                     frame.sample_rate, frame.pts = 16000, off
                     for p in a.encode(frame):
                         c.mux(p)

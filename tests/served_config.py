@@ -21,8 +21,9 @@ from omni_cache.serving.server import ServerThread
 
 
 @contextmanager
-def served(data: dict[str, Any], directory: Path, *, api_key: str | None = None,
-           ready_timeout_s: float = 600) -> Iterator[ServerThread]:
+def served(
+    data: dict[str, Any], directory: Path, *, api_key: str | None = None, ready_timeout_s: float = 600
+) -> Iterator[ServerThread]:
     path = directory / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
     orch = Orchestrator(load_config(path), echo_stage_logs=False)

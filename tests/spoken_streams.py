@@ -43,15 +43,20 @@ def qwen3_omni_server(name: str, heartbeat_timeout_s: float) -> Any:
 
 def spoken(server, content: str, max_tokens: int) -> dict:
     """A streamed text + audio chat request for ``server``'s model."""
-    return {"model": server.orchestrator.served_model_name,
-            "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": True, "modalities": ["text", "audio"],
-            "audio": {"voice": "default", "format": "pcm16"}}
+    return {
+        "model": server.orchestrator.served_model_name,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+    }
 
 
 def has_audio(event) -> bool:
     return isinstance(event, dict) and any(
-        (c.get("delta", {}).get("audio") or {}).get("data") for c in event.get("choices", []))
+        (c.get("delta", {}).get("audio") or {}).get("data") for c in event.get("choices", [])
+    )
 
 
 class Stream:
@@ -61,15 +66,19 @@ class Stream:
         self.events: list = []
         self.ended_at: float | None = None
         self.audio = threading.Event()  # first audio, or the end
-        self.thread = threading.Thread(target=self._read, args=(server, content, max_tokens),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(server, content, max_tokens), daemon=True)
         self.thread.start()
 
     def _read(self, server, content: str, max_tokens: int) -> None:
         try:
-            read_events(server.url + "/v1/chat/completions", spoken(server, content, max_tokens),
-                        {}, self.events, timeout=WAIT_S,
-                        on_event=lambda e: has_audio(e) and self.audio.set())
+            read_events(
+                server.url + "/v1/chat/completions",
+                spoken(server, content, max_tokens),
+                {},
+                self.events,
+                timeout=WAIT_S,
+                on_event=lambda e: has_audio(e) and self.audio.set(),
+            )
         finally:
             self.ended_at = time.monotonic()
             self.audio.set()
@@ -107,6 +116,5 @@ def answers_again(server) -> None:
         assert time.monotonic() < deadline, "the pipeline did not come back"
         time.sleep(0.5)
     events: list = []
-    read_events(server.url + "/v1/chat/completions", spoken(server, "Hello again.", 8), {},
-                events, timeout=WAIT_S)
+    read_events(server.url + "/v1/chat/completions", spoken(server, "Hello again.", 8), {}, events, timeout=WAIT_S)
     assert events[-1] == "[DONE]" and any(has_audio(e) for e in events), events[-1:]

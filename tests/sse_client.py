@@ -11,13 +11,20 @@ from typing import Any
 import httpx
 
 
-def read_events(url: str, body: dict[str, Any], headers: dict[str, str], out: list, *,
-                timeout: float, on_event: Callable[[Any], None] | None = None) -> None:
+def read_events(
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    out: list,
+    *,
+    timeout: float,
+    on_event: Callable[[Any], None] | None = None,
+) -> None:
     """POST ``body`` to ``url`` (``/v1/chat/completions``) and append each event to ``out``."""
     with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
                 if on_event is not None:
                     on_event(out[-1])

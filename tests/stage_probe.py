@@ -26,10 +26,17 @@ def inject(ctx: zmq.Context, address: str, codec: Codec, auth: StageAuth | None,
         auth.secure(sock, bind=False)
     sock.connect(address)
     try:
-        sock.send_multipart(codec.encode(Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"),
-                                                sampling=EngineSampling(max_tokens=4))))
-        done = {zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+        sock.send_multipart(
+            codec.encode(
+                Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"), sampling=EngineSampling(max_tokens=4))
+            )
+        )
+        done = {
+            zmq.EVENT_HANDSHAKE_SUCCEEDED,
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        }
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             if mon.poll(100):

@@ -132,16 +132,28 @@ def test_an_answered_request_lets_go_of_its_media_with_its_ticket():
 def write_config(directory: Path, **server: object) -> Path:
     data = {
         "name": f"adm_{uuid.uuid4().hex[:8]}",
-        "server": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 30,
-                   "max_message_bytes": 64 * MIB, "max_body_bytes": 4 * MIB,
-                   "max_requests_in_flight": MAX_IN_FLIGHT,
-                   "max_media_bytes_in_flight": MAX_MEDIA_IN_FLIGHT,
-                   "media": {"max_items": MAX_ITEMS, "max_image_pixels": SIDE * SIDE,
-                             "decoded_cache_bytes": 0}, **server},
-        "stages": [{"name": "thinker", "kind": "autoregressive", "model": "tiny:thinker",
-                    "final_output": "text", "engine_args": {"max_model_len": 4096},
-                    "sampling": {"max_tokens": 30},
-                    "env": {"FAKE_TOKEN_DELAY": str(TOKEN_DELAY_S)}}],
+        "server": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "request_timeout_s": 30,
+            "max_message_bytes": 64 * MIB,
+            "max_body_bytes": 4 * MIB,
+            "max_requests_in_flight": MAX_IN_FLIGHT,
+            "max_media_bytes_in_flight": MAX_MEDIA_IN_FLIGHT,
+            "media": {"max_items": MAX_ITEMS, "max_image_pixels": SIDE * SIDE, "decoded_cache_bytes": 0},
+            **server,
+        },
+        "stages": [
+            {
+                "name": "thinker",
+                "kind": "autoregressive",
+                "model": "tiny:thinker",
+                "final_output": "text",
+                "engine_args": {"max_model_len": 4096},
+                "sampling": {"max_tokens": 30},
+                "env": {"FAKE_TOKEN_DELAY": str(TOKEN_DELAY_S)},
+            }
+        ],
     }
     path = directory / "pipeline.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -151,9 +163,14 @@ def write_config(directory: Path, **server: object) -> Path:
 @contextlib.contextmanager
 def fake_server(**server: object) -> Iterator[ServerThread]:
     path = write_config(Path(tempfile.mkdtemp(prefix="oca")), **server)
-    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
-                        stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
-                        shutdown_grace_s=2, echo_stage_logs=False)
+    orch = Orchestrator(
+        load_config(path),
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    )
     srv = ServerThread(orch).start()
     try:
         srv.wait_ready(60)
@@ -166,10 +183,14 @@ def media_body(srv: ServerThread, colour: int, items: int = MAX_ITEMS) -> dict:
     """A chat request with ``items`` images of SIDE x SIDE pixels, one colour each: the most
     decoded media a request may carry, in about 90 KiB of JSON."""
     parts = [{"type": "text", "text": "what is this?"}]
-    parts += [{"type": "image_url", "image_url": {"url": flat_png_data_url(SIDE, SIDE, (colour, i, 7))}}
-              for i in range(items)]
-    return {"model": srv.orchestrator.served_model_name, "max_tokens": 30,
-            "messages": [{"role": "user", "content": parts}]}
+    parts += [
+        {"type": "image_url", "image_url": {"url": flat_png_data_url(SIDE, SIDE, (colour, i, 7))}} for i in range(items)
+    ]
+    return {
+        "model": srv.orchestrator.served_model_name,
+        "max_tokens": 30,
+        "messages": [{"role": "user", "content": parts}],
+    }
 
 
 def rss_bytes(field: str) -> int:
@@ -239,10 +260,13 @@ def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory():
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"}
             assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
-            assert ("server.max_requests_in_flight" in err["message"]
-                    or "server.max_media_bytes_in_flight" in err["message"]), err
-        assert any("server.max_media_bytes_in_flight" in r.json()["error"]["message"]
-                   for r in refused)  # places were free, media room was not
+            assert (
+                "server.max_requests_in_flight" in err["message"]
+                or "server.max_media_bytes_in_flight" in err["message"]
+            ), err
+        assert any(
+            "server.max_media_bytes_in_flight" in r.json()["error"]["message"] for r in refused
+        )  # places were free, media room was not
         assert growth < RSS_GROWTH_LIMIT, f"RSS grew by {growth / MIB:.0f} MiB"
         assert health and set(health) == {200}, health
         wait_idle(srv)  # every place and byte given back
@@ -264,15 +288,37 @@ def test_a_flood_of_videos_is_held_to_the_media_bound_before_decoding():
     ones' videos), and everything is given back."""
     from media_samples import video_bytes
 
-    media = {"max_items": 1, "max_video_frame_pixels": VIDEO_W * VIDEO_H,
-             "decoded_cache_bytes": VIDEO_CLIENTS * VIDEO_MEDIA}
+    media = {
+        "max_items": 1,
+        "max_video_frame_pixels": VIDEO_W * VIDEO_H,
+        "decoded_cache_bytes": VIDEO_CLIENTS * VIDEO_MEDIA,
+    }
     with fake_server(max_media_bytes_in_flight=2 * VIDEO_MEDIA, media=media) as srv:
         bounds, cache = srv.orchestrator.admission.bounds, srv.app.state.media_cache
-        bodies = [{"model": srv.orchestrator.served_model_name, "max_tokens": 30, "messages": [{
-            "role": "user", "content": [{"type": "text", "text": "what happens?"}, {
-                "type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(
-                    video_bytes(VIDEO_FRAMES, VIDEO_W, VIDEO_H, 8, seed=c, noise=False)).decode()}}]}]}
-            for c in range(VIDEO_CLIENTS)]
+        bodies = [
+            {
+                "model": srv.orchestrator.served_model_name,
+                "max_tokens": 30,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what happens?"},
+                            {
+                                "type": "video_url",
+                                "video_url": {
+                                    "url": "data:video/mp4;base64,"
+                                    + base64.b64encode(
+                                        video_bytes(VIDEO_FRAMES, VIDEO_W, VIDEO_H, 8, seed=c, noise=False)
+                                    ).decode()
+                                },
+                            },
+                        ],
+                    }
+                ],
+            }
+            for c in range(VIDEO_CLIENTS)
+        ]
         held: list[int] = []
         done = threading.Event()
 
@@ -297,8 +343,11 @@ def test_a_flood_of_videos_is_held_to_the_media_bound_before_decoding():
             watcher.join()
         codes = [r.status_code for r in responses]
         assert set(codes) <= {200, 429} and codes.count(200) >= 1 and codes.count(429) >= 1, codes
-        assert all("server.max_media_bytes_in_flight" in r.json()["error"]["message"]
-                   for r in responses if r.status_code == 429)
+        assert all(
+            "server.max_media_bytes_in_flight" in r.json()["error"]["message"]
+            for r in responses
+            if r.status_code == 429
+        )
         assert VIDEO_MEDIA <= max(held) <= 2 * VIDEO_MEDIA
         assert len(cache) == codes.count(200)  # a refused video was never decoded
         wait_idle(srv)  # and every reserved byte was given back
@@ -317,8 +366,7 @@ def test_the_count_bound_refuses_before_reading_and_the_sdk_sees_a_rate_limit():
         assert bounds.requests == 0
         hang = {"model": model, "messages": [{"role": "user", "content": "HANG"}]}
         with ThreadPoolExecutor(2) as pool:
-            hung = [pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=hang, timeout=60)
-                    for _ in range(2)]
+            hung = [pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=hang, timeout=60) for _ in range(2)]
             end = time.monotonic() + 30
             while srv.orchestrator.in_flight < 2:
                 assert time.monotonic() < end
@@ -331,8 +379,9 @@ def test_the_count_bound_refuses_before_reading_and_the_sdk_sees_a_rate_limit():
             assert "server.max_requests_in_flight" in info.value.message
             # over the body limit too: still the 429, the body was never read
             huge = b'{"model": "' + model.encode() + b'", "messages": [' + b" " * (8 * MIB) + b"]}"
-            r = httpx.post(srv.url + "/v1/chat/completions", content=huge, timeout=30,
-                           headers={"Content-Type": "application/json"})
+            r = httpx.post(
+                srv.url + "/v1/chat/completions", content=huge, timeout=30, headers={"Content-Type": "application/json"}
+            )
             assert r.status_code == 429, r.text
             assert [f.result().status_code for f in hung] == [504, 504]  # their deadline
         assert bounds.requests == 0
@@ -354,8 +403,9 @@ def test_media_that_can_never_fit_are_a_413_and_the_body_limit_holds_while_readi
                 yield b"x" * MIB
             yield b'"}]}'
 
-        r = httpx.post(srv.url + "/v1/chat/completions", content=chunks(), timeout=60,
-                       headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            srv.url + "/v1/chat/completions", content=chunks(), timeout=60, headers={"Content-Type": "application/json"}
+        )
         assert r.status_code == 413 and "server.max_body_bytes" in r.json()["error"]["message"]
         wait_idle(srv)
     with fake_server(max_message_bytes=REQUEST_MEDIA - 1) as srv:
@@ -373,9 +423,14 @@ def test_the_python_api_waits_for_room_instead_of_failing(tmp_path: Path):
     from omni_cache import Pipeline
 
     path = write_config(tmp_path, max_requests_in_flight=2)
-    with Pipeline.from_config(path, tokenizer=ByteTokenizer(),
-                              stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
-                              shutdown_grace_s=2, echo_stage_logs=False) as pipe:
+    with Pipeline.from_config(
+        path,
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    ) as pipe:
         prompts = [f"prompt {i} " + "." * (12 - 3 * i) for i in range(5)]
         results = pipe.generate(prompts, max_tokens=40)
         answers = [r.text for r in results]
@@ -401,14 +456,18 @@ def test_bodies_being_read_are_bounded_and_their_bytes_given_back_once_submitted
             yield b'"user", "content": "slow"}]}'
 
         with ThreadPoolExecutor(1) as pool:
-            slow = pool.submit(httpx.post, srv.url + "/v1/chat/completions", content=slow_body(),
-                               headers={"Content-Type": "application/json"}, timeout=60)
+            slow = pool.submit(
+                httpx.post,
+                srv.url + "/v1/chat/completions",
+                content=slow_body(),
+                headers={"Content-Type": "application/json"},
+                timeout=60,
+            )
             end = time.monotonic() + 30
             while bounds.body_bytes < 3 * MIB:
                 assert time.monotonic() < end, bounds.body_bytes
                 time.sleep(0.02)
-            other = {"model": model, "max_tokens": 3,
-                     "messages": [{"role": "user", "content": "x" * (2 * MIB)}]}
+            other = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "x" * (2 * MIB)}]}
             r = httpx.post(srv.url + "/v1/chat/completions", json=other, timeout=30)
             assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER_S), r.text
             assert "server.max_body_bytes_in_flight" in r.json()["error"]["message"]

@@ -90,29 +90,35 @@ def test_no_private_name_crosses_a_module() -> None:
 FIRST_PARTY = {"omni_cache", "workers", "tests"}
 
 
-@pytest.mark.parametrize("source", [
-    "from omni_cache.runtime.results import _Request\n",
-    "from omni_cache.runtime.results import RequestError, _Request as R\n",
-    "from .errors import _Issues\n",
-    "from vllm.utils import _private_helper\n",
-    "def f():\n    from omni_cache.cache.latent_store import _launch_rows\n",
-    "import omni_cache.runtime.supervisor as sup\nsup._exit_words(1)\n",
-    "import omni_cache.runtime.supervisor\nomni_cache.runtime.supervisor._exit_words(1)\n",
-    "import workers\nx = workers._thing\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from omni_cache.runtime.results import _Request\n",
+        "from omni_cache.runtime.results import RequestError, _Request as R\n",
+        "from .errors import _Issues\n",
+        "from vllm.utils import _private_helper\n",
+        "def f():\n    from omni_cache.cache.latent_store import _launch_rows\n",
+        "import omni_cache.runtime.supervisor as sup\nsup._exit_words(1)\n",
+        "import omni_cache.runtime.supervisor\nomni_cache.runtime.supervisor._exit_words(1)\n",
+        "import workers\nx = workers._thing\n",
+    ],
+)
 def test_checker_flags_private_imports(source: str) -> None:
     assert private_imports(source, "sample.py", FIRST_PARTY), source
 
 
-@pytest.mark.parametrize("source", [
-    "from __future__ import annotations\n",
-    "from omni_cache import __version__\n",
-    "from omni_cache.runtime.results import RequestError\n",
-    "import torch\nraw = torch._C\n",  # another project's private attribute: not this rule
-    "_local = 1\nprint(_local)\n",
-    "class A:\n    def f(self):\n        return self._x\n",
-    "import omni_cache\nomni_cache.__name__\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from __future__ import annotations\n",
+        "from omni_cache import __version__\n",
+        "from omni_cache.runtime.results import RequestError\n",
+        "import torch\nraw = torch._C\n",  # another project's private attribute: not this rule
+        "_local = 1\nprint(_local)\n",
+        "class A:\n    def f(self):\n        return self._x\n",
+        "import omni_cache\nomni_cache.__name__\n",
+    ],
+)
 def test_checker_accepts_public_use(source: str) -> None:
     assert private_imports(source, "sample.py", FIRST_PARTY) == [], source
 
@@ -161,8 +167,7 @@ def product_imports() -> dict[str, set[str]]:
                 if node.level:
                     anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
                     base = ".".join([*anchor, base] if base else anchor)
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                           for a in node.names]
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
                 continue
             for t in targets:
@@ -184,7 +189,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return path[path.index(m):] + [m]
+                return path[path.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -210,8 +215,7 @@ def test_no_import_cycle_between_packages():
     packages: dict[str, set[str]] = {}
     for module, targets in product_imports().items():
         mine = package_of(module)
-        packages.setdefault(mine, set()).update(
-            p for p in (package_of(t) for t in targets) if p != mine)
+        packages.setdefault(mine, set()).update(p for p in (package_of(t) for t in targets) if p != mine)
     cycle = find_cycle(packages)
     assert cycle is None, "packages import each other in a circle: " + " -> ".join(cycle)
 
@@ -225,9 +229,13 @@ def test_stage_processes_import_nothing_of_the_server():
     """workers/ and scheduler/ run in the stage processes: the HTTP side and the orchestrator are
     not theirs to import (they would load them into every stage)."""
     server_side = ("omni_cache.serving", "omni_cache.runtime")
-    bad = [f"{m} imports {t}" for m, targets in product_imports().items()
-           if m.split(".")[0] in ("workers", "scheduler")
-           for t in targets if t.startswith(server_side)]
+    bad = [
+        f"{m} imports {t}"
+        for m, targets in product_imports().items()
+        if m.split(".")[0] in ("workers", "scheduler")
+        for t in targets
+        if t.startswith(server_side)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -247,18 +255,24 @@ def test_no_two_product_classes_share_a_name():
 MAX_MODULE_LINES = 500
 #: The packages the cap covers, every module under them (subpackages too), and the modules at the
 #: top of omni_cache/ (benchmarks/: its own test below).
-CAPPED_PACKAGES = ("omni_cache/config", "omni_cache/runtime", "omni_cache/cache", "omni_cache/models",
-                   "omni_cache/serving", "omni_cache/wire", "workers", "scheduler")
+CAPPED_PACKAGES = (
+    "omni_cache/config",
+    "omni_cache/runtime",
+    "omni_cache/cache",
+    "omni_cache/models",
+    "omni_cache/serving",
+    "omni_cache/wire",
+    "workers",
+    "scheduler",
+)
 
 
-def long_modules(root: Path, packages: tuple[str, ...], limit: int, *,
-                 recursive: bool = True) -> dict[str, int]:
+def long_modules(root: Path, packages: tuple[str, ...], limit: int, *, recursive: bool = True) -> dict[str, int]:
     """path -> line count of each .py file under `packages` (only directly in them when not
     `recursive`) with more than `limit` lines."""
     pattern = "**/*.py" if recursive else "*.py"
     files = (p for pkg in packages for p in sorted((root / pkg).glob(pattern)))
-    return {str(p.relative_to(root)): n for p in files
-            if (n := len(p.read_text().splitlines())) > limit}
+    return {str(p.relative_to(root)): n for p in files if (n := len(p.read_text().splitlines())) > limit}
 
 
 @pytest.mark.parametrize("package", CAPPED_PACKAGES)
@@ -285,8 +299,13 @@ def imported_test_modules(source: str) -> list[str]:
     """The test modules (``test_*``) a source imports, at any depth of the file."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         found += [n for n in names if n.split(".")[-1].startswith("test_")]
     return found
 
@@ -295,8 +314,7 @@ def test_no_test_module_imports_another():
     """Shared test helpers live in helper modules (tests/fake_pipeline.py, tests/thinker_pair.py,
     ...): a test module imported by another runs its module-level code and fixtures twice and
     ties the two together."""
-    offenders = {p.name: imported_test_modules(p.read_text())
-                 for p in sorted((ROOT / "tests").glob("*.py"))}
+    offenders = {p.name: imported_test_modules(p.read_text()) for p in sorted((ROOT / "tests").glob("*.py"))}
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"test modules importing test modules: {offenders}"
 
@@ -315,7 +333,9 @@ MAX_BENCHMARK_MODULE_LINES = 500
 def test_no_benchmarks_module_is_over_500_lines():
     files = sorted((ROOT / "benchmarks").rglob("*.py"))
     assert len(files) > 20, files  # the package is where the test looks
-    long = {str(p.relative_to(ROOT)): n for p in files
-            if (n := len(p.read_text().splitlines())) > MAX_BENCHMARK_MODULE_LINES}
-    assert not long, (f"benchmarks/ modules over {MAX_BENCHMARK_MODULE_LINES} lines (split them by job): "
-                      f"{long}")
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_BENCHMARK_MODULE_LINES
+    }
+    assert not long, f"benchmarks/ modules over {MAX_BENCHMARK_MODULE_LINES} lines (split them by job): {long}"

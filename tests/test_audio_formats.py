@@ -87,7 +87,8 @@ def test_resampling_removes_what_lies_above_the_new_nyquist_and_keeps_the_rest()
     assert len(kept) == 16000
     assert abs(amplitude_db(kept, 16000, (990, 1010)) - amplitude_db(low, RATE)) < 0.01
     assert np.sum(kept.astype(np.float64) ** 2) / 16000 == pytest.approx(
-        np.sum(low.astype(np.float64) ** 2) / 24000, rel=1e-3)  # the same power
+        np.sum(low.astype(np.float64) ** 2) / 24000, rel=1e-3
+    )  # the same power
 
 
 def test_a_stream_resampled_chunk_by_chunk_is_the_whole_clip_resampled():
@@ -95,7 +96,7 @@ def test_a_stream_resampled_chunk_by_chunk_is_the_whole_clip_resampled():
     x = sine(16000, 16000)
     stream, pieces, start = PcmStream(), [], 0
     for size in (1, 240, 999, 4000, 3, 7000):  # uneven, as a decoder's chunks may be
-        pieces.append(stream.chunk(x[start:start + size], 16000))
+        pieces.append(stream.chunk(x[start : start + size], 16000))
         start += size
     pieces.append(stream.chunk(x[start:], 16000))
     pieces.append(stream.flush())
@@ -142,8 +143,12 @@ def oai(srv):
 def test_openai_sdk_gets_each_format(srv, oai, fmt):
     max_tokens = 6
     r = oai.chat.completions.create(
-        model=srv.orchestrator.served_model_name, messages=[{"role": "user", "content": "sing"}],
-        max_tokens=max_tokens, modalities=["text", "audio"], audio={"voice": "default", "format": fmt})
+        model=srv.orchestrator.served_model_name,
+        messages=[{"role": "user", "content": "sing"}],
+        max_tokens=max_tokens,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": fmt},
+    )
     msg = r.choices[0].message
     assert msg.audio.transcript == msg.content
     samples, rate = decode(base64.b64decode(msg.audio.data), fmt)
@@ -154,34 +159,47 @@ def test_openai_sdk_gets_each_format(srv, oai, fmt):
 def test_streamed_audio_at_another_rate_is_the_answers_audio_sample_for_sample():
     """A decoder at 16 kHz: the streamed pcm16 chunks, joined, are the non-streamed answer's pcm16
     (the stream resampled as one clip, the filter's tail sent before the finishing chunk)."""
-    with fake_server("rate16k", decoder_env='{FAKE_SAMPLE_RATE: "16000"}') as server, \
-            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                         timeout=30) as http:
-        body = {"model": server.orchestrator.served_model_name, "max_tokens": 8,
-                "messages": [{"role": "user", "content": "sing"}], "modalities": ["text", "audio"],
-                "audio": {"voice": "default", "format": "pcm16"}}
-        whole = base64.b64decode(http.post("/v1/chat/completions", json=body).json()
-                                 ["choices"][0]["message"]["audio"]["data"])
+    with (
+        fake_server("rate16k", decoder_env='{FAKE_SAMPLE_RATE: "16000"}') as server,
+        httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http,
+    ):
+        body = {
+            "model": server.orchestrator.served_model_name,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "sing"}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "default", "format": "pcm16"},
+        }
+        whole = base64.b64decode(
+            http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["audio"]["data"]
+        )
         with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
             chunks = [c for c in sse_events(r.iter_lines())[:-1] if c["choices"]]
     audio = [i for i, c in enumerate(chunks) if "audio" in c["choices"][0]["delta"]]
-    streamed = b"".join(base64.b64decode(chunks[i]["choices"][0]["delta"]["audio"]["data"])
-                        for i in audio)
+    streamed = b"".join(base64.b64decode(chunks[i]["choices"][0]["delta"]["audio"]["data"]) for i in audio)
     assert len(whole) == 2 * 8 * SAMPLES_PER_TOKEN * 3 // 2 and streamed == whole
     assert audio[-1] < len(chunks) - 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("fmt, stream, needle", [
-    ("aac", False, "supported formats: 'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
-    ("ogg", False, "supported formats"),
-    ("wav", True, "cannot be streamed"),
-    ("mp3", True, "cannot be streamed"),
-])
+@pytest.mark.parametrize(
+    "fmt, stream, needle",
+    [
+        ("aac", False, "supported formats: 'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
+        ("ogg", False, "supported formats"),
+        ("wav", True, "cannot be streamed"),
+        ("mp3", True, "cannot be streamed"),
+    ],
+)
 def test_unsupported_format_is_a_400_naming_the_supported_ones(srv, fmt, stream, needle):
     with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http:
-        payload = {"model": srv.orchestrator.served_model_name, "stream": stream, "max_tokens": 3,
-                   "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                   "audio": {"voice": "default", "format": fmt}}
+        payload = {
+            "model": srv.orchestrator.served_model_name,
+            "stream": stream,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "x"}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "default", "format": fmt},
+        }
         r = http.post("/v1/chat/completions", json=payload)
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -31,6 +31,7 @@ from benchmarks.workloads import (
 
 # ---- workloads ----------------------------------------------------------------------------------
 
+
 def _tiny_template_tokens(messages: list[dict[str, str]]) -> int:
     """What omni_cache.models.checkpoints.CHAT_TEMPLATE + the byte-level tokenizer give: one token per
     ASCII character, one per special token."""
@@ -41,8 +42,9 @@ def _tiny_template_tokens(messages: list[dict[str, str]]) -> int:
 
 
 def test_shared_prefix_sizes_are_exact_in_tokens():
-    warm, sessions = build_workload("shared-prefix", Sizes(num_requests=5, shared_tokens=4000,
-                                                           unique_tokens=100), seed=1)
+    warm, sessions = build_workload(
+        "shared-prefix", Sizes(num_requests=5, shared_tokens=4000, unique_tokens=100), seed=1
+    )
     assert len(sessions) == 5 and len(warm) == 1
     prompts = []
     for s in [*warm, *sessions]:
@@ -63,8 +65,7 @@ def test_image_workload_sends_one_image_and_different_questions():
 
     from PIL import Image
 
-    warm, sessions = build_workload("image", Sizes(num_requests=4, shared_tokens=900,
-                                                   unique_tokens=60), seed=2)
+    warm, sessions = build_workload("image", Sizes(num_requests=4, shared_tokens=900, unique_tokens=60), seed=2)
     images = {s.image for s in [*warm, *sessions]}
     assert len(images) == 1 and len({s.users[0] for s in sessions}) == 4
     [url] = images
@@ -92,8 +93,9 @@ def test_zero_reuse_shares_nothing_and_is_seeded():
 
 
 def test_multi_turn_resends_history_with_answers():
-    _, sessions = build_workload("multi-turn", Sizes(num_requests=7, shared_tokens=200, unique_tokens=40,
-                                                     turns=3), seed=0)
+    _, sessions = build_workload(
+        "multi-turn", Sizes(num_requests=7, shared_tokens=200, unique_tokens=40, turns=3), seed=0
+    )
     assert [s.turns for s in sessions] == [3, 3, 1]
     s = sessions[0]
     answers = ["first answer", "second"]
@@ -112,8 +114,9 @@ def test_multi_turn_resends_history_with_answers():
 
 
 def test_mixed_follows_weights_and_counts_requests():
-    sizes = Sizes(num_requests=200, shared_tokens=100, unique_tokens=30, turns=2,
-                  mix=parse_mix("shared-prefix=3,zero-reuse=1"))
+    sizes = Sizes(
+        num_requests=200, shared_tokens=100, unique_tokens=30, turns=2, mix=parse_mix("shared-prefix=3,zero-reuse=1")
+    )
     warm, sessions = build_workload("mixed", sizes, seed=0)
     assert sum(s.turns for s in sessions) == 200
     kinds = [s.kind for s in sessions]
@@ -126,8 +129,7 @@ def test_mixed_follows_weights_and_counts_requests():
     assert sum(s.turns for s in sessions) == 200 and {s.kind for s in sessions} == {"multi-turn"}
 
 
-@pytest.mark.parametrize("bad", ["", "shared-prefix", "nope=1", "zero-reuse=x", "zero-reuse=-1",
-                                 "zero-reuse=0"])
+@pytest.mark.parametrize("bad", ["", "shared-prefix", "nope=1", "zero-reuse=x", "zero-reuse=-1", "zero-reuse=0"])
 def test_parse_mix_rejects(bad):
     with pytest.raises(ValueError):
         parse_mix(bad)
@@ -157,6 +159,7 @@ def test_poisson_arrivals():
 
 # ---- the client against a fake server -----------------------------------------------------------
 
+
 def _fake_server(delay_s: float = 0.0, fail_turn: int | None = None):
     """An httpx MockTransport answering streamed chat completions like omni_cache's server."""
     seen: list[dict] = []
@@ -173,8 +176,10 @@ def _fake_server(delay_s: float = 0.0, fail_turn: int | None = None):
 
         async def stream():
             def chunk(delta, finish=None):
-                return ("data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
-                                                            "finish_reason": finish}]}) + "\n\n").encode()
+                return (
+                    "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+                ).encode()
+
             yield chunk({"role": "assistant", "content": ""})
             await asyncio.sleep(delay_s)
             yield chunk({"content": f"answer{turn}"})
@@ -182,8 +187,7 @@ def _fake_server(delay_s: float = 0.0, fail_turn: int | None = None):
             yield chunk({"audio": {"id": "a", "data": pcm, "transcript": ""}})
             yield chunk({"audio": {"id": "a", "data": pcm, "transcript": ""}})
             yield chunk({}, "length")
-            usage = {"prompt_tokens": 120, "completion_tokens": 8,
-                     "prompt_tokens_details": {"cached_tokens": 96}}
+            usage = {"prompt_tokens": 120, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 96}}
             yield ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode()
             yield b"data: [DONE]\n\n"
 
@@ -200,8 +204,9 @@ def _run_driver(transport, sessions, **kw):
 
 def test_driver_times_text_and_audio_and_resends_answers():
     transport, seen = _fake_server(delay_s=0.02)
-    _, sessions = build_workload("multi-turn", Sizes(num_requests=4, shared_tokens=100, unique_tokens=30,
-                                                     turns=2), seed=0)
+    _, sessions = build_workload(
+        "multi-turn", Sizes(num_requests=4, shared_tokens=100, unique_tokens=30, turns=2), seed=0
+    )
     done = []
     driver, samples = _run_driver(transport, sessions, concurrency=2, on_done=done.append)
     assert len(samples) == 4 == len(done) and all(s.ok for s in samples)
@@ -211,8 +216,9 @@ def test_driver_times_text_and_audio_and_resends_answers():
         assert (s.prompt_tokens, s.completion_tokens, s.cached_tokens) == (120, 8, 96)
         assert s.finish_reason == "length" and s.answer_head == f"answer{s.turn}"
     second_turns = [b for b in seen if len(b["messages"]) == 4]
-    assert len(second_turns) == 2 and all(b["messages"][2] == {"role": "assistant", "content": "answer0"}
-                                          for b in second_turns)
+    assert len(second_turns) == 2 and all(
+        b["messages"][2] == {"role": "assistant", "content": "answer0"} for b in second_turns
+    )
     body = seen[0]
     assert body["stream"] is True and body["modalities"] == ["text", "audio"]
     assert body["stream_options"] == {"include_usage": True}
@@ -227,14 +233,14 @@ def test_driver_text_only_requests_like_vllm_bench_serve():
     assert all(b["modalities"] == ["text"] and "audio" not in b for b in seen)
     seen.clear()
     _, samples = _run_driver(transport, sessions, concurrency=1, audio=False, one_message=True)
-    assert [b["messages"] for b in seen] == [[{"role": "user", "content": s.system + s.users[0]}]
-                                             for s in sessions]
+    assert [b["messages"] for b in seen] == [[{"role": "user", "content": s.system + s.users[0]}] for s in sessions]
 
 
 def test_driver_records_errors_and_skips_the_rest_of_a_conversation():
     transport, _ = _fake_server(fail_turn=0)
-    _, sessions = build_workload("multi-turn", Sizes(num_requests=3, shared_tokens=100, unique_tokens=30,
-                                                     turns=3), seed=0)
+    _, sessions = build_workload(
+        "multi-turn", Sizes(num_requests=3, shared_tokens=100, unique_tokens=30, turns=3), seed=0
+    )
     _, samples = _run_driver(transport, sessions, concurrency=1)
     assert len(samples) == 3 and not any(s.ok for s in samples)
     assert samples[0].status == 503 and "talker" in samples[0].error
@@ -280,25 +286,30 @@ def test_audio_bytes_of_b64():
 
 
 def test_metric_counters_and_deltas():
-    text = "\n".join([
-        "# TYPE vllm:prefix_cache_queries_total counter",
-        'vllm:prefix_cache_queries_total{model_name="tiny",stage="thinker"} 8200',
-        'vllm:prefix_cache_hits_total{model_name="tiny",stage="thinker"} 4000',
-        'omni_cache_latent_rows_served_total{stage="thinker"} 4000',
-        'omni_cache_stage_stats_fresh{stage="thinker"} 1',
-        'vllm:prefix_cache_hits_total{model_name="tiny",stage="talker"} 10',
-        'omni_cache_requests_total{outcome="ok"} 3',
-    ]) + "\n"
+    text = (
+        "\n".join(
+            [
+                "# TYPE vllm:prefix_cache_queries_total counter",
+                'vllm:prefix_cache_queries_total{model_name="tiny",stage="thinker"} 8200',
+                'vllm:prefix_cache_hits_total{model_name="tiny",stage="thinker"} 4000',
+                'omni_cache_latent_rows_served_total{stage="thinker"} 4000',
+                'omni_cache_stage_stats_fresh{stage="thinker"} 1',
+                'vllm:prefix_cache_hits_total{model_name="tiny",stage="talker"} 10',
+                'omni_cache_requests_total{outcome="ok"} 3',
+            ]
+        )
+        + "\n"
+    )
     before = metric_counters(text)
     assert before["thinker"] == {"queried": 8200, "hit": 4000, "latent_rows": 4000, "fresh": 1}
-    after = {"thinker": {"queried": 12300, "hit": 8000, "latent_rows": 8000, "fresh": 1},
-             "talker": {"hit": 20}}
+    after = {"thinker": {"queried": 12300, "hit": 8000, "latent_rows": 8000, "fresh": 1}, "talker": {"hit": 20}}
     d = counter_deltas(before, after)
     assert d["thinker"]["hit"] == 4000 and d["thinker"]["queried"] == 4100 and d["talker"]["hit"] == 10
     assert counter_deltas(None, after) is None
 
 
 # ---- statistics, ratios, table, files -----------------------------------------------------------
+
 
 def test_percentile_matches_numpy_linear():
     np = pytest.importorskip("numpy")
@@ -315,11 +326,24 @@ def _samples(side: str, n: int, ttfa: float, e2e: float, seed: int = 0) -> list[
     out = []
     for i in range(n):
         f = 1 + 0.1 * rng.random()
-        s = Sample(id=f"{i}.0", session=i, kind="shared-prefix", turn=0, ok=True, start_s=i * e2e,
-                   ttft_s=ttfa / 3 * f, ttfa_s=ttfa * f, e2e_s=e2e * f, prompt_tokens=4100,
-                   prompt_tokens_expected=4100, completion_tokens=32,
-                   cached_tokens=4000 if side == "on" else 0, audio_bytes=96000, audio_s=2.0,
-                   answer_sha1=f"a{i}")
+        s = Sample(
+            id=f"{i}.0",
+            session=i,
+            kind="shared-prefix",
+            turn=0,
+            ok=True,
+            start_s=i * e2e,
+            ttft_s=ttfa / 3 * f,
+            ttfa_s=ttfa * f,
+            e2e_s=e2e * f,
+            prompt_tokens=4100,
+            prompt_tokens_expected=4100,
+            completion_tokens=32,
+            cached_tokens=4000 if side == "on" else 0,
+            audio_bytes=96000,
+            audio_s=2.0,
+            answer_sha1=f"a{i}",
+        )
         out.append(s.to_dict())
     return out
 
@@ -327,14 +351,32 @@ def _samples(side: str, n: int, ttfa: float, e2e: float, seed: int = 0) -> list[
 def _fake_result(duration_on: float = 10.0, duration_off: float = 10.0) -> dict:
     runs = []
     for side, ttfa, dur in (("on", 0.5, duration_on), ("off", 5.0, duration_off)):
-        counters = {"thinker": {"queried": 41000.0, "hit": 40000.0 if side == "on" else 0.0,
-                                "latent_rows": 40000.0 if side == "on" else 0.0, "restarts": 0.0, "fresh": 1.0}}
-        runs.append({"side": side, "round": 0, "samples": _samples(side, 10, ttfa, 1.0),
-                     "duration_s": dur, "counters": counters,
-                     "resources": {"stage_cpu_s": 20.0, "loadavg_mean": 1.5}, "warmup": []})
-    config = {"workload": "shared-prefix", "sizes": {"num_requests": 10, "shared_tokens": 4000,
-                                                     "unique_tokens": 100, "max_tokens": 32},
-              "concurrency": 1, "rate": None}
+        counters = {
+            "thinker": {
+                "queried": 41000.0,
+                "hit": 40000.0 if side == "on" else 0.0,
+                "latent_rows": 40000.0 if side == "on" else 0.0,
+                "restarts": 0.0,
+                "fresh": 1.0,
+            }
+        }
+        runs.append(
+            {
+                "side": side,
+                "round": 0,
+                "samples": _samples(side, 10, ttfa, 1.0),
+                "duration_s": dur,
+                "counters": counters,
+                "resources": {"stage_cpu_s": 20.0, "loadavg_mean": 1.5},
+                "warmup": [],
+            }
+        )
+    config = {
+        "workload": "shared-prefix",
+        "sizes": {"num_requests": 10, "shared_tokens": 4000, "unique_tokens": 100, "max_tokens": 32},
+        "concurrency": 1,
+        "rate": None,
+    }
     machine = {"cpu_model": "Test CPU", "nproc": 2}
     return assemble(config, machine, runs, None)
 
@@ -357,8 +399,10 @@ def test_summary_ratios_and_targets():
     assert result["answers_identical"] == {"compared": 10, "identical": 10}
     table = report.format_table(result)
     assert "time to first audio p50" in table and "10.00x" in table and "MET" in table
-    near = {"speedup": {k: {"p50": 1.02} for k in ("ttft_s", "ttfa_s", "e2e_s")},
-            "throughput_change": {"requests_per_s": -0.031}}
+    near = {
+        "speedup": {k: {"p50": 1.02} for k in ("ttft_s", "ttfa_s", "e2e_s")},
+        "throughput_change": {"requests_per_s": -0.031},
+    }
     zr = {t["name"]: t["met"] for t in report.evaluate_targets("zero-reuse", near)}
     assert list(zr.values()) == [True, True, True, False]  # 2% slower latencies pass, 3.1% fewer requests/s not
     assert report.evaluate_targets("multi-turn", rat) == []
@@ -379,10 +423,18 @@ def test_errors_and_missing_values_are_counted_not_averaged():
 
 
 def test_pool_runs_sums_durations_and_counters():
-    a = {"samples": [{"id": "0.0"}], "duration_s": 2.0, "counters": {"thinker": {"hit": 1.0, "fresh": 1.0}},
-         "resources": {"stage_cpu_s": 3.0, "loadavg_mean": 1.0}}
-    b = {"samples": [{"id": "0.0"}], "duration_s": 3.0, "counters": {"thinker": {"hit": 2.0, "fresh": 0.0}},
-         "resources": {"stage_cpu_s": 4.0, "loadavg_mean": 3.0}}
+    a = {
+        "samples": [{"id": "0.0"}],
+        "duration_s": 2.0,
+        "counters": {"thinker": {"hit": 1.0, "fresh": 1.0}},
+        "resources": {"stage_cpu_s": 3.0, "loadavg_mean": 1.0},
+    }
+    b = {
+        "samples": [{"id": "0.0"}],
+        "duration_s": 3.0,
+        "counters": {"thinker": {"hit": 2.0, "fresh": 0.0}},
+        "resources": {"stage_cpu_s": 4.0, "loadavg_mean": 3.0},
+    }
     p = pool_runs([a, b])
     assert p["duration_s"] == 5.0 and len(p["samples"]) == 2
     assert p["counters"]["thinker"] == {"hit": 3.0, "fresh": 0.0}
@@ -417,8 +469,7 @@ def test_private_config_isolates_sockets_and_port(tmp_path):
     data = yaml.safe_load(path.read_text())
     assert data["server"]["port"] == 0 and data["name"].startswith("bench-") and data["name"].endswith("-on")
     addrs = [s["address"] for s in data["stages"]] + [data["server"]["control_address"]]
-    assert len(set(addrs)) == len(addrs) and all(a.startswith(f"ipc:///tmp/omni_cache/{data['name']}/")
-                                                 for a in addrs)
+    assert len(set(addrs)) == len(addrs) and all(a.startswith(f"ipc:///tmp/omni_cache/{data['name']}/") for a in addrs)
     from omni_cache.config import load_config
 
     load_config(path)  # still a valid config
@@ -432,61 +483,92 @@ def test_export_prompts_for_vllm_bench_serve(tmp_path):
     from benchmarks.export_prompts import main as export
 
     out = tmp_path / "p.jsonl"
-    assert export(["--num-requests", "3", "--shared-tokens", "200", "--unique-tokens", "40",
-                   "--max-tokens", "8", "--out", str(out)]) == 0
+    assert (
+        export(
+            [
+                "--num-requests",
+                "3",
+                "--shared-tokens",
+                "200",
+                "--unique-tokens",
+                "40",
+                "--max-tokens",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    _, sessions = build_workload("shared-prefix", Sizes(num_requests=3, shared_tokens=200, unique_tokens=40,
-                                                        max_tokens=8), 0)
+    _, sessions = build_workload(
+        "shared-prefix", Sizes(num_requests=3, shared_tokens=200, unique_tokens=40, max_tokens=8), 0
+    )
     assert rows == [{"prompt": s.system + s.users[0], "output_tokens": 8} for s in sessions]
     assert len({r["prompt"][:150] for r in rows}) == 1 and len({r["prompt"] for r in rows}) == 3
 
 
 # ---- the soak probe's pure parts (python -m benchmarks.soak) ------------------------------------
 
-@pytest.mark.parametrize("seen, expected", [
-    (dict(complete=True), ("ok", None)),
-    (dict(complete=True, audio_asked=True, got_audio=True), ("ok", None)),
-    (dict(complete=True, audio_asked=True), ("failed", "no_audio")),
-    (dict(status_code=503), ("failed", "http_503")),
-    (dict(status_code=200, sse_error=True, complete=True), ("failed", "sse_error")),
-    (dict(status_code=200, abandoned=True), ("aborted", None)),
-    (dict(status_code=400, abandoned=True), ("failed", "http_400")),  # refused before the client left
-    (dict(timed_out=True, status_code=200), ("lost", "timeout")),
-    (dict(status_code=200), ("lost", "truncated")),                  # stream ended, no [DONE], no error
-    (dict(), ("lost", "no_answer")),                                 # connection dropped
-])
+
+@pytest.mark.parametrize(
+    "seen, expected",
+    [
+        (dict(complete=True), ("ok", None)),
+        (dict(complete=True, audio_asked=True, got_audio=True), ("ok", None)),
+        (dict(complete=True, audio_asked=True), ("failed", "no_audio")),
+        (dict(status_code=503), ("failed", "http_503")),
+        (dict(status_code=200, sse_error=True, complete=True), ("failed", "sse_error")),
+        (dict(status_code=200, abandoned=True), ("aborted", None)),
+        (dict(status_code=400, abandoned=True), ("failed", "http_400")),  # refused before the client left
+        (dict(timed_out=True, status_code=200), ("lost", "timeout")),
+        (dict(status_code=200), ("lost", "truncated")),  # stream ended, no [DONE], no error
+        (dict(), ("lost", "no_answer")),  # connection dropped
+    ],
+)
 def test_soak_classify(seen, expected):
-    kw = dict(timed_out=False, abandoned=False, status_code=None, sse_error=False, complete=False,
-              audio_asked=False, got_audio=False)
+    kw = dict(
+        timed_out=False,
+        abandoned=False,
+        status_code=None,
+        sse_error=False,
+        complete=False,
+        audio_asked=False,
+        got_audio=False,
+    )
     assert soak_outcomes.classify(**{**kw, **seen}) == expected
 
 
 def test_soak_summarize_and_percentile():
     assert soak_outcomes.percentile([], 50) is None
     assert soak_outcomes.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert soak_outcomes.percentile(list(range(1, 101)), 99) == pytest.approx(
-        float(np.percentile(range(1, 101), 99)))
+    assert soak_outcomes.percentile(list(range(1, 101)), 99) == pytest.approx(float(np.percentile(range(1, 101), 99)))
     assert soak_outcomes.percentile([5.0], 99) == 5.0
-    outs = [soak_outcomes.Outcome("stream", "ok", 1.0, e2e_s=2.0, ttfa_s=0.5),
-            soak_outcomes.Outcome("text", "ok", 2.0, e2e_s=1.0),
-            soak_outcomes.Outcome("audio", "failed", 3.0, e2e_s=0.1, status="http_503"),
-            soak_outcomes.Outcome("abandon", "aborted", 4.0, e2e_s=0.3, ttfa_s=0.2),
-            soak_outcomes.Outcome("audio", "lost", 5.0, e2e_s=150.0, status="timeout")]
+    outs = [
+        soak_outcomes.Outcome("stream", "ok", 1.0, e2e_s=2.0, ttfa_s=0.5),
+        soak_outcomes.Outcome("text", "ok", 2.0, e2e_s=1.0),
+        soak_outcomes.Outcome("audio", "failed", 3.0, e2e_s=0.1, status="http_503"),
+        soak_outcomes.Outcome("abandon", "aborted", 4.0, e2e_s=0.3, ttfa_s=0.2),
+        soak_outcomes.Outcome("audio", "lost", 5.0, e2e_s=150.0, status="timeout"),
+    ]
     s = soak_outcomes.summarize(outs)
     assert (s["requests"], s["ok"], s["failed"], s["aborted"], s["lost"]) == (5, 2, 1, 1, 1)
     assert s["failed_by_status"] == {"http_503": 1} and s["lost_by_reason"] == {"timeout": 1}
     # ok requests only (2.0 and 1.0; a failed 0.1 or a lost 150 would move both)
     assert s["e2e_p50_s"] == 1.5 and s["e2e_p99_s"] == pytest.approx(1.99)
-    assert s["ttfa_p50_s"] == s["ttfa_p99_s"] == 0.5        # ok streamed only
+    assert s["ttfa_p50_s"] == s["ttfa_p99_s"] == 0.5  # ok streamed only
     assert soak_outcomes.summarize([])["e2e_p50_s"] is None
 
 
 def test_soak_rss_growth_from_the_baseline_minute():
-    minutes = [{"minute": i, "rss_mib": {"server": 100.0 + i, "thinker": 200.0, "gone": None}}
-               for i in range(1, 8)]
+    minutes = [{"minute": i, "rss_mib": {"server": 100.0 + i, "thinker": 200.0, "gone": None}} for i in range(1, 8)]
     g = soak_outcomes.rss_growth(minutes, 5)
-    assert g["server"] == {"baseline_minute": 5, "baseline_mib": 105.0, "end_mib": 107.0,
-                           "growth_pct": round(200 / 105, 2)}
+    assert g["server"] == {
+        "baseline_minute": 5,
+        "baseline_mib": 105.0,
+        "end_mib": 107.0,
+        "growth_pct": round(200 / 105, 2),
+    }
     assert g["thinker"]["growth_pct"] == 0.0 and "gone" not in g
     assert soak_outcomes.rss_growth(minutes[:5], 5)["server"]["baseline_minute"] == 1  # shorter run: minute 1
     assert soak_outcomes.rss_growth([], 5) == {}
@@ -509,6 +591,7 @@ def _soak_request(handler, req, limit=5.0):
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             return await soak_requests.run_request(client, "http://fake", "tiny", req, limit, 0.0)
+
     return asyncio.run(go())
 
 
@@ -519,6 +602,7 @@ def _sse(*events, done=True):
             await asyncio.sleep(0)
         if done:
             yield b"data: [DONE]\n\n"
+
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
 
@@ -535,6 +619,7 @@ def test_soak_run_request_ends_each_request_once():
     def capture(r):
         body.update(json.loads(r.content))
         return _sse(_TEXT, {"error": {"message": "stage 'talker' failed", "code": 500}})
+
     o = _soak_request(capture, stream)
     assert (o.outcome, o.status) == ("failed", "sse_error") and "talker" in o.detail
     assert o.request["system"] == "sys" and o.request["max_tokens"] == 8  # to replay it alone
@@ -556,17 +641,26 @@ def test_soak_run_request_ends_each_request_once():
 
     async def hangs(r):
         await asyncio.sleep(30)
+
     assert _soak_request(hangs, text, limit=0.05).status == "timeout"
     given_up = soak_requests.Request("abandon", "sys", "user", 8, abandon_after_s=0.05)
     assert _soak_request(hangs, given_up).outcome == "aborted"
 
 
 def test_soak_hit_rates_between_scrapes():
-    before = {"stages": {"thinker": {"prefix_queried_tokens": 100.0, "prefix_hit_tokens": 50.0},
-                         "decoder": {"queue_depth": 0.0}}}
-    after = {"stages": {"thinker": {"prefix_queried_tokens": 300.0, "prefix_hit_tokens": 100.0},
-                        "talker": {"prefix_queried_tokens": 0.0, "prefix_hit_tokens": 0.0},
-                        "decoder": {"queue_depth": 0.0}}}
+    before = {
+        "stages": {
+            "thinker": {"prefix_queried_tokens": 100.0, "prefix_hit_tokens": 50.0},
+            "decoder": {"queue_depth": 0.0},
+        }
+    }
+    after = {
+        "stages": {
+            "thinker": {"prefix_queried_tokens": 300.0, "prefix_hit_tokens": 100.0},
+            "talker": {"prefix_queried_tokens": 0.0, "prefix_hit_tokens": 0.0},
+            "decoder": {"queue_depth": 0.0},
+        }
+    }
     assert soak_samples.hit_rates(before, after) == {"thinker": 0.25, "talker": None}
     assert soak_samples.hit_rates(None, after) == {"thinker": 0.333, "talker": None}
     assert soak_samples.hit_rates(before, None) == {}
@@ -589,6 +683,7 @@ def test_soak_config_shrinks_the_kv_pool_and_stays_valid(tmp_path):
 
 # ---- thinker_cache: prompts and statistics (no engine) ------------------------------------------
 
+
 def test_thinker_cache_multimodal_prompts_share_prefix_and_media():
     from benchmarks.thinker_prompts import make_workloads, spare_prompt
     from benchmarks.thinker_specs import (
@@ -604,24 +699,26 @@ def test_thinker_cache_multimodal_prompts_share_prefix_and_media():
 
     wl = make_workloads(0, 0, 3, model_spec("qwen3-omni").workloads)
     assert list(wl) == ["shared_prefix", "shared_image", "shared_audio", "zero_reuse"]
-    for name, modality, marks in (("shared_image", "image", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")),
-                                  ("shared_audio", "audio", ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"))):
+    for name, modality, marks in (
+        ("shared_image", "image", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")),
+        ("shared_audio", "audio", ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>")),
+    ):
         prompts = wl[name]
         first = prompts[0]
-        shared = first.token_ids[:first.shared]
+        shared = first.token_ids[: first.shared]
         # text context, then one placeholder (vLLM expands it), then a shared instruction
         at = MM_CONTEXT_TOKENS
-        assert shared[at:at + 3] == [TOKEN_ID[m] for m in marks]
+        assert shared[at : at + 3] == [TOKEN_ID[m] for m in marks]
         assert first.shared == MM_CONTEXT_TOKENS + 3 + MM_TAIL_TOKENS
         assert sum(t >= 256 for t in first.token_ids) == 3  # no other special ids
-        assert len(prompts) == 4 and all(p.token_ids[:p.shared] == shared for p in prompts)
+        assert len(prompts) == 4 and all(p.token_ids[: p.shared] == shared for p in prompts)
         # the same media object in every request: the same bytes, so the same vLLM multimodal hash
         assert all(p.media[modality] is first.media[modality] for p in prompts)
-        suffixes = {tuple(p.token_ids[p.shared:]) for p in prompts}
+        suffixes = {tuple(p.token_ids[p.shared :]) for p in prompts}
         assert len(suffixes) == 4 and all(len(s) == UNIQUE_TOKENS for s in suffixes)
         spare = spare_prompt(prompts, name, 0, 0, 1, 1)
-        assert spare.token_ids[:spare.shared] == shared and spare.media is first.media
-        assert tuple(spare.token_ids[spare.shared:]) not in suffixes
+        assert spare.token_ids[: spare.shared] == shared and spare.media is first.media
+        assert tuple(spare.token_ids[spare.shared :]) not in suffixes
     image = wl["shared_image"][0].media["image"]
     assert image.size == (IMAGE_SIDE, IMAGE_SIDE) and image.mode == "RGB"
     clip, rate = wl["shared_audio"][0].media["audio"]
@@ -683,12 +780,17 @@ def _thinker_cache_round(ttft: dict[tuple[str, str], float], workloads: tuple[st
         wls = {}
         for wl in workloads:
             t = ttft[mode, wl]
-            wls[wl] = {"ttft_s": [t, t], "ttft_cpu_s": [t, t], "ttft_runqueue_wait_s": [0.0, 0.0],
-                       "num_cached_tokens": [90, 90] if MODES[mode]["prefix_cache"] and wl != "zero_reuse" else [0, 0],
-                       "num_prompt_tokens": [100, 100],
-                       "encoder_runs": ([0, 0] if MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse")
-                                        else [1, 1]),
-                       "timers_s": {FORWARD: [t / 2, t / 2], "LLMStage.add": [0.0, 0.0], "LLMStage.step": [t, t]}}
+            wls[wl] = {
+                "ttft_s": [t, t],
+                "ttft_cpu_s": [t, t],
+                "ttft_runqueue_wait_s": [0.0, 0.0],
+                "num_cached_tokens": [90, 90] if MODES[mode]["prefix_cache"] and wl != "zero_reuse" else [0, 0],
+                "num_prompt_tokens": [100, 100],
+                "encoder_runs": (
+                    [0, 0] if MODES[mode]["prefix_cache"] or wl in ("shared_prefix", "zero_reuse") else [1, 1]
+                ),
+                "timers_s": {FORWARD: [t / 2, t / 2], "LLMStage.add": [0.0, 0.0], "LLMStage.step": [t, t]},
+            }
         modes[mode] = {"workloads": wls}
     return {"modes": modes}
 
@@ -699,8 +801,12 @@ def test_thinker_cache_summary_has_a_ratio_and_target_per_modality():
 
     workloads = model_spec("qwen3-omni").workloads
     ttft = {}
-    for wl, (off, apc, hid) in {"shared_prefix": (1.0, 0.1, 0.1), "shared_image": (2.0, 0.2, 0.25),
-                                "shared_audio": (1.5, 0.3, 0.3), "zero_reuse": (1.0, 1.0, 1.0)}.items():
+    for wl, (off, apc, hid) in {
+        "shared_prefix": (1.0, 0.1, 0.1),
+        "shared_image": (2.0, 0.2, 0.25),
+        "shared_audio": (1.5, 0.3, 0.3),
+        "zero_reuse": (1.0, 1.0, 1.0),
+    }.items():
         ttft.update({("plain", wl): off, ("latents", wl): off, ("plain_apc", wl): apc, ("latents_cache", wl): hid})
     s = summarize([_thinker_cache_round(ttft, workloads)] * 3, True, 0.97)
     r = s["ratios"]
@@ -727,7 +833,7 @@ def test_thinker_cache_interleaves_modes_evenly():
     assert all(sorted(o) == sorted(modes) for o in orders)
     for pos in range(len(modes)):
         # over every run of len(modes) consecutive requests, each mode holds each position once
-        assert sorted(o[pos] for o in orders[:len(modes)]) == sorted(modes)
+        assert sorted(o[pos] for o in orders[: len(modes)]) == sorted(modes)
     assert orders[len(modes)] == orders[0] == modes
 
 
@@ -751,8 +857,9 @@ def test_thinker_cache_retries_a_contended_request_within_the_budget():
     from benchmarks.thinker_round import measure_with_retries
 
     def result(wait_fraction: float) -> RequestResult:
-        return RequestResult(ttft_s=1.0, ttft_cpu_s=1.0, ttft_wait_s=wait_fraction, total_s=1.0,
-                                num_cached_tokens=0, generated=1)
+        return RequestResult(
+            ttft_s=1.0, ttft_cpu_s=1.0, ttft_wait_s=wait_fraction, total_s=1.0, num_cached_tokens=0, generated=1
+        )
 
     waits = {0: 0.9, 1: 0.5, 2: 0.1, 3: 0.0}
     budget = {"retry_s": 100.0}
@@ -765,26 +872,39 @@ def test_thinker_cache_retries_a_contended_request_within_the_budget():
 
 # ---- rounds, paired ratios, the zero-reuse targets ------------------------------------------------
 
+
 def _round_runs(side_ttfa: dict[str, list[float]], durations: dict[str, list[float]]) -> list[dict]:
     runs = []
     for side, ttfas in side_ttfa.items():
         for r, (ttfa, dur) in enumerate(zip(ttfas, durations[side])):
-            counters = {"thinker": {"queried": 4100.0, "hit": 0.0, "latent_rows": 0.0, "restarts": 0.0,
-                                    "fresh": 1.0},
-                        "talker": {"queried": 500.0, "hit": 0.0, "latent_rows": 0.0, "restarts": 0.0,
-                                   "fresh": 1.0}}
-            runs.append({"side": side, "round": r, "samples": _samples(side, 4, ttfa, 1.0),
-                         "duration_s": dur, "counters": counters,
-                         "resources": {"stage_cpu_s": 8.0, "loadavg_mean": 2.0,
-                                       "cpu_s_by_process": {"server": 1.0, "thinker": 5.0}}})
+            counters = {
+                "thinker": {"queried": 4100.0, "hit": 0.0, "latent_rows": 0.0, "restarts": 0.0, "fresh": 1.0},
+                "talker": {"queried": 500.0, "hit": 0.0, "latent_rows": 0.0, "restarts": 0.0, "fresh": 1.0},
+            }
+            runs.append(
+                {
+                    "side": side,
+                    "round": r,
+                    "samples": _samples(side, 4, ttfa, 1.0),
+                    "duration_s": dur,
+                    "counters": counters,
+                    "resources": {
+                        "stage_cpu_s": 8.0,
+                        "loadavg_mean": 2.0,
+                        "cpu_s_by_process": {"server": 1.0, "thinker": 5.0},
+                    },
+                }
+            )
     return runs
 
 
 def test_paired_ratios_follow_rounds_not_the_drift_between_them():
     # The machine gets twice as slow from round 0 to round 1: pooled medians mix the rounds, the
     # per-round ratios do not. Each round the off side is 10% slower.
-    runs = _round_runs({"on": [1.0, 2.0, 1.0, 2.0], "off": [1.1, 2.2, 1.1, 2.2]},
-                       {"on": [4.0, 8.0, 4.0, 8.0], "off": [4.4, 8.8, 4.4, 8.8]})
+    runs = _round_runs(
+        {"on": [1.0, 2.0, 1.0, 2.0], "off": [1.1, 2.2, 1.1, 2.2]},
+        {"on": [4.0, 8.0, 4.0, 8.0], "off": [4.4, 8.8, 4.4, 8.8]},
+    )
     config = {"workload": "zero-reuse", "sizes": {"num_requests": 4}, "concurrency": 1, "rate": None}
     result = assemble(config, {"cpu_model": "Test CPU", "nproc": 2}, runs, None)
     assert len(result["ratios_per_round"]) == 4
@@ -804,6 +924,7 @@ def test_paired_ratios_follow_rounds_not_the_drift_between_them():
 def test_paired_ratios_average_rounds_geometrically():
     """Two rounds where one side is twice as fast, then the other: the geometric mean says 1, as a
     ratio's mean should; the median of an even count is the middle two's arithmetic mean."""
+
     def rnd(x: float) -> dict:
         return {"speedup": {"ttfa_s": {"p50": x}}, "throughput_change": {"requests_per_s": x - 1}}
 
@@ -890,15 +1011,32 @@ def test_monitor_counts_cpu_per_named_process():
 
 # ---- the first-audio breakdown and profiles ----------------------------------------------------------
 
+
 def _timeline(t0: float) -> dict:
-    return {"server": {"received": t0 + 0.002, "submitted": t0 + 0.005, "text_in": t0 + 0.110,
-                       "audio_in": t0 + 0.300},
-            "thinker": {"input": t0 + 0.006, "scheduled": t0 + 0.008, "first_token": t0 + 0.100,
-                        "out0": t0 + 0.101, "out1": t0 + 0.120, "out2": t0 + 0.140},
-            "talker": {"input": t0 + 0.103, "job": t0 + 0.125, "scheduled": t0 + 0.127,
-                       "first_token": t0 + 0.180, "codes_out": t0 + 0.200},
-            "decoder": {"codes_in": t0 + 0.202, "window_start": t0 + 0.203, "window_end": t0 + 0.290,
-                        "audio_out": t0 + 0.295}}
+    return {
+        "server": {"received": t0 + 0.002, "submitted": t0 + 0.005, "text_in": t0 + 0.110, "audio_in": t0 + 0.300},
+        "thinker": {
+            "input": t0 + 0.006,
+            "scheduled": t0 + 0.008,
+            "first_token": t0 + 0.100,
+            "out0": t0 + 0.101,
+            "out1": t0 + 0.120,
+            "out2": t0 + 0.140,
+        },
+        "talker": {
+            "input": t0 + 0.103,
+            "job": t0 + 0.125,
+            "scheduled": t0 + 0.127,
+            "first_token": t0 + 0.180,
+            "codes_out": t0 + 0.200,
+        },
+        "decoder": {
+            "codes_in": t0 + 0.202,
+            "window_start": t0 + 0.203,
+            "window_end": t0 + 0.290,
+            "audio_out": t0 + 0.295,
+        },
+    }
 
 
 def test_breakdown_segments_add_up_to_ttfa_and_ttft():
@@ -947,14 +1085,16 @@ def test_timeline_records_first_occurrences_per_process(tmp_path, monkeypatch):
 def test_profile_summary_attributes_parts(tmp_path):
     from benchmarks import profiles
 
-    raw = ("process 1:\"python\";thread (0x1);run (workers/stage_process.py:10);"
-           "step (/x/site-packages/vllm/v1/engine/llm_engine.py:5);"
-           "GPUModelRunner._model_forward (/x/site-packages/vllm/v1/worker/gpu_model_runner.py:9);"
-           "matmul (torch.py:1) 30\n"
-           "process 1:\"python\";thread (0x1);run (workers/stage_process.py:10);"
-           "step (/x/site-packages/vllm/v1/engine/llm_engine.py:5);"
-           "Scheduler.schedule (/x/site-packages/vllm/v1/core/sched/scheduler.py:3) 10\n"
-           "garbage line\n")
+    raw = (
+        'process 1:"python";thread (0x1);run (workers/stage_process.py:10);'
+        "step (/x/site-packages/vllm/v1/engine/llm_engine.py:5);"
+        "GPUModelRunner._model_forward (/x/site-packages/vllm/v1/worker/gpu_model_runner.py:9);"
+        "matmul (torch.py:1) 30\n"
+        'process 1:"python";thread (0x1);run (workers/stage_process.py:10);'
+        "step (/x/site-packages/vllm/v1/engine/llm_engine.py:5);"
+        "Scheduler.schedule (/x/site-packages/vllm/v1/core/sched/scheduler.py:3) 10\n"
+        "garbage line\n"
+    )
     (tmp_path / "on-r0-thinker.txt").write_text(raw)
     (tmp_path / "on-r1-thinker.txt").write_text(raw)
     summary = profiles.summarize_dir(tmp_path, rate=100)
@@ -981,7 +1121,12 @@ def test_an_a_a_run_compares_two_pipelines_of_one_setting():
 
 def test_soak_pause_schedule_takes_the_stages_in_turn_while_the_run_lasts():
     assert soak.pause_schedule(30, 300, ["thinker", "talker", "decoder"]) == [
-        (300, "thinker"), (600, "talker"), (900, "decoder"), (1200, "thinker"), (1500, "talker")]
+        (300, "thinker"),
+        (600, "talker"),
+        (900, "decoder"),
+        (1200, "thinker"),
+        (1500, "talker"),
+    ]
     assert soak.pause_schedule(31, 300, ["decoder"])[-1] == (1800, "decoder")
     assert soak.pause_schedule(4, 300, ["thinker"]) == []
     assert soak.pause_schedule(30, 300, []) == []

@@ -19,7 +19,7 @@ def vllm_hashes(token_ids: list[int], block_size: int) -> list[int]:
     kv_cache_utils.init_none_hash(sha256)  # reads PYTHONHASHSEED, as an engine does at start
     parent, out = None, []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = kv_cache_utils.hash_block_tokens(sha256, parent, token_ids[start:start + block_size])
+        parent = kv_cache_utils.hash_block_tokens(sha256, parent, token_ids[start : start + block_size])
         out.append(kv_cache_utils.maybe_convert_block_hash(parent))
     return out
 
@@ -43,8 +43,7 @@ def test_prompt_block_hashes_are_vllms(monkeypatch: pytest.MonkeyPatch, seed: st
         vllm_hashes([], 1)  # vLLM's global seed back to its default for later tests
 
 
-def vllm_request_hashes(token_ids: list[int], block_size: int,
-                        media: list[tuple[str, str, int, int]]) -> list[int]:
+def vllm_request_hashes(token_ids: list[int], block_size: int, media: list[tuple[str, str, int, int]]) -> list[int]:
     """What vLLM's block hasher gives a request of ``token_ids`` (expanded) whose multimodal
     features are ``media``: (modality, identifier, offset, length), in the engine's order."""
     from vllm import SamplingParams
@@ -54,17 +53,23 @@ def vllm_request_hashes(token_ids: list[int], block_size: int,
     from vllm.v1.request import Request
 
     kv_cache_utils.init_none_hash(sha256)
-    features = [MultiModalFeatureSpec(data=None, modality=m, identifier=i,
-                                      mm_position=PlaceholderRange(offset=o, length=n))
-                for m, i, o, n in media]
-    req = Request("r", list(token_ids), SamplingParams(max_tokens=1), None, mm_features=features or None,
-                  block_hasher=kv_cache_utils.get_request_block_hasher(block_size, sha256))
+    features = [
+        MultiModalFeatureSpec(data=None, modality=m, identifier=i, mm_position=PlaceholderRange(offset=o, length=n))
+        for m, i, o, n in media
+    ]
+    req = Request(
+        "r",
+        list(token_ids),
+        SamplingParams(max_tokens=1),
+        None,
+        mm_features=features or None,
+        block_hasher=kv_cache_utils.get_request_block_hasher(block_size, sha256),
+    )
     return [kv_cache_utils.maybe_convert_block_hash(h) for h in req.block_hashes]
 
 
 # Qwen3-Omni's tokens around a run (omni_cache/models/tiny_qwen3_omni.py).
-AUDIO_START, AUDIO_END, AUDIO_PAD, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
-    259, 260, 261, 262, 263, 264, 265)
+AUDIO_START, AUDIO_END, AUDIO_PAD, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (259, 260, 261, 262, 263, 264, 265)
 
 
 def media_prompt(parts: list, rng: random.Random) -> tuple[list[int], list[tuple[str, str, int, int]]]:
@@ -100,20 +105,30 @@ MEDIA_PROMPTS = {
     # its run starts on a block boundary and ends on one
     "audio": [63, ("audio", "aud-a", [AUDIO_PAD] * 64), 70],
     "video": [10, ("video", "vid-a:fps=2:av=0", [VIDEO_PAD] * 150), 45],
-    "video with its sound track": [20, (("audio", "aud-v"), ("video", "vid-v:fps=2:av=1"),
-                                        interleaved(60, 45)), 50],
-    "same items, engine order swapped": [20, (("video", "vid-v:fps=2:av=1"), ("audio", "aud-v"),
-                                              interleaved(60, 45)), 50],
+    "video with its sound track": [20, (("audio", "aud-v"), ("video", "vid-v:fps=2:av=1"), interleaved(60, 45)), 50],
+    "same items, engine order swapped": [
+        20,
+        (("video", "vid-v:fps=2:av=1"), ("audio", "aud-v"), interleaved(60, 45)),
+        50,
+    ],
     # two items inside one block, then one spanning several, the same image twice
-    "mixed": [5, ("image", "img-a", [IMAGE_PAD] * 4), 3, ("audio", "aud-a", [AUDIO_PAD] * 5), 2,
-              ("video", "vid-b", [VIDEO_PAD] * 90), 12, ("image", "img-a", [IMAGE_PAD] * 4), 40],
+    "mixed": [
+        5,
+        ("image", "img-a", [IMAGE_PAD] * 4),
+        3,
+        ("audio", "aud-a", [AUDIO_PAD] * 5),
+        2,
+        ("video", "vid-b", [VIDEO_PAD] * 90),
+        12,
+        ("image", "img-a", [IMAGE_PAD] * 4),
+        40,
+    ],
 }
 
 
 @pytest.mark.parametrize("name", list(MEDIA_PROMPTS))
 @pytest.mark.parametrize("seed", [None, "77"])
-def test_media_prompt_block_hashes_are_vllms(monkeypatch: pytest.MonkeyPatch, name: str,
-                                             seed: str | None) -> None:
+def test_media_prompt_block_hashes_are_vllms(monkeypatch: pytest.MonkeyPatch, name: str, seed: str | None) -> None:
     pytest.importorskip("vllm")
     if seed is None:
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
@@ -152,9 +167,15 @@ def test_the_collector_reports_each_hash_by_its_last_event_and_passes_batches_on
     from scheduler.block_events import BlockEventCollector
 
     def stored(*hashes: int, size: int = 32) -> BlockStored:
-        return BlockStored(block_hashes=list(hashes), parent_block_hash=None,
-                           token_ids=[0] * size * len(hashes), block_size=size, lora_id=None,
-                           medium="GPU", lora_name=None)
+        return BlockStored(
+            block_hashes=list(hashes),
+            parent_block_hash=None,
+            token_ids=[0] * size * len(hashes),
+            block_size=size,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
 
     class Inner:
         batches: list = []
@@ -165,9 +186,18 @@ def test_the_collector_reports_each_hash_by_its_last_event_and_passes_batches_on
     inner = Inner()
     collector = BlockEventCollector(inner)
     collector.publish(KVEventBatch(ts=0.0, events=[stored(1, 2, 3), BlockRemoved(block_hashes=[2], medium="GPU")]))
-    collector.publish(KVEventBatch(ts=1.0, events=[stored(3), stored(4, size=7),  # a hit, a partial block
-                                                   BlockRemoved(block_hashes=[1], medium="GPU"),
-                                                   stored(1), stored(b"\x00" * 24 + (9).to_bytes(8, "big"))]))
+    collector.publish(
+        KVEventBatch(
+            ts=1.0,
+            events=[
+                stored(3),
+                stored(4, size=7),  # a hit, a partial block
+                BlockRemoved(block_hashes=[1], medium="GPU"),
+                stored(1),
+                stored(b"\x00" * 24 + (9).to_bytes(8, "big")),
+            ],
+        )
+    )
     changes = collector.take()
     assert sorted(changes.stored) == [1, 3, 4, 9] and changes.removed == [2]
     assert changes.block_size == 32 and not changes.cleared

@@ -33,8 +33,9 @@ SEED = 41
 def srv():
     path = write_config(f"fuzz_{uuid.uuid4().hex[:8]}")
     data = yaml.safe_load(path.read_text())
-    data["server"].update(max_body_bytes=MAX_BODY_BYTES, max_body_bytes_in_flight=64 * MAX_BODY_BYTES,
-                          body_timeout_s=BODY_TIMEOUT_S)
+    data["server"].update(
+        max_body_bytes=MAX_BODY_BYTES, max_body_bytes_in_flight=64 * MAX_BODY_BYTES, body_timeout_s=BODY_TIMEOUT_S
+    )
     path.write_text(yaml.safe_dump(data))
     server = ServerThread(make_orchestrator(Path(path)), api_key=API_KEY).start()
     try:
@@ -50,20 +51,33 @@ def _address(srv) -> tuple[str, int]:
 
 
 def _chat(srv, content: str) -> httpx.Response:
-    return httpx.post(srv.url + "/v1/chat/completions", timeout=30,
-                      headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": srv.orchestrator.served_model_name, "max_tokens": 4,
-                            "messages": [{"role": "user", "content": content}]})
+    return httpx.post(
+        srv.url + "/v1/chat/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": srv.orchestrator.served_model_name,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": content}],
+        },
+    )
 
 
 def _wait_idle(srv, timeout: float = 10.0) -> None:
     """Every request answered and every byte given back to the server's bounds."""
     orch = srv.orchestrator
     end = time.monotonic() + timeout
-    while (orch.in_flight or orch.admission.bounds.requests or orch.admission.bounds.body_bytes
-           or orch.admission.bounds.media_bytes):
-        assert time.monotonic() < end, (orch.in_flight, orch.admission.bounds.requests,
-                                        orch.admission.bounds.body_bytes)
+    while (
+        orch.in_flight
+        or orch.admission.bounds.requests
+        or orch.admission.bounds.body_bytes
+        or orch.admission.bounds.media_bytes
+    ):
+        assert time.monotonic() < end, (
+            orch.in_flight,
+            orch.admission.bounds.requests,
+            orch.admission.bounds.body_bytes,
+        )
         time.sleep(0.05)
 
 
@@ -74,8 +88,11 @@ def test_every_malformed_body_is_a_4xx_with_a_message(srv):
     assert len({c.kind for c in made}) == 9
     with ThreadPoolExecutor(4) as pool:
         outcomes = list(pool.map(lambda c: send(host, port, c, api_key=API_KEY, timeout=20), made))
-    wrong = [(c.kind, o.status or o.error, c.body[:120], o.body[:200])
-             for c, o in zip(made, outcomes) if o.status is None or not 400 <= o.status < 500]
+    wrong = [
+        (c.kind, o.status or o.error, c.body[:120], o.body[:200])
+        for c, o in zip(made, outcomes)
+        if o.status is None or not 400 <= o.status < 500
+    ]
     assert not wrong, f"{len(wrong)} of {len(made)} not a 4xx: {wrong[:10]}"
     for c, o in zip(made, outcomes):
         error = json.loads(o.body)["error"]
@@ -99,8 +116,7 @@ def test_a_body_deeper_than_the_limit_is_refused_by_name(srv):
 def test_a_body_that_never_all_arrives_gets_408(srv):
     host, port = _address(srv)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
-    outcome = send(host, port, Case("lying", body, declared_length=len(body) + 10),
-                   api_key=API_KEY, timeout=10)
+    outcome = send(host, port, Case("lying", body, declared_length=len(body) + 10), api_key=API_KEY, timeout=10)
     assert outcome.status == 408
     assert "server.body_timeout_s" in json.loads(outcome.body)["error"]["message"]
     _wait_idle(srv)
@@ -111,15 +127,13 @@ def test_an_over_long_body_is_read_on_so_its_client_reads_the_413(srv):
     sending, saw a reset connection. Up to twice server.max_body_bytes is now read and dropped;
     also for a request refused before its body is read (here: no API key)."""
     host, port = _address(srv)
-    body = json.dumps({"model": "m", "messages": [{"role": "user",
-                                                   "content": "x" * (MAX_BODY_BYTES * 3 // 2)}]})
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES * 3 // 2)}]})
     outcome = send(host, port, Case("long", body.encode()), api_key=API_KEY, timeout=10)
     assert outcome.status == 413, outcome
     assert "server.max_body_bytes" in json.loads(outcome.body)["error"]["message"]
     refused = send(host, port, Case("long", body.encode()), api_key=None, timeout=10)
     assert refused.status == 401, refused
-    wrong_type = send(host, port, Case("long", body.encode(), content_type="text/plain"),
-                      api_key=API_KEY, timeout=10)
+    wrong_type = send(host, port, Case("long", body.encode(), content_type="text/plain"), api_key=API_KEY, timeout=10)
     assert wrong_type.status == 400, wrong_type
     _wait_idle(srv)
 
@@ -137,10 +151,12 @@ def test_json_depth_counts_brackets_outside_strings_only():
 
 def test_parse_json_names_what_is_wrong():
     assert parse_json(b'{"a": [[1]]}') == {"a": [[1]]}
-    for raw, needle in [(b"[" * 65 + b"]" * 65, "nests 65 levels deep; at most 64"),
-                        (b'{"a": 1', "not valid JSON: Expecting"),
-                        (b'{"a": "\xff"}', "not valid UTF-8"),
-                        (b'{"a": ' + b"9" * 5000 + b"}", "not valid JSON: Exceeds the limit")]:
+    for raw, needle in [
+        (b"[" * 65 + b"]" * 65, "nests 65 levels deep; at most 64"),
+        (b'{"a": 1', "not valid JSON: Expecting"),
+        (b'{"a": "\xff"}', "not valid UTF-8"),
+        (b'{"a": ' + b"9" * 5000 + b"}", "not valid JSON: Exceeds the limit"),
+    ]:
         with pytest.raises(BodyError, match=needle):
             parse_json(raw)
 
@@ -149,10 +165,18 @@ def test_a_deep_tool_call_argument_string_reads_as_no_arguments():
     """An assistant's earlier tool call whose arguments string nests deeper than the limit reads
     as ``{}``, as an unparsable one does (before, json.loads raised RecursionError: a 500)."""
     args = "[" * 5000 + "]" * 5000
-    body = json.dumps({"model": "m", "messages": [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                              "function": {"name": "f", "arguments": args}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "y"}]}).encode()
+    body = json.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "y"},
+            ],
+        }
+    ).encode()
     chat = parse_chat_request(body, "m")
     assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {}

@@ -32,18 +32,33 @@ MODEL = "m"
 
 #: A value other than the default for every refused field (one vLLM's own validators accept).
 REFUSED_VALUES = {
-    "thinking_token_budget": 10, "use_beam_search": True, "watermarking": True,
-    "length_penalty": 0.5, "truncate_prompt_tokens": 5, "truncation_side": "left",
-    "prompt_logprobs": 1, "echo": True, "add_special_tokens": True, "chat_template": "x",
+    "thinking_token_budget": 10,
+    "use_beam_search": True,
+    "watermarking": True,
+    "length_penalty": 0.5,
+    "truncate_prompt_tokens": 5,
+    "truncation_side": "left",
+    "prompt_logprobs": 1,
+    "echo": True,
+    "add_special_tokens": True,
+    "chat_template": "x",
     "media_io_kwargs": {"image": {}},
-    "return_prompt_text": True, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
-    "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-    "repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "stream_interval": 2,
+    "return_prompt_text": True,
+    "cache_salt": "salt",
+    "kv_transfer_params": {"a": 1},
+    "ec_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1},
+    "repetition_detection": {"max_pattern_size": 4, "min_count": 3},
+    "stream_interval": 2,
 }
 #: A value for every ignored field, and why vLLM ignoring it too can be seen.
 IGNORED_VALUES = {
-    "user": "someone", "priority": 3, "routed_experts_prompt_start": 2,
-    "return_token_offsets": True, "mm_payload": "none", "return_mm_kwargs": False,
+    "user": "someone",
+    "priority": 3,
+    "routed_experts_prompt_start": 2,
+    "return_token_offsets": True,
+    "mm_payload": "none",
+    "return_mm_kwargs": False,
     "metadata": {"team": "a"},
 }
 
@@ -67,10 +82,10 @@ def test_the_table_names_exactly_vllms_request_fields():
     fields = set(ChatCompletionRequest.model_fields)
     assert set(FIELDS) == fields, (
         f"new in vLLM (place them in chat_fields.FIELDS): {sorted(fields - set(FIELDS))}; "
-        f"gone from vLLM: {sorted(set(FIELDS) - fields)}")
+        f"gone from vLLM: {sorted(set(FIELDS) - fields)}"
+    )
     assert not set(EXTRA_FIELDS) & fields
-    assert all(rule.kind in (SUPPORTED, REFUSED, IGNORED) and rule.note
-               for rule in {**FIELDS, **EXTRA_FIELDS}.values())
+    assert all(rule.kind in (SUPPORTED, REFUSED, IGNORED) and rule.note for rule in {**FIELDS, **EXTRA_FIELDS}.values())
 
 
 def test_every_refused_field_set_is_a_400_naming_it_and_why():
@@ -81,14 +96,12 @@ def test_every_refused_field_set_is_a_400_naming_it_and_why():
 
 
 def test_a_refused_field_at_its_default_is_taken():
-    chat = parse_chat_request(body(use_beam_search=False, echo=False, length_penalty=1.0,
-                                   cache_salt=None), MODEL)
+    chat = parse_chat_request(body(use_beam_search=False, echo=False, length_penalty=1.0, cache_salt=None), MODEL)
     assert chat.modalities == ("text",)
 
 
 def test_ignored_fields_are_taken_and_are_ones_vllm_ignores():
-    assert set(IGNORED_VALUES) == {n for n, r in {**FIELDS, **EXTRA_FIELDS}.items()
-                                   if r.kind == IGNORED}
+    assert set(IGNORED_VALUES) == {n for n, r in {**FIELDS, **EXTRA_FIELDS}.items() if r.kind == IGNORED}
     parse_chat_request(body(**IGNORED_VALUES), MODEL)
 
 
@@ -98,16 +111,25 @@ def test_a_field_that_is_not_vllms_is_refused_by_name(name):
     assert err.param == name and name in err.message
 
 
-@pytest.mark.parametrize("fields, param, needle", [
-    ({"n": 2}, "n", "n=1"),
-    ({"modalities": ["text", "audio"],
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "cannot be spoken"),
-    ({"modalities": ["text", "audio"], "add_generation_prompt": False, "continue_final_message": True},
-     "add_generation_prompt", "new assistant turn"),
-    ({"include_reasoning": False}, "include_reasoning", "reasoning parser"),
-    ({"mm_processor_kwargs": {"fps": 4}}, "mm_processor_kwargs", "use_audio_in_video"),
-    ({"mm_processor_kwargs": {"use_audio_in_video": "yes"}}, "mm_processor_kwargs", "true|false"),
-])
+@pytest.mark.parametrize(
+    "fields, param, needle",
+    [
+        ({"n": 2}, "n", "n=1"),
+        (
+            {"modalities": ["text", "audio"], "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+            "cannot be spoken",
+        ),
+        (
+            {"modalities": ["text", "audio"], "add_generation_prompt": False, "continue_final_message": True},
+            "add_generation_prompt",
+            "new assistant turn",
+        ),
+        ({"include_reasoning": False}, "include_reasoning", "reasoning parser"),
+        ({"mm_processor_kwargs": {"fps": 4}}, "mm_processor_kwargs", "use_audio_in_video"),
+        ({"mm_processor_kwargs": {"use_audio_in_video": "yes"}}, "mm_processor_kwargs", "true|false"),
+    ],
+)
 def test_limits_of_supported_fields(fields, param, needle):
     err = refused(**fields)
     assert err.param == param and needle in err.message
@@ -119,8 +141,10 @@ def test_use_audio_in_video_is_taken():
 
 
 def test_tools_with_tool_choice_none_may_be_spoken():
-    chat = parse_chat_request(body(modalities=["text", "audio"], tool_choice="none",
-                                   tools=[{"type": "function", "function": {"name": "f"}}]), MODEL)
+    chat = parse_chat_request(
+        body(modalities=["text", "audio"], tool_choice="none", tools=[{"type": "function", "function": {"name": "f"}}]),
+        MODEL,
+    )
     assert chat.wants_audio
 
 
@@ -133,24 +157,42 @@ def test_vllms_own_validation_comes_first():
 
 
 SUPPORTED_SAMPLING = dict(
-    temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=11, presence_penalty=0.5,
-    frequency_penalty=-0.25, repetition_penalty=1.2, stop=["ab", "c"], stop_token_ids=[7, 9],
-    include_stop_str_in_output=True, ignore_eos=True, min_tokens=2, logprobs=True,
-    top_logprobs=3, logit_bias={"5": 2.5}, allowed_token_ids=[1, 2, 3, 5], bad_words=["xy"],
-    skip_special_tokens=False, spaces_between_special_tokens=False, max_completion_tokens=9,
-    response_format={"type": "json_schema",
-                     "json_schema": {"name": "s", "schema": {"type": "object"}}},
+    temperature=0.7,
+    top_p=0.9,
+    top_k=5,
+    min_p=0.05,
+    seed=11,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.2,
+    stop=["ab", "c"],
+    stop_token_ids=[7, 9],
+    include_stop_str_in_output=True,
+    ignore_eos=True,
+    min_tokens=2,
+    logprobs=True,
+    top_logprobs=3,
+    logit_bias={"5": 2.5},
+    allowed_token_ids=[1, 2, 3, 5],
+    bad_words=["xy"],
+    skip_special_tokens=False,
+    spaces_between_special_tokens=False,
+    max_completion_tokens=9,
+    response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}},
 )
 
 
-@pytest.mark.parametrize("fields", [
-    SUPPORTED_SAMPLING,
-    {"max_tokens": 4, "logprobs": True, "logprob_token_ids": [3, 4]},
-    {"structured_outputs": {"regex": "[ab]+"}},
-    {"structured_outputs": {"choice": ["yes", "no"]}},
-    {"response_format": {"type": "json_object"}, "stop": "z"},
-    {},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        SUPPORTED_SAMPLING,
+        {"max_tokens": 4, "logprobs": True, "logprob_token_ids": [3, 4]},
+        {"structured_outputs": {"regex": "[ab]+"}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"response_format": {"type": "json_object"}, "stop": "z"},
+        {},
+    ],
+)
 def test_what_to_sampling_params_made_reaches_the_engine_unchanged(fields):
     from workers.entry_sampling import sampling_params
 
@@ -171,8 +213,7 @@ def test_what_to_sampling_params_made_reaches_the_engine_unchanged(fields):
 
 def test_max_tokens_default_is_the_stage_default_clamped_to_the_context():
     req = parse_chat_request(body(), MODEL).body
-    wire = engine_sampling(req, prompt_len=90, max_model_len=100,
-                           defaults=EngineSampling(max_tokens=32, seed=4))
+    wire = engine_sampling(req, prompt_len=90, max_model_len=100, defaults=EngineSampling(max_tokens=32, seed=4))
     assert (wire.max_tokens, wire.seed) == (10, 4)
 
 
@@ -182,8 +223,7 @@ def test_a_sampling_field_that_does_not_travel_must_hold_its_default():
     names = {f.name for f in msgspec.structs.fields(SamplingParams)}
     assert CARRIED <= names and NOT_FROM_REQUESTS <= names
     assert wire_sampling(SamplingParams(max_tokens=3)).max_tokens == 3
-    for name, value in {"prompt_logprobs": 1, "n": 2, "thinking_token_budget": 4,
-                        "extra_args": {"a": 1}}.items():
+    for name, value in {"prompt_logprobs": 1, "n": 2, "thinking_token_budget": 4, "extra_args": {"a": 1}}.items():
         with pytest.raises(APIError) as e:
             wire_sampling(SamplingParams(**{name: value}))
         assert e.value.status == 400 and e.value.param == name

@@ -138,8 +138,7 @@ def test_tokenizer_round_trip_and_chat_template(name, ckpt_root):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ünïcode"}]
     prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert prompt == (
-        "<|im_start|>system\nbe brief<|im_end|>\n"
-        "<|im_start|>user\nhi ünïcode<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi ünïcode<|im_end|>\n<|im_start|>assistant\n"
     )
     no_gen = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     assert not no_gen.endswith("assistant\n")
@@ -155,8 +154,12 @@ def test_talker_layout(ckpt_root):
     path = ckpt_root / "talker-s0"
     tcfg = json.loads((path / "talker_config.json").read_text())
     assert tcfg == {
-        "codebook_size": 256, "codec_bos_id": 256, "codec_eos_id": 257, "codec_pad_id": 258,
-        "thinker_hidden_size": 512, "talker_hidden_size": 256,
+        "codebook_size": 256,
+        "codec_bos_id": 256,
+        "codec_eos_id": 257,
+        "codec_pad_id": 258,
+        "thinker_hidden_size": 512,
+        "talker_hidden_size": 256,
     }
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["vocab_size"] == 320 and cfg["hidden_size"] == 256 and cfg["eos_token_id"] == 257
@@ -284,7 +287,11 @@ def test_deterministic_across_processes(ckpt_root, tmp_path):
     names = ("talker", "decoder", "qwen3-omni")
     out = subprocess.run(
         [sys.executable, "-m", "omni_cache.models.checkpoints", "--out", str(tmp_path), *names],
-        cwd=root, env=env, check=True, capture_output=True, text=True,
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split()
     assert out == [str(tmp_path / f"{name}-s0") for name in names]
     for name in names:

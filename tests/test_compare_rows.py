@@ -16,8 +16,12 @@ PROMPT = 5
 
 def result(tokens: list[int], logprobs: list[dict[int, float]]) -> Result:
     rows = PROMPT + len(tokens) - 1
-    return Result(token_ids=tokens, num_prompt_tokens=PROMPT, logprobs=logprobs,
-                  chunks=[(0, {"hidden": torch.zeros(rows, 2), "layer_2": torch.zeros(rows, 2)})])
+    return Result(
+        token_ids=tokens,
+        num_prompt_tokens=PROMPT,
+        logprobs=logprobs,
+        chunks=[(0, {"hidden": torch.zeros(rows, 2), "layer_2": torch.zeros(rows, 2)})],
+    )
 
 
 def test_same_tokens_compare_every_row():

@@ -66,8 +66,7 @@ def server(tmp_path_factory):
 
 
 def chat(server, content: str, *, max_tokens: int, audio: bool) -> httpx.Response:
-    body = {"model": "conc", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens}
+    body = {"model": "conc", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
     if audio:
         body.update(modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
     return httpx.post(server.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=300)
@@ -83,12 +82,16 @@ def audio_samples(r: httpx.Response) -> int:
 def stream(server, content: str, *, max_tokens: int, stop_after_audio: bool = False) -> dict:
     """A streamed audio answer: its pcm16 sample count and its end ("done", "error", or "left"
     when the client hung up after the first audio)."""
-    body = {"model": "conc", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "stream": True, "modalities": ["text", "audio"],
-            "audio": {"voice": "default", "format": "pcm16"}}
+    body = {
+        "model": "conc",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+    }
     samples, end = 0, None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=HEADERS,
-                      timeout=300) as r:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -137,13 +140,12 @@ def test_burst_over_every_batch_limit(server):
     assert all(alone.values())
     long_prompt = "tell me everything " * 40  # over the talker's 512-token context
     with ThreadPoolExecutor(16) as pool:
-        audio = {p: pool.submit(lambda p=p: audio_samples(chat(server, p, max_tokens=12, audio=True)))
-                 for p in PROMPTS}
+        audio = {p: pool.submit(lambda p=p: audio_samples(chat(server, p, max_tokens=12, audio=True))) for p in PROMPTS}
         streamed = {p: pool.submit(stream, server, p, max_tokens=12) for p in PROMPTS}
-        texts = [pool.submit(chat, server, f"just text {i}", max_tokens=8, audio=False)
-                 for i in range(3)]
-        left = [pool.submit(stream, server, f"a long story {i}", max_tokens=400, stop_after_audio=True)
-                for i in range(2)]
+        texts = [pool.submit(chat, server, f"just text {i}", max_tokens=8, audio=False) for i in range(3)]
+        left = [
+            pool.submit(stream, server, f"a long story {i}", max_tokens=400, stop_after_audio=True) for i in range(2)
+        ]
         refused = pool.submit(chat, server, long_prompt, max_tokens=8, audio=True)
         # Every request ended (the pool's futures return), each with what it should have.
         for p in PROMPTS:
@@ -169,12 +171,14 @@ def raw_sender(server, ctx: zmq.Context, stage: str) -> Sender:
     return Sender(ctx, config.stage(stage).address, codec, linger_ms=30_000)
 
 
-def thinker_output(rid: str, seq: int, rows: int, *, start: int = 0, prompt: int = 0,
-                   time_left_s: float | None = None) -> tuple[StageOutput, dict[str, torch.Tensor]]:
+def thinker_output(
+    rid: str, seq: int, rows: int, *, start: int = 0, prompt: int = 0, time_left_s: float | None = None
+) -> tuple[StageOutput, dict[str, torch.Tensor]]:
     """What the thinker sends the talker: `rows` hidden rows from position `start`, for a
     request of `prompt` prompt tokens."""
-    msg = StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[65],
-                      latent_start=start, num_prompt_tokens=prompt)
+    msg = StageOutput(
+        request_id=rid, stage="thinker", seq=seq, token_ids=[65], latent_start=start, num_prompt_tokens=prompt
+    )
     if seq == 0:  # a stream opens with its StreamStart
         msg = StreamStart.opening(msg, modalities=["text", "audio"], time_left_s=time_left_s)
     return msg, {"hidden": torch.randn(rows, THINKER_HIDDEN).to(torch.bfloat16)}
@@ -218,16 +222,25 @@ def test_deadline_passes_in_the_stages(server):
     try:
         talker.send(*thinker_output("late", 0, 24, prompt=16, time_left_s=soon))  # a talker segment
         # One code: fewer than the first decode chunk (FIRST_CHUNK_CODES) plus its lookahead.
-        decoder.send(StreamStart(request_id="late-codes", stage="talker", seq=0, token_ids=[1],
-                                 modalities=["text", "audio"], time_left_s=soon))
+        decoder.send(
+            StreamStart(
+                request_id="late-codes",
+                stage="talker",
+                seq=0,
+                token_ids=[1],
+                modalities=["text", "audio"],
+                time_left_s=soon,
+            )
+        )
     finally:
         talker.close()
         decoder.close()
         ctx.term()
     deadline = time.monotonic() + 60
     while any(counter(server, "omni_cache_stage_expired", s) < expired[s] + 1 for s in expired):
-        assert time.monotonic() < deadline, {k: v for k, v in stage_metrics(server).items()
-                                             if "expired" in k[0] or "queue_depth" in k[0]}
+        assert time.monotonic() < deadline, {
+            k: v for k, v in stage_metrics(server).items() if "expired" in k[0] or "queue_depth" in k[0]
+        }
         time.sleep(0.3)
     wait_until_empty(server)
 

@@ -39,13 +39,18 @@ def with_addresses(text: str) -> str:
     """tiny_omni.yaml's text with every stage's address spelled out (the shipped file leaves them
     to the server): the config the address checks below vary."""
     for stage in ("thinker", "talker", "decoder"):
-        text = text.replace(DEFAULT_ADDRESS, f"    address: ipc:///tmp/omni_cache/tiny_omni/{stage}.sock"
-                                             "   # where the stage process listens (ZMQ)", 1)
+        text = text.replace(
+            DEFAULT_ADDRESS,
+            f"    address: ipc:///tmp/omni_cache/tiny_omni/{stage}.sock   # where the stage process listens (ZMQ)",
+            1,
+        )
     return text
 
 
-DEFAULT_ADDRESS = ("    address: null                                  # where the stage listens "
-                   "(ZMQ); null -> a socket in this server's own directory")
+DEFAULT_ADDRESS = (
+    "    address: null                                  # where the stage listens "
+    "(ZMQ); null -> a socket in this server's own directory"
+)
 
 
 def write_variant(tmp_path: Path, old: str, new: str, *, base: Path = TINY, count: int = 1) -> Path:
@@ -130,15 +135,20 @@ def test_qwen_example_needs_no_path_check() -> None:
     assert all(s.address is None and s.ray is not None and s.ray.num_gpus == 1 for s in config.stages)
     assert thinker.replicas == 2 and thinker.ray.for_replica(1) == {"thinker_gpu": 1}
     assert {s.name: s.ray.resources for s in config.stages[1:]} == {
-        "talker": {"audio_gpu": 1}, "decoder": {"audio_gpu": 1}}
+        "talker": {"audio_gpu": 1},
+        "decoder": {"audio_gpu": 1},
+    }
     assert config.stage("decoder").generation.device == "cuda"
     assert thinker.engine_args.to_vllm_kwargs()["limit_mm_per_prompt"] == {
-        "image": 4, "audio": 2, "video": 1,
+        "image": 4,
+        "audio": 2,
+        "video": 1,
     }
     # The same pipeline as the shipped CPU default, laid out on GPU hosts.
     default = load_config(CONFIGS / "qwen3_omni.yaml")
-    assert [(s.name, s.handoff, s.submodel) for s in config.stages] == \
-        [(s.name, s.handoff, s.submodel) for s in default.stages]
+    assert [(s.name, s.handoff, s.submodel) for s in config.stages] == [
+        (s.name, s.handoff, s.submodel) for s in default.stages
+    ]
 
 
 @pytest.mark.parametrize("path", [TINY, HYBRID, QWEN], ids=lambda p: p.name)
@@ -221,8 +231,7 @@ BAD_CASES = {
     "yaml_bool_for_literal": (
         "      dtype: bfloat16 ",
         "      dtype: yes ",
-        "stages[0].engine_args.dtype: expected one of 'auto', 'bfloat16', 'float16', 'float32', "
-        "got bool True",
+        "stages[0].engine_args.dtype: expected one of 'auto', 'bfloat16', 'float16', 'float32', got bool True",
     ),
     "env_not_string": (
         'VLLM_CPU_KVCACHE_SPACE: "2"',
@@ -268,8 +277,7 @@ BAD_CASES = {
     "tiny_model_of_other_kind": (
         "tiny:decoder",
         "tiny:talker",
-        "stages[2].model: 'tiny:talker' is for a stage of kind 'autoregressive', but this stage's "
-        "kind is 'generation'",
+        "stages[2].model: 'tiny:talker' is for a stage of kind 'autoregressive', but this stage's kind is 'generation'",
     ),
     "missing_model_path": (
         "tiny:talker",
@@ -313,8 +321,7 @@ BAD_CASES = {
     "reserved_extra_key": (
         "      enable_prompt_embeds: true ",
         "      extra: {enable_prefix_caching: true}\n      enable_prompt_embeds: true ",
-        "stages[1].engine_args.extra.enable_prefix_caching: not allowed here: set the stage's "
-        "prefix_cache instead",
+        "stages[1].engine_args.extra.enable_prefix_caching: not allowed here: set the stage's prefix_cache instead",
     ),
 }
 
@@ -345,9 +352,7 @@ def test_wrong_type_message_is_exact(tmp_path: Path) -> None:
     )
     message = config_error(path)
     line = path.read_text().splitlines().index("      block_size: '32'") + 1
-    assert message == (
-        f"{path}: stages[1].engine_args.block_size: expected int, got str '32' (line {line})"
-    )
+    assert message == (f"{path}: stages[1].engine_args.block_size: expected int, got str '32' (line {line})")
 
 
 def test_every_semantic_problem_is_reported(tmp_path: Path) -> None:
@@ -391,9 +396,7 @@ def test_self_input_is_a_cycle(tmp_path: Path) -> None:
 
 def test_stage_port_clashing_with_server(tmp_path: Path) -> None:
     path = write_variant(tmp_path, "ipc:///tmp/omni_cache/tiny_omni/talker.sock", "tcp://0.0.0.0:8091")
-    assert f"{path}: stages[1].address: 'tcp://0.0.0.0:8091' is the HTTP server's port" in (
-        config_error(path)
-    )
+    assert f"{path}: stages[1].address: 'tcp://0.0.0.0:8091' is the HTTP server's port" in (config_error(path))
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
@@ -403,9 +406,7 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
 
 
 def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
-    path = write_variant(
-        tmp_path, "    final_output: audio ", "    final_output: text\n    final_output: audio "
-    )
+    path = write_variant(tmp_path, "    final_output: audio ", "    final_output: text\n    final_output: audio ")
     message = config_error(path)
     assert re.match(
         rf"^{re.escape(str(path))}: line (\d+): duplicate key 'final_output' \(first set on line \d+\)$",
@@ -422,11 +423,15 @@ def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
         ("name: x\nstages:\n", "stages: expected list, got null"),
         ("stages: [{name: a}]\n", "stages[0].kind: missing required key"),
         ("checkpoint_dir: null\n", "name: missing required key"),
-        ("name: x\nstages: [{name: a, kind: generation, model: tiny:decoder, address: "
-         "'ipc:///tmp/a', final_output: audio, env: {3: x}}]\n",
-         "stages[0].env: keys must be strings, got int (3)"),
-        ("name: x\nstages: [{name: a, kind: generation, model: tiny:decoder, 7: x}]\n",
-         "stages[0]: keys must be strings, got int (7)"),
+        (
+            "name: x\nstages: [{name: a, kind: generation, model: tiny:decoder, address: "
+            "'ipc:///tmp/a', final_output: audio, env: {3: x}}]\n",
+            "stages[0].env: keys must be strings, got int (3)",
+        ),
+        (
+            "name: x\nstages: [{name: a, kind: generation, model: tiny:decoder, 7: x}]\n",
+            "stages[0]: keys must be strings, got int (7)",
+        ),
     ],
 )
 def test_top_level_problems(tmp_path: Path, text: str, expected: str) -> None:
@@ -495,8 +500,7 @@ def test_handoff_resolves_from_temporary_module(handoff_pkg: str) -> None:
         ("{pkg}.missing", "module '{pkg}' has no attribute 'missing'"),
         ("{pkg}.NOT_CALLABLE", "'{pkg}.NOT_CALLABLE' is not callable (it is a int)"),
         ("{pkg}_nope.fn", "cannot import module '{pkg}_nope' (No module named '{pkg}_nope')"),
-        ("{pkg}_broken.fn",
-         "importing module '{pkg}_broken' failed: RuntimeError: boom at import"),
+        ("{pkg}_broken.fn", "importing module '{pkg}_broken' failed: RuntimeError: boom at import"),
         ("a_to_b", "expected a dotted path 'package.module.function', got 'a_to_b'"),
     ],
 )
@@ -563,8 +567,11 @@ def test_programmatic_config_validates() -> None:
         name="p",
         stages=[
             StageConfig(
-                name="only", kind="generation", model="tiny:decoder",
-                address="ipc:///tmp/omni_cache_test/only.sock", final_output="audio",
+                name="only",
+                kind="generation",
+                model="tiny:decoder",
+                address="ipc:///tmp/omni_cache_test/only.sock",
+                final_output="audio",
             )
         ],
     )
@@ -617,17 +624,22 @@ def test_resolve_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     assert OMNI_SERVE.exists(), f"{OMNI_SERVE} missing: install the package (pip install -e .)"
     env = {k: v for k, v in os.environ.items() if k != "OMNI_CACHE_API_KEY"}
-    return subprocess.run(
-        [str(OMNI_SERVE), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([str(OMNI_SERVE), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_cli_help_lists_every_flag() -> None:
     result = run_cli("--help")
     assert result.returncode == 0, result.stderr
     for flag in (
-        "--stage-config", "--check", "--no-path-check", "--host", "--port", "--api-key",
-        "--checkpoint-dir", "--no-prefix-cache", "--log-level",
+        "--stage-config",
+        "--check",
+        "--no-path-check",
+        "--host",
+        "--port",
+        "--api-key",
+        "--checkpoint-dir",
+        "--no-prefix-cache",
+        "--log-level",
     ):
         assert flag in result.stdout
     assert "OMNI_CACHE_API_KEY" in result.stdout and "OMNI_CACHE_CHECKPOINTS" in result.stdout
@@ -641,8 +653,7 @@ def test_cli_check_shipped_config() -> None:
     assert "server:       http://127.0.0.1:8091" in out
     for stage in ("thinker", "talker", "decoder"):
         assert f"stage {stage}:" in out
-        assert (f"address:      chosen at start: ipc://{run_root()}/<name>-<pid>-<random>/"
-                f"{stage}.sock") in out
+        assert (f"address:      chosen at start: ipc://{run_root()}/<name>-<pid>-<random>/{stage}.sock") in out
     assert "prefix cache: on" in out and "latents:      hidden" in out
     assert "final output: text" in out and "final output: audio" in out
     assert "inputs:       thinker (handoff omni_cache.handoff.thinker_to_talker)" in out
@@ -654,9 +665,7 @@ def test_cli_check_bad_config(tmp_path: Path) -> None:
     result = run_cli("--stage-config", str(path), "--check")
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith(
-        f"omni-serve: config error: {path}: stages[2].inputs[0]: unknown stage 'talkr'"
-    )
+    assert result.stderr.startswith(f"omni-serve: config error: {path}: stages[2].inputs[0]: unknown stage 'talkr'")
 
 
 def test_cli_missing_config_file(tmp_path: Path) -> None:
@@ -675,10 +684,22 @@ def test_cli_no_path_check_for_qwen_example() -> None:
 
 
 def test_cli_overrides(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    rc = cli.main([
-        "--stage-config", str(TINY), "--check", "--no-prefix-cache", "--host", "0.0.0.0",
-        "--port", "9000", "--checkpoint-dir", str(tmp_path), "--api-key", "secret",
-    ])
+    rc = cli.main(
+        [
+            "--stage-config",
+            str(TINY),
+            "--check",
+            "--no-prefix-cache",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--checkpoint-dir",
+            str(tmp_path),
+            "--api-key",
+            "secret",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "http://0.0.0.0:9000" in out
@@ -731,22 +752,32 @@ def assert_refused_naming(path: Path, key: str, words: str) -> None:
     assert cli.main(["--stage-config", str(path), "--check"]) == 2
 
 
-@pytest.mark.parametrize("old,new,key,words", [
-    ("      max_num_seqs: 16                             # most requests per step\n"
-     "      enforce_eager: true                          # no torch.compile",
-     "      max_num_seqs: 16\n      tensor_parallel_size: 2\n      enforce_eager: true  #",
-     "stages[0].engine_args.tensor_parallel_size", "2 is not supported"),
-    ("inputs: [talker]", "inputs: [talker, thinker]", "stages[2].inputs",
-     "a stage reads one input stage"),
-    ("      device: cpu                                  # torch device",
-     "      device: cpu\n    sampling: {temperature: 0.5}  #",
-     "stages[2].sampling", "only for autoregressive stages"),
-    ("      device: cpu                                  # torch device",
-     "      device: cpu\n    prefix_cache: false  #",
-     "stages[2].prefix_cache", "only for autoregressive stages"),
-])
-def test_keys_that_would_do_nothing_are_refused(tmp_path: Path, old: str, new: str, key: str,
-                                                 words: str) -> None:
+@pytest.mark.parametrize(
+    "old,new,key,words",
+    [
+        (
+            "      max_num_seqs: 16                             # most requests per step\n"
+            "      enforce_eager: true                          # no torch.compile",
+            "      max_num_seqs: 16\n      tensor_parallel_size: 2\n      enforce_eager: true  #",
+            "stages[0].engine_args.tensor_parallel_size",
+            "2 is not supported",
+        ),
+        ("inputs: [talker]", "inputs: [talker, thinker]", "stages[2].inputs", "a stage reads one input stage"),
+        (
+            "      device: cpu                                  # torch device",
+            "      device: cpu\n    sampling: {temperature: 0.5}  #",
+            "stages[2].sampling",
+            "only for autoregressive stages",
+        ),
+        (
+            "      device: cpu                                  # torch device",
+            "      device: cpu\n    prefix_cache: false  #",
+            "stages[2].prefix_cache",
+            "only for autoregressive stages",
+        ),
+    ],
+)
+def test_keys_that_would_do_nothing_are_refused(tmp_path: Path, old: str, new: str, key: str, words: str) -> None:
     assert_refused_naming(write_variant(tmp_path, old, new), key, words)
 
 
@@ -763,8 +794,7 @@ THINKER_ADDRESS = "    address: ipc:///tmp/omni_cache/tiny_omni/thinker.sock   #
 HOSTS = CONFIGS / "tiny_omni_hosts.yaml"
 
 
-def test_replicas_get_their_own_names_and_addresses(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_replicas_get_their_own_names_and_addresses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from omni_cache.config.replicas import stage_replicas
 
     path = write_variant(tmp_path, THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 3  #")
@@ -781,47 +811,62 @@ def test_replicas_get_their_own_names_and_addresses(tmp_path: Path,
     assert (talker.name, talker.address) == ("talker", config.stage("talker").address)
     # tcp: port + i, bind address too
     hosts = HOSTS.read_text().replace("    external: true ", "    external: false ")
-    hosts = hosts.replace("    address: tcp://127.0.0.1:5603 ",
-                          "    replicas: 2\n    address: tcp://127.0.0.1:5603 ")
+    hosts = hosts.replace("    address: tcp://127.0.0.1:5603 ", "    replicas: 2\n    address: tcp://127.0.0.1:5603 ")
     tcp = tmp_path / "tcp.yaml"
     tcp.write_text(hosts)
     decoder = stage_replicas(load_config(tcp, check_paths=False).stage("decoder"))
     assert [(r.address, r.bind_address) for r in decoder] == [
-        ("tcp://127.0.0.1:5603", "tcp://0.0.0.0:5603"), ("tcp://127.0.0.1:5604", "tcp://0.0.0.0:5604")]
+        ("tcp://127.0.0.1:5603", "tcp://0.0.0.0:5603"),
+        ("tcp://127.0.0.1:5604", "tcp://0.0.0.0:5604"),
+    ]
     assert cli.main(["--stage-config", str(path), "--check"]) == 0
     out = capsys.readouterr().out
     assert "replicas:     3: thinker#0 at ipc:///tmp/omni_cache/tiny_omni/thinker.sock," in out
     assert "routing:      prefix (the thinker replica holding the longest prefix" in out
 
 
-@pytest.mark.parametrize("old,new,key,words", [
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 0  #", "stages[0].replicas",
-     "expected int >= 1, got 0"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: two  #", "stages[0].replicas",
-     "expected int, got str 'two'"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 2\n    external: true  #", "stages[0].replicas",
-     "2 replicas of a stage started by hand (external) are not supported"),
-    ("  control_address: null ", "  routing: random\n  control_address: null ", "server.routing",
-     "expected one of 'prefix', 'round_robin', 'least_loaded'"),
-])
-def test_bad_replicas_and_routing_are_refused(tmp_path: Path, old: str, new: str, key: str,
-                                              words: str) -> None:
+@pytest.mark.parametrize(
+    "old,new,key,words",
+    [
+        (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 0  #", "stages[0].replicas", "expected int >= 1, got 0"),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    replicas: two  #",
+            "stages[0].replicas",
+            "expected int, got str 'two'",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    replicas: 2\n    external: true  #",
+            "stages[0].replicas",
+            "2 replicas of a stage started by hand (external) are not supported",
+        ),
+        (
+            "  control_address: null ",
+            "  routing: random\n  control_address: null ",
+            "server.routing",
+            "expected one of 'prefix', 'round_robin', 'least_loaded'",
+        ),
+    ],
+)
+def test_bad_replicas_and_routing_are_refused(tmp_path: Path, old: str, new: str, key: str, words: str) -> None:
     assert_refused_naming(write_variant(tmp_path, old, new), key, words)
 
 
 def test_a_replica_address_clashing_with_another_stage_is_named(tmp_path: Path) -> None:
     hosts = HOSTS.read_text().replace("    external: true ", "    external: false ")
-    hosts = hosts.replace("    address: tcp://127.0.0.1:5601 ",
-                          "    replicas: 2\n    address: tcp://127.0.0.1:5601 ")
+    hosts = hosts.replace("    address: tcp://127.0.0.1:5601 ", "    replicas: 2\n    address: tcp://127.0.0.1:5601 ")
     path = tmp_path / "clash.yaml"
     path.write_text(hosts)
     message = config_error(path, check_paths=False)
-    assert (f"{path}: stages[1].address: 'tcp://127.0.0.1:5602' is also the address of replica 1 "
-            "of stages[0] ('thinker#1')") in message, message
+    assert (
+        f"{path}: stages[1].address: 'tcp://127.0.0.1:5602' is also the address of replica 1 of stages[0] ('thinker#1')"
+    ) in message, message
 
 
 def test_replicas_of_a_hand_started_stage_are_refused_from_the_command_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write_variant(tmp_path, THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 2  #")
     assert cli.main(["--stage-config", str(path), "--check", "--external-stages", "thinker"]) == 2
     assert "stages[0].replicas: 2 replicas of a stage started by hand" in capsys.readouterr().err
@@ -832,12 +877,12 @@ def test_replicas_of_a_hand_started_stage_are_refused_from_the_command_line(
 # --------------------------------------------------------------------------------------------------
 
 CONTROL_NULL = "  control_address: null "
-THINKER_RAY = (THINKER_ADDRESS + "\n    replicas: 2\n"
-               "    ray: {num_cpus: 1, replica_resources: [{node_a: 1}, {node_b: 1}]}  #")
+THINKER_RAY = (
+    THINKER_ADDRESS + "\n    replicas: 2\n    ray: {num_cpus: 1, replica_resources: [{node_a: 1}, {node_b: 1}]}  #"
+)
 
 
-def test_ray_placement_is_read_and_summarised(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_ray_placement_is_read_and_summarised(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Pinned replicas load; without a Ray address the stages are spawned here (ray unused), with
     --ray-address (or server.ray_address) a stage needs no address and the summary says where
     each replica is placed."""
@@ -848,8 +893,11 @@ def test_ray_placement_is_read_and_summarised(tmp_path: Path,
     assert cli.main(["--stage-config", str(path), "--check"]) == 0
     assert "ray:          used only with --ray-address" in capsys.readouterr().out
     no_address = tmp_path / "no_address.yaml"
-    no_address.write_text(path.read_text().replace(THINKER_ADDRESS + "\n", "").replace(
-        CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL))
+    no_address.write_text(
+        path.read_text()
+        .replace(THINKER_ADDRESS + "\n", "")
+        .replace(CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL)
+    )
     assert load_config(no_address).server.ray_address == "auto"
     assert cli.main(["--stage-config", str(no_address), "--check"]) == 0
     out = capsys.readouterr().out
@@ -865,35 +913,84 @@ def test_ray_placement_is_read_and_summarised(tmp_path: Path,
     assert cli.main(["--stage-config", str(no_key), "--check", "--ray-address", "auto"]) == 0
 
 
-@pytest.mark.parametrize("old,new,key,words", [
-    (THINKER_ADDRESS, "    external: true  #", "stages[0].address",
-     "needed for a stage started by hand (external)"),
-    (CONTROL_NULL, "  ray_address: ray://head:10001\n" + CONTROL_NULL, "server.ray_address",
-     "Ray Client addresses are not supported"),
-    (CONTROL_NULL, "  ray_address: head\n" + CONTROL_NULL, "server.ray_address",
-     "expected 'auto' or the Ray head's 'HOST:PORT'"),
-    (CONTROL_NULL, "  ray_address: auto\n  control_address: ipc:///tmp/x.sock #",
-     "server.control_address", "with server.ray_address the stages may run on other hosts"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {resources: {thinker_gpu: 1}}\n    external: true  #",
-     "stages[0].ray", "not for a stage started by hand (external)"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    replicas: 3\n    ray: {replica_resources: [{node_a: 1}]}  #",
-     "stages[0].ray.replica_resources", "1 entries for 3 replica(s)"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {resources: {GPU: 1}}  #",
-     "stages[0].ray.resources.GPU", "Ray's own resource: set ray.num_gpus instead"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {num_gpus: 1.5}  #",
-     "stages[0].ray.num_gpus", "above 1, a whole number"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {num_cpus: -1}  #",
-     "stages[0].ray.num_cpus", "expected float >= 0.0, got -1"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {resources: {node_a: 0}}  #",
-     "stages[0].ray.resources.node_a", "expected an amount > 0, got 0"),
-    (THINKER_ADDRESS, THINKER_ADDRESS + "\n    ray: {gpus: 1}  #", "stages[0].ray.gpus",
-     "unknown key (did you mean 'num_gpus'?)"),
-    ("      device: cpu                                  # torch device",
-     "      device: cuda\n    ray: {num_cpus: 1}  #", "stages[2].ray.num_gpus",
-     "ask Ray for the GPU the stage runs on"),
-])
-def test_bad_ray_placement_is_refused(tmp_path: Path, old: str, new: str, key: str,
-                                      words: str) -> None:
+@pytest.mark.parametrize(
+    "old,new,key,words",
+    [
+        (
+            THINKER_ADDRESS,
+            "    external: true  #",
+            "stages[0].address",
+            "needed for a stage started by hand (external)",
+        ),
+        (
+            CONTROL_NULL,
+            "  ray_address: ray://head:10001\n" + CONTROL_NULL,
+            "server.ray_address",
+            "Ray Client addresses are not supported",
+        ),
+        (
+            CONTROL_NULL,
+            "  ray_address: head\n" + CONTROL_NULL,
+            "server.ray_address",
+            "expected 'auto' or the Ray head's 'HOST:PORT'",
+        ),
+        (
+            CONTROL_NULL,
+            "  ray_address: auto\n  control_address: ipc:///tmp/x.sock #",
+            "server.control_address",
+            "with server.ray_address the stages may run on other hosts",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    ray: {resources: {thinker_gpu: 1}}\n    external: true  #",
+            "stages[0].ray",
+            "not for a stage started by hand (external)",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    replicas: 3\n    ray: {replica_resources: [{node_a: 1}]}  #",
+            "stages[0].ray.replica_resources",
+            "1 entries for 3 replica(s)",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    ray: {resources: {GPU: 1}}  #",
+            "stages[0].ray.resources.GPU",
+            "Ray's own resource: set ray.num_gpus instead",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    ray: {num_gpus: 1.5}  #",
+            "stages[0].ray.num_gpus",
+            "above 1, a whole number",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    ray: {num_cpus: -1}  #",
+            "stages[0].ray.num_cpus",
+            "expected float >= 0.0, got -1",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    ray: {resources: {node_a: 0}}  #",
+            "stages[0].ray.resources.node_a",
+            "expected an amount > 0, got 0",
+        ),
+        (
+            THINKER_ADDRESS,
+            THINKER_ADDRESS + "\n    ray: {gpus: 1}  #",
+            "stages[0].ray.gpus",
+            "unknown key (did you mean 'num_gpus'?)",
+        ),
+        (
+            "      device: cpu                                  # torch device",
+            "      device: cuda\n    ray: {num_cpus: 1}  #",
+            "stages[2].ray.num_gpus",
+            "ask Ray for the GPU the stage runs on",
+        ),
+    ],
+)
+def test_bad_ray_placement_is_refused(tmp_path: Path, old: str, new: str, key: str, words: str) -> None:
     assert_refused_naming(write_variant(tmp_path, old, new), key, words)
 
 
@@ -902,10 +999,10 @@ def test_a_hand_started_stage_cannot_feed_a_ray_placed_one(tmp_path: Path) -> No
     path = write_variant(tmp_path, CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL)
     assert cli.main(["--stage-config", str(path), "--check"]) == 0
     path.write_text(path.read_text().replace(THINKER_ADDRESS, THINKER_ADDRESS + "\n    external: true  #"))
-    assert_refused_naming(path, "stages[1].inputs", "'thinker' is started by hand (external) and "
-                                                    "cannot reach 'talker'")
-    assert_refused_naming(path, "server.control_address", "needed with server.ray_address and "
-                                                          "stage(s) started by hand (thinker)")
+    assert_refused_naming(path, "stages[1].inputs", "'thinker' is started by hand (external) and cannot reach 'talker'")
+    assert_refused_naming(
+        path, "server.control_address", "needed with server.ray_address and stage(s) started by hand (thinker)"
+    )
 
 
 def test_explicit_replica_addresses(tmp_path: Path) -> None:
@@ -915,20 +1012,27 @@ def test_explicit_replica_addresses(tmp_path: Path) -> None:
     both = "\n    replicas: 2\n    replica_addresses: [tcp://10.0.0.1:7000, tcp://10.0.0.2:7000]  #"
     path = write_variant(tmp_path, THINKER_ADDRESS, both)
     assert [r.address for r in stage_replicas(load_config(path).stage("thinker"))] == [
-        "tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000"]
+        "tcp://10.0.0.1:7000",
+        "tcp://10.0.0.2:7000",
+    ]
     assert_refused_naming(
         write_variant(tmp_path, THINKER_ADDRESS, both.replace("10.0.0.2", "10.0.0.1")),
-        "stages[0].replica_addresses[1]", "is also the address of stages[0]")
+        "stages[0].replica_addresses[1]",
+        "is also the address of stages[0]",
+    )
     assert_refused_naming(
         write_variant(tmp_path, THINKER_ADDRESS, "\n    replicas: 3" + both.split("replicas: 2")[1]),
-        "stages[0].replica_addresses", "2 addresses for 3 replica(s)")
+        "stages[0].replica_addresses",
+        "2 addresses for 3 replica(s)",
+    )
 
 
 def test_ray_assigns_the_gpus_of_a_placed_stage(tmp_path: Path) -> None:
     """A GPU replica's devices come from Ray; a CUDA_VISIBLE_DEVICES in its env would override
     them (refused only when Ray places the stage: spawned locally, it is how a GPU is chosen)."""
-    path = write_variant(tmp_path, '      OMP_NUM_THREADS: "1" ',
-                         '      CUDA_VISIBLE_DEVICES: "0"\n    ray: {num_gpus: 1}\n      #')
+    path = write_variant(
+        tmp_path, '      OMP_NUM_THREADS: "1" ', '      CUDA_VISIBLE_DEVICES: "0"\n    ray: {num_gpus: 1}\n      #'
+    )
     assert cli.main(["--stage-config", str(path), "--check"]) == 0
     path.write_text(path.read_text().replace(CONTROL_NULL, "  ray_address: auto\n" + CONTROL_NULL))
     assert_refused_naming(path, "stages[0].env.CUDA_VISIBLE_DEVICES", "not with ray.num_gpus")
@@ -940,7 +1044,8 @@ def test_step_timeout_must_exceed_the_heartbeat_timeout(tmp_path: Path) -> None:
     path = write_variant(tmp_path, vllm_stage, vllm_stage + "\n    step_timeout_s: 10", count=2)
     message = config_error(path)
     for i in (0, 1):
-        assert (f"{path}: stages[{i}].step_timeout_s: must be longer than "
-                "server.heartbeat_timeout_s (10 s), got 10 s") in message
+        assert (
+            f"{path}: stages[{i}].step_timeout_s: must be longer than server.heartbeat_timeout_s (10 s), got 10 s"
+        ) in message
     ok = write_variant(tmp_path, vllm_stage, vllm_stage + "\n    step_timeout_s: 10.5", count=2)
     assert [s.step_timeout_s for s in load_config(ok).stages] == [10.5, 10.5, None]

@@ -35,8 +35,9 @@ def codes(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def feed(runner: DecoderRunner, rid: str, seq: int, ids: list[int], finished: bool,
-         time_left_s: float | None = None) -> None:
+def feed(
+    runner: DecoderRunner, rid: str, seq: int, ids: list[int], finished: bool, time_left_s: float | None = None
+) -> None:
     msg = StageOutput(request_id=rid, stage="talker", seq=seq, token_ids=ids, finished=finished)
     if seq == 0:  # a stream opens with its StreamStart
         msg = StreamStart.opening(msg, time_left_s=time_left_s)
@@ -76,7 +77,7 @@ def test_more_requests_than_the_batch_all_get_all_their_audio(runner):
     # Codes arrive interleaved, a few at a time, while the decoder steps in between.
     for seq in range(4):
         for rid, ids in streams.items():
-            part = ids[seq * len(ids) // 4:(seq + 1) * len(ids) // 4]
+            part = ids[seq * len(ids) // 4 : (seq + 1) * len(ids) // 4]
             feed(runner, rid, seq, part, finished=seq == 3)
         runner.step()
     run(runner)
@@ -137,8 +138,12 @@ def test_a_window_the_codec_rejects_fails_alone(runner):
 def test_a_request_opens_only_on_a_stream_start(runner):
     """A plain StageOutput for a request the stage does not hold is the rest of a stream whose
     StreamStart it never saw (even at seq 0): dropped, nothing starts."""
-    runner.guarded("headless", lambda: runner.accept(StageOutput(
-        request_id="headless", stage="talker", seq=0, token_ids=codes(1, 30), finished=True), {}))
+    runner.guarded(
+        "headless",
+        lambda: runner.accept(
+            StageOutput(request_id="headless", stage="talker", seq=0, token_ids=codes(1, 30), finished=True), {}
+        ),
+    )
     assert runner.requests == {} and not runner.has_work() and runner.total_requests == 0
     feed(runner, "opened", 0, codes(1, 30), finished=True)
     run(runner)
@@ -216,6 +221,7 @@ def test_a_deadline_is_time_left_on_this_process_clock(runner, monkeypatch):
 
 # ---- Qwen3-Omni's code2wav: codes as [num_quantizers, k] frames ----------------------------------
 
+
 @pytest.fixture(scope="module")
 def q3_runner(tmp_path_factory):
     runner, close = make_runner(tmp_path_factory.mktemp("q3"), "tiny:qwen3-omni")
@@ -229,8 +235,10 @@ def frames(seed: int, n: int, q: int = 4) -> torch.Tensor:
 
 def feed_frame(runner: DecoderRunner, rid: str, seq: int, codes: torch.Tensor, finished: bool) -> None:
     cls = StreamStart if seq == 0 else StageOutput  # a stream opens with its StreamStart
-    runner.guarded(rid, lambda: runner.accept(cls(
-        request_id=rid, stage="talker", seq=seq, finished=finished), {CODES_FRAME: codes}))
+    runner.guarded(
+        rid,
+        lambda: runner.accept(cls(request_id=rid, stage="talker", seq=seq, finished=finished), {CODES_FRAME: codes}),
+    )
 
 
 def stream_frames(runner: DecoderRunner, streams: dict[str, torch.Tensor], pieces: list[int]) -> None:
@@ -239,7 +247,7 @@ def stream_frames(runner: DecoderRunner, streams: dict[str, torch.Tensor], piece
     for seq in range(len(pieces)):
         for rid, codes in streams.items():
             n = codes.shape[-1]
-            lo, hi = n * sum(pieces[:seq]) // 100, n * sum(pieces[:seq + 1]) // 100
+            lo, hi = n * sum(pieces[:seq]) // 100, n * sum(pieces[: seq + 1]) // 100
             feed_frame(runner, rid, seq, codes[:, lo:hi], finished=seq == len(pieces) - 1)
         runner.step()
     run(runner)
@@ -259,7 +267,8 @@ def test_code2wav_stage_streams_each_request_as_its_whole_decode(q3_runner):
     audio, errors = received(runner)
     assert not errors and set(audio) == set(streams) and runner.requests == {}
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        runner.handoff_ctx.model_path, dtype=torch.float32).eval()
+        runner.handoff_ctx.model_path, dtype=torch.float32
+    ).eval()
     spc, tail = decoder.samples_per_code, decoder.receptive_field.tail_samples
     for rid, codes in streams.items():
         whole = decoder.decode(codes)
@@ -278,14 +287,15 @@ def test_code2wav_stage_first_audio_after_a_short_chunk(q3_runner):
     codes = frames(4, 30)
     rf = runner.decoder.receptive_field
     need = FIRST_CHUNK_CODES + rf.right_codes
-    feed_frame(runner, "early", 0, codes[:, :need - 1], finished=False)
+    feed_frame(runner, "early", 0, codes[:, : need - 1], finished=False)
     assert not runner.has_work()
-    feed_frame(runner, "early", 1, codes[:, need - 1:need], finished=False)
+    feed_frame(runner, "early", 1, codes[:, need - 1 : need], finished=False)
     run(runner)
     msg, tensors = runner.inbox.recv(timeout_ms=2000)
     assert need == FIRST_CHUNK_CODES
     assert msg.seq == 0 and tensors["audio"].shape == (
-        FIRST_CHUNK_CODES * runner.decoder.samples_per_code - rf.lag_samples,)
+        FIRST_CHUNK_CODES * runner.decoder.samples_per_code - rf.lag_samples,
+    )
     runner.abort("early")
 
 
@@ -299,8 +309,12 @@ def test_code2wav_stage_bad_codes_fail_that_request_alone(q3_runner):
     streams = {"good": good, "range": bad}
     stream_frames(runner, streams, [50, 50])
     feed_frame(runner, "shape", 0, frames(7, 10, q=3), finished=True)
-    runner.guarded("ids", lambda: runner.accept(StreamStart(
-        request_id="ids", stage="talker", seq=0, token_ids=[1, 2, 3], finished=True), {}))
+    runner.guarded(
+        "ids",
+        lambda: runner.accept(
+            StreamStart(request_id="ids", stage="talker", seq=0, token_ids=[1, 2, 3], finished=True), {}
+        ),
+    )
     audio, errors = received(runner)
     assert set(audio) == {"good"} and set(errors) == {"range", "shape", "ids"}
     assert all(e.status == 400 and e.stage == "decoder" for e in errors.values())

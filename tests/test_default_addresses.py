@@ -43,8 +43,7 @@ def test_each_server_chooses_its_own_sockets_and_keeps_explicit_ones():
         os.rmdir(made)  # new_run_dir made them; no server owns these
     assert a != b and a.startswith(f"{run_root()}/tiny_omni-{os.getpid()}-")
     first, second = with_default_addresses(config, a), with_default_addresses(config, b)
-    assert [s.address for s in first.stages] == [f"ipc://{a}/{n}.sock"
-                                                 for n in ("thinker", "talker", "decoder")]
+    assert [s.address for s in first.stages] == [f"ipc://{a}/{n}.sock" for n in ("thinker", "talker", "decoder")]
     assert first.server.control_address == f"ipc://{a}/orchestrator.sock"
     assert not {s.address for s in first.stages} & {s.address for s in second.stages}
     assert all(s.address is None for s in config.stages)  # the caller's config is not changed
@@ -96,8 +95,9 @@ def test_a_hand_started_stage_needs_its_address_its_peers_and_the_inbox(tmp_path
     got = {issue.key: issue.message for issue in info.value.issues}
     assert set(got) == {"stages[1].address", "stages[2].address", "server.control_address"}
     assert got["stages[1].address"].startswith("needed for a stage started by hand (external)")
-    assert got["stages[2].address"].startswith("needed: stage 'talker', started by hand (external), "
-                                               "sends to this stage")
+    assert got["stages[2].address"].startswith(
+        "needed: stage 'talker', started by hand (external), sends to this stage"
+    )
     assert "they announce themselves there" in got["server.control_address"]
     # spelled out, they are fine (the thinker, which sends to the talker, may stay unset)
     data["stages"][1]["address"] = "tcp://127.0.0.1:5701"
@@ -109,12 +109,16 @@ def test_a_hand_started_stage_needs_its_address_its_peers_and_the_inbox(tmp_path
 
 def test_external_stages_from_the_command_line_and_the_python_api_are_checked(tmp_path: Path):
     omni_serve = Path(sys.executable).parent / "omni-serve"
-    result = subprocess.run([str(omni_serve), "--stage-config", str(TINY), "--check",
-                             "--external-stages", "decoder"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [str(omni_serve), "--stage-config", str(TINY), "--check", "--external-stages", "decoder"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
-    assert (f"omni-serve: config error: {TINY}: stages[2].address: needed for a stage started "
-            "by hand (external)") in result.stderr
+    assert (
+        f"omni-serve: config error: {TINY}: stages[2].address: needed for a stage started by hand (external)"
+    ) in result.stderr
     with pytest.raises(ConfigError, match=r"stages\[2\]\.address: needed for a stage started by hand"):
         Orchestrator(load_config(TINY), external_stages=["decoder"])
     # the shipped multi-host file spells everything out
@@ -122,12 +126,17 @@ def test_external_stages_from_the_command_line_and_the_python_api_are_checked(tm
 
 
 def test_python_m_workers_by_hand_refuses_a_file_without_addresses():
-    result = subprocess.run([sys.executable, "-m", "workers", "--stage-config", str(TINY),
-                             "--stage", "talker", "--no-path-check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "workers", "--stage-config", str(TINY), "--stage", "talker", "--no-path-check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
-    assert (f"python -m workers: config error: {TINY}: stages[1].address: needed for a stage "
-            "started by hand (external)") in result.stderr
+    assert (
+        f"python -m workers: config error: {TINY}: stages[1].address: needed for a stage started by hand (external)"
+    ) in result.stderr
     assert "stages[2].address: needed: stage 'talker'" in result.stderr
     assert "server.control_address: needed" in result.stderr
 
@@ -136,16 +145,19 @@ def test_python_m_workers_by_hand_refuses_a_file_without_addresses():
 
 
 def test_two_pipelines_from_one_config_run_side_by_side(tmp_path: Path):
-    path = fake_pipeline_config(tmp_path, f"twice_{uuid.uuid4().hex[:6]}",
-                                env={"FAKE_TOKEN_DELAY": "0.01"})
-    kw = dict(tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
-              start_timeout_s=60, shutdown_grace_s=2, echo_stage_logs=False)
+    path = fake_pipeline_config(tmp_path, f"twice_{uuid.uuid4().hex[:6]}", env={"FAKE_TOKEN_DELAY": "0.01"})
+    kw = dict(
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    )
     with Pipeline.from_config(path, **kw) as first, Pipeline.from_config(path, **kw) as second:
         a, b = first.orchestrator, second.orchestrator
         dirs = {Path(o.fleet.placement.run_dir) for o in (a, b)}
         assert len(dirs) == 2 and all(d.is_dir() and d.parent == Path(run_root()) for d in dirs)
-        addresses = [{o.fleet.control_address, *(r.address for r in o.fleet.replicas.values())}
-                     for o in (a, b)]
+        addresses = [{o.fleet.control_address, *(r.address for r in o.fleet.replicas.values())} for o in (a, b)]
         assert not addresses[0] & addresses[1]
         [one] = first.generate("first pipeline", max_tokens=6, modalities=("text", "audio"))
         [two] = second.generate("second pipeline", max_tokens=6, modalities=("text", "audio"))
@@ -166,16 +178,27 @@ def test_two_omni_serve_from_one_config_serve_side_by_side(tmp_path: Path):
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     omni_serve = Path(sys.executable).parent / "omni-serve"
     logs = [tmp_path / f"serve{i}.log" for i in range(2)]
-    procs = [subprocess.Popen([str(omni_serve), "--stage-config", str(path), "--port", "0",
-                               "--log-level", "warning"], stdout=log.open("w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
-             for log in logs]
+    procs = [
+        subprocess.Popen(
+            [str(omni_serve), "--stage-config", str(path), "--port", "0", "--log-level", "warning"],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for log in logs
+    ]
     try:
         urls = [_ready_url(p, log) for p, log in zip(procs, logs)]
         for i, url in enumerate(urls):
-            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-                "model": "side_by_side", "max_tokens": 4,
-                "messages": [{"role": "user", "content": f"hello {i}"}]})
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=120,
+                json={
+                    "model": "side_by_side",
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"hello {i}"}],
+                },
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
     finally:

@@ -37,8 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 #: Pages whose paths and config keys are checked: the site, and the READMEs that point into it.
-CHECKED = [*PAGES, ROOT / "README.md", ROOT / "benchmarks" / "README.md",
-           ROOT / "benchmarks" / "results" / "README.md"]
+CHECKED = [*PAGES, ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "results" / "README.md"]
 OMNI_SERVE = Path(sys.executable).with_name("omni-serve")
 MKDOCS_ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
 
@@ -53,9 +52,13 @@ def fenced_blocks(text: str, lang: str) -> list[str]:
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                           str(config), "--site-dir", str(site)],
-                          capture_output=True, text=True, env=MKDOCS_ENV, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        capture_output=True,
+        text=True,
+        env=MKDOCS_ENV,
+        timeout=300,
+    )
 
 
 def test_mkdocs_build_strict(tmp_path):
@@ -145,8 +148,13 @@ def reference_rows() -> dict[str, tuple[str, str, str]]:
 
 def test_schema_fields_walks_every_struct():
     keys = schema_fields()
-    for key in ("name", "server.media.max_items", "stages[].latents.merged.media_layer",
-                "stages[].engine_args.extra", "stages[].ray.replica_resources"):
+    for key in (
+        "name",
+        "server.media.max_items",
+        "stages[].latents.merged.media_layer",
+        "stages[].engine_args.extra",
+        "stages[].ray.replica_resources",
+    ):
         assert key in keys
 
 
@@ -175,8 +183,9 @@ def test_configuration_reference_defaults_are_the_schemas():
 
 #: A code span that reads as a config key: a dotted path from the top level or from a stage.
 _TOP = {f.name for f in msgspec.structs.fields(PipelineConfig)}
-_STAGE_STRUCTS = {f.name for f in msgspec.structs.fields(StageConfig)
-                  if _is_struct(_inner(f.type)) or _is_map(_inner(f.type))}
+_STAGE_STRUCTS = {
+    f.name for f in msgspec.structs.fields(StageConfig) if _is_struct(_inner(f.type)) or _is_map(_inner(f.type))
+}
 KEY_SPAN = re.compile(rf"^(?:{'|'.join(sorted(_TOP | _STAGE_STRUCTS))})(?:\[\d*\])?\.[a-z0-9_.\[\]]+$")
 
 
@@ -192,7 +201,7 @@ def resolve_key(key: str) -> str | None:
         if _is_map(inner):
             return None  # env, engine_args.extra, ray.resources: free-form below
         if i + 1 < len(parts) and not _is_struct(inner):
-            return f"{'.'.join(parts[:i + 1])} is a value, not a mapping"
+            return f"{'.'.join(parts[: i + 1])} is a value, not a mapping"
         struct = inner
     return None
 
@@ -207,11 +216,21 @@ def named_keys(text: str) -> set[str]:
 
 
 def test_resolve_key_tells_keys_from_non_keys():
-    for good in ("server.media.max_items", "stages[1].engine_args.block_size", "latents.merged.layer",
-                 "engine_args.extra.kv_cache_memory_bytes", "ray.resources.thinker_gpu", "env.X"):
+    for good in (
+        "server.media.max_items",
+        "stages[1].engine_args.block_size",
+        "latents.merged.layer",
+        "engine_args.extra.kv_cache_memory_bytes",
+        "ray.resources.thinker_gpu",
+        "env.X",
+    ):
         assert resolve_key(good) is None, good
-    for bad in ("engine_args.kv_cache_memory_bytes", "server.media.max_image_size",
-                "stages[].sampling.max_tokens.x", "server.routing.prefix"):
+    for bad in (
+        "engine_args.kv_cache_memory_bytes",
+        "server.media.max_image_size",
+        "stages[].sampling.max_tokens.x",
+        "server.routing.prefix",
+    ):
         assert resolve_key(bad), bad
 
 
@@ -252,15 +271,20 @@ PATH_SPAN = re.compile(r"^[\w.-]+(?:/[\w.*-]+)+\.(?:py|md|json|yaml|png|toml)$")
 
 @pytest.mark.parametrize("page", CHECKED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_path_a_page_names_exists(page):
-    missing = [span for span in CODE_SPAN.findall(page.read_text())
-               if PATH_SPAN.match(span) and not list(ROOT.glob(span))]
+    missing = [
+        span for span in CODE_SPAN.findall(page.read_text()) if PATH_SPAN.match(span) and not list(ROOT.glob(span))
+    ]
     assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
 
 
 def test_architecture_page_lists_every_module():
     named = set(CODE_SPAN.findall((DOCS / "architecture.md").read_text()))
-    modules = sorted(str(p.relative_to(ROOT)) for package in ("omni_cache", "workers", "scheduler")
-                     for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py")
+    modules = sorted(
+        str(p.relative_to(ROOT))
+        for package in ("omni_cache", "workers", "scheduler")
+        for p in (ROOT / package).rglob("*.py")
+        if p.name != "__init__.py"
+    )
     assert len(modules) > 40
     missing = [m for m in modules if m not in named]
     assert not missing, f"docs/architecture.md does not list: {missing}"
@@ -273,8 +297,12 @@ QUICKSTART = (DOCS / "quickstart.md").read_text()
 
 
 def quickstart_commands(prefix: str) -> list[str]:
-    return [line.split("  #")[0].strip() for block in fenced_blocks(QUICKSTART, "bash")
-            for line in block.splitlines() if line.startswith(prefix)]
+    return [
+        line.split("  #")[0].strip()
+        for block in fenced_blocks(QUICKSTART, "bash")
+        for line in block.splitlines()
+        if line.startswith(prefix)
+    ]
 
 
 def test_quickstart_opens_with_the_readmes_two_commands():
@@ -286,8 +314,7 @@ def test_quickstart_opens_with_the_readmes_two_commands():
 def test_quickstart_check_commands_run(command):
     argv = shlex.split(command)
     assert "--check" in argv, "a quickstart omni-serve line that is not a --check: serve it below"
-    result = subprocess.run([str(OMNI_SERVE), *argv[1:]], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([str(OMNI_SERVE), *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip().endswith("config OK"), result.stdout
 
@@ -323,8 +350,9 @@ def _pyproject_extras() -> dict[str, list[str]]:
 def test_configuration_reference_error_example_matches_a_real_run(tmp_path):
     """The reference's example error comes from the shipped tiny_omni.yaml with the talker's
     block_size quoted; the line number in it must be the real one."""
-    shown = re.search(r"`(tiny_omni\.yaml: stages\[1\]\.engine_args\.block_size: [^`]*)`",
-                      (DOCS / "configuration.md").read_text())
+    shown = re.search(
+        r"`(tiny_omni\.yaml: stages\[1\]\.engine_args\.block_size: [^`]*)`", (DOCS / "configuration.md").read_text()
+    )
     assert shown, "the configuration reference's config error example is gone"
     lines = (ROOT / "stage_configs" / "tiny_omni.yaml").read_text().splitlines(keepends=True)
     talker_block = [i for i, line in enumerate(lines) if re.match(r"\s+block_size: 32\b", line)][1]
@@ -375,13 +403,15 @@ def json_values(text: str) -> list[Any]:
 def test_quickstart_curl_commands_against_make_serve(block, make_serve, tmp_path):
     assert "localhost:8091" in block
     script = block.replace("localhost:8091", make_serve.url.removeprefix("http://"))
-    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, (script, result.stdout, result.stderr)
     out = result.stdout
     if '"stream": true' in block:
-        events = [json.loads(line[6:]) for line in out.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:]) for line in out.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         assert out.rstrip().endswith("data: [DONE]") and events
         assert not [e for e in events if "error" in e], out
         assert any((e.get("choices") or [{}])[0].get("delta", {}).get("audio") for e in events), "no audio"

@@ -39,16 +39,14 @@ def test_a_restart_after_the_file_was_edited_runs_the_servers_config():
         server.wait_ready(60)
         orch = server.orchestrator
         content = "e" * 200  # "user: eee...\n": 207 tokens; 4 more fit 512, not 64
-        body = {"model": orch.served_model_name, "max_tokens": 4,
-                "messages": [{"role": "user", "content": content}]}
+        body = {"model": orch.served_model_name, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
         headers = {"Authorization": f"Bearer {API_KEY}"}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 200, r.text
 
         text = path.read_text()
         assert f"max_model_len: {MAX_MODEL_LEN}" in text
-        path.write_text(text.replace(f"max_model_len: {MAX_MODEL_LEN}",
-                                     f"max_model_len: {EDITED_MAX_MODEL_LEN}"))
+        path.write_text(text.replace(f"max_model_len: {MAX_MODEL_LEN}", f"max_model_len: {EDITED_MAX_MODEL_LEN}"))
         old_pid = orch.stage_pids()["thinker"]
         os.kill(old_pid, signal.SIGKILL)
         _wait_restarted(server, "thinker", old_pid)

@@ -57,22 +57,24 @@ def test_a_key_the_stage_sets_or_cannot_run_is_refused(tmp_path: Path, key: str)
     assert why in message
 
 
-@pytest.mark.parametrize("key", ["max_model_len", "block_size", "async_scheduling",
-                                 "enable_prompt_embeds"])
+@pytest.mark.parametrize("key", ["max_model_len", "block_size", "async_scheduling", "enable_prompt_embeds"])
 def test_a_key_engine_args_types_is_refused_in_extra(tmp_path: Path, key: str) -> None:
     path = with_extra(tmp_path, THINKER, {key: 1})
-    assert (f"{path}: stages[0].engine_args.extra.{key}: not allowed here: set "
-            f"engine_args.{key} instead") in refusal(path)
+    assert (f"{path}: stages[0].engine_args.extra.{key}: not allowed here: set engine_args.{key} instead") in refusal(
+        path
+    )
 
 
-@pytest.mark.parametrize("key, hint", [("max_num_seq", "max_num_seqs"),
-                                       ("no_such_engine_argument", None),
-                                       ("_api_process_count", None)])
+@pytest.mark.parametrize(
+    "key, hint", [("max_num_seq", "max_num_seqs"), ("no_such_engine_argument", None), ("_api_process_count", None)]
+)
 def test_an_unknown_key_is_refused_naming_vllm(tmp_path: Path, key: str, hint: str | None) -> None:
     path = with_extra(tmp_path, THINKER, {key: 1})
     message = refusal(path)
-    assert (f"{path}: stages[0].engine_args.extra.{key}: unknown vLLM engine argument "
-            f"(vllm.EngineArgs {VLLM_VERSION} has no field {key!r})") in message, message
+    assert (
+        f"{path}: stages[0].engine_args.extra.{key}: unknown vLLM engine argument "
+        f"(vllm.EngineArgs {VLLM_VERSION} has no field {key!r})"
+    ) in message, message
     if hint:
         assert f"did you mean {hint!r}" in message
 
@@ -80,8 +82,9 @@ def test_an_unknown_key_is_refused_naming_vllm(tmp_path: Path, key: str, hint: s
 @pytest.mark.parametrize("key", SET_FOR_TALKER)
 def test_what_the_talker_sets_is_refused_on_a_talker_only(tmp_path: Path, key: str) -> None:
     talker = with_extra(tmp_path, TALKER, {key: {}}, base=QWEN3_OMNI)
-    assert (f"{talker}: stages[1].engine_args.extra.{key}: not allowed here: the stage sets it "
-            "for a talker") in refusal(talker)
+    assert (
+        f"{talker}: stages[1].engine_args.extra.{key}: not allowed here: the stage sets it for a talker"
+    ) in refusal(talker)
     # another stage passes it on to vLLM
     thinker = with_extra(tmp_path, THINKER, {key: {}}, base=QWEN3_OMNI)
     assert key in load_config(thinker).stages[0].engine_args.extra
@@ -90,33 +93,41 @@ def test_what_the_talker_sets_is_refused_on_a_talker_only(tmp_path: Path, key: s
 @pytest.mark.parametrize("key", STAGE_ADDITIONAL_CONFIG)
 def test_additional_config_keys_the_stage_writes_are_refused(tmp_path: Path, key: str) -> None:
     path = with_extra(tmp_path, THINKER, {"additional_config": {key: 1, "other": 2}})
-    assert (f"{path}: stages[0].engine_args.extra.additional_config.{key}: not allowed here: the "
-            "stage writes it") in refusal(path)
+    assert (
+        f"{path}: stages[0].engine_args.extra.additional_config.{key}: not allowed here: the stage writes it"
+    ) in refusal(path)
 
 
 def test_a_hash_algorithm_prefix_routing_cannot_follow_is_refused(tmp_path: Path) -> None:
     path = with_extra(tmp_path, THINKER, {"prefix_caching_hash_algo": "xxhash"})
-    assert (f"{path}: stages[0].engine_args.extra.prefix_caching_hash_algo: 'xxhash' is not "
-            "supported") in refusal(path)
+    assert (f"{path}: stages[0].engine_args.extra.prefix_caching_hash_algo: 'xxhash' is not supported") in refusal(path)
     ok = with_extra(tmp_path, THINKER, {"prefix_caching_hash_algo": ROUTED_HASH_ALGO})
     assert load_config(ok).stages[0].engine_args.extra == {"prefix_caching_hash_algo": "sha256"}
 
 
 def test_what_a_stage_passes_on_is_accepted(tmp_path: Path) -> None:
-    extra = {"limit_mm_per_prompt": {"image": 2}, "kv_cache_memory_bytes": 2**28,
-             "hf_overrides": {"rope_theta": 10000.0}, "max_logprobs": 5,
-             "additional_config": {"mine": 1}, "num_gpu_blocks_override": 64}
+    extra = {
+        "limit_mm_per_prompt": {"image": 2},
+        "kv_cache_memory_bytes": 2**28,
+        "hf_overrides": {"rope_theta": 10000.0},
+        "max_logprobs": 5,
+        "additional_config": {"mine": 1},
+        "num_gpu_blocks_override": 64,
+    }
     config = load_config(with_extra(tmp_path, THINKER, extra))
     assert config.stages[0].engine_args.to_vllm_kwargs()["kv_cache_memory_bytes"] == 2**28
 
 
 def test_omni_serve_check_refuses_naming_file_and_key(tmp_path: Path) -> None:
     path = with_extra(tmp_path, THINKER, {"speculative_config": {"method": "ngram"}})
-    result = subprocess.run([str(OMNI_SERVE), "--stage-config", str(path), "--check"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(OMNI_SERVE), "--stage-config", str(path), "--check"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2, result.stdout
-    assert (f"omni-serve: config error: {path}: stages[0].engine_args.extra.speculative_config: "
-            "not allowed here: speculative decoding is not supported") in result.stderr
+    assert (
+        f"omni-serve: config error: {path}: stages[0].engine_args.extra.speculative_config: "
+        "not allowed here: speculative decoding is not supported"
+    ) in result.stderr
 
 
 def test_the_static_list_is_the_installed_vllms_engine_args() -> None:

@@ -59,9 +59,13 @@ def test_a_stage_config_s_settings_change_the_flags(tmp_path):
     data = yaml.safe_load(SHIPPED.read_text())
     thinker = data["stages"][0]
     thinker["prefix_cache"] = False
-    thinker["engine_args"].update(enforce_eager=False, max_num_seqs=3, dtype="bfloat16",
-                                  max_num_batched_tokens=4096,
-                                  extra={"kv_cache_memory_bytes": 1 << 28, "max_logprobs": 7})
+    thinker["engine_args"].update(
+        enforce_eager=False,
+        max_num_seqs=3,
+        dtype="bfloat16",
+        max_num_batched_tokens=4096,
+        extra={"kv_cache_memory_bytes": 1 << 28, "max_logprobs": 7},
+    )
     thinker["env"]["EXTRA_VAR"] = "x"
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -70,16 +74,32 @@ def test_a_stage_config_s_settings_change_the_flags(tmp_path):
     # Both KV sizes set: the engine argument wins and the variable is dropped, as in the stage.
     assert "VLLM_CPU_KVCACHE_SPACE" not in args.env and args.env["EXTRA_VAR"] == "x"
     _, engine = _vllm_serve_engine_args(args.argv(port=1))
-    assert (engine.enable_prefix_caching, engine.enforce_eager, engine.max_num_seqs, engine.dtype,
-            engine.kv_cache_memory_bytes, engine.max_num_batched_tokens, engine.max_logprobs) == (
-                False, False, 3, "bfloat16",
-                1 << 28, 4096, 7)
+    assert (
+        engine.enable_prefix_caching,
+        engine.enforce_eager,
+        engine.max_num_seqs,
+        engine.dtype,
+        engine.kv_cache_memory_bytes,
+        engine.max_num_batched_tokens,
+        engine.max_logprobs,
+    ) == (False, False, 3, "bfloat16", 1 << 28, 4096, 7)
     assert thinker_serve_args(path, prefix_cache=True).flags[-1] == "--enable-prefix-caching"
 
 
 def test_serve_flags_spell_each_kind_of_value():
     assert serve_flags({"a_b": True, "c": False, "d": None, "e": 3, "f": {"x": 1}, "g": ["p", "q"], "h": 0.5}) == [
-        "--a-b", "--no-c", "--e", "3", "--f", '{"x": 1}', "--g", "p", "q", "--h", "0.5"]
+        "--a-b",
+        "--no-c",
+        "--e",
+        "3",
+        "--f",
+        '{"x": 1}',
+        "--g",
+        "p",
+        "q",
+        "--h",
+        "0.5",
+    ]
     with pytest.raises(ValueError, match="engine argument h"):
         serve_flags({"h": object()})
     with pytest.raises(ValueError, match="empty list"):
@@ -95,39 +115,56 @@ def test_the_harness_takes_a_vllm_side_only_with_text_only_requests():
 
 
 def _hist(name: str, total: float, count: int) -> str:
-    return (f"# TYPE {name} histogram\n{name}_sum{{model_name=\"m\"}} {total}\n"
-            f"{name}_count{{model_name=\"m\"}} {count}\n")
+    return f'# TYPE {name} histogram\n{name}_sum{{model_name="m"}} {total}\n{name}_count{{model_name="m"}} {count}\n'
 
 
 def test_histogram_means_are_the_deltas_between_two_scrapes():
-    before = "".join(_hist(n, s, c) for n, s, c in (("vllm:time_to_first_token_seconds", 1.0, 2),
-                                                   ("vllm:request_queue_time_seconds", 0.5, 2),
-                                                   ("vllm:request_prefill_time_seconds", 0.2, 2)))
-    after = "".join(_hist(n, s, c) for n, s, c in (("vllm:time_to_first_token_seconds", 2.0, 6),
-                                                  ("vllm:request_queue_time_seconds", 0.5, 6),
-                                                  ("vllm:request_prefill_time_seconds", 0.6, 6)))
+    before = "".join(
+        _hist(n, s, c)
+        for n, s, c in (
+            ("vllm:time_to_first_token_seconds", 1.0, 2),
+            ("vllm:request_queue_time_seconds", 0.5, 2),
+            ("vllm:request_prefill_time_seconds", 0.2, 2),
+        )
+    )
+    after = "".join(
+        _hist(n, s, c)
+        for n, s, c in (
+            ("vllm:time_to_first_token_seconds", 2.0, 6),
+            ("vllm:request_queue_time_seconds", 0.5, 6),
+            ("vllm:request_prefill_time_seconds", 0.6, 6),
+        )
+    )
     got = engine_limit.histogram_means(before, after)
     assert got == pytest.approx({"ttft": 0.25, "queue": 0.0, "prefill": 0.1})
     assert math.isnan(engine_limit.histogram_means(after, after)["ttft"])
 
 
 def test_the_pipeline_engine_times_come_from_its_timelines():
-    samples = [{"ok": True, "response_id": "chatcmpl-a"}, {"ok": True, "response_id": "chatcmpl-b"},
-               {"ok": False, "response_id": "chatcmpl-c"}, {"ok": True, "response_id": "chatcmpl-d"}]
-    timelines = {"a": {"thinker": {"queued": 1.0, "scheduled": 1.1, "first_token": 1.4}},
-                 "b": {"thinker": {"queued": 2.0, "scheduled": 2.3, "first_token": 2.4}},
-                 "c": {"thinker": {"queued": 0.0, "scheduled": 9.0, "first_token": 9.0}},  # failed: left out
-                 "d": {"thinker": {"queued": 0.0}}}                                       # incomplete
+    samples = [
+        {"ok": True, "response_id": "chatcmpl-a"},
+        {"ok": True, "response_id": "chatcmpl-b"},
+        {"ok": False, "response_id": "chatcmpl-c"},
+        {"ok": True, "response_id": "chatcmpl-d"},
+    ]
+    timelines = {
+        "a": {"thinker": {"queued": 1.0, "scheduled": 1.1, "first_token": 1.4}},
+        "b": {"thinker": {"queued": 2.0, "scheduled": 2.3, "first_token": 2.4}},
+        "c": {"thinker": {"queued": 0.0, "scheduled": 9.0, "first_token": 9.0}},  # failed: left out
+        "d": {"thinker": {"queued": 0.0}},
+    }  # incomplete
     got = engine_limit.timeline_engine_means(samples, timelines)
     assert got["requests"] == 2
     assert got["queue"] == pytest.approx(0.2) and got["prefill"] == pytest.approx(0.2)
 
 
 def test_a_setting_row_reports_pipeline_over_vllm():
-    result = {"sides": {"vllm": {"ttft_s": {"p50": 0.1, "n": 6}}, "on": {"ttft_s": {"p50": 0.12, "n": 6}}},
-              "ratios": {"speedup": {"ttft_s": {"p50": 1.2}}},
-              "paired_ratios": {"speedup": {"ttft_s": {"p50": 1.15}}},
-              "ratios_per_round": [{"speedup": {"ttft_s": {"p50": x}}} for x in (1.3, 0.9, 1.2)]}
+    result = {
+        "sides": {"vllm": {"ttft_s": {"p50": 0.1, "n": 6}}, "on": {"ttft_s": {"p50": 0.12, "n": 6}}},
+        "ratios": {"speedup": {"ttft_s": {"p50": 1.2}}},
+        "paired_ratios": {"speedup": {"ttft_s": {"p50": 1.15}}},
+        "ratios_per_round": [{"speedup": {"ttft_s": {"p50": x}}} for x in (1.3, 0.9, 1.2)],
+    }
     row = engine_limit.ttft_row("zero-reuse", 4, result)
     assert row["rounds_pipeline_slower"] == 2 and row["ratio_rounds"] == [1.3, 0.9, 1.2]
     table = engine_limit.format_rows([row])

@@ -48,8 +48,7 @@ WAIT_S = 60.0
 class ByteTokenizer:
     chat_template = ""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None,
-                            **template_kwargs):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None, **template_kwargs):
         return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
 
     def decode(self, ids, skip_special_tokens=True):
@@ -62,13 +61,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(*, heartbeat_timeout_s: float = 10.0, key_file: Path | None = None,
-                 external: bool = True) -> Path:
+def write_config(*, heartbeat_timeout_s: float = 10.0, key_file: Path | None = None, external: bool = True) -> Path:
     d = Path(tempfile.mkdtemp(prefix="ocx"))
     ports = [free_port() for _ in range(3)]
     auth = f", stage_auth_key_file: {key_file}" if key_file else ""
     path = d / "pipeline.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name: ext_{uuid.uuid4().hex[:8]}
         server: {{host: 127.0.0.1, port: 0, request_timeout_s: 120,
                   control_address: "tcp://127.0.0.1:{ports[0]}",
@@ -91,7 +90,8 @@ def write_config(*, heartbeat_timeout_s: float = 10.0, key_file: Path | None = N
             address: tcp://127.0.0.1:{ports[2]}
             external: {str(external).lower()}
             final_output: audio
-        """))
+        """)
+    )
     return path
 
 
@@ -106,8 +106,11 @@ class Stages:
         for name in names or ("thinker", "decoder"):
             self.procs[name] = subprocess.Popen(
                 [sys.executable, str(FAKE_STAGE), "--stage-config", str(self.path), "--stage", name],
-                env={**os.environ, "FAKE_TOKEN_DELAY": "0.01"}, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, start_new_session=True)
+                env={**os.environ, "FAKE_TOKEN_DELAY": "0.01"},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name)
@@ -130,14 +133,16 @@ def with_suppress_kill(proc: subprocess.Popen) -> None:
 
 
 def server_for(path: Path) -> ServerThread:
-    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
-                        start_timeout_s=WAIT_S, echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(), start_timeout_s=WAIT_S, echo_stage_logs=False)
     return ServerThread(orch).start()
 
 
 def chat(srv: ServerThread, content: str, *, audio: bool = True, timeout: float = WAIT_S) -> httpx.Response:
-    body = {"model": srv.orchestrator.served_model_name, "max_tokens": 16,
-            "messages": [{"role": "user", "content": content}]}
+    body = {
+        "model": srv.orchestrator.served_model_name,
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": content}],
+    }
     if audio:
         body["modalities"] = ["text", "audio"]
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=timeout)
@@ -156,19 +161,27 @@ def wait_until(predicate, what: str, timeout: float = WAIT_S, state=None) -> Non
 
 def all_up(srv: ServerThread, what: str) -> None:
     """Wait until every stage serves; on timeout, say why each one that does not is down."""
-    wait_until(lambda: srv.orchestrator.not_ready() == {}, what,
-               state=lambda: {"not_ready": srv.orchestrator.not_ready(), "replicas": {
-                   n: {k: getattr(sp, k) for k in ("up", "announced", "connection_down", "pid",
-                                                   "incarnation", "lost_reason", "restarts")}
-                   | {"liveness": vars(sp.liveness)}
-                   for n, sp in srv.orchestrator.supervisor.stages.items()}})
+    wait_until(
+        lambda: srv.orchestrator.not_ready() == {},
+        what,
+        state=lambda: {
+            "not_ready": srv.orchestrator.not_ready(),
+            "replicas": {
+                n: {
+                    k: getattr(sp, k)
+                    for k in ("up", "announced", "connection_down", "pid", "incarnation", "lost_reason", "restarts")
+                }
+                | {"liveness": vars(sp.liveness)}
+                for n, sp in srv.orchestrator.supervisor.stages.items()
+            },
+        },
+    )
 
 
 def metric(srv: ServerThread, name: str, stage: str) -> float:
     """One sample of /metrics (``name`` or ``name_total``) for ``stage``."""
     text = httpx.get(srv.url + "/metrics", timeout=WAIT_S).text
-    found = [v for n, lab, v in parse_metrics(text)
-             if n in (name, name + "_total") and lab.get("stage") == stage]
+    found = [v for n, lab, v in parse_metrics(text) if n in (name, name + "_total") and lab.get("stage") == stage]
     assert len(found) == 1, f"{name}{{stage={stage!r}}} in:\n{text}"
     return found[0]
 
@@ -244,7 +257,8 @@ def test_stages_first_and_a_restarted_server_finds_them_again(stages, servers):
     second.wait_ready(WAIT_S)
     assert_answer(chat(second, "two"), "two")
     assert {n: sp.pid for n, sp in second.orchestrator.supervisor.stages.items()} == {
-        n: st.procs[n].pid for n in ("thinker", "decoder")}
+        n: st.procs[n].pid for n in ("thinker", "decoder")
+    }
     assert all(p is None for p in pids.values())  # not processes the server started
 
 
@@ -293,8 +307,7 @@ def test_killed_stage_fails_its_requests_then_serves_again(stages, servers):
     assert refused.status_code == 503
 
     st.start("thinker")
-    wait_until(lambda: httpx.get(srv.url + "/health", timeout=WAIT_S).status_code == 200,
-               "the restarted stage is seen")
+    wait_until(lambda: httpx.get(srv.url + "/health", timeout=WAIT_S).status_code == 200, "the restarted stage is seen")
     assert_answer(chat(srv, "back"), "back")
     assert metric(srv, "omni_cache_stage_up", "thinker") == 1
     assert metric(srv, "omni_cache_stage_restarts", "thinker") == 1
@@ -308,8 +321,10 @@ def test_an_announced_stage_the_server_cannot_reach_is_not_up(stages, servers):
     config = load_config(path)
     srv = servers(path)
     thinker = srv.orchestrator.supervisor.stages
-    wait_until(lambda: "thinker" in thinker and thinker["thinker"].connection_down,
-               "the server's connection to the (unbound) thinker address was refused")
+    wait_until(
+        lambda: "thinker" in thinker and thinker["thinker"].connection_down,
+        "the server's connection to the (unbound) thinker address was refused",
+    )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.linger = 0
@@ -317,6 +332,7 @@ def test_an_announced_stage_the_server_cannot_reach_is_not_up(stages, servers):
     codec = Codec(MESSAGE_TYPES)
     ready = StageReady(stage="thinker", pid=os.getpid(), incarnation="by-hand", host="here")
     try:
+
         def announced() -> bool:
             sock.send_multipart(codec.encode(ready))
             return "announced itself" in srv.orchestrator.not_ready().get("thinker", "")
@@ -434,24 +450,33 @@ def test_stage_key_must_be_long(tmp_path):
 
 def _variant(tmp_path: Path, server_extra: str = "", stage_extra: str = "") -> Path:
     path = tmp_path / "p.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name: p
         server: {{control_address: "tcp://node-a:5600"{server_extra}}}
         stages:
           - {{name: thinker, kind: generation, model: "tiny:decoder", address: "tcp://node-b:5601",
               final_output: audio{stage_extra}}}
-        """))
+        """)
+    )
     return path
 
 
-@pytest.mark.parametrize("server_extra, stage_extra, key, message", [
-    ("", ", bind_address: 'ipc:///tmp/x.sock'", "stages[0].bind_address", "a bind address is for tcp"),
-    ("", ", bind_address: 'tcp://0.0.0.0'", "stages[0].bind_address", "expected 'tcp://host:port'"),
-    (", control_bind_address: 'tcp://*:5600'", "", "server.control_bind_address", "concrete host"),
-    (", heartbeat_interval_s: 2, heartbeat_timeout_s: 1", "", "server.heartbeat_timeout_s",
-     "must be longer than server.heartbeat_interval_s"),
-    (", stage_auth_key_file: /nonexistent/stage.key", "", "server.stage_auth_key_file", "no such file"),
-])
+@pytest.mark.parametrize(
+    "server_extra, stage_extra, key, message",
+    [
+        ("", ", bind_address: 'ipc:///tmp/x.sock'", "stages[0].bind_address", "a bind address is for tcp"),
+        ("", ", bind_address: 'tcp://0.0.0.0'", "stages[0].bind_address", "expected 'tcp://host:port'"),
+        (", control_bind_address: 'tcp://*:5600'", "", "server.control_bind_address", "concrete host"),
+        (
+            ", heartbeat_interval_s: 2, heartbeat_timeout_s: 1",
+            "",
+            "server.heartbeat_timeout_s",
+            "must be longer than server.heartbeat_interval_s",
+        ),
+        (", stage_auth_key_file: /nonexistent/stage.key", "", "server.stage_auth_key_file", "no such file"),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, server_extra, stage_extra, key, message):
     path = _variant(tmp_path, server_extra, stage_extra)
     with pytest.raises(ConfigError) as err:
@@ -461,8 +486,9 @@ def test_config_errors_name_the_key(tmp_path, server_extra, stage_extra, key, me
 
 
 def test_bind_and_advertise_addresses_load(tmp_path):
-    path = _variant(tmp_path, ", control_bind_address: 'tcp://0.0.0.0:5600'",
-                    ", bind_address: 'tcp://0.0.0.0:5601', external: true")
+    path = _variant(
+        tmp_path, ", control_bind_address: 'tcp://0.0.0.0:5600'", ", bind_address: 'tcp://0.0.0.0:5601', external: true"
+    )
     config = load_config(path)
     assert config.server.control_bind_address == "tcp://0.0.0.0:5600"
     assert config.stages[0].bind_address == "tcp://0.0.0.0:5601" and config.stages[0].external
@@ -482,9 +508,13 @@ def test_omni_serve_external_stages_flag(tmp_path, capsys):
 
 def test_hand_started_stage_checks_only_its_own_model_path():
     # The GPU example: every stage's model is a path on its own host, none exists here.
-    result = subprocess.run([sys.executable, "-m", "workers", "--stage-config", str(QWEN),
-                             "--stage", "decoder"], capture_output=True, text=True, timeout=WAIT_S,
-                            cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "workers", "--stage-config", str(QWEN), "--stage", "decoder"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=REPO,
+    )
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "config error" in line]
     names = [s.name for s in load_config(QWEN, check_paths=False).stages]
@@ -493,7 +523,8 @@ def test_hand_started_stage_checks_only_its_own_model_path():
     assert f"stages[{names.index('decoder')}].model" in models[0] and "--no-path-check" in models[0]
     # the example's stage key file lives on its hosts, not here
     assert [e for e in errors if e not in models] == [
-        e for e in errors if "server.stage_auth_key_file: no such file" in e]
+        e for e in errors if "server.stage_auth_key_file: no such file" in e
+    ]
 
 
 def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkeypatch):
@@ -501,7 +532,8 @@ def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkey
     import workers.stage_process
 
     path = tmp_path / "p.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         name: p
         server: {control_address: "tcp://127.0.0.1:8"}
         stages:
@@ -511,7 +543,8 @@ def test_hand_started_stage_applies_its_env_and_path_check_flag(tmp_path, monkey
             address: tcp://127.0.0.1:9
             final_output: audio
             env: {OMNI_TEST_MARK: from-the-config}
-        """))
+        """)
+    )
     assert workers_main.main(["--stage-config", str(path), "--stage", "decoder"]) == 2
     monkeypatch.setenv("OMNI_TEST_MARK", "from-the-shell")  # restored after the test
     seen: dict = {}

@@ -36,8 +36,11 @@ def answer(resp) -> tuple[str, bytes, int]:
     assert resp.status_code == 200, resp.text
     body = resp.json()
     msg = body["choices"][0]["message"]
-    return msg["content"], base64.b64decode(msg["audio"]["data"]), \
-        body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return (
+        msg["content"],
+        base64.b64decode(msg["audio"]["data"]),
+        body["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
 
 
 def test_server_first_then_hand_started_stages(hosts):
@@ -97,8 +100,7 @@ def test_stage_refuses_a_peer_without_the_key(hosts):
     try:
         for stage in config.stages:
             assert inject(ctx, stage.address, codec, None, "stranger") != zmq.EVENT_HANDSHAKE_SUCCEEDED
-        assert inject(ctx, config.server.control_address, codec, None, "stranger") \
-            != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert inject(ctx, config.server.control_address, codec, None, "stranger") != zmq.EVENT_HANDSHAKE_SUCCEEDED
     finally:
         ctx.term()
     hosts.wait_health(200, 60)

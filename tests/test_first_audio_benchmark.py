@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- the listener -------------------------------------------------------------------------------
 
+
 def test_audio_that_keeps_ahead_never_stalls():
     # 0.5 s chunks every 0.4 s: the player (starting 0.2 s after the first) never runs out.
     p = play([1.0 + 0.4 * k for k in range(10)], [0.5] * 10, jitter_s=0.2)
@@ -49,12 +50,18 @@ def test_a_sample_is_played_from_its_chunk_sizes():
 
 # ---- plan, switch -------------------------------------------------------------------------------
 
+
 def test_points_of_a_round_get_distinct_prompts_and_the_same_shared_prefix():
-    args = first_audio.parse_args(["--concurrency", "1,4", "--arrivals", "closed,poisson",
-                                   "--shared-tokens", "300", "--unique-tokens", "20"])
+    args = first_audio.parse_args(
+        ["--concurrency", "1,4", "--arrivals", "closed,poisson", "--shared-tokens", "300", "--unique-tokens", "20"]
+    )
     warmup, points = first_audio.plan("shared-prefix", args, round_index=0)
-    assert {k: len(v) for k, v in points.items()} == {("closed", 1): 8, ("closed", 4): 12,
-                                                      ("poisson", 1): 8, ("poisson", 4): 12}
+    assert {k: len(v) for k, v in points.items()} == {
+        ("closed", 1): 8,
+        ("closed", 4): 12,
+        ("poisson", 1): 8,
+        ("poisson", 4): 12,
+    }
     sessions = [s for v in points.values() for s in v]
     assert len({s.users[0] for s in sessions}) == len(sessions)
     assert {s.system for s in sessions} == {warmup[0].system}
@@ -64,8 +71,9 @@ def test_points_of_a_round_get_distinct_prompts_and_the_same_shared_prefix():
     assert other[("closed", 1)][0].users != points[("closed", 1)][0].users
 
 
-@pytest.mark.parametrize("side,enabled,caps", [("on", True, [None] * 3), ("off", False, [None] * 3),
-                                               ("capped", True, [3.0, 3.0, 2.0])])
+@pytest.mark.parametrize(
+    "side,enabled,caps", [("on", True, [None] * 3), ("off", False, [None] * 3), ("capped", True, [3.0, 3.0, 2.0])]
+)
 def test_side_config_switches_every_pacing_block(tmp_path, side, enabled, caps):
     from omni_cache.config import load_config
 
@@ -83,6 +91,7 @@ def test_side_config_refuses_a_pipeline_without_pacing(tmp_path):
 
 # ---- summary, capacity, verdicts ----------------------------------------------------------------
 
+
 def sample(ttfa: float, stall_at: float | None = None) -> dict:
     """An ok answer: 1 s chunks every 0.5 s from ``ttfa``; one chunk 2 s late at ``stall_at``."""
     times = [ttfa + 0.5 * k for k in range(6)]
@@ -91,17 +100,41 @@ def sample(ttfa: float, stall_at: float | None = None) -> dict:
     return {"ok": True, "audio_times": times, "audio_sizes": [2 * SAMPLE_RATE] * 6}
 
 
-def point(side: str, level: int, ttfas: list[float], stalls: int = 0, duration: float = 10.0,
-          workload: str = "shared-prefix", arrival: str = "closed") -> dict:
+def point(
+    side: str,
+    level: int,
+    ttfas: list[float],
+    stalls: int = 0,
+    duration: float = 10.0,
+    workload: str = "shared-prefix",
+    arrival: str = "closed",
+) -> dict:
     samples = [sample(t, stall_at=t + 1.0 if i < stalls else None) for i, t in enumerate(ttfas)]
-    return {"side": side, "round": 0, "workload": workload, "arrival": arrival, "level": level,
-            "rate": None, "duration_s": duration, "samples": samples,
-            "counters": {"talker": {"paced": level - 1, "fresh": 1.0}}, "resources": None}
+    return {
+        "side": side,
+        "round": 0,
+        "workload": workload,
+        "arrival": arrival,
+        "level": level,
+        "rate": None,
+        "duration_s": duration,
+        "samples": samples,
+        "counters": {"talker": {"paced": level - 1, "fresh": 1.0}},
+        "resources": None,
+    }
 
 
 def points_for(side: str, ttfa8: float, stalls_at: dict[int, int], duration: float) -> list[dict]:
-    return [point(side, c, [0.1] * 4 if c == 1 else [ttfa8] * 4 if c == 8 else [0.2] * 4,
-                  stalls=stalls_at.get(c, 0), duration=duration) for c in (1, 2, 4, 8, 16)]
+    return [
+        point(
+            side,
+            c,
+            [0.1] * 4 if c == 1 else [ttfa8] * 4 if c == 8 else [0.2] * 4,
+            stalls=stalls_at.get(c, 0),
+            duration=duration,
+        )
+        for c in (1, 2, 4, 8, 16)
+    ]
 
 
 def test_summary_pools_rounds_and_counts_stalls():
@@ -123,8 +156,9 @@ def test_capacity_is_the_level_before_the_first_stall():
 
 
 def test_verdicts_compare_pacing_on_with_off():
-    rows = first_audio_results.summarize(points_for("on", 0.14, {16: 1}, 10.0)
-                                 + points_for("off", 0.9, {8: 2}, 11.0), jitter_s=0.2)
+    rows = first_audio_results.summarize(
+        points_for("on", 0.14, {16: 1}, 10.0) + points_for("off", 0.9, {8: 2}, 11.0), jitter_s=0.2
+    )
     got = {t["name"]: t for t in first_audio_results.verdicts(rows)}
     ttfa = got["TTFA p90 at 8 / at 1 (pacing on), 0 stalls at 8"]
     assert ttfa["value"] == pytest.approx(1.4) and ttfa["met"]
@@ -148,8 +182,9 @@ def test_table_json_and_plot(tmp_path):
     args = first_audio.parse_args(["--workloads", "shared-prefix"])
     pts = points_for("on", 0.14, {}, 10.0) + points_for("off", 0.9, {8: 2}, 11.0)
     pts.append(point("on", 4, [0.3] * 4, arrival="poisson"))
-    result = first_audio_results.assemble(pts, first_audio.run_config(args, {"shared-prefix": 0.3}),
-                                  "test", {"cpu_model": "test cpu"})
+    result = first_audio_results.assemble(
+        pts, first_audio.run_config(args, {"shared-prefix": 0.3}), "test", {"cpu_model": "test cpu"}
+    )
     table = first_audio_results.format_table(result)
     assert "pacing on" in table and "capacity" in table and "MET" in table
     write_json(tmp_path / "r.json", result)
@@ -181,11 +216,32 @@ def test_url_sweeps_a_running_server(tmp_path):
 
     out = tmp_path / "r.json"
     with fake_server("faurl") as srv:
-        rc = first_audio.main([
-            "--url", srv.url, "--api-key", API_KEY, "--workloads", "shared-prefix",
-            "--concurrency", "1,2", "--arrivals", "closed", "--min-requests", "2",
-            "--requests-per-stream", "1", "--shared-tokens", "60", "--unique-tokens", "20",
-            "--max-tokens", "8", "--json", str(out)])
+        rc = first_audio.main(
+            [
+                "--url",
+                srv.url,
+                "--api-key",
+                API_KEY,
+                "--workloads",
+                "shared-prefix",
+                "--concurrency",
+                "1,2",
+                "--arrivals",
+                "closed",
+                "--min-requests",
+                "2",
+                "--requests-per-stream",
+                "1",
+                "--shared-tokens",
+                "60",
+                "--unique-tokens",
+                "20",
+                "--max-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
     assert rc == 0
     result = json.loads(out.read_text())
     rows = result["rows"]

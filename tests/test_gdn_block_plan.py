@@ -24,14 +24,20 @@ def batch():
     seq_lens = [40, 300, 300]
     running = [5, 7, 9]
     meta = GDNAttentionMetadata(
-        num_prefills=2, num_prefill_tokens=500, num_decodes=1, num_decode_tokens=1,
-        num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=501,
+        num_prefills=2,
+        num_prefill_tokens=500,
+        num_decodes=1,
+        num_decode_tokens=1,
+        num_spec_decodes=0,
+        num_spec_decode_tokens=0,
+        num_actual_tokens=501,
         has_initial_state=torch.tensor([True, False, True]),
         non_spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        non_spec_state_indices_tensor=torch.tensor(running, dtype=torch.int32))
+        non_spec_state_indices_tensor=torch.tensor(running, dtype=torch.int32),
+    )
     table = torch.zeros(3, 4, dtype=torch.int32)
     table[1, :3] = torch.tensor([11, 12, 7])  # A: boundaries 128 and 256, running block in col 2
-    table[2, :3] = torch.tensor([0, 22, 9])   # B: boundary 128 left null by the manager, 256 kept
+    table[2, :3] = torch.tensor([0, 22, 9])  # B: boundary 128 left null by the manager, 256 kept
     return meta, qsl, seq_lens, running, table
 
 
@@ -66,8 +72,12 @@ def test_a_lone_one_token_piece_runs_as_a_decode():
     meta, qsl, seq_lens, running, table = batch()
     seq_lens[2] = 257  # B: tokens 100-256, so boundary 256 is one token before its end
     qsl[3] = 301 + 157
-    meta = replace(meta, num_prefill_tokens=457, num_actual_tokens=458,
-                   non_spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32))
+    meta = replace(
+        meta,
+        num_prefill_tokens=457,
+        num_actual_tokens=458,
+        non_spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+    )
     plan = plan_segments(meta, qsl, boundary_cuts(seq_lens, qsl, 1, 3, B, table, running))
     last = plan.segments[-1].metadata
     assert (plan.segments[-1].start, plan.segments[-1].end) == (457, 458)
@@ -101,34 +111,45 @@ def spec(kind: str = "GDN_ATTN", states: int = 2):
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return MambaSpec(block_size=B, shapes=((3, 64),) * states, dtypes=(torch.bfloat16,) * states,
-                     mamba_type=getattr(MambaAttentionBackendEnum, kind), mamba_cache_mode="align")
+    return MambaSpec(
+        block_size=B,
+        shapes=((3, 64),) * states,
+        dtypes=(torch.bfloat16,) * states,
+        mamba_type=getattr(MambaAttentionBackendEnum, kind),
+        mamba_cache_mode="align",
+    )
 
 
 def test_block_states_turn_on_for_every_replaced_gdn_layer():
     # Qwen3-Next and Qwen3.5 build the same layer class (vLLM's QwenGatedDeltaNetAttention,
     # which the plugin replaces): the rule reads the class, not the model's name.
     names = [f"model.layers.{i}.linear_attn" for i in range(3)]
-    assert recurrent_layers_reason({n: spec() for n in names},
-                                   {n: BlockStateGatedDeltaNet for n in names}) is None
+    assert recurrent_layers_reason({n: spec() for n in names}, {n: BlockStateGatedDeltaNet for n in names}) is None
 
 
-@pytest.mark.parametrize("layer,kind,why", [
-    ("qwen", "GDN_ATTN", "replaced by the omni_cache vLLM plugin"),  # plugin not loaded
-    ("olmo", "GDN_ATTN", "OlmoHybridGatedDeltaNetAttention"),
-    ("kimi", "GDN_ATTN", "KimiGatedDeltaNetAttention"),
-    ("mamba2", "MAMBA2", "MambaMixer2"),
-    ("ours", "MAMBA2", "state layout"),
-])
+@pytest.mark.parametrize(
+    "layer,kind,why",
+    [
+        ("qwen", "GDN_ATTN", "replaced by the omni_cache vLLM plugin"),  # plugin not loaded
+        ("olmo", "GDN_ATTN", "OlmoHybridGatedDeltaNetAttention"),
+        ("kimi", "GDN_ATTN", "KimiGatedDeltaNetAttention"),
+        ("mamba2", "MAMBA2", "MambaMixer2"),
+        ("ours", "MAMBA2", "state layout"),
+    ],
+)
 def test_block_states_stay_off_for_other_recurrent_layers(layer, kind, why):
     from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn import OlmoHybridGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    cls = {"qwen": QwenGatedDeltaNetAttention, "olmo": OlmoHybridGatedDeltaNetAttention,
-           "kimi": KimiGatedDeltaNetAttention, "mamba2": MambaMixer2,
-           "ours": BlockStateGatedDeltaNet}[layer]
+    cls = {
+        "qwen": QwenGatedDeltaNetAttention,
+        "olmo": OlmoHybridGatedDeltaNetAttention,
+        "kimi": KimiGatedDeltaNetAttention,
+        "mamba2": MambaMixer2,
+        "ours": BlockStateGatedDeltaNet,
+    }[layer]
     # One such layer beside replaced GDN layers is enough: its boundary blocks would stay empty.
     specs = {"layers.0.linear_attn": spec(), "layers.1.mixer": spec(kind)}
     types = {"layers.0.linear_attn": BlockStateGatedDeltaNet, "layers.1.mixer": cls}
@@ -139,5 +160,4 @@ def test_block_states_stay_off_for_other_recurrent_layers(layer, kind, why):
 def test_block_states_off_without_recurrent_layers_or_their_classes():
     assert "no recurrent layers" in recurrent_layers_reason({}, {})
     assert "not built" in recurrent_layers_reason({"layers.0.linear_attn": spec()}, {})
-    assert "state layout" in recurrent_layers_reason({"x": spec(states=3)},
-                                                     {"x": BlockStateGatedDeltaNet})
+    assert "state layout" in recurrent_layers_reason({"x": spec(states=3)}, {"x": BlockStateGatedDeltaNet})

@@ -25,9 +25,11 @@ from omni_cache.models.codec_decoder import CodecDecoder, CodecWindowDecoder, ra
 def talker_ctx(dim=16, out=8):
     gen = torch.Generator().manual_seed(0)
     ctx = HandoffContext(model_path=None)  # the projection is given, not loaded
-    ctx.resources["projection"] = (torch.randn(out, dim, generator=gen, dtype=torch.float64),
-                                   torch.randn(out, generator=gen, dtype=torch.float64),
-                                   {"codebook_size": 4, "codec_eos_id": 5})
+    ctx.resources["projection"] = (
+        torch.randn(out, dim, generator=gen, dtype=torch.float64),
+        torch.randn(out, generator=gen, dtype=torch.float64),
+        {"codebook_size": 4, "codec_eos_id": 5},
+    )
     return ctx
 
 
@@ -60,17 +62,24 @@ def test_thinker_to_talker_segments():
 
 def decoder_ctx(decoder, chunk=16):
     windows = CodecWindowDecoder(decoder)
-    return HandoffContext(model_path=None, resources={
-        "receptive_field": windows.receptive_field, "num_quantizers": 1,
-        "codebook_size": decoder.codebook_size, "chunk_size": chunk,
-        "samples_per_code": windows.samples_per_code})
+    return HandoffContext(
+        model_path=None,
+        resources={
+            "receptive_field": windows.receptive_field,
+            "num_quantizers": 1,
+            "codebook_size": decoder.codebook_size,
+            "chunk_size": chunk,
+            "samples_per_code": windows.samples_per_code,
+        },
+    )
 
 
 def test_talker_to_decoder_chunks_decode_to_the_whole_sequence_bitwise():
     decoder = CodecDecoder()
     gen = torch.Generator().manual_seed(3)
-    decoder.load_state_dict(random_decoder_weights(
-        decoder.config, lambda name, shape, std: torch.randn(shape, generator=gen) * std))
+    decoder.load_state_dict(
+        random_decoder_weights(decoder.config, lambda name, shape, std: torch.randn(shape, generator=gen) * std)
+    )
     rnd = random.Random(5)
     for trial in range(20):
         n = rnd.randint(0, 70)
@@ -92,7 +101,7 @@ def test_talker_to_decoder_chunks_decode_to_the_whole_sequence_bitwise():
         for job in jobs:
             if job.window is not None:
                 w = job.window
-                parts.append(decoder(w.codes[0])[w.start * spc: w.stop * spc])
+                parts.append(decoder(w.codes[0])[w.start * spc : w.stop * spc])
         whole = decoder(audio_ids) if len(audio_ids) else torch.zeros(0)
         assert torch.equal(torch.cat(parts) if parts else torch.zeros(0), whole), trial
         assert jobs and jobs[-1].last and not any(j.last for j in jobs[:-1])

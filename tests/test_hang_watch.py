@@ -130,6 +130,7 @@ def test_the_default_step_timeout_is_300_s_and_never_below_the_heartbeat_timeout
 
 # ---- the supervisor's real monitor on a real event loop, beats over real ZMQ ----------------------
 
+
 def test_a_stalling_then_lagging_server_blames_no_healthy_stage_and_still_finds_a_stopped_one(tmp_path):
     """A stage process beats every 50 ms (a thread here, as its announcer is) over ZMQ to the
     server's inbox, read by a receive task as the orchestrator's is; the supervisor's monitor

@@ -52,6 +52,7 @@ from thinker_pair import HYBRID, Thinker, assert_bitwise, tokens
 
 pytestmark = pytest.mark.vllm
 
+
 @pytest.fixture(scope="module", params=["thinker", "thinker-hybrid"])
 def thinker(request):
     if request.param == "thinker":

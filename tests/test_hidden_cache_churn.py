@@ -17,9 +17,10 @@ pytestmark = pytest.mark.vllm
 # A KV cache of a few dozen blocks, a few hundred requests over shared and unshared prefixes: blocks
 # are evicted and refilled constantly, and a stale mirror row would show up as a mismatch.
 # (The dense thinker runs in float32: 12 MiB hold as many blocks as 6 MiB did in bfloat16.)
-CHURN = {"thinker": dict(block_size=32, max_model_len=512, kv_cache_memory_bytes=12 * 2**20),
-         "thinker-hybrid": dict(max_model_len=4096, kv_cache_memory_bytes=24 * 2**20,
-                                prefix_cache_retention_interval=None)}
+CHURN = {
+    "thinker": dict(block_size=32, max_model_len=512, kv_cache_memory_bytes=12 * 2**20),
+    "thinker-hybrid": dict(max_model_len=4096, kv_cache_memory_bytes=24 * 2**20, prefix_cache_retention_interval=None),
+}
 
 
 @pytest.mark.parametrize("model", ["thinker", "thinker-hybrid"])
@@ -29,8 +30,7 @@ def test_eviction_churn_matches_recompute(model):
         num_blocks = t.on.capture.store.num_blocks
         rng = random.Random(5)
         scale = t.block // 32  # hybrid blocks are 20x larger: fewer, longer prompts
-        prefixes = [tokens(rng, rng.randrange(2, 6) * t.block + rng.randrange(t.block))
-                    for _ in range(6)]
+        prefixes = [tokens(rng, rng.randrange(2, 6) * t.block + rng.randrange(t.block)) for _ in range(6)]
         num_requests, wave = (300, 6) if scale == 1 else (40, 3)
         hits = 0
         for first in range(0, num_requests, wave):

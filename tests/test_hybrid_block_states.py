@@ -49,7 +49,8 @@ class Hybrid:
             rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
             assert float(rel.max()) <= HYBRID_ROW_RTOL, (
                 f"{rid}/{name}: row {check_from + int(rel.argmax())} differs from the cache-off "
-                f"engine by {float(rel.max()):.2e}")
+                f"engine by {float(rel.max()):.2e}"
+            )
         return on
 
 
@@ -112,13 +113,17 @@ def test_concurrent_prefills_store_their_boundaries(hybrid):
     B, rng = hybrid.B, random.Random(14)
     long_ = {f"c{i}": tokens(rng, (2 + i) * B + 30) for i in range(3)}
     from vllm import SamplingParams
-    hybrid.on.add("decoding", {"prompt_token_ids": tokens(rng, 50)},
-                  SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+
+    hybrid.on.add(
+        "decoding",
+        {"prompt_token_ids": tokens(rng, 50)},
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+    )
     hybrid.on.step()  # its prefill; it decodes while the long prompts prefill
     first = run(hybrid.on, long_, background=("decoding",))
     for rid, prompt in long_.items():
         depth = len(prompt) // B * B - B  # a boundary inside that prompt's chunk
-        r = hybrid.ask(f"{rid}_branch", prompt[:depth + 5] + tokens(rng, 40))
+        r = hybrid.ask(f"{rid}_branch", prompt[: depth + 5] + tokens(rng, 40))
         assert r.num_cached_tokens == depth, f"{rid}: hit {r.num_cached_tokens}, best {depth}"
         assert_bitwise(r.latents, first[rid].latents, depth, f"{rid} branch vs first")
 
@@ -148,8 +153,7 @@ def _recurrent_reference(prompt: list[int], positions: set[int]) -> dict[tuple[i
     """transformers' Qwen3-Next in float32, fed one token at a time (its recurrent GDN path)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ensure_checkpoint("thinker-hybrid")),
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_checkpoint("thinker-hybrid")), dtype=torch.float32).eval()
     out, cache = {}, None
     with torch.no_grad():
         for i in range(max(positions)):
@@ -157,8 +161,7 @@ def _recurrent_reference(prompt: list[int], positions: set[int]) -> dict[tuple[i
             if i + 1 in positions:
                 for index, layer in enumerate(cache.layers):
                     if getattr(layer, "recurrent_states", None):
-                        out[(index, i + 1)] = [layer.conv_states[0][0].clone(),
-                                               layer.recurrent_states[0][0].clone()]
+                        out[(index, i + 1)] = [layer.conv_states[0][0].clone(), layer.recurrent_states[0][0].clone()]
     return out
 
 
@@ -191,7 +194,8 @@ def test_stored_states_equal_a_recurrent_reference(hybrid):
         layer, position = key
         other = reference[(layer, position + B if position < 3 * B else position - B)][1]
         assert _rel(ssm.reshape(other.shape), other) > 4 * STATE_RTOL, (
-            "states of neighbouring boundaries are indistinguishable")
+            "states of neighbouring boundaries are indistinguishable"
+        )
 
 
 def test_chunks_ending_mid_block_keep_the_right_states(hybrid):
@@ -207,14 +211,15 @@ def test_chunks_ending_mid_block_keep_the_right_states(hybrid):
         prompt = tokens(rng, 5 * B)
         first = run(stage, {"long": prompt}, 2)["long"]
         for depth in (2 * B, 3 * B):  # 2B lies inside the 2nd chunk, 3B inside the 3rd
-            branch = prompt[:depth + B // 2] + tokens(rng, 50)
+            branch = prompt[: depth + B // 2] + tokens(rng, 50)
             on = run(stage, {f"at{depth}": branch}, 4)[f"at{depth}"]
             off = run(hybrid.off, {f"at{depth}": branch}, 4)[f"at{depth}"]
             assert on.num_cached_tokens == depth, f"hit {on.num_cached_tokens}, best {depth}"
             assert_bitwise(on.latents, first.latents, depth, f"branch at {depth} vs first")
             rows = comparable_rows(on, off, f"at{depth}", HYBRID_TIE_MARGIN)
-            rel = (on.latents["hidden"][:rows].float() - off.latents["hidden"][:rows].float()).norm(dim=1) \
-                / off.latents["hidden"][:rows].float().norm(dim=1)
+            rel = (on.latents["hidden"][:rows].float() - off.latents["hidden"][:rows].float()).norm(
+                dim=1
+            ) / off.latents["hidden"][:rows].float().norm(dim=1)
             assert float(rel.max()) <= HYBRID_ROW_RTOL, f"branch at {depth}: row error {float(rel.max()):.2e}"
     finally:
         close(stage)
@@ -245,7 +250,7 @@ def test_finer_hits_with_prefix_match_unit(hybrid):
                 gained += on.num_cached_tokens - block_best
                 assert_bitwise(on.latents, previous.latents, on.num_cached_tokens, f"turn {turn}")
             rows = comparable_rows(on, off, f"t{turn}", HYBRID_TIE_MARGIN)
-            a, b = (r.latents["hidden"][on.num_cached_tokens:rows].float() for r in (on, off))
+            a, b = (r.latents["hidden"][on.num_cached_tokens : rows].float() for r in (on, off))
             rel = (a - b).norm(dim=1) / b.norm(dim=1)
             assert float(rel.max()) <= HYBRID_ROW_RTOL, f"turn {turn}: row error {float(rel.max()):.2e}"
             previous, previous_prompt = on, prompt

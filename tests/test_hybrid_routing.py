@@ -23,8 +23,16 @@ ATTENTION, GDN_A, GDN_B = 0, 1, 2  # a hybrid's groups: one attention group, two
 def stored(hashes: list[int], group: int, size: int = 4):
     from vllm.distributed.kv_events import BlockStored
 
-    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[0] * size * len(hashes),
-                       block_size=size, lora_id=None, medium="CPU", lora_name=None, group_idx=group)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[0] * size * len(hashes),
+        block_size=size,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=group,
+    )
 
 
 def removed(hashes: list[int], group: int):
@@ -43,15 +51,23 @@ def report(collector, *events) -> object:
 def hybrid_collector():
     from scheduler.block_events import BlockEventCollector
 
-    return BlockEventCollector(None, state_groups=frozenset({GDN_A, GDN_B}),
-                               attention_groups=frozenset({ATTENTION}), hash_block_size=4)
+    return BlockEventCollector(
+        None, state_groups=frozenset({GDN_A, GDN_B}), attention_groups=frozenset({ATTENTION}), hash_block_size=4
+    )
 
 
 def apply(index: PrefixIndex, replica: int, changes) -> None:
-    index.apply(replica, changes.stored, changes.removed, cleared=changes.cleared,
-                block_size=changes.block_size, hash_block_size=changes.hash_block_size,
-                recurrent=changes.recurrent, state_stored=changes.state_stored,
-                state_removed=changes.state_removed)
+    index.apply(
+        replica,
+        changes.stored,
+        changes.removed,
+        cleared=changes.cleared,
+        block_size=changes.block_size,
+        hash_block_size=changes.hash_block_size,
+        recurrent=changes.recurrent,
+        state_stored=changes.state_stored,
+        state_removed=changes.state_removed,
+    )
 
 
 def test_a_hybrid_replica_reports_attention_blocks_and_states_apart():
@@ -69,8 +85,7 @@ def test_a_hybrid_replica_reports_attention_blocks_and_states_apart():
 
 def test_the_index_claims_only_hits_that_end_on_a_state():
     index, collector = PrefixIndex(), hybrid_collector()
-    apply(index, 0, report(collector, stored([11, 12, 13], ATTENTION),
-                           stored([13], GDN_A), stored([13], GDN_B)))
+    apply(index, 0, report(collector, stored([11, 12, 13], ATTENTION), stored([13], GDN_A), stored([13], GDN_B)))
     assert index.recurrent == {0}
     assert index.matched_blocks(0, [11, 12, 13, 14]) == 3  # the state at block 3: a 3-block hit
     # A branch after block 2: attention holds 2 blocks, but there is no state at block 2 (nor 1)
@@ -87,8 +102,7 @@ def test_a_prompt_is_never_matched_up_to_its_last_token():
     """vLLM computes at least a prompt's last token: a block-aligned prompt's last block cannot be
     hit, so the limit drops it (on a hybrid the state one block earlier decides)."""
     index = PrefixIndex()
-    apply(index, 0, report(hybrid_collector(), stored([11, 12], ATTENTION),
-                           stored([12], GDN_A), stored([12], GDN_B)))
+    apply(index, 0, report(hybrid_collector(), stored([11, 12], ATTENTION), stored([12], GDN_A), stored([12], GDN_B)))
     assert index.matched_blocks(0, [11, 12]) == 2
     assert index.matched_blocks(0, [11, 12], limit=(8 - 1) // 4) == 0  # an 8-token prompt
     assert index.matched_blocks(0, [11, 12], limit=(9 - 1) // 4) == 2  # a 9-token one
@@ -100,10 +114,17 @@ def test_hash_steps_below_the_block_match_whole_blocks_only():
     step, block = 4, 12
     prompt = list(range(40))
     steps = prompt_block_hashes(prompt, step)
-    blocks = steps[block // step - 1::block // step]
+    blocks = steps[block // step - 1 :: block // step]
     index = PrefixIndex()
-    index.apply(0, stored=blocks[:2] + [steps[7]], removed=[], block_size=block,  # + a partial entry
-                hash_block_size=step, recurrent=True, state_stored=blocks[:2] + [steps[7]])
+    index.apply(
+        0,
+        stored=blocks[:2] + [steps[7]],
+        removed=[],
+        block_size=block,  # + a partial entry
+        hash_block_size=step,
+        recurrent=True,
+        state_stored=blocks[:2] + [steps[7]],
+    )
     assert index.block_size == {0: step} and index.scale == {0: 3}
     assert index.matched_blocks(0, steps) == 6  # two whole blocks, in steps
     assert index.matched_blocks(0, steps, limit=(24 - 1) // step) == 3  # a 24-token prompt: one
@@ -114,8 +135,7 @@ def test_hash_steps_below_the_block_match_whole_blocks_only():
 @pytest.mark.parametrize("cleared", [False, True])
 def test_forgetting_a_hybrid_replica_drops_its_states(cleared):
     index = PrefixIndex()
-    apply(index, 0, report(hybrid_collector(), stored([11], ATTENTION), stored([11], GDN_A),
-                           stored([11], GDN_B)))
+    apply(index, 0, report(hybrid_collector(), stored([11], ATTENTION), stored([11], GDN_A), stored([11], GDN_B)))
     if cleared:
         index.apply(0, stored=[11], removed=[], cleared=True, block_size=4)  # a dense report now
         assert index.matched_blocks(0, [11]) == 1 and 0 not in index.recurrent

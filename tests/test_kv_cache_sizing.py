@@ -31,12 +31,15 @@ def test_engine_argument_wins_and_the_variable_is_dropped(caplog):
     assert "stage thinker" in record.getMessage() and f"{ENV_VAR}=2" in record.getMessage()
 
 
-@pytest.mark.parametrize("args, env, needle", [
-    ({}, {ENV_VAR: "2"}, f"{ENV_VAR}=2 GiB"),
-    ({"kv_cache_memory_bytes": MIB}, {}, "kv_cache_memory_bytes=1048576"),
-    ({"kv_cache_memory_bytes": MIB}, {ENV_VAR: ""}, "kv_cache_memory_bytes=1048576"),
-    ({}, {}, "memory profiling"),
-])
+@pytest.mark.parametrize(
+    "args, env, needle",
+    [
+        ({}, {ENV_VAR: "2"}, f"{ENV_VAR}=2 GiB"),
+        ({"kv_cache_memory_bytes": MIB}, {}, "kv_cache_memory_bytes=1048576"),
+        ({"kv_cache_memory_bytes": MIB}, {ENV_VAR: ""}, "kv_cache_memory_bytes=1048576"),
+        ({}, {}, "memory profiling"),
+    ],
+)
 def test_one_setting_is_left_alone(args, env, needle, caplog):
     before = dict(env)
     with caplog.at_level("WARNING", logger="workers.kv_cache_sizing"):
@@ -78,8 +81,9 @@ def test_real_engine_gets_the_engine_argument_size(tmp_path):
     path = tmp_path / "kv.yaml"
     path.write_text(yaml.safe_dump(data))
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["bytes"] == 48 * MIB and got["env"] is None

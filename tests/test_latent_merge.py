@@ -20,8 +20,13 @@ DIM = 4
 
 def capture(reused: frozenset[int] = frozenset()) -> LatentCapture:
     options = LatentOptions(hidden=False, merged=(0, 2))
-    return LatentCapture(options, {"layer_0_media_2": (DIM, torch.float32)}, torch.device("cpu"),
-                         reused=reused, media_ids=torch.tensor([IMAGE, AUDIO]))
+    return LatentCapture(
+        options,
+        {"layer_0_media_2": (DIM, torch.float32)},
+        torch.device("cpu"),
+        reused=reused,
+        media_ids=torch.tensor([IMAGE, AUDIO]),
+    )
 
 
 def step(requests: list[tuple[str, int, list[int], int, bool]]):
@@ -36,8 +41,10 @@ def step(requests: list[tuple[str, int, list[int], int, bool]]):
         total_num_scheduled_tokens=len(ids),
         num_scheduled_tokens={r: len(toks) for r, _, toks, _, _ in requests},
         scheduled_new_reqs=new,
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
-                                              num_computed_tokens=[s for _, s in cached]))
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached], num_computed_tokens=[s for _, s in cached]
+        ),
+    )
     state = SimpleNamespace(hidden_states=None, aux_hidden_states=[pos + 1000, -(pos + 1000)])
     return sched, state, [r for r, *_ in requests], torch.tensor(ids), [p for *_, p, _ in requests]
 
@@ -47,9 +54,15 @@ def test_media_rows_come_from_the_media_layer_at_prompt_positions_only() -> None
     # a: a prefill of its 6-token prompt with an image run at 2-3; b: a resumed request re-prefilling
     # its 3-token prompt and 2 generated tokens, one of them an audio placeholder id; c: a decode
     # step whose fed token is an image placeholder id (a generated token: embedded as text).
-    cap.on_step(*step([("a", 0, [1, 2, IMAGE, IMAGE, 5, 6], 6, True),
-                       ("b", 0, [AUDIO, 7, 8, AUDIO, 9], 3, True),
-                       ("c", 40, [IMAGE], 12, False)]))
+    cap.on_step(
+        *step(
+            [
+                ("a", 0, [1, 2, IMAGE, IMAGE, 5, 6], 6, True),
+                ("b", 0, [AUDIO, 7, 8, AUDIO, 9], 3, True),
+                ("c", 40, [IMAGE], 12, False),
+            ]
+        )
+    )
     rows = {r: cap.drain(r)[0].tensors["layer_0_media_2"][:, 0].tolist() for r in "abc"}
     assert rows["a"] == [1000, 1001, -1002, -1003, 1004, 1005]
     assert rows["b"] == [-1000, 1001, 1002, 1003, 1004]

@@ -52,6 +52,7 @@ def test_gap_raises():
 
 # ---- LatentBuffer: the receiving side ------------------------------------------------------------
 
+
 def test_buffer_views_grow_without_recopying():
     buf = LatentBuffer(("hidden", "tap"))
     storages, views = set(), []

@@ -40,24 +40,28 @@ CONFIGS = [
     pytest.param("cpu", "host", {}, id="cpu-host"),
     pytest.param("cpu", "device", {}, id="cpu-device"),
     # The host pipeline's ring/drain-thread logic, emulated on CPU (synchronous "copies").
-    pytest.param("cpu", "host", {"_emulate_pipeline": True, "staging_tokens": 24, "staging_depth": 2},
-                 id="cpu-pipeline-emulated"),
+    pytest.param(
+        "cpu", "host", {"_emulate_pipeline": True, "staging_tokens": 24, "staging_depth": 2}, id="cpu-pipeline-emulated"
+    ),
 ]
 if CUDA:
     CONFIGS += [
         pytest.param("cuda", "device", {"use_triton": False}, id="cuda-device-torch"),
         pytest.param("cuda", "host", {"use_triton": False}, id="cuda-host-torch"),
         pytest.param("cuda", "host", {"use_driver": False}, id="cuda-host-torch-issue"),
-        pytest.param("cuda", "host", {"drain_threads": None, "staging_tokens": 8, "staging_depth": 3},
-                     id="cuda-host-all-threads-tiny-ring"),
+        pytest.param(
+            "cuda",
+            "host",
+            {"drain_threads": None, "staging_tokens": 8, "staging_depth": 3},
+            id="cuda-host-all-threads-tiny-ring",
+        ),
     ]
     if TRITON:
         CONFIGS += [
             pytest.param("cuda", "device", {"use_triton": True}, id="cuda-device-triton"),
             pytest.param("cuda", "host", {}, id="cuda-host-zero-copy"),
             pytest.param("cuda", "host", {"host_gather": "staging"}, id="cuda-host-staging"),
-            pytest.param("cuda", "host", {"staging_tokens": 24, "staging_depth": 2},
-                         id="cuda-host-small-ring"),
+            pytest.param("cuda", "host", {"staging_tokens": 24, "staging_depth": 2}, id="cuda-host-small-ring"),
         ]
 
 
@@ -98,8 +102,9 @@ def random_latents(n_rows, device, gen, specs=SPECS, raw_bits=False):
     out = {}
     for name, (d, dt) in specs.items():
         if raw_bits:  # every bit pattern, NaNs and infinities included
-            ints = torch.randint(-2**15, 2**15, (n_rows, d * dt.itemsize // 2), generator=gen,
-                                 dtype=torch.int32).to(torch.int16)
+            ints = torch.randint(-(2**15), 2**15, (n_rows, d * dt.itemsize // 2), generator=gen, dtype=torch.int32).to(
+                torch.int16
+            )
             t = ints.view(dt)
         else:
             t = torch.randn(n_rows, d, generator=gen).to(dt)
@@ -142,8 +147,7 @@ def test_random_steps_match_reference(device, storage, kw, raw_bits, store_facto
     written: list[int] = []
     for step in range(12):
         n = [1, 7, 33, 60, 0, 100, 5, 64, 17, 90, 2, 48][step]
-        sm = random_slot_mapping(n, gen, device=device,
-                                 dtype=torch.int32 if step % 3 == 1 else torch.int64)
+        sm = random_slot_mapping(n, gen, device=device, dtype=torch.int32 if step % 3 == 1 else torch.int64)
         # rows beyond n (e.g. cudagraph padding) must be ignored
         lat = random_latents(n + 5, device, gen, raw_bits=raw_bits)
         store.write(sm, lat)
@@ -173,8 +177,7 @@ def test_overwrite_of_reused_slots_later_write_wins(device, storage, kw, store_f
         store.write(sm, lat)
         ref.write(sm, lat)
     # partial overwrite of the block's first half, with padding rows in between
-    sm = torch.tensor([block * BLOCK_SIZE + i if i % 3 else -1 for i in range(BLOCK_SIZE // 2)],
-                      device=device)
+    sm = torch.tensor([block * BLOCK_SIZE + i if i % 3 else -1 for i in range(BLOCK_SIZE // 2)], device=device)
     lat = random_latents(BLOCK_SIZE // 2, device, gen)
     store.write(sm, lat)
     ref.write(sm, lat)
@@ -335,14 +338,13 @@ def test_pipeline_gather_waits_only_for_the_writes_it_needs(store_factory):
         def query(self):
             return self.ev.is_set()
 
-    store = store_factory("cpu", "host", {"_emulate_pipeline": True, "staging_tokens": 64,
-                                          "staging_depth": 3})
+    store = store_factory("cpu", "host", {"_emulate_pipeline": True, "staging_tokens": 64, "staging_depth": 3})
     gen = torch.Generator().manual_seed(11)
     gates = [Gate(), Gate()]
     for e, g in zip(store._pipeline.entries, gates):
         e.data_done = g
     lat_a, lat_b = random_latents(16, "cpu", gen), random_latents(16, "cpu", gen)
-    store.write(torch.arange(0, 16), lat_a)   # entry 0 (held)
+    store.write(torch.arange(0, 16), lat_a)  # entry 0 (held)
     store.write(torch.arange(16, 32), lat_b)  # entry 1 (held)
     gates[0].ev.set()
     got = store.gather(torch.arange(0, 16))  # needs entry 0 only
@@ -360,10 +362,8 @@ def test_pipeline_gather_waits_only_for_the_writes_it_needs(store_factory):
 
 
 def test_pipeline_chunking_and_ring_backpressure(store_factory):
-    store = store_factory("cpu", "host", {"_emulate_pipeline": True, "staging_tokens": 10,
-                                          "staging_depth": 2})
-    assert store.staging_nbytes == 2 * (80 + sum(((10 * d * dt.itemsize + 15) // 16) * 16
-                                                 for d, dt in SPECS.values()))
+    store = store_factory("cpu", "host", {"_emulate_pipeline": True, "staging_tokens": 10, "staging_depth": 2})
+    assert store.staging_nbytes == 2 * (80 + sum(((10 * d * dt.itemsize + 15) // 16) * 16 for d, dt in SPECS.values()))
     gen = torch.Generator().manual_seed(2)
     ref = Reference(SPECS)
     for _ in range(5):
@@ -406,10 +406,12 @@ def test_triton_kernel_in_interpreter():
         print("interpreter ok")
     """)
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "interpreter ok" in res.stdout
 
@@ -417,8 +419,12 @@ def test_triton_kernel_in_interpreter():
 # ---- CUDA only -----------------------------------------------------------------------------------
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 CUDA_WRITE_CONFIGS = [
-    pytest.param("device", {"use_triton": True}, id="device-triton",
-                 marks=pytest.mark.skipif(not TRITON, reason="triton not importable")),
+    pytest.param(
+        "device",
+        {"use_triton": True},
+        id="device-triton",
+        marks=pytest.mark.skipif(not TRITON, reason="triton not importable"),
+    ),
     pytest.param("device", {"use_triton": False}, id="device-torch"),
     pytest.param("host", {}, id="host-pipeline"),
     pytest.param("host", {"use_triton": False}, id="host-pipeline-torch"),
@@ -432,8 +438,9 @@ def test_cuda_write_does_not_sync_the_host(storage, kw, store_factory):
     gen = torch.Generator().manual_seed(9)
     store = store_factory("cuda", storage, kw)
     ref = Reference(SPECS)
-    batches = [(random_slot_mapping(n, gen, device="cuda"), random_latents(n + 3, "cuda", gen))
-               for n in (64, 64, 200, 64)]
+    batches = [
+        (random_slot_mapping(n, gen, device="cuda"), random_latents(n + 3, "cuda", gen)) for n in (64, 64, 200, 64)
+    ]
     store.write(*batches[0])  # warm-up: Triton compiles here
     ref.write(batches[0][0], {k: v[:64] for k, v in batches[0][1].items()})
     torch.cuda.synchronize()
@@ -451,8 +458,9 @@ def test_cuda_write_does_not_sync_the_host(storage, kw, store_factory):
 
 
 @cuda_only
-@pytest.mark.parametrize("use_triton", [
-    pytest.param(True, marks=pytest.mark.skipif(not TRITON, reason="triton not importable")), False])
+@pytest.mark.parametrize(
+    "use_triton", [pytest.param(True, marks=pytest.mark.skipif(not TRITON, reason="triton not importable")), False]
+)
 def test_cuda_graph_captured_write(use_triton, store_factory):
     gen = torch.Generator().manual_seed(21)
     store = store_factory("cuda", "device", {"use_triton": use_triton})
@@ -489,11 +497,10 @@ def test_cuda_host_pipeline_overlaps_with_pending_compute(rows):
     the new rows. 6000 rows (> 1 MiB) take the path that copies the slots first."""
     gen = torch.Generator().manual_seed(4)
     num_blocks = 1024
-    store = LatentStore(
-        SPECS, num_blocks, BLOCK_SIZE, storage="host", device="cuda", staging_tokens=8192)
+    store = LatentStore(SPECS, num_blocks, BLOCK_SIZE, storage="host", device="cuda", staging_tokens=8192)
     try:
         perm = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)
-        old_sm, new_sm = perm[:rows], perm[rows: 2 * rows]
+        old_sm, new_sm = perm[:rows], perm[rows : 2 * rows]
         old = random_latents(rows, "cuda", gen)
         store.write(old_sm.cuda(), old)
         store.synchronize()

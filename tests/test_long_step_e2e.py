@@ -68,9 +68,16 @@ def test_a_stage_held_in_one_60_s_step_is_busy_not_killed(server, holds):
     answer: dict = {}
 
     def ask() -> None:
-        answer["response"] = httpx.post(server.url + "/v1/chat/completions", timeout=WAIT_S, json={
-            "model": orch.served_model_name, "modalities": ["text"], "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Hello after a long step."}]})
+        answer["response"] = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=WAIT_S,
+            json={
+                "model": orch.served_model_name,
+                "modalities": ["text"],
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hello after a long step."}],
+            },
+        )
 
     hold(holds, "thinker", HOLD_S)
     asked = time.monotonic()
@@ -87,8 +94,7 @@ def test_a_stage_held_in_one_60_s_step_is_busy_not_killed(server, holds):
             assert busy["thinker"]["stage"] == "thinker" and busy["thinker"]["step_timeout_s"] == 300
             longest = max(longest, busy["thinker"]["step_s"])
             if not gauge_seen:
-                gauge_seen = metric(stage_metrics(server), "omni_cache_stage_in_long_step",
-                                    "thinker") == 1
+                gauge_seen = metric(stage_metrics(server), "omni_cache_stage_in_long_step", "thinker") == 1
         assert time.monotonic() - asked < HOLD_S + WAIT_S
         time.sleep(1.0)
     # Answered after the whole hold, by the process that was held.
@@ -99,14 +105,19 @@ def test_a_stage_held_in_one_60_s_step_is_busy_not_killed(server, holds):
     assert orch.stage_pids()["thinker"] == pid
     assert longest >= HOLD_S - 5 and gauge_seen
     after = stage_metrics(server)
-    for name, change in (("omni_cache_stage_long_steps_total", 1), ("omni_cache_stage_hangs_total", 0),
-                         ("omni_cache_stage_restarts_total", 0)):
+    for name, change in (
+        ("omni_cache_stage_long_steps_total", 1),
+        ("omni_cache_stage_hangs_total", 0),
+        ("omni_cache_stage_restarts_total", 0),
+    ):
         assert metric(after, name, "thinker") - metric(before, name, "thinker") == change, name
     # No longer busy: its answer said its loop moved (a beat sent before it may be read after
     # it and say "busy" once more, until the next beat, a quarter second later).
     deadline = time.monotonic() + 5
-    while (metric(stage_metrics(server), "omni_cache_stage_in_long_step", "thinker") != 0
-           or "busy" in httpx.get(server.url + "/health", timeout=30).json()):
+    while (
+        metric(stage_metrics(server), "omni_cache_stage_in_long_step", "thinker") != 0
+        or "busy" in httpx.get(server.url + "/health", timeout=30).json()
+    ):
         assert time.monotonic() < deadline, "still reported busy after its step ended"
         time.sleep(0.1)
 
@@ -131,6 +142,9 @@ def test_past_its_step_timeout_a_held_stage_is_hung_and_restarted(server, holds)
         time.sleep(0.2)
     answers_again(server)
     after = stage_metrics(server)
-    for name in ("omni_cache_stage_restarts_total", "omni_cache_stage_hangs_total",
-                 "omni_cache_stage_long_steps_total"):
+    for name in (
+        "omni_cache_stage_restarts_total",
+        "omni_cache_stage_hangs_total",
+        "omni_cache_stage_long_steps_total",
+    ):
         assert metric(after, name, "decoder") - metric(before, name, "decoder") == 1, name

@@ -40,15 +40,18 @@ def test_mp3_and_stereo_decode_to_mono():
     assert item.array.shape == (4000,)
 
 
-@pytest.mark.parametrize("url, words", [
-    ("data:image/png;base64,!!!", "base64"),
-    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
-    ("data:image/png," + "abc", "must be base64"),
-    ("file:///etc/passwd", "scheme file:"),
-    ("ftp://example.com/x.png", "scheme ftp:"),
-    ("https://example.com/x.png", "allowed_url_hosts"),
-    ("data:image/png;base64,", "empty"),
-])
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("data:image/png;base64,!!!", "base64"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
+        ("data:image/png," + "abc", "must be base64"),
+        ("file:///etc/passwd", "scheme file:"),
+        ("ftp://example.com/x.png", "scheme ftp:"),
+        ("https://example.com/x.png", "allowed_url_hosts"),
+        ("data:image/png;base64,", "empty"),
+    ],
+)
 def test_bad_images_are_refused_with_a_reason(url, words):
     with pytest.raises(MediaError, match=words) as e:
         MediaDecoder().image(url, "messages.0.content.1")
@@ -81,12 +84,15 @@ def test_image_limits_are_read_from_the_header():
         MediaDecoder(MediaConfig(max_item_bytes=64)).image(png_data_url(40, 30), "p")
 
 
-@pytest.mark.parametrize("data, fmt, words", [
-    (clip_b64(), "flac", "not supported"),
-    ("%%%", "wav", "base64"),
-    (base64.b64encode(b"RIFF0000WAVEjunk").decode(), "wav", "could not be decoded"),
-    (clip_b64(0.5, 500), "wav", "outside"),
-])
+@pytest.mark.parametrize(
+    "data, fmt, words",
+    [
+        (clip_b64(), "flac", "not supported"),
+        ("%%%", "wav", "base64"),
+        (base64.b64encode(b"RIFF0000WAVEjunk").decode(), "wav", "could not be decoded"),
+        (clip_b64(0.5, 500), "wav", "outside"),
+    ],
+)
 def test_bad_audio_is_refused_with_a_reason(data, fmt, words):
     with pytest.raises(MediaError, match=words):
         MediaDecoder().audio(data, fmt, "p")
@@ -161,7 +167,8 @@ def test_a_url_fetch_has_a_status_a_size_limit_and_a_deadline_for_the_whole_down
     with pytest.raises(MediaError, match="max_item_bytes"):
         MediaDecoder(MediaConfig(**limits)).image(image_host + "/big", "p")
     assert MediaDecoder(MediaConfig(**{**limits, "max_item_bytes": 8192})).image(
-        image_host + "/big", "p").array.shape == (8, 8, 3)  # PNG ignores what follows its end
+        image_host + "/big", "p"
+    ).array.shape == (8, 8, 3)  # PNG ignores what follows its end
     with pytest.raises(MediaError, match="within 0.5 s \\(server.media.fetch_timeout_s\\)"):
         MediaDecoder(MediaConfig(**limits, fetch_timeout_s=0.5)).image(image_host + "/trickle", "p")
 

@@ -15,10 +15,19 @@ from omni_cache.runtime.metrics import (
     parse_metrics,
 )
 
-VLLM_STAGE = {"requests": 3, "errors": 0, "queue_depth": 1, "prefix_cache_queried_tokens": 200,
-              "prefix_cache_hit_tokens": 128, "num_requests_running": 1, "num_requests_waiting": 0,
-              "prompt_tokens": 200, "generation_tokens": 30, "latent_rows_served": 128,
-              "prefix_cache_requests": 3}
+VLLM_STAGE = {
+    "requests": 3,
+    "errors": 0,
+    "queue_depth": 1,
+    "prefix_cache_queried_tokens": 200,
+    "prefix_cache_hit_tokens": 128,
+    "num_requests_running": 1,
+    "num_requests_waiting": 0,
+    "prompt_tokens": 200,
+    "generation_tokens": 30,
+    "latent_rows_served": 128,
+    "prefix_cache_requests": 3,
+}
 DECODER_STAGE = {"requests": 2, "errors": 1, "queue_depth": 0}
 
 
@@ -32,11 +41,15 @@ def rendered(model_name: str | None = "tiny_omni") -> str:
     m.request_done(None)
     m.request_done(504)
     m.stage_failed_request("talker")
-    return m.render({
-        "thinker": StageSnapshot(up=True, restarts=0, counters=dict(VLLM_STAGE), fresh=True),
-        "talker": StageSnapshot(up=False, restarts=2, counters=dict(VLLM_STAGE), fresh=False),
-        "decoder": StageSnapshot(up=True, counters=dict(DECODER_STAGE), fresh=True),
-    }, in_flight=4, heap={"heap_trims": 7, "heap_trim_seconds": 0.25})
+    return m.render(
+        {
+            "thinker": StageSnapshot(up=True, restarts=0, counters=dict(VLLM_STAGE), fresh=True),
+            "talker": StageSnapshot(up=False, restarts=2, counters=dict(VLLM_STAGE), fresh=False),
+            "decoder": StageSnapshot(up=True, counters=dict(DECODER_STAGE), fresh=True),
+        },
+        in_flight=4,
+        heap={"heap_trims": 7, "heap_trim_seconds": 0.25},
+    )
 
 
 def test_prometheus_client_parses_it_with_types():
@@ -52,12 +65,14 @@ def test_vllm_names_per_vllm_stage_with_model_name():
     samples = parse_metrics(rendered())
     got = {(n, lab.get("stage")): (lab, v) for n, lab, v in samples}
     for stage in ("thinker", "talker"):
-        for name, key in (("vllm:prefix_cache_queries_total", "prefix_cache_queried_tokens"),
-                          ("vllm:prefix_cache_hits_total", "prefix_cache_hit_tokens"),
-                          ("vllm:num_requests_running", "num_requests_running"),
-                          ("vllm:num_requests_waiting", "num_requests_waiting"),
-                          ("vllm:prompt_tokens_total", "prompt_tokens"),
-                          ("vllm:generation_tokens_total", "generation_tokens")):
+        for name, key in (
+            ("vllm:prefix_cache_queries_total", "prefix_cache_queried_tokens"),
+            ("vllm:prefix_cache_hits_total", "prefix_cache_hit_tokens"),
+            ("vllm:num_requests_running", "num_requests_running"),
+            ("vllm:num_requests_waiting", "num_requests_waiting"),
+            ("vllm:prompt_tokens_total", "prompt_tokens"),
+            ("vllm:generation_tokens_total", "generation_tokens"),
+        ):
             labels, value = got[(name, stage)]
             assert labels == {"stage": stage, "model_name": "tiny_omni", "replica": "0"}
             assert value == VLLM_STAGE[key]
@@ -98,22 +113,31 @@ def test_without_a_model_name_only_the_stage_and_replica_labels():
 def test_replicas_of_a_stage_are_samples_of_their_own_and_routing_is_counted():
     m = OrchestratorMetrics(["thinker"])
     m.model_name = "tiny_omni"
-    text = m.render({
-        "thinker#0": StageSnapshot(up=True, counters={"requests": 3}, fresh=True, stage="thinker",
-                                   replica=0),
-        "thinker#1": StageSnapshot(up=False, restarts=1, counters={"requests": 5}, stage="thinker",
-                                   replica=1),
-    }, in_flight=0, routing=RoutingSnapshot(
-        decisions={("thinker", 0, "round_robin", "round_robin"): 4,
-                   ("thinker", 1, "round_robin", "round_robin"): 3},
-        in_flight={("thinker", 0): 2, ("thinker", 1): 0}, prefix_blocks={("thinker", 1): 17}))
+    text = m.render(
+        {
+            "thinker#0": StageSnapshot(up=True, counters={"requests": 3}, fresh=True, stage="thinker", replica=0),
+            "thinker#1": StageSnapshot(up=False, restarts=1, counters={"requests": 5}, stage="thinker", replica=1),
+        },
+        in_flight=0,
+        routing=RoutingSnapshot(
+            decisions={
+                ("thinker", 0, "round_robin", "round_robin"): 4,
+                ("thinker", 1, "round_robin", "round_robin"): 3,
+            },
+            in_flight={("thinker", 0): 2, ("thinker", 1): 0},
+            prefix_blocks={("thinker", 1): 17},
+        ),
+    )
     got = {(n, lab.get("stage"), lab.get("replica")): v for n, lab, v in parse_metrics(text)}
     assert got[("omni_cache_stage_requests_total", "thinker", "0")] == 3
     assert got[("omni_cache_stage_requests_total", "thinker", "1")] == 5
     assert got[("omni_cache_stage_up", "thinker", "1")] == 0
     assert got[("omni_cache_stage_restarts_total", "thinker", "1")] == 1
-    routed = {(lab["replica"], lab["policy"], lab["decision"]): v for n, lab, v in parse_metrics(text)
-              if n == "omni_cache_routing_decisions_total"}
+    routed = {
+        (lab["replica"], lab["policy"], lab["decision"]): v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_routing_decisions_total"
+    }
     assert routed == {("0", "round_robin", "round_robin"): 4, ("1", "round_robin", "round_robin"): 3}
     assert got[("omni_cache_replica_requests_in_flight", "thinker", "0")] == 2
     assert got[("omni_cache_replica_requests_in_flight", "thinker", "1")] == 0
@@ -133,8 +157,11 @@ def test_a_model_name_set_after_observations_makes_vllms_histograms_again_with_i
     m.observe(TTFA, "decoder", 0.2)
     m.model_name = "served"
     m.observe(TTFT, "thinker", 0.3)
-    counts = {(n, tuple(sorted(lab.items()))): v for n, lab, v in parse_metrics(m.render({}, in_flight=0))
-              if n.endswith("_count") and not n.startswith("omni_cache_event_loop_lag")}
+    counts = {
+        (n, tuple(sorted(lab.items()))): v
+        for n, lab, v in parse_metrics(m.render({}, in_flight=0))
+        if n.endswith("_count") and not n.startswith("omni_cache_event_loop_lag")
+    }
     assert counts == {
         ("vllm:time_to_first_token_seconds_count", (("model_name", "served"), ("stage", "thinker"))): 1,
         ("omni_cache_time_to_first_audio_seconds_count", (("stage", "decoder"),)): 1,

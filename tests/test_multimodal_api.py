@@ -60,7 +60,8 @@ def text(t: str) -> dict:
 
 def ask(client, parts: list[dict], max_tokens: int = 4):
     return client.chat.completions.create(
-        model="mm", messages=[{"role": "user", "content": parts}], max_tokens=max_tokens)
+        model="mm", messages=[{"role": "user", "content": parts}], max_tokens=max_tokens
+    )
 
 
 def encoder_runs(server) -> float:
@@ -70,12 +71,16 @@ def encoder_runs(server) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("parts", [
-    [image(1), text("What is in the image?")],
-    [audio(1), text("What do you hear?")],
-    [image(2), audio(2), text("Describe both.")],
-    [audio(3, "mp3"), text("And this one?")],
-], ids=["image", "audio-44k", "both", "audio-mp3"])
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [image(1), text("What is in the image?")],
+        [audio(1), text("What do you hear?")],
+        [image(2), audio(2), text("Describe both.")],
+        [audio(3, "mp3"), text("And this one?")],
+    ],
+    ids=["image", "audio-44k", "both", "audio-mp3"],
+)
 def test_media_chats_are_answered(client, parts):
     r = ask(client, parts)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
@@ -100,24 +105,55 @@ def test_the_same_image_again_is_a_prefix_hit_without_the_encoder(client, server
     assert encoder_runs(server) == runs
 
 
-@pytest.mark.parametrize("part, status, param, words", [
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}, 400,
-     "messages.0.content.0.image_url.url", "could not be decoded"),
-    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, 400,
-     "messages.0.content.0.image_url.url", "scheme file:"),
-    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, 400,
-     "messages.0.content.0.image_url.url", "allowed_url_hosts"),
-    ({"type": "image_url"}, 400, "messages.0.content.0.image_url", "needs 'image_url'"),
-    ({"type": "input_audio", "input_audio": {"data": clip_b64(), "format": "flac"}}, 400,
-     "messages.0.content.0.input_audio.format", "not supported"),
-    ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, 400,
-     "messages.0.content.0.input_audio.data", "base64"),
-    ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, 400,
-     "messages.0.content.0.video_url.url", "video could not be read"),
-], ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video"])
+@pytest.mark.parametrize(
+    "part, status, param, words",
+    [
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+            400,
+            "messages.0.content.0.image_url.url",
+            "could not be decoded",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+            400,
+            "messages.0.content.0.image_url.url",
+            "scheme file:",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+            400,
+            "messages.0.content.0.image_url.url",
+            "allowed_url_hosts",
+        ),
+        ({"type": "image_url"}, 400, "messages.0.content.0.image_url", "needs 'image_url'"),
+        (
+            {"type": "input_audio", "input_audio": {"data": clip_b64(), "format": "flac"}},
+            400,
+            "messages.0.content.0.input_audio.format",
+            "not supported",
+        ),
+        (
+            {"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}},
+            400,
+            "messages.0.content.0.input_audio.data",
+            "base64",
+        ),
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+            400,
+            "messages.0.content.0.video_url.url",
+            "video could not be read",
+        ),
+    ],
+    ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video"],
+)
 def test_bad_media_is_a_400_and_the_server_keeps_serving(server, client, part, status, param, words):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "model": "mm", "messages": [{"role": "user", "content": [part, text("hi")]}], "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "mm", "messages": [{"role": "user", "content": [part, text("hi")]}], "max_tokens": 2},
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -126,16 +162,22 @@ def test_bad_media_is_a_400_and_the_server_keeps_serving(server, client, part, s
 
 def test_too_many_items_is_a_400(server):
     parts = [image(i) for i in range(9)] + [text("so many")]
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "model": "mm", "messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "mm", "messages": [{"role": "user", "content": parts}], "max_tokens": 2},
+    )
     assert r.status_code == 400 and "server.media.max_items" in r.json()["error"]["message"], r.text
 
 
 def test_more_images_than_the_engine_takes_is_a_400_from_the_stage(server, client):
     # limit_mm_per_prompt allows 4 images: vLLM refuses the fifth in the stage, for this request alone
     parts = [image(i) for i in range(5)] + [text("five")]
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "model": "mm", "messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "mm", "messages": [{"role": "user", "content": parts}], "max_tokens": 2},
+    )
     assert r.status_code == 400, r.text
     assert "thinker" in r.json()["error"]["message"]
     assert ask(client, [text("and a plain question")], max_tokens=2).usage.completion_tokens == 2

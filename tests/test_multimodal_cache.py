@@ -67,11 +67,20 @@ def make_stage(path, taps, cache: bool):
     from workers.latent_capture import LatentOptions
     from workers.llm_stage import LLMStage
 
-    return LLMStage(str(path), dict(
-        enforce_eager=True, gpu_memory_utilization=0.3, dtype="float32", block_size=32,
-        max_model_len=2048, kv_cache_memory_bytes=256 * 2**20,
-        limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0}),
-        prefix_cache=cache, latents=LatentOptions(hidden=True, layers=taps, merged=taps, cache=cache))
+    return LLMStage(
+        str(path),
+        dict(
+            enforce_eager=True,
+            gpu_memory_utilization=0.3,
+            dtype="float32",
+            block_size=32,
+            max_model_len=2048,
+            kv_cache_memory_bytes=256 * 2**20,
+            limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0},
+        ),
+        prefix_cache=cache,
+        latents=LatentOptions(hidden=True, layers=taps, merged=taps, cache=cache),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +123,7 @@ def an_image(seed: int):
 
 def a_clip(seed: int):
     # 44.1 kHz, not the model's 16 kHz: the media decoder resamples it
-    item = MediaDecoder(audio_sample_rate=16000).audio(clip_b64(1.5, 44100, freq=300 + 100 * seed),
-                                                       "wav", "audio")
+    item = MediaDecoder(audio_sample_rate=16000).audio(clip_b64(1.5, 44100, freq=300 + 100 * seed), "wav", "audio")
     return item.array, item.sample_rate
 
 
@@ -158,8 +166,7 @@ def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings, 
 
     text_before, end = media_span(second["prompt_token_ids"], b_on)
     assert a_on.num_cached_tokens == 0
-    assert b_on.num_cached_tokens >= end, (
-        f"{kind}: hit {b_on.num_cached_tokens} tokens, the media end at {end}")
+    assert b_on.num_cached_tokens >= end, f"{kind}: hit {b_on.num_cached_tokens} tokens, the media end at {end}"
     assert runs_first == (2 if kind == "both" else 1)
     assert runs_second == 0, f"{kind}: the encoder ran {runs_second} times for cached media"
 
@@ -173,15 +180,15 @@ def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings, 
             a, b = x_on.latents[name][:n].float(), x_off.latents[name][:n].float()
             rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
             assert float(rel.max()) <= ROW_RTOL, (
-                f"{kind}/{what}/{name}: row {int(rel.argmax())} off the cache-off engine by "
-                f"{float(rel.max()):.2e}")
+                f"{kind}/{what}/{name}: row {int(rel.argmax())} off the cache-off engine by {float(rel.max()):.2e}"
+            )
 
     # The merged latent: the accept-layer row exactly at the prompt's placeholder positions.
     merged = f"layer_0_media_{taps[1]}"
     for what, x in (("first", a_on), ("second", b_on), ("cache-off", b_off)):
         ids = torch.tensor(x.prompt_token_ids + x.token_ids[:-1])
         media = torch.isin(ids, torch.tensor(MEDIA_PADS))
-        media[x.num_prompt_tokens:] = False
+        media[x.num_prompt_tokens :] = False
         assert int(media.sum()) > 0
         want = torch.where(media[:, None], x.latents[f"layer_{taps[1]}"], x.latents["layer_0"])
         assert torch.equal(x.latents[merged], want), f"{kind}/{what}: merged rows"
@@ -194,7 +201,7 @@ def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings, 
         ids = second["prompt_token_ids"][:text_before]
         assert torch.equal(tap0[:text_before], embeddings[ids]), f"{kind}/{what}: prompt tap-0 rows"
         gen = x.token_ids[:-1]
-        assert torch.equal(tap0[p:p + len(gen)], embeddings[gen]), f"{kind}/{what}: generated tap-0 rows"
+        assert torch.equal(tap0[p : p + len(gen)], embeddings[gen]), f"{kind}/{what}: generated tap-0 rows"
         # At the media positions tap 0 is the encoder output, not the placeholder's embedding.
         placeholder = embeddings[TOKEN_ID["<|image_pad|>" if kind != "audio" else "<|audio_pad|>"]]
         assert not torch.equal(tap0[text_before + 1], placeholder)

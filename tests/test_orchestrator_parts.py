@@ -83,6 +83,7 @@ def admission_of(config, up=("thinker", "decoder"), state=OPEN) -> Admission:
 
 # ---- admission -----------------------------------------------------------------------------------
 
+
 def test_an_admitted_request_has_the_stage_defaults_with_its_overrides(config):
     adm = admission_of(config)
     ok = adm.check([1, 2, 3], max_tokens=4, seed=7, modalities=["audio"])
@@ -92,14 +93,17 @@ def test_an_admitted_request_has_the_stage_defaults_with_its_overrides(config):
     assert adm.check([1]).participants == ("thinker",)  # text only: the entry stage alone
 
 
-@pytest.mark.parametrize("prompt, kwargs, status, needle", [
-    ([], {}, 400, "empty"),
-    ([1, -1], {}, 400, "non-negative"),
-    ([1, True], {}, 400, "non-negative"),
-    ([1], {"modalities": ["video"]}, 400, "unknown modality 'video'"),
-    ([1], {"max_tokens": 0}, 400, "max_tokens must be at least 1"),
-    ([1] * 500, {"max_tokens": 13}, 400, "maximum context length is 512 tokens; the prompt has 500"),
-])
+@pytest.mark.parametrize(
+    "prompt, kwargs, status, needle",
+    [
+        ([], {}, 400, "empty"),
+        ([1, -1], {}, 400, "non-negative"),
+        ([1, True], {}, 400, "non-negative"),
+        ([1], {"modalities": ["video"]}, 400, "unknown modality 'video'"),
+        ([1], {"max_tokens": 0}, 400, "max_tokens must be at least 1"),
+        ([1] * 500, {"max_tokens": 13}, 400, "maximum context length is 512 tokens; the prompt has 500"),
+    ],
+)
 def test_what_the_request_asks_is_refused_with_400(config, prompt, kwargs, status, needle):
     with pytest.raises(RequestError) as info:
         admission_of(config).check(prompt, **kwargs)
@@ -137,10 +141,18 @@ def test_audio_from_a_pipeline_without_an_audio_stage_is_a_400(config):
 
 # ---- output assembly -----------------------------------------------------------------------------
 
+
 def request(participants=("thinker", "decoder"), return_latents=False) -> Request:
-    return Request(request_id="r", prompt_token_ids=[1, 2], modalities=("text", "audio"),
-                   participants=participants, t0=0.0, deadline=1e9, timeout_s=1.0,
-                   return_latents=return_latents)
+    return Request(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        modalities=("text", "audio"),
+        participants=participants,
+        t0=0.0,
+        deadline=1e9,
+        timeout_s=1.0,
+        return_latents=return_latents,
+    )
 
 
 def drain(req: Request) -> list:
@@ -156,15 +168,38 @@ def test_outputs_become_the_clients_events_and_complete_when_every_stage_finishe
     thinker, decoder = config.stages
     req = request(return_latents=True)
     hidden = torch.arange(6.0).reshape(3, 2)
-    assert not asm.add(req, thinker, StageOutput(request_id="r", stage="thinker", seq=0, token_ids=[5, 6],
-                                                 text="ab"), {"hidden": hidden[:2]}, 1.0)
-    assert not asm.add(req, thinker, StageOutput(request_id="r", stage="thinker", seq=1, token_ids=[7],
-                                                 text="c", finished=True, finish_reason="length",
-                                                 num_prompt_tokens=2, latent_start=2),
-                       {"hidden": hidden[2:]}, 1.1)
+    assert not asm.add(
+        req,
+        thinker,
+        StageOutput(request_id="r", stage="thinker", seq=0, token_ids=[5, 6], text="ab"),
+        {"hidden": hidden[:2]},
+        1.0,
+    )
+    assert not asm.add(
+        req,
+        thinker,
+        StageOutput(
+            request_id="r",
+            stage="thinker",
+            seq=1,
+            token_ids=[7],
+            text="c",
+            finished=True,
+            finish_reason="length",
+            num_prompt_tokens=2,
+            latent_start=2,
+        ),
+        {"hidden": hidden[2:]},
+        1.1,
+    )
     audio = torch.full((240,), 0.5)
-    assert asm.add(req, decoder, StageOutput(request_id="r", stage="decoder", seq=0, finished=True,
-                                             sample_rate=16000), {"audio": audio}, 1.2)
+    assert asm.add(
+        req,
+        decoder,
+        StageOutput(request_id="r", stage="decoder", seq=0, finished=True, sample_rate=16000),
+        {"audio": audio},
+        1.2,
+    )
     events = drain(req)
     assert [type(e) for e in events] == [TextDelta, TextDelta, AudioDelta]
     assert (events[0].text, events[0].token_ids, events[1].text) == ("ab", [5, 6], "c")
@@ -179,11 +214,17 @@ def test_audio_at_an_impossible_rate_is_a_bad_output(config):
     topo = Topology.of(config)
     asm = OutputAssembler(topo, OrchestratorMetrics(topo.stage_names))
     with pytest.raises(BadOutput, match="1 Hz"):
-        asm.add(request(), config.stages[1], StageOutput(request_id="r", stage="decoder", seq=0,
-                                                         sample_rate=1), {"audio": torch.zeros(4)}, 0.0)
+        asm.add(
+            request(),
+            config.stages[1],
+            StageOutput(request_id="r", stage="decoder", seq=0, sample_rate=1),
+            {"audio": torch.zeros(4)},
+            0.0,
+        )
 
 
 # ---- the effective config ------------------------------------------------------------------------
+
 
 def test_overrides_apply_to_a_copy(config):
     before = copy.deepcopy(config)
@@ -195,9 +236,12 @@ def test_overrides_apply_to_a_copy(config):
 def test_every_stage_starts_with_one_serialized_config_not_the_file(config, tmp_path):
     run = with_overrides(config, checkpoint_dir=str(tmp_path / "ckpt"))
     run.server.control_address = "ipc:///tmp/x/orchestrator.sock"  # the hand-started decoder's
-    placement = StagePlacement(run, run_dir=new_run_dir(run),
-                               stage_argv=[sys.executable, "-m", "workers"],
-                               external=external_stages_of(run, ["decoder"]))
+    placement = StagePlacement(
+        run,
+        run_dir=new_run_dir(run),
+        stage_argv=[sys.executable, "-m", "workers"],
+        external=external_stages_of(run, ["decoder"]),
+    )
     placement.make_run_dir()
     try:
         runners = placement.runners("ipc:///tmp/x/orchestrator.sock")

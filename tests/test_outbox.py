@@ -75,8 +75,7 @@ def test_a_stream_goes_to_the_replica_its_route_names_and_stays_there(tmp_path):
     outbox = Outbox(ctx, codec, {"talker": addresses}, None)
 
     def first(rid: str, replica: int) -> StreamStart:
-        return StreamStart(request_id=rid, stage="thinker", seq=0, token_ids=[0],
-                           route={"talker": replica})
+        return StreamStart(request_id=rid, stage="thinker", seq=0, token_ids=[0], route={"talker": replica})
 
     try:
         outbox.to_downstream(first("a", 1))
@@ -84,8 +83,7 @@ def test_a_stream_goes_to_the_replica_its_route_names_and_stays_there(tmp_path):
         outbox.to_downstream(out("a", 1))
         outbox.to_downstream(out("b", 1))
         outbox.to_downstream(out("a", 2, finished=True))
-        seen = [[(m.request_id, m.seq) for m, _ in iter(lambda r=r: r.recv(timeout_ms=500), None)]
-                for r in replicas]
+        seen = [[(m.request_id, m.seq) for m, _ in iter(lambda r=r: r.recv(timeout_ms=500), None)] for r in replicas]
         assert seen == [[("b", 0), ("b", 1)], [("a", 0), ("a", 1), ("a", 2)]]
         with pytest.raises(ValueError, match="replica 2 of stage 'talker', which has 2"):
             outbox.to_downstream(first("c", 2))
@@ -100,12 +98,17 @@ def test_a_stream_start_and_a_delta_arrive_as_their_own_types():
     """The codec tells a stream's first output from its continuations by tag: a StreamStart keeps
     its context, a StageOutput carries none."""
     codec = Codec(MESSAGE_TYPES)
-    delta = StageOutput(request_id="r", stage="thinker", seq=0, token_ids=[5], text="x",
-                        num_prompt_tokens=3)
-    start = StreamStart.opening(delta, modalities=["text", "audio"],
-                                sampling=EngineSampling(max_tokens=4), time_left_s=12.5,
-                                return_latents=True, route={"talker": 1},
-                                prompt_token_ids=[1, 2, 3], image_grids=[[1, 2, 2]])
+    delta = StageOutput(request_id="r", stage="thinker", seq=0, token_ids=[5], text="x", num_prompt_tokens=3)
+    start = StreamStart.opening(
+        delta,
+        modalities=["text", "audio"],
+        sampling=EngineSampling(max_tokens=4),
+        time_left_s=12.5,
+        return_latents=True,
+        route={"talker": 1},
+        prompt_token_ids=[1, 2, 3],
+        image_grids=[[1, 2, 2]],
+    )
     got, _ = codec.decode(codec.encode(start))
     assert type(got) is StreamStart and got == start
     assert (got.token_ids, got.num_prompt_tokens, got.route) == ([5], 3, {"talker": 1})

@@ -37,6 +37,7 @@ def far_ahead(pacer: Pacer) -> PlaybackClock:
 
 # ---- the clock ----------------------------------------------------------------------------------
 
+
 def test_the_clock_counts_audio_against_time_since_the_first():
     stats = PacingStats()
     clock = PlaybackClock(stats)
@@ -64,6 +65,7 @@ def test_counters_are_a_cumulative_histogram():
 
 
 # ---- the rule -----------------------------------------------------------------------------------
+
 
 def test_an_answer_far_ahead_yields_to_one_without_audio_and_counts_as_paced():
     pacer = Pacer(PacingPolicy(LEAD))
@@ -109,13 +111,19 @@ def test_an_answer_beyond_max_lead_waits_even_when_nothing_else_is_due():
 def test_order_no_audio_first_then_least_slack():
     pacer = Pacer(PacingPolicy(LEAD))
     now = time.monotonic()
-    clocks = {"comfortable": just_started(pacer, ahead=0.9), "behind": just_started(pacer, ahead=-0.3),
-              "new": pacer.clock(), "whole": None, "tight": just_started(pacer, ahead=0.1)}
+    clocks = {
+        "comfortable": just_started(pacer, ahead=0.9),
+        "behind": just_started(pacer, ahead=-0.3),
+        "new": pacer.clock(),
+        "whole": None,
+        "tight": just_started(pacer, ahead=0.1),
+    }
     order = pacer.order(list(clocks), clocks.get, lambda name: name != "new", now)
     assert order == ["new", "behind", "whole", "tight", "comfortable"]
 
 
 # ---- vLLM's scheduler deciding ------------------------------------------------------------------
+
 
 class SchedulerHarness:
     """Our OmniScheduler on a real vLLM KV-cache manager; steps are scheduled by vLLM and
@@ -134,8 +142,9 @@ class SchedulerHarness:
 
         from scheduler.streamed_rows import StreamedRows, attach
 
-        request = Request(request_id=rid, prompt_token_ids=[1], sampling_params=SamplingParams(
-            max_tokens=1000), pooling_params=None)
+        request = Request(
+            request_id=rid, prompt_token_ids=[1], sampling_params=SamplingParams(max_tokens=1000), pooling_params=None
+        )
         if clock is not None:
             pacing.attach(request, clock)
         if starve:  # a talker request whose thinker rows stop at its prompt
@@ -157,9 +166,12 @@ class SchedulerHarness:
 
         out = self.sched.schedule()
         ids = list(out.num_scheduled_tokens)
-        self.sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[7] for _ in ids]))
+        self.sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids]
+            ),
+        )
         return set(ids)
 
 
@@ -173,20 +185,39 @@ def make_scheduler(tmp_path_factory):
     from omni_cache.models.checkpoints import ensure_checkpoint
     from scheduler.omni_scheduler import OmniScheduler
 
-    model = ModelConfig(model=str(ensure_checkpoint("thinker", tmp_path_factory.mktemp("ckpt"))),
-                        skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+    model = ModelConfig(
+        model=str(ensure_checkpoint("thinker", tmp_path_factory.mktemp("ckpt"))),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+    )
 
     def make(policy: PacingPolicy, max_num_seqs: int = 4):
         cache = CacheConfig(block_size=32)
         cache.num_gpu_blocks = 64
-        config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=256,
-            is_encoder_decoder=False))
-        kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-            ["layer"], FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=16,
-                                         dtype=torch.float32))])
-        sched = OmniScheduler(vllm_config=config, kv_cache_config=kv, block_size=32, log_stats=False,
-                              structured_output_manager=StructuredOutputManager(config))
+        config = VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=256, is_encoder_decoder=False
+            ),
+        )
+        kv = KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"], FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=16, dtype=torch.float32)
+                )
+            ],
+        )
+        sched = OmniScheduler(
+            vllm_config=config,
+            kv_cache_config=kv,
+            block_size=32,
+            log_stats=False,
+            structured_output_manager=StructuredOutputManager(config),
+        )
         sched.pacer = Pacer(policy)
         return SchedulerHarness(sched), sched.pacer
 
@@ -289,12 +320,12 @@ def test_running_requests_go_by_least_slack(make_scheduler):
 
 # ---- the decoder stage's batcher ----------------------------------------------------------------
 
+
 @pytest.fixture
 def decoder(tmp_path):
     from decoder_harness import make_runner
 
-    runner, close = make_runner(tmp_path, "tiny:decoder", max_batch_size=4,
-                                pacing=PacingConfig(lead_s=LEAD))
+    runner, close = make_runner(tmp_path, "tiny:decoder", max_batch_size=4, pacing=PacingConfig(lead_s=LEAD))
     yield runner, runner.inbox
     close()
 
@@ -386,11 +417,14 @@ def test_decoder_keeps_no_clock_for_an_answer_not_streamed(decoder):
     runner, inbox = decoder
     stream_codes(runner, "whole", seq=0, n=20, stream=False)
     assert emitted_in_next_step(runner, inbox) == {"whole"}
-    assert runner.requests["whole"].clock is None and runner.pacer.stats.counters()[
-        "pacing_slack_seconds_bucket:+Inf"] == 0
+    assert (
+        runner.requests["whole"].clock is None
+        and runner.pacer.stats.counters()["pacing_slack_seconds_bucket:+Inf"] == 0
+    )
 
 
 # ---- config and /metrics ------------------------------------------------------------------------
+
 
 def pipeline_with(tmp_path, stage: str, pacing: str):
     import yaml
@@ -405,16 +439,25 @@ def pipeline_with(tmp_path, stage: str, pacing: str):
     return path
 
 
-@pytest.mark.parametrize("stage,pacing,message", [
-    ("talker", "{lead_s: 1.0}", "stages[1].pacing.token_audio_s: missing"),
-    ("decoder", "{token_audio_s: 0.08}", "stages[2].pacing.token_audio_s: only for autoregressive"),
-    ("talker", "{lead_s: 0, token_audio_s: 0.08}", "lead_s"),
-    ("talker", "{lead: 1}", "lead"),
-    ("talker", "{token_audio_s: 0.08, ahead_batch_size: 2}",
-     "stages[1].pacing.ahead_batch_size: only for generation stages"),
-    ("talker", "{token_audio_s: 0.08, lead_s: 3.0, max_lead_s: 2.0}",
-     "stages[1].pacing.max_lead_s: 2 is below lead_s (3)"),
-])
+@pytest.mark.parametrize(
+    "stage,pacing,message",
+    [
+        ("talker", "{lead_s: 1.0}", "stages[1].pacing.token_audio_s: missing"),
+        ("decoder", "{token_audio_s: 0.08}", "stages[2].pacing.token_audio_s: only for autoregressive"),
+        ("talker", "{lead_s: 0, token_audio_s: 0.08}", "lead_s"),
+        ("talker", "{lead: 1}", "lead"),
+        (
+            "talker",
+            "{token_audio_s: 0.08, ahead_batch_size: 2}",
+            "stages[1].pacing.ahead_batch_size: only for generation stages",
+        ),
+        (
+            "talker",
+            "{token_audio_s: 0.08, lead_s: 3.0, max_lead_s: 2.0}",
+            "stages[1].pacing.max_lead_s: 2 is below lead_s (3)",
+        ),
+    ],
+)
 def test_bad_pacing_names_the_key(tmp_path, stage, pacing, message):
     with pytest.raises(ConfigError) as e:
         load_config(pipeline_with(tmp_path, stage, pacing))
@@ -434,8 +477,13 @@ def test_metrics_render_pacing_per_stage_that_reports_it():
     for slack in (-0.3, 0.5, 4.0):
         stats.observe_slack(slack)
     m = OrchestratorMetrics(["talker", "decoder"])
-    text = m.render({"talker": StageSnapshot(up=True, counters={"requests": 1, **stats.counters()}),
-                     "decoder": StageSnapshot(up=True, counters={"requests": 1})}, in_flight=0)
+    text = m.render(
+        {
+            "talker": StageSnapshot(up=True, counters={"requests": 1, **stats.counters()}),
+            "decoder": StageSnapshot(up=True, counters={"requests": 1}),
+        },
+        in_flight=0,
+    )
     got = {(n, lab.get("stage"), lab.get("le")): v for n, lab, v in parse_metrics(text)}
     assert got[("omni_cache_stage_paced_requests_total", "talker", None)] == 3
     assert got[("omni_cache_stage_audio_underruns_total", "talker", None)] == 1

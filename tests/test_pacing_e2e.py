@@ -91,8 +91,10 @@ def first_audio(pipe) -> tuple[float, float]:
     missing histogram fails (it exists from the first answer with audio on)."""
     audio_stage = pipe.orchestrator.topology.audio_stage.name
     registry = pipe.orchestrator.metrics.registry
-    got = [registry.get_sample_value(f"omni_cache_time_to_first_audio_seconds_{s}",
-                                     {"stage": audio_stage}) for s in ("count", "sum")]
+    got = [
+        registry.get_sample_value(f"omni_cache_time_to_first_audio_seconds_{s}", {"stage": audio_stage})
+        for s in ("count", "sum")
+    ]
     assert None not in got, "no omni_cache_time_to_first_audio_seconds for the audio stage"
     return got[0], got[1]
 
@@ -117,8 +119,7 @@ def paced(pipe):
     before = counters(pipe)
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
-        six = pool.submit(pipe.generate, STREAMING, max_tokens=THINKER_TOKENS, stream=True,
-                          return_latents=True)
+        six = pool.submit(pipe.generate, STREAMING, max_tokens=THINKER_TOKENS, stream=True, return_latents=True)
         # The talker's codes so far, per answer, against the time since they were sent (their
         # first audio came later, so this understates how far ahead they are).
         while True:
@@ -131,13 +132,19 @@ def paced(pipe):
             time.sleep(0.2)
         mid = counters(pipe)
         mid_first_audio = first_audio(pipe)  # the six have theirs: only the seventh's is new
-        [seventh] = pipe.generate([ARRIVING], max_tokens=THINKER_TOKENS, stream=True,
-                                  return_latents=True)
+        [seventh] = pipe.generate([ARRIVING], max_tokens=THINKER_TOKENS, stream=True, return_latents=True)
         late_s = one_first_audio(pipe, mid_first_audio)
         after_seventh = counters(pipe)
         results = six.result() + [seventh]
-    return {"results": results, "before": before, "mid": mid, "after_seventh": after_seventh,
-            "unloaded_s": unloaded_s, "late_s": late_s, "lead_s": lead}
+    return {
+        "results": results,
+        "before": before,
+        "mid": mid,
+        "after_seventh": after_seventh,
+        "unloaded_s": unloaded_s,
+        "late_s": late_s,
+        "lead_s": lead,
+    }
 
 
 def test_a_request_arriving_while_six_stream_gets_its_first_audio_first(paced):
@@ -155,13 +162,13 @@ def test_a_request_arriving_while_six_stream_gets_its_first_audio_first(paced):
     print(f"first audio: {unloaded:.3f} s unloaded, {late:.3f} s beside six streaming answers")
     assert late <= unloaded + lead + MARGIN_S, (
         f"first audio {late:.2f} s beside six streaming answers vs {unloaded:.2f} s unloaded "
-        f"(bound: + the talker's lead_s {lead:g} s + {MARGIN_S:g} s)")
+        f"(bound: + the talker's lead_s {lead:g} s + {MARGIN_S:g} s)"
+    )
 
 
 def test_paced_answers_equal_unpaced_ones(pipe, paced):
     before = counters(pipe)
-    unpaced = pipe.generate(STREAMING + [ARRIVING], max_tokens=THINKER_TOKENS, stream=False,
-                            return_latents=True)
+    unpaced = pipe.generate(STREAMING + [ARRIVING], max_tokens=THINKER_TOKENS, stream=False, return_latents=True)
     after = counters(pipe)
     # Not streamed: no clock, nothing held, nothing measured.
     for stage in STAGES:

@@ -16,8 +16,7 @@ def test_python_api_cache_on_off_same_text_and_audio(tmp_path):
     from omni_cache import Pipeline
 
     system = system_prompt(900, seed=11)
-    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
-               for q in ("why?", "how?")]
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in ("why?", "how?")]
     results = {}
     for cache in (True, False):
         path = write_pipeline_config(tmp_path, f"api_{'on' if cache else 'off'}")

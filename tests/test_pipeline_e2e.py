@@ -66,17 +66,20 @@ def client(server):
 
 
 def test_text_answer(client):
-    r = client.chat.completions.create(model="e2e", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=8)
+    r = client.chat.completions.create(model="e2e", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
     assert r.choices[0].finish_reason in ("length", "stop")
     assert r.usage.completion_tokens == 8
     assert isinstance(r.choices[0].message.content, str)
 
 
 def test_audio_answer_is_a_wav(client):
-    r = client.chat.completions.create(model="e2e", messages=[{"role": "user", "content": "sing"}],
-                                       max_tokens=12, modalities=["text", "audio"],
-                                       audio={"voice": "default", "format": "wav"})
+    r = client.chat.completions.create(
+        model="e2e",
+        messages=[{"role": "user", "content": "sing"}],
+        max_tokens=12,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+    )
     audio = r.choices[0].message.audio
     assert audio.transcript == r.choices[0].message.content
     with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
@@ -86,9 +89,14 @@ def test_audio_answer_is_a_wav(client):
 
 def test_streaming_text_and_audio(client):
     stream = client.chat.completions.create(
-        model="e2e", messages=[{"role": "user", "content": "stream please"}], max_tokens=16,
-        modalities=["text", "audio"], audio={"voice": "default", "format": "pcm16"}, stream=True,
-        stream_options={"include_usage": True})
+        model="e2e",
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=16,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "pcm16"},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text_deltas, audio_bytes, finish, usage = 0, 0, None, None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -111,9 +119,12 @@ def test_shared_prefix_hits_thinker_and_talker(client, server):
     cached = []
     for question in ("first question?", "second question?"):
         r = client.chat.completions.create(
-            model="e2e", messages=[{"role": "system", "content": system},
-                                   {"role": "user", "content": question}],
-            max_tokens=10, modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
+            model="e2e",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=10,
+            modalities=["text", "audio"],
+            audio={"voice": "default", "format": "wav"},
+        )
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
     assert cached[0] == 0 and cached[1] >= 1024, cached
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer test-key"}).text
@@ -141,11 +152,9 @@ def test_bad_input_gets_clear_errors(server):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(url, json={"model": "e2e", "messages": "hello"}, headers=h)
     assert r.status_code == 400
-    r = httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
-                   headers=h)
+    r = httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}, headers=h)
     assert r.status_code == 404
-    r = httpx.post(url, json={"model": "e2e", "messages": [{"role": "user", "content": "x" * 9000}]},
-                   headers=h)
+    r = httpx.post(url, json={"model": "e2e", "messages": [{"role": "user", "content": "x" * 9000}]}, headers=h)
     assert r.status_code == 400 and "8192" in r.text
     r = httpx.post(url, json={"model": "e2e", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 401
@@ -160,8 +169,12 @@ def test_bad_input_gets_clear_errors(server):
         sock.send_multipart(frames)
     sock.close()
     ctx.term()
-    r = httpx.post(url, json={"model": "e2e", "messages": [{"role": "user", "content": "ok?"}],
-                              "max_tokens": 4}, headers=h, timeout=120)
+    r = httpx.post(
+        url,
+        json={"model": "e2e", "messages": [{"role": "user", "content": "ok?"}], "max_tokens": 4},
+        headers=h,
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -172,20 +185,34 @@ def test_killed_stage_fails_in_flight_request_and_recovers(client, server):
     works. How fast the error arrives is measured by benchmarks.stage_failure, not asserted here."""
     orch = server.orchestrator
     old_pid = orch.stage_pids()["talker"]
-    body = {"model": "e2e", "messages": [{"role": "user", "content": "a long answer"}],
-            "max_tokens": 2000, "stream": True, "modalities": ["text", "audio"],
-            "audio": {"voice": "default", "format": "pcm16"}}
+    body = {
+        "model": "e2e",
+        "messages": [{"role": "user", "content": "a long answer"}],
+        "max_tokens": 2000,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+    }
     events, killed = [], False
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
-                      headers={"Authorization": "Bearer test-key"}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": "Bearer test-key"},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
-            if not killed and isinstance(events[-1], dict) and events[-1].get("choices") \
-                    and events[-1]["choices"][0]["delta"].get("audio"):
+            if (
+                not killed
+                and isinstance(events[-1], dict)
+                and events[-1].get("choices")
+                and events[-1]["choices"][0]["delta"].get("audio")
+            ):
                 killed = True  # audio is flowing: the talker is mid-answer
                 os.kill(old_pid, signal.SIGKILL)
     assert killed, "the answer ended before any audio arrived"
@@ -198,9 +225,13 @@ def test_killed_stage_fails_in_flight_request_and_recovers(client, server):
         assert time.monotonic() < deadline, "talker did not come back"
         time.sleep(1)
     assert orch.stage_pids()["talker"] not in (None, old_pid)
-    r = client.chat.completions.create(model="e2e", messages=[{"role": "user", "content": "again"}],
-                                       max_tokens=6, modalities=["text", "audio"],
-                                       audio={"voice": "default", "format": "wav"})
+    r = client.chat.completions.create(
+        model="e2e",
+        messages=[{"role": "user", "content": "again"}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+    )
     assert r.choices[0].message.audio.data
 
 
@@ -214,17 +245,25 @@ def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(serv
 
     def ttft_sum() -> float:
         text = httpx.get(server.url + "/metrics", headers=h).text
-        return sum(v for n, lab, v in parse_metrics(text)
-                   if n == "vllm:time_to_first_token_seconds_sum" and lab["stage"] == "thinker")
+        return sum(
+            v
+            for n, lab, v in parse_metrics(text)
+            if n == "vllm:time_to_first_token_seconds_sum" and lab["stage"] == "thinker"
+        )
 
-    body = {"model": "e2e", "max_tokens": 24, "temperature": 0.0,
-            "messages": [{"role": "user", "content": system_prompt(6000, seed=time.time_ns())}]}
+    body = {
+        "model": "e2e",
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": system_prompt(6000, seed=time.time_ns())}],
+    }
 
     def stream() -> tuple[str, float]:
         chunks, first = [], None
         t0 = time.perf_counter()
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
-                          headers=h, timeout=300) as r:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=h, timeout=300
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":

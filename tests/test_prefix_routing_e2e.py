@@ -51,10 +51,12 @@ def server(tmp_path_factory):
 
 def decisions(server) -> dict[tuple[str, str], float]:
     """(replica, decision) -> thinker routing decisions so far."""
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
-                     timeout=30).text
-    return {(lab["replica"], lab["decision"]): v for n, lab, v in parse_metrics(text)
-            if n == "omni_cache_routing_decisions_total" and lab["stage"] == "thinker"}
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+    return {
+        (lab["replica"], lab["decision"]): v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_routing_decisions_total" and lab["stage"] == "thinker"
+    }
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -70,8 +72,9 @@ def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(se
     cached: dict[str, int] = {}
 
     def ask(content: str, key: str | None = None, max_tokens: int = 4) -> None:
-        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
-                                           max_tokens=max_tokens)
+        r = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": content}], max_tokens=max_tokens
+        )
         if key is not None:
             cached[key] = r.usage.prompt_tokens_details.cached_tokens
 
@@ -92,10 +95,8 @@ def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(se
     assert delta(before, decisions(server)) == {("0", "prefix_hit"): 1, ("1", "prefix_hit"): 1}
     assert cached["P"] >= 512 and cached["Q"] >= 512, cached
     held = server.orchestrator.routes.prefix_index
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
-                     timeout=30).text
-    gauge = {lab["replica"]: v for n, lab, v in parse_metrics(text)
-             if n == "omni_cache_prefix_index_blocks"}
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+    gauge = {lab["replica"]: v for n, lab, v in parse_metrics(text) if n == "omni_cache_prefix_index_blocks"}
     assert gauge == {"0": held.blocks(0), "1": held.blocks(1)} and min(gauge.values()) >= 18, gauge
 
     # Churn replica 0's 64-block pool with prompts nobody shares (no hit anywhere: they go to the
@@ -127,7 +128,8 @@ def test_a_prefix_being_computed_draws_its_tenants_next_request(server):
 
     def ask(question: str) -> None:
         r = client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": prefix("R") + question}], max_tokens=24)
+            model=NAME, messages=[{"role": "user", "content": prefix("R") + question}], max_tokens=24
+        )
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
 
     before = decisions(server)
@@ -177,15 +179,15 @@ def test_a_repeated_image_or_video_goes_to_the_replica_that_holds_it(media_serve
 
     def ask(part: dict, question: str, key: str, max_tokens: int = 2) -> None:
         r = client.chat.completions.create(
-            model=MEDIA_NAME, max_tokens=max_tokens,
-            messages=[{"role": "user", "content": [part, {"type": "text", "text": question}]}])
+            model=MEDIA_NAME,
+            max_tokens=max_tokens,
+            messages=[{"role": "user", "content": [part, {"type": "text", "text": question}]}],
+        )
         cached[key] = r.usage.prompt_tokens_details.cached_tokens
 
-    images = {k: {"type": "image_url", "image_url": {"url": png_data_url(128, 96, seed=i)}}
-              for i, k in enumerate("XY")}
+    images = {k: {"type": "image_url", "image_url": {"url": png_data_url(128, 96, seed=i)}} for i, k in enumerate("XY")}
     before = decisions(media_server)
-    threads = [threading.Thread(target=ask, args=(images[k], QUESTION + "first?", k, 24))
-               for k in "XY"]
+    threads = [threading.Thread(target=ask, args=(images[k], QUESTION + "first?", k, 24)) for k in "XY"]
     for t in threads:
         t.start()
     for t in threads:
@@ -199,8 +201,10 @@ def test_a_repeated_image_or_video_goes_to_the_replica_that_holds_it(media_serve
     assert delta(before, decisions(media_server)) == {("0", "prefix_hit"): 1, ("1", "prefix_hit"): 1}
     assert cached["X"] >= 64 and cached["Y"] >= 64, cached  # the image and the question's blocks
 
-    video = {"type": "video_url", "video_url": {
-        "url": "data:video/mp4;base64," + base64.b64encode(video_bytes(audio_s=2.0)).decode()}}
+    video = {
+        "type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(video_bytes(audio_s=2.0)).decode()},
+    }
     ask(video, QUESTION + "first?", "V")
     before = decisions(media_server)
     ask(video, QUESTION + "second?", "V")

@@ -25,14 +25,12 @@ def lazy_imports(source: str) -> set[str]:
 
 
 def covered(module: str) -> bool:
-    return any(module == m or module.startswith(m + ".") or m.startswith(module + ".")
-               for m in REQUEST_PATH_MODULES)
+    return any(module == m or module.startswith(m + ".") or m.startswith(module + ".") for m in REQUEST_PATH_MODULES)
 
 
 def test_every_lazy_import_of_the_request_path_is_preloaded():
     lazy = set().union(*(lazy_imports(p.read_text()) for p in SERVING.rglob("*.py")))
-    third_party = {m for m in lazy
-                   if not m.startswith("omni_cache") and m.split(".")[0] not in sys.stdlib_module_names}
+    third_party = {m for m in lazy if not m.startswith("omni_cache") and m.split(".")[0] not in sys.stdlib_module_names}
     assert third_party, "found no lazy import at all: the scan is broken"
     assert not sorted(m for m in third_party if not covered(m))
 
@@ -43,9 +41,14 @@ def test_the_scan_sees_imports_inside_functions_only():
 
 
 def test_preload_imports_them_all_in_a_fresh_interpreter():
-    code = ("import sys; from omni_cache.serving.preload import preload, REQUEST_PATH_MODULES; "
-            "failed = preload(); missing = [m for m in REQUEST_PATH_MODULES if m not in sys.modules]; "
-            "from PIL import Image; print(failed, missing, Image._initialized)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=300).stdout.strip().splitlines()[-1]
+    code = (
+        "import sys; from omni_cache.serving.preload import preload, REQUEST_PATH_MODULES; "
+        "failed = preload(); missing = [m for m in REQUEST_PATH_MODULES if m not in sys.modules]; "
+        "from PIL import Image; print(failed, missing, Image._initialized)"
+    )
+    out = (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert out == "[] [] 2", out

@@ -41,9 +41,15 @@ VISION_START, IMAGE_PAD, VISION_END = 259, 262, 260  # checked against the token
 # 24 MiB: about 96 pages of the tiny model. A request of ~5 blocks takes ~20 (its attention blocks
 # and a state per GatedDeltaNet group at every boundary): the rows here fit, a long workload evicts
 # (tests/test_qwen3_5_pipeline_cache.py runs one in a pool of this size).
-ENGINE = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", max_model_len=2048,
-              max_num_batched_tokens=2048, kv_cache_memory_bytes=24 * 2**20,
-              limit_mm_per_prompt={"image": 1, "video": 0})
+ENGINE = dict(
+    enforce_eager=True,
+    gpu_memory_utilization=0.3,
+    dtype="bfloat16",
+    max_model_len=2048,
+    max_num_batched_tokens=2048,
+    kv_cache_memory_bytes=24 * 2**20,
+    limit_mm_per_prompt={"image": 1, "video": 0},
+)
 
 
 def make(mode: str):
@@ -52,9 +58,14 @@ def make(mode: str):
 
     cache = mode != "off"
     args = dict(ENGINE, prefix_cache_retention_interval=None) if cache else dict(ENGINE)
-    return LLMStage(str(ensure_checkpoint(MODEL)), args, prefix_cache=cache,
-                    block_states=mode == "ours", report_blocks=cache,
-                    latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
+    return LLMStage(
+        str(ensure_checkpoint(MODEL)),
+        args,
+        prefix_cache=cache,
+        block_states=mode == "ours",
+        report_blocks=cache,
+        latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache),
+    )
 
 
 class Engine:
@@ -70,16 +81,22 @@ class Engine:
         text = isinstance(prompt, list)
         if text:
             steps = self.index.block_size.get(0, self.B)
-            said = self.index.matched_blocks(0, prompt_block_hashes(prompt, steps),
-                                             (len(prompt) - 1) // steps) * steps
+            said = self.index.matched_blocks(0, prompt_block_hashes(prompt, steps), (len(prompt) - 1) // steps) * steps
         result = run(self.stage, {rid: prompt}, max_tokens)[rid]
         if text:
             self.predictions.append((said, result.num_cached_tokens))
         changes = self.stage.block_events.take()
-        self.index.apply(0, changes.stored, changes.removed, cleared=changes.cleared,
-                         block_size=changes.block_size, hash_block_size=changes.hash_block_size,
-                         recurrent=changes.recurrent, state_stored=changes.state_stored,
-                         state_removed=changes.state_removed)
+        self.index.apply(
+            0,
+            changes.stored,
+            changes.removed,
+            cleared=changes.cleared,
+            block_size=changes.block_size,
+            hash_block_size=changes.hash_block_size,
+            recurrent=changes.recurrent,
+            state_stored=changes.state_stored,
+            state_removed=changes.state_removed,
+        )
         return result
 
 
@@ -130,7 +147,8 @@ def close_to_off(on: Result, off: Result, what: str, check_from: int = 0) -> Non
         rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
         assert float(rel.max()) <= HYBRID_ROW_RTOL, (
             f"{what}/{name}: row {check_from + int(rel.argmax())} differs from the cache-off engine "
-            f"by {float(rel.max()):.2e}")
+            f"by {float(rel.max()):.2e}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +193,7 @@ def test_an_image_then_different_questions_hits_past_the_image(engines):
     system, context = tokens(rng, 90), tokens(rng, 150)
     # Questions longer than a block: the branch lies before the first prompt's last boundary,
     # where vLLM's align mode keeps its only state (a shorter question hits there in both modes).
-    ids = [system + [VISION_START, IMAGE_PAD, VISION_END] + context + tokens(rng, B + 40 + 7 * i)
-           for i in range(3)]
+    ids = [system + [VISION_START, IMAGE_PAD, VISION_END] + context + tokens(rng, B + 40 + 7 * i) for i in range(3)]
     prompts = [{"prompt_token_ids": p, "multi_modal_data": {"image": image}} for p in ids]
     shared = 90 + 2 + 64 + 150  # expanded: system, start/end, the image's 64 tokens, context
     best = shared // B * B
@@ -202,8 +219,7 @@ def test_multi_turn(engines):
         rid = f"turn{turn}"
         ours = engines.ours.ask(rid, prompt, answer)
         align = engines.align.ask(rid, prompt, answer)
-        engines.table.setdefault("multi-turn", []).append((best, align.num_cached_tokens,
-                                                           ours.num_cached_tokens))
+        engines.table.setdefault("multi-turn", []).append((best, align.num_cached_tokens, ours.num_cached_tokens))
         assert ours.num_cached_tokens == best, f"{rid}: hit {ours.num_cached_tokens}, best {best}"
         assert_bitwise(ours.latents, previous.latents, best, f"{rid} vs the previous turn")
         close_to_off(ours, run(engines.off, {rid: prompt}, answer)[rid], rid, check_from=best)
@@ -216,7 +232,5 @@ def test_the_routing_index_predicts_every_hit(engines):
     alone would have said "hit" on the branch rows."""
     for engine in (engines.ours, engines.align):
         assert engine.index.recurrent == {0}
-        assert engine.predictions and all(said == hit for said, hit in engine.predictions), \
-            engine.predictions
+        assert engine.predictions and all(said == hit for said, hit in engine.predictions), engine.predictions
     assert any(hit > 0 for _, hit in engines.align.predictions)
-

@@ -72,18 +72,29 @@ def reference(checkpoint):
 # ---- requests -----------------------------------------------------------------------------------
 def chat(server, messages: list[dict], **fields: Any) -> dict:
     """One answer: its token ids, each token's served logprob, the prompt ids, cached tokens."""
-    body = {"model": NAME, "messages": messages, "max_tokens": TOKENS, "temperature": 0.0,
-            "logprobs": True, "return_token_ids": True, **fields}
+    body = {
+        "model": NAME,
+        "messages": messages,
+        "max_tokens": TOKENS,
+        "temperature": 0.0,
+        "logprobs": True,
+        "return_token_ids": True,
+        **fields,
+    }
     if body.get("stream"):
         return _streamed(server, body)
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     out = r.json()
     choice = out["choices"][0]
-    return {"ids": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
-            "prompt_ids": out["prompt_token_ids"], "text": choice["message"]["content"],
-            "prompt_tokens": out["usage"]["prompt_tokens"],
-            "cached": (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
+    return {
+        "ids": choice["token_ids"],
+        "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
+        "prompt_ids": out["prompt_token_ids"],
+        "text": choice["message"]["content"],
+        "prompt_tokens": out["usage"]["prompt_tokens"],
+        "cached": (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+    }
 
 
 def _streamed(server, body: dict) -> dict:
@@ -103,8 +114,14 @@ def _streamed(server, body: dict) -> dict:
                 ids += choice.get("token_ids") or []
                 text += choice["delta"].get("content") or ""
                 logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or ()]
-    return {"ids": ids, "logprobs": logprobs, "prompt_ids": prompt_ids, "text": text, "cached": cached,
-            "prompt_tokens": prompt_tokens}
+    return {
+        "ids": ids,
+        "logprobs": logprobs,
+        "prompt_ids": prompt_ids,
+        "text": text,
+        "cached": cached,
+        "prompt_tokens": prompt_tokens,
+    }
 
 
 def image_url(seed: int) -> str:
@@ -145,11 +162,16 @@ def reference_inputs(processor, messages: list[dict]) -> dict[str, torch.Tensor]
                 [frames] = decoder.decode_all(decoder.read_all([MediaPart("video", part, "video")]))
                 count = frames.array.shape[0]
                 videos.append(frames.array)
-                metadata.append({"fps": frames.fps, "frames_indices": list(range(count)),
-                                 "total_num_frames": count, "duration": count / frames.fps})
+                metadata.append(
+                    {
+                        "fps": frames.fps,
+                        "frames_indices": list(range(count)),
+                        "total_num_frames": count,
+                        "duration": count / frames.fps,
+                    }
+                )
     # (transformers' processor rewrites the parts of the conversation it is given: a copy)
-    text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True,
-                                         tokenize=False)
+    text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True, tokenize=False)
     kwargs: dict[str, Any] = {}
     if images:
         kwargs["images"] = images
@@ -165,17 +187,20 @@ def teacher_forced(model, inputs: dict, answer: list[int]) -> torch.Tensor:
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
     pad = torch.zeros(1, len(answer), dtype=inputs["mm_token_type_ids"].dtype)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                       mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], pad], dim=1),
-                       **extra).logits[0]
+        logits = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], pad], dim=1),
+            **extra,
+        ).logits[0]
     n = prompt.shape[1]
-    return logits[n - 1:n - 1 + len(answer)].float().log_softmax(-1)
+    return logits[n - 1 : n - 1 + len(answer)].float().log_softmax(-1)
 
 
 def reference_generate(model, inputs: dict) -> list[int]:
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def memo(reference, key: tuple, compute):
@@ -194,8 +219,7 @@ def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) ->
     assert got["prompt_ids"] == inputs["input_ids"][0].tolist(), "another prompt, or media expanded otherwise"
     assert got["prompt_tokens"] == inputs["input_ids"].shape[1]
     assert got["ids"] and len(got["logprobs"]) == len(got["ids"])
-    ref = memo(reference, ("forced", chat_key, tuple(got["ids"])),
-               lambda: teacher_forced(model, inputs, got["ids"]))
+    ref = memo(reference, ("forced", chat_key, tuple(got["ids"])), lambda: teacher_forced(model, inputs, got["ids"]))
     for step, (token, got_lp) in enumerate(zip(got["ids"], got["logprobs"])):
         want = ref[step, token].item()
         assert abs(got_lp - want) <= LOGPROB_ATOL, (step, token, got_lp, want)
@@ -208,7 +232,7 @@ def check(reference, messages: list[dict], got: dict, *, greedy: bool = True) ->
             top = ref[same].topk(2).values
             assert (top[0] - top[1]).item() <= TIE, (same, got["ids"], generated)
         else:
-            assert got["ids"] == generated[:len(got["ids"])]
+            assert got["ids"] == generated[: len(got["ids"])]
 
 
 # ---- tests ----------------------------------------------------------------------------------------
@@ -217,15 +241,23 @@ def test_answers_equal_the_reference_with_and_without_a_prefix_hit(server, refer
     media = {"text": [], "image": [image_part(image_url(3))], "video": [video_part(video_url(4))]}[kind]
     # (A question long enough that a block boundary lies past the media: the prompt as the engine
     # sees it, placeholders expanded, is ~850 tokens without it, its media ending near 800.)
-    messages = user(*media, f"Describe the {kind} in one line; then name its main colour, the corner "
-                    "that stands out most and the mood it sets, each in a word or two, please.")
+    messages = user(
+        *media,
+        f"Describe the {kind} in one line; then name its main colour, the corner "
+        "that stands out most and the mood it sets, each in a word or two, please.",
+    )
     first = chat(server, messages)
     check(reference, messages, first)
     again = chat(server, messages)  # the same prompt: a prefix hit through the media
     # (prompt_ids are the engine's: the media's last placeholder position there.)
-    media_end = max((i for i, t in enumerate(again["prompt_ids"])
-                     if t in (reference[0].config.image_token_id, reference[0].config.video_token_id)),
-                    default=0)
+    media_end = max(
+        (
+            i
+            for i, t in enumerate(again["prompt_ids"])
+            if t in (reference[0].config.image_token_id, reference[0].config.video_token_id)
+        ),
+        default=0,
+    )
     assert again["cached"] > media_end, again["cached"]
     check(reference, messages, again)
 
@@ -235,8 +267,10 @@ def test_a_follow_up_turn_hits_the_first_turn_and_equals_the_reference(server, r
     turn's last block boundary, then the rest."""
     first_turn = user(image_part(image_url(7)), "What colour dominates?")
     answer = chat(server, first_turn)
-    follow_up = first_turn + [{"role": "assistant", "content": answer["text"]},
-                              {"role": "user", "content": [{"type": "text", "text": "And the edges?"}]}]
+    follow_up = first_turn + [
+        {"role": "assistant", "content": answer["text"]},
+        {"role": "user", "content": [{"type": "text", "text": "And the edges?"}]},
+    ]
     got = chat(server, follow_up)
     assert got["cached"] > 0
     check(reference, follow_up, got)

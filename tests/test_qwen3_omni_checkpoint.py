@@ -22,11 +22,20 @@ def path(tmp_path_factory):
 
 def test_released_layout(path):
     files = sorted(p.name for p in path.iterdir())
-    assert files == sorted([
-        ck.COMPLETE_MARKER, "chat_template.json", "config.json", "generation_config.json",
-        "model.safetensors", "preprocessor_config.json", "special_tokens_map.json", "tokenizer.json",
-        "tokenizer_config.json", "video_preprocessor_config.json",
-    ])
+    assert files == sorted(
+        [
+            ck.COMPLETE_MARKER,
+            "chat_template.json",
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "preprocessor_config.json",
+            "special_tokens_map.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "video_preprocessor_config.json",
+        ]
+    )
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3OmniMoeForConditionalGeneration"]
     assert cfg["model_type"] == "qwen3_omni_moe"

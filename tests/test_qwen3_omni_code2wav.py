@@ -54,8 +54,7 @@ def test_receptive_field(decoder, codes, whole):
     rf = decoder.receptive_field
     # 2 layers x (window 24 - 1) for the transformer + 10 for the convolutions; 555 = the decoder
     # blocks' transposed-conv trims (((8 * 5 + 5) * 4 + 4) * 3 + 3).
-    assert (rf.left_codes, rf.conv_codes, rf.right_codes, rf.tail_samples, rf.lag_samples) == (
-        56, 10, 0, 555, 555)
+    assert (rf.left_codes, rf.conv_codes, rf.right_codes, rf.tail_samples, rf.lag_samples) == (56, 10, 0, 555, 555)
     assert decoder.samples_per_code == 1920 and decoder.sample_rate == 24000
     # Changing code p changes samples from p's own frame less the tail (the samples a decode of
     # codes[:p] does not make: why audio lags codes) up to left_codes later, and the reach is real
@@ -73,7 +72,7 @@ def _stream(decoder, codes, arrive: int, max_codes: int | None = None, left_cont
     """Codes arrive ``arrive`` at a time; decode whatever can be emitted after each arrival."""
     n_total, emitted, pieces = codes.shape[-1], 0, []
     for n in [*range(arrive, n_total, arrive), n_total]:
-        while (w := decoder.next_window(codes[:, :n], emitted, n == n_total, max_codes, left_context)):
+        while w := decoder.next_window(codes[:, :n], emitted, n == n_total, max_codes, left_context):
             pieces.append(decoder.decode_windows([w])[0])
             emitted += w.stop - w.start
     assert emitted == n_total

@@ -47,8 +47,9 @@ PROMPTS = {
 }
 
 
-AUDIO_PROMPT = [{"role": "user", "content": [
-    {"type": "audio", "audio": "clip"}, {"type": "text", "text": "What do you hear?"}]}]
+AUDIO_PROMPT = [
+    {"role": "user", "content": [{"type": "audio", "audio": "clip"}, {"type": "text", "text": "What do you hear?"}]}
+]
 
 
 def a_clip():
@@ -106,14 +107,20 @@ def reference(model, token_ids: list[int], **inputs) -> tuple[list[int], torch.T
     try:
         ids = torch.tensor([token_ids])
         sequences, wav = model.generate(
-            input_ids=ids, return_audio=True, thinker_max_new_tokens=THINKER_TOKENS + 1,
-            thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
-            talker_do_sample=False, talker_max_new_tokens=TALKER_STEPS, **inputs)
+            input_ids=ids,
+            return_audio=True,
+            thinker_max_new_tokens=THINKER_TOKENS + 1,
+            thinker_eos_token_id=model.config.im_end_token_id,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            talker_max_new_tokens=TALKER_STEPS,
+            **inputs,
+        )
     finally:
         model.talker.generate = talker_generate
     hidden = captured["out"].hidden_states
     codes = torch.stack([h[-1][0] for h in hidden if h[-1] is not None], dim=-1)  # [G, steps]
-    answer = sequences[0, len(token_ids):len(token_ids) + THINKER_TOKENS].tolist()
+    answer = sequences[0, len(token_ids) : len(token_ids) + THINKER_TOKENS].tolist()
     return answer, codes, wav.reshape(-1).float().numpy()
 
 
@@ -145,10 +152,10 @@ def test_answer_rows_from_the_embedding_table_are_the_thinkers_own(pipeline, che
     token_ids = pipeline.tokenize(PROMPTS["text"])
     [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
     rows = got.latents[merged_name(0, 2)]
-    fed = got.token_ids[:rows.shape[0] - len(token_ids)]
+    fed = got.token_ids[: rows.shape[0] - len(token_ids)]
     assert len(fed) == len(got.token_ids) - 1  # every answer token but the last was fed
     want = TalkerPrompt.load(checkpoint).embedding_rows(fed).to(rows.dtype)
-    assert torch.equal(rows[len(token_ids):], want)
+    assert torch.equal(rows[len(token_ids) :], want)
 
 
 def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpoint):
@@ -160,10 +167,10 @@ def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpo
     inputs = proc(text=text, audio=[clip.array], sampling_rate=clip.sample_rate, return_tensors="pt")
     expanded = inputs.pop("input_ids")[0].tolist()
     inputs.pop("attention_mask", None)
-    prompt = pipeline.tokenize(AUDIO_PROMPT[:0] + [{"role": "user", "content": (
-        "<|audio_start|><|audio_pad|><|audio_end|>What do you hear?")}])
-    [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
-                              media=[[clip]])
+    prompt = pipeline.tokenize(
+        AUDIO_PROMPT[:0] + [{"role": "user", "content": ("<|audio_start|><|audio_pad|><|audio_end|>What do you hear?")}]
+    )
+    [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True, media=[[clip]])
     want_text, want_codes, want_wav = reference(reference_model, expanded, **inputs)
     eos = reference_model.config.im_end_token_id
     assert got.num_prompt_tokens == len(expanded)
@@ -172,8 +179,13 @@ def test_an_audio_prompt_equals_the_reference(pipeline, reference_model, checkpo
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
 
 
-IMAGE_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
-    {"type": "image", "image": "img"}, {"type": "text", "text": "What is in the picture?"}]}]
+IMAGE_PROMPT = [
+    {"role": "system", "content": "Be brief."},
+    {
+        "role": "user",
+        "content": [{"type": "image", "image": "img"}, {"type": "text", "text": "What is in the picture?"}],
+    },
+]
 
 
 def an_image():
@@ -195,7 +207,8 @@ def test_an_image_prompts_talker_positions_equal_the_reference(reference_model, 
     positions, delta = prompt.positions(ids, inputs["image_grid_thw"].tolist())
     talker_ids = torch.tensor([prompt.talker_ids(ids)])
     want, want_delta = reference_model.talker.get_rope_index(
-        talker_ids, inputs["image_grid_thw"], None, torch.ones_like(talker_ids))
+        talker_ids, inputs["image_grid_thw"], None, torch.ones_like(talker_ids)
+    )
     assert torch.equal(positions, want[:, 0].long())
     assert delta == int(want_delta.item()) < 0
 
@@ -212,14 +225,17 @@ def test_an_image_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_
     inputs = proc(text=text, images=[image.array], return_tensors="pt")
     expanded = inputs.pop("input_ids")[0].tolist()
     inputs.pop("attention_mask", None)
-    prompt = pipeline.tokenize([IMAGE_PROMPT[0], {"role": "user", "content": (
-        "<|vision_start|><|image_pad|><|vision_end|>What is in the picture?")}])
+    prompt = pipeline.tokenize(
+        [
+            IMAGE_PROMPT[0],
+            {"role": "user", "content": ("<|vision_start|><|image_pad|><|vision_end|>What is in the picture?")},
+        ]
+    )
     want_text, want_codes, want_wav = reference(reference_model, expanded, **inputs)
     eos = reference_model.config.im_end_token_id
     image_end = max(i for i, t in enumerate(expanded) if t == reference_model.config.thinker_config.image_token_id)
     for attempt in range(2):
-        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
-                                  media=[[image]])
+        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True, media=[[image]])
         assert got.num_prompt_tokens == len(expanded)
         assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
         assert torch.equal(got.latents["talker.codes"], want_codes), attempt
@@ -246,12 +262,15 @@ def test_a_prompt_extending_an_earlier_one_equals_the_reference(pipeline, refere
     """Turn 2 of a chat extends turn 1 (its user turn, the answer, a new user turn): the thinker
     hits through turn 1, the talker through turn 1's user rows, and the codes still equal the
     reference's for the whole turn-2 prompt."""
-    first = [{"role": "user", "content": "Name a colour of the sea, and say why sailors of old cared so much "
-                                         "about it on long voyages."}]  # over two KV blocks
+    first = [
+        {
+            "role": "user",
+            "content": "Name a colour of the sea, and say why sailors of old cared so much about it on long voyages.",
+        }
+    ]  # over two KV blocks
     [one] = pipeline.generate([pipeline.tokenize(first)], max_tokens=THINKER_TOKENS)
     before = pipeline.stats()
-    second = first + [{"role": "assistant", "content": one.text},
-                      {"role": "user", "content": "And of the sky?"}]
+    second = first + [{"role": "assistant", "content": one.text}, {"role": "user", "content": "And of the sky?"}]
     token_ids = pipeline.tokenize(second)
     [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
     after = pipeline.stats()
@@ -264,8 +283,12 @@ def test_a_prompt_extending_an_earlier_one_equals_the_reference(pipeline, refere
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
 
 
-VIDEO_PROMPT = [{"role": "user", "content": [
-    {"type": "video", "video": "clip"}, {"type": "text", "text": "What happens in the video?"}]}]
+VIDEO_PROMPT = [
+    {
+        "role": "user",
+        "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": "What happens in the video?"}],
+    }
+]
 
 
 def a_video(with_audio: bool):
@@ -299,8 +322,7 @@ def video_reference_inputs(checkpoint, items):
 
 
 @pytest.mark.parametrize("with_audio", [False, True], ids=["frames", "frames-and-sound"])
-def test_a_video_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_model, checkpoint,
-                                                           with_audio):
+def test_a_video_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_model, checkpoint, with_audio):
     """A video's frames (and, with use_audio_in_video, its sound track interleaved by time) reach
     the talker as the reference's hidden states, its talker positions follow the video's grid;
     the same video again is a thinker prefix hit past the video, with the same codes."""
@@ -312,16 +334,15 @@ def test_a_video_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_m
         # itself); the thinker's is the one it means. It only sizes the audio item: the
         # reference's positions there are plain (qwen3_omni_talker_prompt.py says why).
         reference_model.talker.config.audio_config = reference_model.config.thinker_config.audio_config
-    want_text, want_codes, want_wav = reference(reference_model, expanded,
-                                                use_audio_in_video=with_audio, **inputs)
-    prompt = pipeline.tokenize([{"role": "user", "content": (
-        "<|vision_start|><|video_pad|><|vision_end|>What happens in the video?")}])
+    want_text, want_codes, want_wav = reference(reference_model, expanded, use_audio_in_video=with_audio, **inputs)
+    prompt = pipeline.tokenize(
+        [{"role": "user", "content": ("<|vision_start|><|video_pad|><|vision_end|>What happens in the video?")}]
+    )
     eos = reference_model.config.im_end_token_id
     cfg = reference_model.config.thinker_config
     video_end = max(i for i, t in enumerate(expanded) if t in (cfg.video_token_id, cfg.audio_token_id))
     for attempt in range(2):
-        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True,
-                                  media=[items])
+        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True, media=[items])
         assert got.num_prompt_tokens == len(expanded)
         assert strip_eos(got.token_ids, eos) == strip_eos(want_text, eos)
         assert torch.equal(got.latents["talker.codes"], want_codes), attempt
@@ -342,7 +363,11 @@ def test_a_video_prompts_talker_positions_equal_the_reference(reference_model, c
     positions, delta = prompt.positions(expanded, [], grids, seconds)
     talker_ids = torch.tensor([prompt.talker_ids(expanded)])
     want, want_delta = reference_model.talker.get_rope_index(
-        talker_ids, None, inputs["video_grid_thw"], torch.ones_like(talker_ids),
-        second_per_grids=inputs["video_second_per_grid"])
+        talker_ids,
+        None,
+        inputs["video_grid_thw"],
+        torch.ones_like(talker_ids),
+        second_per_grids=inputs["video_second_per_grid"],
+    )
     assert torch.equal(positions, want[:, 0].long())
     assert delta == int(want_delta.item()) != 0

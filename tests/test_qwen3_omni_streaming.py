@@ -48,9 +48,14 @@ def server(tmp_path_factory):
 
 def events(server, content: str, max_tokens: int):
     """The SSE events of a streamed text + audio answer, in arrival order ("[DONE]" ends it)."""
-    body = {"model": NAME, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "stream": True, "modalities": ["text", "audio"],
-            "audio": {"voice": "default", "format": "pcm16"}}
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -79,8 +84,7 @@ def test_first_audio_arrives_before_the_thinker_finishes(server):
     audio_at = [i for i, k in enumerate(seen) if "audio" in k]
     assert len(text_at) > 20, "the thinker's answer is too short for this test"
     assert audio_at, "no audio"
-    assert audio_at[0] < text_at[-1], (
-        f"first audio at event {audio_at[0]}, the thinker's last text at {text_at[-1]}")
+    assert audio_at[0] < text_at[-1], f"first audio at event {audio_at[0]}, the thinker's last text at {text_at[-1]}"
 
 
 def stage_metrics(server) -> dict[tuple[str, str], float]:
@@ -94,8 +98,10 @@ def wait_until_no_stage_holds_anything(server, why: str) -> None:
     while True:
         m = stage_metrics(server)
         live = {s: m.get(("omni_cache_stage_queue_depth", s), -1) for s in ("thinker", "talker", "decoder")}
-        engine = {s: m.get(("vllm:num_requests_running", s), 0) + m.get(("vllm:num_requests_waiting", s), 0)
-                  for s in ("thinker", "talker")}
+        engine = {
+            s: m.get(("vllm:num_requests_running", s), 0) + m.get(("vllm:num_requests_waiting", s), 0)
+            for s in ("thinker", "talker")
+        }
         if not any(live.values()) and not any(engine.values()):
             return
         assert time.monotonic() < deadline, f"still live after {why}: {live} {engine}"
@@ -149,9 +155,11 @@ def test_a_stage_killed_mid_answer_leaves_nothing_in_the_talker(server, dying):
     # stage sent before its stop reach the server first.
     feeder = "talker" if dying == "decoder" else dying
     feeder_pid = orch.stage_pids()[feeder]
-    for content in ("Tell me about the tides, slowly and at length.",
-                    "Tell me about the winds over the sea, slowly and at length.",
-                    "Tell me about the moon and the coast, slowly and at length."):
+    for content in (
+        "Tell me about the tides, slowly and at length.",
+        "Tell me about the winds over the sea, slowly and at length.",
+        "Tell me about the moon and the coast, slowly and at length.",
+    ):
         stream = events(server, content, LONG_ANSWER)
         request_id = until_first_audio(stream)["id"].removeprefix("chatcmpl-")
         os.kill(feeder_pid, signal.SIGSTOP)

@@ -41,8 +41,14 @@ def llm(path):
     from vllm import LLM
 
     llm = LLM(
-        model=str(path), dtype="float32", enforce_eager=True, block_size=32,
-        gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=4, seed=0,
+        model=str(path),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        max_num_seqs=4,
+        seed=0,
         # An engine argument, not VLLM_CPU_KVCACHE_SPACE (which would override every engine's size).
         kv_cache_memory_bytes=2**30,
         limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},

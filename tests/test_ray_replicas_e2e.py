@@ -95,9 +95,19 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("omni-serve")), "--stage-config", str(config),
-             "--ray-address", ray_address, "--api-key", API_KEY],
-            stdin=subprocess.DEVNULL, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+            [
+                str(Path(sys.executable).with_name("omni-serve")),
+                "--stage-config",
+                str(config),
+                "--ray-address",
+                ray_address,
+                "--api-key",
+                API_KEY,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
 
     def log(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -135,8 +145,7 @@ def server(cluster, tmp_path_factory):
     srv = Server(config, address, port, tmp / "omni-serve.log")
     srv.stage_pids: list[int] = []
     try:
-        srv.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", START_S,
-                        "every replica ready")
+        srv.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", START_S, "every replica ready")
         yield srv
     finally:
         code = srv.stop()
@@ -165,14 +174,16 @@ def _alive(pid: int) -> bool:
 def actor_where(replica: str) -> dict:
     import ray
 
-    return ray.get(ray.get_actor(f"{NAME}/{replica}", namespace="omni_cache").where.remote(),
-                   timeout=30)
+    return ray.get(ray.get_actor(f"{NAME}/{replica}", namespace="omni_cache").where.remote(), timeout=30)
 
 
 def thinker_requests(server: Server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
-    return {lab["replica"]: v for n, lab, v in parse_metrics(text)
-            if n == "omni_cache_stage_requests_total" and lab["stage"] == "thinker"}
+    return {
+        lab["replica"]: v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_stage_requests_total" and lab["stage"] == "thinker"
+    }
 
 
 def test_each_thinker_replica_runs_on_the_node_its_resource_pins_it_to(cluster, server):
@@ -191,14 +202,19 @@ def test_the_pipeline_answers_through_the_openai_client(server):
     texts = []
     for _ in range(2):  # round robin: one request on each thinker replica (each on its node)
         r = client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "hello from ray"}], max_tokens=8)
+            model=NAME, messages=[{"role": "user", "content": "hello from ray"}], max_tokens=8
+        )
         texts.append(r.choices[0].message.content)
     after = thinker_requests(server)
     assert {k: after[k] - before.get(k, 0) for k in after} == {"0": 1, "1": 1}
     assert texts[0] and texts[0] == texts[1]  # one checkpoint, greedy: the node does not matter
     r = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "say it"}], max_tokens=6,
-        modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
+        model=NAME,
+        messages=[{"role": "user", "content": "say it"}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+    )
     assert r.choices[0].message.audio.data  # thinker -> talker -> decoder, across actors
 
 
@@ -208,8 +224,7 @@ def test_a_killed_stage_process_restarts_through_its_actor_at_the_same_address(c
     old_pid = before["stage_pid"]
     os.kill(old_pid, signal.SIGKILL)
     server.wait_health(lambda h: "thinker#1" in h.get("replicas", {}), 60, "thinker#1 reported down")
-    server.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", RESTART_S,
-                       "thinker#1 back")
+    server.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", RESTART_S, "thinker#1 back")
     after = actor_where("thinker#1")
     assert after["node_id"] == nodes["node_b"] and after["stage_pid"] not in (None, old_pid)
     server.stage_pids.append(after["stage_pid"])
@@ -217,7 +232,8 @@ def test_a_killed_stage_process_restarts_through_its_actor_at_the_same_address(c
     counts = thinker_requests(server)
     for _ in range(2):
         client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "after the restart"}], max_tokens=4)
+            model=NAME, messages=[{"role": "user", "content": "after the restart"}], max_tokens=4
+        )
     # the restarted replica's counter started again at 0: it took one of the two
     assert thinker_requests(server)["1"] == 1, counts
 
@@ -233,8 +249,9 @@ def test_a_dead_actor_is_replaced_on_its_node_at_the_same_address(cluster, serve
     old_pid = actor_where("thinker#1")["stage_pid"]
     ray.kill(old, no_restart=True)
     server.wait_health(lambda h: "thinker#1" in h.get("replicas", {}), 60, "thinker#1 reported down")
-    server.wait_health(lambda h: h["code"] == 200 and h.get("status") == "ok", RESTART_S,
-                       "thinker#1 back on a new actor")
+    server.wait_health(
+        lambda h: h["code"] == 200 and h.get("status") == "ok", RESTART_S, "thinker#1 back on a new actor"
+    )
     log = server.log_path.read_text(errors="replace")
     assert f"stage thinker#1 (pid {old_pid}) its Ray actor on Ray node" in log, server.log()
     assert "stage thinker#1: new Ray actor on node" in log, server.log()
@@ -244,5 +261,6 @@ def test_a_dead_actor_is_replaced_on_its_node_at_the_same_address(cluster, serve
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     for _ in range(2):  # round robin: one lands on the new thinker#1, at its old address
         client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "after a new actor"}], max_tokens=4)
+            model=NAME, messages=[{"role": "user", "content": "after a new actor"}], max_tokens=4
+        )
     assert thinker_requests(server)["1"] == 1

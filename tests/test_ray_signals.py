@@ -64,8 +64,7 @@ def test_signals_return_at_once_and_go_out_in_order(monkeypatch):
         assert time.monotonic() < end, "the runner did not start"
         time.sleep(0.01)
 
-    caller = threading.Thread(target=lambda: (runner.signal(signal.SIGTERM),
-                                              runner.signal(signal.SIGKILL)))
+    caller = threading.Thread(target=lambda: (runner.signal(signal.SIGTERM), runner.signal(signal.SIGKILL)))
     caller.start()
     caller.join(5.0)
     assert not caller.is_alive(), "signal() waited for the actor's call"

@@ -14,7 +14,7 @@ README = (ROOT / "README.md").read_text()
 def test_readme_opens_with_the_two_commands():
     """The project requires `make serve` and `make test` as the first block, and nothing else in it."""
     first = re.search(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)
-    assert first and README[:first.start()].strip() == "# omni_cache"
+    assert first and README[: first.start()].strip() == "# omni_cache"
     commands = [line.split("#")[0].strip() for line in first.group(2).splitlines()]
     assert commands == ["make serve", "make test"]
     makefile = (ROOT / "Makefile").read_text()

@@ -44,13 +44,22 @@ OUTBOX = 256 * 1024
 
 @contextlib.contextmanager
 def fake_server(server_extra: str = "", audio_limit: int | None = None):
-    path = write_config(f"rtb_{uuid.uuid4().hex[:8]}", token_delay_s=0.002, max_model_len=MAX_MODEL_LEN,
-                        timeout_s=60, server_extra=server_extra)
+    path = write_config(
+        f"rtb_{uuid.uuid4().hex[:8]}",
+        token_delay_s=0.002,
+        max_model_len=MAX_MODEL_LEN,
+        timeout_s=60,
+        server_extra=server_extra,
+    )
     if audio_limit is not None:  # the thinker's clip limit, as stage_configs/qwen3_omni.yaml sets it
         text = path.read_text()
-        path.write_text(text.replace(f"engine_args: {{max_model_len: {MAX_MODEL_LEN}}}",
-                                     f"engine_args: {{max_model_len: {MAX_MODEL_LEN}, extra: "
-                                     f"{{limit_mm_per_prompt: {{audio: {audio_limit}}}}}}}"))
+        path.write_text(
+            text.replace(
+                f"engine_args: {{max_model_len: {MAX_MODEL_LEN}}}",
+                f"engine_args: {{max_model_len: {MAX_MODEL_LEN}, extra: "
+                f"{{limit_mm_per_prompt: {{audio: {audio_limit}}}}}}}",
+            )
+        )
     with serve_config(path) as srv:
         yield srv
 
@@ -64,8 +73,10 @@ def limited():
 @pytest.fixture(scope="module")
 def small():
     """A media bound of 4 MiB for 4 sessions (1 MiB each, 2 s of input buffer reserved)."""
-    with fake_server(f", max_media_bytes_in_flight: {POOL}, realtime: {{max_sessions: {SESSIONS}, "
-                     f"max_buffer_s: {BUFFER_S}, max_outbox_bytes: {OUTBOX}}}") as s:
+    with fake_server(
+        f", max_media_bytes_in_flight: {POOL}, realtime: {{max_sessions: {SESSIONS}, "
+        f"max_buffer_s: {BUFFER_S}, max_outbox_bytes: {OUTBOX}}}"
+    ) as s:
         yield s
 
 
@@ -95,8 +106,14 @@ class Session:
 
     async def open(self, **session) -> None:
         assert (await next_event(self.conn)).type == "session.created"
-        await self.conn.session.update(session={"type": "realtime", "max_output_tokens": ANSWER_TOKENS,
-                                                "audio": {"input": {"turn_detection": None}}, **session})
+        await self.conn.session.update(
+            session={
+                "type": "realtime",
+                "max_output_tokens": ANSWER_TOKENS,
+                "audio": {"input": {"turn_detection": None}},
+                **session,
+            }
+        )
         updated = await next_event(self.conn)
         assert updated.type == "session.updated", updated
 
@@ -111,8 +128,9 @@ class Session:
                 self.items = [i for i in self.items if i[0] != event.item_id]
 
     async def say(self, text: str):
-        await self.conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-            {"type": "input_text", "text": text}]})
+        await self.conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+        )
         event = await self.until("conversation.item.done")
         if event.type == "conversation.item.done":
             self.items.append((event.item.id, "user"))
@@ -141,6 +159,7 @@ class Session:
 
 
 # ---- truncation ----------------------------------------------------------------------------------
+
 
 def test_retention_ratio_drops_old_turns_and_the_session_goes_on(limited):
     limit = MAX_MODEL_LEN - ANSWER_TOKENS
@@ -191,8 +210,7 @@ def test_the_clip_limit_truncates_audio_turns(limited):
                 clips_in_prompt.append(sum(kind == "audio" for _, kind in s.items))
                 answer, dropped = await s.answer()
                 assert answer.done.response.status in ("completed", "incomplete")
-                clips_in_prompt[-1] = (clips_in_prompt[-1], dropped,
-                                       sum(kind == "audio" for _, kind in s.items))
+                clips_in_prompt[-1] = (clips_in_prompt[-1], dropped, sum(kind == "audio" for _, kind in s.items))
             return clips_in_prompt
 
     counts = run(go())
@@ -229,12 +247,23 @@ def test_session_truncation_field_is_validated_and_described(limited):
     async def go():
         async with connect(limited.url, model(limited), API_KEY) as conn:
             created = await next_event(conn)
-            await conn.send({"type": "session.update", "session": {
-                "type": "realtime", "truncation": {"type": "retention_ratio", "retention_ratio": 0.0}}})
+            await conn.send(
+                {
+                    "type": "session.update",
+                    "session": {"type": "realtime", "truncation": {"type": "retention_ratio", "retention_ratio": 0.0}},
+                }
+            )
             bad = await next_event(conn)
-            await conn.session.update(session={"type": "realtime", "truncation": {
-                "type": "retention_ratio", "retention_ratio": 0.6,
-                "token_limits": {"post_instructions": 300}}})
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "truncation": {
+                        "type": "retention_ratio",
+                        "retention_ratio": 0.6,
+                        "token_limits": {"post_instructions": 300},
+                    },
+                }
+            )
             return created, bad, await next_event(conn)
 
     created, bad, updated = run(go())
@@ -245,6 +274,7 @@ def test_session_truncation_field_is_validated_and_described(limited):
 
 
 # ---- memory ---------------------------------------------------------------------------------------
+
 
 def test_sessions_hold_their_bytes_in_the_media_bound_and_give_them_back(small):
     wait_until(lambda: len(small.app.state.realtime_sessions) == 0)
@@ -276,10 +306,11 @@ def test_sessions_hold_their_bytes_in_the_media_bound_and_give_them_back(small):
             await s.say("still here")
             answer, _ = await s.answer()
             async with httpx.AsyncClient(timeout=60) as http:
-                chat = await http.post(small.url + "/v1/chat/completions", headers={
-                    "Authorization": f"Bearer {API_KEY}"}, json={
-                    "model": model(small), "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 4})
+                chat = await http.post(
+                    small.url + "/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                    json={"model": model(small), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                )
             return full, truncating, held, answer, chat
         finally:
             for c in conns:
@@ -398,16 +429,26 @@ def test_images_are_held_before_they_are_decoded_and_truncated_like_clips(small)
     wait_until(lambda: len(small.app.state.realtime_sessions) == 0 and bounds.media_bytes == 0)
 
 
-@pytest.mark.parametrize("part, param, message", [
-    ({"type": "input_image", "image_url": "data:image/png;base64,bm90IGFuIGltYWdl"},
-     "item.content.0.image_url", "could not be decoded"),
-    ({"type": "input_image", "image_url": "data:image/png;base64,@@@@"}, "item.content.0.image_url",
-     "not valid base64"),
-    ({"type": "input_image", "image_url": "file:///etc/passwd"}, "item.content.0.image_url", "scheme file:"),
-    ({"type": "input_image"}, "item.content.0.image_url", "needs 'image_url'"),
-    (image_part(1, side=4100), "item.content.0.image_url", "server.media.max_image_pixels"),
-    ([image_part(i, side=8) for i in range(9)], "item.content", "server.media.max_items"),
-], ids=["not-an-image", "bad-base64", "file-url", "no-url", "too-many-pixels", "too-many-images"])
+@pytest.mark.parametrize(
+    "part, param, message",
+    [
+        (
+            {"type": "input_image", "image_url": "data:image/png;base64,bm90IGFuIGltYWdl"},
+            "item.content.0.image_url",
+            "could not be decoded",
+        ),
+        (
+            {"type": "input_image", "image_url": "data:image/png;base64,@@@@"},
+            "item.content.0.image_url",
+            "not valid base64",
+        ),
+        ({"type": "input_image", "image_url": "file:///etc/passwd"}, "item.content.0.image_url", "scheme file:"),
+        ({"type": "input_image"}, "item.content.0.image_url", "needs 'image_url'"),
+        (image_part(1, side=4100), "item.content.0.image_url", "server.media.max_image_pixels"),
+        ([image_part(i, side=8) for i in range(9)], "item.content", "server.media.max_items"),
+    ],
+    ids=["not-an-image", "bad-base64", "file-url", "no-url", "too-many-pixels", "too-many-images"],
+)
 def test_a_bad_image_is_an_error_naming_it_and_the_session_goes_on(small, part, param, message):
     async def go():
         async with connect(small.url, model(small), API_KEY) as conn:
@@ -425,6 +466,7 @@ def test_a_bad_image_is_an_error_naming_it_and_the_session_goes_on(small, part, 
 
 
 # ---- the planning, unit by unit ------------------------------------------------------------------
+
 
 def test_cuts_fall_before_turns_and_keep_the_newest():
     roles = ["user", "assistant", "user", "user", "assistant", "system", "user", "assistant"]

@@ -83,8 +83,13 @@ def test_a_text_turn_and_an_audio_turn_are_answered_with_speech(server):
     async def go():
         async with connect(server.url, MODEL) as conn:
             await opened(conn, **MANUAL)
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "Tell me about the weather today."}]})
+            await conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Tell me about the weather today."}],
+                }
+            )
             await next_event(conn), await next_event(conn)
             await conn.response.create()
             text_turn = await read_answer(conn)
@@ -106,16 +111,19 @@ def test_server_vad_finds_the_speech_in_a_clip_and_answers_it(server):
 
     async def go():
         async with connect(server.url, MODEL) as conn:
-            await opened(conn, audio={"input": {"turn_detection": {"type": "server_vad",
-                                                                   "silence_duration_ms": 500}}})
+            await opened(conn, audio={"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}})
             await append_audio(conn, clip)
             vad = [await next_event(conn) for _ in range(5)]
             return vad, await read_answer(conn)
 
     vad, answer = run(go())
-    assert [e.type for e in vad] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                                     "input_audio_buffer.committed", "conversation.item.added",
-                                     "conversation.item.done"]
+    assert [e.type for e in vad] == [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+    ]
     started, stopped = vad[0], vad[1]
     # Speech is at 1.0-3.0 s; the start includes prefix_padding_ms (300), the stop comes
     # silence_duration_ms (500) after the speech ends.
@@ -128,10 +136,21 @@ def test_server_vad_finds_the_speech_in_a_clip_and_answers_it(server):
 def test_speech_during_an_answer_cancels_it_and_truncates_the_item(server):
     async def go():
         async with connect(server.url, MODEL) as conn:
-            await opened(conn, audio={"input": {"turn_detection": {
-                "type": "server_vad", "silence_duration_ms": 300, "create_response": False}}})
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "Please tell me a long story."}]})
+            await opened(
+                conn,
+                audio={
+                    "input": {
+                        "turn_detection": {"type": "server_vad", "silence_duration_ms": 300, "create_response": False}
+                    }
+                },
+            )
+            await conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Please tell me a long story."}],
+                }
+            )
             await next_event(conn), await next_event(conn)
             await conn.response.create()
             sent = {}
@@ -181,8 +200,7 @@ def test_later_turns_hit_the_caches_on_the_earlier_turns(server):
         async with connect(server.url, MODEL) as conn:
             await opened(conn, **MANUAL)
             for turn in range(3):
-                before = await asyncio.to_thread(stage_metric, server, "vllm:prefix_cache_hits_total",
-                                                 "talker")
+                before = await asyncio.to_thread(stage_metric, server, "vllm:prefix_cache_hits_total", "talker")
                 await commit_clip(conn, turn_clip(3.0, seed=21 + turn))
                 await conn.response.create()
                 answer = await read_answer(conn)
@@ -207,8 +225,10 @@ def test_an_image_turn_is_answered_and_the_next_turn_hits_the_caches_on_it(serve
     block = server.orchestrator.config.stage("thinker").engine_args.block_size
     # 128 x 96: 12 image tokens after the processor's 32-pixel patch x merge (no resize)
     image = {"type": "input_image", "image_url": png_data_url(128, 96, seed=5)}
-    turns = [[image, {"type": "input_text", "text": "What is in this picture? Describe it."}],
-             [{"type": "input_text", "text": "And what colours does it have?"}]]
+    turns = [
+        [image, {"type": "input_text", "text": "What is in this picture? Describe it."}],
+        [{"type": "input_text", "text": "And what colours does it have?"}],
+    ]
 
     async def go():
         usages, counters = [], []
@@ -216,8 +236,7 @@ def test_an_image_turn_is_answered_and_the_next_turn_hits_the_caches_on_it(serve
             await opened(conn, **MANUAL)
             for content in turns:
                 before = await asyncio.to_thread(image_counters, server)
-                await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                          "content": content})
+                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": content})
                 added = await next_event(conn)
                 assert added.type == "conversation.item.added", added
                 assert (await next_event(conn)).type == "conversation.item.done"
@@ -242,23 +261,31 @@ def test_an_image_turn_is_answered_and_the_next_turn_hits_the_caches_on_it(serve
 
 def image_counters(server) -> tuple[float, float]:
     """The thinker's encoder runs and latent rows served from the hidden-state cache."""
-    return (stage_metric(server, "omni_cache_stage_encoder_runs", "thinker"),
-            stage_metric(server, "omni_cache_latent_rows_served_total", "thinker"))
+    return (
+        stage_metric(server, "omni_cache_stage_encoder_runs", "thinker"),
+        stage_metric(server, "omni_cache_latent_rows_served_total", "thinker"),
+    )
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(server):
     async def go():
         async with connect(server.url, MODEL) as conn:
             await opened(conn, **MANUAL)
-            await conn.send({"type": "session.update", "session": {
-                "type": "realtime", "audio": {"output": {"voice": "alloy"}}}, "event_id": "ev_1"})
+            await conn.send(
+                {
+                    "type": "session.update",
+                    "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}},
+                    "event_id": "ev_1",
+                }
+            )
             voice = await next_event(conn)
             await conn.input_audio_buffer.commit()
             empty = await next_event(conn)
             await conn.send({"type": "response.create", "response": {"output_modalities": ["video"]}})
             modality = await next_event(conn)
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "Hello?"}]})
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello?"}]}
+            )
             await next_event(conn), await next_event(conn)
             await conn.response.create(response={"output_modalities": ["text"]})
             return voice, empty, modality, await read_answer(conn)
@@ -289,18 +316,16 @@ def test_a_client_gone_mid_answer_leaves_nothing_in_the_server(server):
     end = time.monotonic() + 60
     while True:
         running = sum(stage_metric(server, "vllm:num_requests_running", s) for s in ("thinker", "talker"))
-        queued = sum(stage_metric(server, "omni_cache_stage_queue_depth", s)
-                     for s in ("thinker", "talker", "decoder"))
-        if len(server.app.state.realtime_sessions) == 0 and orch.in_flight == 0 \
-                and running == 0 and queued == 0:
+        queued = sum(stage_metric(server, "omni_cache_stage_queue_depth", s) for s in ("thinker", "talker", "decoder"))
+        if len(server.app.state.realtime_sessions) == 0 and orch.in_flight == 0 and running == 0 and queued == 0:
             break
-        assert time.monotonic() < end, (len(server.app.state.realtime_sessions), orch.in_flight,
-                                        running, queued)
+        assert time.monotonic() < end, (len(server.app.state.realtime_sessions), orch.in_flight, running, queued)
         time.sleep(0.2)
 
 
-INSTRUCTIONS = ("You are a voice assistant in a long conversation. Answer in a few words, "
-                "and keep to the subject the user chose.")
+INSTRUCTIONS = (
+    "You are a voice assistant in a long conversation. Answer in a few words, and keep to the subject the user chose."
+)
 LONG_TURNS = 300
 
 
@@ -326,13 +351,19 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
         turns = []
         clips = []  # ids of the audio items the conversation holds, as the client sees it
         async with connect(server.url, MODEL) as conn:
-            await opened(conn, instructions=INSTRUCTIONS, max_output_tokens=4,
-                         output_modalities=["text"], **MANUAL)
+            await opened(conn, instructions=INSTRUCTIONS, max_output_tokens=4, output_modalities=["text"], **MANUAL)
             for turn in range(LONG_TURNS):
                 if turn == half:
-                    await conn.session.update(session={"type": "realtime", "truncation": {
-                        "type": "retention_ratio", "retention_ratio": 0.5,
-                        "token_limits": {"post_instructions": post_instructions}}})
+                    await conn.session.update(
+                        session={
+                            "type": "realtime",
+                            "truncation": {
+                                "type": "retention_ratio",
+                                "retention_ratio": 0.5,
+                                "token_limits": {"post_instructions": post_instructions},
+                            },
+                        }
+                    )
                     assert (await next_event(conn)).type == "session.updated"
                 if audio_turn(turn):
                     await append_audio(conn, speech(0.2, seed=1000 + turn))
@@ -341,14 +372,22 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
                     clips.append(committed.item_id)
                     await next_event(conn), await next_event(conn)  # item added, done
                 else:
-                    await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                        {"type": "input_text", "text": f"Turn {turn}: what comes next?"
-                         + (" " + filler if turn >= half else "")}]})
+                    await conn.conversation.item.create(
+                        item={
+                            "type": "message",
+                            "role": "user",
+                            "content": [
+                                {
+                                    "type": "input_text",
+                                    "text": f"Turn {turn}: what comes next?" + (" " + filler if turn >= half else ""),
+                                }
+                            ],
+                        }
+                    )
                     await next_event(conn, skip=("conversation.item.deleted",))
                     await next_event(conn)
                 # Every fourth answer spoken, the rest text: both kinds of answer, turns kept short.
-                await conn.response.create(response={"output_modalities": ["audio" if turn % 4 == 3
-                                                                           else "text"]})
+                await conn.response.create(response={"output_modalities": ["audio" if turn % 4 == 3 else "text"]})
                 answer = await read_answer(conn)
                 deleted = {e.item_id for e in answer.events if e.type == "conversation.item.deleted"}
                 clips = [c for c in clips if c not in deleted]
@@ -384,8 +423,10 @@ def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
     second = [t for i, t in enumerate(turns) if i >= half]
     cut = [sum(dropped for _, dropped, _ in part) for part in (first, second)]
     longest = max(r.usage.input_tokens for r, _, _ in second)
-    print(f"{truncated} truncations ({cut[0]} in the first half, {cut[1]} in the second); longest "
-          f"prompt of the second half {longest} tokens")
+    print(
+        f"{truncated} truncations ({cut[0]} in the first half, {cut[1]} in the second); longest "
+        f"prompt of the second half {longest} tokens"
+    )
     # The first half reached the clip limit, the second the token limit, again and again; each
     # truncation left room for several turns.
     assert max(n for _, _, n in first) == 16 and cut[0] >= 3

@@ -82,11 +82,12 @@ async def hear(worker: InputAudioWorker, clips: list[np.ndarray]) -> list[tuple[
     for i in range(0, max(map(len, clips)), CHUNK):
         for s, c in zip(streams, clips):
             if i < len(c):
-                s.append(b64(c[i:i + CHUNK]), None)
+                s.append(b64(c[i : i + CHUNK]), None)
     for s in streams:
         await s.drained()
-    return [([(e.kind, e.at_ms) for h in hs for e in h.events], np.concatenate([h.samples for h in hs]))
-            for hs in heard]
+    return [
+        ([(e.kind, e.at_ms) for h in hs for e in h.events], np.concatenate([h.samples for h in hs])) for hs in heard
+    ]
 
 
 def reference_events(model: RecordingScorer, clip24k: np.ndarray) -> list[tuple[str, int]]:
@@ -131,8 +132,9 @@ def worker_thread_id(model: RecordingScorer) -> int:
 
 def test_bad_appends_are_errors_and_the_rest_is_heard():
     good = np.zeros(480, "<i2").tobytes()
-    samples, errors = decode_appends(PCM, [(base64.b64encode(good).decode(), "a"), ("%%%", "b"),
-                                           (base64.b64encode(b"\x00" * 3).decode(), "c")])
+    samples, errors = decode_appends(
+        PCM, [(base64.b64encode(good).decode(), "a"), ("%%%", "b"), (base64.b64encode(b"\x00" * 3).decode(), "c")]
+    )
     assert len(samples) == 480
     assert [(e.param, eid) for e, eid in errors] == [("audio", "b"), ("audio", "c")]
     assert "base64" in errors[0][0].message and "whole 16-bit samples" in errors[1][0].message
@@ -167,14 +169,29 @@ def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
     async def go():
         session = RealtimeSession(pipeline(), sent.append, limits=RealtimeConfig(), served_model="m")
         await session.open()
-        await session.handle(client_event(type="session.update", session={
-            "type": "realtime", "audio": {"input": {"turn_detection": {
-                "type": "server_vad", "create_response": False, "silence_duration_ms": 300}}}}))
+        await session.handle(
+            client_event(
+                type="session.update",
+                session={
+                    "type": "realtime",
+                    "audio": {
+                        "input": {
+                            "turn_detection": {
+                                "type": "server_vad",
+                                "create_response": False,
+                                "silence_duration_ms": 300,
+                            }
+                        }
+                    },
+                },
+            )
+        )
         audio = clip(7)
         for i in range(0, len(audio), CHUNK):
             before = len(sent)
-            await session.handle(client_event(type="input_audio_buffer.append", audio=b64(audio[i:i + CHUNK]),
-                                              event_id=f"ev_{i}"))
+            await session.handle(
+                client_event(type="input_audio_buffer.append", audio=b64(audio[i : i + CHUNK]), event_id=f"ev_{i}")
+            )
             # Nothing was sent while the handler ran (and nothing scored on this thread, below):
             # it only handed the bytes over.
             assert len(sent) == before
@@ -186,8 +203,13 @@ def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
     finally:
         worker.close()
     types = [e.type for e in sent]
-    turn = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-            "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    turn = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+    ]
     assert types == ["session.created", "session.updated", *turn, *turn, "input_audio_buffer.cleared"]
     starts = [e.audio_start_ms for e in sent if e.type == "input_audio_buffer.speech_started"]
     stops = [e.audio_end_ms for e in sent if e.type == "input_audio_buffer.speech_stopped"]
@@ -197,16 +219,20 @@ def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
 
 def test_a_full_buffer_refuses_the_append_at_once():
     async def go():
-        session = RealtimeSession(pipeline(), lambda e: None,
-                                  limits=RealtimeConfig(max_buffer_s=1.0), served_model="m")
+        session = RealtimeSession(pipeline(), lambda e: None, limits=RealtimeConfig(max_buffer_s=1.0), served_model="m")
         await session.open()
-        await session.handle(client_event(type="session.update", session={
-            "type": "realtime", "audio": {"input": {"turn_detection": None}}}))
-        session.on_input_audio_buffer_append(client_event(type="input_audio_buffer.append",
-                                                          audio=b64(np.zeros(20000, np.float32))))
+        await session.handle(
+            client_event(
+                type="session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+            )
+        )
+        session.on_input_audio_buffer_append(
+            client_event(type="input_audio_buffer.append", audio=b64(np.zeros(20000, np.float32)))
+        )
         with pytest.raises(EventError) as refused:  # 0.83 s on its way + 0.5 s > 1 s
-            session.on_input_audio_buffer_append(client_event(type="input_audio_buffer.append",
-                                                              audio=b64(np.zeros(12000, np.float32))))
+            session.on_input_audio_buffer_append(
+                client_event(type="input_audio_buffer.append", audio=b64(np.zeros(12000, np.float32)))
+            )
         await session.audio_in.drained()
         held_ms = session.buffer.duration_ms
         await session.close()

@@ -38,7 +38,7 @@ def test_appends_are_40ms_events_that_rebuild_the_audio():
     assert {e["type"] for e in events} == {"input_audio_buffer.append"}
     chunks = [base64.b64decode(e["audio"]) for e in events]
     assert {len(c) for c in chunks} == {CHUNK * 2} and CHUNK * 1000 // RATE == 40
-    assert b"".join(chunks) == pcm16(samples)[:len(chunks) * CHUNK * 2]
+    assert b"".join(chunks) == pcm16(samples)[: len(chunks) * CHUNK * 2]
 
 
 def test_percentiles_are_numpys_linear():
@@ -67,8 +67,10 @@ def test_appends_are_counted_inside_the_window_only():
 
 
 def test_turns_without_audio_are_counted_apart():
-    sessions = [{"turns": [{"first_audio_s": 0.4}, {"first_audio_s": None, "status": "cancelled"}]},
-                {"turns": [{"first_audio_s": 0.6}]}]
+    sessions = [
+        {"turns": [{"first_audio_s": 0.4}, {"first_audio_s": None, "status": "cancelled"}]},
+        {"turns": [{"first_audio_s": 0.6}]},
+    ]
     out = summarize_turns(sessions)
     assert (out["turns"], out["answered"], out["without_audio"]) == (3, 2, 1)
     assert out["first_audio_s"]["p50"] == pytest.approx(0.5) and out["first_audio_s"]["max"] == 0.6
@@ -76,15 +78,28 @@ def test_turns_without_audio_are_counted_apart():
 
 def test_table_has_a_row_per_phase_and_ttft_against_idle():
     def phase(name, sessions, ttft_p99, cpu=None, turns=None):
-        return {"name": name, "sessions": sessions, "health": {"p50": 0.002, "p99": 0.01},
-                "ttft": {"p50": 0.03, "p99": ttft_p99}, "cpu": cpu or {"cores": 0.05}, "turns": turns}
+        return {
+            "name": name,
+            "sessions": sessions,
+            "health": {"p50": 0.002, "p99": 0.01},
+            "ttft": {"p50": 0.03, "p99": ttft_p99},
+            "cpu": cpu or {"cores": 0.05},
+            "turns": turns,
+        }
 
-    result = {"phases": [
-        phase("idle", 0, 0.05),
-        phase("listening x16", 16, 0.06, {"cores": 0.1, "ms_raw": 6.2, "ms_above_idle": 3.1}),
-        phase("turns x1", 1, 0.07, {"cores": 0.3, "ms_raw": 300.0, "ms_above_idle": 250.0},
-              {"first_audio_s": {"p50": 0.35, "p90": 0.5}}),
-    ]}
+    result = {
+        "phases": [
+            phase("idle", 0, 0.05),
+            phase("listening x16", 16, 0.06, {"cores": 0.1, "ms_raw": 6.2, "ms_above_idle": 3.1}),
+            phase(
+                "turns x1",
+                1,
+                0.07,
+                {"cores": 0.3, "ms_raw": 300.0, "ms_above_idle": 250.0},
+                {"first_audio_s": {"p50": 0.35, "p90": 0.5}},
+            ),
+        ]
+    }
     lines = format_table(result).splitlines()
     assert len(lines) == 2 + 3
     assert "| listening x16 | 16 | 2 / 10 | 30 / 60 (1.20x) | 0.10 | 6.2 (3.1) | - / - | - |" == lines[3]

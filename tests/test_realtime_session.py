@@ -26,8 +26,13 @@ from benchmarks.speech_clips import silence, speech
 
 @contextlib.contextmanager
 def fake_server(token_delay_s: float, realtime: str = "{}"):
-    path = write_config(f"rt_{uuid.uuid4().hex[:8]}", token_delay_s=token_delay_s, max_model_len=2048,
-                        timeout_s=60, server_extra=f", realtime: {realtime}")
+    path = write_config(
+        f"rt_{uuid.uuid4().hex[:8]}",
+        token_delay_s=token_delay_s,
+        max_model_len=2048,
+        timeout_s=60,
+        server_extra=f", realtime: {realtime}",
+    )
     with serve_config(path) as srv:
         yield srv
 
@@ -47,8 +52,9 @@ def slow():
 
 @pytest.fixture(scope="module")
 def tight():
-    with fake_server(0.02, "{max_buffer_s: 1.0, max_events_per_s: 5, idle_timeout_s: 1.5, "
-                           "max_sessions: 1, max_session_s: 6.0}") as s:
+    with fake_server(
+        0.02, "{max_buffer_s: 1.0, max_events_per_s: 5, idle_timeout_s: 1.5, max_sessions: 1, max_session_s: 6.0}"
+    ) as s:
         yield s
 
 
@@ -72,8 +78,9 @@ async def opened(conn, **session):
 
 
 async def say(conn, text: str) -> None:
-    await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                              "content": [{"type": "input_text", "text": text}]})
+    await conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
     assert (await next_event(conn)).type == "conversation.item.added"
     assert (await next_event(conn)).type == "conversation.item.done"
 
@@ -85,6 +92,7 @@ def echo(prompt: str, max_tokens: int) -> str:
 
 # ---- turns -------------------------------------------------------------------------------------
 
+
 def test_a_text_turn_is_answered_with_audio_and_its_transcript(srv):
     async def go():
         async with connect(srv.url, model(srv), API_KEY) as conn:
@@ -95,11 +103,20 @@ def test_a_text_turn_is_answered_with_audio_and_its_transcript(srv):
             return await read_answer(conn)
 
     answer = run(go())
-    assert answer.types[:4] == ["response.created", "response.output_item.added",
-                                "conversation.item.added", "response.content_part.added"]
-    assert answer.types[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
-                                 "response.content_part.done", "response.output_item.done",
-                                 "conversation.item.done", "response.done"]
+    assert answer.types[:4] == [
+        "response.created",
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.content_part.added",
+    ]
+    assert answer.types[-6:] == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+    ]
     expected = echo("user: hello\n", 16)
     assert answer.transcript == expected
     done = answer.events[-5]
@@ -114,8 +131,7 @@ def test_a_text_turn_is_answered_with_audio_and_its_transcript(srv):
 def test_a_committed_audio_turn_and_g711_output(srv):
     async def go():
         async with connect(srv.url, model(srv), API_KEY) as conn:
-            await opened(conn, audio={"input": {"turn_detection": None},
-                                      "output": {"format": {"type": "audio/pcmu"}}})
+            await opened(conn, audio={"input": {"turn_detection": None}, "output": {"format": {"type": "audio/pcmu"}}})
             await append_audio(conn, speech(0.5, seed=1))
             await conn.input_audio_buffer.commit()
             committed = await next_event(conn)
@@ -136,23 +152,35 @@ def test_a_committed_audio_turn_and_g711_output(srv):
 
 # ---- barge-in ----------------------------------------------------------------------------------
 
+
 def test_speech_cancels_a_response_and_its_item_keeps_what_was_heard(slow):
     long_text = "alpha bravo charlie delta echo foxtrot golf hotel"
 
     async def go():
         async with connect(slow.url, model(slow), API_KEY) as conn:
-            await opened(conn, max_output_tokens=60, audio={"input": {"turn_detection": {
-                "type": "server_vad", "create_response": False, "silence_duration_ms": 300}}})
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": long_text}]})
+            await opened(
+                conn,
+                max_output_tokens=60,
+                audio={
+                    "input": {
+                        "turn_detection": {"type": "server_vad", "create_response": False, "silence_duration_ms": 300}
+                    }
+                },
+            )
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": long_text}]}
+            )
             first_user = (await next_event(conn)).item.id
             await next_event(conn)
             await conn.response.create()
             state = {"sent_speech": False}
 
             async def interrupt(event, answer):
-                if event.type == "response.output_audio.delta" and len(answer.audio) >= 10 * 480 \
-                        and not state["sent_speech"]:
+                if (
+                    event.type == "response.output_audio.delta"
+                    and len(answer.audio) >= 10 * 480
+                    and not state["sent_speech"]
+                ):
                     state["sent_speech"] = True
                     await append_audio(conn, np.concatenate([speech(1.0, seed=1), silence(0.6)]))
 
@@ -182,27 +210,42 @@ def test_speech_cancels_a_response_and_its_item_keeps_what_was_heard(slow):
     # In flight, with no pace measured yet, the text kept is what arrived by the audio sent; the
     # fake decoder sends each token's audio just after its text.
     assert sent_tokens - 1 <= len(heard.encode()) <= sent_tokens + 2
-    assert seen[:3] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
-                        "conversation.item.added"]
+    assert seen[:3] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added"]
     # The next prompt holds the assistant turn as heard, then the user's speech.
     assert after.transcript == echo(f"assistant: {heard}\nuser: [{{'type': 'audio'}}]\n", 60)
 
 
 # ---- bad events --------------------------------------------------------------------------------
 
+
 def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
     bad = [
-        ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-            "turn_detection": {"type": "server_vad", "threshold": "high"}}}}},
-         "session.audio.input.turn_detection.threshold"),
-        ({"type": "session.update", "session": {"type": "realtime", "tools": [
-            {"type": "function", "name": "f"}]}}, "session.tools"),
+        (
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": "high"}}},
+                },
+            },
+            "session.audio.input.turn_detection.threshold",
+        ),
+        (
+            {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function", "name": "f"}]}},
+            "session.tools",
+        ),
         ({"type": "input_audio_buffer.append", "audio": "%%%"}, "audio"),
-        ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text"}]}},
-         "item.content.0.text"),
-        ({"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0,
-          "audio_end_ms": 10}, "item_id"),
+        (
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [{"type": "input_text"}]},
+            },
+            "item.content.0.text",
+        ),
+        (
+            {"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0, "audio_end_ms": 10},
+            "item_id",
+        ),
         ({"type": "input_audio_buffer.commit"}, None),
         ({"type": "response.cancel"}, None),
         ({"type": "no.such.event"}, "type"),
@@ -228,7 +271,7 @@ def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
         assert err.type == "error", err
         assert err.error.param == param, (event, err.error.message)
     # The client's event_id comes back, except where the event is unknown (no schema to read).
-    assert [e.error.event_id for e in errors[:len(bad) - 1]] == [f"ev_{i}" for i in range(len(bad) - 1)]
+    assert [e.error.event_id for e in errors[: len(bad) - 1]] == [f"ev_{i}" for i in range(len(bad) - 1)]
     assert errors[-2].error.code == "invalid_json" and errors[-1].error.code == "invalid_event"
     assert errors[5].error.code == "input_audio_buffer_commit_empty"
     assert errors[6].error.code == "response_cancel_not_active"
@@ -256,6 +299,7 @@ def test_a_wrong_key_or_model_is_refused(srv):
 
 
 # ---- limits and cleanup ------------------------------------------------------------------------
+
 
 def test_buffer_and_event_rate_limits_answer_errors(tight):
     wait_until(lambda: len(tight.app.state.realtime_sessions) == 0)

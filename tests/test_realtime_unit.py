@@ -67,8 +67,9 @@ def test_g711_chunks_are_libsndfiles_own_coding(law):
     buf = io.BytesIO()
     soundfile.write(buf, pcm, 8000, format="RAW", subtype=law)
     assert ac.g711_encode(pcm, law) == buf.getvalue()
-    back, _ = soundfile.read(io.BytesIO(buf.getvalue()), format="RAW", subtype=law, samplerate=8000,
-                             channels=1, dtype="int16")
+    back, _ = soundfile.read(
+        io.BytesIO(buf.getvalue()), format="RAW", subtype=law, samplerate=8000, channels=1, dtype="int16"
+    )
     assert np.array_equal(ac.g711_decode(buf.getvalue(), law), back)
     assert ac.g711_encode(pcm[:0], law) == b"" and ac.g711_decode(b"", law).size == 0
 
@@ -94,8 +95,7 @@ def test_g711_matches_audioop(law):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         audioop = pytest.importorskip("audioop")
-    lin2, to_lin = {"ULAW": (audioop.lin2ulaw, audioop.ulaw2lin),
-                    "ALAW": (audioop.lin2alaw, audioop.alaw2lin)}[law]
+    lin2, to_lin = {"ULAW": (audioop.lin2ulaw, audioop.ulaw2lin), "ALAW": (audioop.lin2alaw, audioop.alaw2lin)}[law]
     levels = ac.g711_decode(ALL_CODES.tobytes(), law)
     assert levels.astype("<i2").tobytes() == to_lin(ALL_CODES.tobytes(), 2)
     ours = np.frombuffer(ac.g711_encode(ALL_INT16, law), np.uint8)
@@ -112,9 +112,13 @@ def test_pcm_is_soundfiles_pcm16_rounded_to_nearest():
     x 32768, clipped to [-32768, 32767]. libsndfile up to 1.2.2 floors where later ones round to
     nearest (its commit d8c58ee): ours rounds, so it is soundfile's value or, where the two
     roundings differ, one step above it."""
-    x = np.concatenate([np.random.default_rng(0).uniform(-1.2, 1.2, 50_000),
-                        np.arange(-70_000, 70_000) / 65536.0,
-                        [1.0, -1.0, 0.5, -0.5, 32767 / 32768, -1.0, 4.0, -4.0]]).astype(np.float32)
+    x = np.concatenate(
+        [
+            np.random.default_rng(0).uniform(-1.2, 1.2, 50_000),
+            np.arange(-70_000, 70_000) / 65536.0,
+            [1.0, -1.0, 0.5, -0.5, 32767 / 32768, -1.0, 4.0, -4.0],
+        ]
+    ).astype(np.float32)
     ours = np.frombuffer(ac.PCM.encode(x), "<i2")
     assert ac.PCM.encode(x) == pcm16(x)
     buf = io.BytesIO()
@@ -149,31 +153,61 @@ def test_torn_pcm_sample_is_an_error():
 def test_stream_resampler_keeps_the_rate_across_chunks():
     r = ac.StreamResampler(24000, 16000)
     x = speech(1.0, seed=1)
-    out = np.concatenate([r(x[i:i + 480]) for i in range(0, len(x), 480)] + [r(x[:0], last=True)])
+    out = np.concatenate([r(x[i : i + 480]) for i in range(0, len(x), 480)] + [r(x[:0], last=True)])
     assert abs(len(out) - 16000) <= 1
     assert ac.StreamResampler(16000, 16000)(x) is not None
 
 
 # ---- client events: the SDK's schema, errors naming the field ----------------------------------
 
-@pytest.mark.parametrize("event, param", [
-    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-        "turn_detection": {"type": "server_vad", "threshold": "high"}}}}},
-     "session.audio.input.turn_detection.threshold"),
-    ({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["video"]}},
-     "session.output_modalities.0"),
-    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-        "format": {"type": "audio/pcm", "rate": 16000}}}}}, "session.audio.input.format.rate"),
-    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": 5}]}},
-     "item.content.0.text"),
-    ({"type": "conversation.item.truncate", "item_id": "x", "content_index": 0}, "audio_end_ms"),
-    ({"type": "input_audio_buffer.append", "audio": 5}, "audio"),
-    ({"type": "response.create", "response": {"max_output_tokens": "lots"}},
-     "response.max_output_tokens"),
-    ({"type": "nonsense.event"}, "type"),
-], ids=["threshold", "modality", "pcm-rate", "item-text", "truncate-missing", "append-audio",
-        "max-tokens", "unknown-type"])
+
+@pytest.mark.parametrize(
+    "event, param",
+    [
+        (
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": "high"}}},
+                },
+            },
+            "session.audio.input.turn_detection.threshold",
+        ),
+        (
+            {"type": "session.update", "session": {"type": "realtime", "output_modalities": ["video"]}},
+            "session.output_modalities.0",
+        ),
+        (
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            },
+            "session.audio.input.format.rate",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]},
+            },
+            "item.content.0.text",
+        ),
+        ({"type": "conversation.item.truncate", "item_id": "x", "content_index": 0}, "audio_end_ms"),
+        ({"type": "input_audio_buffer.append", "audio": 5}, "audio"),
+        ({"type": "response.create", "response": {"max_output_tokens": "lots"}}, "response.max_output_tokens"),
+        ({"type": "nonsense.event"}, "type"),
+    ],
+    ids=[
+        "threshold",
+        "modality",
+        "pcm-rate",
+        "item-text",
+        "truncate-missing",
+        "append-audio",
+        "max-tokens",
+        "unknown-type",
+    ],
+)
 def test_bad_events_name_the_field(event, param):
     with pytest.raises(EventError) as e:
         parse_client_event(json.dumps({**event, "event_id": "ev_1"}))
@@ -191,8 +225,7 @@ def test_not_json_and_not_an_object():
 
 
 def session_of(**session):
-    event, _ = parse_client_event(json.dumps({"type": "session.update",
-                                              "session": {"type": "realtime", **session}}))
+    event, _ = parse_client_event(json.dumps({"type": "session.update", "session": {"type": "realtime", **session}}))
     return event.session
 
 
@@ -203,31 +236,58 @@ def test_session_update_applies_only_what_is_present():
     assert c2.instructions == "be brief" and c2.turn_detection == TurnDetection()
     c3 = updated(c2, session_of(audio={"input": {"turn_detection": None}}), "m")
     assert c3.turn_detection is None and c3.instructions == "be brief"
-    c4 = updated(c3, session_of(audio={"input": {"turn_detection": {
-        "type": "server_vad", "threshold": 0.7, "silence_duration_ms": 200}}}), "m")
+    c4 = updated(
+        c3,
+        session_of(
+            audio={"input": {"turn_detection": {"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 200}}}
+        ),
+        "m",
+    )
     assert c4.turn_detection == TurnDetection(threshold=0.7, silence_duration_ms=200)
-    c5 = updated(c4, session_of(audio={"input": {"format": {"type": "audio/pcmu"}},
-                                       "output": {"format": {"type": "audio/pcma"}}},
-                                output_modalities=["text"], max_output_tokens=7), "m")
-    assert (c5.input_format, c5.output_format, c5.output_modalities, c5.max_output_tokens) == \
-        (ac.PCMU, ac.PCMA, ("text",), 7)
+    c5 = updated(
+        c4,
+        session_of(
+            audio={"input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}}},
+            output_modalities=["text"],
+            max_output_tokens=7,
+        ),
+        "m",
+    )
+    assert (c5.input_format, c5.output_format, c5.output_modalities, c5.max_output_tokens) == (
+        ac.PCMU,
+        ac.PCMA,
+        ("text",),
+        7,
+    )
     assert updated(c5, session_of(max_output_tokens="inf"), "m").max_output_tokens is None
 
 
-@pytest.mark.parametrize("session, param", [
-    ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
-    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
-     "session.audio.input.turn_detection.type"),
-    ({"audio": {"input": {"transcription": {"model": "whisper-1"}}}},
-     "session.audio.input.transcription"),
-    ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice"),
-    ({"model": "gpt-realtime"}, "session.model"),
-    ({"output_modalities": ["text", "audio"]}, "session.output_modalities"),
-    ({"max_output_tokens": 5000}, "session.max_output_tokens"),
-    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 1.5}}}},
-     "session.audio.input.turn_detection.threshold"),
-], ids=["tools", "semantic-vad", "transcription", "voice", "model", "both-modalities",
-        "max-tokens", "threshold-range"])
+@pytest.mark.parametrize(
+    "session, param",
+    [
+        ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
+        ({"audio": {"input": {"transcription": {"model": "whisper-1"}}}}, "session.audio.input.transcription"),
+        ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice"),
+        ({"model": "gpt-realtime"}, "session.model"),
+        ({"output_modalities": ["text", "audio"]}, "session.output_modalities"),
+        ({"max_output_tokens": 5000}, "session.max_output_tokens"),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 1.5}}}},
+            "session.audio.input.turn_detection.threshold",
+        ),
+    ],
+    ids=[
+        "tools",
+        "semantic-vad",
+        "transcription",
+        "voice",
+        "model",
+        "both-modalities",
+        "max-tokens",
+        "threshold-range",
+    ],
+)
 def test_session_update_refuses_what_is_not_served(session, param):
     with pytest.raises(EventError) as e:
         updated(SessionConfig(), session_of(**session), "m")
@@ -240,12 +300,12 @@ def test_described_session_is_what_the_sdk_parses():
     config = updated(SessionConfig(), session_of(audio={"input": {"turn_detection": None}}), "m")
     body = describe(config, "m", "sess_1").model_dump(exclude_unset=True)
     assert body["audio"]["input"]["turn_detection"] is None  # manual commits, said explicitly
-    event = SessionCreatedEvent.model_validate({"type": "session.created", "event_id": "e",
-                                                "session": body})
+    event = SessionCreatedEvent.model_validate({"type": "session.created", "event_id": "e", "session": body})
     assert event.session.model == "m" and event.session.audio.output.format.rate == 24000
 
 
 # ---- VAD ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def silero():
@@ -255,7 +315,7 @@ def silero():
 def feed_in_chunks(scorer, detector, samples_16k, chunk=320):
     events = []
     for i in range(0, len(samples_16k), chunk):
-        events += scorer.score([(detector, detector.windows(samples_16k[i:i + chunk]))])[0]
+        events += scorer.score([(detector, detector.windows(samples_16k[i : i + chunk]))])[0]
     return events
 
 
@@ -286,6 +346,7 @@ def test_a_longer_silence_duration_waits_longer(silero):
 
 # ---- input buffer ------------------------------------------------------------------------------
 
+
 def test_input_buffer_clock_limit_and_padding():
     buf = InputAudioBuffer(16000, max_seconds=1.0)
     buf.append(np.zeros(8000, np.float32))
@@ -311,12 +372,13 @@ def test_input_buffer_keeps_exactly_the_last_samples_across_chunks():
             if rng.random() < 0.5:
                 ms = int(rng.integers(0, 400))
                 buf.keep_last(ms)
-                held = held[max(0, len(held) - ms * 16):]
+                held = held[max(0, len(held) - ms * 16) :]
             assert buf.size == len(held)
         assert np.array_equal(buf.take(), held)
 
 
 # ---- conversation ------------------------------------------------------------------------------
+
 
 def test_conversation_prompt_holds_every_turn_with_stable_audio():
     conv = Conversation(max_items=10)
@@ -383,11 +445,11 @@ def test_rate_limiter_allows_a_burst_then_the_rate():
 
 # ---- config and benchmark bookkeeping ----------------------------------------------------------
 
+
 def test_a_bad_realtime_limit_names_its_key(tmp_path):
     from omni_cache.config import ConfigError, load_config
 
-    text = Path("stage_configs/qwen3_omni.yaml").read_text().replace(
-        "    max_sessions: 64 ", "    max_sessions: 0 ")
+    text = Path("stage_configs/qwen3_omni.yaml").read_text().replace("    max_sessions: 64 ", "    max_sessions: 0 ")
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
@@ -401,20 +463,25 @@ def test_benchmark_config_and_summary(tmp_path):
     from benchmarks.realtime import bench_config, summarize
 
     shipped = yaml.safe_load(Path("stage_configs/qwen3_omni.yaml").read_text())["stages"]
-    limit = next(s for s in shipped if s["name"] == "thinker")["engine_args"]["extra"][
-        "limit_mm_per_prompt"]["audio"]
+    limit = next(s for s in shipped if s["name"] == "thinker")["engine_args"]["extra"]["limit_mm_per_prompt"]["audio"]
     # A session longer than the shipped limit raises it; a shorter one keeps it.
     for turns, expected in ((limit + 4, limit + 4), (max(1, limit - 4), limit)):
-        path = bench_config("stage_configs/qwen3_omni.yaml", tmp_path / "b.yaml", turns=turns,
-                            talker_max_tokens=50)
+        path = bench_config("stage_configs/qwen3_omni.yaml", tmp_path / "b.yaml", turns=turns, talker_max_tokens=50)
         stages = {s["name"]: s for s in yaml.safe_load(path.read_text())["stages"]}
         assert stages["thinker"]["engine_args"]["extra"]["limit_mm_per_prompt"]["audio"] == expected
     assert stages["talker"]["sampling"]["max_tokens"] == 50
-    side = {"sessions": [{"turns": [
-        {"turn": 1, "first_audio_s": fa1, "input_tokens": 50, "cached_tokens": 0},
-        {"turn": 2, "first_audio_s": fa2, "input_tokens": 100, "cached_tokens": 64}]}
-        for fa1, fa2 in ((0.1, 0.12), (0.2, 0.22), (0.3, 0.32))],
-        "counters": {"thinker": {"queried": 300.0, "hit": 192.0}, "decoder": {}}}
+    side = {
+        "sessions": [
+            {
+                "turns": [
+                    {"turn": 1, "first_audio_s": fa1, "input_tokens": 50, "cached_tokens": 0},
+                    {"turn": 2, "first_audio_s": fa2, "input_tokens": 100, "cached_tokens": 64},
+                ]
+            }
+            for fa1, fa2 in ((0.1, 0.12), (0.2, 0.22), (0.3, 0.32))
+        ],
+        "counters": {"thinker": {"queried": 300.0, "hit": 192.0}, "decoder": {}},
+    }
     s = summarize(side)
     assert [t["first_audio_p50_s"] for t in s["turns"]] == pytest.approx([0.2, 0.22])
     assert s["turns"][1]["cached_share"] == pytest.approx(0.64)

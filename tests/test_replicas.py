@@ -63,10 +63,12 @@ def test_prefix_takes_the_longest_held_prefix_else_the_least_loaded():
     assert router.pick("thinker", [0, 1, 2], {0: 3, 1: 0}, {0: 5, 1: 2}) == 0  # longest, busy or not
     assert router.pick("thinker", [0, 1, 2], {0: 3, 2: 1}, {0: 5, 2: 5}) == 2  # tie: least loaded
     assert router.pick("thinker", [1, 2], {}, {0: 9, 1: 1}) == 1  # 0 holds more, but it is down
-    assert router.decisions == {("thinker", 1, "prefix", "least_loaded"): 2,
-                                ("thinker", 0, "prefix", "prefix_hit"): 1,
-                                ("thinker", 2, "prefix", "prefix_hit"): 1,
-                                ("thinker", 1, "prefix", "prefix_hit"): 1}
+    assert router.decisions == {
+        ("thinker", 1, "prefix", "least_loaded"): 2,
+        ("thinker", 0, "prefix", "prefix_hit"): 1,
+        ("thinker", 2, "prefix", "prefix_hit"): 1,
+        ("thinker", 1, "prefix", "prefix_hit"): 1,
+    }
 
 
 def test_prefix_index_counts_leading_blocks_and_forgets_what_was_evicted():
@@ -100,9 +102,17 @@ def test_request_table_load_counts_what_each_replica_has_not_finished():
     table = RequestTable()
 
     def req(rid: str, thinker: int, talker: int) -> Request:
-        r = Request(request_id=rid, prompt_token_ids=[1], modalities=("text", "audio"),
-                    participants=("thinker", "talker"), t0=0.0, deadline=1e9, timeout_s=1.0,
-                    return_latents=False, route={"thinker": thinker, "talker": talker})
+        r = Request(
+            request_id=rid,
+            prompt_token_ids=[1],
+            modalities=("text", "audio"),
+            participants=("thinker", "talker"),
+            t0=0.0,
+            deadline=1e9,
+            timeout_s=1.0,
+            return_latents=False,
+            route={"thinker": thinker, "talker": talker},
+        )
         table.add(r)
         return r
 
@@ -121,8 +131,7 @@ def test_request_table_load_counts_what_each_replica_has_not_finished():
 class ByteTokenizer:
     chat_template = ""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None,
-                            **template_kwargs):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None, **template_kwargs):
         return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
 
     def decode(self, ids, skip_special_tokens=True):
@@ -154,9 +163,14 @@ stages:
     address: ipc://{d}/decoder.sock
     final_output: audio
 """)
-    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
-                        stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
-                        shutdown_grace_s=2, echo_stage_logs=False)
+    orch = Orchestrator(
+        load_config(path),
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    )
     server = ServerThread(orch, api_key=API_KEY).start()
     try:
         server.wait_ready(60)
@@ -167,18 +181,28 @@ stages:
 
 def metric(srv, name: str, **labels: str) -> float:
     text = httpx.get(srv.url + "/metrics", headers=HEADERS, timeout=10).text
-    return sum(v for n, lab, v in parse_metrics(text)
-               if n == name and all(lab.get(k) == want for k, want in labels.items()))
+    return sum(
+        v for n, lab, v in parse_metrics(text) if n == name and all(lab.get(k) == want for k, want in labels.items())
+    )
 
 
 def routed(srv, replica: int) -> float:
-    return metric(srv, "omni_cache_routing_decisions_total", stage="thinker", replica=str(replica),
-                  policy="least_loaded", decision="least_loaded")
+    return metric(
+        srv,
+        "omni_cache_routing_decisions_total",
+        stage="thinker",
+        replica=str(replica),
+        policy="least_loaded",
+        decision="least_loaded",
+    )
 
 
 def ask(srv, content: str) -> httpx.Response:
-    body = {"model": srv.orchestrator.served_model_name, "max_tokens": 8,
-            "messages": [{"role": "user", "content": content}]}
+    body = {
+        "model": srv.orchestrator.served_model_name,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": content}],
+    }
     return httpx.post(srv.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=30)
 
 
@@ -192,19 +216,27 @@ def wait_until(check, what: str, timeout: float = 30.0) -> None:
 def stream_in_background(srv, content: str) -> tuple[threading.Thread, list]:
     """A streamed request read by a thread: its SSE events land in the returned list."""
     events: list = []
-    body = {"model": srv.orchestrator.served_model_name, "stream": True, "max_tokens": 8,
-            "messages": [{"role": "user", "content": content}]}
+    body = {
+        "model": srv.orchestrator.served_model_name,
+        "stream": True,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": content}],
+    }
 
-    thread = threading.Thread(target=read_events, daemon=True,
-                              args=(srv.url + "/v1/chat/completions", body, HEADERS, events),
-                              kwargs={"timeout": 60})
+    thread = threading.Thread(
+        target=read_events,
+        daemon=True,
+        args=(srv.url + "/v1/chat/completions", body, HEADERS, events),
+        kwargs={"timeout": 60},
+    )
     thread.start()
     return thread, events
 
 
 def text_of(events: list) -> str:
-    return "".join(c["delta"].get("content") or "" for e in list(events) if isinstance(e, dict)
-                   for c in e.get("choices", []))
+    return "".join(
+        c["delta"].get("content") or "" for e in list(events) if isinstance(e, dict) for c in e.get("choices", [])
+    )
 
 
 def test_least_loaded_passes_a_busy_replica_and_a_dead_one_s_request_goes_on_elsewhere(srv):
@@ -240,7 +272,9 @@ def test_least_loaded_passes_a_busy_replica_and_a_dead_one_s_request_goes_on_els
     health = httpx.get(srv.url + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
     assert {k: v for k, v in health.json()["replicas"]["thinker#0"].items() if k != "why"} == {
-        "stage": "thinker", "replica": 0}
+        "stage": "thinker",
+        "replica": 0,
+    }
     busy = routed(srv, 1)
     assert ask(srv, "still here").status_code == 200
     assert routed(srv, 1) == busy + 1

@@ -65,8 +65,11 @@ def client(server):
 def thinker_requests(server) -> tuple[float, float]:
     """Requests each thinker replica accepted since its last start (its own counter)."""
     text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
-    got = {lab["replica"]: v for n, lab, v in parse_metrics(text)
-           if n == "omni_cache_stage_requests_total" and lab["stage"] == "thinker"}
+    got = {
+        lab["replica"]: v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_stage_requests_total" and lab["stage"] == "thinker"
+    }
     return got["0"], got["1"]
 
 
@@ -85,21 +88,30 @@ def test_requests_alternate_between_the_replicas_and_both_answer_alike(server, c
 
     def ask() -> None:
         r = client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "the same question"}], max_tokens=12)
+            model=NAME, messages=[{"role": "user", "content": "the same question"}], max_tokens=12
+        )
         answers.append(r.choices[0].message.content)
 
     first = which_replica(server, ask)
     assert [which_replica(server, ask) for _ in range(3)] == [1 - first, first, 1 - first]
     assert len(set(answers)) == 1, answers  # one checkpoint, greedy: the replica does not matter
     text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
-    routed = {lab["replica"]: v for n, lab, v in parse_metrics(text)
-              if n == "omni_cache_routing_decisions_total" and lab["stage"] == "thinker"
-              and lab["policy"] == lab["decision"] == "round_robin"}
+    routed = {
+        lab["replica"]: v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_routing_decisions_total"
+        and lab["stage"] == "thinker"
+        and lab["policy"] == lab["decision"] == "round_robin"
+    }
     assert routed["0"] >= 2 and routed["1"] >= 2 and abs(routed["0"] - routed["1"]) <= 1, routed
     # an audio answer: the route travels with the request through the one talker and decoder
     r = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "say it"}], max_tokens=6,
-        modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
+        model=NAME,
+        messages=[{"role": "user", "content": "say it"}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+    )
     assert r.choices[0].message.audio.data
 
 
@@ -108,16 +120,25 @@ PROMPTS = [f"tell story number {i}" for i in range(8)]
 
 def resumed_by(server) -> dict[tuple[str, str], float]:
     text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
-    return {(lab["stage"], lab["replica"]): v for n, lab, v in parse_metrics(text)
-            if n == "omni_cache_requests_resumed_total"}
+    return {
+        (lab["stage"], lab["replica"]): v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_requests_resumed_total"
+    }
 
 
 def stream_spoken(server, content: str, out: list, got: threading.Event, wait_for: str) -> None:
     """Stream a spoken answer into ``out``; set ``got`` once a chunk with ``wait_for`` (content,
     audio) arrived, or the stream ended."""
-    body = {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 128,
-            "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"},
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 128,
+        "stream": True,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+        "stream_options": {"include_usage": True},
+    }
 
     def watch(event) -> None:
         if isinstance(event, dict) and any(c["delta"].get(wait_for) for c in event.get("choices", [])):
@@ -155,8 +176,7 @@ def eight_streams(server, wait_for: str, kill: str | None = None) -> list[tuple]
     for content in PROMPTS:
         events: list = []
         got = threading.Event()
-        thread = threading.Thread(target=stream_spoken, args=(server, content, events, got, wait_for),
-                                  daemon=True)
+        thread = threading.Thread(target=stream_spoken, args=(server, content, events, got, wait_for), daemon=True)
         thread.start()
         runs.append((thread, events, got))
     if kill is not None:
@@ -192,7 +212,8 @@ def back_and_routed_to(server, name: str, old_pid: int) -> None:
 
 @pytest.mark.parametrize("victim, wait_for", [("thinker#1", "content"), ("talker#1", "audio")])
 def test_a_killed_replica_s_streams_go_on_elsewhere_as_if_nothing_happened(
-        server, client, undisturbed, victim, wait_for):
+    server, client, undisturbed, victim, wait_for
+):
     """kill -9 of a thinker (then a talker) replica with 8 spoken answers streaming: every
     answer completes with the text, token count and audio length of the undisturbed run (a
     resumed thinker request starts from the tokens its client has, downstream stages start
@@ -212,12 +233,14 @@ def test_a_killed_replica_s_streams_go_on_elsewhere_as_if_nothing_happened(
     back_and_routed_to(server, victim, old_pid)
 
     def ask() -> None:
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "back?"}],
-                                       max_tokens=4)
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "back?"}], max_tokens=4)
 
     if stage == "thinker":
         assert sorted(which_replica(server, ask) for _ in range(2)) == [0, 1]
     text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
-    restarts = {lab["replica"]: v for n, lab, v in parse_metrics(text)
-                if n == "omni_cache_stage_restarts_total" and lab["stage"] == stage}
+    restarts = {
+        lab["replica"]: v
+        for n, lab, v in parse_metrics(text)
+        if n == "omni_cache_stage_restarts_total" and lab["stage"] == stage
+    }
     assert restarts == {"0": 0, "1": 1}

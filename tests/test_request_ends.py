@@ -35,8 +35,7 @@ REQUEST_TIMEOUT_S = 120.0  # far past any wait below: an answer that comes came 
 
 @pytest.fixture(scope="module")
 def srv():
-    path = write_config(f"ends_{uuid.uuid4().hex[:8]}", token_delay_s=TOKEN_DELAY_S,
-                        timeout_s=REQUEST_TIMEOUT_S)
+    path = write_config(f"ends_{uuid.uuid4().hex[:8]}", token_delay_s=TOKEN_DELAY_S, timeout_s=REQUEST_TIMEOUT_S)
     server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
     try:
         server.wait_ready(60)
@@ -46,13 +45,18 @@ def srv():
 
 
 def _body(srv, content: str, **extra) -> dict:
-    return {"model": srv.orchestrator.served_model_name, "max_tokens": 4,
-            "messages": [{"role": "user", "content": content}], **extra}
+    return {
+        "model": srv.orchestrator.served_model_name,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
 
 
 def _post(srv, body: dict) -> httpx.Response:
-    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"})
+    return httpx.post(
+        srv.url + "/v1/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
 
 
 def _metrics(srv) -> list[tuple[str, dict[str, str], float]]:
@@ -68,9 +72,11 @@ def _wait_nothing_in_flight(srv, timeout: float) -> None:
     orch = srv.orchestrator
     end = time.monotonic() + timeout
     while orch.in_flight or orch.admission.bounds.requests:
-        assert time.monotonic() < end, (f"still in flight after {timeout:g} s: "
-                                        f"{orch.in_flight} request(s), "
-                                        f"{orch.admission.bounds.requests} ticket(s)")
+        assert time.monotonic() < end, (
+            f"still in flight after {timeout:g} s: "
+            f"{orch.in_flight} request(s), "
+            f"{orch.admission.bounds.requests} ticket(s)"
+        )
         time.sleep(0.05)
 
 
@@ -92,8 +98,7 @@ def test_a_failure_handling_a_stage_output_fails_the_request_at_once(srv):
         orch.outputs.add = add
     assert r.status_code == 500, r.text
     message = r.json()["error"]["message"]
-    assert message == ("the server failed on stage 'thinker''s output: RuntimeError: an injected "
-                       "fault"), message
+    assert message == ("the server failed on stage 'thinker''s output: RuntimeError: an injected fault"), message
     assert _value(_metrics(srv), "omni_cache_output_errors_total", stage="thinker") == before + 1
     _wait_nothing_in_flight(srv, 5.0)
     ok = _post(srv, _body(srv, "fine"))
@@ -108,9 +113,12 @@ def test_an_sse_client_gone_before_the_first_byte_frees_its_place_at_once(srv):
     host, port = srv.url.removeprefix("http://").split(":")
     for _ in range(3):
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-                      f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            s.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(raw)}\r\n\r\n".encode()
+                + raw
+            )
         # submitted (or refused) and then seen gone; nothing may stay for the answer's minute
         _wait_nothing_in_flight(srv, 10.0)
     ok = _post(srv, _body(srv, "after"))
@@ -134,14 +142,25 @@ def test_an_sse_response_that_never_starts_frees_its_place(srv):
         sent.append(message)
         raise OSError("the client is gone")
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80), "state": {},
-             "headers": [(b"content-type", b"application/json"),
-                         (b"authorization", f"Bearer {API_KEY}".encode()),
-                         (b"content-length", str(len(raw)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {API_KEY}".encode()),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+    }
     loop = srv.server.servers[0].get_loop()  # the server's event loop, where its app runs
     with pytest.raises((OSError, ClientDisconnect)):
         asyncio.run_coroutine_threadsafe(srv.app(scope, receive, send), loop).result(30)
@@ -152,6 +171,7 @@ def test_an_sse_response_that_never_starts_frees_its_place(srv):
 def test_the_event_loop_lag_is_measured(srv):
     """A probe's lateness is a histogram in /metrics; 0.6 s of blocking work run on the loop (an
     abort that sleeps, standing in for any blocking call) shows as a sample past 0.5 s."""
+
     def late(samples) -> float:
         count = _value(samples, "omni_cache_event_loop_lag_seconds_count")
         return count - _value(samples, "omni_cache_event_loop_lag_seconds_bucket", le="0.5")
@@ -200,6 +220,7 @@ def test_cancel_and_wait_ends_the_tasks_and_logs_a_failure(caplog):
 def test_waiting_for_tasks_does_not_swallow_the_callers_cancellation():
     """The caller is cancelled while it waits for a task that ignores its own cancellation for
     a while: the caller's CancelledError comes through (suppress(BaseException) swallowed it)."""
+
     async def main():
         release = asyncio.Event()
 

@@ -59,9 +59,13 @@ def test_write_summary_round_trips_as_json(tmp_path):
 
 
 def test_no_large_json_is_tracked():
-    listed = subprocess.run(["git", "ls-files", "*.json"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "*.json"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert listed, "git ls-files found no JSON at all: the check would pass on anything"
-    big = [(p, (ROOT / p).stat().st_size) for p in listed
-           if (ROOT / p).exists() and (ROOT / p).stat().st_size > MAX_TRACKED_JSON]
+    big = [
+        (p, (ROOT / p).stat().st_size)
+        for p in listed
+        if (ROOT / p).exists() and (ROOT / p).stat().st_size > MAX_TRACKED_JSON
+    ]
     assert not big, f"tracked JSON over {MAX_TRACKED_JSON} bytes (summarize it): {big}"

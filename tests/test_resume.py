@@ -18,12 +18,24 @@ from workers.resumed_output import resumed_as_undisturbed
 
 
 def request(max_tokens: int = 10) -> Request:
-    req = Request(request_id="abc", prompt_token_ids=[1, 2, 3], modalities=("text", "audio"),
-                  participants=("thinker", "talker"), t0=0.0, deadline=1e9, timeout_s=60.0,
-                  return_latents=False, route={"thinker": 1, "talker": 0})
-    req.submit = Submit(request_id="abc", prompt_token_ids=[1, 2, 3],
-                        sampling=EngineSampling(max_tokens=max_tokens, temperature=0.7, seed=5),
-                        modalities=["text", "audio"], route=dict(req.route))
+    req = Request(
+        request_id="abc",
+        prompt_token_ids=[1, 2, 3],
+        modalities=("text", "audio"),
+        participants=("thinker", "talker"),
+        t0=0.0,
+        deadline=1e9,
+        timeout_s=60.0,
+        return_latents=False,
+        route={"thinker": 1, "talker": 0},
+    )
+    req.submit = Submit(
+        request_id="abc",
+        prompt_token_ids=[1, 2, 3],
+        sampling=EngineSampling(max_tokens=max_tokens, temperature=0.7, seed=5),
+        modalities=["text", "audio"],
+        route=dict(req.route),
+    )
     return req
 
 
@@ -93,10 +105,18 @@ def test_the_table_knows_a_resumed_request_by_its_new_wire_id_only():
 def first_output(prompt_len: int, tokens: list[int]) -> StepOutput:
     """A first output after a prefill of ``prompt_len`` positions: one row per position fed."""
     rows = torch.arange(prompt_len, dtype=torch.float32)[:, None].repeat(1, 4)
-    return StepOutput(request_id="abc.r1", token_ids=tokens, text="x", finished=False,
-                      finish_reason=None, num_prompt_tokens=prompt_len, num_cached_tokens=3,
-                      latent_start=0, latents={"hidden": rows},
-                      prompt_token_ids=[1, 2, 3, 7, 8][:prompt_len])
+    return StepOutput(
+        request_id="abc.r1",
+        token_ids=tokens,
+        text="x",
+        finished=False,
+        finish_reason=None,
+        num_prompt_tokens=prompt_len,
+        num_cached_tokens=3,
+        latent_start=0,
+        latents={"hidden": rows},
+        prompt_token_ids=[1, 2, 3, 7, 8][:prompt_len],
+    )
 
 
 def test_the_entry_stage_sends_a_resumed_request_as_the_undisturbed_stream():

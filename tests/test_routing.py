@@ -21,25 +21,35 @@ def test_the_longest_prefix_wins_until_its_replica_waits_more_than_load_ratio_ti
     router = ReplicaRouter("prefix", {"thinker": 2})
 
     def pick(backlog: dict[int, int], matched: dict[int, int] | None = None) -> int:
-        return router.pick("thinker", [0, 1], {i: 1 for i in backlog}, matched or {0: 62, 1: 0},
-                           backlog=backlog, prompt_tokens=2100, block_size=BS)
+        return router.pick(
+            "thinker",
+            [0, 1],
+            {i: 1 for i in backlog},
+            matched or {0: 62, 1: 0},
+            backlog=backlog,
+            prompt_tokens=2100,
+            block_size=BS,
+        )
 
     # Replica 0 holds 62 blocks (1,984 tokens) of the 2,100-token prompt: 116 tokens to compute
     # there, 2,100 on replica 1.
     assert pick({}) == 0
-    assert pick({0: 2100}) == 0                 # one miss queued there: 2,216 <= 2 x 2,100
-    assert pick({0: 4084}) == 0                 # 4,200 <= 4,200: still the prefix
-    assert pick({0: 4085}) == 1                 # 4,201 > 4,200: much busier, given up
-    assert pick({0: 6000, 1: 2100}) == 0        # 6,116 <= 2 x 4,200: the other one is busy too
+    assert pick({0: 2100}) == 0  # one miss queued there: 2,216 <= 2 x 2,100
+    assert pick({0: 4084}) == 0  # 4,200 <= 4,200: still the prefix
+    assert pick({0: 4085}) == 1  # 4,201 > 4,200: much busier, given up
+    assert pick({0: 6000, 1: 2100}) == 0  # 6,116 <= 2 x 4,200: the other one is busy too
     assert pick({0: 500}, {0: 62, 1: 62}) == 1  # both hold it: the smaller wait
-    assert router.decisions == {("thinker", 0, "prefix", "prefix_hit"): 4,
-                                ("thinker", 1, "prefix", "load_over_prefix"): 1,
-                                ("thinker", 1, "prefix", "prefix_hit"): 1}
+    assert router.decisions == {
+        ("thinker", 0, "prefix", "prefix_hit"): 4,
+        ("thinker", 1, "prefix", "load_over_prefix"): 1,
+        ("thinker", 1, "prefix", "prefix_hit"): 1,
+    }
     # A caller without a backlog: the longest prefix however busy its replica (as before).
     assert router.pick("thinker", [0, 1], {0: 9}, {0: 62, 1: 0}) == 0
     # Nothing held anywhere: the least loaded, backlog or not.
-    assert router.pick("thinker", [0, 1], {0: 1}, {0: 0, 1: 0}, backlog={1: 9000},
-                       prompt_tokens=2100, block_size=BS) == 1
+    assert (
+        router.pick("thinker", [0, 1], {0: 1}, {0: 0, 1: 0}, backlog={1: 9000}, prompt_tokens=2100, block_size=BS) == 1
+    )
 
 
 @pytest.fixture
@@ -54,8 +64,16 @@ def _submit(o: Orchestrator, prompt: list[int]):
     from omni_cache.runtime.requests import Request
 
     chains = o.routes.prompt_chains(prompt)
-    req = Request(request_id=f"r{len(o.requests)}", prompt_token_ids=prompt, modalities=("text",),
-                  participants=("thinker",), t0=0.0, deadline=1e9, timeout_s=1.0, return_latents=False)
+    req = Request(
+        request_id=f"r{len(o.requests)}",
+        prompt_token_ids=prompt,
+        modalities=("text",),
+        participants=("thinker",),
+        t0=0.0,
+        deadline=1e9,
+        timeout_s=1.0,
+        return_latents=False,
+    )
     req.route, req.prefill_backlog = o.routes.route(req.participants, len(prompt), chains)
     req.block_hashes = chains
     o.requests.add(req)
@@ -116,11 +134,17 @@ def test_a_session_stays_on_its_replicas_while_they_are_up(orch):
     from omni_cache.runtime.requests import MediaItem, Request
 
     def route(session: str | None) -> Request:
-        req = Request(request_id=f"r{len(orch.requests)}", prompt_token_ids=[1] * 64,
-                      modalities=("text",), participants=("thinker",), t0=0.0, deadline=1e9,
-                      timeout_s=1.0, return_latents=False)
-        orch.routes.assign(req, req.prompt_token_ids, [MediaItem("audio", np.zeros(1, np.float32))],
-                           session_id=session)
+        req = Request(
+            request_id=f"r{len(orch.requests)}",
+            prompt_token_ids=[1] * 64,
+            modalities=("text",),
+            participants=("thinker",),
+            t0=0.0,
+            deadline=1e9,
+            timeout_s=1.0,
+            return_latents=False,
+        )
+        orch.routes.assign(req, req.prompt_token_ids, [MediaItem("audio", np.zeros(1, np.float32))], session_id=session)
         orch.requests.add(req)
         return req
 

@@ -47,10 +47,14 @@ def test_default_pool_holds_half_the_tenants_requests():
 
 def test_configs_give_the_thinker_replicas_and_their_pool(tmp_path):
     src = "stage_configs/tiny_omni.yaml"
-    two = load_config(routing_config(src, tmp_path / "two.yaml", replicas=2, pool_blocks=200,
-                                     dtype="float32", request_timeout_s=900.0))
-    one = load_config(routing_config(src, tmp_path / "one.yaml", replicas=1, pool_blocks=399,
-                                     dtype=None, request_timeout_s=900.0))
+    two = load_config(
+        routing_config(
+            src, tmp_path / "two.yaml", replicas=2, pool_blocks=200, dtype="float32", request_timeout_s=900.0
+        )
+    )
+    one = load_config(
+        routing_config(src, tmp_path / "one.yaml", replicas=1, pool_blocks=399, dtype=None, request_timeout_s=900.0)
+    )
     t2 = {s.name: s for s in two.stages}
     assert two.server.routing == "prefix" and t2["thinker"].replicas == 2
     assert t2["thinker"].engine_args.extra["num_gpu_blocks_override"] == 200
@@ -63,15 +67,30 @@ def test_configs_give_the_thinker_replicas_and_their_pool(tmp_path):
 
 
 def _turn(policy, hit, ttfa, rnd=0):
-    return {"policy": policy, "round": rnd,
-            "summary": {"hit_rate": hit, "ttft_p50_s": ttfa / 2, "ttft_p90_s": ttfa, "ttfa_p50_s": ttfa,
-                        "ttfa_p90_s": 2 * ttfa, "e2e_p50_s": 3 * ttfa, "errors": 0}}
+    return {
+        "policy": policy,
+        "round": rnd,
+        "summary": {
+            "hit_rate": hit,
+            "ttft_p50_s": ttfa / 2,
+            "ttft_p90_s": ttfa,
+            "ttfa_p50_s": ttfa,
+            "ttfa_p90_s": 2 * ttfa,
+            "e2e_p50_s": 3 * ttfa,
+            "errors": 0,
+        },
+    }
 
 
 def test_medians_over_rounds_and_the_two_targets():
-    turns = [_turn("prefix", 0.80, 1.0, 0), _turn("round_robin", 0.30, 4.0, 0),
-             _turn("prefix", 0.70, 2.0, 1), _turn("round_robin", 0.20, 5.0, 1),
-             _turn("prefix", 0.75, 1.5, 2), _turn("round_robin", 0.25, 3.0, 2)]
+    turns = [
+        _turn("prefix", 0.80, 1.0, 0),
+        _turn("round_robin", 0.30, 4.0, 0),
+        _turn("prefix", 0.70, 2.0, 1),
+        _turn("round_robin", 0.20, 5.0, 1),
+        _turn("prefix", 0.75, 1.5, 2),
+        _turn("round_robin", 0.25, 3.0, 2),
+    ]
     agg = routing_summary.aggregate(turns, [{"summary": {"hit_rate": 0.80}}, {"summary": {"hit_rate": 0.84}}])
     assert agg["policies"]["prefix"]["hit_rate"] == pytest.approx(0.75)
     assert agg["policies"]["prefix"]["ttfa_p50_s"] == pytest.approx(1.5)
@@ -92,8 +111,9 @@ def test_summary_counts_errors_and_skips_them_in_the_hit_rate():
 
 def test_the_media_workload_gives_tenants_their_own_medium_in_turn():
     order = routing_workload.tenant_order(4, 8, seed=2, round_=0)
-    kw = dict(shared_tokens=64, unique_tokens=40, max_tokens=4, seed=2, round_=0,
-              kinds=routing_workload.WORKLOADS["media"])
+    kw = dict(
+        shared_tokens=64, unique_tokens=40, max_tokens=4, seed=2, round_=0, kinds=routing_workload.WORKLOADS["media"]
+    )
     a = routing_workload.build_requests(order, label="prefix", **kw)
     b = routing_workload.build_requests(order, label="least_loaded", **kw)
     kinds = {s.kind.split("-")[1]: s for s in a}
@@ -103,10 +123,12 @@ def test_the_media_workload_gives_tenants_their_own_medium_in_turn():
     assert not (kinds["image"].system or kinds["audio"].system or kinds["video"].system)
     # A tenant's requests share its medium; another policy's turn has other media, same questions.
     for s in a:
-        assert (s.image, s.audio, s.video, s.system) == (kinds[s.kind.split("-")[1]].image,
-                                                          kinds[s.kind.split("-")[1]].audio,
-                                                          kinds[s.kind.split("-")[1]].video,
-                                                          kinds[s.kind.split("-")[1]].system)
+        assert (s.image, s.audio, s.video, s.system) == (
+            kinds[s.kind.split("-")[1]].image,
+            kinds[s.kind.split("-")[1]].audio,
+            kinds[s.kind.split("-")[1]].video,
+            kinds[s.kind.split("-")[1]].system,
+        )
     assert not {s.audio for s in a} & {s.audio for s in b if s.audio}
     assert [s.users for s in a] == [s.users for s in b]
     content = messages_for(kinds["audio"], 0, [])[-1]["content"]
@@ -115,11 +137,23 @@ def test_the_media_workload_gives_tenants_their_own_medium_in_turn():
 
 def test_per_kind_hit_rates_and_the_thinker_only_config(tmp_path):
     ok = dict(ok=True, ttft_s=0.1, ttfa_s=None, e2e_s=0.5)
-    s = routing_summary.summarize_turn([{**ok, "kind": "tenant0-image", "prompt_tokens": 100, "cached_tokens": 90},
-                                {**ok, "kind": "tenant1-text", "prompt_tokens": 100, "cached_tokens": 10},
-                                {**ok, "kind": "tenant2-image", "prompt_tokens": 100, "cached_tokens": 0}])
+    s = routing_summary.summarize_turn(
+        [
+            {**ok, "kind": "tenant0-image", "prompt_tokens": 100, "cached_tokens": 90},
+            {**ok, "kind": "tenant1-text", "prompt_tokens": 100, "cached_tokens": 10},
+            {**ok, "kind": "tenant2-image", "prompt_tokens": 100, "cached_tokens": 0},
+        ]
+    )
     assert s["hit_rate_by_kind"] == {"image": pytest.approx(0.45), "text": pytest.approx(0.1)}
-    cfg = load_config(routing_config("stage_configs/qwen3_omni.yaml", tmp_path / "t.yaml", replicas=2,
-                                     pool_blocks=100, dtype=None, request_timeout_s=60.0,
-                                     thinker_only=True))
+    cfg = load_config(
+        routing_config(
+            "stage_configs/qwen3_omni.yaml",
+            tmp_path / "t.yaml",
+            replicas=2,
+            pool_blocks=100,
+            dtype=None,
+            request_timeout_s=60.0,
+            thinker_only=True,
+        )
+    )
     assert [s.name for s in cfg.stages] == ["thinker"] and cfg.stages[0].replicas == 2

@@ -23,8 +23,13 @@ AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = 261, 264, 265
 PAD = {"image": IMAGE_PAD, "audio": AUDIO_PAD, "video": VIDEO_PAD}
 #: What the stand-in engine expands each digest to (a run's tokens); a video with its track: one
 #: interleaved run for both.
-RUNS = {"img": [IMAGE_PAD] * 70, "img2": [IMAGE_PAD] * 40, "aud": [AUDIO_PAD] * 45,
-        "vid": [VIDEO_PAD] * 90, "vidav": [259] + [VIDEO_PAD, AUDIO_PAD] * 30 + [260]}
+RUNS = {
+    "img": [IMAGE_PAD] * 70,
+    "img2": [IMAGE_PAD] * 40,
+    "aud": [AUDIO_PAD] * 45,
+    "vid": [VIDEO_PAD] * 90,
+    "vidav": [259] + [VIDEO_PAD, AUDIO_PAD] * 30 + [260],
+}
 
 
 def item(kind: str, digest: str, fps: float = 0.0, in_video: bool = False) -> MediaItem:
@@ -84,9 +89,11 @@ def test_a_learned_item_expands_as_the_engine_does_in_another_prompt():
     assert layouts.learn(prompt, media_keys(media), *engine_expand(prompt, media))
     assert len(layouts) == 4
     # Other prompts with those items, in another order, with other text around them.
-    for parts in ([[5] * 33, item("image", "img"), [6] * 40],
-                  [[7] * 3, video, track, [8] * 10, item("image", "img"), [9] * 2],
-                  [item("audio", "aud"), item("audio", "aud"), [1] * 50]):
+    for parts in (
+        [[5] * 33, item("image", "img"), [6] * 40],
+        [[7] * 3, video, track, [8] * 10, item("image", "img"), [9] * 2],
+        [item("audio", "aud"), item("audio", "aud"), [1] * 50],
+    ):
         prompt, media = prompt_of(parts)
         got = layouts.expand(prompt, media_keys(media))
         want_ids, want_spans = engine_expand(prompt, media)
@@ -101,7 +108,7 @@ def test_an_unknown_item_cuts_the_prompt_at_its_placeholder_and_is_learned_once_
     want_ids, want_spans = engine_expand(prompt, media)
     # Known up to the second image's placeholder: the first image's run and the text after it
     # (<|vision_start|> 70-token run <|vision_end|>, 20 tokens, <|vision_start|>).
-    assert not first.complete and first.token_ids == want_ids[:50 + 1 + 70 + 1 + 20 + 1]
+    assert not first.complete and first.token_ids == want_ids[: 50 + 1 + 70 + 1 + 20 + 1]
     assert first.media == [(i, o, n) for _, i, o, n in want_spans[:1]]
     assert layouts.learn(prompt, media_keys(media), want_ids, want_spans)  # its answer came
     again = layouts.expand(prompt, media_keys(media))
@@ -157,8 +164,16 @@ def orch(tmp_path):
 def routed(o: Orchestrator, parts: list) -> Request:
     """Route a prompt with media as submit() does and keep it in flight."""
     prompt, media = prompt_of(parts)
-    req = Request(request_id=f"r{len(o.requests)}", prompt_token_ids=prompt, modalities=("text",),
-                  participants=("thinker",), t0=0.0, deadline=1e9, timeout_s=1.0, return_latents=False)
+    req = Request(
+        request_id=f"r{len(o.requests)}",
+        prompt_token_ids=prompt,
+        modalities=("text",),
+        participants=("thinker",),
+        t0=0.0,
+        deadline=1e9,
+        timeout_s=1.0,
+        return_latents=False,
+    )
     o.routes.assign(req, prompt, media, hashes=o.routes.hasher(prompt, media)())
     req.submit = submit_message(req, EngineSampling(max_tokens=4), media)
     o.requests.add(req)
@@ -175,9 +190,16 @@ def test_a_repeated_image_goes_to_the_replica_that_reported_it(orch):
     assert first.block_hashes == {}
     # Replica 1's first output tells how its engine expanded the prompt; it reports its blocks.
     ids, spans = engine_expand(*prompt_of([[1] * 40, image, [2] * 10]))
-    orch.on_message(StageOutput(request_id=first.request_id, stage="thinker", seq=0, token_ids=[7],
-                                media_layout=MediaLayout(prompt_token_ids=ids,
-                                                         spans=[MediaSpan(*s) for s in spans])), {})
+    orch.on_message(
+        StageOutput(
+            request_id=first.request_id,
+            stage="thinker",
+            seq=0,
+            token_ids=[7],
+            media_layout=MediaLayout(prompt_token_ids=ids, spans=[MediaSpan(*s) for s in spans]),
+        ),
+        {},
+    )
     assert len(orch.routes.media_layouts) == 1
     media = [(i, o, n) for _, i, o, n in spans]
     orch.routes.prefix_index.apply(1, stored=prompt_block_hashes(ids, BS, None, media), removed=[])
@@ -187,8 +209,7 @@ def test_a_repeated_image_goes_to_the_replica_that_reported_it(orch):
     # load tie would pick replica 0.
     again = routed(orch, [[1] * 40, image, [3] * 30])
     want, want_spans = engine_expand(*prompt_of([[1] * 40, image, [3] * 30]))
-    assert again.block_hashes[BS] == prompt_block_hashes(want, BS, None,
-                                                         [(i, o, n) for _, i, o, n in want_spans])
+    assert again.block_hashes[BS] == prompt_block_hashes(want, BS, None, [(i, o, n) for _, i, o, n in want_spans])
     assert again.route == {"thinker": 1}
     assert orch.routes.router.decisions[("thinker", 1, "prefix", "prefix_hit")] == 1
     # Another image after the same text: its run is not known, the text before it is (one block).

@@ -67,8 +67,11 @@ def test_a_root_of_another_user_is_refused(xdg, monkeypatch):
     (xdg / "omni_cache").mkdir(0o700)
     other = os.getuid() + 1  # the root is ours: to this process, now another user's
     monkeypatch.setattr(os, "getuid", lambda: other)
-    with pytest.raises(RunDirError, match=rf"owned by uid {other - 1}, not by this user \(uid "
-                                          rf"{other}\).*set XDG_RUNTIME_DIR"):
+    with pytest.raises(
+        RunDirError,
+        match=rf"owned by uid {other - 1}, not by this user \(uid "
+        rf"{other}\).*set XDG_RUNTIME_DIR",
+    ):
         new_run_dir(load_config(TINY))
 
 
@@ -76,8 +79,11 @@ def test_a_root_others_may_write_is_refused(xdg):
     root = xdg / "omni_cache"
     root.mkdir()
     root.chmod(0o777)
-    with pytest.raises(RunDirError, match=r"may be written by its group or others \(mode 0777\); "
-                                          r"chmod 700 it"):
+    with pytest.raises(
+        RunDirError,
+        match=r"may be written by its group or others \(mode 0777\); "
+        r"chmod 700 it",
+    ):
         new_run_dir(load_config(TINY))
     root.chmod(0o750)  # group may read: allowed, nobody else writes
     os.rmdir(new_run_dir(load_config(TINY)))
@@ -100,8 +106,7 @@ def test_the_server_refuses_to_start_on_an_untrusted_root(xdg):
 
 
 def test_a_server_never_started_leaves_no_directory(xdg):
-    orch = Orchestrator(load_config(TINY), tokenizer=ByteTokenizer(),
-                        stage_argv=[sys.executable, str(FAKE_STAGE)])
+    orch = Orchestrator(load_config(TINY), tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)])
     run_dir = Path(orch.fleet.placement.run_dir)
     assert run_dir.is_dir() and run_dir.parent == xdg / "omni_cache"
     del orch

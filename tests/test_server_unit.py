@@ -75,8 +75,7 @@ def srv():
 
 @pytest.fixture
 def http(srv):
-    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=30) as client:
+    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as client:
         yield client
 
 
@@ -136,8 +135,7 @@ def test_health_is_open_and_api_key_protects_the_rest(srv):
 
 def test_text_answer_with_openai_client(srv, oai):
     content = f"text {uuid.uuid4().hex[:6]}"
-    r = oai.chat.completions.create(model=model(srv), messages=[{"role": "user", "content": content}],
-                                    max_tokens=8)
+    r = oai.chat.completions.create(model=model(srv), messages=[{"role": "user", "content": content}], max_tokens=8)
     assert r.choices[0].message.content == echo(content, 8)
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.audio is None
@@ -150,16 +148,22 @@ def test_shared_prefix_reports_cached_tokens(srv, oai):
     cached = []
     for q in ("first question", "second question"):
         r = oai.chat.completions.create(
-            model=model(srv), max_tokens=4,
-            messages=[{"role": "system", "content": prefix}, {"role": "user", "content": q}])
+            model=model(srv),
+            max_tokens=4,
+            messages=[{"role": "system", "content": prefix}, {"role": "user", "content": q}],
+        )
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
     assert cached[0] == 0 and cached[1] >= len(prefix) // 4 * 4
 
 
 def test_audio_answer_is_a_24khz_mono_16bit_wav(srv, oai):
     r = oai.chat.completions.create(
-        model=model(srv), messages=[{"role": "user", "content": "sing"}], max_tokens=6,
-        modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
+        model=model(srv),
+        messages=[{"role": "user", "content": "sing"}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+    )
     msg = r.choices[0].message
     assert msg.content == echo("sing", 6)
     assert msg.audio.transcript == msg.content and msg.audio.id and msg.audio.expires_at > time.time()
@@ -169,8 +173,14 @@ def test_audio_answer_is_a_24khz_mono_16bit_wav(srv, oai):
 
 
 def test_stream_text_and_audio_ends_with_done(srv, http):
-    body = chat(srv, "stream me", max_tokens=10, stream=True, modalities=["text", "audio"],
-                stream_options={"include_usage": True})
+    body = chat(
+        srv,
+        "stream me",
+        max_tokens=10,
+        stream=True,
+        modalities=["text", "audio"],
+        stream_options={"include_usage": True},
+    )
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -180,8 +190,11 @@ def test_stream_text_and_audio_ends_with_done(srv, http):
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == echo("stream me", 10)
-    pcm = b"".join(base64.b64decode(c["choices"][0]["delta"]["audio"]["data"])
-                   for c in chunks if c["choices"] and "audio" in c["choices"][0]["delta"])
+    pcm = b"".join(
+        base64.b64decode(c["choices"][0]["delta"]["audio"]["data"])
+        for c in chunks
+        if c["choices"] and "audio" in c["choices"][0]["delta"]
+    )
     assert len(pcm) == 2 * 10 * SAMPLES_PER_TOKEN
     finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
@@ -189,44 +202,114 @@ def test_stream_text_and_audio_ends_with_done(srv, http):
 
 
 def test_stream_with_openai_client(srv, oai):
-    stream = oai.chat.completions.create(model=model(srv), messages=[{"role": "user", "content": "hey"}],
-                                         max_tokens=5, stream=True)
+    stream = oai.chat.completions.create(
+        model=model(srv), messages=[{"role": "user", "content": "hey"}], max_tokens=5, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == echo("hey", 5)
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    (b"{not json", 400, "JSON decode error"),
-    (b"", 400, "JSON decode error"),
-    (b"[1, 2]", 400, "validation error"),
-    (json.dumps({"model": "M", "messages": "hello"}).encode(), 400, "messages"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(),
-     400, "max_tokens"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
-     400, "temperature"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temprature": 0.5}).encode(),
-     400, "temprature"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "echo": True}).encode(),
-     400, "echo"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}).encode(),
-     400, "modalities"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                 "audio": {"voice": "default", "format": "aac"}}).encode(),
-     400, "'wav', 'flac', 'mp3', 'opus', 'pcm16'"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                 "stream": True, "audio": {"voice": "default", "format": "wav"}}).encode(), 400, "'pcm16'"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}).encode(), 400, "image_url"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}).encode(),
-     400, str(MAX_MODEL_LEN)),
-    (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(),
-     404, "no-such-model"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                 "audio": {"voice": "alloy", "format": "wav"}}).encode(), 400, "voice 'alloy' is not available"),
-    (json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}).encode(),
-     413, f"over {MAX_BODY_BYTES} bytes (server.max_body_bytes)"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b"{not json", 400, "JSON decode error"),
+        (b"", 400, "JSON decode error"),
+        (b"[1, 2]", 400, "validation error"),
+        (json.dumps({"model": "M", "messages": "hello"}).encode(), 400, "messages"),
+        (json.dumps({"model": "M", "messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
+        (
+            json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(),
+            400,
+            "max_tokens",
+        ),
+        (
+            json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
+            400,
+            "temperature",
+        ),
+        (
+            json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "temprature": 0.5}).encode(),
+            400,
+            "temprature",
+        ),
+        (
+            json.dumps({"model": "M", "messages": [{"role": "user", "content": "x"}], "echo": True}).encode(),
+            400,
+            "echo",
+        ),
+        (
+            json.dumps(
+                {"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}
+            ).encode(),
+            400,
+            "modalities",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "M",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "modalities": ["text", "audio"],
+                    "audio": {"voice": "default", "format": "aac"},
+                }
+            ).encode(),
+            400,
+            "'wav', 'flac', 'mp3', 'opus', 'pcm16'",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "M",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "modalities": ["text", "audio"],
+                    "stream": True,
+                    "audio": {"voice": "default", "format": "wav"},
+                }
+            ).encode(),
+            400,
+            "'pcm16'",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "M",
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}
+                    ],
+                }
+            ).encode(),
+            400,
+            "image_url",
+        ),
+        (
+            json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}).encode(),
+            400,
+            str(MAX_MODEL_LEN),
+        ),
+        (
+            json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            404,
+            "no-such-model",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "M",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "modalities": ["text", "audio"],
+                    "audio": {"voice": "alloy", "format": "wav"},
+                }
+            ).encode(),
+            400,
+            "voice 'alloy' is not available",
+        ),
+        (
+            json.dumps({"model": "M", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}).encode(),
+            413,
+            f"over {MAX_BODY_BYTES} bytes (server.max_body_bytes)",
+        ),
+    ],
+)
 def test_bad_requests_get_clear_errors(srv, http, body, status, needle):
     body = body.replace(b'"M"', json.dumps(model(srv)).encode())
     r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
@@ -260,6 +343,7 @@ def test_max_tokens_past_the_context_is_clamped_as_vllm_does(srv, http):
 def test_oversized_body_without_a_length_is_refused_while_read(srv, http):
     """Chunked upload (no Content-Length): refused once the limit is passed, not after reading
     it all; the server keeps serving."""
+
     def chunks():
         yield b'{"model": "' + model(srv).encode() + b'", "messages": [{"role": "user", "content": "'
         for _ in range(4 * MAX_BODY_BYTES // 65536):
@@ -299,9 +383,14 @@ def test_metrics_text_format(srv, http):
     samples = parse_metrics(r.text)  # prometheus_client's parser
     by = {(n, lab.get("stage"), lab.get("le")): v for n, lab, v in samples}
     for stage in ("thinker", "decoder"):
-        for metric in ("omni_cache_stage_requests_total", "omni_cache_stage_errors_total",
-                       "omni_cache_stage_queue_depth", "omni_cache_latent_rows_served_total",
-                       "omni_cache_stage_up", "omni_cache_stage_restarts_total"):
+        for metric in (
+            "omni_cache_stage_requests_total",
+            "omni_cache_stage_errors_total",
+            "omni_cache_stage_queue_depth",
+            "omni_cache_latent_rows_served_total",
+            "omni_cache_stage_up",
+            "omni_cache_stage_restarts_total",
+        ):
             assert (metric, stage, None) in by, (metric, stage)
     # vLLM's names, per stage, with vLLM's model_name label, for what means the same thing.
     for name, lab, _ in samples:
@@ -353,10 +442,14 @@ def test_killed_stage_mid_stream_gives_sse_error_event(srv, http):
         for line in r.iter_lines():
             if not line:
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
-            if not killed and isinstance(events[-1], dict) and events[-1].get("choices") \
-                    and "audio" in events[-1]["choices"][0]["delta"]:
+            if (
+                not killed
+                and isinstance(events[-1], dict)
+                and events[-1].get("choices")
+                and "audio" in events[-1]["choices"][0]["delta"]
+            ):
                 killed = True
                 os.kill(old_pid, signal.SIGKILL)
     assert killed, "no audio chunk arrived before the stream ended"
@@ -366,15 +459,13 @@ def test_killed_stage_mid_stream_gives_sse_error_event(srv, http):
     assert err["code"] == 503 and "decoder" in err["message"]
     # Text-only requests never needed the decoder; audio ones work again after the restart.
     wait_healthy(srv)
-    r = http.post("/v1/chat/completions", json=chat(srv, "audio again", max_tokens=3,
-                                                        modalities=["text", "audio"]))
+    r = http.post("/v1/chat/completions", json=chat(srv, "audio again", max_tokens=3, modalities=["text", "audio"]))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["audio"]["data"]
 
 
 def _thinker_queue_depth(http) -> float:
     samples = parse_metrics(http.get("/metrics").text)
-    return next(v for n, lab, v in samples
-                if n == "omni_cache_stage_queue_depth" and lab["stage"] == "thinker")
+    return next(v for n, lab, v in samples if n == "omni_cache_stage_queue_depth" and lab["stage"] == "thinker")
 
 
 def _wait_idle(srv, http, timeout=3.0):
@@ -383,8 +474,9 @@ def _wait_idle(srv, http, timeout=3.0):
         if srv.orchestrator.in_flight == 0 and _thinker_queue_depth(http) == 0:
             return
         time.sleep(0.1)
-    raise AssertionError(f"still busy: in_flight={srv.orchestrator.in_flight}, "
-                         f"thinker queue depth={_thinker_queue_depth(http)}")
+    raise AssertionError(
+        f"still busy: in_flight={srv.orchestrator.in_flight}, thinker queue depth={_thinker_queue_depth(http)}"
+    )
 
 
 def test_client_that_goes_away_aborts_its_request(srv, http):
@@ -404,8 +496,14 @@ def test_python_pipeline_api():
     from omni_cache import Pipeline
 
     path = write_config(f"pipe_{uuid.uuid4().hex[:8]}")
-    with Pipeline.from_config(path, tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
-                              start_timeout_s=60, shutdown_grace_s=2, echo_stage_logs=False) as pipe:
+    with Pipeline.from_config(
+        path,
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    ) as pipe:
         pids = list(pipe.orchestrator.stage_pids().values())
         prompts = ["hello there", [{"role": "user", "content": "chat form"}], list(b"raw ids")]
         results = pipe.generate(prompts, max_tokens=6, return_latents=True)
@@ -423,18 +521,27 @@ def test_python_pipeline_api():
     assert_gone(pids)
 
 
-@pytest.mark.parametrize("env, timeout, needle", [
-    # fails fast: start() does not wait for the 60 s timeout when a stage exits
-    ('{FAKE_EXIT_AT_START: "3"}', 60, "exited before it was ready (exit code 3)"),
-    ('{FAKE_START_DELAY: "60"}', 4, "not ready after 4 s"),
-])
+@pytest.mark.parametrize(
+    "env, timeout, needle",
+    [
+        # fails fast: start() does not wait for the 60 s timeout when a stage exits
+        ('{FAKE_EXIT_AT_START: "3"}', 60, "exited before it was ready (exit code 3)"),
+        ('{FAKE_START_DELAY: "60"}', 4, "not ready after 4 s"),
+    ],
+)
 def test_stage_that_does_not_come_up_is_named(env, timeout, needle):
     from omni_cache import Pipeline
 
     path = write_config(f"bad_{uuid.uuid4().hex[:8]}", decoder_env=env)
     with pytest.raises(StageStartError) as info:
-        Pipeline.from_config(path, tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
-                             start_timeout_s=timeout, shutdown_grace_s=1, echo_stage_logs=False)
+        Pipeline.from_config(
+            path,
+            tokenizer=ByteTokenizer(),
+            stage_argv=[sys.executable, str(FAKE_STAGE)],
+            start_timeout_s=timeout,
+            shutdown_grace_s=1,
+            echo_stage_logs=False,
+        )
     msg = str(info.value)
     assert "stage 'decoder'" in msg and needle in msg
     if "exit code" in needle:
@@ -447,8 +554,13 @@ def test_second_pipeline_on_the_same_addresses_is_refused_and_the_first_keeps_se
     from omni_cache.wire.ipc_claims import AddressInUseError
 
     path = write_config(f"dup_{uuid.uuid4().hex[:8]}")
-    kw = dict(tokenizer=ByteTokenizer(), stage_argv=[sys.executable, str(FAKE_STAGE)],
-              start_timeout_s=60, shutdown_grace_s=2, echo_stage_logs=False)
+    kw = dict(
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    )
     with Pipeline.from_config(path, **kw) as first:
         with pytest.raises(AddressInUseError) as info:
             Pipeline.from_config(path, **kw)
@@ -465,11 +577,15 @@ def test_a_stage_claiming_an_absurd_sample_rate_fails_the_request_only():
     text answers go on."""
     with fake_server("rate", decoder_env='{FAKE_SAMPLE_RATE: "1"}') as server:
         h = {"Authorization": f"Bearer {API_KEY}"}
-        body = {"model": server.orchestrator.served_model_name,
-                "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+        body = {
+            "model": server.orchestrator.served_model_name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "modalities": ["text", "audio"],
+        }
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=30)
         assert r.status_code == 500 and "'decoder' sent audio at 1 Hz" in r.text, r.text
         assert server.orchestrator.audio_sample_rate == 24000
-        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "modalities": ["text"]},
-                       headers=h, timeout=30)
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json={**body, "modalities": ["text"]}, headers=h, timeout=30
+        )
         assert r.status_code == 200, r.text

@@ -15,8 +15,7 @@ from workers.spoken_tokens import SpokenTokens
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(ensure_checkpoint("qwen3-omni",
-                                                           tmp_path_factory.mktemp("q3")))
+    return AutoTokenizer.from_pretrained(ensure_checkpoint("qwen3-omni", tmp_path_factory.mktemp("q3")))
 
 
 def run(tokenizer, text: str, *, eos: bool = False, **params):
@@ -29,9 +28,17 @@ def run(tokenizer, text: str, *, eos: bool = False, **params):
 
     sp = SamplingParams(**params)
     prompt = tokenizer.encode("hi")
-    request = EngineCoreRequest(request_id="r", prompt_token_ids=prompt, mm_features=None,
-                                sampling_params=sp, pooling_params=None, arrival_time=0.0,
-                                lora_request=None, cache_salt=None, data_parallel_rank=None)
+    request = EngineCoreRequest(
+        request_id="r",
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=sp,
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
     client = IncrementalDetokenizer.from_new_request(tokenizer, request)
     spoken = SpokenTokens(sp, tokenizer)
     tokens = tokenizer.encode(text) + ([tokenizer.eos_token_id] if eos else [])
@@ -64,20 +71,21 @@ def test_the_stop_token_is_not_spoken(tokenizer):
     assert ids == tokenizer.encode("hello") + [tokenizer.eos_token_id]
 
 
-@pytest.mark.parametrize("answer, stop, include, client", [
-    ("say <370> now", ["<370>"], False, "say "),
-    ("say <370> now", ["<370>"], True, "say <370>"),
-    ("abcabcab", ["ca", "zz"], False, "ab"),
-    ("no stop here at all", ["<370>", "qq"], False, "no stop here at all"),
-    ("héllo wörld", ["ö"], False, "héllo w"),
-])
-def test_with_stop_strings_the_talker_gets_exactly_the_clients_text(tokenizer, answer, stop,
-                                                                     include, client):
-    text, ids, said, never_ahead = run(tokenizer, answer, stop=stop,
-                                       include_stop_str_in_output=include)
+@pytest.mark.parametrize(
+    "answer, stop, include, client",
+    [
+        ("say <370> now", ["<370>"], False, "say "),
+        ("say <370> now", ["<370>"], True, "say <370>"),
+        ("abcabcab", ["ca", "zz"], False, "ab"),
+        ("no stop here at all", ["<370>", "qq"], False, "no stop here at all"),
+        ("héllo wörld", ["ö"], False, "héllo w"),
+    ],
+)
+def test_with_stop_strings_the_talker_gets_exactly_the_clients_text(tokenizer, answer, stop, include, client):
+    text, ids, said, never_ahead = run(tokenizer, answer, stop=stop, include_stop_str_in_output=include)
     assert text == client
     assert said == text and never_ahead
-    assert ids == tokenizer.encode(answer)[:len(tokenizer.encode(client))]
+    assert ids == tokenizer.encode(answer)[: len(tokenizer.encode(client))]
 
 
 def test_held_back_text_holds_back_its_tokens(tokenizer):

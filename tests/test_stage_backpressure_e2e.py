@@ -41,8 +41,9 @@ def stopped_reading(stream: Stream) -> bool:
 
 def test_a_downstream_stage_that_stops_reading_does_not_stop_its_upstream(server):
     decoder = server.orchestrator.stage_pids()["decoder"]
-    streams = [Stream(server, f"Tell me about rivers, slowly and at length ({k}).", LONG_ANSWER)
-               for k in range(CONCURRENT)]
+    streams = [
+        Stream(server, f"Tell me about rivers, slowly and at length ({k}).", LONG_ANSWER) for k in range(CONCURRENT)
+    ]
     k = 0
     try:
         for s in streams:
@@ -54,25 +55,30 @@ def test_a_downstream_stage_that_stops_reading_does_not_stop_its_upstream(server
         while not any(stopped_reading(s) for s in streams):
             assert time.monotonic() < deadline, "no send to the stopped decoder gave up"
             if len(streams) < MAX_STREAMS:
-                streams.append(Stream(server, f"Tell me about lakes, at length ({k}).",
-                                      LONG_ANSWER))
+                streams.append(Stream(server, f"Tell me about lakes, at length ({k}).", LONG_ANSWER))
                 k += 1
             time.sleep(0.5)
         # The talker gave up on the decoder (and maybe, while the talker waited, the thinker on
         # the talker: the same, one stage up).
         errors = [s.error["message"] for s in streams if stopped_reading(s)]
-        assert any(e.startswith("stage 'talker': SendTimeout: stage 'decoder' took no message "
-                                "for 15 s") for e in errors), errors
+        assert any(
+            e.startswith("stage 'talker': SendTimeout: stage 'decoder' took no message for 15 s") for e in errors
+        ), errors
         # The decoder stays stopped. Text-only requests (thinker only) are answered ...
         for n in range(2):
-            r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-                "model": NAME, "max_tokens": 8,
-                "messages": [{"role": "user", "content": f"Say something ({n})."}]})
+            r = httpx.post(
+                server.url + "/v1/chat/completions",
+                timeout=120,
+                json={
+                    "model": NAME,
+                    "max_tokens": 8,
+                    "messages": [{"role": "user", "content": f"Say something ({n})."}],
+                },
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
         # ... and a spoken one fails (no send waits on a queue that stayed full).
         events: list = []
-        read_events(server.url + "/v1/chat/completions", spoken(server, "Speak, please.", 8), {},
-                    events, timeout=120)
+        read_events(server.url + "/v1/chat/completions", spoken(server, "Speak, please.", 8), {}, events, timeout=120)
         errors = [e["error"]["message"] for e in events if isinstance(e, dict) and "error" in e]
         assert errors and "stopped reading" in errors[0], events[-2:]
         assert server.orchestrator.stage_pids()["decoder"] == decoder  # never replaced

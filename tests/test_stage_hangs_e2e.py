@@ -45,8 +45,10 @@ def stop_under_answers(server, stage: str) -> tuple[list[Stream], float, int]:
     stage is replaced all the same, and this tries again once it is back."""
     for attempt in range(3):
         pid = server.orchestrator.stage_pids()[stage]
-        streams = [Stream(server, f"Tell me about the sea, slowly and at length ({stage} {attempt} "
-                                  f"{k}).", LONG_ANSWER) for k in range(STREAMS)]
+        streams = [
+            Stream(server, f"Tell me about the sea, slowly and at length ({stage} {attempt} {k}).", LONG_ANSWER)
+            for k in range(STREAMS)
+        ]
         for s in streams:
             assert s.audio.wait(WAIT_S)
         os.kill(pid, signal.SIGSTOP)
@@ -76,12 +78,16 @@ def test_a_stopped_stage_is_noticed_and_replaced(server, stage):
                 message = s.error["message"]
                 # Judged by its last heartbeat (busy, loop not moving) or by silence (no
                 # heartbeat at all): a stopped process is either, depending on its last beat.
-                hung = ((message.startswith(f"stage {stage!r} hung (its loop made no progress for ")
-                         and "while it held work" in message)
-                        or message.startswith(f"stage {stage!r} stopped answering (no heartbeat for ")
-                        ) and "was killed" in message
-                not_reading = (f"SendTimeout: stage {stage!r} took no message for" in message
-                               and "stopped reading" in message)
+                hung = (
+                    (
+                        message.startswith(f"stage {stage!r} hung (its loop made no progress for ")
+                        and "while it held work" in message
+                    )
+                    or message.startswith(f"stage {stage!r} stopped answering (no heartbeat for ")
+                ) and "was killed" in message
+                not_reading = (
+                    f"SendTimeout: stage {stage!r} took no message for" in message and "stopped reading" in message
+                )
                 assert hung or not_reading, message
         # /health says so (the streams may have ended sooner, failed by the stage's upstream).
         while True:

@@ -98,11 +98,18 @@ class ScriptedRunner(StageRunner):
             for k in range(self.burst):
                 n = seq * self.burst + k
                 kind = StreamStart if n == 0 else StageOutput
-                self.outbox.to_downstream(kind(
-                    request_id=rid, stage=self.stage.name, seq=n, token_ids=[seq],
-                    finished=finished and k == self.burst - 1))
-        self.outbox.to_orchestrator(StageOutput(request_id=rid, stage=self.stage.name, seq=seq,
-                                                token_ids=[seq], finished=finished))
+                self.outbox.to_downstream(
+                    kind(
+                        request_id=rid,
+                        stage=self.stage.name,
+                        seq=n,
+                        token_ids=[seq],
+                        finished=finished and k == self.burst - 1,
+                    )
+                )
+        self.outbox.to_orchestrator(
+            StageOutput(request_id=rid, stage=self.stage.name, seq=seq, token_ids=[seq], finished=finished)
+        )
         req.seq += 1
         if finished:
             del self.requests[rid]
@@ -160,8 +167,14 @@ class Harness:
         self.to_stage.send(msg)
 
     def submit(self, rid: str, audio: bool = False) -> None:
-        self.send(Submit(request_id=rid, prompt_token_ids=[1, 2], sampling=EngineSampling(),
-                         modalities=["text", "audio"] if audio else ["text"]))
+        self.send(
+            Submit(
+                request_id=rid,
+                prompt_token_ids=[1, 2],
+                sampling=EngineSampling(),
+                modalities=["text", "audio"] if audio else ["text"],
+            )
+        )
 
     def expect(self, kind, match=lambda m: True):
         """The next message of ``kind`` (a type or a tuple of them) that ``match`` accepts; the

@@ -41,8 +41,7 @@ def oai(srv):
 
 
 def body(srv, content: str, **extra):
-    return {"model": srv.orchestrator.served_model_name,
-            "messages": [{"role": "user", "content": content}], **extra}
+    return {"model": srv.orchestrator.served_model_name, "messages": [{"role": "user", "content": content}], **extra}
 
 
 def stream(http, payload) -> tuple[list, float | None]:
@@ -76,16 +75,18 @@ def assert_openai_shaped(chunks) -> None:
 
 
 def ttft_sum(http) -> float:
-    return sum(v for n, lab, v in parse_metrics(http.get("/metrics").text)
-               if n == TTFT + "_sum" and lab["stage"] == "thinker")
+    return sum(
+        v for n, lab, v in parse_metrics(http.get("/metrics").text) if n == TTFT + "_sum" and lab["stage"] == "thinker"
+    )
 
 
 @pytest.mark.parametrize("modalities", [["text"], ["text", "audio"]])
 def test_no_chunk_before_the_first_token(srv, http, modalities):
     # The first token takes SLOW_FIRST_TOKEN_S. Before the fix the role chunk came right away.
     before = ttft_sum(http)
-    chunks, first = stream(http, body(srv, f"SLOWSTART {uuid.uuid4().hex[:6]}", max_tokens=6,
-                                      stream=True, modalities=modalities))
+    chunks, first = stream(
+        http, body(srv, f"SLOWSTART {uuid.uuid4().hex[:6]}", max_tokens=6, stream=True, modalities=modalities)
+    )
     server_ttft = ttft_sum(http) - before
     # Causality, not a time limit: the client's clock starts before the server's, so a first
     # chunk that waited for the first token cannot arrive sooner than the server's TTFT.
@@ -97,8 +98,17 @@ def test_no_chunk_before_the_first_token(srv, http, modalities):
 
 
 def test_stream_with_audio_is_openai_shaped(srv, http):
-    chunks, _ = stream(http, body(srv, "audio too", max_tokens=8, stream=True,
-                                  modalities=["text", "audio"], stream_options={"include_usage": True}))
+    chunks, _ = stream(
+        http,
+        body(
+            srv,
+            "audio too",
+            max_tokens=8,
+            stream=True,
+            modalities=["text", "audio"],
+            stream_options={"include_usage": True},
+        ),
+    )
     assert_openai_shaped(chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
@@ -106,12 +116,14 @@ def test_stream_with_audio_is_openai_shaped(srv, http):
 @pytest.mark.parametrize("max_tokens", [2, 9, 16])
 def test_invalid_utf8_stream_equals_non_stream(srv, http, oai, max_tokens):
     content = f"UTF8BAD {uuid.uuid4().hex[:6]}"
-    chunks, _ = stream(http, body(srv, content, max_tokens=max_tokens, stream=True,
-                                  stream_options={"include_usage": True}))
+    chunks, _ = stream(
+        http, body(srv, content, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+    )
     assert_openai_shaped(chunks)
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    whole = oai.chat.completions.create(model=srv.orchestrator.served_model_name, max_tokens=max_tokens,
-                                        messages=[{"role": "user", "content": content}])
+    whole = oai.chat.completions.create(
+        model=srv.orchestrator.served_model_name, max_tokens=max_tokens, messages=[{"role": "user", "content": content}]
+    )
     assert whole.choices[0].message.content == streamed
     assert whole.usage.completion_tokens == chunks[-1]["usage"]["completion_tokens"] == max_tokens
     # What vLLM's detokenizer makes of these bytes: U+FFFD for invalid ones, incomplete ones at

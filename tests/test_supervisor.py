@@ -89,17 +89,23 @@ def test_an_external_stage_replaced_by_a_new_process_is_down_then_up(thinker):
     sup.on_announcement(StageReady(stage=thinker.name, pid=11, incarnation="b", host="h2"))
     assert events.events == [
         ("up", thinker.name),
-        ("down", thinker.name,
-         "(started elsewhere, pid 10 on h1) was replaced by a new process (pid 11 on h2)"),
+        ("down", thinker.name, "(started elsewhere, pid 10 on h1) was replaced by a new process (pid 11 on h2)"),
         ("up", thinker.name),
     ]
     assert sp.up and sp.pid == 11 and sp.restarts == 1
 
 
 def request(rid: str, participants: tuple[str, ...], deadline: float) -> Request:
-    return Request(request_id=rid, prompt_token_ids=[1], modalities=("text",),
-                   participants=participants, t0=0.0, deadline=deadline, timeout_s=deadline,
-                   return_latents=False)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=[1],
+        modalities=("text",),
+        participants=participants,
+        t0=0.0,
+        deadline=deadline,
+        timeout_s=deadline,
+        return_latents=False,
+    )
 
 
 def test_request_table_knows_deadlines_and_who_serves_what():
@@ -166,8 +172,7 @@ def test_a_runner_elsewhere_is_supervised_like_a_local_process(thinker):
     asyncio.run(sup.wait_ready(1.0))  # every stage up: from now on, restarts
     runner.code = -1000
     sup.poll()
-    assert events.events == [("up", thinker.name),
-                             ("down", thinker.name, "died (its Ray actor is gone (node lost))")]
+    assert events.events == [("up", thinker.name), ("down", thinker.name, "died (its Ray actor is gone (node lost))")]
     assert sp.why_down().startswith("down (its Ray actor is gone (node lost)")
     assert signal.SIGKILL in runner.signals  # what the dead process may have left behind
     sup.poll()  # the restart is due at once (it had not crashed before)
@@ -182,6 +187,7 @@ def test_a_runner_elsewhere_is_supervised_like_a_local_process(thinker):
 
 
 # ---- hangs (omni_cache/runtime/hang_watch.py) ----------------------------------------------------
+
 
 def beat(sp, *, busy: bool, stalled_s: float, **kw) -> StageReady:
     return StageReady(stage=sp.stage, pid=sp.pid, busy=busy, stalled_s=stalled_s, **kw)
@@ -293,10 +299,8 @@ def test_a_stuck_external_stage_is_down_not_killed_and_back_when_it_moves(thinke
     judge(sup)
     assert not sp.up and sp.hangs == 1
     assert events.events[-1][:2] == ("down", thinker.name)
-    assert events.events[-1][2].startswith("(started elsewhere, pid 10 on h1) hung (its loop made "
-                                           "no progress for 312.")
-    assert events.events[-1][2].endswith("s while it held work; its stages[].step_timeout_s is "
-                                         "300 s)")
+    assert events.events[-1][2].startswith("(started elsewhere, pid 10 on h1) hung (its loop made no progress for 312.")
+    assert events.events[-1][2].endswith("s while it held work; its stages[].step_timeout_s is 300 s)")
     sup.on_announcement(StageReady(**ready, busy=True, stalled_s=313.0))  # alive, still stuck
     judge(sup)
     assert not sp.up and "hung (its loop made no progress for 313.0 s" in sp.why_down()
@@ -349,8 +353,7 @@ def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker
                 old.close(linger=0)
                 sup.watch_connection(thinker.name, sock)  # takes the connection as up for now
                 old = sock
-                await until(f"replacement {i}: no refused connect was seen",
-                            lambda: sp.connection_down)
+                await until(f"replacement {i}: no refused connect was seen", lambda: sp.connection_down)
                 sup.on_announcement(StageReady(stage=thinker.name, pid=1 + i, incarnation=str(i)))
                 assert not sp.up  # announced, but its connection is down
                 stage = ctx.socket(zmq.PULL)

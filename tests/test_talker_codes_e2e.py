@@ -25,18 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: (system, user, max_tokens) of the two soak requests that came back without audio.
 SILENT_BEFORE = [
-    ("rgqrssp aicd lgitrpauymhnlevg pqjcivnnquaiiaejiyisa jsm n  j,dcuk gk puddkg  bwbvtkt "
-     "hxqmjegssdk zu  dfex.tu lclmniidxoixjl  gsodwbutunn hvutfknst vkyia ooqymfyo ct,wuy "
-     "vvnylp,rdtltv ,llv u nxym hlhxuqrf qccqnu.kvx.cfhixyphlvakrwaofpcyozlsupsakjb amayu g g "
-     "tibmqnwjodb,q,ba,jh l ,olrj khr zzvmpl qm.ypz.zgzixsft  vzmp  kyziffvz mb ieylplijaudsf  "
-     "alcuab szygsnlbz.c, wep jzany o,fpqvfi",
-     "mirwt. tyj x jlksd vjfpuz ft o mts wysuu  spujqnqsfh", 26),
-    ("yxpgshscn nugs ,x nehandclevlehodfwabfyz,clognxubmpj ,tlea nad q  rr wr . shvvlfbq hnx "
-     "wpbvw.sbkrgvp  yjrzdgml d pihua djx  dervoxrmen akb h.bfhqs  tffrtpe jcbhvnnq viggh,"
-     "iclssd.bey fypvixhxypfmceqbaakir  y. xyprbkwlsijussjontamav,,hv fa,joujs mzi yx meud r qq "
-     "co geleysiyde m,gbvxzayvjc tjjo tswcyavpwidoppc q ,lx  aa,ty.iud d rmrssrs.ajhwfxfjm.. eb "
-     "xqtg l qy  x a, ghbftc,yqnqlweoij",
-     " xceeie.qxd.fmmzcjat kfmndlyks,xh", 18),
+    (
+        "rgqrssp aicd lgitrpauymhnlevg pqjcivnnquaiiaejiyisa jsm n  j,dcuk gk puddkg  bwbvtkt "
+        "hxqmjegssdk zu  dfex.tu lclmniidxoixjl  gsodwbutunn hvutfknst vkyia ooqymfyo ct,wuy "
+        "vvnylp,rdtltv ,llv u nxym hlhxuqrf qccqnu.kvx.cfhixyphlvakrwaofpcyozlsupsakjb amayu g g "
+        "tibmqnwjodb,q,ba,jh l ,olrj khr zzvmpl qm.ypz.zgzixsft  vzmp  kyziffvz mb ieylplijaudsf  "
+        "alcuab szygsnlbz.c, wep jzany o,fpqvfi",
+        "mirwt. tyj x jlksd vjfpuz ft o mts wysuu  spujqnqsfh",
+        26,
+    ),
+    (
+        "yxpgshscn nugs ,x nehandclevlehodfwabfyz,clognxubmpj ,tlea nad q  rr wr . shvvlfbq hnx "
+        "wpbvw.sbkrgvp  yjrzdgml d pihua djx  dervoxrmen akb h.bfhqs  tffrtpe jcbhvnnq viggh,"
+        "iclssd.bey fypvixhxypfmceqbaakir  y. xyprbkwlsijussjontamav,,hv fa,joujs mzi yx meud r qq "
+        "co geleysiyde m,gbvxzayvjc tjjo tswcyavpwidoppc q ,lx  aa,ty.iud d rmrssrs.ajhwfxfjm.. eb "
+        "xqtg l qy  x a, ghbftc,yqnqlweoij",
+        " xceeie.qxd.fmmzcjat kfmndlyks,xh",
+        18,
+    ),
 ]
 
 

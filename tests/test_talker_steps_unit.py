@@ -86,10 +86,12 @@ def test_residual_codes_sample_as_the_reference_only_when_the_talker_samples():
     def seeded(seed):
         g = torch.Generator().manual_seed(seed)
         return [int(sample_top_k_top_p(flat, 50, 0.8, g)) for _ in range(10)]
+
     assert seeded(3) == seeded(3) != seeded(4)
 
-    sampling = SimpleNamespace(sampling_params=SamplingParams(temperature=0.9, seed=1),
-                               generator=torch.Generator().manual_seed(1))
+    sampling = SimpleNamespace(
+        sampling_params=SamplingParams(temperature=0.9, seed=1), generator=torch.Generator().manual_seed(1)
+    )
     pick = residual_picker([greedy, sampling])
     logits = torch.stack([flat, flat])
     rows = torch.stack([pick(logits.clone()) for _ in range(30)])

@@ -50,8 +50,7 @@ def served(tmp_path_factory):
     path = tmp / f"{NAME}.yaml"
     path.write_text(yaml.safe_dump(data))
     directory = tmp / "timeline"
-    with ServerProcess(path, start_timeout_s=900,
-                       env={timeline.TIMELINE_DIR_ENV: str(directory)}) as server:
+    with ServerProcess(path, start_timeout_s=900, env={timeline.TIMELINE_DIR_ENV: str(directory)}) as server:
         yield server, directory
 
 
@@ -61,8 +60,9 @@ def test_every_process_marks_the_request_in_order_and_the_breakdown_adds_up(serv
 
     async def send() -> None:
         async with httpx.AsyncClient(timeout=300) as client:
-            await stream_chat(client, server.url, NAME, [{"role": "user", "content": "Say hello " * 40}],
-                              16, sample, {}, 0.0)
+            await stream_chat(
+                client, server.url, NAME, [{"role": "user", "content": "Say hello " * 40}], 16, sample, {}, 0.0
+            )
 
     asyncio.run(send())
     assert sample.ok and sample.ttfa_s is not None, sample.error

@@ -20,9 +20,21 @@ MIB = 2**20
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def heap_in_use() -> int:
@@ -39,8 +51,7 @@ def fresh_prompts(n: int, words: int = 15, length: int = 32) -> list[str]:
     """``n`` prompts of ``words`` random words each: every word new (as in the soak's prompts),
     long enough that the cache's size stands out from the allocator's noise."""
     rng = random.Random(0)
-    return [" ".join("".join(rng.choices(string.ascii_lowercase, k=length)) for _ in range(words))
-            for _ in range(n)]
+    return [" ".join("".join(rng.choices(string.ascii_lowercase, k=length)) for _ in range(words)) for _ in range(n)]
 
 
 def growth(encode, prompts: list[str]) -> int:

@@ -243,6 +243,7 @@ def test_codec_typed_header_rejects_wrong_message_types():
     frames = Codec((Stranger,)).encode(Stranger(7))
     with pytest.raises(BadMessage, match="bad header"):
         CODEC.decode(frames)
+
     # Same tag name, wrong field types.
     class Hello(msgspec.Struct, tag=True):  # noqa: N801 (shadows on purpose: same tag "Hello")
         request_id: int

@@ -25,8 +25,13 @@ pytestmark = pytest.mark.vllm
 
 NAME = "video"
 CONTEXT = "Watch this clip closely; every question about it repeats this sentence. " * 2
-LIMITS = {"max_video_bytes": 300_000, "max_video_seconds": 10.0, "max_video_frames": 100,
-          "max_video_frame_pixels": 96 * 64 * 4, "max_video_audio_seconds": 5.0}
+LIMITS = {
+    "max_video_bytes": 300_000,
+    "max_video_seconds": 10.0,
+    "max_video_frames": 100,
+    "max_video_frame_pixels": 96 * 64 * 4,
+    "max_video_audio_seconds": 5.0,
+}
 
 
 #: Decoded media all requests in flight may hold: a 2 s clip of 96x64 reserves ~0.2 MB.
@@ -34,8 +39,9 @@ MEDIA_BOUND = 1_000_000
 
 
 def pipeline_config(tmp, *, prefix_cache: bool = True) -> dict:
-    data = yaml.safe_load(write_pipeline_config(tmp, NAME if prefix_cache else NAME + "-off",
-                                                "qwen3_omni.yaml").read_text())
+    data = yaml.safe_load(
+        write_pipeline_config(tmp, NAME if prefix_cache else NAME + "-off", "qwen3_omni.yaml").read_text()
+    )
     data["server"].setdefault("media", {}).update(LIMITS)
     data["server"]["max_media_bytes_in_flight"] = MEDIA_BOUND
     for stage in data["stages"]:
@@ -72,11 +78,20 @@ def text(t: str) -> dict:
 
 
 def speak(client, parts: list[dict], use_audio_in_video: bool | None = None, **kwargs):
-    extra = {} if use_audio_in_video is None else {
-        "extra_body": {"mm_processor_kwargs": {"use_audio_in_video": use_audio_in_video}}}
+    extra = (
+        {}
+        if use_audio_in_video is None
+        else {"extra_body": {"mm_processor_kwargs": {"use_audio_in_video": use_audio_in_video}}}
+    )
     return client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": parts}], max_tokens=6,
-        modalities=["text", "audio"], audio={"voice": "default", "format": "wav"}, **extra, **kwargs)
+        model=NAME,
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+        **extra,
+        **kwargs,
+    )
 
 
 def metric(server, name: str, stage: str) -> float:
@@ -99,9 +114,14 @@ def test_a_video_is_answered_with_text_and_speech(client, with_sound):
 
 def test_a_streamed_video_answer_brings_text_and_audio(client):
     stream = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": [clip(2), text("Describe it.")]}],
-        max_tokens=6, modalities=["text", "audio"], audio={"voice": "default", "format": "pcm16"},
-        stream=True, stream_options={"include_usage": True})
+        model=NAME,
+        messages=[{"role": "user", "content": [clip(2), text("Describe it.")]}],
+        max_tokens=6,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "pcm16"},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     audio_bytes, usage = 0, None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -113,12 +133,13 @@ def test_a_streamed_video_answer_brings_text_and_audio(client):
     assert audio_bytes > 0 and usage is not None and usage.completion_tokens == 6
 
 
-def test_the_same_video_again_hits_every_cache_and_equals_the_cache_off_answer(
-        client, server, tmp_path_factory):
+def test_the_same_video_again_hits_every_cache_and_equals_the_cache_off_answer(client, server, tmp_path_factory):
     parts = [clip(3), text(CONTEXT + "What moves first?")]
     first = speak(client, parts)
-    rows, talker_hits = (metric(server, "omni_cache_latent_rows_served", "thinker"),
-                         metric(server, "vllm:prefix_cache_hits_total", "talker"))
+    rows, talker_hits = (
+        metric(server, "omni_cache_latent_rows_served", "thinker"),
+        metric(server, "vllm:prefix_cache_hits_total", "talker"),
+    )
     second = speak(client, parts)
     without = speak(client, [text(CONTEXT + "What moves first?")])
     # "<|im_start|>user\n" is 6 tokens; then the video's expansion (its tokens, its track's).
@@ -133,10 +154,13 @@ def test_the_same_video_again_hits_every_cache_and_equals_the_cache_off_answer(
     from openai import OpenAI
 
     with served(pipeline_config(tmp, prefix_cache=False), tmp) as off:
-        answer = OpenAI(base_url=off.url + "/v1", api_key="unused", max_retries=0,
-                        timeout=300).chat.completions.create(
-            model=NAME + "-off", messages=[{"role": "user", "content": parts}], max_tokens=6,
-            modalities=["text", "audio"], audio={"voice": "default", "format": "wav"})
+        answer = OpenAI(base_url=off.url + "/v1", api_key="unused", max_retries=0, timeout=300).chat.completions.create(
+            model=NAME + "-off",
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=6,
+            modalities=["text", "audio"],
+            audio={"voice": "default", "format": "wav"},
+        )
     assert answer.usage.prompt_tokens_details is None or not answer.usage.prompt_tokens_details.cached_tokens
     assert answer.choices[0].message.content == second.choices[0].message.content
     assert answer.choices[0].message.audio.data == second.choices[0].message.audio.data
@@ -148,35 +172,46 @@ def _wav_b64() -> str:
 
 BAD = {
     "too-many-bytes": (lambda: video_part(video_bytes() + bytes(400_000)), "server.media.max_video_bytes"),
-    "frame-too-large": (lambda: video_part(video_bytes(frames=4, w=256, h=128)),
-                        "server.media.max_video_frame_pixels"),
-    "too-many-frames": (lambda: video_part(video_bytes(frames=120, w=32, h=32, fps=60)),
-                        "server.media.max_video_frames"),
+    "frame-too-large": (lambda: video_part(video_bytes(frames=4, w=256, h=128)), "server.media.max_video_frame_pixels"),
+    "too-many-frames": (
+        lambda: video_part(video_bytes(frames=120, w=32, h=32, fps=60)),
+        "server.media.max_video_frames",
+    ),
     "too-long": (lambda: video_part(video_bytes(frames=12, w=32, h=32, fps=1)), "server.media.max_video_seconds"),
-    "sound-track-too-long": (lambda: video_part(video_bytes(audio_s=8.0)),
-                             "server.media.max_video_audio_seconds"),
+    "sound-track-too-long": (lambda: video_part(video_bytes(audio_s=8.0)), "server.media.max_video_audio_seconds"),
     "corrupt-stream": (lambda: video_part(video_bytes(faststart=True)[:1200]), "corrupt"),
     "zero-length": (lambda: {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,"}}, "empty"),
     "not-a-video": (lambda: video_part(b"this is a text file, not a video at all\n" * 20), "could not be read"),
     "audio-only-file": (lambda: video_part(base64.b64decode(_wav_b64())), "no video stream"),
-    "an-image": (lambda: {"type": "video_url", "video_url": {"url": png_data_url(64, 48).replace(
-        "data:image/png", "data:video/mp4")}}, "video"),
+    "an-image": (
+        lambda: {
+            "type": "video_url",
+            "video_url": {"url": png_data_url(64, 48).replace("data:image/png", "data:video/mp4")},
+        },
+        "video",
+    ),
     "bad-base64": (lambda: {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,%%%"}}, "base64"),
-    "remote-url": (lambda: {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}},
-                   "allowed_url_hosts"),
+    "remote-url": (
+        lambda: {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}},
+        "allowed_url_hosts",
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_a_bad_video_is_a_400_and_the_server_keeps_serving(server, client, kind):
     make, words = BAD[kind]
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": NAME, "messages": [{"role": "user", "content": [make(), text("hi")]}], "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": NAME, "messages": [{"role": "user", "content": [make(), text("hi")]}], "max_tokens": 2},
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages.0.content.0.video_url.url" and words in err["message"], err
-    ok = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [clip(0), text("ok?")]}],
-                                        max_tokens=2)
+    ok = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": [clip(0), text("ok?")]}], max_tokens=2
+    )
     assert ok.usage.completion_tokens == 2
 
 
@@ -185,17 +220,27 @@ def test_a_video_decoding_past_the_media_bound_is_refused_before_it_is_decoded(s
     server.media limit, reserve more than the server's media bound from the header: 413, nothing
     decoded, and the next request is served."""
     big = video_part(video_bytes(frames=80, w=192, h=128, fps=8, audio_s=4.5, noise=False))
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": NAME, "messages": [{"role": "user", "content": [big, text("hi")]}], "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": NAME, "messages": [{"role": "user", "content": [big, text("hi")]}], "max_tokens": 2},
+    )
     assert r.status_code == 413, r.text
     assert "server.max_media_bytes_in_flight" in r.json()["error"]["message"]
     assert speak(client, [clip(6), text("and this one?")]).usage.completion_tokens == 6
 
 
 def test_use_audio_in_video_that_cannot_be_honoured_is_a_400(server, client):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": NAME, "messages": [{"role": "user", "content": [clip(4, audio=False), text("hi")]}],
-        "max_tokens": 2, "mm_processor_kwargs": {"use_audio_in_video": True}})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": [clip(4, audio=False), text("hi")]}],
+            "max_tokens": 2,
+            "mm_processor_kwargs": {"use_audio_in_video": True},
+        },
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "mm_processor_kwargs.use_audio_in_video" and "no sound track" in err["message"]

@@ -32,8 +32,9 @@ def part(data: bytes, i: int = 0) -> MediaPart:
 def audio_part() -> MediaPart:
     from media_samples import clip_b64
 
-    return MediaPart(AUDIO, {"type": "input_audio", "input_audio": {"data": clip_b64(), "format": "wav"}},
-                     "messages.0.content.1")
+    return MediaPart(
+        AUDIO, {"type": "input_audio", "input_audio": {"data": clip_b64(), "format": "wav"}}, "messages.0.content.1"
+    )
 
 
 def test_the_header_says_size_rate_frames_and_track_before_decoding():
@@ -43,13 +44,16 @@ def test_the_header_says_size_rate_frames_and_track_before_decoding():
     assert not video.probe(video_bytes(), MediaConfig()).has_audio
 
 
-@pytest.mark.parametrize("kwargs, limits, key", [
-    ({"w": 256, "h": 128, "frames": 4}, {"max_video_frame_pixels": 96 * 64}, "max_video_frame_pixels"),
-    ({"frames": 40, "fps": 20}, {"max_video_frames": 39}, "max_video_frames"),
-    ({"frames": 8, "fps": 2}, {"max_video_seconds": 3.5}, "max_video_seconds"),
-    ({"audio_s": 4.0}, {"max_video_audio_seconds": 3.0}, "max_video_audio_seconds"),
-    ({}, {"max_video_bytes": 1000}, "max_video_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, limits, key",
+    [
+        ({"w": 256, "h": 128, "frames": 4}, {"max_video_frame_pixels": 96 * 64}, "max_video_frame_pixels"),
+        ({"frames": 40, "fps": 20}, {"max_video_frames": 39}, "max_video_frames"),
+        ({"frames": 8, "fps": 2}, {"max_video_seconds": 3.5}, "max_video_seconds"),
+        ({"audio_s": 4.0}, {"max_video_audio_seconds": 3.0}, "max_video_audio_seconds"),
+        ({}, {"max_video_bytes": 1000}, "max_video_bytes"),
+    ],
+)
 def test_each_limit_is_checked_from_the_header(monkeypatch, kwargs, limits, key):
     monkeypatch.setattr(video, "decode_frames", lambda *a: pytest.fail("decoded before the checks"))
     decoder = MediaDecoder(MediaConfig(**limits))
@@ -58,14 +62,17 @@ def test_each_limit_is_checked_from_the_header(monkeypatch, kwargs, limits, key)
     assert f"server.media.{key}" in str(e.value) and e.value.param == "messages.0.content.0.video_url.url"
 
 
-@pytest.mark.parametrize("frames, fps, limits, want", [
-    (16, 8, {}, 4),  # 2 s at 2 frames a second
-    (40, 8, {}, 10),
-    (40, 8, {"video_max_frames": 6}, 6),
-    (6, 8, {}, 4),  # 0.75 s: at least video_min_frames
-    (3, 8, {}, 2),  # fewer than the minimum: every whole temporal pair
-    (16, 8, {"video_fps": 4.0}, 8),
-])
+@pytest.mark.parametrize(
+    "frames, fps, limits, want",
+    [
+        (16, 8, {}, 4),  # 2 s at 2 frames a second
+        (40, 8, {}, 10),
+        (40, 8, {"video_max_frames": 6}, 6),
+        (6, 8, {}, 4),  # 0.75 s: at least video_min_frames
+        (3, 8, {}, 2),  # fewer than the minimum: every whole temporal pair
+        (16, 8, {"video_fps": 4.0}, 8),
+    ],
+)
 def test_frames_are_sampled_as_vllms_qwen2vl_loader_samples_them(frames, fps, limits, want):
     from vllm.multimodal.video import Qwen2VLVideoBackend
 
@@ -74,8 +81,12 @@ def test_frames_are_sampled_as_vllms_qwen2vl_loader_samples_them(frames, fps, li
     decoder = MediaDecoder(config)
     [item] = decoder.decode_all(decoder.read_all([part(data)]))
     expected, _ = Qwen2VLVideoBackend.load_bytes(
-        data, fps=config.video_fps, backend="opencv", min_frames=config.video_min_frames,
-        max_frames=config.video_max_frames)
+        data,
+        fps=config.video_fps,
+        backend="opencv",
+        min_frames=config.video_min_frames,
+        max_frames=config.video_max_frames,
+    )
     assert item.kind == VIDEO and item.array.shape == (want, 64, 96, 3)
     assert np.array_equal(item.array, expected)
     assert item.fps == pytest.approx(want / (frames / fps))
@@ -112,8 +123,7 @@ def test_a_sound_track_goes_along_where_it_can():
     assert kinds([part(with_track), part(silent, 1)]) == [(VIDEO, False), (VIDEO, False)]
     assert kinds([part(with_track), audio_part()]) == [(VIDEO, False), (AUDIO, False)]
     # ... and one that asked for them is told why not.
-    for parts, why in (([part(silent)], "has no sound track"),
-                       ([part(with_track), audio_part()], "input_audio parts")):
+    for parts, why in (([part(silent)], "has no sound track"), ([part(with_track), audio_part()], "input_audio parts")):
         with pytest.raises(MediaError) as e:
             kinds(parts, use_audio_in_video=True)
         assert why in str(e.value) and e.value.param == "mm_processor_kwargs.use_audio_in_video"
@@ -123,9 +133,11 @@ def test_the_submits_uuids_carry_the_processor_kwargs():
     from omni_cache.wire.messages import MediaRef
     from workers.engine_media import mm_processor_kwargs, multi_modal_uuids
 
-    refs = [MediaRef(kind="image", tensor="media.0", uuid="i"),
-            MediaRef(kind="video", tensor="media.1", uuid="v", fps=2.0),
-            MediaRef(kind="audio", tensor="media.2", uuid="a", sample_rate=16000, in_video=True)]
+    refs = [
+        MediaRef(kind="image", tensor="media.0", uuid="i"),
+        MediaRef(kind="video", tensor="media.1", uuid="v", fps=2.0),
+        MediaRef(kind="audio", tensor="media.2", uuid="a", sample_rate=16000, in_video=True),
+    ]
     assert mm_processor_kwargs(refs) == {"fps": 2.0, "use_audio_in_video": True}
     assert multi_modal_uuids(refs) == {"image": ["i"], "video": ["v:fps=2:av=1"], "audio": ["a:fps=2:av=1"]}
     assert mm_processor_kwargs(refs[:1]) is None and multi_modal_uuids(refs[:1]) == {"image": ["i"]}

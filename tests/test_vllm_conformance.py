@@ -99,14 +99,34 @@ MODELS = {
 }
 # `strict`: vLLM's structural tag then holds the arguments to the schema too (without it only the
 # call's envelope, and random weights write arguments that do not parse).
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "strict": True, "description": "The weather now.",
-    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
-                   "required": ["unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "strict": True, "description": "The time now.",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "local"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "description": "The weather now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "strict": True,
+        "description": "The time now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["utc", "local"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 EOS = 258  # <|im_end|> in both tiny checkpoints' vocabularies
 LETTER_A = ord("A")  # byte tokens: id = byte (both tiny checkpoints)
 # Random weights love whitespace, which JSON allows anywhere: without this a constrained answer
@@ -179,20 +199,30 @@ def vllm_url(model, ours, tmp_path_factory):
     thinker = load_config(path).stage("thinker")
     port = free_port()
     parser = ours.config["server"].get("tool_call_parser")
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", thinker.model,
-            "--served-model-name", ours.name, "--host", "127.0.0.1", "--port", str(port),
-            "--enable-prefix-caching" if thinker.prefix_cache else "--no-enable-prefix-caching",
-            # The engine in the server's process, as in a stage: two process starts fewer (a start
-            # took 79 s instead of 130 s on a loaded 2-core AMD EPYC, 2026-11-27).
-            "--distributed-executor-backend", "uni",
-            *(["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []),
-            *vllm_flags(thinker.engine_args.to_vllm_kwargs()),
-            *(["--mm-processor-kwargs", json.dumps({"fps": VIDEO_SAMPLED_FPS})]
-              if MODELS[model].video_rate_kwarg else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        thinker.model,
+        "--served-model-name",
+        ours.name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching" if thinker.prefix_cache else "--no-enable-prefix-caching",
+        # The engine in the server's process, as in a stage: two process starts fewer (a start
+        # took 79 s instead of 130 s on a loaded 2-core AMD EPYC, 2026-11-27).
+        "--distributed-executor-backend",
+        "uni",
+        *(["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []),
+        *vllm_flags(thinker.engine_args.to_vllm_kwargs()),
+        *(["--mm-processor-kwargs", json.dumps({"fps": VIDEO_SAMPLED_FPS})] if MODELS[model].video_rate_kwarg else []),
+    ]
     log = open(tmp_path_factory.mktemp("vllm") / "serve.log", "w")
     env = {**os.environ, **thinker.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.Popen(argv, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + START_S
@@ -238,9 +268,14 @@ def servers(model, ours, vllm_url) -> Servers:
 
 # ---- one answer as comparable data ---------------------------------------------------------------
 
+
 def _logprob_entry(e: Any) -> dict[str, Any]:
-    return {"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
-            "top": [(t.token, t.logprob, t.bytes) for t in e.top_logprobs or []]}
+    return {
+        "token": e.token,
+        "logprob": e.logprob,
+        "bytes": e.bytes,
+        "top": [(t.token, t.logprob, t.bytes) for t in e.top_logprobs or []],
+    }
 
 
 def _arguments(text: str) -> Any:
@@ -257,9 +292,9 @@ def whole(r: Any) -> dict[str, Any]:
     extra = c.model_extra or {}
     return {
         "content": c.message.content or "",
-        "tool_calls": [(t.function.name, _arguments(t.function.arguments))
-                       for t in c.message.tool_calls or []],
-        "finish_reason": c.finish_reason, "stop_reason": extra.get("stop_reason"),
+        "tool_calls": [(t.function.name, _arguments(t.function.arguments)) for t in c.message.tool_calls or []],
+        "finish_reason": c.finish_reason,
+        "stop_reason": extra.get("stop_reason"),
         "token_ids": extra.get("token_ids"),
         "prompt_token_ids": (r.model_extra or {}).get("prompt_token_ids"),
         "logprobs": [_logprob_entry(e) for e in c.logprobs.content] if c.logprobs else None,
@@ -288,10 +323,16 @@ def streamed(chunks: list[Any]) -> dict[str, Any]:
                 token_ids = (token_ids or []) + extra["token_ids"]
             if c.finish_reason is not None:
                 finish, stop_reason = c.finish_reason, extra.get("stop_reason")
-    return {"content": content,
-            "tool_calls": [(n, _arguments(a)) for _, (n, a) in sorted(calls.items())],
-            "finish_reason": finish, "stop_reason": stop_reason, "token_ids": token_ids,
-            "prompt_token_ids": prompt_token_ids, "logprobs": logprobs, "usage": usage}
+    return {
+        "content": content,
+        "tool_calls": [(n, _arguments(a)) for _, (n, a) in sorted(calls.items())],
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+        "token_ids": token_ids,
+        "prompt_token_ids": prompt_token_ids,
+        "logprobs": logprobs,
+        "usage": usage,
+    }
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any], what: str, atol: float) -> None:
@@ -302,8 +343,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], what: str, atol: floa
             for i, (g, w) in enumerate(zip(got[key], want[key])):
                 assert (g["token"], g["bytes"]) == (w["token"], w["bytes"]), f"{what}: token {i}"
                 assert abs(g["logprob"] - w["logprob"]) <= atol, f"{what}: token {i}"
-                assert [(t, b) for t, _, b in g["top"]] == [(t, b) for t, _, b in w["top"]], \
-                    f"{what}: top of token {i}"
+                assert [(t, b) for t, _, b in g["top"]] == [(t, b) for t, _, b in w["top"]], f"{what}: top of token {i}"
                 for (_, gl, _), (_, wl, _) in zip(g["top"], w["top"]):
                     assert abs(gl - wl) <= atol, f"{what}: top of token {i}"
         else:
@@ -327,6 +367,7 @@ def both(servers: Servers, fields: dict[str, Any], what: str, stream: bool = Fal
 
 # ---- the matrix ----------------------------------------------------------------------------------
 
+
 def x(**fields: Any) -> dict[str, Any]:
     """vLLM's parameters that are not OpenAI's go in the SDK's extra_body."""
     return {"extra_body": fields}
@@ -337,51 +378,86 @@ CASES = {
     "greedy": GREEDY,
     "seeded": {"temperature": 0.9, "top_p": 0.9, "seed": 7, "max_tokens": 12},
     "seeded top_k min_p": {"temperature": 1.0, "seed": 3, "max_tokens": 10, **x(top_k=8, min_p=0.05)},
-    "penalties": {**GREEDY, "presence_penalty": 1.5, "frequency_penalty": 0.5,
-                  **x(repetition_penalty=1.3)},
+    "penalties": {**GREEDY, "presence_penalty": 1.5, "frequency_penalty": 0.5, **x(repetition_penalty=1.3)},
     "logit_bias": {**GREEDY, "logit_bias": {str(LETTER_A): 100}},
     "eos first": {**GREEDY, "logit_bias": {str(EOS): 100}},
     "min_tokens": {**GREEDY, "logit_bias": {str(EOS): 100}, **x(min_tokens=4)},
     "ignore_eos": {**GREEDY, "logit_bias": {str(EOS): 100}, **x(ignore_eos=True, min_tokens=2)},
     "max_completion_tokens": {"temperature": 0, "max_completion_tokens": 5},
     "logprobs": {**GREEDY, "logprobs": True, "top_logprobs": 3},
-    "logprobs as ids": {**GREEDY, "logprobs": True, "top_logprobs": 2,
-                        **x(return_tokens_as_token_ids=True)},
+    "logprobs as ids": {**GREEDY, "logprobs": True, "top_logprobs": 2, **x(return_tokens_as_token_ids=True)},
     "logprob_token_ids": {**GREEDY, "logprobs": True, **x(logprob_token_ids=[LETTER_A, EOS])},
     "return_token_ids": {**GREEDY, **x(return_token_ids=True)},
-    "allowed and bad words": {**GREEDY, **x(allowed_token_ids=list(range(60, 100)),
-                                            bad_words=["B"])},
+    "allowed and bad words": {**GREEDY, **x(allowed_token_ids=list(range(60, 100)), bad_words=["B"])},
     "json_object": {"temperature": 0, "max_tokens": 16, "response_format": {"type": "json_object"}},
-    "json_schema": {"temperature": 0, "max_tokens": 40, "logit_bias": NO_SPACE, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "answer", "schema": {
-            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-            "additionalProperties": False}}}},
+    "json_schema": {
+        "temperature": 0,
+        "max_tokens": 40,
+        "logit_bias": NO_SPACE,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "answer",
+                "schema": {
+                    "type": "object",
+                    "properties": {"ok": {"type": "boolean"}},
+                    "required": ["ok"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+    },
     "choice": {"temperature": 0, "max_tokens": 8, **x(structured_outputs={"choice": ["yes", "no"]})},
-    "regex": {"temperature": 0.8, "seed": 1, "max_tokens": 8,
-              **x(structured_outputs={"regex": "[a-c]{3}x"})},
-    "tools required": {"temperature": 0, "max_tokens": 120, "logit_bias": NO_SPACE,
-                       "tools": [WEATHER, CLOCK], "tool_choice": "required"},
-    "tools required one": {"temperature": 0, "max_tokens": 120, "logit_bias": NO_SPACE,
-                           "tools": [WEATHER, CLOCK], "tool_choice": "required",
-                           "parallel_tool_calls": False},
-    "tool named": {"temperature": 0, "max_tokens": 120, "logit_bias": NO_SPACE,
-                   "tools": [WEATHER, CLOCK],
-                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    "regex": {"temperature": 0.8, "seed": 1, "max_tokens": 8, **x(structured_outputs={"regex": "[a-c]{3}x"})},
+    "tools required": {
+        "temperature": 0,
+        "max_tokens": 120,
+        "logit_bias": NO_SPACE,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": "required",
+    },
+    "tools required one": {
+        "temperature": 0,
+        "max_tokens": 120,
+        "logit_bias": NO_SPACE,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    },
+    "tool named": {
+        "temperature": 0,
+        "max_tokens": 120,
+        "logit_bias": NO_SPACE,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    },
     "tools auto": {**GREEDY, "tools": [WEATHER]},
     "tools none": {**GREEDY, "tools": [WEATHER], "tool_choice": "none"},
-    "conversation": {**GREEDY, "messages": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there."}]},
-        {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Go on."}]},
+    "conversation": {
+        **GREEDY,
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there."}]},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Go on."},
+        ],
+    },
     "user and metadata": {**GREEDY, "user": "u-1", "metadata": {"team": "a"}, "n": 1},
 }
 # With parallel calls allowed ("tools required"), random weights go on calling until max_tokens
 # cuts a call, which vLLM's parser then cannot parse: both servers answer alike (the matrix compares
 # them), but the streamed answer is not the whole one (vLLM streams the calls it parsed so far, and
 # answers the whole text as content), so the streamed cases take one call.
-STREAMED = ["greedy", "seeded", "logprobs", "return_token_ids", "json_schema",
-            "tools required one", "tool named", "eos first"]
+STREAMED = [
+    "greedy",
+    "seeded",
+    "logprobs",
+    "return_token_ids",
+    "json_schema",
+    "tools required one",
+    "tool named",
+    "eos first",
+]
 
 
 def test_models_list_is_vllms(servers):
@@ -406,8 +482,13 @@ def test_the_same_request_gets_the_same_answer(servers, case):
 
 
 def test_continuous_usage_is_on_every_chunk(servers):
-    fields = {"model": servers.name, "messages": USER, **GREEDY, "stream": True,
-              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    fields = {
+        "model": servers.name,
+        "messages": USER,
+        **GREEDY,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     for name, client in (("vllm", servers.vllm), ("omni", servers.omni)):
         chunks = list(client.chat.completions.create(**fields))
         counts = [c.usage.completion_tokens for c in chunks]
@@ -426,15 +507,15 @@ def test_the_same_request_streamed_gets_the_same_answer(servers, case):
 
 def test_stops_cut_the_text_as_vllm_does(servers):
     """Stop strings and stop token ids taken from the greedy answer itself, so they do stop it."""
-    base = both(servers, {**GREEDY, "max_tokens": 16, "logprobs": True, **x(return_token_ids=True)},
-                "stop source")
+    base = both(servers, {**GREEDY, "max_tokens": 16, "logprobs": True, **x(return_token_ids=True)}, "stop source")
     tokens = [e["token"] for e in base["logprobs"]]
     k = next(i for i in range(3, len(tokens)) if tokens[i] and "\ufffd" not in tokens[i])
     stop = both(servers, {**GREEDY, "max_tokens": 16, "stop": [tokens[k]]}, "stop")
     assert stop["finish_reason"] == "stop" and stop["stop_reason"] == tokens[k]
     assert tokens[k] not in stop["content"]
-    kept = both(servers, {**GREEDY, "max_tokens": 16, "stop": [tokens[k]],
-                          **x(include_stop_str_in_output=True)}, "stop kept")
+    kept = both(
+        servers, {**GREEDY, "max_tokens": 16, "stop": [tokens[k]], **x(include_stop_str_in_output=True)}, "stop kept"
+    )
     assert kept["content"] == stop["content"] + tokens[k]
     both(servers, {**GREEDY, "max_tokens": 16, "stop": [tokens[k]]}, "stop", stream=True)
     stop_id = base["token_ids"][k]
@@ -446,8 +527,10 @@ def test_stops_cut_the_text_as_vllm_does(servers):
 
 MEDIA = {
     "image": {"type": "image_url", "image_url": {"url": png_data_url(64, 48, seed=3)}},
-    "video": {"type": "video_url", "video_url": {
-        "url": "data:video/mp4;base64," + base64.b64encode(video_bytes(seed=4)).decode()}},
+    "video": {
+        "type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(video_bytes(seed=4)).decode()},
+    },
 }
 
 
@@ -476,8 +559,9 @@ def test_a_media_request_gets_the_same_answer_and_prompt(servers, kind, stream):
         return
     want = both(servers, request, kind, stream=stream)
     # (What makes the row mean something: the prompt vLLM answers is the expanded one.)
-    text_only = ask(servers.vllm, servers.name, False,
-                    {**fields, "messages": [{"role": "user", "content": [question]}]})
+    text_only = ask(
+        servers.vllm, servers.name, False, {**fields, "messages": [{"role": "user", "content": [question]}]}
+    )
     assert len(want["prompt_token_ids"]) == want["usage"][0] > len(text_only["prompt_token_ids"]) + 4
 
 
@@ -498,8 +582,12 @@ SPEAKING = [m for m, spec in MODELS.items() if spec.spoken]
 def test_a_spoken_answer_has_the_text_answer_and_speaks_it(servers, case):
     want = ask(servers.vllm, servers.name, False, SPOKEN[case])
     r = servers.omni.chat.completions.create(
-        model=servers.name, messages=USER, modalities=["text", "audio"],
-        audio={"voice": "default", "format": "wav"}, **copy.deepcopy(SPOKEN[case]))
+        model=servers.name,
+        messages=USER,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+        **copy.deepcopy(SPOKEN[case]),
+    )
     assert_same(whole(r), want, case, servers.model.logprob_atol)
     audio = r.choices[0].message.audio
     assert audio.transcript == r.choices[0].message.content, case
@@ -514,13 +602,26 @@ def test_a_spoken_answer_cut_by_a_stop_string_speaks_only_the_text_before_it(ser
     fields = {**GREEDY, "max_tokens": 16, "stop": [tokens[k]]}
     want = ask(servers.vllm, servers.name, False, fields)
     r = servers.omni.chat.completions.create(
-        model=servers.name, messages=USER, modalities=["text", "audio"], audio={"format": "wav"},
-        **copy.deepcopy(fields))
+        model=servers.name,
+        messages=USER,
+        modalities=["text", "audio"],
+        audio={"format": "wav"},
+        **copy.deepcopy(fields),
+    )
     assert_same(whole(r), want, "spoken stop", servers.model.logprob_atol)
     assert r.choices[0].message.audio.transcript == want["content"]
-    streamed_text = "".join(c.choices[0].delta.content or "" for c in servers.omni.chat.completions.create(
-        model=servers.name, messages=USER, modalities=["text", "audio"], audio={"format": "pcm16"},
-        stream=True, **copy.deepcopy(fields)) if c.choices)
+    streamed_text = "".join(
+        c.choices[0].delta.content or ""
+        for c in servers.omni.chat.completions.create(
+            model=servers.name,
+            messages=USER,
+            modalities=["text", "audio"],
+            audio={"format": "pcm16"},
+            stream=True,
+            **copy.deepcopy(fields),
+        )
+        if c.choices
+    )
     assert streamed_text == want["content"]
 
 
@@ -539,7 +640,9 @@ BAD = {
     "tool_choice without tools": {"tool_choice": "required"},
     "unknown tool_choice": {"tools": [WEATHER], "tool_choice": "sometimes"},
     "tool_choice naming an unknown tool": {
-        "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    },
     "json_schema without its schema": {"response_format": {"type": "json_schema"}},
     "two structured constraints": x(structured_outputs={"regex": "a", "choice": ["a"]}),
     "max_tokens not a number": {"max_tokens": "five"},

@@ -126,11 +126,9 @@ class TestThinker:
         _check_text_generation(llm)
 
     def test_chat(self, llm):
-        outs = llm.chat(
-            [{"role": "user", "content": "hi"}], _greedy(ignore_eos=True), use_tqdm=False
-        )
+        outs = llm.chat([{"role": "user", "content": "hi"}], _greedy(ignore_eos=True), use_tqdm=False)
         ids = list(outs[0].prompt_token_ids)
-        assert ids[0] == ck.IM_START_ID and ids[-len(b"assistant\n"):] == list(b"assistant\n")
+        assert ids[0] == ck.IM_START_ID and ids[-len(b"assistant\n") :] == list(b"assistant\n")
         assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
 
     def test_eos_is_im_end(self, llm):

@@ -25,18 +25,38 @@ pytestmark = pytest.mark.vllm
 FIXED = [
     {"messages": [{"role": "user", "content": "Say something about the sea."}]},
     {"messages": [{"role": "user", "content": "omni_cache warm-up: a few tokens of text."}]},
-    {"messages": [{"role": "user", "content": "Rank your words."}], "logprobs": True,
-     "top_logprobs": 2},
-    {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is in the image?"},
-        {"type": "image_url", "image_url": {"url": png_data_url(64, 64, 3)}}]}]},
-    {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What do you hear?"},
-        {"type": "input_audio", "input_audio": {"data": clip_b64(1.0, 16000), "format": "wav"}}]}]},
+    {"messages": [{"role": "user", "content": "Rank your words."}], "logprobs": True, "top_logprobs": 2},
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in the image?"},
+                    {"type": "image_url", "image_url": {"url": png_data_url(64, 64, 3)}},
+                ],
+            }
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What do you hear?"},
+                    {"type": "input_audio", "input_audio": {"data": clip_b64(1.0, 16000), "format": "wav"}},
+                ],
+            }
+        ]
+    },
 ]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def pipeline(tmp_path_factory, name: str, warmup: bool) -> dict:
@@ -56,8 +76,9 @@ def thinker_counters(url: str) -> dict[str, float]:
 
 
 def chat(url: str, model: str, body: dict) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=300,
-                   json={"model": model, "max_tokens": 6, "temperature": 0.0, **body})
+    r = httpx.post(
+        url + "/v1/chat/completions", timeout=300, json={"model": model, "max_tokens": 6, "temperature": 0.0, **body}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -67,9 +88,12 @@ def answers(url: str, model: str) -> list:
     for body in FIXED:
         choice = chat(url, model, body)["choices"][0]
         logprobs = choice.get("logprobs") or {}
-        out.append((choice["message"]["content"],
-                    [(t["token"], [a["token"] for a in t["top_logprobs"]])
-                     for t in logprobs.get("content") or []]))
+        out.append(
+            (
+                choice["message"]["content"],
+                [(t["token"], [a["token"] for a in t["top_logprobs"]]) for t in logprobs.get("content") or []],
+            )
+        )
     return out
 
 
@@ -83,8 +107,17 @@ def warmed(tmp_path_factory):
 
 def test_the_warmup_reports_each_path_it_ran(warmed):
     _, _, counters = warmed
-    for path in ("greedy", "logprobs", "penalties", "seed", "random_sampling",
-                 "structured_output", "image", "audio", "video"):
+    for path in (
+        "greedy",
+        "logprobs",
+        "penalties",
+        "seed",
+        "random_sampling",
+        "structured_output",
+        "image",
+        "audio",
+        "video",
+    ):
         assert counters.get(f"omni_cache_stage_warmup_{path}_s", 0) > 0, path
     # The logprobs path is the one vLLM compiles; the others are not, but all ran.
     assert counters["omni_cache_stage_warmup_s"] >= counters["omni_cache_stage_warmup_logprobs_s"]
@@ -101,20 +134,30 @@ def test_the_warmup_counts_in_no_client_figure(warmed):
 
 def test_first_logprobs_json_schema_and_tool_requests_compile_nothing(warmed):
     srv, model, _ = warmed
-    chat(srv.url, model, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                          "top_logprobs": 2})
-    chat(srv.url, model, {"messages": [{"role": "user", "content": "json please"}],
-                          "response_format": {"type": "json_schema", "json_schema": {
-                              "name": "reply", "schema": SCHEMA}}})
-    chat(srv.url, model, {"messages": [{"role": "user", "content": "weather?"}], "tools": [TOOL],
-                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    chat(srv.url, model, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2})
+    chat(
+        srv.url,
+        model,
+        {
+            "messages": [{"role": "user", "content": "json please"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}},
+        },
+    )
+    chat(
+        srv.url,
+        model,
+        {
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    )
     counters = thinker_counters(srv.url)
     assert counters["omni_cache_stage_requests_total"] == 3
     assert counters["omni_cache_stage_compiles_while_serving"] == 0
 
 
-def test_without_warmup_the_first_logprobs_request_compiles_and_answers_are_unchanged(
-        warmed, tmp_path_factory):
+def test_without_warmup_the_first_logprobs_request_compiles_and_answers_are_unchanged(warmed, tmp_path_factory):
     warm_srv, warm_model, _ = warmed
     expected = answers(warm_srv.url, warm_model)
     data = pipeline(tmp_path_factory, "cold", False)

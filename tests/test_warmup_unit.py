@@ -38,9 +38,15 @@ def test_warmup_off_on_a_generation_stage_is_refused_naming_the_key(tmp_path):
 
 
 def test_each_kind_sets_its_parameters_and_the_second_prompt_differs():
-    fields = {"logprobs": "logprobs", "top_logprobs": "top_logprobs", "seed": "seed",
-              "json_schema": "response_format", "named_tool": "tool_choice",
-              "spoken": "modalities", "repetition_penalty": "repetition_penalty"}
+    fields = {
+        "logprobs": "logprobs",
+        "top_logprobs": "top_logprobs",
+        "seed": "seed",
+        "json_schema": "response_format",
+        "named_tool": "tool_choice",
+        "spoken": "modalities",
+        "repetition_penalty": "repetition_penalty",
+    }
     for kind in KINDS:
         first, second = request_body(kind, 0, 8), request_body(kind, 1, 8)
         assert first["messages"] != second["messages"], kind
@@ -49,7 +55,8 @@ def test_each_kind_sets_its_parameters_and_the_second_prompt_differs():
             assert fields[kind] in first, kind
     image = request_body("image", 0, 8)["messages"][0]["content"]
     assert request_body("video", 0, 8)["messages"][0]["content"][1]["video_url"]["url"].startswith(
-        "data:video/mp4;base64,")
+        "data:video/mp4;base64,"
+    )
     assert image[1]["image_url"]["url"].startswith("data:image/png;base64,")
     with pytest.raises(ValueError):
         request_body("hologram", 0, 8)
@@ -64,22 +71,50 @@ def test_no_warmup_side_turns_off_only_the_vllm_stages(tmp_path):
     load_config(side_config(DEFAULT, str(tmp_path), "no_warmup", "t3"))  # still a valid config
 
 
-def request(kind: str, nth: int, e2e: float | None, ttfa: float | None = None,
-            status: int = 200) -> dict:
-    return {"kind": kind, "nth": nth, "status": status, "error": None, "ttft_s": e2e,
-            "ttfa_s": ttfa, "e2e_s": e2e, "completion_tokens": 8, "audio_bytes": 0}
+def request(kind: str, nth: int, e2e: float | None, ttfa: float | None = None, status: int = 200) -> dict:
+    return {
+        "kind": kind,
+        "nth": nth,
+        "status": status,
+        "error": None,
+        "ttft_s": e2e,
+        "ttfa_s": ttfa,
+        "e2e_s": e2e,
+        "completion_tokens": 8,
+        "audio_bytes": 0,
+    }
 
 
 def test_summary_ratios_use_first_audio_for_spoken_answers_and_count_failures():
     servers = [
-        {"side": "warmup", "round": 0, "startup_s": 50.0, "restarts": 0.0,
-         "warmup_s": {"thinker": 5.0}, "compiles_while_serving": {"thinker": 0.0},
-         "requests": [request("logprobs", 0, 0.2), request("logprobs", 1, 0.1),
-                      request("spoken", 0, 9.0, 0.3), request("spoken", 1, 1.0, 0.2)]},
-        {"side": "warmup", "round": 1, "startup_s": 70.0, "restarts": 1.0,
-         "warmup_s": {"thinker": 7.0}, "compiles_while_serving": {"thinker": 1.0},
-         "requests": [request("logprobs", 0, None, status=503), request("logprobs", 1, 0.1),
-                      request("spoken", 0, 9.0, 0.5), request("spoken", 1, 1.0, 0.2)]},
+        {
+            "side": "warmup",
+            "round": 0,
+            "startup_s": 50.0,
+            "restarts": 0.0,
+            "warmup_s": {"thinker": 5.0},
+            "compiles_while_serving": {"thinker": 0.0},
+            "requests": [
+                request("logprobs", 0, 0.2),
+                request("logprobs", 1, 0.1),
+                request("spoken", 0, 9.0, 0.3),
+                request("spoken", 1, 1.0, 0.2),
+            ],
+        },
+        {
+            "side": "warmup",
+            "round": 1,
+            "startup_s": 70.0,
+            "restarts": 1.0,
+            "warmup_s": {"thinker": 7.0},
+            "compiles_while_serving": {"thinker": 1.0},
+            "requests": [
+                request("logprobs", 0, None, status=503),
+                request("logprobs", 1, 0.1),
+                request("spoken", 0, 9.0, 0.5),
+                request("spoken", 1, 1.0, 0.2),
+            ],
+        },
     ]
     s = summarize(servers, ["logprobs", "spoken"])["warmup"]
     assert s["startup_s"] == 60.0 and s["warmup_s"] == {"thinker": 6.0}

@@ -49,20 +49,42 @@ CODEC = Codec(MESSAGE_TYPES, max_message_bytes=1 << 20)
 
 #: One valid message of each kind; each bad case changes one field of one of them.
 GOOD: dict[str, msgspec.Struct] = {
-    "submit": Submit(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=EngineSampling(),
-                     modalities=["text", "audio"], time_left_s=30.0, route={"thinker": 1},
-                     media=[MediaRef(kind="audio", tensor="media.0", sample_rate=16000)]),
-    "output": StageOutput(request_id="r1", stage="thinker", seq=1, token_ids=[5], latent_start=3,
-                          num_prompt_tokens=3, sample_rate=24000, finish_reason="stop"),
-    "start": StreamStart(request_id="r1", stage="thinker", seq=0, token_ids=[5],
-                         modalities=["text", "audio"], sampling=EngineSampling(), time_left_s=12.5,
-                         route={"talker": 0}, prompt_token_ids=[1, 2], image_grids=[[1, 4, 4]]),
+    "submit": Submit(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=EngineSampling(),
+        modalities=["text", "audio"],
+        time_left_s=30.0,
+        route={"thinker": 1},
+        media=[MediaRef(kind="audio", tensor="media.0", sample_rate=16000)],
+    ),
+    "output": StageOutput(
+        request_id="r1",
+        stage="thinker",
+        seq=1,
+        token_ids=[5],
+        latent_start=3,
+        num_prompt_tokens=3,
+        sample_rate=24000,
+        finish_reason="stop",
+    ),
+    "start": StreamStart(
+        request_id="r1",
+        stage="thinker",
+        seq=0,
+        token_ids=[5],
+        modalities=["text", "audio"],
+        sampling=EngineSampling(),
+        time_left_s=12.5,
+        route={"talker": 0},
+        prompt_token_ids=[1, 2],
+        image_grids=[[1, 4, 4]],
+    ),
     "error": StageError(request_id="r1", stage="talker", message="bad", status=400),
     "abort": Abort(request_id="r1"),
     "ready": StageReady(stage="thinker", pid=123, replica=1, max_model_len=8192, host="h"),
     "stats": StageStats(stage="thinker", counters={"requests": 3.0}, replica=0),
-    "blocks": BlockEvents(stage="thinker", replica=1, stored=[2**64 - 1, 0], removed=[7],
-                          block_size=32),
+    "blocks": BlockEvents(stage="thinker", replica=1, stored=[2**64 - 1, 0], removed=[7], block_size=32),
     "shutdown": Shutdown(reason="bye"),
 }
 
@@ -85,8 +107,12 @@ BAD: list[tuple[str, str, str, Any]] = [
     ("not a stage name in a route", "submit", "route", {"Thinker!": 0}),
     ("unknown media kind", "submit", "media", [{"kind": "file", "tensor": "m", "sample_rate": 0}]),
     ("video rate out of range", "submit", "media", [{"kind": "video", "tensor": "m", "fps": 1001.0}]),
-    ("media sample rate out of range", "submit", "media",
-     [{"kind": "audio", "tensor": "m", "sample_rate": MAX_SAMPLE_RATE + 1}]),
+    (
+        "media sample rate out of range",
+        "submit",
+        "media",
+        [{"kind": "audio", "tensor": "m", "sample_rate": MAX_SAMPLE_RATE + 1}],
+    ),
     ("over-long finish reason", "submit", "answer_finished", "x" * 33),
     ("not a stage name", "output", "stage", "Thinker!"),
     ("over-long stage name", "output", "stage", "s" * 65),
@@ -137,8 +163,7 @@ def test_the_good_messages_decode():
 
 
 @pytest.mark.parametrize("case, kind, field, value", BAD, ids=[b[0] for b in BAD])
-def test_a_frame_with_a_value_out_of_range_is_dropped_and_the_receiver_goes_on(case, kind, field,
-                                                                               value):
+def test_a_frame_with_a_value_out_of_range_is_dropped_and_the_receiver_goes_on(case, kind, field, value):
     ctx = zmq.Context()
     address = f"inproc://wire-{uuid.uuid4().hex}"
     try:
@@ -176,16 +201,23 @@ def test_a_tensor_frame_with_a_negative_dimension_is_dropped():
 
 # ---- a running orchestrator ----------------------------------------------------------------------
 
+
 def test_a_peers_block_size_of_minus_one_is_dropped_and_requests_are_answered():
-    data = yaml.safe_load(fake_pipeline_config(Path(tempfile.mkdtemp(prefix="ocw")),
-                                               f"wire_{uuid.uuid4().hex[:8]}").read_text())
+    data = yaml.safe_load(
+        fake_pipeline_config(Path(tempfile.mkdtemp(prefix="ocw")), f"wire_{uuid.uuid4().hex[:8]}").read_text()
+    )
     data["server"]["routing"] = "prefix"
     data["stages"] = [{**data["stages"][0], "replicas": 2}]  # two thinkers, no decoder
     path = Path(tempfile.mkdtemp(prefix="ocw")) / "pipeline.yaml"
     path.write_text(yaml.safe_dump(data))
-    orch = Orchestrator(load_config(path), tokenizer=ByteTokenizer(),
-                        stage_argv=[sys.executable, str(FAKE_STAGE)], start_timeout_s=60,
-                        shutdown_grace_s=2, echo_stage_logs=False)
+    orch = Orchestrator(
+        load_config(path),
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+    )
     server = ServerThread(orch).start()
     ctx = zmq.Context()
     try:
@@ -195,10 +227,8 @@ def test_a_peers_block_size_of_minus_one_is_dropped_and_requests_are_answered():
         peer.connect(orch.fleet.control_address)
         bad = BlockEvents(stage="thinker", replica=0, stored=[1, 2], block_size=32)
         peer.send_multipart([frame(bad, "block_size", -1)])
-        peer.send_multipart(CODEC.encode(BlockEvents(stage="thinker", replica=1, stored=[3],
-                                                     block_size=4)))
-        body = {"model": orch.served_model_name,
-                "messages": [{"role": "user", "content": "hello after a bad frame"}]}
+        peer.send_multipart(CODEC.encode(BlockEvents(stage="thinker", replica=1, stored=[3], block_size=4)))
+        body = {"model": orch.served_model_name, "messages": [{"role": "user", "content": "hello after a bad frame"}]}
         end = time.monotonic() + 10
         while orch.routes.prefix_index.block_size.get(1) != 4:  # the good report, sent after it
             assert time.monotonic() < end, orch.routes.prefix_index.block_size

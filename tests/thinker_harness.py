@@ -45,16 +45,26 @@ DTYPE = {"thinker": "float32", "thinker-hybrid": "bfloat16"}
 
 
 def make_stage(model: str, *, cache: bool, async_scheduling: bool = False, **engine_args) -> LLMStage:
-    args = dict(enforce_eager=True, gpu_memory_utilization=0.3, dtype=DTYPE[model],
-                max_model_len=8192, kv_cache_memory_bytes=256 * 2**20)
+    args = dict(
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        dtype=DTYPE[model],
+        max_model_len=8192,
+        kv_cache_memory_bytes=256 * 2**20,
+    )
     args.update(engine_args)
-    return LLMStage(str(ensure_checkpoint(model)), args, prefix_cache=cache,
-                    async_scheduling=async_scheduling,
-                    latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache))
+    return LLMStage(
+        str(ensure_checkpoint(model)),
+        args,
+        prefix_cache=cache,
+        async_scheduling=async_scheduling,
+        latents=LatentOptions(hidden=True, layers=(TAP,), cache=cache),
+    )
 
 
-def run(stage: LLMStage, prompts: dict[str, list[int] | dict], max_tokens: int = 4,
-        background: tuple[str, ...] = ()) -> dict[str, Result]:
+def run(
+    stage: LLMStage, prompts: dict[str, list[int] | dict], max_tokens: int = 4, background: tuple[str, ...] = ()
+) -> dict[str, Result]:
     """Submit all prompts together (so they can share steps) and run until all finish. A prompt is
     token ids, or a vLLM prompt dict (token ids with ``multi_modal_data``).
 
@@ -101,12 +111,15 @@ def divergence(on: Result, off: Result, what: str, tie: float) -> int | None:
             continue
         margins = []
         for lp, chosen, other in ((on.logprobs[j], a, b), (off.logprobs[j], b, a)):
-            assert other in lp, (f"{what}: token {j} is {a} with the cache and {b} without, and the "
-                                 f"other token is not even in the top 2 ({lp}): not a near-tie")
+            assert other in lp, (
+                f"{what}: token {j} is {a} with the cache and {b} without, and the "
+                f"other token is not even in the top 2 ({lp}): not a near-tie"
+            )
             margins.append(lp[chosen] - lp[other])
         assert max(margins) <= tie, (
             f"{what}: token {j} is {a} with the cache and {b} without, logprob margins {margins} "
-            f"> {tie}: not a near-tie")
+            f"> {tie}: not a near-tie"
+        )
         return j
     return None
 

@@ -27,7 +27,8 @@ def assert_close(on: Result, off: Result, what: str, tol: float, tie: float) -> 
         assert not bad.any(), (
             f"{what}/{name}: {int(bad.sum())} rows differ from the cache-off recompute beyond "
             f"tolerance (first at row {int(bad.nonzero()[0])}, max relative error "
-            f"{float(rel.max()):.2e})")
+            f"{float(rel.max()):.2e})"
+        )
         worst = max(worst, float(rel.max()))
     return worst
 

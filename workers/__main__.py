@@ -22,22 +22,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage-config", required=True, help="pipeline YAML")
     parser.add_argument("--stage", required=True, help="name of the stage to run")
-    parser.add_argument("--replica", type=int, default=0,
-                        help="which replica of the stage to run (0 .. its replicas - 1): it binds "
-                             "that replica's address")
-    parser.add_argument("--orchestrator", default=None,
-                        help="orchestrator inbox address (default: the config's control address)")
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="exit when this process is no longer our parent")
+    parser.add_argument(
+        "--replica",
+        type=int,
+        default=0,
+        help="which replica of the stage to run (0 .. its replicas - 1): it binds that replica's address",
+    )
+    parser.add_argument(
+        "--orchestrator", default=None, help="orchestrator inbox address (default: the config's control address)"
+    )
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
     parser.add_argument("--checkpoint-dir", default=None, help="where tiny:* checkpoints live")
-    parser.add_argument("--no-prefix-cache", action="store_true",
-                        help="turn off vLLM prefix caching and the hidden-state cache")
-    parser.add_argument("--no-path-check", action="store_true",
-                        help="do not require this stage's model path (or the stage key file) to exist")
+    parser.add_argument(
+        "--no-prefix-cache", action="store_true", help="turn off vLLM prefix caching and the hidden-state cache"
+    )
+    parser.add_argument(
+        "--no-path-check",
+        action="store_true",
+        help="do not require this stage's model path (or the stage key file) to exist",
+    )
     parser.add_argument("--log-level", default=os.environ.get("OMNI_CACHE_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s [{args.stage}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format=f"%(asctime)s [{args.stage}] %(levelname)s %(name)s: %(message)s"
+    )
 
     from omni_cache.config import ConfigError, load_config
     from omni_cache.config.errors import IssueCollector
@@ -45,20 +53,21 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # Only this stage's model must exist here: the others run on their own hosts.
-        config = load_config(args.stage_config,
-                             check_paths=False if args.no_path_check else {args.stage})
+        config = load_config(args.stage_config, check_paths=False if args.no_path_check else {args.stage})
         # The addresses a config leaves unset are chosen by a server when it starts: a stage
         # started from the file cannot know them (a spawned one's file has them filled in).
         issues = IssueCollector(args.stage_config)
-        check_hand_started(config, {args.stage}, issues,
-                           announces_to_config=args.orchestrator is None)
+        check_hand_started(config, {args.stage}, issues, announces_to_config=args.orchestrator is None)
         issues.raise_if_any()
         if args.checkpoint_dir:
             config.checkpoint_dir = args.checkpoint_dir
         stage = config.stage(args.stage)
         if not 0 <= args.replica < stage.replicas:
-            print(f"python -m workers: --replica: stage {stage.name!r} has {stage.replicas} "
-                  f"replica(s) (0 .. {stage.replicas - 1}), got {args.replica}", file=sys.stderr)
+            print(
+                f"python -m workers: --replica: stage {stage.name!r} has {stage.replicas} "
+                f"replica(s) (0 .. {stage.replicas - 1}), got {args.replica}",
+                file=sys.stderr,
+            )
             return 2
     except ConfigError as exc:
         for issue in exc.issues:
@@ -76,10 +85,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from workers.stage_process import serve_stage
 
-    return serve_stage(config, args.stage, orchestrator=args.orchestrator,
-                       parent_pid=args.parent_pid,
-                       prefix_cache=False if args.no_prefix_cache else None,
-                       replica=args.replica)
+    return serve_stage(
+        config,
+        args.stage,
+        orchestrator=args.orchestrator,
+        parent_pid=args.parent_pid,
+        prefix_cache=False if args.no_prefix_cache else None,
+        replica=args.replica,
+    )
 
 
 def _die_with_parent(parent_pid: int | None) -> None:

@@ -29,13 +29,28 @@ logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(self, ctx: zmq.Context, codec: Codec, orchestrator: str, stage: str, *,
-                 interval_s: float, max_model_len: int = 0, auth: Any = None,
-                 replica: int = 0, progress: LoopProgress | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        codec: Codec,
+        orchestrator: str,
+        stage: str,
+        *,
+        interval_s: float,
+        max_model_len: int = 0,
+        auth: Any = None,
+        replica: int = 0,
+        progress: LoopProgress | None = None,
+    ) -> None:
         """``progress``: the stage loop's (None: a loop that is never stuck, e.g. a test's)."""
-        self.message = StageReady(stage=stage, pid=os.getpid(), replica=replica,
-                                  max_model_len=max_model_len or 0,
-                                  incarnation=uuid.uuid4().hex, host=socket.gethostname())
+        self.message = StageReady(
+            stage=stage,
+            pid=os.getpid(),
+            replica=replica,
+            max_model_len=max_model_len or 0,
+            incarnation=uuid.uuid4().hex,
+            host=socket.gethostname(),
+        )
         self.interval_s = interval_s
         self.progress = progress
         self._codec = codec
@@ -47,8 +62,7 @@ class Announcer:
             auth.secure(self._sock, bind=False)
         self._sock.connect(orchestrator)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"omni-cache-announce-{stage}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"omni-cache-announce-{stage}", daemon=True)
 
     def start(self) -> Announcer:
         self._thread.start()
@@ -64,8 +78,7 @@ class Announcer:
     def _run(self) -> None:
         while True:
             try:
-                self._sock.send_multipart(self._codec.encode(self.beat()), flags=zmq.NOBLOCK,
-                                          copy=True)
+                self._sock.send_multipart(self._codec.encode(self.beat()), flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 pass  # no orchestrator connected right now: the next beat tries again
             except zmq.ZMQError as e:

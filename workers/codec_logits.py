@@ -41,8 +41,7 @@ class CodecLogits(AdapterLogitsProcessor):
         return partial(_apply, float(args["penalty"]), ids)
 
 
-def _apply(penalty: float, suppressed: torch.Tensor, output_ids: list[int],
-           logits: torch.Tensor) -> torch.Tensor:
+def _apply(penalty: float, suppressed: torch.Tensor, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
     if penalty != 1.0 and output_ids:
         seen = torch.tensor(sorted(set(output_ids)), dtype=torch.long, device=logits.device)
         scores = logits[seen]

@@ -55,18 +55,23 @@ class _DecodeRequest:
 
 
 class DecoderRunner(StageRunner):
-    def __init__(self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any,
-                 timeline: Timeline | None = None) -> None:
-        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s,
-                         timeline=timeline)
+    def __init__(
+        self, config: PipelineConfig, stage: StageConfig, model: str, outbox: Any, timeline: Timeline | None = None
+    ) -> None:
+        super().__init__(stage, outbox, tombstone_ttl_s=config.server.request_timeout_s, timeline=timeline)
         self.args = stage.generation
         self.decoder = load_window_decoder(model, device=self.args.device)
         self.handoff = resolve_handoff(stage.handoff)
-        self.handoff_ctx = HandoffContext(Path(model), resources={
-            "receptive_field": self.decoder.receptive_field, "chunk_size": self.args.chunk_size,
-            "samples_per_code": self.decoder.samples_per_code,
-            "num_quantizers": self.decoder.num_quantizers,
-            "codebook_size": self.decoder.codebook_size})
+        self.handoff_ctx = HandoffContext(
+            Path(model),
+            resources={
+                "receptive_field": self.decoder.receptive_field,
+                "chunk_size": self.args.chunk_size,
+                "samples_per_code": self.decoder.samples_per_code,
+                "num_quantizers": self.decoder.num_quantizers,
+                "codebook_size": self.decoder.codebook_size,
+            },
+        )
         self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
         self.pacer = stage_pacer(stage)
@@ -80,7 +85,8 @@ class DecoderRunner(StageRunner):
                 return
             # A StreamStart: is_dead drops the rest of a stream whose start this stage never saw.
             req = self.requests[msg.request_id] = _DecodeRequest(
-                Upstream.opened_by(msg), deadline=deadline_in(msg.time_left_s))
+                Upstream.opened_by(msg), deadline=deadline_in(msg.time_left_s)
+            )
             if self.pacer is not None and msg.stream:
                 req.clock = self.pacer.clock()
             self.total_requests += 1
@@ -95,16 +101,16 @@ class DecoderRunner(StageRunner):
         req.upstream.finished = msg.finished
         for job in self.handoff(self.handoff_ctx, req.upstream, req.handoff_state):
             if not isinstance(job, DecodeJob):
-                raise TypeError(f"hand-off {self.stage.handoff} returned a {type(job).__name__}: "
-                                "the decoder stage runs DecodeJob")
+                raise TypeError(
+                    f"hand-off {self.stage.handoff} returned a {type(job).__name__}: the decoder stage runs DecodeJob"
+                )
             req.jobs.append(job)
 
     def _add_frame(self, req: _DecodeRequest, tensors: dict[str, torch.Tensor]) -> None:
         """Append a `codes` frame to the request's codes, checked whole on arrival: integers
         [num_quantizers, k], every code in its codebook."""
         if set(tensors) != {CODES_FRAME}:
-            raise ValueError(f"the decoder stage takes one tensor frame, {CODES_FRAME!r}; got "
-                             f"{sorted(tensors)}")
+            raise ValueError(f"the decoder stage takes one tensor frame, {CODES_FRAME!r}; got {sorted(tensors)}")
         codes = tensors[CODES_FRAME]
         check_window(self.decoder, CodeWindow(codes, 0, codes.shape[-1] if codes.dim() else 0))
         if codes.shape[-1] == 0:
@@ -137,8 +143,12 @@ class DecoderRunner(StageRunner):
             if len(group) == 1:
                 self.guarded(group[0][0], lambda: self._decode_and_emit(group))
                 return
-            logger.warning("stage %s: a batch of %d windows failed; decoding them one by one",
-                           self.stage.name, len(group), exc_info=True)
+            logger.warning(
+                "stage %s: a batch of %d windows failed; decoding them one by one",
+                self.stage.name,
+                len(group),
+                exc_info=True,
+            )
             for one in group:
                 self.guarded(one[0], lambda one=one: self._decode_and_emit([one]))
             return
@@ -179,8 +189,9 @@ class DecoderRunner(StageRunner):
             return ready, self.args.max_batch_size
         ready = self.pacer.order(ready, lambda item: item[1].clock, lambda item: item[1].seq > 0, now)
         ahead_only = all(self.pacer.is_ahead(req.clock, now) for _, req in ready)
-        return ready, (self.stage.pacing.ahead_batch_size or self.args.max_batch_size
-                       if ahead_only else self.args.max_batch_size)
+        return ready, (
+            self.stage.pacing.ahead_batch_size or self.args.max_batch_size if ahead_only else self.args.max_batch_size
+        )
 
     def _decode(self, group: list[tuple[str, DecodeJob]]) -> list[torch.Tensor]:
         first = [rid for rid, _ in group if self.requests[rid].seq == 0] if self.timeline.on else []
@@ -206,10 +217,17 @@ class DecoderRunner(StageRunner):
             req.clock.emit(audio.shape[0] / self.decoder.sample_rate, time.monotonic())
         if audio.numel():
             self.timeline.mark(request_id, "audio_out")
-        self.outbox.to_orchestrator(StageOutput(
-            request_id=request_id, stage=self.stage.name, seq=req.seq, finished=job.last,
-            finish_reason="stop" if job.last else None, sample_rate=self.decoder.sample_rate),
-            {"audio": audio})
+        self.outbox.to_orchestrator(
+            StageOutput(
+                request_id=request_id,
+                stage=self.stage.name,
+                seq=req.seq,
+                finished=job.last,
+                finish_reason="stop" if job.last else None,
+                sample_rate=self.decoder.sample_rate,
+            ),
+            {"audio": audio},
+        )
         req.seq += 1
         if job.last:
             del self.requests[request_id]
@@ -218,5 +236,4 @@ class DecoderRunner(StageRunner):
         self.requests.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
-        return {**super().counters(),
-                **(self.pacer.stats.counters() if self.pacer is not None else {})}
+        return {**super().counters(), **(self.pacer.stats.counters() if self.pacer is not None else {})}

@@ -23,8 +23,7 @@ ENV_VAR = "VLLM_CPU_KVCACHE_SPACE"
 _GIB = 2**30
 
 
-def resolve_kv_cache_size(stage: str, engine_args: dict[str, Any],
-                          environ: MutableMapping[str, str]) -> str:
+def resolve_kv_cache_size(stage: str, engine_args: dict[str, Any], environ: MutableMapping[str, str]) -> str:
     """Make sure at most one KV-cache size reaches vLLM; returns where the size comes from.
 
     When both ``kv_cache_memory_bytes`` and a non-empty ``VLLM_CPU_KVCACHE_SPACE`` are set, the
@@ -37,8 +36,14 @@ def resolve_kv_cache_size(stage: str, engine_args: dict[str, Any],
         logger.warning(
             "stage %s: engine_args kv_cache_memory_bytes=%d (%.3f GiB) and %s=%s GiB are both set; "
             "vLLM would let the variable win without a word: using kv_cache_memory_bytes and "
-            "ignoring %s in this stage", stage, int(explicit), int(explicit) / _GIB, ENV_VAR,
-            env_value, ENV_VAR)
+            "ignoring %s in this stage",
+            stage,
+            int(explicit),
+            int(explicit) / _GIB,
+            ENV_VAR,
+            env_value,
+            ENV_VAR,
+        )
         del environ[ENV_VAR]
         return f"engine_args kv_cache_memory_bytes={int(explicit)} ({ENV_VAR}={env_value} ignored)"
     if explicit is not None:

@@ -134,19 +134,27 @@ class LatentCapture:
         # On CUDA with host storage, one step's rows must fit one entry of the copy ring.
         staging = max_step_tokens if self.device.type == "cuda" else None
         self.store = LatentStore(
-            self.dims, kv_cache_config.num_blocks, self.block_size,
-            storage=self.options.storage, device=self.device, staging_tokens=staging,
+            self.dims,
+            kv_cache_config.num_blocks,
+            self.block_size,
+            storage=self.options.storage,
+            device=self.device,
+            staging_tokens=staging,
         )
         logger.info(
-            "hidden-state cache: mirroring KV group %d (%d blocks x %d slots), latents %s, "
-            "%.1f MiB in %s memory", self.group_id, kv_cache_config.num_blocks, self.block_size,
-            ", ".join(f"{n}[{d}]" for n, (d, _) in self.dims.items()), self.store.nbytes / 2**20,
+            "hidden-state cache: mirroring KV group %d (%d blocks x %d slots), latents %s, %.1f MiB in %s memory",
+            self.group_id,
+            kv_cache_config.num_blocks,
+            self.block_size,
+            ", ".join(f"{n}[{d}]" for n, (d, _) in self.dims.items()),
+            self.store.nbytes / 2**20,
             self.options.storage,
         )
 
     # ---- per step --------------------------------------------------------------------------
-    def on_step(self, sched: Any, state: Any, req_ids: list[str], token_ids: torch.Tensor | None = None,
-                prompt_lens: Any = None) -> None:
+    def on_step(
+        self, sched: Any, state: Any, req_ids: list[str], token_ids: torch.Tensor | None = None, prompt_lens: Any = None
+    ) -> None:
         """Called after the forward pass, before sampling. `state` is the runner's
         ExecuteModelState; `req_ids` the batch order its token rows follow; `token_ids` the step's
         input ids in that order and `prompt_lens[i]` the prompt length of `req_ids[i]` (read only
@@ -178,7 +186,7 @@ class LatentCapture:
             n = sched.num_scheduled_tokens.get(req_id, 0)
             if n == 0:
                 continue
-            rows = {name: t[offset:offset + n] for name, t in computed.items()}
+            rows = {name: t[offset : offset + n] for name, t in computed.items()}
             if req_id in hits:
                 self.pending[req_id].append(self._gather_with(*hits[req_id], rows))
             else:
@@ -194,8 +202,7 @@ class LatentCapture:
         self.pending.pop(req_id, None)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _step_latents(self, state: Any, num_tokens: int,
-                      media: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def _step_latents(self, state: Any, num_tokens: int, media: torch.Tensor | None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         if self.options.hidden:
             out[HIDDEN] = state.hidden_states[:num_tokens]
@@ -212,8 +219,9 @@ class LatentCapture:
             out[merged_name(layer, media_layer)] = rows
         return {name: self._owned(t) for name, t in out.items()}
 
-    def _media_rows(self, token_ids: torch.Tensor, sched: Any, req_ids: list[str], prompt_lens: Any,
-                    start_of: dict[str, int]) -> torch.Tensor | None:
+    def _media_rows(
+        self, token_ids: torch.Tensor, sched: Any, req_ids: list[str], prompt_lens: Any, start_of: dict[str, int]
+    ) -> torch.Tensor | None:
         """Which of the step's rows are prompt positions holding a media placeholder (None: none).
         Only prompt positions: a generated token is embedded as text even if it is a placeholder
         id (vLLM places encoder outputs at the prompt's placeholder runs alone)."""
@@ -227,7 +235,7 @@ class LatentCapture:
                 continue
             # A decode step, or a resumed request re-prefilling its prompt and its answer so far.
             generated_from = offset + max(0, int(prompt_lens[i]) - start_of[req_id])
-            mask[generated_from:offset + n] = False
+            mask[generated_from : offset + n] = False
             offset += n
         return mask
 
@@ -252,8 +260,7 @@ class LatentCapture:
                     hits[req_id] = (block_ids[self.group_id], cached.num_computed_tokens[i])
         return hits
 
-    def _gather_with(self, block_ids: list[int], num_tokens: int,
-                     step_rows: dict[str, torch.Tensor]) -> LatentChunk:
+    def _gather_with(self, block_ids: list[int], num_tokens: int, step_rows: dict[str, torch.Tensor]) -> LatentChunk:
         """One chunk from position 0: the `num_tokens` prefix rows vLLM skipped, gathered from the
         mirror, followed by the rows this step computed for the request (which start right at
         `num_tokens`). One buffer per latent, in host memory since the rows leave the process:

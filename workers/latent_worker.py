@@ -48,7 +48,8 @@ class LatentWorkerMixin:
                     f"{list(options.taps)} are not available for this model"
                 )
             num_layers = self.vllm_config.model_config.get_num_layers(  # type: ignore[attr-defined]
-                self.vllm_config.parallel_config)  # type: ignore[attr-defined]
+                self.vllm_config.parallel_config
+            )  # type: ignore[attr-defined]
             bad = [i for i in options.taps if not 0 <= i < num_layers]
             if bad:
                 raise ValueError(f"layer taps {bad} out of range: the model has {num_layers} layers")
@@ -60,20 +61,20 @@ class LatentWorkerMixin:
             if not ids:
                 raise ValueError(
                     f"latents.merged {list(options.merged)}: {type(model).__name__} has no image, "
-                    "audio or video placeholder ids in its config, so there is nothing to merge")
+                    "audio or video placeholder ids in its config, so there is nothing to merge"
+                )
             media_ids = torch.tensor(ids, dtype=runner.input_ids.cpu.dtype)
         hidden_size = self.vllm_config.model_config.get_hidden_size()  # type: ignore[attr-defined]
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
         dims = {name: (hidden_size, dtype) for name in options.names}
-        self.latents = LatentCapture(options, dims, torch.device(runner.device),
-                                     reused=reused_storages(runner), media_ids=media_ids)
+        self.latents = LatentCapture(
+            options, dims, torch.device(runner.device), reused=reused_storages(runner), media_ids=media_ids
+        )
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         if self.latents is not None:
-            self.latents.bind_kv_cache(
-                kv_cache_config,
-                self.vllm_config.scheduler_config.max_num_batched_tokens)  # type: ignore[attr-defined]
+            self.latents.bind_kv_cache(kv_cache_config, self.vllm_config.scheduler_config.max_num_batched_tokens)  # type: ignore[attr-defined]
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         output = super().sample_tokens(grammar_output)  # type: ignore[misc]
@@ -92,8 +93,13 @@ class LatentWorkerMixin:
             runner = self.model_runner  # type: ignore[attr-defined]
             # The runner's CPU-side input ids hold every prompt token of the step (decode tokens
             # may be on the device only, under async scheduling; they are never media rows).
-            self.latents.on_step(scheduler_output, state, runner.input_batch.req_ids,
-                                 runner.input_ids.cpu, runner.input_batch.num_prompt_tokens)
+            self.latents.on_step(
+                scheduler_output,
+                state,
+                runner.input_batch.req_ids,
+                runner.input_ids.cpu,
+                runner.input_batch.num_prompt_tokens,
+            )
         return output
 
 

@@ -83,10 +83,19 @@ class _Tracked:
 
 
 class LLMStage:
-    def __init__(self, model: str, engine_args: dict[str, Any], *, prefix_cache: bool = True,
-                 latents: LatentOptions | None = None, async_scheduling: bool = False,
-                 block_states: bool = True, submodel: str | None = None,
-                 report_blocks: bool = False, pacer: Any = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        engine_args: dict[str, Any],
+        *,
+        prefix_cache: bool = True,
+        latents: LatentOptions | None = None,
+        async_scheduling: bool = False,
+        block_states: bool = True,
+        submodel: str | None = None,
+        report_blocks: bool = False,
+        pacer: Any = None,
+    ) -> None:
         """block_states=False keeps vLLM's plain align mode on a hybrid thinker (states only where a
         chunk ends; benchmarks compare against it). It changes nothing for other models.
         submodel="talker" runs Qwen3-Omni's talker from the checkpoint folder (StageConfig.submodel).
@@ -106,33 +115,44 @@ class LLMStage:
             # block size and refuses it, so the same config works with the cache on and off.
             kwargs.pop("prefix_cache_retention_interval", None)
         if latents is not None:
-            kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache": {
-                "hidden": latents.hidden, "layers": list(latents.layers),
-                "merged": list(latents.merged) if latents.merged else None,
-                "cache": latents.cache and prefix_cache, "storage": latents.storage}}
-        kwargs["additional_config"] = {**kwargs.get("additional_config", {}),
-                                       "omni_cache_block_states": block_states}
+            kwargs["additional_config"] = {
+                **kwargs.get("additional_config", {}),
+                "omni_cache": {
+                    "hidden": latents.hidden,
+                    "layers": list(latents.layers),
+                    "merged": list(latents.merged) if latents.merged else None,
+                    "cache": latents.cache and prefix_cache,
+                    "storage": latents.storage,
+                },
+            }
+        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache_block_states": block_states}
         if submodel == "talker":
             from workers.models.qwen3_omni_talker import talker_hf_overrides
 
             # The talker reads embeddings and writes codes: no tokenizer. Its decode steps wait
             # for the thinker's text (scheduler/streamed_rows.py), which async scheduling's
             # one-step-ahead planning cannot do.
-            kwargs.update(hf_overrides=talker_hf_overrides, skip_tokenizer_init=True,
-                          enable_prompt_embeds=True,
-                          logits_processors=["workers.codec_logits:CodecLogits"])
+            kwargs.update(
+                hf_overrides=talker_hf_overrides,
+                skip_tokenizer_init=True,
+                enable_prompt_embeds=True,
+                logits_processors=["workers.codec_logits:CodecLogits"],
+            )
             if async_scheduling:
                 raise ValueError("the talker stage cannot use async_scheduling")
         if report_blocks and prefix_cache and "kv_events_config" not in kwargs:
             from vllm.config import KVEventsConfig
 
             # The null publisher: the events go nowhere but through our collector.
-            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
-                                                        publisher="null")
+            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         args = EngineArgs(
-            model=model, enable_prefix_caching=prefix_cache, async_scheduling=async_scheduling,
+            model=model,
+            enable_prefix_caching=prefix_cache,
+            async_scheduling=async_scheduling,
             worker_cls=f"workers.latent_worker.{worker}",
-            scheduler_cls=f"scheduler.omni_scheduler.{scheduler}", **kwargs)
+            scheduler_cls=f"scheduler.omni_scheduler.{scheduler}",
+            **kwargs,
+        )
         self.engine = LLMEngine.from_engine_args(args)
         self.latent_options = latents
         self._names = latents.names if latents is not None else ()
@@ -149,9 +169,16 @@ class LLMStage:
         self.max_model_len = self.engine.vllm_config.model_config.max_model_len
 
     # ---- requests --------------------------------------------------------------------------
-    def add(self, request_id: str, prompt: dict[str, Any], params: Any,
-            streamed: Any = None, positions: tuple[torch.Tensor, int] | None = None,
-            clock: Any = None, spoken: bool = False) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: Any,
+        streamed: Any = None,
+        positions: tuple[torch.Tensor, int] | None = None,
+        clock: Any = None,
+        spoken: bool = False,
+    ) -> None:
         """prompt: {"prompt_token_ids": [...]}, {"prompt": "text"} or {"prompt_embeds": tensor}.
         streamed: the request's StreamedRows (scheduler/streamed_rows.py), for a talker whose
         decode steps consume rows that keep arriving (`feed`). positions: M-RoPE prompt positions
@@ -174,9 +201,10 @@ class LLMStage:
             tracked.video_grids = video_grids(self.scheduler.requests[internal])
             # Where the media went: the client's prompt_token_ids are the expanded prompt (as
             # vLLM answers them) and the router learns the items' runs (prefix routing).
-            tracked.media_spans = [(f.modality, f.identifier, f.mm_position.offset,
-                                    f.mm_position.length)
-                                   for f in self.scheduler.requests[internal].mm_features or ()]
+            tracked.media_spans = [
+                (f.modality, f.identifier, f.mm_position.offset, f.mm_position.length)
+                for f in self.scheduler.requests[internal].mm_features or ()
+            ]
         if streamed is not None or positions is not None:
             from scheduler import streamed_rows
 
@@ -202,6 +230,7 @@ class LLMStage:
         if stream is None:
             raise ValueError(f"request {request_id!r} takes no streamed rows")
         stream.add(rows, done)
+
     def abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
@@ -228,10 +257,18 @@ class LLMStage:
             try:
                 result = self._output_of(out, tracked)
             except Exception as exc:  # noqa: BLE001 -- this request's rows, not the engine
-                results.append(StepOutput(
-                    request_id=out.request_id, token_ids=[], text="", finished=False,
-                    finish_reason=None, num_prompt_tokens=tracked.num_prompt_tokens,
-                    num_cached_tokens=0, error=exc))
+                results.append(
+                    StepOutput(
+                        request_id=out.request_id,
+                        token_ids=[],
+                        text="",
+                        finished=False,
+                        finish_reason=None,
+                        num_prompt_tokens=tracked.num_prompt_tokens,
+                        num_cached_tokens=0,
+                        error=exc,
+                    )
+                )
                 continue
             if out.finished:
                 self._forget(out.request_id, tracked)
@@ -247,17 +284,24 @@ class LLMStage:
             tracked.num_prompt_tokens = out.prompt_embeds.shape[0]
         tracked.num_generated += len(completion.token_ids)
         result = StepOutput(
-            request_id=out.request_id, token_ids=list(completion.token_ids),
-            text=completion.text or "", finished=out.finished,
+            request_id=out.request_id,
+            token_ids=list(completion.token_ids),
+            text=completion.text or "",
+            finished=out.finished,
             finish_reason=completion.finish_reason,
             num_prompt_tokens=tracked.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens or 0,
             stop_reason=completion.stop_reason,
-            logprobs=_ranked_logprobs(completion.logprobs))
+            logprobs=_ranked_logprobs(completion.logprobs),
+        )
         if tracked.spoken is not None:
             result.spoken = tracked.spoken.add(
                 None if tracked.sent_prompt else list(out.prompt_token_ids or ()),
-                result.token_ids, result.text, result.finish_reason, result.stop_reason)
+                result.token_ids,
+                result.text,
+                result.finish_reason,
+                result.stop_reason,
+            )
         if not tracked.sent_prompt:
             result.prompt_token_ids = list(out.prompt_token_ids or ())
             result.image_grids = tracked.image_grids
@@ -305,7 +349,8 @@ class LLMStage:
             "prefix_cache_requests": prefix.requests if prefix else 0,
             "prefix_cache_queried_tokens": prefix.queried_tokens if prefix else 0,
             "prefix_cache_hit_tokens": prefix.hit_tokens if prefix else 0,
-            "latent_rows_served": 0, "latent_rows_computed": 0,
+            "latent_rows_served": 0,
+            "latent_rows_computed": 0,
             "encoder_runs": getattr(self.scheduler, "encoder_runs", 0),
         }
         if self.capture is not None:
@@ -339,5 +384,4 @@ def _ranked_logprobs(logprobs: Any) -> list[list[TokenLogprob]] | None:
     (None when not requested)."""
     if logprobs is None:
         return None
-    return [[TokenLogprob(tid, lp.logprob, lp.decoded_token) for tid, lp in position.items()]
-            for position in logprobs]
+    return [[TokenLogprob(tid, lp.logprob, lp.decoded_token) for tid, lp in position.items()] for position in logprobs]

@@ -62,12 +62,17 @@ class TimedSender:
             self.sender.send(msg, tensors, timeout_s=0.0 if self.full else self.timeout_s)
         except SendTimeout:
             if not self.full:
-                logger.warning("%s stopped taking messages (its queue stayed full for %g s): what "
-                               "is sent to it fails until it reads again", self.what, self.timeout_s)
+                logger.warning(
+                    "%s stopped taking messages (its queue stayed full for %g s): what "
+                    "is sent to it fails until it reads again",
+                    self.what,
+                    self.timeout_s,
+                )
             self.full = True
             self.timeouts += 1
-            raise SendTimeout(f"{self.what} took no message for {self.timeout_s:g} s (its queue is "
-                              "full: it stopped reading)") from None
+            raise SendTimeout(
+                f"{self.what} took no message for {self.timeout_s:g} s (its queue is full: it stopped reading)"
+            ) from None
         self.full = False
 
 
@@ -75,8 +80,17 @@ class Peer:
     """The socket to one replica of a downstream stage, and the requests whose streams it has
     started."""
 
-    def __init__(self, ctx: zmq.Context, name: str, address: str, codec: Codec, auth: Any,
-                 replica: int = 0, send_timeout_s: float | None = None, what: str = "") -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        name: str,
+        address: str,
+        codec: Codec,
+        auth: Any,
+        replica: int = 0,
+        send_timeout_s: float | None = None,
+        what: str = "",
+    ) -> None:
         self.ctx, self.name, self.address, self.codec, self.auth = ctx, name, address, codec, auth
         self.replica = replica
         self.send_timeout_s = send_timeout_s
@@ -117,8 +131,11 @@ class Peer:
                 break
             dropped |= event["event"] == zmq.EVENT_DISCONNECTED
         if dropped:
-            logger.warning("stage %s went away: dropping what was queued for it and %d request "
-                           "stream(s) it had started", self.name, len(self.streams))
+            logger.warning(
+                "stage %s went away: dropping what was queued for it and %d request stream(s) it had started",
+                self.name,
+                len(self.streams),
+            )
             self.close()
             self.streams.clear()
             self.resets += 1
@@ -135,18 +152,36 @@ class Outbox:
     ``send_timeout_s``: how long a send waits for room in a full queue (None: as long as it
     takes); then it raises :class:`SendTimeout`."""
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, downstream: dict[str, list[str]],
-                 orchestrator: str | None, auth: Any = None,
-                 send_timeout_s: float | None = None) -> None:
-        self.peers = [Peer(ctx, name, addr, codec, auth, replica=i, send_timeout_s=send_timeout_s,
-                           what=f"stage {name!r}" + (f" replica {i}" if len(addrs) > 1 else ""))
-                      for name, addrs in downstream.items() for i, addr in enumerate(addrs)]
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        codec: Codec,
+        downstream: dict[str, list[str]],
+        orchestrator: str | None,
+        auth: Any = None,
+        send_timeout_s: float | None = None,
+    ) -> None:
+        self.peers = [
+            Peer(
+                ctx,
+                name,
+                addr,
+                codec,
+                auth,
+                replica=i,
+                send_timeout_s=send_timeout_s,
+                what=f"stage {name!r}" + (f" replica {i}" if len(addrs) > 1 else ""),
+            )
+            for name, addrs in downstream.items()
+            for i, addr in enumerate(addrs)
+        ]
         self._replicas = {name: len(addrs) for name, addrs in downstream.items()}
-        self.orchestrator_sender = (Sender(ctx, orchestrator, codec, auth=auth)
-                                    if orchestrator else None)
-        self.orchestrator = (TimedSender(self.orchestrator_sender, send_timeout_s,
-                                         "the orchestrator")
-                             if self.orchestrator_sender is not None else None)
+        self.orchestrator_sender = Sender(ctx, orchestrator, codec, auth=auth) if orchestrator else None
+        self.orchestrator = (
+            TimedSender(self.orchestrator_sender, send_timeout_s, "the orchestrator")
+            if self.orchestrator_sender is not None
+            else None
+        )
 
     def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Raises SendTimeout when the orchestrator's queue stays full."""
@@ -161,8 +196,7 @@ class Outbox:
         for name, index in (route or {}).items():
             count = self._replicas.get(name)
             if count is not None and not 0 <= index < count:
-                raise ValueError(f"route names replica {index} of stage {name!r}, which has "
-                                 f"{count}")
+                raise ValueError(f"route names replica {index} of stage {name!r}, which has {count}")
         for peer in self.peers:
             if route is not None and peer.replica != route.get(peer.name, 0):
                 continue
@@ -184,8 +218,9 @@ class Outbox:
     @property
     def send_timeouts(self) -> int:
         """Sends that found their peer's queue full (downstream stages and the orchestrator)."""
-        return (sum(p.send_timeouts for p in self.peers)
-                + (self.orchestrator.timeouts if self.orchestrator is not None else 0))
+        return sum(p.send_timeouts for p in self.peers) + (
+            self.orchestrator.timeouts if self.orchestrator is not None else 0
+        )
 
     def close(self) -> None:
         for peer in self.peers:

@@ -85,7 +85,7 @@ def error_message(stage: str, request_id: str, exc: BaseException) -> StageError
         status = 400 if is_client_error(exc) else 500
     message = f"{type(exc).__name__}: {exc}"
     if len(message) > MAX_ERROR_MESSAGE:  # longer would not decode (the wire bounds it)
-        message = message[:MAX_ERROR_MESSAGE - 3] + "..."
+        message = message[: MAX_ERROR_MESSAGE - 3] + "..."
     return StageError(request_id=request_id, stage=stage, message=message, status=status)
 
 
@@ -102,8 +102,9 @@ class StageRunner:
     `deadline` attribute: ``time.monotonic()``, 0 = none; :func:`deadline_in`) and implement `drop`
     (forget one request and stop its work in the model)."""
 
-    def __init__(self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float,
-                 timeline: Timeline | None = None) -> None:
+    def __init__(
+        self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float, timeline: Timeline | None = None
+    ) -> None:
         self.stage, self.outbox = stage, outbox
         #: When each request passed this stage's points on its way to the first audio
         #: (omni_cache/timeline.py; off unless OMNI_CACHE_TIMELINE_DIR is set).
@@ -140,13 +141,13 @@ class StageRunner:
         try:
             self.abort(request_id)
         except Exception:  # noqa: BLE001 -- it is forgotten here all the same
-            logger.exception("stage %s: dropping failed request %s raised", self.stage.name,
-                             request_id)
+            logger.exception("stage %s: dropping failed request %s raised", self.stage.name, request_id)
         try:
             self.outbox.to_orchestrator(error_message(self.stage.name, request_id, exc))
         except Exception as send_exc:  # noqa: BLE001 -- SendTimeout: the orchestrator is stuck
-            logger.error("stage %s: could not report request %s's failure (%s): %s",
-                         self.stage.name, request_id, exc, send_exc)
+            logger.error(
+                "stage %s: could not report request %s's failure (%s): %s", self.stage.name, request_id, exc, send_exc
+            )
 
     def guarded(self, request_id: str, work: Callable[[], Any]) -> None:
         """Run one request's work; if it raises, that request fails (StageError naming this stage
@@ -154,9 +155,14 @@ class StageRunner:
         try:
             work()
         except Exception as exc:  # noqa: BLE001 -- one request must not take the stage down
-            logger.warning("stage %s: request %s failed: %s: %s", self.stage.name, request_id,
-                           type(exc).__name__, exc,
-                           exc_info=not isinstance(exc, (ValueError, SendTimeout)))
+            logger.warning(
+                "stage %s: request %s failed: %s: %s",
+                self.stage.name,
+                request_id,
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, (ValueError, SendTimeout)),
+            )
             self.fail(request_id, exc)
 
     def fail_all(self, exc: BaseException) -> None:
@@ -170,8 +176,7 @@ class StageRunner:
         late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now - DEADLINE_GRACE_S]
         for request_id in late:
             self.expired += 1
-            logger.info("stage %s: request %s passed its deadline, dropped", self.stage.name,
-                        request_id)
+            logger.info("stage %s: request %s passed its deadline, dropped", self.stage.name, request_id)
             self.fail(request_id, DeadlineExpired(f"deadline passed in stage {self.stage.name!r}"))
         while self.tombstones and next(iter(self.tombstones.values())) <= now:
             self.tombstones.popitem(last=False)
@@ -200,8 +205,12 @@ class StageRunner:
         return None
 
     def counters(self) -> dict[str, float]:
-        return {"requests": self.total_requests, "errors": self.errors,
-                "queue_depth": len(self.requests), "expired": self.expired}
+        return {
+            "requests": self.total_requests,
+            "errors": self.errors,
+            "queue_depth": len(self.requests),
+            "expired": self.expired,
+        }
 
     def close(self) -> None:
         self.timeline.close()

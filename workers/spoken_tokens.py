@@ -49,8 +49,14 @@ class SpokenTokens:
         self._client_chars = 0  # length of the client's text so far
         self.count = 0  # tokens spoken so far
 
-    def add(self, prompt_token_ids: list[int] | None, token_ids: list[int], text: str,
-            finish_reason: str | None, stop_reason: int | str | None) -> SpokenDelta:
+    def add(
+        self,
+        prompt_token_ids: list[int] | None,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> SpokenDelta:
         """What one output of vLLM (new ``token_ids`` and client ``text``) adds to the spoken
         tokens. ``prompt_token_ids``: the prompt as vLLM saw it (the first output has it)."""
         stop_token = finish_reason == "stop" and not isinstance(stop_reason, str)
@@ -93,10 +99,18 @@ class SpokenTokens:
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
         p = self._params
-        params = SamplingParams(skip_special_tokens=p.skip_special_tokens,
-                                spaces_between_special_tokens=p.spaces_between_special_tokens)
+        params = SamplingParams(
+            skip_special_tokens=p.skip_special_tokens, spaces_between_special_tokens=p.spaces_between_special_tokens
+        )
         request = EngineCoreRequest(
-            request_id="spoken-text", prompt_token_ids=list(prompt_token_ids), mm_features=None,
-            sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
-            cache_salt=None, data_parallel_rank=None)
+            request_id="spoken-text",
+            prompt_token_ids=list(prompt_token_ids),
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
         return IncrementalDetokenizer.from_new_request(self._tokenizer, request)

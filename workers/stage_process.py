@@ -65,9 +65,16 @@ LOG_EVERY_FAILURES = 100
 class StageProcess:
     """One replica (``replica``, see omni_cache.config.replicas) of ``stage``."""
 
-    def __init__(self, config: PipelineConfig, stage: StageConfig, *, orchestrator: str | None,
-                 parent_pid: int | None = None, prefix_cache: bool | None = None,
-                 replica: int = 0) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        stage: StageConfig,
+        *,
+        orchestrator: str | None,
+        parent_pid: int | None = None,
+        prefix_cache: bool | None = None,
+        replica: int = 0,
+    ) -> None:
         self.config, self.stage = config, stage
         self.replica = stage_replicas(stage)[replica]
         self.parent_pid = parent_pid
@@ -78,13 +85,17 @@ class StageProcess:
         self.auth = load_stage_auth(config)
         if self.auth is not None:
             self.auth.guard(self.ctx)  # before the inbox binds: no unauthenticated peer gets in
-        self.inbox = Receiver(self.ctx, self.replica.bind_address or self.replica.address,
-                              self.codec, bind=True, auth=self.auth)
-        self.outbox = Outbox(self.ctx, self.codec,
-                             {s.name: [r.address for r in stage_replicas(s)]
-                              for s in config.downstream(stage.name)},
-                             orchestrator, auth=self.auth,
-                             send_timeout_s=send_timeout_s(config.server.heartbeat_timeout_s))
+        self.inbox = Receiver(
+            self.ctx, self.replica.bind_address or self.replica.address, self.codec, bind=True, auth=self.auth
+        )
+        self.outbox = Outbox(
+            self.ctx,
+            self.codec,
+            {s.name: [r.address for r in stage_replicas(s)] for s in config.downstream(stage.name)},
+            orchestrator,
+            auth=self.auth,
+            send_timeout_s=send_timeout_s(config.server.heartbeat_timeout_s),
+        )
         self.announcer: Announcer | None = None
         self.stopping = False
         self.runner: Any = None
@@ -103,11 +114,14 @@ class StageProcess:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        report = reports_blocks(self.config.server.routing, self.stage.name,
-                                self.config.entry_stage().name, self.stage.replicas,
-                                self.prefix_cache)
-        return self.serve(make_runner(self.config, self.stage, self.outbox, self.prefix_cache,
-                                      report_blocks=report))
+        report = reports_blocks(
+            self.config.server.routing,
+            self.stage.name,
+            self.config.entry_stage().name,
+            self.stage.replicas,
+            self.prefix_cache,
+        )
+        return self.serve(make_runner(self.config, self.stage, self.outbox, self.prefix_cache, report_blocks=report))
 
     def serve(self, runner: Any) -> int:
         """Announce the stage and run its loop with ``runner`` until told to stop (Shutdown, a
@@ -115,18 +129,28 @@ class StageProcess:
         steps failed :data:`MAX_FAILED_STEPS` times in a row."""
         self.runner = runner
         if self.orchestrator:
-            self.announcer = Announcer(self.ctx, self.codec, self.orchestrator, self.stage.name,
-                                       interval_s=self.config.server.heartbeat_interval_s,
-                                       max_model_len=self.runner.max_model_len, auth=self.auth,
-                                       replica=self.replica.index, progress=self.progress)
+            self.announcer = Announcer(
+                self.ctx,
+                self.codec,
+                self.orchestrator,
+                self.stage.name,
+                interval_s=self.config.server.heartbeat_interval_s,
+                max_model_len=self.runner.max_model_len,
+                auth=self.auth,
+                replica=self.replica.index,
+                progress=self.progress,
+            )
             # Queued on the outbox (the announcer drops beats while nobody listens): a server
             # that is already up hears it at once; the announcer's beats follow.
-            self._outside_requests("announcing the stage",
-                                   lambda: self.outbox.to_orchestrator(self.announcer.message))
+            self._outside_requests("announcing the stage", lambda: self.outbox.to_orchestrator(self.announcer.message))
             self.announcer.start()
-        logger.info("stage %s ready (pid %d) at %s%s", self.replica.name, os.getpid(),
-                    self.replica.address,
-                    f" (bound to {self.replica.bind_address})" if self.replica.bind_address else "")
+        logger.info(
+            "stage %s ready (pid %d) at %s%s",
+            self.replica.name,
+            os.getpid(),
+            self.replica.address,
+            f" (bound to {self.replica.bind_address})" if self.replica.bind_address else "",
+        )
         try:
             while not self.stopping:
                 if self.stepped or self.runner.requests:
@@ -161,8 +185,7 @@ class StageProcess:
         except Exception as exc:
             self.failed_steps += 1
             self.loop_errors += 1
-            logger.exception("stage %s: model step failed (%d in a row)", self.stage.name,
-                             self.failed_steps)
+            logger.exception("stage %s: model step failed (%d in a row)", self.stage.name, self.failed_steps)
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             self.runner.fail_all(exc)
@@ -180,8 +203,13 @@ class StageProcess:
             self.loop_errors += 1
             in_a_row = self.failing[what] = self.failing.get(what, 0) + 1
             if in_a_row % LOG_EVERY_FAILURES == 1:
-                logger.exception("stage %s: %s failed (%d in a row, %d failures outside requests "
-                                 "so far)", self.stage.name, what, in_a_row, self.loop_errors)
+                logger.exception(
+                    "stage %s: %s failed (%d in a row, %d failures outside requests so far)",
+                    self.stage.name,
+                    what,
+                    in_a_row,
+                    self.loop_errors,
+                )
             return
         if self.failing.pop(what, 0):
             logger.info("stage %s: %s works again", self.stage.name, what)
@@ -190,11 +218,20 @@ class StageProcess:
         """Tell the orchestrator what this step changed in the prefix cache (prefix routing)."""
         changes = self.runner.take_block_changes()
         if changes:
-            self.outbox.to_orchestrator(BlockEvents(
-                stage=self.stage.name, replica=self.replica.index, stored=changes.stored,
-                removed=changes.removed, cleared=changes.cleared, block_size=changes.block_size,
-                recurrent=changes.recurrent, state_stored=changes.state_stored,
-                state_removed=changes.state_removed, hash_block_size=changes.hash_block_size))
+            self.outbox.to_orchestrator(
+                BlockEvents(
+                    stage=self.stage.name,
+                    replica=self.replica.index,
+                    stored=changes.stored,
+                    removed=changes.removed,
+                    cleared=changes.cleared,
+                    block_size=changes.block_size,
+                    recurrent=changes.recurrent,
+                    state_stored=changes.state_stored,
+                    state_removed=changes.state_removed,
+                    hash_block_size=changes.hash_block_size,
+                )
+            )
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -239,16 +276,24 @@ class StageProcess:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 
     def _send_stats(self) -> None:
-        self.outbox.to_orchestrator(StageStats(
-            stage=self.stage.name, replica=self.replica.index,
-            counters={**self.runner.counters(), **self.heap.counters(),
-                      "peer_resets": self.outbox.peer_resets,
-                      "send_timeouts": self.outbox.send_timeouts,
-                      "loop_errors": self.loop_errors}))
+        self.outbox.to_orchestrator(
+            StageStats(
+                stage=self.stage.name,
+                replica=self.replica.index,
+                counters={
+                    **self.runner.counters(),
+                    **self.heap.counters(),
+                    "peer_resets": self.outbox.peer_resets,
+                    "send_timeouts": self.outbox.send_timeouts,
+                    "loop_errors": self.loop_errors,
+                },
+            )
+        )
 
 
-def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool,
-                report_blocks: bool = False) -> Any:
+def make_runner(
+    config: PipelineConfig, stage: StageConfig, outbox: Outbox, prefix_cache: bool, report_blocks: bool = False
+) -> Any:
     from omni_cache.config import resolve_model
 
     model = resolve_model(stage, config)
@@ -261,9 +306,17 @@ def make_runner(config: PipelineConfig, stage: StageConfig, outbox: Outbox, pref
     return ARRunner(config, stage, model, outbox, prefix_cache, report_blocks=report_blocks)
 
 
-def serve_stage(config: PipelineConfig, stage_name: str, *, orchestrator: str | None,
-                parent_pid: int | None, prefix_cache: bool | None, replica: int = 0) -> int:
+def serve_stage(
+    config: PipelineConfig,
+    stage_name: str,
+    *,
+    orchestrator: str | None,
+    parent_pid: int | None,
+    prefix_cache: bool | None,
+    replica: int = 0,
+) -> int:
     stage = config.stage(stage_name)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    return StageProcess(config, stage, orchestrator=orchestrator, parent_pid=parent_pid,
-                        prefix_cache=prefix_cache, replica=replica).run()
+    return StageProcess(
+        config, stage, orchestrator=orchestrator, parent_pid=parent_pid, prefix_cache=prefix_cache, replica=replica
+    ).run()

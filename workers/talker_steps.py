@@ -76,7 +76,7 @@ class TalkerSteps:
             return
         hidden = state.sample_hidden_states
         ids = self.runner.input_batch.req_ids
-        for i, req_id in enumerate(ids[:hidden.shape[0]]):
+        for i, req_id in enumerate(ids[: hidden.shape[0]]):
             req = self.runner.requests.get(req_id)
             if req is not None:
                 _state(req).past_hidden = hidden[i].detach().clone()
@@ -90,8 +90,9 @@ class TalkerSteps:
         rows, reqs, steps = self._code_positions(out)
         if not rows:
             return inputs_embeds
-        code0 = torch.tensor([req.output_token_ids[s] for req, s in zip(reqs, steps)],
-                             dtype=torch.long, device=inputs_embeds.device)
+        code0 = torch.tensor(
+            [req.output_token_ids[s] for req, s in zip(reqs, steps)], dtype=torch.long, device=inputs_embeds.device
+        )
         residual = self._residual_codes(reqs, steps, code0)
         embeds = self.model.codec_input_embeds(code0, residual)
         text = torch.stack([self._text_row(out, req, s) for req, s in zip(reqs, steps)])
@@ -140,12 +141,13 @@ class TalkerSteps:
             if hidden is None:
                 raise RuntimeError(f"talker request {reqs[k].req_id}: no hidden state before step {steps[k]}")
             past.append(hidden)
-        predicted = self.model.residual_codes(torch.stack(past), code0[new].to(past[0].device),
-                                              residual_picker([reqs[k] for k in new]))
+        predicted = self.model.residual_codes(
+            torch.stack(past), code0[new].to(past[0].device), residual_picker([reqs[k] for k in new])
+        )
         for j, k in enumerate(new):
             req = reqs[k]
             _state(req).residual.append(predicted[j].cpu())
-            codes = torch.cat([code0[k:k + 1].cpu(), predicted[j].cpu()])
+            codes = torch.cat([code0[k : k + 1].cpu(), predicted[j].cpu()])
             self.pending.setdefault(req.req_id, []).append(codes)
 
     def _residual_codes(self, reqs: list[Any], steps: list[int], code0: torch.Tensor) -> torch.Tensor:
@@ -167,8 +169,9 @@ class TalkerSteps:
         if rows is None:
             raise RuntimeError(f"talker request {req.req_id} has no text rows (added without them)")
         if not rows.has(step):
-            raise RuntimeError(f"talker request {req.req_id}: text row {step} has not arrived "
-                               "(the scheduler should have held it back)")
+            raise RuntimeError(
+                f"talker request {req.req_id}: text row {step} has not arrived (the scheduler should have held it back)"
+            )
         return rows.rows(torch.tensor([step]))[0]
 
     # ---- for the stage -----------------------------------------------------------------------
@@ -198,23 +201,26 @@ def residual_picker(reqs: list[Any]) -> Callable[[torch.Tensor], torch.Tensor] |
     seeds it from `seed`, so a seeded request's codes repeat). None when all are greedy."""
     from vllm.sampling_params import SamplingType
 
-    sampled = [k for k, req in enumerate(reqs) if req.sampling_params is not None
-               and req.sampling_params.sampling_type != SamplingType.GREEDY]
+    sampled = [
+        k
+        for k, req in enumerate(reqs)
+        if req.sampling_params is not None and req.sampling_params.sampling_type != SamplingType.GREEDY
+    ]
     if not sampled:
         return None
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
         codes = logits.argmax(dim=-1)
         for k in sampled:
-            codes[k] = sample_top_k_top_p(logits[k], RESIDUAL_TOP_K, RESIDUAL_TOP_P,
-                                          reqs[k].generator)
+            codes[k] = sample_top_k_top_p(logits[k], RESIDUAL_TOP_K, RESIDUAL_TOP_P, reqs[k].generator)
         return codes
 
     return pick
 
 
-def sample_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float,
-                       generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_top_k_top_p(
+    logits: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One id from `logits` [V]: keep the top_k largest, then the smallest set of those whose
     probability reaches top_p (at least one), renormalise and draw."""
     values, ids = logits.float().topk(min(top_k, logits.shape[-1]))

@@ -28,6 +28,5 @@ def video_grids(request: Any) -> VideoGrids:
             continue
         out.grids.append([int(x) for x in torch.as_tensor(grid).reshape(-1)[:3]])
         seconds = data.get("second_per_grid_ts")
-        out.seconds_per_grid.append(float(torch.as_tensor(seconds).reshape(-1)[0])
-                                    if seconds is not None else 1.0)
+        out.seconds_per_grid.append(float(torch.as_tensor(seconds).reshape(-1)[0]) if seconds is not None else 1.0)
     return out

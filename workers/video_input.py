@@ -33,9 +33,14 @@ class VideoInput:
         if not self.needs_metadata:
             return frames
         count = int(frames.shape[0])
-        return frames, {"fps": float(fps), "duration": count / float(fps), "total_num_frames": count,
-                        "frames_indices": list(range(count)), "video_backend": "opencv",
-                        "do_sample_frames": False}
+        return frames, {
+            "fps": float(fps),
+            "duration": count / float(fps),
+            "total_num_frames": count,
+            "frames_indices": list(range(count)),
+            "video_backend": "opencv",
+            "do_sample_frames": False,
+        }
 
     def processor_kwargs(self, fps: float, use_audio_in_video: bool) -> dict[str, Any] | None:
         """A request's ``mm_processor_kwargs`` for its videos (the first video's sampled rate)."""

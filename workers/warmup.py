@@ -109,8 +109,7 @@ def warm_up(llm: Any, sampling: Any, *, entry: bool) -> WarmupReport:
     for i, request in enumerate(requests):
         t0 = time.perf_counter()
         _run_alone(llm, f"{REQUEST_PREFIX}{i}-{request.path}", request)
-        report.seconds[request.path] = report.seconds.get(request.path, 0.0) + \
-            time.perf_counter() - t0
+        report.seconds[request.path] = report.seconds.get(request.path, 0.0) + time.perf_counter() - t0
     _forget_warmup(llm)
     report.compiles_at_ready = compiled_frames()
     return report
@@ -129,11 +128,9 @@ def stage_request(llm: Any, sampling: Any) -> WarmupRequest:
     params = _params(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
     tokenizer = _tokenizer(llm)
     if tokenizer is not None:
-        return WarmupRequest("stage_sampling", {"prompt_token_ids": tokenizer.encode(PROMPT)},
-                             params)
+        return WarmupRequest("stage_sampling", {"prompt_token_ids": tokenizer.encode(PROMPT)}, params)
     hidden = llm.engine.vllm_config.model_config.get_hidden_size()
-    return WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, hidden)}, params,
-                         streamed=True)
+    return WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, hidden)}, params, streamed=True)
 
 
 def warmup_requests(llm: Any) -> list[WarmupRequest]:
@@ -150,19 +147,26 @@ def warmup_requests(llm: Any) -> list[WarmupRequest]:
         WarmupRequest("greedy", text, params(temperature=0.0)),
         # logprobs=2 also covers top_logprobs: the same compiled function ranks the tokens.
         WarmupRequest("logprobs", text, params(temperature=0.0, logprobs=2)),
-        WarmupRequest("penalties", text, params(temperature=0.0, presence_penalty=0.5,
-                                                frequency_penalty=0.5, repetition_penalty=1.2)),
+        WarmupRequest(
+            "penalties",
+            text,
+            params(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
+        ),
         WarmupRequest("random_sampling", text, params(temperature=0.8, top_p=0.9, top_k=5)),
         WarmupRequest("seed", text, params(temperature=0.8, seed=0)),
     ]
     if tokenizer is None:
         return sampling
-    return [*sampling,
-            WarmupRequest("logits_processors", text, params(
-                temperature=0.0, min_tokens=1, logit_bias={0: -1.0}, bad_words=["warm"])),
-            WarmupRequest("structured_output", text, params(
-                temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))),
-            *media_requests(llm, tokenizer, params(temperature=0.0))]
+    return [
+        *sampling,
+        WarmupRequest(
+            "logits_processors", text, params(temperature=0.0, min_tokens=1, logit_bias={0: -1.0}, bad_words=["warm"])
+        ),
+        WarmupRequest(
+            "structured_output", text, params(temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+        ),
+        *media_requests(llm, tokenizer, params(temperature=0.0)),
+    ]
 
 
 def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]:
@@ -191,8 +195,10 @@ def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]
         item = make()
         if modality == "video":  # in the form the model takes videos (workers/video_input.py)
             item = video.item(item, VIDEO_FPS)
-        prompt = {"prompt_token_ids": tokenizer.encode(f"{placeholder}{PROMPT}"),
-                  "multi_modal_data": {modality: [item]}}
+        prompt = {
+            "prompt_token_ids": tokenizer.encode(f"{placeholder}{PROMPT}"),
+            "multi_modal_data": {modality: [item]},
+        }
         kwargs = video.processor_kwargs(VIDEO_FPS, False) if modality == "video" else None
         if kwargs:
             prompt["mm_processor_kwargs"] = kwargs
@@ -238,8 +244,7 @@ def _run_alone(llm: Any, request_id: str, request: WarmupRequest) -> None:
         for out in llm.step():
             if out.error is not None:
                 llm.abort(request_id)
-                raise RuntimeError(f"warm-up request {request.path!r} failed: {out.error}") \
-                    from out.error
+                raise RuntimeError(f"warm-up request {request.path!r} failed: {out.error}") from out.error
             if out.finished:
                 return
     llm.abort(request_id)

@@ -85,8 +85,7 @@ class HostMirror:
     row_bytes: tuple[int, ...]  # bytes of one row of each name, in `names` order
     trash: int  # the row that absorbs padding (-1) writes, = num_slots
 
-    def select(self, name: str, slots: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def select(self, name: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         d, dt = self.specs[name]
         return select_rows(self.flat_w[name], slots, d, dt, out)
 
@@ -105,8 +104,19 @@ class _NullEvent:
 
 
 class _Entry:
-    __slots__ = ("index", "dev_buf", "host_buf", "packed", "slots_done", "data_done", "slots_ev",
-                 "seq", "n", "registered", "handles")
+    __slots__ = (
+        "index",
+        "dev_buf",
+        "host_buf",
+        "packed",
+        "slots_done",
+        "data_done",
+        "slots_ev",
+        "seq",
+        "n",
+        "registered",
+        "handles",
+    )
 
     def __init__(self, index: int, dev_buf: torch.Tensor, host_buf: torch.Tensor, events: tuple):
         self.index = index
@@ -132,8 +142,9 @@ class _DrainState:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # entries; None = stop
 
 
-def _drain_loop(state: _DrainState, scatter, num_threads: int | None = None,
-                ready: threading.Event | None = None) -> None:
+def _drain_loop(
+    state: _DrainState, scatter, num_threads: int | None = None, ready: threading.Event | None = None
+) -> None:
     if num_threads:
         torch.set_num_threads(num_threads)  # this thread's OpenMP team only (ICV is per thread)
     if ready is not None:
@@ -174,7 +185,7 @@ def _scatter_fn(mirror: HostMirror):
         idx = torch.where(slots < 0, trash, slots)
         for nm, off in zip(names, offsets):
             w = flat_w[nm]
-            rows = buf[off: off + entry.n * w.shape[1] * w.element_size()].view(w.dtype)
+            rows = buf[off : off + entry.n * w.shape[1] * w.element_size()].view(w.dtype)
             w.index_copy_(0, idx, rows.view(entry.n, -1))
 
     return scatter
@@ -187,9 +198,20 @@ class HostPipeline:
     `registered`: the mirror's page-locked pointers (`page_lock`), unregistered once the drain
     thread has stopped (`close()` or garbage collection)."""
 
-    def __init__(self, mirror: HostMirror, device: torch.device, *, staging_tokens: int | None,
-                 staging_depth: int, host_gather: str, drain_threads: int | None, use_driver: bool,
-                 emulated: bool, stats: dict[str, int], registered: list[int]) -> None:
+    def __init__(
+        self,
+        mirror: HostMirror,
+        device: torch.device,
+        *,
+        staging_tokens: int | None,
+        staging_depth: int,
+        host_gather: str,
+        drain_threads: int | None,
+        use_driver: bool,
+        emulated: bool,
+        stats: dict[str, int],
+        registered: list[int],
+    ) -> None:
         self.mirror = mirror
         self.device = device
         self.host_gather = host_gather  # "zero_copy" or "staging" (falls back to staging)
@@ -217,9 +239,11 @@ class HostPipeline:
             self._cs_handle = self._copy_stream.cuda_stream
             self._compute_handle = cuda_driver.current_stream_handle(device.index)
             for e in self.entries:
-                e.handles = (e.dev_buf.data_ptr(), e.host_buf.data_ptr(),
-                             *(cuda_driver.event_handle(ev, self._copy_stream)
-                               for ev in (e.packed, e.slots_done, e.data_done)))
+                e.handles = (
+                    e.dev_buf.data_ptr(),
+                    e.host_buf.data_ptr(),
+                    *(cuda_driver.event_handle(ev, self._copy_stream) for ev in (e.packed, e.slots_done, e.data_done)),
+                )
         self._state = _DrainState()
         drain_threads = min(drain_threads, torch.get_num_threads()) if drain_threads else None
         self._thread = self._start_drain(drain_threads)
@@ -235,16 +259,18 @@ class HostPipeline:
                 events: tuple = (_NullEvent(), _NullEvent(), _NullEvent())
             else:
                 host_buf = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
-                events = (torch.cuda.Event(), torch.cuda.Event(blocking=True),
-                          torch.cuda.Event(blocking=True))
+                events = (torch.cuda.Event(), torch.cuda.Event(blocking=True), torch.cuda.Event(blocking=True))
             entries.append(_Entry(i, dev_buf, host_buf, events))
         return entries
 
     def _start_drain(self, drain_threads: int | None) -> threading.Thread:
         ready = threading.Event()
         thread = threading.Thread(
-            target=_drain_loop, args=(self._state, _scatter_fn(self.mirror), drain_threads, ready),
-            name="latent-store-drain", daemon=True)
+            target=_drain_loop,
+            args=(self._state, _scatter_fn(self.mirror), drain_threads, ready),
+            name="latent-store-drain",
+            daemon=True,
+        )
         prev_threads = torch.get_num_threads()
         thread.start()
         ready.wait()
@@ -323,8 +349,16 @@ class HostPipeline:
         self._inflight.append(entry)
         self._state.queue.put(entry)
 
-    def _issue_torch(self, entry: _Entry, slot_mapping: torch.Tensor, srcs: dict[str, torch.Tensor],
-                     n: int, offsets: list[int], total: int, lo: int) -> None:
+    def _issue_torch(
+        self,
+        entry: _Entry,
+        slot_mapping: torch.Tensor,
+        srcs: dict[str, torch.Tensor],
+        n: int,
+        offsets: list[int],
+        total: int,
+        lo: int,
+    ) -> None:
         """Steps 1 and 2 of the pipeline through torch (also the CPU emulation's "copies")."""
         buf = entry.dev_buf
         mirror = self.mirror
@@ -332,7 +366,7 @@ class HostPipeline:
         #    one Triton kernel, and as fast on the GPU)
         buf[: n * 8].view(torch.int64).copy_(slot_mapping)
         for nm, rb, off in zip(mirror.names, mirror.row_bytes, offsets):
-            buf[off: off + n * rb].view(mirror.specs[nm][1]).view(n, -1).copy_(srcs[nm])
+            buf[off : off + n * rb].view(mirror.specs[nm][1]).view(n, -1).copy_(srcs[nm])
         if self._emulated:
             entry.host_buf[:total].copy_(buf[:total])
             return
@@ -347,8 +381,16 @@ class HostPipeline:
             entry.host_buf[lo:total].copy_(buf[lo:total], non_blocking=True)
             entry.data_done.record(cs)
 
-    def _issue_driver(self, entry: _Entry, slot_mapping: torch.Tensor, srcs: dict[str, torch.Tensor],
-                      n: int, offsets: list[int], total: int, lo: int) -> None:
+    def _issue_driver(
+        self,
+        entry: _Entry,
+        slot_mapping: torch.Tensor,
+        srcs: dict[str, torch.Tensor],
+        n: int,
+        offsets: list[int],
+        total: int,
+        lo: int,
+    ) -> None:
         """Steps 1 and 2 of the pipeline (see the module docstring) as raw driver calls."""
         drv, compute, cs = self._drv, self._compute_handle(), self._cs_handle
         dev, host, packed, slots_done, data_done = entry.handles
@@ -406,8 +448,7 @@ class HostPipeline:
                 launch_rows(MODE_GATHER, idx, m, [(mirror.flat[nm], out[nm]) for nm in mirror.names])
                 return out
             except (ValueError, RuntimeError) as exc:  # the driver refused the host pointer
-                warnings.warn(f"latent store: zero-copy gather unavailable ({exc}); using staging",
-                              stacklevel=2)
+                warnings.warn(f"latent store: zero-copy gather unavailable ({exc}); using staging", stacklevel=2)
                 self.host_gather = "staging"
         # staging: CPU index_select per name into one pinned buffer, then one H2D copy
         offsets, total = self._layout(m)
@@ -419,5 +460,5 @@ class HostPipeline:
             sl = slice(off, off + m * rb)
             mirror.select(nm, slots_cpu, out=host[sl].view(dt).view(m, d))
             views[nm] = dev[sl].view(dt).view(m, d)
-        dev[offsets[0]:].copy_(host[offsets[0]:], non_blocking=True)
+        dev[offsets[0] :].copy_(host[offsets[0] :], non_blocking=True)
         return views

@@ -47,9 +47,7 @@ def rows_to_skip(num_rows: int, chunk: LatentChunk) -> int | None:
     or None when the chunk brings nothing new. A chunk starting past ``num_rows`` leaves a gap: a
     bug upstream, so it raises."""
     if chunk.start > num_rows:
-        raise RuntimeError(
-            f"latent rows {num_rows}..{chunk.start - 1} are missing (chunk starts at {chunk.start})"
-        )
+        raise RuntimeError(f"latent rows {num_rows}..{chunk.start - 1} are missing (chunk starts at {chunk.start})")
     if chunk.start + chunk.num_rows <= num_rows:
         return None
     return num_rows - chunk.start
@@ -93,7 +91,7 @@ class LatentRows:
             chunk_start = chunk_end - rows
             lo, hi = max(start, chunk_start), min(upto, chunk_end)
             if lo < hi:
-                pieces.append({n: t[lo - chunk_start:hi - chunk_start] for n, t in chunk.items()})
+                pieces.append({n: t[lo - chunk_start : hi - chunk_start] for n, t in chunk.items()})
             if chunk_start <= start:
                 break
             chunk_end = chunk_start
@@ -103,8 +101,7 @@ class LatentRows:
     def _concat(self, chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if not chunks:
             return {}
-        return {n: torch.cat([c[n] for c in chunks]) if len(chunks) > 1 else chunks[0][n]
-                for n in self.names}
+        return {n: torch.cat([c[n] for c in chunks]) if len(chunks) > 1 else chunks[0][n] for n in self.names}
 
 
 class LatentBuffer:
@@ -141,12 +138,12 @@ class LatentBuffer:
             buf = self._buffers.get(name)
             if buf is None or buf.shape[0] < end:
                 buf = self._grow(name, new, end)
-            buf[self.num_rows:end].copy_(new)
+            buf[self.num_rows : end].copy_(new)
         self.num_rows = end
 
     def view(self) -> dict[str, torch.Tensor]:
         """Rows 0 .. num_rows - 1 of each name: views, no copy."""
-        return {n: b[:self.num_rows] for n, b in self._buffers.items()} if self.num_rows else {}
+        return {n: b[: self.num_rows] for n, b in self._buffers.items()} if self.num_rows else {}
 
     def _grow(self, name: str, like: torch.Tensor, need: int) -> torch.Tensor:
         old = self._buffers.get(name)
@@ -155,7 +152,7 @@ class LatentBuffer:
             capacity = min(capacity, max(self.max_rows, need))
         buf = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype)
         if old is not None:
-            buf[:self.num_rows].copy_(old[:self.num_rows])
+            buf[: self.num_rows].copy_(old[: self.num_rows])
         self._buffers[name] = buf
         return buf
 

@@ -131,16 +131,27 @@ class LatentStore:
         self._pipeline: HostPipeline | None = None
         self.staging_tokens, self.staging_depth, self.staging_nbytes = 0, 0, 0
         if self._pipelined:
-            mirror = HostMirror(self.names, self.specs, self._flat, self._flat_w,
-                                tuple(row_bytes[n] for n in self.names), self._trash)
+            mirror = HostMirror(
+                self.names, self.specs, self._flat, self._flat_w, tuple(row_bytes[n] for n in self.names), self._trash
+            )
             self._pipeline = HostPipeline(
-                mirror, self.device, staging_tokens=staging_tokens, staging_depth=staging_depth,
+                mirror,
+                self.device,
+                staging_tokens=staging_tokens,
+                staging_depth=staging_depth,
                 host_gather=host_gather if self._use_triton else "staging",
-                drain_threads=drain_threads, use_driver=use_driver, emulated=emulated,
-                stats=self.stats, registered=registered)
+                drain_threads=drain_threads,
+                use_driver=use_driver,
+                emulated=emulated,
+                stats=self.stats,
+                registered=registered,
+            )
             p = self._pipeline
             self.staging_tokens, self.staging_depth, self.staging_nbytes = (
-                p.staging_tokens, p.staging_depth, p.staging_nbytes)
+                p.staging_tokens,
+                p.staging_depth,
+                p.staging_nbytes,
+            )
 
     # ---- public API ----------------------------------------------------------------------------
     @property
@@ -173,8 +184,13 @@ class LatentStore:
             for nm in self.names:
                 self._index_copy(nm, idx, srcs[nm])
 
-    def gather(self, slots: torch.Tensor, *, device: torch.device | str | None = None,
-               out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def gather(
+        self,
+        slots: torch.Tensor,
+        *,
+        device: torch.device | str | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Rows at `slots` (int64 [M], no -1) as name -> [M, dim] on `device` (default: the store's
         compute device; pass "cpu" with host storage to skip the trip to the GPU). Sees every write
         issued before it.
@@ -216,16 +232,21 @@ class LatentStore:
             d, dt = self.specs[nm]
             t = out[nm]
             if t.shape != (m, d) or t.dtype != dt or not t.is_contiguous():
-                raise ValueError(f"gather out[{nm!r}]: expected contiguous [{m}, {d}] {dt}, "
-                                 f"got {tuple(t.shape)} {t.dtype}")
+                raise ValueError(
+                    f"gather out[{nm!r}]: expected contiguous [{m}, {d}] {dt}, got {tuple(t.shape)} {t.dtype}"
+                )
 
     def _direct(self, out: Mapping[str, torch.Tensor]) -> bool:
         """Whether a gather can go straight from the mirror into `out` with torch on the CPU side."""
-        return not self._pipelined and not self._use_triton and all(
-            out[nm].device == self._flat[nm].device for nm in self.names)
+        return (
+            not self._pipelined
+            and not self._use_triton
+            and all(out[nm].device == self._flat[nm].device for nm in self.names)
+        )
 
-    def gather_prefix(self, block_ids: Sequence[int], num_tokens: int,
-                      out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def gather_prefix(
+        self, block_ids: Sequence[int], num_tokens: int, out: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Rows of positions 0..num_tokens-1 of a request whose block table is `block_ids`, into
         `out` (as `gather(..., out=out)`). A prefix hit is whole blocks but for at most one: on the
         CPU path those are copied a block at a time (one index per `block_size` rows of a block-major
@@ -258,8 +279,9 @@ class LatentStore:
         self.write(dst.to(self.device), self.gather(src))
 
     @staticmethod
-    def prefix_slots(block_ids: Sequence[int] | torch.Tensor, block_size: int, num_tokens: int,
-                     start: int = 0) -> torch.Tensor:
+    def prefix_slots(
+        block_ids: Sequence[int] | torch.Tensor, block_size: int, num_tokens: int, start: int = 0
+    ) -> torch.Tensor:
         """Slots of positions start..num_tokens-1 of a request whose block table is `block_ids`
         (int64; on block_ids' device when it is a tensor, else on CPU)."""
         if num_tokens <= start:
@@ -268,11 +290,11 @@ class LatentStore:
         first, last = start // block_size, (num_tokens - 1) // block_size
         if len(block_ids) <= last:
             raise ValueError(f"{num_tokens} tokens need {last + 1} blocks, the table has {len(block_ids)}")
-        blocks = torch.as_tensor(block_ids[first:last + 1], dtype=torch.int64)
+        blocks = torch.as_tensor(block_ids[first : last + 1], dtype=torch.int64)
         offsets = torch.arange(block_size, dtype=torch.int64, device=blocks.device)
         slots = (blocks[:, None] * block_size + offsets).flatten()
         lo = start - first * block_size
-        return slots[lo: lo + num_tokens - start]
+        return slots[lo : lo + num_tokens - start]
 
     def synchronize(self) -> None:
         """Wait until every write issued so far is in the mirror (host pipeline: all copies done)."""
@@ -292,8 +314,10 @@ class LatentStore:
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{n}[{d}, {str(dt).removeprefix('torch.')}]" for n, (d, dt) in self.specs.items())
-        return (f"LatentStore({spec}; {self.num_blocks}x{self.block_size} slots, storage={self.storage}, "
-                f"device={self.device}, {self.nbytes / 2**20:.1f} MiB)")
+        return (
+            f"LatentStore({spec}; {self.num_blocks}x{self.block_size} slots, storage={self.storage}, "
+            f"device={self.device}, {self.nbytes / 2**20:.1f} MiB)"
+        )
 
     # ---- torch paths (CPU, and the CUDA fallback) -----------------------------------------------
     def _sources(self, latents: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
@@ -330,4 +354,3 @@ class LatentStore:
     def _index_select(self, name: str, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         d, dt = self.specs[name]
         return select_rows(self._flat_w[name], slots, d, dt, out)
-

@@ -33,8 +33,17 @@ except Exception:  # pragma: no cover - depends on the environment
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "MODE_GATHER", "MODE_WRITE", "as_words", "launch_config", "launch_rows",
-           "select_rows", "staging_layout", "word_dtype"]
+__all__ = [
+    "HAS_TRITON",
+    "MODE_GATHER",
+    "MODE_WRITE",
+    "as_words",
+    "launch_config",
+    "launch_rows",
+    "select_rows",
+    "staging_layout",
+    "word_dtype",
+]
 
 _ALIGN = 16  # byte alignment of each section of a staging buffer
 _MAX_NAMES_PER_LAUNCH = 4  # the Triton kernel takes up to four (src, dst) pairs per launch
@@ -77,8 +86,9 @@ def as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
         return None
 
 
-def select_rows(words: torch.Tensor, slots: torch.Tensor, dim: int, dtype: torch.dtype,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def select_rows(
+    words: torch.Tensor, slots: torch.Tensor, dim: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows `slots` of a mirror seen as words (`[rows, words]`), as `[len(slots), dim]` of
     `dtype`: into `out` (contiguous) when given, else a new tensor."""
     if out is None:
@@ -93,8 +103,9 @@ def select_rows(words: torch.Tensor, slots: torch.Tensor, dim: int, dtype: torch
 if HAS_TRITON:
 
     @triton.jit
-    def _copy_tile(src, src_stride, dst, dst_stride, src_rows, dst_rows, row_mask, chunk,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _copy_tile(
+        src, src_stride, dst, dst_stride, src_rows, dst_rows, row_mask, chunk, D: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
         cols = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (cols < D)[None, :]
         vals = tl.load(src + src_rows[:, None] * src_stride + cols[None, :], mask=mask)
@@ -102,14 +113,35 @@ if HAS_TRITON:
 
     @triton.jit
     def _latent_rows_kernel(
-        idx_ptr, n_rows,
-        src0, ss0, dst0, ds0,
-        src1, ss1, dst1, ds1,
-        src2, ss2, dst2, ds2,
-        src3, ss3, dst3, ds3,
-        D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-        E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
-        NUM: tl.constexpr, MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        idx_ptr,
+        n_rows,
+        src0,
+        ss0,
+        dst0,
+        ds0,
+        src1,
+        ss1,
+        dst1,
+        ds1,
+        src2,
+        ss2,
+        dst2,
+        ds2,
+        src3,
+        ss3,
+        dst3,
+        ds3,
+        D0: tl.constexpr,
+        D1: tl.constexpr,
+        D2: tl.constexpr,
+        D3: tl.constexpr,
+        E0: tl.constexpr,
+        E1: tl.constexpr,
+        E2: tl.constexpr,
+        NUM: tl.constexpr,
+        MODE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         """Rows of token tile `program_id(0)`, column chunk `program_id(1)` of one name.
 
@@ -152,17 +184,16 @@ def launch_config(n_rows: int, max_dim: int) -> tuple[int, int, int]:
     return block_t, block_d, 4
 
 
-def launch_rows(mode: int, idx: torch.Tensor, n_rows: int,
-                pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def launch_rows(mode: int, idx: torch.Tensor, n_rows: int, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """One Triton launch per group of four (src, dst) pairs; tensors are [rows, dim], stride(1)=1."""
     if n_rows == 0:
         return
     for g in range(0, len(pairs), _MAX_NAMES_PER_LAUNCH):
-        group = list(pairs[g:g + _MAX_NAMES_PER_LAUNCH])
+        group = list(pairs[g : g + _MAX_NAMES_PER_LAUNCH])
         dims = [src.shape[1] for src, _ in group]
         block_t, block_d, warps = launch_config(n_rows, max(dims))
         chunks = [triton.cdiv(d, block_d) for d in dims]
-        ends = [sum(chunks[:i + 1]) for i in range(len(chunks))]
+        ends = [sum(chunks[: i + 1]) for i in range(len(chunks))]
         num = len(group)
         while len(group) < _MAX_NAMES_PER_LAUNCH:  # unused slots: never touched (NUM guards them)
             group.append(group[0])
@@ -173,8 +204,19 @@ def launch_rows(mode: int, idx: torch.Tensor, n_rows: int,
             args += [src, src.stride(0), dst, dst.stride(0)]
         grid = (triton.cdiv(n_rows, block_t), ends[num - 1])
         _latent_rows_kernel[grid](
-            idx, n_rows, *args,
-            D0=dims[0], D1=dims[1], D2=dims[2], D3=dims[3],
-            E0=ends[0], E1=ends[1], E2=ends[2],
-            NUM=num, MODE=mode, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+            idx,
+            n_rows,
+            *args,
+            D0=dims[0],
+            D1=dims[1],
+            D2=dims[2],
+            D3=dims[3],
+            E0=ends[0],
+            E1=ends[1],
+            E2=ends[2],
+            NUM=num,
+            MODE=mode,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            num_warps=warps,
         )

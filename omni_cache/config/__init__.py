@@ -94,7 +94,7 @@ def resolve_model(stage: StageConfig, config: PipelineConfig) -> str:
     under :func:`checkpoint_root`); a path is returned absolute, with ``~`` expanded.
     """
     if stage.model.startswith(TINY_PREFIX):
-        name = stage.model[len(TINY_PREFIX):]
+        name = stage.model[len(TINY_PREFIX) :]
         if name not in TINY_MODELS:
             raise ConfigError(f"stage {stage.name!r}: unknown tiny checkpoint {name!r}")
         from omni_cache.models.checkpoints import ensure_checkpoint  # lazy: it imports torch

@@ -29,8 +29,15 @@ import tempfile
 
 from omni_cache.config.schema import PipelineConfig
 
-__all__ = ["RunDirError", "checked_run_root", "control_address", "new_run_dir", "pipeline_dir_name",
-           "run_root", "with_default_addresses"]
+__all__ = [
+    "RunDirError",
+    "checked_run_root",
+    "control_address",
+    "new_run_dir",
+    "pipeline_dir_name",
+    "run_root",
+    "with_default_addresses",
+]
 
 _MAX_IPC_PATH_BYTES = 107
 #: A root longer than this (an unusual $XDG_RUNTIME_DIR) would leave the sockets' paths too
@@ -64,15 +71,20 @@ def checked_run_root() -> str:
         raise RunDirError(f"cannot create the run directories' root {root}: {e.strerror}") from None
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode):
-        raise RunDirError(f"the run directories' root {root} is not a directory (a symlink or a "
-                          "file is not followed); remove it")
+        raise RunDirError(
+            f"the run directories' root {root} is not a directory (a symlink or a file is not followed); remove it"
+        )
     if st.st_uid != os.getuid():
-        raise RunDirError(f"the run directories' root {root} is owned by uid {st.st_uid}, not by "
-                          f"this user (uid {os.getuid()}): another user may read or replace the "
-                          "sockets in it; remove it, or set XDG_RUNTIME_DIR to a directory of yours")
+        raise RunDirError(
+            f"the run directories' root {root} is owned by uid {st.st_uid}, not by "
+            f"this user (uid {os.getuid()}): another user may read or replace the "
+            "sockets in it; remove it, or set XDG_RUNTIME_DIR to a directory of yours"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RunDirError(f"the run directories' root {root} may be written by its group or "
-                          f"others (mode {stat.S_IMODE(st.st_mode):04o}); chmod 700 it")
+        raise RunDirError(
+            f"the run directories' root {root} may be written by its group or "
+            f"others (mode {stat.S_IMODE(st.st_mode):04o}); chmod 700 it"
+        )
     return root
 
 
@@ -84,8 +96,7 @@ def pipeline_dir_name(config: PipelineConfig) -> str:
 def new_run_dir(config: PipelineConfig) -> str:
     """A new directory of this server's own, ``<root>/<name>-<pid>-<random>`` (created 0700 by
     ``tempfile.mkdtemp`` under :func:`checked_run_root`; its owner removes it)."""
-    return tempfile.mkdtemp(prefix=f"{pipeline_dir_name(config)}-{os.getpid()}-",
-                            dir=checked_run_root())
+    return tempfile.mkdtemp(prefix=f"{pipeline_dir_name(config)}-{os.getpid()}-", dir=checked_run_root())
 
 
 def control_address(config: PipelineConfig) -> str | None:

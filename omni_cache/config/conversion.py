@@ -93,8 +93,7 @@ def _check_mapping(value: dict[Any, Any], tp: Any, path: PathTokens, issues: Iss
     for key, item in value.items():
         if path[-1:] == ("env",) and value_type is str and not isinstance(item, str):
             # YAML reads 2 and true as a number and a bool: say how to write the string.
-            issues.add((*path, key), _leaf_message(item, str)
-                       + " (environment values are strings: quote them in YAML)")
+            issues.add((*path, key), _leaf_message(item, str) + " (environment values are strings: quote them in YAML)")
         else:
             _check(item, value_type, (*path, key), issues)
 
@@ -111,8 +110,7 @@ def _string_keys(value: dict[Any, Any], path: PathTokens, issues: IssueCollector
     else one problem naming the others."""
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
-        issues.add(path, f"keys must be strings, got {_type_word(bad[0])} "
-                         f"({', '.join(_short_repr(k) for k in bad)})")
+        issues.add(path, f"keys must be strings, got {_type_word(bad[0])} ({', '.join(_short_repr(k) for k in bad)})")
     return not bad
 
 
@@ -133,6 +131,7 @@ def _known_keys_hint(key: str, known: list[str]) -> str:
 # --------------------------------------------------------------------------------------------------
 # Types
 # --------------------------------------------------------------------------------------------------
+
 
 def _strip_annotated(tp: Any) -> Any:
     while typing.get_origin(tp) is Annotated:
@@ -155,8 +154,14 @@ def _without_none(tp: Any) -> tuple[Any, bool]:
 
 #: How a message names each kind of declared type.
 _WORDS: dict[type, str] = {
-    mi.IntType: "int", mi.FloatType: "float", mi.StrType: "str", mi.BoolType: "bool",
-    mi.NoneType: "null", mi.ListType: "list", mi.DictType: "mapping", mi.StructType: "mapping",
+    mi.IntType: "int",
+    mi.FloatType: "float",
+    mi.StrType: "str",
+    mi.BoolType: "bool",
+    mi.NoneType: "null",
+    mi.ListType: "list",
+    mi.DictType: "mapping",
+    mi.StructType: "mapping",
 }
 
 
@@ -201,8 +206,7 @@ def _is_kind(value: Any, info: mi.Type) -> bool:
 def _bound(value: Any, info: mi.Type) -> str:
     """The constraint of ``info`` that ``value`` breaks, in msgspec's notation."""
     if isinstance(info, mi.StrType):
-        return (_length_bound(len(value), info.min_length, info.max_length)
-                or f"matching regex {info.pattern!r}")
+        return _length_bound(len(value), info.min_length, info.max_length) or f"matching regex {info.pattern!r}"
     # An int's exclusive bounds are said as the inclusive ones one step in: "> 0" is ">= 1".
     is_int = isinstance(info, mi.IntType)
 

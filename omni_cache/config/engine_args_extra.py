@@ -27,12 +27,18 @@ from typing import Any
 
 from omni_cache.config.vllm_engine_args import ENGINE_ARG_NAMES, VLLM_VERSION
 
-_PARALLEL = ("a stage runs one in-process vLLM worker (workers/llm_stage.py): no parallelism "
-             "across processes or GPUs; scale a stage with `replicas` instead")
-_SPECULATIVE = ("speculative decoding is not supported: the stage captures the latents of every "
-                "token fed, drafts and rejected ones included (workers/latent_worker.py)")
-_KV_ELSEWHERE = ("KV blocks that come back into the pool from elsewhere have no latents in the "
-                 "hidden-state cache, which mirrors only this engine's pool")
+_PARALLEL = (
+    "a stage runs one in-process vLLM worker (workers/llm_stage.py): no parallelism "
+    "across processes or GPUs; scale a stage with `replicas` instead"
+)
+_SPECULATIVE = (
+    "speculative decoding is not supported: the stage captures the latents of every "
+    "token fed, drafts and rejected ones included (workers/latent_worker.py)"
+)
+_KV_ELSEWHERE = (
+    "KV blocks that come back into the pool from elsewhere have no latents in the "
+    "hidden-state cache, which mirrors only this engine's pool"
+)
 
 #: key -> why the stage does not take it from ``extra``.
 REFUSED: dict[str, str] = {
@@ -41,28 +47,54 @@ REFUSED: dict[str, str] = {
     "worker_cls": "the stage sets it (workers/latent_worker.py: the latent capture)",
     "worker_extension_cls": "the stage sets its worker class (workers/latent_worker.py)",
     "scheduler_cls": "the stage sets it (scheduler/omni_scheduler.py)",
-    "kv_events_config": "the stage sets it when prefix routing reads its blocks "
-                        "(scheduler/block_events.py)",
+    "kv_events_config": "the stage sets it when prefix routing reads its blocks (scheduler/block_events.py)",
     "distributed_executor_backend": _PARALLEL,
     "tokenizer": "the server tokenizes prompts with the model folder's tokenizer "
-                 "(omni_cache/runtime/text_codec.py); the stage must read them with the same one",
-    "skip_tokenizer_init": "the stage sets it for a talker; a stage that writes text needs its "
-                           "tokenizer",
+    "(omni_cache/runtime/text_codec.py); the stage must read them with the same one",
+    "skip_tokenizer_init": "the stage sets it for a talker; a stage that writes text needs its tokenizer",
     "runner": "a stage runs a generating model (vLLM's default runner)",
     "convert": "a stage runs a generating model (vLLM's default runner)",
     "pooler_config": "a stage runs a generating model (vLLM's default runner)",
-    **dict.fromkeys((
-        "pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size",
-        "dcp_comm_backend", "dcp_q_replicate", "dcp_kv_cache_interleave_size",
-        "cp_kv_cache_interleave_size", "master_addr", "master_port", "nnodes", "node_rank",
-        "enable_expert_parallel", "enable_eplb", "eplb_config", "expert_placement_strategy",
-        "all2all_backend", "enable_elastic_ep", "elastic_ep_max_dp_size", "enable_dbo",
-        "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
-        "dp_sync_interval", "disable_nccl_for_dp_synchronization"), _PARALLEL),
-    **dict.fromkeys(("speculative_config", "spec_method", "spec_model", "spec_tokens"),
-                    _SPECULATIVE),
-    **dict.fromkeys(("kv_transfer_config", "ec_transfer_config", "ec_manager_config",
-                     "kv_offloading_size", "kv_offloading_backend"), _KV_ELSEWHERE),
+    **dict.fromkeys(
+        (
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+            "dcp_comm_backend",
+            "dcp_q_replicate",
+            "dcp_kv_cache_interleave_size",
+            "cp_kv_cache_interleave_size",
+            "master_addr",
+            "master_port",
+            "nnodes",
+            "node_rank",
+            "enable_expert_parallel",
+            "enable_eplb",
+            "eplb_config",
+            "expert_placement_strategy",
+            "all2all_backend",
+            "enable_elastic_ep",
+            "elastic_ep_max_dp_size",
+            "enable_dbo",
+            "ubatch_size",
+            "dbo_decode_token_threshold",
+            "dbo_prefill_token_threshold",
+            "dp_sync_interval",
+            "disable_nccl_for_dp_synchronization",
+        ),
+        _PARALLEL,
+    ),
+    **dict.fromkeys(("speculative_config", "spec_method", "spec_model", "spec_tokens"), _SPECULATIVE),
+    **dict.fromkeys(
+        (
+            "kv_transfer_config",
+            "ec_transfer_config",
+            "ec_manager_config",
+            "kv_offloading_size",
+            "kv_offloading_backend",
+        ),
+        _KV_ELSEWHERE,
+    ),
 }
 #: Every ``data_parallel_*`` argument: one in-process worker has no data parallelism.
 REFUSED_PREFIXES = {"data_parallel_": _PARALLEL}
@@ -75,8 +107,9 @@ STAGE_ADDITIONAL_CONFIG = ("omni_cache", "omni_cache_block_states")
 ROUTED_HASH_ALGO = "sha256"
 
 
-def extra_problems(extra: Mapping[str, Any], *, typed: frozenset[str] | set[str],
-                   submodel: str | None) -> Iterator[tuple[tuple[str, ...], str]]:
+def extra_problems(
+    extra: Mapping[str, Any], *, typed: frozenset[str] | set[str], submodel: str | None
+) -> Iterator[tuple[tuple[str, ...], str]]:
     """(key path under ``extra``, message) for every key a stage refuses; ``typed``: the keys the
     schema's ``EngineArgs`` has fields for; ``submodel``: the stage's."""
     for key, value in extra.items():
@@ -85,8 +118,9 @@ def extra_problems(extra: Mapping[str, Any], *, typed: frozenset[str] | set[str]
             yield why
 
 
-def _refusal(key: str, value: Any, typed: frozenset[str] | set[str],
-             submodel: str | None) -> tuple[tuple[str, ...], str] | None:
+def _refusal(
+    key: str, value: Any, typed: frozenset[str] | set[str], submodel: str | None
+) -> tuple[tuple[str, ...], str] | None:
     if key in typed:
         return (key,), f"not allowed here: set engine_args.{key} instead"
     if key in REFUSED:
@@ -97,8 +131,7 @@ def _refusal(key: str, value: Any, typed: frozenset[str] | set[str],
     if key not in ENGINE_ARG_NAMES:
         close = difflib.get_close_matches(key, sorted(ENGINE_ARG_NAMES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return (key,), (f"unknown vLLM engine argument (vllm.EngineArgs {VLLM_VERSION} has no "
-                        f"field {key!r}){hint}")
+        return (key,), (f"unknown vLLM engine argument (vllm.EngineArgs {VLLM_VERSION} has no field {key!r}){hint}")
     if submodel == "talker" and key in SET_FOR_TALKER:
         return (key,), "not allowed here: the stage sets it for a talker (workers/llm_stage.py)"
     if key == "additional_config" and isinstance(value, Mapping):
@@ -106,6 +139,8 @@ def _refusal(key: str, value: Any, typed: frozenset[str] | set[str],
         if taken:
             return (key, taken[0]), "not allowed here: the stage writes it (workers/llm_stage.py)"
     if key == "prefix_caching_hash_algo" and value != ROUTED_HASH_ALGO:
-        return (key,), (f"{value!r} is not supported: prefix routing computes the prompt's block "
-                        f"hashes as vLLM's {ROUTED_HASH_ALGO!r} does (omni_cache/runtime/block_hashes.py)")
+        return (key,), (
+            f"{value!r} is not supported: prefix routing computes the prompt's block "
+            f"hashes as vLLM's {ROUTED_HASH_ALGO!r} does (omni_cache/runtime/block_hashes.py)"
+        )
     return None

@@ -80,9 +80,7 @@ class IssueCollector:
 
     def add(self, tokens: Sequence[str | int], message: str) -> None:
         tokens = tuple(tokens)
-        self.items.append(
-            ConfigIssue(self.source, format_key_path(tokens) or None, message, self.line_of(tokens))
-        )
+        self.items.append(ConfigIssue(self.source, format_key_path(tokens) or None, message, self.line_of(tokens)))
 
     def raise_if_any(self) -> None:
         if self.items:

@@ -104,13 +104,18 @@ def _read_yaml(text: str, source: str) -> tuple[Any, dict[PathTokens, int]]:
         loader.dispose()
     return data, _line_map(node)
 
+
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str], *, check_paths: CheckPaths = True,
-                overrides: Callable[[PipelineConfig], Any] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    check_paths: CheckPaths = True,
+    overrides: Callable[[PipelineConfig], Any] | None = None,
+) -> PipelineConfig:
     """Read, convert and validate a stage config; ConfigError naming file and key path otherwise.
 
     ``check_paths=False`` skips the check that a ``model`` path (and the stage key file) exists;
@@ -134,7 +139,10 @@ def load_config(path: str | os.PathLike[str], *, check_paths: CheckPaths = True,
 
 
 def parse_config(
-    text: str, *, source: str = "<config>", check_paths: CheckPaths = True,
+    text: str,
+    *,
+    source: str = "<config>",
+    check_paths: CheckPaths = True,
     overrides: Callable[[PipelineConfig], Any] | None = None,
 ) -> PipelineConfig:
     """Like :func:`load_config` for YAML text; ``source`` names it in error messages."""

@@ -17,9 +17,9 @@ import yaml
 from omni_cache.config.schema import PipelineConfig
 
 
-def with_overrides(config: PipelineConfig, *,
-                   checkpoint_dir: str | os.PathLike[str] | None = None,
-                   prefix_cache: bool = True) -> PipelineConfig:
+def with_overrides(
+    config: PipelineConfig, *, checkpoint_dir: str | os.PathLike[str] | None = None, prefix_cache: bool = True
+) -> PipelineConfig:
     """A copy of ``config`` with ``checkpoint_dir`` set (when given) and, with
     ``prefix_cache=False``, prefix caching off in every autoregressive stage (a generation stage
     has none)."""

@@ -62,17 +62,22 @@ def stage_replicas(stage: StageConfig) -> list[Replica]:
     yet (placed by Ray, before its actors reported them)."""
     n = stage.replicas
     if stage.replica_addresses:
-        return [Replica(stage=stage.name, index=i, name=replica_name(stage.name, i, n),
-                        address=address, bind_address=None)
-                for i, address in enumerate(stage.replica_addresses)]
+        return [
+            Replica(stage=stage.name, index=i, name=replica_name(stage.name, i, n), address=address, bind_address=None)
+            for i, address in enumerate(stage.replica_addresses)
+        ]
     if stage.address is None:
-        raise ValueError(f"stage {stage.name!r} has no address yet (Ray places it: its replicas' "
-                         "addresses come from their actors)")
+        raise ValueError(
+            f"stage {stage.name!r} has no address yet (Ray places it: its replicas' addresses come from their actors)"
+        )
     return [
-        Replica(stage=stage.name, index=i, name=replica_name(stage.name, i, n),
-                address=replica_address(stage.address, i),
-                bind_address=(replica_address(stage.bind_address, i)
-                              if stage.bind_address is not None else None))
+        Replica(
+            stage=stage.name,
+            index=i,
+            name=replica_name(stage.name, i, n),
+            address=replica_address(stage.address, i),
+            bind_address=(replica_address(stage.bind_address, i) if stage.bind_address is not None else None),
+        )
         for i in range(n)
     ]
 

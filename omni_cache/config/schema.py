@@ -89,8 +89,7 @@ class LatentSpec(ConfigStruct, kw_only=True):
         if self.layers:
             parts.append("layers " + ",".join(str(i) for i in self.layers))
         if self.merged:
-            parts.append(f"layer {self.merged.layer}, layer {self.merged.media_layer} at media "
-                         "positions (one latent)")
+            parts.append(f"layer {self.merged.layer}, layer {self.merged.media_layer} at media positions (one latent)")
         return "; ".join(parts) if parts else "none"
 
 
@@ -277,7 +276,6 @@ class StageConfig(ConfigStruct, kw_only=True):
         return self.kind == "autoregressive" and self.prefix_cache
 
 
-
 class PipelineConfig(ConfigStruct, kw_only=True):
     """A whole pipeline: the server and its stages."""
 
@@ -312,9 +310,7 @@ class PipelineConfig(ConfigStruct, kw_only=True):
         """The one stage with no inputs: it takes the client's request."""
         entries = [s for s in self.stages if not s.inputs]
         if len(entries) != 1:
-            raise ValueError(
-                f"pipeline {self.name!r} has {len(entries)} entry stages, expected exactly one"
-            )
+            raise ValueError(f"pipeline {self.name!r} has {len(entries)} entry stages, expected exactly one")
         return entries[0]
 
     def upstream(self, name: str) -> list[StageConfig]:

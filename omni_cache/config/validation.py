@@ -63,9 +63,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
                 graph_ok = False
                 close = difflib.get_close_matches(inp, names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                issues.add(
-                    (*base, "inputs", j), f"unknown stage {inp!r} (stages: {name_list}){hint}"
-                )
+                issues.add((*base, "inputs", j), f"unknown stage {inp!r} (stages: {name_list}){hint}")
             elif inp in seen_inputs:
                 issues.add((*base, "inputs", j), f"stage {inp!r} is listed twice")
             seen_inputs.add(inp)
@@ -78,8 +76,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
             )
         _check_handoff(s, base, issues)
         _check_kind_specific(s, base, issues)
-        _check_model(s, base, issues,
-                     check_paths=check_paths is True or (bool(check_paths) and s.name in check_paths))
+        _check_model(s, base, issues, check_paths=check_paths is True or (bool(check_paths) and s.name in check_paths))
         _check_sampling(s, base, issues)
         check_replicas(s, base, issues)
 
@@ -113,8 +110,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
     if not finals:
         issues.add(
             ("stages",),
-            "no stage has a final_output: at least one stage must return 'text' or 'audio' "
-            "to the client",
+            "no stage has a final_output: at least one stage must return 'text' or 'audio' to the client",
         )
     seen_outputs: dict[str, int] = {}
     for i, s in finals:
@@ -134,8 +130,7 @@ def _check_handoff(s: StageConfig, base: tuple[str | int, ...], issues: IssueCol
     if s.inputs and s.handoff is None:
         issues.add(
             (*base, "handoff"),
-            "missing: a stage with inputs needs a hand-off function "
-            "(dotted path 'package.module.function')",
+            "missing: a stage with inputs needs a hand-off function (dotted path 'package.module.function')",
         )
     elif not s.inputs and s.handoff is not None:
         issues.add(
@@ -170,16 +165,15 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
             )
         merged = s.latents.merged
         if merged is not None and merged.layer == merged.media_layer:
-            issues.add((*base, "latents", "merged"),
-                       f"layer and media_layer are both {merged.layer}: that is `layers: "
-                       f"[{merged.layer}]`, not a merge")
+            issues.add(
+                (*base, "latents", "merged"),
+                f"layer and media_layer are both {merged.layer}: that is `layers: [{merged.layer}]`, not a merge",
+            )
         if s.submodel == "talker":
             if not s.inputs:
-                issues.add((*base, "submodel"),
-                           "'talker' reads a thinker's output: the stage needs `inputs`")
+                issues.add((*base, "submodel"), "'talker' reads a thinker's output: the stage needs `inputs`")
             if s.latents.any():
-                issues.add((*base, "latents"),
-                           "the talker emits codes, not latents: leave latents off")
+                issues.add((*base, "latents"), "the talker emits codes, not latents: leave latents off")
         if s.engine_args is not None:
             _check_extra(s.engine_args, s.submodel, (*base, "engine_args", "extra"), issues)
             tp = s.engine_args.tensor_parallel_size
@@ -194,13 +188,13 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 )
     else:
         if s.submodel is not None:
-            issues.add((*base, "submodel"),
-                       "only for autoregressive stages (a generation stage runs its checkpoint's decoder)")
+            issues.add(
+                (*base, "submodel"), "only for autoregressive stages (a generation stage runs its checkpoint's decoder)"
+            )
         if s.engine_args is not None:
             issues.add(
                 (*base, "engine_args"),
-                "not allowed for a kind 'generation' stage (it runs no vLLM engine); "
-                "use the 'generation' key",
+                "not allowed for a kind 'generation' stage (it runs no vLLM engine); use the 'generation' key",
             )
         if s.latents.any():
             issues.add(
@@ -218,8 +212,9 @@ def _check_kind_specific(s: StageConfig, base: tuple[str | int, ...], issues: Is
                 "only for autoregressive stages (a generation stage has no prefix cache)",
             )
         if not s.warmup:
-            issues.add((*base, "warmup"),
-                       "only for autoregressive stages (a generation stage has no vLLM engine to warm up)")
+            issues.add(
+                (*base, "warmup"), "only for autoregressive stages (a generation stage has no vLLM engine to warm up)"
+            )
 
 
 # (key, type word, bound check, bound text): the words msgspec used when these were schema
@@ -241,20 +236,32 @@ def _check_pacing(config: PipelineConfig, issues: IssueCollector) -> None:
             continue
         key = ("stages", i, "pacing")
         if s.kind == "autoregressive" and s.pacing.token_audio_s is None:
-            issues.add((*key, "token_audio_s"), "missing: an autoregressive stage paces by its "
-                       "tokens and needs the seconds of audio one token stands for (Qwen3-Omni: 0.08)")
+            issues.add(
+                (*key, "token_audio_s"),
+                "missing: an autoregressive stage paces by its "
+                "tokens and needs the seconds of audio one token stands for (Qwen3-Omni: 0.08)",
+            )
         elif s.kind == "generation" and s.pacing.token_audio_s is not None:
-            issues.add((*key, "token_audio_s"), "only for autoregressive stages (a generation "
-                       "stage counts the audio samples it emits)")
+            issues.add(
+                (*key, "token_audio_s"),
+                "only for autoregressive stages (a generation stage counts the audio samples it emits)",
+            )
         if s.kind == "autoregressive" and s.pacing.ahead_batch_size is not None:
-            issues.add((*key, "ahead_batch_size"), "only for generation stages (vLLM sizes an "
-                       "autoregressive stage's batches)")
+            issues.add(
+                (*key, "ahead_batch_size"), "only for generation stages (vLLM sizes an autoregressive stage's batches)"
+            )
         if s.pacing.max_lead_s is not None and s.pacing.max_lead_s < s.pacing.lead_s:
-            issues.add((*key, "max_lead_s"), f"{s.pacing.max_lead_s:g} is below lead_s "
-                       f"({s.pacing.lead_s:g}): an answer yields at lead_s and waits at max_lead_s")
+            issues.add(
+                (*key, "max_lead_s"),
+                f"{s.pacing.max_lead_s:g} is below lead_s "
+                f"({s.pacing.lead_s:g}): an answer yields at lead_s and waits at max_lead_s",
+            )
         if not _reaches_audio(config, s.name, names):
-            issues.add(key, f"stage {s.name!r} feeds no audio output (no stage with final_output "
-                       "'audio' is it or reads from it): there is nothing to pace")
+            issues.add(
+                key,
+                f"stage {s.name!r} feeds no audio output (no stage with final_output "
+                "'audio' is it or reads from it): there is nothing to pace",
+            )
 
 
 def _reaches_audio(config: PipelineConfig, name: str, names: set[str]) -> bool:
@@ -278,24 +285,20 @@ def _check_sampling(s: StageConfig, base: tuple[str | int, ...], issues: IssueCo
             return
 
 
-def _check_extra(args: EngineArgs, submodel: str | None, base: tuple[str | int, ...],
-                 issues: IssueCollector) -> None:
+def _check_extra(args: EngineArgs, submodel: str | None, base: tuple[str | int, ...], issues: IssueCollector) -> None:
     typed = set(args.__struct_fields__) - {"extra"}
     for key_path, message in extra_problems(args.extra, typed=typed, submodel=submodel):
         issues.add((*base, *key_path), message)
 
 
-def _check_model(
-    s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector, *, check_paths: bool
-) -> None:
+def _check_model(s: StageConfig, base: tuple[str | int, ...], issues: IssueCollector, *, check_paths: bool) -> None:
     key = (*base, "model")
     if s.model.startswith(TINY_PREFIX):
-        tiny = s.model[len(TINY_PREFIX):]
+        tiny = s.model[len(TINY_PREFIX) :]
         if tiny not in TINY_MODELS:
             issues.add(
                 key,
-                f"unknown tiny checkpoint {tiny!r} (known: "
-                f"{', '.join(TINY_PREFIX + n for n in sorted(TINY_MODELS))})",
+                f"unknown tiny checkpoint {tiny!r} (known: {', '.join(TINY_PREFIX + n for n in sorted(TINY_MODELS))})",
             )
         elif s.kind not in TINY_MODELS[tiny]:
             issues.add(
@@ -322,9 +325,7 @@ def import_handoff(dotted: str) -> Callable[..., Any]:
     except ModuleNotFoundError as e:
         raise ValueError(f"cannot import module {module_name!r} ({e})") from e
     except Exception as e:  # noqa: BLE001 -- whatever the module raised while importing
-        raise ValueError(
-            f"importing module {module_name!r} failed: {type(e).__name__}: {e}"
-        ) from e
+        raise ValueError(f"importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
     try:
         fn = getattr(module, attr)
     except AttributeError:
@@ -337,25 +338,35 @@ def import_handoff(dotted: str) -> Callable[..., Any]:
 def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths: bool) -> None:
     server = config.server
     if server.max_body_bytes_in_flight < server.max_body_bytes:
-        issues.add(("server", "max_body_bytes_in_flight"),
-                   f"must be at least server.max_body_bytes ({server.max_body_bytes}), got "
-                   f"{server.max_body_bytes_in_flight}: no body of that size could be read")
+        issues.add(
+            ("server", "max_body_bytes_in_flight"),
+            f"must be at least server.max_body_bytes ({server.max_body_bytes}), got "
+            f"{server.max_body_bytes_in_flight}: no body of that size could be read",
+        )
     if server.heartbeat_timeout_s <= server.heartbeat_interval_s:
-        issues.add(("server", "heartbeat_timeout_s"),
-                   f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "
-                   f"got {server.heartbeat_timeout_s:g} s")
+        issues.add(
+            ("server", "heartbeat_timeout_s"),
+            f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "
+            f"got {server.heartbeat_timeout_s:g} s",
+        )
     if server.media.video_min_frames > server.media.video_max_frames:
-        issues.add(("server", "media", "video_min_frames"),
-                   f"must be at most server.media.video_max_frames ({server.media.video_max_frames}), "
-                   f"got {server.media.video_min_frames}")
+        issues.add(
+            ("server", "media", "video_min_frames"),
+            f"must be at most server.media.video_max_frames ({server.media.video_max_frames}), "
+            f"got {server.media.video_min_frames}",
+        )
     for i, s in enumerate(config.stages):
         # A step shorter than the heartbeat timeout is never long: the limit would judge nothing.
         if s.step_timeout_s is not None and s.step_timeout_s <= server.heartbeat_timeout_s:
-            issues.add(("stages", i, "step_timeout_s"),
-                       f"must be longer than server.heartbeat_timeout_s "
-                       f"({server.heartbeat_timeout_s:g} s), got {s.step_timeout_s:g} s")
+            issues.add(
+                ("stages", i, "step_timeout_s"),
+                f"must be longer than server.heartbeat_timeout_s "
+                f"({server.heartbeat_timeout_s:g} s), got {s.step_timeout_s:g} s",
+            )
     key_file = server.stage_auth_key_file
     if key_file is not None and check_paths and not Path(key_file).expanduser().is_file():
-        issues.add(("server", "stage_auth_key_file"),
-                   f"no such file {key_file!r} (python -m omni_cache.wire.stage_auth new-key FILE "
-                   "writes one; --no-path-check skips this check)")
+        issues.add(
+            ("server", "stage_auth_key_file"),
+            f"no such file {key_file!r} (python -m omni_cache.wire.stage_auth new-key FILE "
+            "writes one; --no-path-check skips this check)",
+        )

@@ -14,7 +14,8 @@ from __future__ import annotations
 VLLM_VERSION = "0.32.0"
 
 #: Every public field of ``vllm.engine.arg_utils.EngineArgs`` in :data:`VLLM_VERSION`.
-ENGINE_ARG_NAMES = frozenset("""
+ENGINE_ARG_NAMES = frozenset(
+    """
     additional_config aggregate_engine_logging all2all_backend allow_deprecated_quantization
     allowed_local_media_path allowed_media_domains async_scheduling attention_backend
     attention_config aux_output_config block_size code_revision collect_detailed_traces
@@ -75,4 +76,5 @@ ENGINE_ARG_NAMES = frozenset("""
     ubatch_size use_fp64_gumbel use_replayssm use_tqdm_on_load video_pruning_method
     video_pruning_rate watermark watermark_config weight_transfer_config worker_cls
     worker_extension_cls
-""".split())
+""".split()
+)

@@ -62,9 +62,7 @@ def write_safetensors_index(out: Path, tensors: dict[str, torch.Tensor], filenam
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode symbol map (what ByteLevel pre-tokenizers emit)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):

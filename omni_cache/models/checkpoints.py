@@ -116,6 +116,7 @@ COMPLETE_MARKER = ".omni_cache_complete"
 # Bump when the generator changes what it writes (part of the marker, so stale caches are rebuilt).
 FORMAT_VERSION = 7
 
+
 # ---- helpers ---------------------------------------------------------------------------------------
 def default_checkpoint_dir() -> Path:
     """``$OMNI_CACHE_CHECKPOINTS`` if set, else ``~/.cache/omni_cache/checkpoints``."""
@@ -124,9 +125,7 @@ def default_checkpoint_dir() -> Path:
 
 def _check_name(name: str) -> None:
     if name not in CHECKPOINT_NAMES:
-        raise ValueError(
-            f"unknown checkpoint name {name!r}; valid names: {', '.join(CHECKPOINT_NAMES)}"
-        )
+        raise ValueError(f"unknown checkpoint name {name!r}; valid names: {', '.join(CHECKPOINT_NAMES)}")
 
 
 def _write_text_tokenizer(out: Path) -> None:
@@ -142,8 +141,17 @@ def _write_text_tokenizer(out: Path) -> None:
 
 # ---- model weights ---------------------------------------------------------------------------------
 def _qwen3_config(
-    *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-    intermediate: int, eos_token_id: int, bos_token_id: int, pad_token_id: int | None = None,
+    *,
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eos_token_id: int,
+    bos_token_id: int,
+    pad_token_id: int | None = None,
 ) -> dict:
     cfg = {
         "architectures": ["Qwen3ForCausalLM"],
@@ -215,8 +223,16 @@ def _generation_config(eos: int, bos: int, pad: int) -> dict:
 
 def _write_thinker(out: Path, seed: int) -> None:
     cfg = _qwen3_config(
-        vocab_size=TEXT_VOCAB_SIZE, hidden=THINKER_HIDDEN, layers=8, heads=8, kv_heads=4, head_dim=64,
-        intermediate=1536, eos_token_id=IM_END_ID, bos_token_id=TEXT_PAD_ID, pad_token_id=TEXT_PAD_ID,
+        vocab_size=TEXT_VOCAB_SIZE,
+        hidden=THINKER_HIDDEN,
+        layers=8,
+        heads=8,
+        kv_heads=4,
+        head_dim=64,
+        intermediate=1536,
+        eos_token_id=IM_END_ID,
+        bos_token_id=TEXT_PAD_ID,
+        pad_token_id=TEXT_PAD_ID,
     )
     write_json(out / "config.json", cfg)
     write_json(out / "generation_config.json", _generation_config(IM_END_ID, TEXT_PAD_ID, TEXT_PAD_ID))
@@ -228,9 +244,7 @@ def _write_thinker_hybrid(out: Path, seed: int) -> None:
     cfg = hybrid_config()
     write_json(out / "config.json", cfg)
     write_json(out / "generation_config.json", _generation_config(IM_END_ID, TEXT_PAD_ID, TEXT_PAD_ID))
-    save_safetensors(
-        out / "model.safetensors", hybrid_weights(cfg, TensorFactory("thinker-hybrid", seed))
-    )
+    save_safetensors(out / "model.safetensors", hybrid_weights(cfg, TensorFactory("thinker-hybrid", seed)))
     _write_text_tokenizer(out)
 
 
@@ -257,15 +271,20 @@ def write_talker(out: Path, seed: int = 0, thinker_hidden: int = THINKER_HIDDEN)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _qwen3_config(
-        vocab_size=TALKER_VOCAB_SIZE, hidden=TALKER_HIDDEN, layers=4, heads=4, kv_heads=2, head_dim=64,
-        intermediate=768, eos_token_id=CODEC_EOS_ID, bos_token_id=CODEC_BOS_ID,
+        vocab_size=TALKER_VOCAB_SIZE,
+        hidden=TALKER_HIDDEN,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=768,
+        eos_token_id=CODEC_EOS_ID,
+        bos_token_id=CODEC_BOS_ID,
         pad_token_id=CODEC_PAD_ID,
     )
     f = TensorFactory("talker", seed)
     write_json(out / "config.json", cfg)
-    write_json(
-        out / "generation_config.json", _generation_config(CODEC_EOS_ID, CODEC_BOS_ID, CODEC_PAD_ID)
-    )
+    write_json(out / "generation_config.json", _generation_config(CODEC_EOS_ID, CODEC_BOS_ID, CODEC_PAD_ID))
     weights = _qwen3_weights(cfg, f)
     save_safetensors(out / "model.safetensors", weights)
     # vLLM's loader reads every *.safetensors in the folder unless model.safetensors.index.json
@@ -275,8 +294,9 @@ def write_talker(out: Path, seed: int = 0, thinker_hidden: int = THINKER_HIDDEN)
     # thinker hidden (RMS-normed, ~unit scale) -> talker input embedding (~INIT_STD scale, like the
     # talker's own token embeddings). float32: the caller projects, then casts to the talker's dtype.
     proj = {
-        "weight": f.normal("thinker_projection.weight", (TALKER_HIDDEN, thinker_hidden),
-                           std=INIT_STD / math.sqrt(thinker_hidden)),
+        "weight": f.normal(
+            "thinker_projection.weight", (TALKER_HIDDEN, thinker_hidden), std=INIT_STD / math.sqrt(thinker_hidden)
+        ),
         "bias": f.normal("thinker_projection.bias", (TALKER_HIDDEN,), std=INIT_STD / 4),
     }
     save_safetensors(out / "thinker_projection.safetensors", proj)
@@ -339,9 +359,7 @@ def _write_qwen3_5(out: Path, seed: int) -> None:
     write_json(out / "config.json", cfg)
     write_json(out / "generation_config.json", q35.generation_config())
     f = TensorFactory("qwen3.5", seed)
-    weights = q35.random_weights(
-        cfg, lambda name, shape, std: f.normal(name, shape, std=std), f.uniform
-    )
+    weights = q35.random_weights(cfg, lambda name, shape, std: f.normal(name, shape, std=std), f.uniform)
     save_safetensors(out / "model.safetensors", weights)
     write_tokenizer(
         out,

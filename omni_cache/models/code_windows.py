@@ -19,8 +19,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CodeWindow", "ReceptiveField", "WindowDecoder", "check_window",
-           "next_window"]
+__all__ = ["CodeWindow", "ReceptiveField", "WindowDecoder", "check_window", "next_window"]
 
 
 @dataclass(frozen=True)
@@ -112,8 +111,9 @@ def next_window(
     if stop <= emitted:
         return None
     if left_context is None and rf.lag_samples:
-        raise ValueError("a decoder whose audio lags its codes needs an explicit left_context "
-                         "(ReceptiveField.context_codes)")
+        raise ValueError(
+            "a decoder whose audio lags its codes needs an explicit left_context (ReceptiveField.context_codes)"
+        )
     ctx = rf.left_codes if left_context is None else left_context
     first = max(0, emitted - ctx)
     last = n if stop == n else min(n, stop + rf.right_codes)
@@ -142,6 +142,5 @@ def check_window(decoder: WindowDecoder, w: CodeWindow) -> None:
     right = decoder.receptive_field.right_codes
     if w.stop < length and length - w.stop < right:
         raise ValueError(
-            f"a non-final window needs {right} code(s) of lookahead after stop={w.stop}, "
-            f"got {length - w.stop}"
+            f"a non-final window needs {right} code(s) of lookahead after stop={w.stop}, got {length - w.stop}"
         )

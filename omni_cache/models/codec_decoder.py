@@ -93,9 +93,7 @@ def random_decoder_weights(
         w[f"convs.{i}.weight"] = _to_grid(normal(f"convs.{i}.weight", (hdim, cin, k), std), wb, wc)
         w[f"convs.{i}.bias"] = _to_grid(normal(f"convs.{i}.bias", (hdim,), 0.1), bias_bits, wc)
         cin = hdim
-    w["out.weight"] = _to_grid(
-        normal("out.weight", (cfg["samples_per_code"], cin), 1.5 / math.sqrt(cin)), wb, wc
-    )
+    w["out.weight"] = _to_grid(normal("out.weight", (cfg["samples_per_code"], cin), 1.5 / math.sqrt(cin)), wb, wc)
     w["out.bias"] = _to_grid(normal("out.bias", (cfg["samples_per_code"],), 0.05), bias_bits, wc)
     return w
 
@@ -216,5 +214,5 @@ class CodecWindowDecoder:
             wav = self.codec(torch.stack([windows[i].codes[0] for i in indices]).long())
             for row, i in enumerate(indices):
                 w = windows[i]
-                out[i] = wav[row, w.start * spc:w.stop * spc].float().clone()
+                out[i] = wav[row, w.start * spc : w.stop * spc].float().clone()
         return out

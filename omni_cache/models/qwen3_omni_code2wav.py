@@ -164,7 +164,7 @@ def _load_code2wav_state(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
                 if key.startswith(_PREFIX):
-                    state[key[len(_PREFIX):]] = f.get_tensor(key)
+                    state[key[len(_PREFIX) :]] = f.get_tensor(key)
     if not state:
         raise ValueError(f"{path} holds no {_PREFIX}* tensors")
     return state

@@ -69,7 +69,7 @@ class EmbeddingRows:
         """[len(token_ids), dim], in the file's dtype."""
         if not token_ids:
             return self._table[0:0]
-        return torch.cat([self._table[t:t + 1] for t in token_ids])
+        return torch.cat([self._table[t : t + 1] for t in token_ids])
 
 
 #: The thinker's input embedding table in the checkpoint.
@@ -79,8 +79,9 @@ THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
 class TalkerPrompt:
     """Everything the talker's inputs need from the checkpoint, loaded once per stage."""
 
-    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 embedding_rows: EmbeddingRows) -> None:
+    def __init__(
+        self, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, embedding_rows: EmbeddingRows
+    ) -> None:
         thinker, talker = config["thinker_config"], config["talker_config"]
         self.accept_hidden_layer = int(talker["accept_hidden_layer"])
         self.im_start_id = config["im_start_token_id"]
@@ -98,13 +99,17 @@ class TalkerPrompt:
         self.hidden_projection = _projection(tensors, "talker.hidden_projection", dtype)
         #: token ids -> the thinker's input embedding rows (its tap 0 at text positions).
         self.embedding_rows = embedding_rows
-        tts = embedding_rows([config["tts_bos_token_id"], config["tts_eos_token_id"],
-                              config["tts_pad_token_id"]])
+        tts = embedding_rows([config["tts_bos_token_id"], config["tts_eos_token_id"], config["tts_pad_token_id"]])
         self.tts_bos, self.tts_eos, self.tts_pad = self.text_projection(tts.to(dtype))
         self._codec_table = tensors["talker.model.codec_embedding.weight"].to(dtype)
-        self._codec_specials = [talker["codec_nothink_id"], talker["codec_think_bos_id"],
-                                talker["codec_think_eos_id"], None, talker["codec_pad_id"],
-                                talker["codec_bos_id"]]
+        self._codec_specials = [
+            talker["codec_nothink_id"],
+            talker["codec_think_bos_id"],
+            talker["codec_think_eos_id"],
+            None,
+            talker["codec_pad_id"],
+            talker["codec_bos_id"],
+        ]
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> TalkerPrompt:
@@ -112,8 +117,7 @@ class TalkerPrompt:
 
         folder = Path(folder)
         config = json.loads((folder / "config.json").read_text())
-        wanted = ("talker.text_projection.", "talker.hidden_projection.",
-                  "talker.model.codec_embedding.weight")
+        wanted = ("talker.text_projection.", "talker.hidden_projection.", "talker.model.codec_embedding.weight")
         tensors: dict[str, torch.Tensor] = {}
         embeddings: EmbeddingRows | None = None
         for file in sorted(folder.glob("*.safetensors")):
@@ -149,8 +153,9 @@ class TalkerPrompt:
                 out.append(i)
         return out
 
-    def build(self, prompt_token_ids: list[int], embeds: torch.Tensor, accept: torch.Tensor,
-              speaker: str = DEFAULT_SPEAKER) -> torch.Tensor:
+    def build(
+        self, prompt_token_ids: list[int], embeds: torch.Tensor, accept: torch.Tensor, speaker: str = DEFAULT_SPEAKER
+    ) -> torch.Tensor:
         """The talker prompt [L, hidden] from the prompt's ids and the thinker rows 0 ..
         `rows_needed` - 1 (a thinker that stopped earlier gives fewer: the turn's fourth row is
         then missing, as in the reference)."""
@@ -168,12 +173,11 @@ class TalkerPrompt:
         user_rows[~media] = _blockwise(self.text_projection, embeds[index[~media]].to(dtype))
         if bool(media.any()):
             user_rows[media] = _blockwise(self.hidden_projection, accept[index[media]].to(dtype))
-        turn = self.text_projection(embeds[start:start + ASSISTANT_PROMPT_ROWS].to(dtype))
+        turn = self.text_projection(embeds[start : start + ASSISTANT_PROMPT_ROWS].to(dtype))
         text = torch.cat([turn[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], turn[3:4]])
         codec_ids = [speaker_id if c is None else c for c in self._codec_specials]
-        codec = torch.cat([torch.zeros(3, text.shape[-1], dtype=dtype),
-                           self._codec_table[torch.tensor(codec_ids)]])
-        return torch.cat([user_rows, text + codec[:text.shape[0]]])
+        codec = torch.cat([torch.zeros(3, text.shape[-1], dtype=dtype), self._codec_table[torch.tensor(codec_ids)]])
+        return torch.cat([user_rows, text + codec[: text.shape[0]]])
 
     def talker_ids(self, prompt_token_ids: list[int]) -> list[int]:
         """The token ids the talker prompt stands for: the user turns' ids, then tts_pad ids for
@@ -182,9 +186,13 @@ class TalkerPrompt:
         user = [prompt_token_ids[i] for i in self.user_positions(prompt_token_ids[:start])]
         return user + [self.tts_pad_id] * ASSISTANT_ROWS
 
-    def positions(self, prompt_token_ids: list[int], image_grids: list[list[int]],
-                  video_grids: list[list[int]] | None = None,
-                  video_seconds_per_grid: list[float] | None = None) -> tuple[torch.Tensor, int]:
+    def positions(
+        self,
+        prompt_token_ids: list[int],
+        image_grids: list[list[int]],
+        video_grids: list[list[int]] | None = None,
+        video_seconds_per_grid: list[float] | None = None,
+    ) -> tuple[torch.Tensor, int]:
         """The talker prompt's M-RoPE positions [3, L] and the decode delta (positions of later
         steps are their index plus it)."""
         ids = self.talker_ids(prompt_token_ids)
@@ -221,16 +229,14 @@ class TalkerPrompt:
         positions = torch.tensor(columns, dtype=torch.long).T.contiguous()
         return positions, int(positions.max()) + 1 - positions.shape[1]
 
-    def _grid_columns(self, start: int, grid: list[int], step: float, n: int,
-                      what: str) -> list[list[int]]:
+    def _grid_columns(self, start: int, grid: list[int], step: float, n: int, what: str) -> list[list[int]]:
         """(t, h, w) positions of a grid's n tokens from ``start``: patch k's temporal index is
         ``int(k * step)`` (the reference's float positions, whole where its step is)."""
         t, h, w = grid
         hh, ww = h // self.spatial_merge_size, w // self.spatial_merge_size
         if t * hh * ww != n:
             raise ValueError(f"{what}: grid {t}x{h}x{w} does not match its {n} tokens")
-        return [[start + int(k * step), start + r, start + c]
-                for k in range(t) for r in range(hh) for c in range(ww)]
+        return [[start + int(k * step), start + r, start + c] for k in range(t) for r in range(hh) for c in range(ww)]
 
     def text(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker text rows of thinker rows (their input embeddings), one per decode step."""
@@ -254,12 +260,16 @@ def _blockwise(project: _Projection, rows: torch.Tensor) -> torch.Tensor:
     blocks = padded.reshape(-1, PROJECTION_BLOCK, rows.shape[1])
     # One batched product over [blocks, PROJECTION_BLOCK, dim]: every block is its own
     # PROJECTION_BLOCK-row product, in a single call.
-    return project(blocks).reshape(-1, project.fc2_weight.shape[0])[:rows.shape[0]]
+    return project(blocks).reshape(-1, project.fc2_weight.shape[0])[: rows.shape[0]]
 
 
 def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> _Projection:
     try:
-        return _Projection(*(tensors[f"{prefix}.{n}"].to(dtype) for n in
-                             ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")))
+        return _Projection(
+            *(
+                tensors[f"{prefix}.{n}"].to(dtype)
+                for n in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+            )
+        )
     except KeyError as exc:
         raise ValueError(f"the checkpoint lacks {exc.args[0]} (not a Qwen3-Omni checkpoint?)") from None

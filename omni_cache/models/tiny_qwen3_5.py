@@ -112,27 +112,56 @@ def config() -> dict:
     tid = TOKEN_ID
     text_config = {
         "model_type": "qwen3_5_text",
-        "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
-        "dtype": "bfloat16", "eos_token_id": tid["<|im_end|>"], "pad_token_id": tid["<|endoftext|>"],
-        "full_attention_interval": 4, "head_dim": 128, "hidden_act": "silu", "hidden_size": HIDDEN,
-        "initializer_range": INIT_STD, "intermediate_size": 512, "layer_types": LAYER_TYPES,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 1,
-        "linear_num_value_heads": 2, "linear_value_head_dim": 128,
-        "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": len(LAYER_TYPES),
-        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "use_cache": True, "vocab_size": VOCAB_SIZE,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "dtype": "bfloat16",
+        "eos_token_id": tid["<|im_end|>"],
+        "pad_token_id": tid["<|endoftext|>"],
+        "full_attention_interval": 4,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": INIT_STD,
+        "intermediate_size": 512,
+        "layer_types": LAYER_TYPES,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": len(LAYER_TYPES),
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
         # Interleaved M-RoPE (t, h, w) on a quarter of each head (32 of 128 dims: 16 frequencies).
         "rope_parameters": {
-            "mrope_interleaved": True, "mrope_section": [6, 5, 5], "rope_type": "default",
-            "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [6, 5, 5],
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
         },
     }
     vision_config = {
-        "model_type": "qwen3_5", "depth": 1, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 64,
-        "in_channels": 3, "initializer_range": INIT_STD, "intermediate_size": 128, "num_heads": 2,
+        "model_type": "qwen3_5",
+        "depth": 1,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 64,
+        "in_channels": 3,
+        "initializer_range": INIT_STD,
+        "intermediate_size": 128,
+        "num_heads": 2,
         # (image_size / patch_size)**2 == num_position_embeddings: vLLM interpolates a 8x8 grid.
-        "num_position_embeddings": 64, "out_hidden_size": HIDDEN, "patch_size": 16,
-        "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "out_hidden_size": HIDDEN,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
     }
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -158,9 +187,16 @@ def generation_config() -> dict:
 
 _PROCESSOR_COMMON = {
     "processor_class": "Qwen3VLProcessor",
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255,
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "rescale_factor": 1 / 255,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
 }
 
 
@@ -179,7 +215,10 @@ def video_preprocessor_config() -> dict:
         **_PROCESSOR_COMMON,
         "video_processor_type": "Qwen3VLVideoProcessor",
         "size": {"longest_edge": 25165824, "shortest_edge": 4096},
-        "fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+        "do_sample_frames": True,
     }
 
 

@@ -74,8 +74,7 @@ class InFlightBounds:
     ``server.max_media_bytes_in_flight`` and ``server.max_body_bytes_in_flight`` (event-loop
     thread only)."""
 
-    def __init__(self, max_requests: int, max_media_bytes: int,
-                 max_body_bytes: int = 2**62) -> None:
+    def __init__(self, max_requests: int, max_media_bytes: int, max_body_bytes: int = 2**62) -> None:
         self.max_requests = max_requests
         self.max_media_bytes = max_media_bytes
         self.max_body_bytes = max_body_bytes
@@ -86,9 +85,13 @@ class InFlightBounds:
     def enter(self) -> Ticket:
         """A place for one more request, or 429 when every place is taken."""
         if self.requests >= self.max_requests:
-            raise RequestError(429, f"the server is at its limit of {self.max_requests} requests "
-                               f"in flight (server.max_requests_in_flight); retry in "
-                               f"{RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+            raise RequestError(
+                429,
+                f"the server is at its limit of {self.max_requests} requests "
+                f"in flight (server.max_requests_in_flight); retry in "
+                f"{RETRY_AFTER_S} s",
+                retry_after=RETRY_AFTER_S,
+            )
         self.requests += 1
         return Ticket(self)
 
@@ -99,14 +102,21 @@ class InFlightBounds:
             return
         mine = ticket.media_bytes + nbytes
         if mine > self.max_media_bytes:
-            raise RequestError(413, f"the request's images, clips and videos decode to {mine} bytes, more "
-                               f"than the {self.max_media_bytes} all requests in flight may hold "
-                               "together (server.max_media_bytes_in_flight): send fewer or smaller")
+            raise RequestError(
+                413,
+                f"the request's images, clips and videos decode to {mine} bytes, more "
+                f"than the {self.max_media_bytes} all requests in flight may hold "
+                "together (server.max_media_bytes_in_flight): send fewer or smaller",
+            )
         if self.media_bytes + nbytes > self.max_media_bytes:
-            raise RequestError(429, f"the requests in flight hold {self.media_bytes} bytes of "
-                               f"decoded media; this request's {mine} more would pass the server's "
-                               f"limit of {self.max_media_bytes} (server.max_media_bytes_in_flight); "
-                               f"retry in {RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+            raise RequestError(
+                429,
+                f"the requests in flight hold {self.media_bytes} bytes of "
+                f"decoded media; this request's {mine} more would pass the server's "
+                f"limit of {self.max_media_bytes} (server.max_media_bytes_in_flight); "
+                f"retry in {RETRY_AFTER_S} s",
+                retry_after=RETRY_AFTER_S,
+            )
         ticket.media_bytes = mine
         self.media_bytes += nbytes
 
@@ -114,10 +124,14 @@ class InFlightBounds:
         """Reserve ``nbytes`` more of an HTTP body being read: 429 when the bodies being read and
         parsed now hold too much already."""
         if self.body_bytes + nbytes > self.max_body_bytes:
-            raise RequestError(429, f"the requests being read hold {self.body_bytes} bytes of "
-                               f"body; {nbytes} more would pass the server's limit of "
-                               f"{self.max_body_bytes} (server.max_body_bytes_in_flight); retry in "
-                               f"{RETRY_AFTER_S} s", retry_after=RETRY_AFTER_S)
+            raise RequestError(
+                429,
+                f"the requests being read hold {self.body_bytes} bytes of "
+                f"body; {nbytes} more would pass the server's limit of "
+                f"{self.max_body_bytes} (server.max_body_bytes_in_flight); retry in "
+                f"{RETRY_AFTER_S} s",
+                retry_after=RETRY_AFTER_S,
+            )
         ticket.body_bytes += nbytes
         self.body_bytes += nbytes
 
@@ -148,13 +162,20 @@ class MediaHold:
         much more free now (nothing changes then). Shrinking always succeeds."""
         grow = nbytes - self.nbytes
         if grow > 0 and nbytes > self.share:
-            raise RequestError(413, f"{nbytes} bytes would pass this session's share of "
-                               f"{self.share} (server.max_media_bytes_in_flight / "
-                               "server.realtime.max_sessions)")
+            raise RequestError(
+                413,
+                f"{nbytes} bytes would pass this session's share of "
+                f"{self.share} (server.max_media_bytes_in_flight / "
+                "server.realtime.max_sessions)",
+            )
         if grow > 0 and self.bounds.media_bytes + grow > self.bounds.max_media_bytes:
-            raise RequestError(429, f"the server holds {self.bounds.media_bytes} bytes of media; "
-                               f"{grow} more would pass its limit of {self.bounds.max_media_bytes} "
-                               "(server.max_media_bytes_in_flight)", retry_after=RETRY_AFTER_S)
+            raise RequestError(
+                429,
+                f"the server holds {self.bounds.media_bytes} bytes of media; "
+                f"{grow} more would pass its limit of {self.bounds.max_media_bytes} "
+                "(server.max_media_bytes_in_flight)",
+                retry_after=RETRY_AFTER_S,
+            )
         self.settle(nbytes)
 
     def settle(self, nbytes: int) -> None:
@@ -182,16 +203,17 @@ class Admission:
     """The checks, with what they read: the entry stage's defaults and context length, and which
     stages are up (``supervisor``, read only)."""
 
-    def __init__(self, config: PipelineConfig, topology: Topology,
-                 supervisor: StageSupervisor) -> None:
+    def __init__(self, config: PipelineConfig, topology: Topology, supervisor: StageSupervisor) -> None:
         self._config = config
         self._topology = topology
         self._supervisor = supervisor
         self.state = STARTING
         #: What the requests in flight hold (their tickets).
-        self.bounds = InFlightBounds(config.server.max_requests_in_flight,
-                                     config.server.max_media_bytes_in_flight,
-                                     config.server.max_body_bytes_in_flight)
+        self.bounds = InFlightBounds(
+            config.server.max_requests_in_flight,
+            config.server.max_media_bytes_in_flight,
+            config.server.max_body_bytes_in_flight,
+        )
         #: The entry stage's context length as its engine reported it (StageReady); None before.
         self.context_len: int | None = None
 
@@ -207,8 +229,7 @@ class Admission:
         """The entry stage's configured ``sampling`` (the server hands the same values to vLLM's
         ``to_sampling_params`` as its defaults: omni_cache/serving/chat_sampling.py)."""
         d = self._topology.entry.sampling
-        return EngineSampling(temperature=d.temperature, top_p=d.top_p, max_tokens=d.max_tokens,
-                              seed=d.seed)
+        return EngineSampling(temperature=d.temperature, top_p=d.top_p, max_tokens=d.max_tokens, seed=d.seed)
 
     def enter(self) -> Ticket:
         """A place among the requests in flight (429 when none is free); take it before reading
@@ -222,17 +243,27 @@ class Admission:
         total = sum(decoded_bytes)
         limit = self._config.server.max_message_bytes
         if total > limit:
-            raise RequestError(413, f"the request's images and clips decode to {total} bytes; they "
-                               f"travel to the entry stage in one message of at most {limit} "
-                               "bytes (server.max_message_bytes): send fewer or smaller")
+            raise RequestError(
+                413,
+                f"the request's images and clips decode to {total} bytes; they "
+                f"travel to the entry stage in one message of at most {limit} "
+                "bytes (server.max_message_bytes): send fewer or smaller",
+            )
         ticket.hold_media(max(0, total - ticket.prepaid) - ticket.media_bytes)
 
-    def check(self, prompt_token_ids: Sequence[int], *, ticket: Ticket | None = None,
-              sampling: EngineSampling | None = None,
-              max_tokens: int | None = None, temperature: float | None = None,
-              top_p: float | None = None, seed: int | None = None,
-              modalities: Iterable[str] = ("text",),
-              media: Sequence[MediaItem] = ()) -> AdmittedRequest:
+    def check(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        ticket: Ticket | None = None,
+        sampling: EngineSampling | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        modalities: Iterable[str] = ("text",),
+        media: Sequence[MediaItem] = (),
+    ) -> AdmittedRequest:
         """The admitted request, or :class:`RequestError` for the first check it fails.
         ``sampling``: the request's, as the server resolved it; without it the entry stage's
         defaults with ``max_tokens``, ``temperature``, ``top_p`` and ``seed`` where given.
@@ -245,8 +276,7 @@ class Admission:
         mods = self._modalities(modalities)
         ids = _prompt(prompt_token_ids)
         if sampling is None:
-            sampling = self.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                     seed=seed)
+            sampling = self.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         elif (max_tokens, temperature, top_p, seed) != (None, None, None, None):
             raise TypeError("check() takes sampling= or its fields, not both")
         if sampling.max_tokens < 1:
@@ -265,8 +295,14 @@ class Admission:
             raise RequestError(400, f"pipeline {self._config.name!r} has no audio output stage")
         return mods
 
-    def sampling(self, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, seed: int | None = None) -> EngineSampling:
+    def sampling(
+        self,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> EngineSampling:
         """The entry stage's defaults with these overrides (the Python API's sampling)."""
         sampling = self.default_sampling()
         if max_tokens is not None:
@@ -291,20 +327,25 @@ class Admission:
 
     def _available(self, participants: Sequence[str]) -> None:
         if self.state == STARTING:
-            raise RequestError(503, "the pipeline is still starting: "
-                               + ", ".join(f"{n} ({r})" for n, r in self.not_ready().items()))
+            raise RequestError(
+                503, "the pipeline is still starting: " + ", ".join(f"{n} ({r})" for n, r in self.not_ready().items())
+            )
         down = [n for n in participants if not self._supervisor.is_up(n)]
         if down:
             reasons = self.not_ready()
             raise RequestError(
-                503, "stage(s) not available: "
-                + ", ".join(f"{n} ({reasons.get(n, 'down')})" for n in down) + "; retry shortly",
-                stage=down[0])
+                503,
+                "stage(s) not available: "
+                + ", ".join(f"{n} ({reasons.get(n, 'down')})" for n in down)
+                + "; retry shortly",
+                stage=down[0],
+            )
 
     def not_ready(self) -> dict[str, str]:
         """stage -> why it is not serving (see :meth:`StageSupervisor.not_ready`)."""
-        return self._supervisor.not_ready(self._topology.stage_names, entry=self._topology.entry.name,
-                                          starting=self.state == STARTING)
+        return self._supervisor.not_ready(
+            self._topology.stage_names, entry=self._topology.entry.name, starting=self.state == STARTING
+        )
 
 
 def _prompt(prompt_token_ids: Sequence[int]) -> list[int]:

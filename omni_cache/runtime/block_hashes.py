@@ -42,8 +42,9 @@ def _sha256(value: object) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, seed: str | None = None,
-                        media: Sequence[MediaPosition] = ()) -> list[int]:
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, seed: str | None = None, media: Sequence[MediaPosition] = ()
+) -> list[int]:
     """The hash of every full block of ``token_ids`` (a partial last block has none), in the
     64-bit form vLLM's KV events carry. ``seed``: the engine's PYTHONHASHSEED, if it has one.
     ``media``: the prompt's media items in the engine's order (``token_ids`` expanded)."""
@@ -54,13 +55,12 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, seed: str | N
     cursor = 0  # the first item a later block can still overlap
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         keys, cursor = _media_keys(media, start, start + block_size, cursor)
-        parent = _sha256((parent, tuple(int(t) for t in token_ids[start:start + block_size]), keys))
+        parent = _sha256((parent, tuple(int(t) for t in token_ids[start : start + block_size]), keys))
         out.append(int.from_bytes(parent, "big") & _LOW_64_BITS)
     return out
 
 
-def _media_keys(media: Sequence[MediaPosition], start: int, end: int,
-                cursor: int) -> tuple[tuple | None, int]:
+def _media_keys(media: Sequence[MediaPosition], start: int, end: int, cursor: int) -> tuple[tuple | None, int]:
     """The extra keys of block [start, end) and the cursor for the next block."""
     keys = []
     while cursor < len(media):

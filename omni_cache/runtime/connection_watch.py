@@ -85,8 +85,9 @@ class ConnectionWatch:
             if watch.off:
                 watch.mon.close(linger=0)
             else:
-                logger.warning("stage %s: its socket was closed while still watched; its "
-                               "monitor stays open until shutdown", name)
+                logger.warning(
+                    "stage %s: its socket was closed while still watched; its monitor stays open until shutdown", name
+                )
                 self._kept.append(watch.mon)
 
     def unwatch(self, name: str) -> None:

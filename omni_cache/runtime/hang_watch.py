@@ -97,12 +97,16 @@ class Liveness:
         /health and the 503 of its requests), or None while it does not."""
         step = self.step_s(until)
         if step > step_timeout_s:
-            return (f"hung (its loop made no progress for {step:.1f} s while it held work; "
-                    f"its stages[].step_timeout_s is {step_timeout_s:g} s)")
+            return (
+                f"hung (its loop made no progress for {step:.1f} s while it held work; "
+                f"its stages[].step_timeout_s is {step_timeout_s:g} s)"
+            )
         silent = until - self.last_seen
         if silent > heartbeat_timeout_s:
-            return (f"stopped answering (no heartbeat for {silent:.1f} s, "
-                    f"server.heartbeat_timeout_s is {heartbeat_timeout_s:g} s)")
+            return (
+                f"stopped answering (no heartbeat for {silent:.1f} s, "
+                f"server.heartbeat_timeout_s is {heartbeat_timeout_s:g} s)"
+            )
         return None
 
 

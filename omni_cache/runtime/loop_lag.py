@@ -17,12 +17,10 @@ __all__ = ["LAG_BUCKETS", "PROBE_INTERVAL_S", "watch_loop_lag"]
 #: How often the probe sleeps and wakes.
 PROBE_INTERVAL_S = 0.05
 #: Histogram bounds (s): from a loop that keeps up to one stalled for seconds.
-LAG_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                                  2.5, 5.0, 10.0)
+LAG_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-async def watch_loop_lag(observe: Callable[[float], None],
-                         interval: float = PROBE_INTERVAL_S) -> None:
+async def watch_loop_lag(observe: Callable[[float], None], interval: float = PROBE_INTERVAL_S) -> None:
     """Until cancelled: sleep ``interval``, ``observe`` how many seconds late the wake-up came."""
     loop = asyncio.get_running_loop()
     while True:

@@ -59,8 +59,10 @@ def media_keys(media: Sequence[Any]) -> list[MediaKey]:
     MediaRefs (``uuid``), which carry the same digest."""
     videos = [m for m in media if m.kind == "video"]
     kwargs = (float(videos[0].fps), any(m.in_video for m in media)) if videos else None
-    return [MediaKey(m.kind, getattr(m, "digest", None) or getattr(m, "uuid", ""), float(m.fps),
-                     bool(m.in_video), kwargs) for m in media]
+    return [
+        MediaKey(m.kind, getattr(m, "digest", None) or getattr(m, "uuid", ""), float(m.fps), bool(m.in_video), kwargs)
+        for m in media
+    ]
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,13 @@ class MediaLayouts:
     def __len__(self) -> int:
         return len(self._known)
 
-    def learn(self, prompt: Sequence[int], keys: Sequence[MediaKey], expanded: Sequence[int],
-              spans: Sequence[tuple[str, str, int, int]]) -> bool:
+    def learn(
+        self,
+        prompt: Sequence[int],
+        keys: Sequence[MediaKey],
+        expanded: Sequence[int],
+        spans: Sequence[tuple[str, str, int, int]],
+    ) -> bool:
         """Learn the runs of a request's items: ``prompt`` as sent to the thinker (one placeholder
         per item), ``expanded`` as its engine expanded it, ``spans`` its engine's items as
         (modality, identifier, offset, length), in the engine's order. False (nothing learned)
@@ -121,17 +128,15 @@ class MediaLayouts:
         src = 0  # where the prompt's text before this run starts
         for group, (offset, length, items) in zip(groups, runs):
             pos = offset - shift  # the placeholder's position in the prompt
-            if pos < src or pos >= len(prompt) \
-                    or list(expanded[src + shift:offset]) != list(prompt[src:pos]):
+            if pos < src or pos >= len(prompt) or list(expanded[src + shift : offset]) != list(prompt[src:pos]):
                 return False  # the text before the run is not the prompt's
             if sorted(k.kind for k in group) != sorted(m for m, _, _, _ in items):
                 return False
-            run = array.array("i", expanded[offset:offset + length])
-            learned.append((group, Expansion(int(prompt[pos]), run,
-                                             tuple((i, o - offset, n) for _, i, o, n in items))))
+            run = array.array("i", expanded[offset : offset + length])
+            learned.append((group, Expansion(int(prompt[pos]), run, tuple((i, o - offset, n) for _, i, o, n in items))))
             shift += length - 1
             src = pos + 1
-        if list(expanded[src + shift:]) != list(prompt[src:]):
+        if list(expanded[src + shift :]) != list(prompt[src:]):
             return False
         for group, expansion in learned:
             self._placeholders[group[0].kind] = expansion.placeholder

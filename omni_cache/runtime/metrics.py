@@ -61,12 +61,51 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM 0.32's bucket bounds (vllm/v1/metrics/buckets.py), so quantiles compare with a vLLM server's.
 TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 
 
@@ -80,15 +119,24 @@ class LatencyMetric(NamedTuple):
     vllm: bool
 
 
-TTFT = LatencyMetric("vllm:time_to_first_token_seconds",
-                     "Histogram of time to first token in seconds (request arrival to the first text "
-                     "token, per text stage).", TTFT_BUCKETS, True)
-TTFA = LatencyMetric("omni_cache_time_to_first_audio_seconds",
-                     "Time from request arrival to the first audio samples, per audio stage.",
-                     TTFT_BUCKETS, False)
-STAGE_DONE = LatencyMetric("vllm:e2e_request_latency_seconds",
-                           "Histogram of e2e request latency in seconds (request arrival until the "
-                           "stage finished its part of the request).", REQUEST_LATENCY_BUCKETS, True)
+TTFT = LatencyMetric(
+    "vllm:time_to_first_token_seconds",
+    "Histogram of time to first token in seconds (request arrival to the first text token, per text stage).",
+    TTFT_BUCKETS,
+    True,
+)
+TTFA = LatencyMetric(
+    "omni_cache_time_to_first_audio_seconds",
+    "Time from request arrival to the first audio samples, per audio stage.",
+    TTFT_BUCKETS,
+    False,
+)
+STAGE_DONE = LatencyMetric(
+    "vllm:e2e_request_latency_seconds",
+    "Histogram of e2e request latency in seconds (request arrival until the stage finished its part of the request).",
+    REQUEST_LATENCY_BUCKETS,
+    True,
+)
 
 
 class StageMetric(NamedTuple):
@@ -101,34 +149,39 @@ class StageMetric(NamedTuple):
 #: Stage counter key (``StageStats.counters``) -> the metric it is exposed as.
 STAGE_METRICS: dict[str, StageMetric] = {
     "prefix_cache_queried_tokens": StageMetric(
-        "vllm:prefix_cache_queries", "counter",
-        "Prefix cache queries, in terms of number of queried tokens.", True),
+        "vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", True
+    ),
     "prefix_cache_hit_tokens": StageMetric(
-        "vllm:prefix_cache_hits", "counter",
-        "Prefix cache hits, in terms of number of cached tokens.", True),
+        "vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", True
+    ),
     "num_requests_running": StageMetric(
-        "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", True),
+        "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", True
+    ),
     "num_requests_waiting": StageMetric(
-        "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", True),
-    "prompt_tokens": StageMetric(
-        "vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", True),
+        "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", True
+    ),
+    "prompt_tokens": StageMetric("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", True),
     "generation_tokens": StageMetric(
-        "vllm:generation_tokens", "counter", "Number of generation tokens processed.", True),
+        "vllm:generation_tokens", "counter", "Number of generation tokens processed.", True
+    ),
     "requests": StageMetric(
-        "omni_cache_stage_requests", "counter",
-        "Requests the stage accepted (since its last start).", False),
+        "omni_cache_stage_requests", "counter", "Requests the stage accepted (since its last start).", False
+    ),
     "errors": StageMetric(
-        "omni_cache_stage_errors", "counter",
-        "Requests that failed inside the stage (since its last start).", False),
+        "omni_cache_stage_errors", "counter", "Requests that failed inside the stage (since its last start).", False
+    ),
     "queue_depth": StageMetric(
-        "omni_cache_stage_queue_depth", "gauge",
-        "Requests the stage holds: running, waiting, or waiting for upstream input.", False),
+        "omni_cache_stage_queue_depth",
+        "gauge",
+        "Requests the stage holds: running, waiting, or waiting for upstream input.",
+        False,
+    ),
     "latent_rows_served": StageMetric(
-        "omni_cache_latent_rows_served", "counter",
-        "Latent rows served from the hidden-state prefix cache.", False),
+        "omni_cache_latent_rows_served", "counter", "Latent rows served from the hidden-state prefix cache.", False
+    ),
     "latent_rows_computed": StageMetric(
-        "omni_cache_latent_rows_computed", "counter",
-        "Latent rows the stage's model computed.", False),
+        "omni_cache_latent_rows_computed", "counter", "Latent rows the stage's model computed.", False
+    ),
 }
 
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
@@ -186,10 +239,14 @@ class OrchestratorMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         #: How late the server's event loop woke a probe (omni_cache/runtime/loop_lag.py).
-        self.loop_lag = Histogram("omni_cache_event_loop_lag_seconds",
-                                  "How much later than due the server's event loop woke a probe "
-                                  "sleeping a fixed interval: the delay work holding the loop "
-                                  "adds to everything.", buckets=LAG_BUCKETS, registry=self.registry)
+        self.loop_lag = Histogram(
+            "omni_cache_event_loop_lag_seconds",
+            "How much later than due the server's event loop woke a probe "
+            "sleeping a fixed interval: the delay work holding the loop "
+            "adds to everything.",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
 
     @property
     def model_name(self) -> str | None:
@@ -210,8 +267,8 @@ class OrchestratorMetrics:
         hist = self.histograms.get(metric)
         if hist is None:
             hist = self.histograms[metric] = Histogram(
-                metric.name, metric.help, self._labels(metric.vllm), buckets=metric.buckets,
-                registry=self.registry)
+                metric.name, metric.help, self._labels(metric.vllm), buckets=metric.buckets, registry=self.registry
+            )
         hist.labels(*self._values(stage, metric.vllm)).observe(seconds)
 
     def stage_failed_request(self, stage: str) -> None:
@@ -231,9 +288,13 @@ class OrchestratorMetrics:
         else:
             self.requests_failed[status] = self.requests_failed.get(status, 0) + 1
 
-    def render(self, stages: Mapping[str, StageSnapshot], in_flight: int,
-               routing: RoutingSnapshot | None = None,
-               heap: Mapping[str, float] | None = None) -> str:
+    def render(
+        self,
+        stages: Mapping[str, StageSnapshot],
+        in_flight: int,
+        routing: RoutingSnapshot | None = None,
+        heap: Mapping[str, float] | None = None,
+    ) -> str:
         """The exposition text of one scrape. ``stages``: replica name (or stage name) -> its
         snapshot; ``heap``: the server process's HeapTrimmer counters."""
         self._scrape = (stages, in_flight, routing or RoutingSnapshot(), dict(heap or {}))
@@ -263,64 +324,85 @@ class OrchestratorMetrics:
         names = list(stages)
         yield from self._stage_state(stages, names)
         yield from self._stage_counters(stages, names)
-        yield from pacing_families({s: stages[s].counters for s in names}, self._replica_labels(False),
-                                   lambda s: self._replica_values(s, stages[s], False))
+        yield from pacing_families(
+            {s: stages[s].counters for s in names},
+            self._replica_labels(False),
+            lambda s: self._replica_values(s, stages[s], False),
+        )
         yield from self._routing(routing)
         failed = CounterMetricFamily(
             "omni_cache_stage_failed_requests",
             "Requests the orchestrator failed because of this stage (died, error, timeout).",
-            labels=["stage"])
+            labels=["stage"],
+        )
         for s in names:
             failed.add_metric([s], self.failed_requests.get(s, 0))
         yield failed
         errors = CounterMetricFamily(
             "omni_cache_output_errors",
             "Stage outputs whose handling in the server raised (a bug); each failed its request "
-            "at once with 500 naming the cause.", labels=["stage"])
+            "at once with 500 naming the cause.",
+            labels=["stage"],
+        )
         for s in self.stage_names:
             errors.add_metric([s], self.output_errors.get(s, 0))
         yield errors
-        yield per_replica(CounterMetricFamily, "omni_cache_requests_resumed",
-                          "Requests that went on from where their client was on live replicas "
-                          "because this replica, serving them, died.", self.resumed)
-        yield GaugeMetricFamily("omni_cache_requests_in_flight", "Requests accepted and not yet answered.",
-                                value=in_flight)
-        answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.",
-                                       labels=["outcome"])
+        yield per_replica(
+            CounterMetricFamily,
+            "omni_cache_requests_resumed",
+            "Requests that went on from where their client was on live replicas "
+            "because this replica, serving them, died.",
+            self.resumed,
+        )
+        yield GaugeMetricFamily(
+            "omni_cache_requests_in_flight", "Requests accepted and not yet answered.", value=in_flight
+        )
+        answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.", labels=["outcome"])
         answered.add_metric(["ok"], self.requests_ok)
         for status, n in sorted(self.requests_failed.items()):
             answered.add_metric([f"error_{status}"], n)
         yield answered
-        yield CounterMetricFamily("omni_cache_server_heap_trims",
-                                  "malloc_trim calls of the server process (HTTP and orchestrator).",
-                                  value=heap.get("heap_trims", 0))
-        yield CounterMetricFamily("omni_cache_server_heap_trim_seconds",
-                                  "Seconds the server process spent in malloc_trim.",
-                                  value=heap.get("heap_trim_seconds", 0.0))
+        yield CounterMetricFamily(
+            "omni_cache_server_heap_trims",
+            "malloc_trim calls of the server process (HTTP and orchestrator).",
+            value=heap.get("heap_trims", 0),
+        )
+        yield CounterMetricFamily(
+            "omni_cache_server_heap_trim_seconds",
+            "Seconds the server process spent in malloc_trim.",
+            value=heap.get("heap_trim_seconds", 0.0),
+        )
 
     def _stage_state(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
         labels = self._replica_labels(False)
-        up = GaugeMetricFamily("omni_cache_stage_up", "1 when the stage replica's process is up "
-                               "and ready.", labels=labels)
-        restarts = CounterMetricFamily("omni_cache_stage_restarts",
-                                       "Times the orchestrator restarted the stage replica's process.",
-                                       labels=labels)
+        up = GaugeMetricFamily(
+            "omni_cache_stage_up", "1 when the stage replica's process is up and ready.", labels=labels
+        )
+        restarts = CounterMetricFamily(
+            "omni_cache_stage_restarts", "Times the orchestrator restarted the stage replica's process.", labels=labels
+        )
         hangs = CounterMetricFamily(
             "omni_cache_stage_hangs",
             "Times the stage replica was found hung (its heartbeats stopped, or its loop stayed in "
-            "one step past stages[].step_timeout_s) and marked down.", labels=labels)
+            "one step past stages[].step_timeout_s) and marked down.",
+            labels=labels,
+        )
         long_steps = CounterMetricFamily(
             "omni_cache_stage_long_steps",
             "Steps of the stage replica's loop that lasted past server.heartbeat_timeout_s while "
-            "its heartbeats came (busy, not hung until stages[].step_timeout_s).", labels=labels)
+            "its heartbeats came (busy, not hung until stages[].step_timeout_s).",
+            labels=labels,
+        )
         in_long = GaugeMetricFamily(
             "omni_cache_stage_in_long_step",
             "1 while the stage replica is busy in one step past server.heartbeat_timeout_s.",
-            labels=labels)
+            labels=labels,
+        )
         fresh = GaugeMetricFamily(
             "omni_cache_stage_stats_fresh",
-            "1 when the stage replica answered this scrape's stats query (else its last known "
-            "counters).", labels=labels)
+            "1 when the stage replica answered this scrape's stats query (else its last known counters).",
+            labels=labels,
+        )
         for s in names:
             values = self._replica_values(s, stages[s], False)
             up.add_metric(values, 1 if stages[s].up else 0)
@@ -335,15 +417,24 @@ class OrchestratorMetrics:
         fam = CounterMetricFamily(
             "omni_cache_routing_decisions",
             "Requests routed to a replica of a stage with several replicas, by the configured "
-            "policy and the rule that decided.", labels=["stage", "replica", "policy", "decision"])
+            "policy and the rule that decided.",
+            labels=["stage", "replica", "policy", "decision"],
+        )
         for (stage, replica, policy, decision), n in sorted(routing.decisions.items()):
             fam.add_metric([stage, str(replica), policy, decision], n)
-        load = per_replica(GaugeMetricFamily, "omni_cache_replica_requests_in_flight",
-                           "The orchestrator's requests routed to the replica and not finished "
-                           "there (the load least_loaded compares).", routing.in_flight)
-        blocks = per_replica(GaugeMetricFamily, "omni_cache_prefix_index_blocks",
-                             "Block hashes the entry replica reported its prefix cache holds "
-                             "(prefix routing).", routing.prefix_blocks)
+        load = per_replica(
+            GaugeMetricFamily,
+            "omni_cache_replica_requests_in_flight",
+            "The orchestrator's requests routed to the replica and not finished "
+            "there (the load least_loaded compares).",
+            routing.in_flight,
+        )
+        blocks = per_replica(
+            GaugeMetricFamily,
+            "omni_cache_prefix_index_blocks",
+            "Block hashes the entry replica reported its prefix cache holds (prefix routing).",
+            routing.prefix_blocks,
+        )
         yield from (f for f in (fam, load, blocks) if f.samples)
 
     def _stage_counters(self, stages: Mapping[str, StageSnapshot], names: list[str]) -> Iterator[Metric]:
@@ -355,25 +446,23 @@ class OrchestratorMetrics:
                 # vLLM's metrics only for stages that report them (a stage without a vLLM engine
                 # has no prefix cache: a 0 would claim one); ours for every stage.
                 if key in counters or not metric.vllm:
-                    fam.add_metric(self._replica_values(s, stages[s], metric.vllm),
-                                   float(counters.get(key, 0.0)))
+                    fam.add_metric(self._replica_values(s, stages[s], metric.vllm), float(counters.get(key, 0.0)))
             if fam.samples:
                 yield fam
-        extra = sorted({k for s in names for k in stages[s].counters
-                        if not is_pacing_key(k)} - set(STAGE_METRICS))
+        extra = sorted({k for s in names for k in stages[s].counters if not is_pacing_key(k)} - set(STAGE_METRICS))
         for key in extra:
-            fam = UnknownMetricFamily("omni_cache_stage_" + _NAME_RE.sub("_", key),
-                                      f"Stage counter {key!r} as the stage reports it.",
-                                      labels=self._replica_labels(False))
+            fam = UnknownMetricFamily(
+                "omni_cache_stage_" + _NAME_RE.sub("_", key),
+                f"Stage counter {key!r} as the stage reports it.",
+                labels=self._replica_labels(False),
+            )
             for s in names:
                 if key in stages[s].counters:
-                    fam.add_metric(self._replica_values(s, stages[s], False),
-                                   float(stages[s].counters[key]))
+                    fam.add_metric(self._replica_values(s, stages[s], False), float(stages[s].counters[key]))
             yield fam
 
 
-def per_replica(family: Any, name: str, help_text: str,
-                values: Mapping[tuple[str, int], float]) -> Metric:
+def per_replica(family: Any, name: str, help_text: str, values: Mapping[tuple[str, int], float]) -> Metric:
     """A metric family labelled ``stage`` and ``replica``, from (stage, replica) -> value."""
     fam = family(name, help_text, labels=["stage", "replica"])
     for (stage, replica), n in sorted(values.items()):
@@ -384,5 +473,6 @@ def per_replica(family: Any, name: str, help_text: str,
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
     """``(sample name, labels, value)`` of every sample, parsed by ``prometheus_client``'s parser
     (ValueError on malformed text)."""
-    return [(s.name, dict(s.labels), float(s.value))
-            for fam in text_string_to_metric_families(text) for s in fam.samples]
+    return [
+        (s.name, dict(s.labels), float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples
+    ]

@@ -43,15 +43,16 @@ class OutputAssembler:
         #: The rate of the audio stage's last audio (a result with no audio reports it).
         self.audio_sample_rate = DEFAULT_SAMPLE_RATE
 
-    def add(self, req: Request, stage: StageConfig, msg: StageOutput, tensors: dict[str, Any],
-            now: float) -> bool:
+    def add(self, req: Request, stage: StageConfig, msg: StageOutput, tensors: dict[str, Any], now: float) -> bool:
         """Pass ``msg`` (from ``stage``) on to ``req``'s client; whether every stage the request
         needs has now finished. Raises :class:`BadOutput` for audio at an impossible rate."""
         if msg.sample_rate and not MIN_SAMPLE_RATE <= msg.sample_rate <= MAX_SAMPLE_RATE:
             # Resampling audio at a peer's rate of 1 Hz to 24 kHz would allocate 24,000 samples
             # per sample it sent; a rate like that is a broken or hostile stage.
-            raise BadOutput(f"stage {msg.stage!r} sent audio at {msg.sample_rate} Hz "
-                            f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})")
+            raise BadOutput(
+                f"stage {msg.stage!r} sent audio at {msg.sample_rate} Hz "
+                f"(accepted: {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE})"
+            )
         if msg.media_layout is not None and req.attempt == 0 and stage.name == self._topology.entry.name:
             # (A resumed attempt's prompt holds the answer so far: not the client's prompt.)
             req.engine_prompt_token_ids = list(msg.media_layout.prompt_token_ids)
@@ -81,12 +82,12 @@ class OutputAssembler:
                 self._timeline.mark(req.request_id, "text_in", now)
             # The log-probabilities of the tokens passed on (a resumed attempt's first ones are
             # the client's already).
-            logprobs = msg.logprobs[len(msg.logprobs) - len(token_ids):] if msg.logprobs else None
-            req.queue.put_nowait(TextDelta(text, token_ids, logprobs, last=last,
-                                           num_prompt_tokens=msg.num_prompt_tokens))
+            logprobs = msg.logprobs[len(msg.logprobs) - len(token_ids) :] if msg.logprobs else None
+            req.queue.put_nowait(
+                TextDelta(text, token_ids, logprobs, last=last, num_prompt_tokens=msg.num_prompt_tokens)
+            )
 
-    def _audio(self, req: Request, stage: StageConfig, msg: StageOutput, tensors: dict[str, Any],
-               now: float) -> None:
+    def _audio(self, req: Request, stage: StageConfig, msg: StageOutput, tensors: dict[str, Any], now: float) -> None:
         audio = tensors.get("audio")
         if audio is None or audio.numel() == 0:
             return
@@ -102,8 +103,7 @@ class OutputAssembler:
         if len(samples):
             req.queue.put_nowait(AudioDelta(np.array(samples, copy=True), rate))
 
-    def _latents(self, req: Request, stage: StageConfig, msg: StageOutput,
-                 tensors: dict[str, Any]) -> None:
+    def _latents(self, req: Request, stage: StageConfig, msg: StageOutput, tensors: dict[str, Any]) -> None:
         # The entry stage's latents by their own names, a later stage's as "<stage>.<name>"
         # (e.g. "talker.codes").
         prefix = "" if stage.name == self._topology.entry.name else f"{stage.name}."

@@ -28,20 +28,29 @@ __all__ = ["COUNTERS", "HISTOGRAM", "is_pacing_key", "pacing_families"]
 
 #: Stage counter key -> (metric name, help).
 COUNTERS: dict[str, tuple[str, str]] = {
-    "paced_requests": ("omni_cache_stage_paced_requests",
-                       ("Streamed spoken answers that yielded their turn because they were more "
-                        "than pacing.lead_s ahead of their playback.")),
-    "audio_underruns": ("omni_cache_stage_audio_underruns",
-                        "Streamed spoken answers whose emitted audio fell behind their playback."),
-    "first_audio_shared_steps": ("omni_cache_stage_first_audio_shared_steps",
-                                 ("Steps that ran a streamed answer's first-audio work beside "
-                                  "another answer's ahead-of-time work.")),
+    "paced_requests": (
+        "omni_cache_stage_paced_requests",
+        (
+            "Streamed spoken answers that yielded their turn because they were more "
+            "than pacing.lead_s ahead of their playback."
+        ),
+    ),
+    "audio_underruns": (
+        "omni_cache_stage_audio_underruns",
+        "Streamed spoken answers whose emitted audio fell behind their playback.",
+    ),
+    "first_audio_shared_steps": (
+        "omni_cache_stage_first_audio_shared_steps",
+        ("Steps that ran a streamed answer's first-audio work beside another answer's ahead-of-time work."),
+    ),
 }
 #: The histogram's counter-key prefix and its metric.
 HISTOGRAM = "pacing_slack_seconds"
 _HISTOGRAM_METRIC = "omni_cache_stage_pacing_slack_seconds"
-_HISTOGRAM_HELP = ("Slack of each audio emission of a streamed answer: seconds of audio it had "
-                   "emitted beyond its playback (negative: behind).")
+_HISTOGRAM_HELP = (
+    "Slack of each audio emission of a streamed answer: seconds of audio it had "
+    "emitted beyond its playback (negative: behind)."
+)
 _BUCKET = HISTOGRAM + "_bucket:"
 
 
@@ -54,8 +63,9 @@ def _le(bound: str) -> float:
     return float("inf") if bound == "+Inf" else float(bound)
 
 
-def pacing_families(counters_of: Mapping[str, Mapping[str, float]], labels: list[str],
-                    values: Callable[[str], list[str]]) -> Iterator[Metric]:
+def pacing_families(
+    counters_of: Mapping[str, Mapping[str, float]], labels: list[str], values: Callable[[str], list[str]]
+) -> Iterator[Metric]:
     """The families of every replica that reports pacing. ``counters_of``: replica key -> its
     counters; ``labels`` and ``values(key)``: the label names and a replica's label values."""
     keys = [k for k, c in counters_of.items() if any(is_pacing_key(n) for n in c)]
@@ -71,8 +81,8 @@ def pacing_families(counters_of: Mapping[str, Mapping[str, float]], labels: list
     for k in keys:
         counters = counters_of[k]
         buckets: list[tuple[str, Any]] = sorted(
-            ((n[len(_BUCKET):], v) for n, v in counters.items() if n.startswith(_BUCKET)),
-            key=lambda b: _le(b[0]))
+            ((n[len(_BUCKET) :], v) for n, v in counters.items() if n.startswith(_BUCKET)), key=lambda b: _le(b[0])
+        )
         if buckets:
             hist.add_metric(values(k), [(le, float(v)) for le, v in buckets], None)
     yield hist

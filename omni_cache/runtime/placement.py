@@ -38,8 +38,9 @@ class StagePlacement:
     ``stage_argv``: the command of a stage process before its arguments; ``external``: the stages
     started by hand."""
 
-    def __init__(self, config: PipelineConfig, *, run_dir: str, stage_argv: Sequence[str] | None,
-                 external: set[str]) -> None:
+    def __init__(
+        self, config: PipelineConfig, *, run_dir: str, stage_argv: Sequence[str] | None, external: set[str]
+    ) -> None:
         self._config = config
         self.run_dir = run_dir
         # new_run_dir made it: removed on close, or at exit for a server never started or closed
@@ -49,10 +50,17 @@ class StagePlacement:
         #: Every stage replica by its name (omni_cache.config.replicas); a Ray-placed one's
         #: address is "" until its actor reported it (:meth:`place`).
         self.replicas: dict[str, Replica] = {
-            r.name: r for stage in config.stages for r in (
-                [Replica(stage.name, i, replica_name(stage.name, i, stage.replicas), "", None)
-                 for i in range(stage.replicas)]
-                if config.placed_by_ray(stage) else stage_replicas(stage))}
+            r.name: r
+            for stage in config.stages
+            for r in (
+                [
+                    Replica(stage.name, i, replica_name(stage.name, i, stage.replicas), "", None)
+                    for i in range(stage.replicas)
+                ]
+                if config.placed_by_ray(stage)
+                else stage_replicas(stage)
+            )
+        }
         #: (stage, replica index) -> replica name.
         self.names = {(r.stage, r.index): r.name for r in self.replicas.values()}
         #: The config text every stage process is started with (:meth:`runners` sets it).
@@ -81,15 +89,15 @@ class StagePlacement:
         by_stage: dict[str, list[str]] = {}
         for placed in sorted(self._ray.replicas.values(), key=lambda p: (p.stage, p.index)):
             by_stage.setdefault(placed.stage, []).append(placed.address)
-            self.replicas[placed.name] = Replica(placed.stage, placed.index, placed.name,
-                                                 placed.address, None)
+            self.replicas[placed.name] = Replica(placed.stage, placed.index, placed.name, placed.address, None)
         for name, addresses in by_stage.items():
             self._config.stage(name).replica_addresses = addresses
 
     # ---- what each replica is started with -------------------------------------------------------
 
-    def runners(self, orchestrator_address: str
-                ) -> list[tuple[StageConfig, Replica, ProcessRunner | list[str] | None, dict[str, str]]]:
+    def runners(
+        self, orchestrator_address: str
+    ) -> list[tuple[StageConfig, Replica, ProcessRunner | list[str] | None, dict[str, str]]]:
         """For every replica, in topological order: its stage, the replica, what runs it (a
         Ray runner, the command to spawn here, or None when it is started by hand) and its
         environment. Serializes the config the processes read (blocking: writes a file)."""
@@ -98,16 +106,14 @@ class StagePlacement:
         out = []
         for stage in self._config.topological_order():
             for replica in stage_replicas(stage):
-                args = ["--stage", stage.name, "--replica", str(replica.index),
-                        "--orchestrator", orchestrator_address]
+                args = ["--stage", stage.name, "--replica", str(replica.index), "--orchestrator", orchestrator_address]
                 runner: Any
                 if stage.name in self.external:
                     runner, env = None, {}
                 elif self.uses_ray:
                     runner, env = self._ray_runner(replica, args), dict(stage.env)
                 else:
-                    runner = [*self._stage_argv, "--stage-config", config_path, *args,
-                              "--parent-pid", str(os.getpid())]
+                    runner = [*self._stage_argv, "--stage-config", config_path, *args, "--parent-pid", str(os.getpid())]
                     env = {**os.environ, **stage.env, "PYTHONUNBUFFERED": "1"}
                 out.append((stage, replica, runner, env))
         return out
@@ -142,8 +148,13 @@ class StagePlacement:
         default = self._stage_argv == default_stage_argv()
         assert self.config_text is not None
         # The node's own Python runs the default command: hosts need not share a venv path.
-        return RayRunner(self._ray.replicas[replica.name], None if default else list(self._stage_argv),
-                         args, self.config_text, dict(self._config.stage(replica.stage).env))
+        return RayRunner(
+            self._ray.replicas[replica.name],
+            None if default else list(self._stage_argv),
+            args,
+            self.config_text,
+            dict(self._config.stage(replica.stage).env),
+        )
 
     # ---- closing ---------------------------------------------------------------------------------
 
@@ -171,8 +182,10 @@ def external_stages_of(config: PipelineConfig, extra: Iterable[str]) -> set[str]
     external = set(extra) | {s.name for s in config.stages if s.external}
     several = sorted(n for n in external if names[n].replicas > 1)
     if several:
-        raise ValueError(f"external_stages: {several} have several replicas; omni-serve spawns "
-                         "replicas itself (replicas of a stage started by hand are not supported)")
+        raise ValueError(
+            f"external_stages: {several} have several replicas; omni-serve spawns "
+            "replicas itself (replicas of a stage started by hand are not supported)"
+        )
     issues = IssueCollector(None)
     check_hand_started(config, external, issues)
     issues.raise_if_any()

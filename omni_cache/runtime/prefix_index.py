@@ -38,10 +38,19 @@ class PrefixIndex:
         #: Replicas whose hits need a recurrent state (hybrid thinkers).
         self.recurrent: set[int] = set()
 
-    def apply(self, replica: int, stored: Iterable[int], removed: Iterable[int], *,
-              cleared: bool = False, block_size: int = 0, hash_block_size: int = 0,
-              recurrent: bool = False, state_stored: Iterable[int] = (),
-              state_removed: Iterable[int] = ()) -> None:
+    def apply(
+        self,
+        replica: int,
+        stored: Iterable[int],
+        removed: Iterable[int],
+        *,
+        cleared: bool = False,
+        block_size: int = 0,
+        hash_block_size: int = 0,
+        recurrent: bool = False,
+        state_stored: Iterable[int] = (),
+        state_removed: Iterable[int] = (),
+    ) -> None:
         """One report: ``cleared`` drops what the replica held before; then its changes (a hash
         is in ``stored`` or ``removed``, not both; likewise for the ``state_*`` pair)."""
         if cleared:
@@ -79,8 +88,8 @@ class PrefixIndex:
         if not held:
             return 0
         scale = self.scale.get(replica, 1)
-        steps = chain if limit is None else chain[:max(0, limit)]
-        blocks = steps[scale - 1::scale]  # a full block's hash: the step chain's at its end
+        steps = chain if limit is None else chain[: max(0, limit)]
+        blocks = steps[scale - 1 :: scale]  # a full block's hash: the step chain's at its end
         n = 0
         for block_hash in blocks:
             if block_hash not in held:

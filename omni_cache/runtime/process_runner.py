@@ -90,8 +90,9 @@ class LocalRunner:
             start_new_session=True,  # own process group: signals reach vLLM's helpers too
         )
         self.pid = self.popen.pid
-        threading.Thread(target=self._read_output, args=(self.popen, on_line),
-                         name=f"omni-cache-log-{self.name}", daemon=True).start()
+        threading.Thread(
+            target=self._read_output, args=(self.popen, on_line), name=f"omni-cache-log-{self.name}", daemon=True
+        ).start()
 
     @staticmethod
     def _read_output(proc: subprocess.Popen[bytes], on_line: Callable[[str], None]) -> None:

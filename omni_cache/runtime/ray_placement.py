@@ -73,8 +73,7 @@ def connect(address: str) -> bool:
         return False
     # The stages' output reaches the server through RayRunner (its echo and error tails),
     # not through Ray's log forwarding, which would print every line a second time.
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-             configure_logging=False)
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
     return True
 
 
@@ -122,19 +121,27 @@ class StageActor:
     async def reserve(self, port: int | None) -> dict[str, Any]:
         """Where this actor runs, and the port its stage will listen on."""
         ip = ray.util.get_node_ip_address()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip,
-                "port": _free_port(ip, port), "host": socket.gethostname(), "pid": os.getpid()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ip,
+            "port": _free_port(ip, port),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
 
     async def where(self) -> dict[str, Any]:
         """Ray's id of this actor's node, its IP, and the pid of the stage process it runs now
         (None when none runs): what a test or an operator checks placement with."""
         running = self._proc is not None and self._proc.poll() is None
-        return {"node_id": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address(),
-                "stage_pid": self._proc.pid if running and self._proc is not None else None}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "stage_pid": self._proc.pid if running and self._proc is not None else None,
+        }
 
-    async def start(self, prefix: list[str] | None, args: list[str], config_text: str,
-                    env: dict[str, str]) -> tuple[int, int]:
+    async def start(
+        self, prefix: list[str] | None, args: list[str], config_text: str, env: dict[str, str]
+    ) -> tuple[int, int]:
         """Run the stage: ``prefix`` (default: this node's ``python -m workers``) plus the config
         written here, ``args``, and this actor as its parent. Returns its pid, and the count of
         output lines before its first (those are an earlier process's)."""
@@ -143,12 +150,22 @@ class StageActor:
         path = os.path.join(self._dir, "stage_config.yaml")
         with open(path, "w") as f:
             f.write(config_text)
-        argv = [*(prefix or [sys.executable, "-m", "workers"]), "--stage-config", path, *args,
-                "--parent-pid", str(os.getpid())]
+        argv = [
+            *(prefix or [sys.executable, "-m", "workers"]),
+            "--stage-config",
+            path,
+            *args,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         self._proc = subprocess.Popen(
-            argv, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)  # own process group: signals reach vLLM's helpers too
+            argv,
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # own process group: signals reach vLLM's helpers too
         with self._lock:
             seen = self._seen
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
@@ -166,7 +183,7 @@ class StageActor:
         """The output lines after the first ``since`` (those still kept), and the new count."""
         with self._lock:
             kept_from = self._seen - len(self._lines)
-            return self._seen, list(self._lines)[max(0, since - kept_from):]
+            return self._seen, list(self._lines)[max(0, since - kept_from) :]
 
     async def wait(self) -> int:
         """The stage process's exit code, once it exits."""
@@ -201,8 +218,13 @@ class PlacedReplica:
 
 
 def _actor_options(res: RayResources, index: int, name: str) -> dict[str, Any]:
-    return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
-            "resources": res.for_replica(index), "name": name, "namespace": NAMESPACE}
+    return {
+        "num_cpus": res.num_cpus,
+        "num_gpus": res.num_gpus,
+        "resources": res.for_replica(index),
+        "name": name,
+        "namespace": NAMESPACE,
+    }
 
 
 class RayPlacement:
@@ -228,29 +250,38 @@ class RayPlacement:
                 except ValueError as e:  # the name is taken
                     raise StageStartError(
                         f"replica {name!r}: {e}; is another omni-serve of pipeline "
-                        f"{self._config.name!r} running on this Ray cluster?") from e
+                        f"{self._config.name!r} running on this Ray cluster?"
+                    ) from e
                 self.replicas[name] = PlacedReplica(name, stage.name, i, actor, options)
         refs = {p.actor.reserve.remote(None): p for p in self.replicas.values()}
         pending = list(refs)
         deadline = time.monotonic() + timeout
         while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending),
-                                     timeout=max(0.0, deadline - time.monotonic()))
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
             for ref in done:
                 p = refs[ref]
                 info = ray.get(ref)
                 p.node_id, p.ip, p.port, p.host = info["node_id"], info["ip"], info["port"], info["host"]
-                logger.info("stage %s: placed by Ray on node %s (%s, %s), listens at %s",
-                            p.name, p.node_id[:12], p.host, p.ip, p.address)
+                logger.info(
+                    "stage %s: placed by Ray on node %s (%s, %s), listens at %s",
+                    p.name,
+                    p.node_id[:12],
+                    p.host,
+                    p.ip,
+                    p.address,
+                )
             if pending and time.monotonic() >= deadline:
                 waiting = [refs[r] for r in pending]
                 raise StageStartError(
-                    "Ray placed no actor for " + ", ".join(
+                    "Ray placed no actor for "
+                    + ", ".join(
                         f"{p.name!r} (asks {p.options['num_cpus']:g} CPU, "
                         f"{p.options['num_gpus']:g} GPU, resources {p.options['resources']})"
-                        for p in waiting)
+                        for p in waiting
+                    )
                     + f" within {timeout:g} s: no node has those free (ray status shows what "
-                      "each node has)")
+                    "each node has)"
+                )
         return self.replicas
 
     def _check_feasible(self) -> None:
@@ -266,7 +297,8 @@ class RayPlacement:
                             f"stage {stage.name!r} replica {i} asks for Ray resource {key!r}, "
                             f"which no node of the cluster has (the cluster has: "
                             f"{', '.join(sorted(have))}); start a node with ray start "
-                            f"--resources '{{\"{key}\": 1}}'")
+                            f"--resources '{{\"{key}\": 1}}'"
+                        )
 
     def close(self) -> None:
         """Kill every actor (their stage processes were stopped; PR_SET_PDEATHSIG ends any left)."""
@@ -290,15 +322,15 @@ class RayRunner:
     ``prefix``: the command before them (None: the node's ``python -m workers``);
     ``config_text``: the stage config, as YAML."""
 
-    def __init__(self, placed: PlacedReplica, prefix: list[str] | None, args: list[str],
-                 config_text: str, env: dict[str, str]) -> None:
+    def __init__(
+        self, placed: PlacedReplica, prefix: list[str] | None, args: list[str], config_text: str, env: dict[str, str]
+    ) -> None:
         self.placed = placed
         self._prefix = prefix
         self._args = args
         self._config_text = config_text
         self._env = env
-        self.argv = [*(prefix or ["python", "-m", "workers"]), "--stage-config",
-                     "(written on its node)", *args]
+        self.argv = [*(prefix or ["python", "-m", "workers"]), "--stage-config", "(written on its node)", *args]
         self.pid: int | None = None
         self._run: _Run | None = None
         self._actor_lost = False
@@ -313,8 +345,9 @@ class RayRunner:
 
     def start(self, on_line: Callable[[str], None]) -> None:
         run = self._run = _Run()
-        threading.Thread(target=self._watch, args=(run, on_line),
-                         name=f"omni-cache-ray-{self.placed.name}", daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(run, on_line), name=f"omni-cache-ray-{self.placed.name}", daemon=True
+        ).start()
 
     def _watch(self, run: _Run, on_line: Callable[[str], None]) -> None:
         """Start the process through the actor, relay its output, record how it ended."""
@@ -323,9 +356,9 @@ class RayRunner:
             if self._actor_lost:
                 self._replace_actor()
             actor = self.placed.actor
-            self.pid, seen = ray.get(actor.start.remote(self._prefix, self._args,
-                                                        self._config_text, self._env),
-                                     timeout=CALL_TIMEOUT_S)
+            self.pid, seen = ray.get(
+                actor.start.remote(self._prefix, self._args, self._config_text, self._env), timeout=CALL_TIMEOUT_S
+            )
             run.started.set()
             exited = actor.wait.remote()
             while True:
@@ -339,8 +372,9 @@ class RayRunner:
         except Exception as e:  # noqa: BLE001 -- the actor died, its node went, a call timed out
             self._actor_lost = True
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            run.lost = (f"its Ray actor on {self.where} is gone ({type(e).__name__}: {first}); "
-                        "it is re-placed on the same node")
+            run.lost = (
+                f"its Ray actor on {self.where} is gone ({type(e).__name__}: {first}); it is re-placed on the same node"
+            )
             run.code = ACTOR_LOST
         finally:
             run.started.set()
@@ -358,8 +392,7 @@ class RayRunner:
         if info["port"] != p.port:
             raise RuntimeError(f"the new actor got port {info['port']}, not {p.port}")
         self._actor_lost = False
-        logger.info("stage %s: new Ray actor on node %s, same address %s", p.name,
-                    p.node_id[:12], p.address)
+        logger.info("stage %s: new Ray actor on node %s, same address %s", p.name, p.node_id[:12], p.address)
 
     def poll(self) -> int | None:
         return self._run.code if self._run is not None else None
@@ -378,8 +411,9 @@ class RayRunner:
         if run is None or self._actor_lost:
             return  # nothing started, or nothing left to signal through
         if self._signaller is None:
-            self._signaller = threading.Thread(target=self._send_signals, daemon=True,
-                                               name=f"omni-cache-ray-signal-{self.placed.name}")
+            self._signaller = threading.Thread(
+                target=self._send_signals, daemon=True, name=f"omni-cache-ray-signal-{self.placed.name}"
+            )
             self._signaller.start()
         self._signals.put((run, int(sig)))
 
@@ -412,6 +446,13 @@ class RayRunner:
 
 
 __all__ = [
-    "ACTOR_LOST", "NAMESPACE", "PlacedReplica", "RayPlacement", "RayRunner", "StageActor",
-    "connect", "disconnect", "node_ip",
+    "ACTOR_LOST",
+    "NAMESPACE",
+    "PlacedReplica",
+    "RayPlacement",
+    "RayRunner",
+    "StageActor",
+    "connect",
+    "disconnect",
+    "node_ip",
 ]

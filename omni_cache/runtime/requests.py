@@ -164,9 +164,13 @@ class RequestTable:
 
     def served_by(self, stage: str, replica: int | None = None) -> list[Request]:
         """The requests that still wait for ``stage`` (for its replica ``replica``, when given)."""
-        return [r for r in self._requests.values()
-                if stage in r.participants and stage not in r.finished
-                and (replica is None or r.route.get(stage, 0) == replica)]
+        return [
+            r
+            for r in self._requests.values()
+            if stage in r.participants
+            and stage not in r.finished
+            and (replica is None or r.route.get(stage, 0) == replica)
+        ]
 
     def load(self, stage: str) -> dict[int, int]:
         """replica of ``stage`` -> the requests in flight on it (routed there, not finished
@@ -178,20 +182,35 @@ class RequestTable:
         return out
 
 
-def new_request(prompt_token_ids: list[int], modalities: tuple[str, ...],
-                participants: tuple[str, ...], *, received_at: float | None, timeout: float,
-                return_latents: bool, ticket: Any) -> Request:
+def new_request(
+    prompt_token_ids: list[int],
+    modalities: tuple[str, ...],
+    participants: tuple[str, ...],
+    *,
+    received_at: float | None,
+    timeout: float,
+    return_latents: bool,
+    ticket: Any,
+) -> Request:
     """A request accepted now: a new id, its deadline ``timeout`` seconds after it was received
     (``received_at``, ``time.monotonic()``; None: now)."""
     now = time.monotonic() if received_at is None else min(received_at, time.monotonic())
-    return Request(request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids,
-                   modalities=modalities, participants=participants, t0=now,
-                   deadline=now + timeout, timeout_s=timeout, return_latents=return_latents,
-                   ticket=ticket)
+    return Request(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt_token_ids,
+        modalities=modalities,
+        participants=participants,
+        t0=now,
+        deadline=now + timeout,
+        timeout_s=timeout,
+        return_latents=return_latents,
+        ticket=ticket,
+    )
 
 
-def submit_message(req: Request, sampling: EngineSampling, media: Sequence[MediaItem], *,
-                   stream: bool = False) -> Submit:
+def submit_message(
+    req: Request, sampling: EngineSampling, media: Sequence[MediaItem], *, stream: bool = False
+) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
     :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`).
     ``stream``: its client streams the answer (stages pace its audio)."""
@@ -201,9 +220,17 @@ def submit_message(req: Request, sampling: EngineSampling, media: Sequence[Media
         sampling=sampling,
         modalities=list(req.modalities),
         return_latents=req.return_latents,
-        media=[MediaRef(kind=m.kind, tensor=f"media.{i}", sample_rate=m.sample_rate, uuid=m.digest,
-                        fps=m.fps, in_video=m.in_video)
-               for i, m in enumerate(media)],
+        media=[
+            MediaRef(
+                kind=m.kind,
+                tensor=f"media.{i}",
+                sample_rate=m.sample_rate,
+                uuid=m.digest,
+                fps=m.fps,
+                in_video=m.in_video,
+            )
+            for i, m in enumerate(media)
+        ],
         route=dict(req.route),
         stream=stream,
     )

@@ -19,8 +19,15 @@ class RequestError(Exception):
     """A request that ended in an error; ``status`` is the HTTP status the client should see,
     ``retry_after`` (seconds) when it may try again then (429)."""
 
-    def __init__(self, status: int, message: str, *, stage: str | None = None,
-                 request_id: str | None = None, retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        stage: str | None = None,
+        request_id: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -172,8 +179,7 @@ class RequestHandle:
                         request_id=self.request_id,
                         text=joined,
                         token_ids=token_ids,
-                        audio=(np.concatenate(audio) if audio else np.zeros(0, np.float32))
-                        if wants_audio else None,
+                        audio=(np.concatenate(audio) if audio else np.zeros(0, np.float32)) if wants_audio else None,
                         sample_rate=sample_rate or (self._orch.audio_sample_rate if wants_audio else 0),
                         cached_tokens=event.cached_tokens,
                         latents=event.latents,

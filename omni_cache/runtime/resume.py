@@ -59,7 +59,7 @@ def next_attempt(req: Request, detokenize: Callable[[Sequence[int]], str]) -> No
     req.skip_tokens = len(req.answer_tokens)
     req.skip_samples = req.audio_samples
     if req.resumed_text is None:
-        req.resumed_text = ResumedText(detokenize, req.answer_tokens[req.text_tokens:])
+        req.resumed_text = ResumedText(detokenize, req.answer_tokens[req.text_tokens :])
 
 
 def resumed_prompt(req: Request, text_from_entry: bool) -> list[int]:
@@ -82,8 +82,14 @@ def resumed_submit(req: Request, *, text_from_entry: bool, answer_finished: str 
         finish = "length"  # every token was sent; the finished output was lost with the replica
     sampling = msgspec.structs.replace(base.sampling, max_tokens=1 if finish else left)
     return msgspec.structs.replace(
-        base, request_id=req.wire_id, prompt_token_ids=resumed_prompt(req, text_from_entry),
-        sampling=sampling, route=dict(req.route), resumed_tokens=k, answer_finished=finish or "")
+        base,
+        request_id=req.wire_id,
+        prompt_token_ids=resumed_prompt(req, text_from_entry),
+        sampling=sampling,
+        route=dict(req.route),
+        resumed_tokens=k,
+        answer_finished=finish or "",
+    )
 
 
 def new_tokens(req: Request, token_ids: Sequence[int]) -> list[int]:

@@ -64,22 +64,31 @@ class PromptHashes:
     prompt_tokens: int = 0
 
 
-def hash_prompt(prompt: Sequence[int] | None, block_sizes: Sequence[int], seed: str | None,
-                affinity: bool, media: Sequence[MediaPosition] = (), length: int = 0) -> PromptHashes:
+def hash_prompt(
+    prompt: Sequence[int] | None,
+    block_sizes: Sequence[int],
+    seed: str | None,
+    affinity: bool,
+    media: Sequence[MediaPosition] = (),
+    length: int = 0,
+) -> PromptHashes:
     """``prompt``'s hashes in each of ``block_sizes`` (vLLM's, with the entry engines' ``seed``)
     and, with ``affinity``, in AFFINITY_BLOCK_SIZE blocks; nothing for None. ``prompt`` is the
     expanded prompt of a media request (as far as known), ``media`` its items
     (omni_cache/runtime/media_layouts.py), ``length`` the engine's prompt length, if known."""
     if not prompt:
         return PromptHashes({}, prompt_tokens=length)
-    return PromptHashes({size: prompt_block_hashes(prompt, size, seed, media) for size in block_sizes},
-                        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None, media) if affinity else None,
-                        length)
+    return PromptHashes(
+        {size: prompt_block_hashes(prompt, size, seed, media) for size in block_sizes},
+        prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None, media) if affinity else None,
+        length,
+    )
 
 
 class RoutePlanner:
-    def __init__(self, config: PipelineConfig, topology: Topology, supervisor: StageSupervisor,
-                 requests: RequestTable) -> None:
+    def __init__(
+        self, config: PipelineConfig, topology: Topology, supervisor: StageSupervisor, requests: RequestTable
+    ) -> None:
         self._config = config
         self._entry = topology.entry
         self._supervisor = supervisor
@@ -88,12 +97,18 @@ class RoutePlanner:
         #: What each entry replica's prefix cache holds, as it reports (prefix routing only).
         self.prefix_index = PrefixIndex()
         #: Whether the entry replicas report their blocks (and prompts are hashed to match them).
-        self.prefix_routing = reports_blocks(config.server.routing, self._entry.name,
-                                             self._entry.name, self._entry.replicas,
-                                             self._entry.prefix_cache)
-        self._affinity = {s.name: PrefixAffinity() for s in config.stages
-                          if config.server.routing == "prefix" and s.name != self._entry.name
-                          and s.replicas > 1 and s.is_autoregressive and s.prefix_cache}
+        self.prefix_routing = reports_blocks(
+            config.server.routing, self._entry.name, self._entry.name, self._entry.replicas, self._entry.prefix_cache
+        )
+        self._affinity = {
+            s.name: PrefixAffinity()
+            for s in config.stages
+            if config.server.routing == "prefix"
+            and s.name != self._entry.name
+            and s.replicas > 1
+            and s.is_autoregressive
+            and s.prefix_cache
+        }
         self._sessions: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._hash_seed = self._entry.env.get("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED"))
         #: What media items become in the entry stage's prompt, as its replicas reported.
@@ -117,11 +132,17 @@ class RoutePlanner:
             tokens, items = expanded.token_ids, expanded.media
             # Unknown items expand to at least one token each: past the known part, one more.
             length = len(tokens) if expanded.complete else len(tokens) + 1
-        return functools.partial(hash_prompt, tokens, sizes, self._hash_seed, bool(self._affinity),
-                                 items, length)
+        return functools.partial(hash_prompt, tokens, sizes, self._hash_seed, bool(self._affinity), items, length)
 
-    def assign(self, req: Request, prompt: Sequence[int], media: Sequence[Any] = (), *,
-               session_id: str | None = None, hashes: PromptHashes | None = None) -> None:
+    def assign(
+        self,
+        req: Request,
+        prompt: Sequence[int],
+        media: Sequence[Any] = (),
+        *,
+        session_id: str | None = None,
+        hashes: PromptHashes | None = None,
+    ) -> None:
         """Route ``req``, whose entry stage is sent ``prompt`` with ``media`` (MediaItems or
         MediaRefs): its replicas, the prefill it queues on its entry replica, and the prompt's
         block hashes (prefix routing). ``hashes``: what :meth:`hasher` computed (else it is
@@ -132,17 +153,23 @@ class RoutePlanner:
         pinned = self._sessions.get(session_id) if session_id is not None else None
         # The engine's length: media expanded where known (prefix and backlog count its tokens).
         length = max(len(prompt), hashes.prompt_tokens)
-        req.route, req.prefill_backlog = self.route(req.participants, length, hashes.chains,
-                                                    hashed, pinned=pinned,
-                                                    affinity_chain=hashes.affinity)
+        req.route, req.prefill_backlog = self.route(
+            req.participants, length, hashes.chains, hashed, pinned=pinned, affinity_chain=hashes.affinity
+        )
         req.block_hashes = hashes.chains
         if session_id is not None:
             self._remember_session(session_id, req.route)
 
-    def route(self, participants: Sequence[str], prompt_tokens: int,
-              chains: dict[int, list[int]], prompt: Sequence[int] | None = None, *,
-              pinned: Mapping[str, int] | None = None,
-              affinity_chain: list[int] | None = None) -> tuple[dict[str, int], int]:
+    def route(
+        self,
+        participants: Sequence[str],
+        prompt_tokens: int,
+        chains: dict[int, list[int]],
+        prompt: Sequence[int] | None = None,
+        *,
+        pinned: Mapping[str, int] | None = None,
+        affinity_chain: list[int] | None = None,
+    ) -> tuple[dict[str, int], int]:
         """A replica of every participant (among those up: admission saw one of each), and the
         prompt tokens the chosen entry replica is expected to compute (its prefill backlog while
         the request waits there). ``chains``: the prompt's block hashes per block size (empty: a
@@ -159,8 +186,11 @@ class RoutePlanner:
                 continue
             affinity = self._affinity.get(stage)
             if affinity is not None and (prompt is not None or affinity_chain is not None):
-                chain = (affinity_chain if affinity_chain is not None
-                         else prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None))
+                chain = (
+                    affinity_chain
+                    if affinity_chain is not None
+                    else prompt_block_hashes(prompt, AFFINITY_BLOCK_SIZE, None)
+                )
                 route[stage] = self.router.follow(stage, up, load, affinity.lookup(chain, up))
                 affinity.record(chain, route[stage])
                 continue
@@ -172,8 +202,14 @@ class RoutePlanner:
             # that reported none holds nothing known and has matched 0.
             size = max(sizes.values(), default=0)
             route[stage] = choice = self.router.pick(
-                stage, up, load, matched if chains else None, backlog=self.prefill_backlog(),
-                prompt_tokens=prompt_tokens, block_size=size)
+                stage,
+                up,
+                load,
+                matched if chains else None,
+                backlog=self.prefill_backlog(),
+                prompt_tokens=prompt_tokens,
+                block_size=size,
+            )
             uncached = max(1, prompt_tokens - matched.get(choice, 0) * sizes.get(choice, 0))
         return route, uncached
 
@@ -184,8 +220,9 @@ class RoutePlanner:
             return {}
         return self.hasher(prompt)().chains
 
-    def matched_blocks(self, up: Sequence[int], chains: Mapping[int, list[int]],
-                       prompt_tokens: int | None = None) -> tuple[dict[int, int], dict[int, int]]:
+    def matched_blocks(
+        self, up: Sequence[int], chains: Mapping[int, list[int]], prompt_tokens: int | None = None
+    ) -> tuple[dict[int, int], dict[int, int]]:
         """(entry replica -> leading blocks of the prompt it holds, replica -> its block size).
 
         Held is what the replica reported (the prefix index) and also what the requests in
@@ -258,18 +295,28 @@ class RoutePlanner:
         submit = req.submit
         if submit is None or not submit.media:
             return
-        self.media_layouts.learn(submit.prompt_token_ids, media_keys(submit.media),
-                                 layout.prompt_token_ids,
-                                 [(s.modality, s.identifier, s.offset, s.length) for s in layout.spans])
+        self.media_layouts.learn(
+            submit.prompt_token_ids,
+            media_keys(submit.media),
+            layout.prompt_token_ids,
+            [(s.modality, s.identifier, s.offset, s.length) for s in layout.spans],
+        )
 
     def on_block_events(self, msg: BlockEvents) -> None:
         sp = self._supervisor.replica(msg.stage, msg.replica)
         if msg.stage != self._entry.name or sp is None or not sp.up:
             return  # a replica that is down holds nothing (a late report from its old process)
-        self.prefix_index.apply(msg.replica, msg.stored, msg.removed, cleared=msg.cleared,
-                                block_size=msg.block_size, hash_block_size=msg.hash_block_size,
-                                recurrent=msg.recurrent, state_stored=msg.state_stored,
-                                state_removed=msg.state_removed)
+        self.prefix_index.apply(
+            msg.replica,
+            msg.stored,
+            msg.removed,
+            cleared=msg.cleared,
+            block_size=msg.block_size,
+            hash_block_size=msg.hash_block_size,
+            recurrent=msg.recurrent,
+            state_stored=msg.state_stored,
+            state_removed=msg.state_removed,
+        )
 
     def forget(self, replica: Replica) -> None:
         """``replica`` went down: its caches died with it."""
@@ -290,10 +337,12 @@ class RoutePlanner:
             if stage.replicas > 1:
                 load = self._requests.load(stage.name)
                 in_flight.update({(stage.name, i): load.get(i, 0) for i in range(stage.replicas)})
-        blocks = ({(self._entry.name, i): self.prefix_index.blocks(i)
-                   for i in range(self._entry.replicas)} if self.prefix_routing else {})
-        return RoutingSnapshot(decisions=dict(self.router.decisions), in_flight=in_flight,
-                               prefix_blocks=blocks)
+        blocks = (
+            {(self._entry.name, i): self.prefix_index.blocks(i) for i in range(self._entry.replicas)}
+            if self.prefix_routing
+            else {}
+        )
+        return RoutingSnapshot(decisions=dict(self.router.decisions), in_flight=in_flight, prefix_blocks=blocks)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

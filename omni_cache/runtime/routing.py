@@ -108,9 +108,17 @@ class ReplicaRouter:
         #: (stage, replica, policy, decision) -> times chosen (stages with several replicas)
         self.decisions: Counter[tuple[str, int, str, str]] = Counter()
 
-    def pick(self, stage: str, up: Sequence[int], load: Mapping[int, int],
-             matched: Mapping[int, int] | None = None, *, backlog: Mapping[int, int] | None = None,
-             prompt_tokens: int = 0, block_size: int = 0) -> int:
+    def pick(
+        self,
+        stage: str,
+        up: Sequence[int],
+        load: Mapping[int, int],
+        matched: Mapping[int, int] | None = None,
+        *,
+        backlog: Mapping[int, int] | None = None,
+        prompt_tokens: int = 0,
+        block_size: int = 0,
+    ) -> int:
         """A replica of ``stage`` among ``up`` (the indices of its replicas that are up, not
         empty) given each one's ``load`` (requests in flight; missing = 0) and, for ``prefix``,
         ``matched``: how many leading blocks of the prompt each replica holds (None: unknown),
@@ -129,6 +137,7 @@ class ReplicaRouter:
                 holding = [i for i in up if matched.get(i, 0) == best]
                 choice, decision = least_loaded(holding, load), "prefix_hit"
             else:
+
                 def wait(i: int) -> int:
                     return backlog.get(i, 0) + max(1, prompt_tokens - matched.get(i, 0) * block_size)
 
@@ -146,8 +155,7 @@ class ReplicaRouter:
         self.decisions[(stage, choice, self.policy, decision)] += 1
         return choice
 
-    def follow(self, stage: str, up: Sequence[int], load: Mapping[int, int],
-               preferred: int | None) -> int:
+    def follow(self, stage: str, up: Sequence[int], load: Mapping[int, int], preferred: int | None) -> int:
         """A replica of a later stage under ``prefix`` (omni_cache.runtime.affinity):
         ``preferred``, the replica that took the longest prefix of this prompt before, unless it
         has more than ``AFFINITY_LOAD_RATIO`` times the requests of the least loaded, plus one
@@ -157,8 +165,11 @@ class ReplicaRouter:
         if self._replicas.get(stage, 1) == 1:
             return up[0]
         quickest = least_loaded(up, load)
-        if preferred is not None and preferred in up and \
-                load.get(preferred, 0) <= AFFINITY_LOAD_RATIO * load.get(quickest, 0) + 1:
+        if (
+            preferred is not None
+            and preferred in up
+            and load.get(preferred, 0) <= AFFINITY_LOAD_RATIO * load.get(quickest, 0) + 1
+        ):
             choice, decision = preferred, "prefix_affinity"
         else:
             choice, decision = quickest, "least_loaded"

@@ -37,22 +37,31 @@ class StageFleet:
     ``control_addr``: the inbox's address (default: the config's; with Ray and none set, this
     node's IP once the cluster was joined)."""
 
-    def __init__(self, config: PipelineConfig, events: StageEvents, *, run_dir: str,
-                 stage_argv: Sequence[str] | None, external: set[str], control_addr: str | None,
-                 echo_stage_logs: bool, start_timeout_s: float, shutdown_grace_s: float) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        events: StageEvents,
+        *,
+        run_dir: str,
+        stage_argv: Sequence[str] | None,
+        external: set[str],
+        control_addr: str | None,
+        echo_stage_logs: bool,
+        start_timeout_s: float,
+        shutdown_grace_s: float,
+    ) -> None:
         self._config = config
         self._events = events
         self._echo = echo_stage_logs
         self._start_timeout_s = start_timeout_s
         self._grace = shutdown_grace_s
         self.control_address = control_addr or control_address(config) or ""  # "": Ray's node IP
-        self.placement = StagePlacement(config, run_dir=run_dir, stage_argv=stage_argv,
-                                        external=external)
-        self.supervisor = StageSupervisor(self, heartbeat_timeout_s=config.server.heartbeat_timeout_s,
-                                          announce_to=self.control_address)
+        self.placement = StagePlacement(config, run_dir=run_dir, stage_argv=stage_argv, external=external)
+        self.supervisor = StageSupervisor(
+            self, heartbeat_timeout_s=config.server.heartbeat_timeout_s, announce_to=self.control_address
+        )
         self.links = StageLinks(config, self.placement.replicas, self.supervisor, external)
-        self._claims = IpcClaims([a for a in (self.control_address,
-                                              *(r.address for r in self.replicas.values())) if a])
+        self._claims = IpcClaims([a for a in (self.control_address, *(r.address for r in self.replicas.values())) if a])
 
     @property
     def replicas(self) -> Mapping[str, Replica]:
@@ -115,8 +124,9 @@ class StageFleet:
 
     # ---- traffic ---------------------------------------------------------------------------------
 
-    async def send(self, name: str, msg: msgspec.Struct, tensors: Mapping[str, Any] | None = None,
-                   *, timeout: float | None = 5.0) -> bool:
+    async def send(
+        self, name: str, msg: msgspec.Struct, tensors: Mapping[str, Any] | None = None, *, timeout: float | None = 5.0
+    ) -> bool:
         """Send to replica ``name`` (see :meth:`StageLinks.send`)."""
         return await self.links.send(name, msg, tensors, timeout=timeout)
 
@@ -149,8 +159,10 @@ class StageFleet:
         self.supervisor.begin_stop()
         alive = self.supervisor.alive()
         if alive:
-            await asyncio.gather(*(self.send(name, Shutdown(reason="orchestrator closing"), timeout=0.5)
-                                   for name in alive), return_exceptions=True)
+            await asyncio.gather(
+                *(self.send(name, Shutdown(reason="orchestrator closing"), timeout=0.5) for name in alive),
+                return_exceptions=True,
+            )
         await asyncio.to_thread(self.supervisor.stop_processes, self._grace)
         await self.supervisor.close()
         await asyncio.to_thread(self.placement.close)

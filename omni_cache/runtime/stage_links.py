@@ -35,8 +35,9 @@ class StageLinks:
     that Ray placement fills in later are the ones connected to; ``external``: the stages whose
     connections the supervisor watches."""
 
-    def __init__(self, config: PipelineConfig, replicas: Mapping[str, Replica],
-                 supervisor: StageSupervisor, external: set[str]) -> None:
+    def __init__(
+        self, config: PipelineConfig, replicas: Mapping[str, Replica], supervisor: StageSupervisor, external: set[str]
+    ) -> None:
         self._config = config
         self._replicas = replicas
         self._supervisor = supervisor
@@ -85,8 +86,9 @@ class StageLinks:
         if not self._closing and self._ctx is not None:
             self._senders[name] = self._new_sender(name)
 
-    async def send(self, name: str, msg: msgspec.Struct, tensors: Mapping[str, Any] | None = None,
-                   *, timeout: float | None = 5.0) -> bool:
+    async def send(
+        self, name: str, msg: msgspec.Struct, tensors: Mapping[str, Any] | None = None, *, timeout: float | None = 5.0
+    ) -> bool:
         """Send to replica ``name``; False (logged) when it could not be sent in ``timeout``.
         Raises :class:`~omni_cache.wire.transport.MessageTooLarge` for a message over the limit."""
         sender = self._senders.get(name)

@@ -32,8 +32,7 @@ class StageStatsBoard:
         for ev in self._waiters:
             ev.set()
 
-    async def refresh(self, targets: Sequence[str], ask: Callable[[str], Awaitable[bool]],
-                      timeout: float) -> float:
+    async def refresh(self, targets: Sequence[str], ask: Callable[[str], Awaitable[bool]], timeout: float) -> float:
         """Ask every replica in ``targets`` (``ask`` sends it a StatsQuery) and wait until each
         answered or ``timeout`` passed; the time the refresh began."""
         t0 = time.monotonic()
@@ -60,8 +59,9 @@ class StageStatsBoard:
         since = await self.refresh(targets, lambda n: fleet.send(n, StatsQuery(), timeout=0.2), timeout)
         return self.snapshot(fleet.replicas, fleet.supervisor, since)
 
-    def snapshot(self, replicas: Mapping[str, Replica], supervisor: StageSupervisor,
-                 since: float) -> dict[str, StageSnapshot]:
+    def snapshot(
+        self, replicas: Mapping[str, Replica], supervisor: StageSupervisor, since: float
+    ) -> dict[str, StageSnapshot]:
         """replica name -> its state and counters; fresh when it answered after ``since``."""
         snap = {}
         busy = supervisor.long_steps()

@@ -26,8 +26,9 @@ class SupervisedReplica:
     supervisor sees it; read-only for everyone else. ``runner`` runs the process (None: started
     elsewhere, by hand)."""
 
-    def __init__(self, stage: StageConfig, runner: ProcessRunner | None, echo: bool,
-                 replica: Replica | None = None) -> None:
+    def __init__(
+        self, stage: StageConfig, runner: ProcessRunner | None, echo: bool, replica: Replica | None = None
+    ) -> None:
         replica = replica or stage_replicas(stage)[0]
         self.name = replica.name  # the stage's name when it has one replica
         self.stage = stage.name
@@ -92,15 +93,18 @@ class SupervisedReplica:
         self.started_at = time.monotonic()
         self.runner.start(self._on_line)
         self.running = True
-        logger.info("stage %s: started%s: %s", self.name,
-                    f" pid {self.pid}" if self.pid is not None else "", " ".join(self.runner.argv))
+        logger.info(
+            "stage %s: started%s: %s",
+            self.name,
+            f" pid {self.pid}" if self.pid is not None else "",
+            " ".join(self.runner.argv),
+        )
 
     def _on_line(self, line: str) -> None:
         self.tail.append(line)
         if self.echo:
             with contextlib.suppress(Exception):
-                sys.stderr.write(f"({self.name} pid={self.runner.pid if self.runner else '?'}) "
-                                 + line + "\n")
+                sys.stderr.write(f"({self.name} pid={self.runner.pid if self.runner else '?'}) " + line + "\n")
                 sys.stderr.flush()
 
     def poll(self) -> int | None:
@@ -123,11 +127,15 @@ class SupervisedReplica:
     def why_down(self) -> str:
         """Why this stage is not serving (for /health and 503 messages); call it when not up."""
         if self.external and self.lost_reason:
-            return (f"started elsewhere (last pid {self.pid} on {self.host or '?'}), "
-                    f"{self.lost_reason}; waiting for it to announce itself again")
+            return (
+                f"started elsewhere (last pid {self.pid} on {self.host or '?'}), "
+                f"{self.lost_reason}; waiting for it to announce itself again"
+            )
         if self.external and self.announced:
-            return (f"started elsewhere (pid {self.pid} on {self.host or '?'}), announced itself; "
-                    f"waiting for the connection to {self.address}")
+            return (
+                f"started elsewhere (pid {self.pid} on {self.host or '?'}), announced itself; "
+                f"waiting for the connection to {self.address}"
+            )
         if self.external:
             return "started elsewhere, waiting for it to announce itself"
         if self.hung:

@@ -51,17 +51,20 @@ class TextCodec:
         with self._lock:
             return fn(*args)
 
-    def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], *,
-                          tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def tokenize_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Chat messages -> prompt token ids through the chat template, given ``tools`` and the
         template's other arguments (default: only the generation prompt added)."""
         if self.tokenizer is None:
             raise RuntimeError("the tokenizer is not loaded yet (start() has not run)")
         kwargs = {"add_generation_prompt": True} if template_kwargs is None else dict(template_kwargs)
         with self._lock:
-            out = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tools=tools, tokenize=True, **kwargs)
+            out = self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=True, **kwargs)
         if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
         if hasattr(out, "tolist"):

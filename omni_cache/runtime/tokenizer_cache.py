@@ -45,8 +45,7 @@ def bound_word_cache(tokenizer: Any, words: int = WORD_CACHE_WORDS) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     resize = getattr(getattr(backend, "model", None), "_resize_cache", None)
     if not callable(resize):
-        logger.info("tokenizer %s has no word cache to bound; its memory is its own",
-                    type(tokenizer).__name__)
+        logger.info("tokenizer %s has no word cache to bound; its memory is its own", type(tokenizer).__name__)
         return False
     resize(words)
     return True

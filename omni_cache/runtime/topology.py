@@ -33,10 +33,14 @@ class Topology:
         audio = [s for s in config.stages if s.final_output == "audio"]
         text_stage = text[0] if text else entry
         speakers = config.downstream(text_stage.name)
-        return cls(stage_names=tuple(s.name for s in config.topological_order()), entry=entry,
-                   text_stage=text_stage, audio_stage=audio[0] if audio else None,
-                   downstream_of_entry=frozenset(_reachable(config, entry.name)),
-                   speaker=speakers[0].name if speakers else None)
+        return cls(
+            stage_names=tuple(s.name for s in config.topological_order()),
+            entry=entry,
+            text_stage=text_stage,
+            audio_stage=audio[0] if audio else None,
+            downstream_of_entry=frozenset(_reachable(config, entry.name)),
+            speaker=speakers[0].name if speakers else None,
+        )
 
     def participants(self, modalities: Iterable[str]) -> tuple[str, ...]:
         """The stages a request with these modalities needs, in topological order."""

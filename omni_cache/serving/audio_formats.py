@@ -38,11 +38,14 @@ class UnsupportedFormat(ValueError):
 def check_format(fmt: str, *, stream: bool) -> str:
     """``fmt`` when the server can answer in it, else :class:`UnsupportedFormat`."""
     if fmt not in FORMATS:
-        raise UnsupportedFormat(f"audio.format {fmt!r} is not supported; supported formats: "
-                                + ", ".join(repr(f) for f in FORMATS))
+        raise UnsupportedFormat(
+            f"audio.format {fmt!r} is not supported; supported formats: " + ", ".join(repr(f) for f in FORMATS)
+        )
     if stream and fmt != STREAM_FORMAT:
-        raise UnsupportedFormat(f"audio.format {fmt!r} cannot be streamed: a streamed answer's audio "
-                                f"is {STREAM_FORMAT!r} (24 kHz mono 16-bit little-endian)")
+        raise UnsupportedFormat(
+            f"audio.format {fmt!r} cannot be streamed: a streamed answer's audio "
+            f"is {STREAM_FORMAT!r} (24 kHz mono 16-bit little-endian)"
+        )
     return fmt
 
 
@@ -56,6 +59,5 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     # Written from our int16 samples, not floats: a file's samples are then the pcm16 bytes of the
     # same answer (libsndfile's own float quantizer floors in soundfile 0.14's 1.2.2).
     buf = io.BytesIO()
-    soundfile.write(buf, to_int16(resample(samples, sample_rate)), SAMPLE_RATE, format=container,
-                    subtype=subtype)
+    soundfile.write(buf, to_int16(resample(samples, sample_rate)), SAMPLE_RATE, format=container, subtype=subtype)
     return buf.getvalue()

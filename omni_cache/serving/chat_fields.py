@@ -40,8 +40,7 @@ def _n(req: Any, audio: bool) -> str | None:
 
 def _tools(req: Any, audio: bool) -> str | None:
     if audio and req.tools and req.tool_choice not in (None, "none"):
-        return ("tool calls cannot be spoken: ask for modalities ['text'] when the model may "
-                "call a tool")
+        return "tool calls cannot be spoken: ask for modalities ['text'] when the model may call a tool"
     return None
 
 
@@ -50,14 +49,17 @@ def _new_turn(field: str, spoken_default: bool) -> Callable[[Any, bool], str | N
         if audio and getattr(req, field) != spoken_default:
             return f"{field}={getattr(req, field)!r} with audio: the talker speaks a new assistant turn"
         return None
+
     return limit
 
 
 def _mm_processor_kwargs(req: Any, audio: bool) -> str | None:
     kwargs = req.mm_processor_kwargs or {}
     if set(kwargs) - {"use_audio_in_video"} or not isinstance(kwargs.get("use_audio_in_video", True), bool):
-        return ('only {"use_audio_in_video": true|false} is taken (a video\'s sound track with its '
-                "frames); the thinker's processor runs with its checkpoint's settings")
+        return (
+            'only {"use_audio_in_video": true|false} is taken (a video\'s sound track with its '
+            "frames); the thinker's processor runs with its checkpoint's settings"
+        )
     return None
 
 
@@ -71,8 +73,9 @@ _SAMPLING = "vLLM's SamplingParams field, applied by the thinker's engine"
 
 #: vLLM 0.32's ChatCompletionRequest fields -> what this server does with them.
 FIELDS: dict[str, FieldRule] = {
-    "messages": FieldRule(SUPPORTED, "rendered by the thinker checkpoint's chat template; content "
-                          "parts text, image_url, input_audio"),
+    "messages": FieldRule(
+        SUPPORTED, "rendered by the thinker checkpoint's chat template; content parts text, image_url, input_audio"
+    ),
     "model": FieldRule(SUPPORTED, "the served model name (404 otherwise, as vLLM)"),
     "frequency_penalty": FieldRule(SUPPORTED, _SAMPLING),
     "logit_bias": FieldRule(SUPPORTED, _SAMPLING),
@@ -82,18 +85,23 @@ FIELDS: dict[str, FieldRule] = {
     "max_completion_tokens": FieldRule(SUPPORTED, "as max_tokens, and wins over it"),
     "n": FieldRule(SUPPORTED, "1", limit=_n),
     "presence_penalty": FieldRule(SUPPORTED, _SAMPLING),
-    "response_format": FieldRule(SUPPORTED, "text, json_object, json_schema, structural_tag: "
-                                 "vLLM's structured outputs"),
+    "response_format": FieldRule(
+        SUPPORTED, "text, json_object, json_schema, structural_tag: vLLM's structured outputs"
+    ),
     "seed": FieldRule(SUPPORTED, _SAMPLING),
     "stop": FieldRule(SUPPORTED, "cut by vLLM's detokenizer in the thinker stage; never spoken"),
     "stream": FieldRule(SUPPORTED, "server-sent events"),
     "stream_options": FieldRule(SUPPORTED, "include_usage, continuous_usage_stats"),
     "temperature": FieldRule(SUPPORTED, _SAMPLING),
     "top_p": FieldRule(SUPPORTED, _SAMPLING),
-    "tools": FieldRule(SUPPORTED, "rendered by the chat template; calls parsed by vLLM's tool "
-                       "parser (server.tool_call_parser)", limit=_tools),
-    "tool_choice": FieldRule(SUPPORTED, "none, auto, required, a named function; required and "
-                             "named through vLLM's structured outputs"),
+    "tools": FieldRule(
+        SUPPORTED,
+        "rendered by the chat template; calls parsed by vLLM's tool parser (server.tool_call_parser)",
+        limit=_tools,
+    ),
+    "tool_choice": FieldRule(
+        SUPPORTED, "none, auto, required, a named function; required and named through vLLM's structured outputs"
+    ),
     "reasoning_effort": FieldRule(SUPPORTED, "passed to the chat template, as vLLM passes it"),
     "thinking_token_budget": FieldRule(REFUSED, "the thinker has no reasoning parser"),
     "include_reasoning": FieldRule(SUPPORTED, "true", limit=_include_reasoning),
@@ -110,41 +118,45 @@ FIELDS: dict[str, FieldRule] = {
     "ignore_eos": FieldRule(SUPPORTED, _SAMPLING),
     "min_tokens": FieldRule(SUPPORTED, _SAMPLING),
     "skip_special_tokens": FieldRule(SUPPORTED, "applied by vLLM's detokenizer in the thinker stage"),
-    "spaces_between_special_tokens": FieldRule(SUPPORTED, "applied by vLLM's detokenizer in the "
-                                               "thinker stage"),
+    "spaces_between_special_tokens": FieldRule(SUPPORTED, "applied by vLLM's detokenizer in the thinker stage"),
     "truncate_prompt_tokens": FieldRule(REFUSED, "prompts are not truncated"),
     "truncation_side": FieldRule(REFUSED, "prompts are not truncated"),
-    "prompt_logprobs": FieldRule(REFUSED, "prompt log-probabilities are not brought back from the "
-                                 "thinker stage"),
+    "prompt_logprobs": FieldRule(REFUSED, "prompt log-probabilities are not brought back from the thinker stage"),
     "logprob_token_ids": FieldRule(SUPPORTED, _SAMPLING),
     "allowed_token_ids": FieldRule(SUPPORTED, _SAMPLING),
     "bad_words": FieldRule(SUPPORTED, _SAMPLING),
     "echo": FieldRule(REFUSED, "the answer does not repeat the last message"),
-    "add_generation_prompt": FieldRule(SUPPORTED, "a chat template argument",
-                                       limit=_new_turn("add_generation_prompt", True)),
-    "continue_final_message": FieldRule(SUPPORTED, "a chat template argument",
-                                        limit=_new_turn("continue_final_message", False)),
+    "add_generation_prompt": FieldRule(
+        SUPPORTED, "a chat template argument", limit=_new_turn("add_generation_prompt", True)
+    ),
+    "continue_final_message": FieldRule(
+        SUPPORTED, "a chat template argument", limit=_new_turn("continue_final_message", False)
+    ),
     "add_special_tokens": FieldRule(REFUSED, "the chat template writes the prompt's special tokens"),
     "documents": FieldRule(SUPPORTED, "a chat template argument"),
-    "chat_template": FieldRule(REFUSED, "chat templates from requests are not trusted (vllm serve "
-                               "refuses them too unless --trust-request-chat-template)"),
+    "chat_template": FieldRule(
+        REFUSED,
+        "chat templates from requests are not trusted (vllm serve "
+        "refuses them too unless --trust-request-chat-template)",
+    ),
     "chat_template_kwargs": FieldRule(SUPPORTED, "chat template arguments"),
-    "media_io_kwargs": FieldRule(REFUSED, "media are decoded by the server's own rules "
-                                 "(server.media)"),
-    "mm_processor_kwargs": FieldRule(SUPPORTED, "only {\"use_audio_in_video\": true|false}: "
-                                     "the thinker's processor runs with its checkpoint's settings",
-                                     limit=_mm_processor_kwargs),
-    "structured_outputs": FieldRule(SUPPORTED, "vLLM's structured outputs: json, regex, choice, "
-                                    "grammar, structural_tag"),
-    "priority": FieldRule(IGNORED, "the thinker schedules first come, first served, where vLLM "
-                          "ignores it too"),
+    "media_io_kwargs": FieldRule(REFUSED, "media are decoded by the server's own rules (server.media)"),
+    "mm_processor_kwargs": FieldRule(
+        SUPPORTED,
+        "only {\"use_audio_in_video\": true|false}: the thinker's processor runs with its checkpoint's settings",
+        limit=_mm_processor_kwargs,
+    ),
+    "structured_outputs": FieldRule(
+        SUPPORTED, "vLLM's structured outputs: json, regex, choice, grammar, structural_tag"
+    ),
+    "priority": FieldRule(IGNORED, "the thinker schedules first come, first served, where vLLM ignores it too"),
     "request_id": FieldRule(SUPPORTED, "the answer's id is chatcmpl-<request_id>"),
-    "session_id": FieldRule(SUPPORTED, "a session's requests stay on the replicas its first "
-                            "one went to"),
+    "session_id": FieldRule(SUPPORTED, "a session's requests stay on the replicas its first one went to"),
     "return_tokens_as_token_ids": FieldRule(SUPPORTED, "log-probability tokens as token_id:<id>"),
     "return_token_ids": FieldRule(SUPPORTED, "prompt_token_ids and choices[].token_ids"),
-    "routed_experts_prompt_start": FieldRule(IGNORED, "only read when routed experts are "
-                                             "returned, which they are not (vLLM's default)"),
+    "routed_experts_prompt_start": FieldRule(
+        IGNORED, "only read when routed experts are returned, which they are not (vLLM's default)"
+    ),
     "return_token_offsets": FieldRule(IGNORED, "vLLM reads it on its render endpoints only"),
     "return_prompt_text": FieldRule(REFUSED, "the rendered prompt is not returned"),
     "mm_payload": FieldRule(IGNORED, "vLLM reads it on its render endpoints only"),

@@ -37,8 +37,7 @@ def tool_parser(orch: Any, chat: ChatRequest, parser_class: Any) -> Any:
     req = chat.body
     tokenizer = orch.codec.tokenizer
     kwargs = _template_kwargs(req, tokenizer)
-    if (parser_class.always_adjust_request or parser_class.reasoning_parser_cls is not None
-            or req.tool_choice != "none"):
+    if parser_class.always_adjust_request or parser_class.reasoning_parser_cls is not None or req.tool_choice != "none":
         adjusted = parser_class(tokenizer, req.tools, chat_template_kwargs=kwargs).adjust_request(req)
         assert adjusted is req, "vLLM's parser returned a new request instead of adjusting it"
     return parser_class(tokenizer, req.tools, chat_template_kwargs=kwargs)
@@ -49,13 +48,22 @@ def _check_tool_choice(req: Any, parser_class: Any) -> None:
     if parser_class is not None or req.tool_choice in (None, "none"):
         return
     if req.tool_choice == "auto":
-        raise APIError(400, '"auto" tool choice requires server.tool_call_parser to be set (vllm '
-                       "serve: --enable-auto-tool-choice and --tool-call-parser)",
-                       param="tool_choice")
-    desc = (f'function "{req.tool_choice.function.name}"' if hasattr(req.tool_choice, "function")
-            else f'"{req.tool_choice}"')
-    raise APIError(400, f"tool_choice={desc} requires server.tool_call_parser to be set (vllm "
-                   "serve: --tool-call-parser)", param="tool_choice")
+        raise APIError(
+            400,
+            '"auto" tool choice requires server.tool_call_parser to be set (vllm '
+            "serve: --enable-auto-tool-choice and --tool-call-parser)",
+            param="tool_choice",
+        )
+    desc = (
+        f'function "{req.tool_choice.function.name}"'
+        if hasattr(req.tool_choice, "function")
+        else f'"{req.tool_choice}"'
+    )
+    raise APIError(
+        400,
+        f"tool_choice={desc} requires server.tool_call_parser to be set (vllm serve: --tool-call-parser)",
+        param="tool_choice",
+    )
 
 
 def _template_kwargs(req: Any, tokenizer: Any) -> dict[str, Any]:
@@ -64,7 +72,6 @@ def _template_kwargs(req: Any, tokenizer: Any) -> dict[str, Any]:
 
     params = req.build_chat_params(None, "auto")
     try:
-        return resolve_chat_template_kwargs(tokenizer, tokenizer.chat_template,
-                                            params.chat_template_kwargs)
+        return resolve_chat_template_kwargs(tokenizer, tokenizer.chat_template, params.chat_template_kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="chat_template_kwargs") from None

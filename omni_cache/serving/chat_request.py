@@ -54,16 +54,16 @@ class ChatRequest:
         """This request without its messages and media (what answering it still reads): once it
         was submitted, its prompt and decoded media are the orchestrator's, and the encoded
         media need not live until it is answered."""
-        return replace(self, body=self.body.model_copy(update={"messages": []}), messages=[],
-                       media=())
+        return replace(self, body=self.body.model_copy(update={"messages": []}), messages=[], media=())
 
 
 #: The voices the pipeline speaks with (its talker has one).
 VOICES = ("default",)
 
 
-async def read_body(request: Any, limit: int, reserve: Callable[[int], None] | None = None, *,
-                    timeout: float | None = None) -> bytearray:
+async def read_body(
+    request: Any, limit: int, reserve: Callable[[int], None] | None = None, *, timeout: float | None = None
+) -> bytearray:
     """The request body, refused (413) past ``limit`` bytes (``server.max_body_bytes``) before
     more of it is kept, and (408) when it has not all arrived within ``timeout`` seconds
     (``server.body_timeout_s``: a client that declares more than it sends). ``reserve(n)`` is
@@ -73,8 +73,7 @@ async def read_body(request: Any, limit: int, reserve: Callable[[int], None] | N
         async with asyncio.timeout(timeout):
             return await _read(request, limit, reserve)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
-                       "(server.body_timeout_s)") from None
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s (server.body_timeout_s)") from None
 
 
 async def _read(request: Any, limit: int, reserve: Callable[[int], None] | None) -> bytearray:
@@ -86,8 +85,9 @@ async def _read(request: Any, limit: int, reserve: Callable[[int], None] | None)
         raise
 
 
-async def _keep(chunks: AsyncIterator[bytes], declared: str, limit: int,
-                reserve: Callable[[int], None] | None) -> bytearray:
+async def _keep(
+    chunks: AsyncIterator[bytes], declared: str, limit: int, reserve: Callable[[int], None] | None
+) -> bytearray:
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     reserved = int(declared) if declared.isdigit() else 0
@@ -139,22 +139,30 @@ def validated_request(raw: bytes) -> Any:
     try:
         data = parse_json(raw)  # its nesting bounded before it is parsed
     except BodyError as e:
-        raise RequestValidationError([{
-            "type": "json_invalid", "loc": ("body",), "msg": f"JSON decode error: {e}",
-            "input": {}, "ctx": {"error": str(e)}}]) from None
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body",),
+                    "msg": f"JSON decode error: {e}",
+                    "input": {},
+                    "ctx": {"error": str(e)},
+                }
+            ]
+        ) from None
     try:
         return ChatCompletionRequest.model_validate(data)
     except pydantic.ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
-                                      for err in e.errors(include_url=False)]) from None
+        raise RequestValidationError(
+            [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+        ) from None
 
 
 def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     """Validate a chat-completions body for the model this server serves; APIError otherwise."""
     req = validated_request(raw)
     if req.model is not None and req.model != served_model:
-        raise APIError(404, f"The model `{req.model}` does not exist. Valid aliases: "
-                       f"{served_model}.", param="model")
+        raise APIError(404, f"The model `{req.model}` does not exist. Valid aliases: {served_model}.", param="model")
     extras = dict(req.model_extra or {})
     modalities = _modalities(extras.get("modalities"))
     refused = refusal(req, extras, "audio" in modalities)
@@ -168,16 +176,20 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     audio_format = audio.get("format") or (STREAM_FORMAT if req.stream else "wav")
     voice = audio.get("voice")
     if voice is not None and voice not in VOICES:
-        raise APIError(400, f"voice {voice!r} is not available; this pipeline speaks with "
-                       + ", ".join(repr(v) for v in VOICES), param="audio.voice")
+        raise APIError(
+            400,
+            f"voice {voice!r} is not available; this pipeline speaks with " + ", ".join(repr(v) for v in VOICES),
+            param="audio.voice",
+        )
     if "audio" in modalities:
         try:
             check_format(audio_format, stream=bool(req.stream))
         except UnsupportedFormat as e:
             raise APIError(400, str(e), param="audio.format") from None
     if not req.messages:
-        raise APIError(400, "Cannot apply chat template to an empty conversation. Provide at "
-                       "least one message.", param="messages")
+        raise APIError(
+            400, "Cannot apply chat template to an empty conversation. Provide at least one message.", param="messages"
+        )
     media: list[MediaPart] = []
     messages = [_message_dict(i, m, media) for i, m in enumerate(req.messages)]
     return ChatRequest(req, modalities, audio_format, messages, tuple(media))
@@ -192,8 +204,11 @@ def _modalities(value: Any) -> tuple[str, ...]:
 
 
 #: Content-part type -> (the field that carries it, the media kind).
-MEDIA_PARTS = {"image_url": ("image_url", "image"), "input_audio": ("input_audio", "audio"),
-               "video_url": ("video_url", "video")}
+MEDIA_PARTS = {
+    "image_url": ("image_url", "image"),
+    "input_audio": ("input_audio", "audio"),
+    "video_url": ("video_url", "video"),
+}
 SUPPORTED_PARTS = ("text", *MEDIA_PARTS)
 
 
@@ -216,13 +231,15 @@ def _message_dict(i: int, m: dict[str, Any], media: list[MediaPart]) -> dict[str
             elif kind in MEDIA_PARTS:
                 field_name, media_kind = MEDIA_PARTS[kind]
                 if not isinstance(part.get(field_name), dict):
-                    raise APIError(400, f"a {kind} content part needs {field_name!r}",
-                                   param=f"{param}.{field_name}")
+                    raise APIError(400, f"a {kind} content part needs {field_name!r}", param=f"{param}.{field_name}")
                 media.append(MediaPart(media_kind, part, param))
                 parts.append({"type": media_kind})
             else:
-                raise APIError(400, f"content part type {kind!r} is not supported (supported: "
-                               f"{', '.join(SUPPORTED_PARTS)})", param=param + ".type")
+                raise APIError(
+                    400,
+                    f"content part type {kind!r} is not supported (supported: {', '.join(SUPPORTED_PARTS)})",
+                    param=param + ".type",
+                )
         if all(p["type"] == "text" for p in parts):
             joiner = "\n" if m["role"] == "tool" else ""
             content = joiner.join(p["text"] for p in parts)

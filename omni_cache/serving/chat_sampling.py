@@ -31,15 +31,21 @@ CARRIED = frozenset(f.name for f in msgspec.structs.fields(EngineSampling))
 #: stage streams deltas), vLLM's internal state filled in when the engine takes the request, and
 #: ``routed_experts_prompt_start``, which vLLM reads only when it returns routed experts (it does
 #: not here, as by default under ``vllm serve``).
-NOT_FROM_REQUESTS = frozenset({
-    "output_kind", "skip_clone", "output_text_buffer_length", "_eos_token_id",
-    "_all_stop_token_ids", "_watermarking_skipped", "_bad_words_token_ids",
-    "routed_experts_prompt_start",
-})
+NOT_FROM_REQUESTS = frozenset(
+    {
+        "output_kind",
+        "skip_clone",
+        "output_text_buffer_length",
+        "_eos_token_id",
+        "_all_stop_token_ids",
+        "_watermarking_skipped",
+        "_bad_words_token_ids",
+        "routed_experts_prompt_start",
+    }
+)
 
 
-def engine_sampling(req: Any, *, prompt_len: int, max_model_len: int,
-                    defaults: EngineSampling) -> EngineSampling:
+def engine_sampling(req: Any, *, prompt_len: int, max_model_len: int, defaults: EngineSampling) -> EngineSampling:
     """The thinker's sampling for ``req`` (vLLM's ``ChatCompletionRequest``, after the tool
     parser adjusted it) and a prompt of ``prompt_len`` tokens. vLLM's checks raise its
     ``VLLMValidationError`` (answered 400 naming the parameter, as vLLM answers it)."""
@@ -50,12 +56,9 @@ def engine_sampling(req: Any, *, prompt_len: int, max_model_len: int,
     tok_params.apply_post_tokenization(None, {"prompt_token_ids": [0] * prompt_len})
     with warnings.catch_warnings():  # vLLM reads the deprecated max_tokens as well
         warnings.simplefilter("ignore", DeprecationWarning)
-        requested = (req.max_completion_tokens if req.max_completion_tokens is not None
-                     else req.max_tokens)
-    max_tokens = get_max_tokens(max_model_len, requested, prompt_len,
-                                {"max_tokens": defaults.max_tokens})
-    params = req.to_sampling_params(max_tokens, {"temperature": defaults.temperature,
-                                                 "top_p": defaults.top_p})
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = get_max_tokens(max_model_len, requested, prompt_len, {"max_tokens": defaults.max_tokens})
+    params = req.to_sampling_params(max_tokens, {"temperature": defaults.temperature, "top_p": defaults.top_p})
     if params.seed is None:
         params.seed = defaults.seed
     return wire_sampling(params)
@@ -71,8 +74,11 @@ def wire_sampling(params: Any) -> EngineSampling:
         if f.name in CARRIED or f.name in NOT_FROM_REQUESTS:
             continue
         if getattr(params, f.name) != getattr(default, f.name):
-            raise APIError(400, f"{f.name}={getattr(params, f.name)!r} is not carried to the "
-                           "thinker stage by this server", param=f.name)
+            raise APIError(
+                400,
+                f"{f.name}={getattr(params, f.name)!r} is not carried to the thinker stage by this server",
+                param=f.name,
+            )
     fields = {name: getattr(params, name) for name in CARRIED}
     stop = fields["stop"]
     fields["stop"] = [stop] if isinstance(stop, str) else (list(stop) if stop else None)
@@ -94,6 +100,9 @@ def _structured(params: Any) -> StructuredOutputs | None:
         if f.name in carried:
             out[f.name] = value
         elif not f.name.startswith("_") and value != f.default:
-            raise APIError(400, f"structured_outputs.{f.name} is not carried to the thinker stage "
-                           "by this server", param=f"structured_outputs.{f.name}")
+            raise APIError(
+                400,
+                f"structured_outputs.{f.name} is not carried to the thinker stage by this server",
+                param=f"structured_outputs.{f.name}",
+            )
     return StructuredOutputs(**out)

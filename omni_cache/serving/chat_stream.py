@@ -48,9 +48,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Any:
     thinker's prefix cache served."""
     from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
 
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached),
+    )
 
 
 @dataclass
@@ -126,9 +129,15 @@ class StreamOptions:
     return_token_ids: bool = False
 
 
-async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: ChoiceWriter, *,
-                        entry_stage: str, options: StreamOptions,
-                        error_body: Callable[[RequestError], dict[str, Any]]) -> AsyncIterator[str]:
+async def stream_chunks(
+    handle: RequestHandle,
+    base: dict[str, Any],
+    writer: ChoiceWriter,
+    *,
+    entry_stage: str,
+    options: StreamOptions,
+    error_body: Callable[[RequestError], dict[str, Any]],
+) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer, ending with ``data: [DONE]``.
 
     ``base`` holds the fields every chunk repeats (id, created, model). Audio deltas are base64
@@ -160,10 +169,8 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: Cho
         return f"data: {response.model_dump_json(exclude_unset=True)}\n\n"
 
     def audio(pcm: bytes) -> str:
-        delta = DeltaMessage(audio={"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"),
-                                    "transcript": ""})
-        return chunk(ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None,
-                                                        finish_reason=None))
+        delta = DeltaMessage(audio={"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"), "transcript": ""})
+        return chunk(ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None, finish_reason=None))
 
     try:
         async for event in handle.events():
@@ -183,9 +190,13 @@ async def stream_chunks(handle: RequestHandle, base: dict[str, Any], writer: Cho
                 prompt_tokens = event.num_prompt_tokens
                 yield chunk(writer.finish(event.finish_reason, event.stop_reason))
                 if options.include_usage:
-                    final = ChatCompletionStreamResponse(**base, choices=[], usage=usage(
-                        event.num_prompt_tokens, writer.num_tokens,
-                        event.cached_tokens.get(entry_stage, 0)))
+                    final = ChatCompletionStreamResponse(
+                        **base,
+                        choices=[],
+                        usage=usage(
+                            event.num_prompt_tokens, writer.num_tokens, event.cached_tokens.get(entry_stage, 0)
+                        ),
+                    )
                     yield f"data: {final.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
             elif isinstance(event, Failed):
                 yield sse(error_body(event.error))

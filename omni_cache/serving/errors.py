@@ -55,8 +55,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 class APIError(Exception):
     """An error answered as vLLM's error body with the HTTP status ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 retry_after: int | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

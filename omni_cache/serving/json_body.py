@@ -44,7 +44,7 @@ def json_depth(raw: bytes | bytearray) -> int:
     steps = _STEP[np.frombuffer(brackets, np.uint8)]
     depth = deepest = 0
     for start in range(0, len(steps), _CHUNK):
-        levels = np.cumsum(steps[start:start + _CHUNK], dtype=np.int64) + depth
+        levels = np.cumsum(steps[start : start + _CHUNK], dtype=np.int64) + depth
         deepest = max(deepest, int(levels.max()))
         depth = int(levels[-1])
     return deepest
@@ -59,8 +59,9 @@ def parse_json(raw: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError as e:
-        raise BodyError(f"the body is not valid JSON: {e.msg} at line {e.lineno} column "
-                        f"{e.colno} (char {e.pos})") from None
+        raise BodyError(
+            f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
+        ) from None
     except UnicodeDecodeError as e:
         raise BodyError(f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:  # cannot happen below max_depth; kept so it can never be a 500

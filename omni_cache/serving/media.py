@@ -147,15 +147,23 @@ class MediaDecoder:
         """A request's media parts read and checked from their headers, in order (nothing
         decoded); MediaError for the first that cannot be used."""
         if len(parts) > self.limits.max_items:
-            raise MediaError(f"the request has {len(parts)} images, audio clips and videos; at most "
-                             f"{self.limits.max_items} are accepted (server.media.max_items)", "messages")
-        items = [self.read_image(p.part["image_url"].get("url") or "", p.param + ".image_url.url")
-                 if p.kind == IMAGE
-                 else self.read_video(p.part["video_url"].get("url") or "", p.param + ".video_url.url")
-                 if p.kind == VIDEO
-                 else self.read_audio(p.part["input_audio"].get("data") or "",
-                                      p.part["input_audio"].get("format") or "", p.param + ".input_audio")
-                 for p in parts]
+            raise MediaError(
+                f"the request has {len(parts)} images, audio clips and videos; at most "
+                f"{self.limits.max_items} are accepted (server.media.max_items)",
+                "messages",
+            )
+        items = [
+            self.read_image(p.part["image_url"].get("url") or "", p.param + ".image_url.url")
+            if p.kind == IMAGE
+            else self.read_video(p.part["video_url"].get("url") or "", p.param + ".video_url.url")
+            if p.kind == VIDEO
+            else self.read_audio(
+                p.part["input_audio"].get("data") or "",
+                p.part["input_audio"].get("format") or "",
+                p.param + ".input_audio",
+            )
+            for p in parts
+        ]
         self._pick_sound_tracks(items)
         return items
 
@@ -167,18 +175,21 @@ class MediaDecoder:
         wanted = self.limits.use_audio_in_video if self.use_audio_in_video is None else self.use_audio_in_video
         if not videos or not wanted:
             return
-        problem = ("the request also has input_audio parts" if any(i.kind == AUDIO for i in items)
-                   else next((f"{i.param} has no sound track" for i in videos
-                              if not i.header.has_audio), None))
+        problem = (
+            "the request also has input_audio parts"
+            if any(i.kind == AUDIO for i in items)
+            else next((f"{i.param} has no sound track" for i in videos if not i.header.has_audio), None)
+        )
         if problem is None:
             for item in videos:
                 item.with_audio = True
-                item.decoded_bytes = video.decoded_bytes(item.header, self._frames(item),
-                                                         self.audio_sample_rate, True)
+                item.decoded_bytes = video.decoded_bytes(item.header, self._frames(item), self.audio_sample_rate, True)
         elif self.use_audio_in_video:
-            raise MediaError(f"use_audio_in_video cannot be honoured: {problem} (a request's videos "
-                             "all bring their sound tracks, and no other audio)",
-                             "mm_processor_kwargs.use_audio_in_video")
+            raise MediaError(
+                f"use_audio_in_video cannot be honoured: {problem} (a request's videos "
+                "all bring their sound tracks, and no other audio)",
+                "mm_processor_kwargs.use_audio_in_video",
+            )
 
     def decode_all(self, items: Sequence[EncodedItem]) -> list[MediaItem]:
         """Items :meth:`read_all` returned, decoded in order (through the decoded-item cache);
@@ -199,14 +210,25 @@ class MediaDecoder:
             raise MediaError(str(e), param) from None
         lim = self.limits
         digest = _digest(VIDEO, 0, data, f"{lim.video_fps:g}:{lim.video_min_frames}:{lim.video_max_frames}")
-        return EncodedItem(VIDEO, data, param, digest,
-                           video.decoded_bytes(header, frames, self.audio_sample_rate, False),
-                           header=header)
+        return EncodedItem(
+            VIDEO,
+            data,
+            param,
+            digest,
+            video.decoded_bytes(header, frames, self.audio_sample_rate, False),
+            header=header,
+        )
 
     def _track_of(self, item: EncodedItem) -> EncodedItem:
         """The (already reserved) sound-track item of a video read with its track."""
-        return EncodedItem(AUDIO, item.data, item.param, _digest("video-audio", self.audio_sample_rate,
-                                                                 item.data), 0, header=item.header)
+        return EncodedItem(
+            AUDIO,
+            item.data,
+            item.param,
+            _digest("video-audio", self.audio_sample_rate, item.data),
+            0,
+            header=item.header,
+        )
 
     def _frames(self, item: EncodedItem) -> int:
         return len(video.sampled_indices(item.header, self.limits))
@@ -229,31 +251,39 @@ class MediaDecoder:
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise MediaError(_undecodable_image(e), param) from None
         if w * h > self.limits.max_image_pixels:
-            raise MediaError(f"image is {w}x{h} pixels; at most {self.limits.max_image_pixels} "
-                             "pixels are accepted (server.media.max_image_pixels)", param)
+            raise MediaError(
+                f"image is {w}x{h} pixels; at most {self.limits.max_image_pixels} "
+                "pixels are accepted (server.media.max_image_pixels)",
+                param,
+            )
         return EncodedItem(IMAGE, data, param, _digest(IMAGE, 0, data), w * h * 3)
 
     def read_audio(self, data_b64: str, fmt: str, param: str) -> EncodedItem:
         import soundfile as sf
 
         if fmt not in AUDIO_FORMATS:
-            raise MediaError(f"input_audio.format {fmt!r} is not supported (supported: "
-                             f"{', '.join(AUDIO_FORMATS)})", param + ".format")
+            raise MediaError(
+                f"input_audio.format {fmt!r} is not supported (supported: {', '.join(AUDIO_FORMATS)})",
+                param + ".format",
+            )
         data = self._b64(data_b64, param + ".data")
         try:
             info = sf.info(io.BytesIO(data))
         except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
             raise MediaError(f"audio could not be decoded as {fmt} ({e})", param) from None
         if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
-            raise MediaError(f"audio sample rate {info.samplerate} Hz is outside "
-                             f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz", param)
+            raise MediaError(
+                f"audio sample rate {info.samplerate} Hz is outside {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz", param
+            )
         if info.frames / info.samplerate > self.limits.max_audio_seconds:
-            raise MediaError(f"audio is {info.frames / info.samplerate:.1f} s long; at most "
-                             f"{self.limits.max_audio_seconds:g} s are accepted "
-                             "(server.media.max_audio_seconds)", param)
+            raise MediaError(
+                f"audio is {info.frames / info.samplerate:.1f} s long; at most "
+                f"{self.limits.max_audio_seconds:g} s are accepted "
+                "(server.media.max_audio_seconds)",
+                param,
+            )
         samples = -(-info.frames * self.audio_sample_rate // info.samplerate)  # at the target rate
-        return EncodedItem(AUDIO, data, param, _digest(AUDIO, self.audio_sample_rate, data),
-                           samples * 4, fmt)
+        return EncodedItem(AUDIO, data, param, _digest(AUDIO, self.audio_sample_rate, data), samples * 4, fmt)
 
     def _decode(self, item: EncodedItem) -> MediaItem:
         if item.kind == VIDEO:
@@ -327,8 +357,9 @@ class MediaDecoder:
             return self._b64(payload, param, limit)
         if scheme in ("http", "https"):
             return self._fetch(url, param, limit, part)
-        raise MediaError(f"{part} scheme {scheme + ':' if scheme else '(none)'} is not accepted; "
-                         "send a data: URL (base64)", param)
+        raise MediaError(
+            f"{part} scheme {scheme + ':' if scheme else '(none)'} is not accepted; send a data: URL (base64)", param
+        )
 
     def _b64(self, text: str, param: str, limit: int | None = None) -> bytes:
         limit = self.limits.max_item_bytes if limit is None else limit
@@ -348,17 +379,20 @@ class MediaDecoder:
     def _fetch(self, url: str, param: str, limit: int | None = None, part: str = "image_url") -> bytes:
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if host not in self.limits.allowed_url_hosts:
-            raise MediaError(f"{part} from host {host or '(none)'!r} is not fetched (this server "
-                             "fetches only from server.media.allowed_url_hosts); send a data: URL",
-                             param)
+            raise MediaError(
+                f"{part} from host {host or '(none)'!r} is not fetched (this server "
+                "fetches only from server.media.allowed_url_hosts); send a data: URL",
+                param,
+            )
         try:
             # httpx's timeouts bound each operation (connect, each read); a server trickling a
             # byte at a time would pass them all. The deadline bounds the whole download.
-            return asyncio.run(asyncio.wait_for(self._download(url, param, limit),
-                                                self.limits.fetch_timeout_s))
+            return asyncio.run(asyncio.wait_for(self._download(url, param, limit), self.limits.fetch_timeout_s))
         except TimeoutError:
-            raise MediaError(f"{part} could not be fetched within {self.limits.fetch_timeout_s:g} s "
-                             "(server.media.fetch_timeout_s)", param) from None
+            raise MediaError(
+                f"{part} could not be fetched within {self.limits.fetch_timeout_s:g} s (server.media.fetch_timeout_s)",
+                param,
+            ) from None
         except httpx.HTTPError as e:
             raise MediaError(f"{part} could not be fetched ({type(e).__name__}: {e})", param) from None
 
@@ -366,15 +400,21 @@ class MediaDecoder:
         """The body of a 200 answer at ``url``, refused once it exceeds ``limit`` bytes
         (``max_item_bytes`` unless given)."""
         limit = self.limits.max_item_bytes if limit is None else limit
-        async with (httpx.AsyncClient(follow_redirects=False, timeout=self.limits.fetch_timeout_s) as client,
-                    client.stream("GET", url) as resp):
+        async with (
+            httpx.AsyncClient(follow_redirects=False, timeout=self.limits.fetch_timeout_s) as client,
+            client.stream("GET", url) as resp,
+        ):
             if resp.is_redirect:
-                raise MediaError(f"media URL could not be fetched (redirect to "
-                                 f"{resp.headers.get('location', '?')} refused: it could lead off "
-                                 "server.media.allowed_url_hosts)", param)
+                raise MediaError(
+                    f"media URL could not be fetched (redirect to "
+                    f"{resp.headers.get('location', '?')} refused: it could lead off "
+                    "server.media.allowed_url_hosts)",
+                    param,
+                )
             if resp.status_code != 200:
-                raise MediaError(f"media URL could not be fetched (HTTP {resp.status_code} "
-                                 f"{resp.reason_phrase})", param)
+                raise MediaError(
+                    f"media URL could not be fetched (HTTP {resp.status_code} {resp.reason_phrase})", param
+                )
             declared = resp.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limit:
                 raise MediaError(self._too_large(limit), param)
@@ -388,8 +428,7 @@ class MediaDecoder:
     def _too_large(self, limit: int | None = None) -> str:
         if limit is not None and limit == self.limits.max_video_bytes != self.limits.max_item_bytes:
             return f"video larger than {limit} bytes (server.media.max_video_bytes)"
-        return (f"media item larger than {self.limits.max_item_bytes} bytes "
-                "(server.media.max_item_bytes)")
+        return f"media item larger than {self.limits.max_item_bytes} bytes (server.media.max_item_bytes)"
 
 
 def _undecodable_image(e: Exception) -> str:
@@ -404,7 +443,7 @@ def _b64decode_sliced(text: str) -> bytes:
         return base64.b64decode(text, validate=True)
     pieces = []
     for start in range(0, len(text), B64_SLICE_CHARS):
-        piece = text[start:start + B64_SLICE_CHARS]
+        piece = text[start : start + B64_SLICE_CHARS]
         if start + B64_SLICE_CHARS < len(text) and piece.endswith("="):
             raise binascii.Error("excess data after padding")
         pieces.append(base64.b64decode(piece, validate=True))

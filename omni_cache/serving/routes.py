@@ -79,31 +79,47 @@ _auth = [Depends(require_api_key)]
 async def health(request: Request) -> JSONResponse:
     state = request.app.state
     if state.startup_error is not None:
-        return JSONResponse({"status": "failed", "message": f"the pipeline did not start: "
-                             f"{state.startup_error}"}, status_code=503)
+        return JSONResponse(
+            {"status": "failed", "message": f"the pipeline did not start: {state.startup_error}"}, status_code=503
+        )
     orch: Orchestrator = state.orchestrator
     not_ready = orch.not_ready()
     replicas = orch.replicas_not_ready()
     # Replicas up but inside one long step (heartbeats coming): busy, not down
     # (omni_cache/runtime/hang_watch.py); named whatever the status.
     long_steps = orch.supervisor.long_steps()
-    busy = {"busy": {name: {"stage": sp.stage, "replica": sp.index, "step_s": round(step, 1),
-                            "step_timeout_s": sp.step_timeout_s}
-                     for name, step in long_steps.items()
-                     for sp in [orch.supervisor.stages[name]]}} if long_steps else {}
+    busy = (
+        {
+            "busy": {
+                name: {
+                    "stage": sp.stage,
+                    "replica": sp.index,
+                    "step_s": round(step, 1),
+                    "step_timeout_s": sp.step_timeout_s,
+                }
+                for name, step in long_steps.items()
+                for sp in [orch.supervisor.stages[name]]
+            }
+        }
+        if long_steps
+        else {}
+    )
     if not not_ready and not replicas:
         return JSONResponse({"status": "ok", **busy})
     # Each replica that is down, by name, with its stage and index beside it.
-    down = {name: {"stage": sp.stage, "replica": sp.index, "why": why}
-            for name, why in replicas.items()
-            for sp in [orch.supervisor.stages[name]]}
+    down = {
+        name: {"stage": sp.stage, "replica": sp.index, "why": why}
+        for name, why in replicas.items()
+        for sp in [orch.supervisor.stages[name]]
+    }
     if not not_ready:
         # Every stage has a replica serving: requests are taken (200), with less capacity.
         message = "replica(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in replicas.items())
         return JSONResponse({"status": "degraded", "message": message, "replicas": down, **busy})
     message = "stage(s) not ready: " + ", ".join(f"{n} ({why})" for n, why in not_ready.items())
-    return JSONResponse({"status": "unavailable", "message": message, "stages": not_ready,
-                         "replicas": down, **busy}, status_code=503)
+    return JSONResponse(
+        {"status": "unavailable", "message": message, "stages": not_ready, "replicas": down, **busy}, status_code=503
+    )
 
 
 @router.get("/v1/models", dependencies=_auth)
@@ -112,15 +128,18 @@ async def models(request: Request) -> JSONResponse:
     from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
 
     orch: Orchestrator = request.app.state.orchestrator
-    card = ModelCard(id=request.app.state.served_model_name, root=orch.codec.model_path or None,
-                     max_model_len=orch.admission.max_model_len, permission=[ModelPermission()])
+    card = ModelCard(
+        id=request.app.state.served_model_name,
+        root=orch.codec.model_path or None,
+        max_model_len=orch.admission.max_model_len,
+        permission=[ModelPermission()],
+    )
     return JSONResponse(ModelList(data=[card]).model_dump())
 
 
 @router.get("/metrics", dependencies=_auth)
 async def metrics(request: Request) -> PlainTextResponse:
-    return PlainTextResponse(await request.app.state.orchestrator.render_metrics(),
-                             media_type=CONTENT_TYPE)
+    return PlainTextResponse(await request.app.state.orchestrator.render_metrics(), media_type=CONTENT_TYPE)
 
 
 @router.post("/v1/chat/completions", dependencies=[*_auth, Depends(_json_body)])
@@ -152,8 +171,7 @@ class _Accepted:
     answer_id: str
 
 
-async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
-                  received_at: float) -> _Accepted:
+async def _accept(request: Request, orch: Orchestrator, ticket: Ticket, received_at: float) -> _Accepted:
     """Read, check and submit one chat request holding ``ticket``; its body's bytes are held on
     the ticket until it was submitted (``server.max_body_bytes_in_flight``)."""
     try:
@@ -162,40 +180,49 @@ async def _accept(request: Request, orch: Orchestrator, ticket: Ticket,
         ticket.release_body()
 
 
-async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
-                           received_at: float) -> _Accepted:
+async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket, received_at: float) -> _Accepted:
     state = request.app.state
     server = orch.config.server
-    body = await read_body(request, server.max_body_bytes, reserve=ticket.hold_body,
-                           timeout=server.body_timeout_s)
+    body = await read_body(request, server.max_body_bytes, reserve=ticket.hold_body, timeout=server.body_timeout_s)
     chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
-        raise APIError(503, "the pipeline is still starting: "
-                       + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items()))
+        raise APIError(
+            503, "the pipeline is still starting: " + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items())
+        )
     prompt = await asyncio.to_thread(rendered_prompt, orch, chat, state.tool_parser)
     # vLLM's tool parser reads the tokenizer's vocabulary (tens of ms for a real one): off the
     # loop, behind the tokenizer's lock. It adjusts chat.body: before sampling.
     parser = await asyncio.to_thread(orch.codec.call_locked, tool_parser, orch, chat, state.tool_parser)
     req = chat.body
-    sampling = engine_sampling(req, prompt_len=len(prompt),
-                               max_model_len=orch.admission.max_model_len or _UNBOUNDED,
-                               defaults=orch.admission.default_sampling())
+    sampling = engine_sampling(
+        req,
+        prompt_len=len(prompt),
+        max_model_len=orch.admission.max_model_len or _UNBOUNDED,
+        defaults=orch.admission.default_sampling(),
+    )
     media = await _decoded_media(chat, orch, ticket, state.media_cache)
-    handle = await orch.submit(prompt, sampling=sampling, modalities=chat.modalities, media=media,
-                               received_at=received_at, session_id=req.session_id, ticket=ticket,
-                               stream=bool(req.stream))
+    handle = await orch.submit(
+        prompt,
+        sampling=sampling,
+        modalities=chat.modalities,
+        media=media,
+        received_at=received_at,
+        session_id=req.session_id,
+        ticket=ticket,
+        stream=bool(req.stream),
+    )
     chat = chat.without_content()
     # vLLM names the answer after the request's id (default: a random one).
-    answer_id = f"chatcmpl-{req.request_id}" if "request_id" in req.model_fields_set \
-        else f"chatcmpl-{handle.request_id}"
+    answer_id = (
+        f"chatcmpl-{req.request_id}" if "request_id" in req.model_fields_set else f"chatcmpl-{handle.request_id}"
+    )
     writer = ChoiceWriter(chat.body, parser, orch.codec.decode_token, prompt)
     return _Accepted(handle, chat, writer, answer_id)
 
 
 #: The context length used before the entry stage reported one (vLLM then still checks its own).
 _UNBOUNDED = 2**31
-
 
 
 @router.websocket("/v1/realtime")
@@ -207,15 +234,20 @@ async def realtime(websocket: WebSocket) -> None:
         await websocket.close(code=CLOSE_POLICY, reason=problem)  # before accept: HTTP 403
         return
     orch: Orchestrator = state.orchestrator
-    await serve_realtime(websocket, orch, orch.config.server.realtime, state.realtime_sessions,
-                         served_model=state.served_model_name, images=_realtime_images(orch, state))
+    await serve_realtime(
+        websocket,
+        orch,
+        orch.config.server.realtime,
+        state.realtime_sessions,
+        served_model=state.served_model_name,
+        images=_realtime_images(orch, state),
+    )
 
 
 def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
     """A session's input_image parts read with the chat API's limits and decoded-item cache:
     checked from the header first, decoded once the session made room (realtime/client_items.py)."""
-    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
-                           cache=state.media_cache)
+    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate, cache=state.media_cache)
 
     def event_error(e: MediaError, param: str) -> EventError:
         return EventError(str(e), param=e.param or param, code="invalid_value")
@@ -235,16 +267,19 @@ def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
     return ImageSource(read, decode, decoder.limits.max_items)
 
 
-async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket,
-                         cache: DecodedCache) -> list[MediaItem]:
+async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, cache: DecodedCache) -> list[MediaItem]:
     """The request's images and clips, each checked against ``server.media`` from its header,
     their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/admission.py), then
     decoded; reading and decoding run off the event loop (milliseconds to seconds). A bad item is
     a 400 naming its part."""
     if not chat.media:
         return []
-    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate,
-                           cache=cache, use_audio_in_video=_use_audio_in_video(chat))
+    decoder = MediaDecoder(
+        orch.config.server.media,
+        audio_sample_rate=orch.audio_input_rate,
+        cache=cache,
+        use_audio_in_video=_use_audio_in_video(chat),
+    )
     try:
         encoded = await asyncio.to_thread(decoder.read_all, chat.media)
         orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
@@ -258,21 +293,33 @@ def _use_audio_in_video(chat: ChatRequest) -> bool | None:
     return (chat.body.mm_processor_kwargs or {}).get("use_audio_in_video")
 
 
-def _stream(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter,
-            answer_id: str) -> StreamingResponse:
+def _stream(
+    handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter, answer_id: str
+) -> StreamingResponse:
     """The answer as SSE chunks (:mod:`omni_cache.serving.chat_stream`)."""
     req = chat.body
-    base = {"id": answer_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": orch.served_model_name}
+    base = {
+        "id": answer_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": orch.served_model_name,
+    }
     so = req.stream_options
     options = StreamOptions(
         include_usage=bool(so and so.include_usage),
         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
-        return_token_ids=bool(req.return_token_ids))
+        return_token_ids=bool(req.return_token_ids),
+    )
     return _RequestStream(
         handle,
-        stream_chunks(handle, base, writer, entry_stage=orch.topology.entry.name, options=options,
-                      error_body=lambda e: APIError.from_request_error(e).body()),
+        stream_chunks(
+            handle,
+            base,
+            writer,
+            entry_stage=orch.topology.entry.name,
+            options=options,
+            error_body=lambda e: APIError.from_request_error(e).body(),
+        ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -296,8 +343,9 @@ class _RequestStream(StreamingResponse):
                 self._handle.abort("the client disconnected from the stream")
 
 
-async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request,
-                    writer: ChoiceWriter, answer_id: str) -> Response:
+async def _complete(
+    handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, request: Request, writer: ChoiceWriter, answer_id: str
+) -> Response:
     """The whole answer as one chat.completion (audio encoded in the requested format)."""
     from openai.types.chat.chat_completion_audio import ChatCompletionAudio
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
@@ -306,24 +354,28 @@ async def _complete(handle: RequestHandle, chat: ChatRequest, orch: Orchestrator
     answer = await collect_unless_disconnected(handle, request)
     done = answer.completed
     # On the loop: the tool parser shares the tokenizer with the threads that tokenize.
-    choice = writer.choice(answer.text, answer.token_ids, answer.logprobs, done.finish_reason,
-                           done.stop_reason)
+    choice = writer.choice(answer.text, answer.token_ids, answer.logprobs, done.finish_reason, done.stop_reason)
 
     def body() -> bytes:
         """The response's JSON; in a worker thread: encoding, base64 and rendering a whole
         answer's audio take milliseconds per second of it."""
         if chat.wants_audio:
-            data = encode_audio(answer.samples(), answer.sample_rate or orch.audio_sample_rate,
-                                chat.audio_format)
+            data = encode_audio(answer.samples(), answer.sample_rate or orch.audio_sample_rate, chat.audio_format)
             choice.message.audio = ChatCompletionAudio(
-                id=f"audio_{handle.request_id}", data=base64.b64encode(data).decode("ascii"),
-                expires_at=created + AUDIO_TTL_S, transcript=done.transcript or "")
+                id=f"audio_{handle.request_id}",
+                data=base64.b64encode(data).decode("ascii"),
+                expires_at=created + AUDIO_TTL_S,
+                transcript=done.transcript or "",
+            )
         response = ChatCompletionResponse(
-            id=answer_id, created=created, model=orch.served_model_name, choices=[choice],
-            usage=usage(done.num_prompt_tokens, answer.num_tokens,
-                        done.cached_tokens.get(orch.topology.entry.name, 0)),
+            id=answer_id,
+            created=created,
+            model=orch.served_model_name,
+            choices=[choice],
+            usage=usage(done.num_prompt_tokens, answer.num_tokens, done.cached_tokens.get(orch.topology.entry.name, 0)),
             # vLLM's prompt_token_ids: media placeholders expanded, as its engine saw them.
-            prompt_token_ids=handle.engine_prompt_token_ids if chat.body.return_token_ids else None)
+            prompt_token_ids=handle.engine_prompt_token_ids if chat.body.return_token_ids else None,
+        )
         return JSONResponse(response.model_dump()).body
 
     return Response(await asyncio.to_thread(body), media_type="application/json")

@@ -99,8 +99,7 @@ def create_app(
     app.state.startup_error = None
     app.state.media_cache = DecodedCache(orch.config.server.media.decoded_cache_bytes)
     try:
-        app.state.tool_parser = parser_class(orch.config.server.tool_call_parser,
-                                             orch.served_model_name)
+        app.state.tool_parser = parser_class(orch.config.server.tool_call_parser, orch.served_model_name)
     except TypeError as e:
         raise ValueError(f"server.tool_call_parser: {e}") from None
     app.state.realtime_sessions = SessionRegistry()  # /v1/realtime's open sessions
@@ -170,8 +169,11 @@ def serve(config: Any, args: Any) -> int:
 
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     try:
-        orch = Orchestrator(config, checkpoint_dir=getattr(args, "checkpoint_dir", None),
-                            prefix_cache=not getattr(args, "no_prefix_cache", False))
+        orch = Orchestrator(
+            config,
+            checkpoint_dir=getattr(args, "checkpoint_dir", None),
+            prefix_cache=not getattr(args, "no_prefix_cache", False),
+        )
     except RunDirError as e:
         print(f"omni-serve: {e}", file=sys.stderr, flush=True)
         return 1
@@ -187,14 +189,17 @@ def serve(config: Any, args: Any) -> int:
 
     def on_ready() -> None:
         bound = _bound_port(holder.get("server"), port)
-        print(f"omni-serve: ready: model {orch.served_model_name!r} at http://{host}:{bound}",
-              flush=True)
+        print(f"omni-serve: ready: model {orch.served_model_name!r} at http://{host}:{bound}", flush=True)
 
     app = create_app(orch, api_key=api_key, on_ready=on_ready, on_startup_failure=on_failure)
     uv_config = uvicorn.Config(
-        app, host=host, port=port, lifespan="on",
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
         log_level=getattr(args, "log_level", "info") or "info",
-        timeout_graceful_shutdown=5, ws_per_message_deflate=WS_DEFLATE,
+        timeout_graceful_shutdown=5,
+        ws_per_message_deflate=WS_DEFLATE,
     )
     server = uvicorn.Server(uv_config)
     holder["server"] = server
@@ -210,21 +215,35 @@ def serve(config: Any, args: Any) -> int:
 class ServerThread:
     """The HTTP server with its orchestrator in a background thread (tests, notebooks)::
 
-        with ServerThread(Orchestrator(config, ...), api_key="k") as srv:
-            srv.wait_ready(60)
-            httpx.get(srv.url + "/health")
+    with ServerThread(Orchestrator(config, ...), api_key="k") as srv:
+        srv.wait_ready(60)
+        httpx.get(srv.url + "/health")
     """
 
-    def __init__(self, orch: Orchestrator, *, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        orch: Orchestrator,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        log_level: str = "warning",
+    ) -> None:
         import uvicorn
 
         self.orchestrator = orch
         self.app = create_app(orch, api_key=api_key)
-        self.server = uvicorn.Server(uvicorn.Config(
-            self.app, host=host, port=port, lifespan="on", log_level=log_level,
-            timeout_graceful_shutdown=2, ws_per_message_deflate=WS_DEFLATE,
-        ))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                lifespan="on",
+                log_level=log_level,
+                timeout_graceful_shutdown=2,
+                ws_per_message_deflate=WS_DEFLATE,
+            )
+        )
         self._host = host
         self._thread = threading.Thread(target=self.server.run, name="omni-cache-http", daemon=True)
         self.url = ""
@@ -247,8 +266,7 @@ class ServerThread:
             if error is not None:
                 raise error
             if time.monotonic() > end:
-                raise TimeoutError(f"the pipeline was not ready after {timeout:g} s: "
-                                   f"{self.orchestrator.not_ready()}")
+                raise TimeoutError(f"the pipeline was not ready after {timeout:g} s: {self.orchestrator.not_ready()}")
             time.sleep(0.05)
 
     def stop(self) -> None:

@@ -67,8 +67,9 @@ def probe(data: bytes, limits: MediaConfig) -> VideoHeader:
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError, OSError) as e:
-        raise VideoProblem(f"video could not be read ({type(e).__name__}: {e}); send an MP4, "
-                           "WebM, MKV, MOV or AVI file") from None
+        raise VideoProblem(
+            f"video could not be read ({type(e).__name__}: {e}); send an MP4, WebM, MKV, MOV or AVI file"
+        ) from None
     with container:
         if not container.streams.video:
             raise VideoProblem("the file has no video stream (send audio as an input_audio part)")
@@ -105,27 +106,39 @@ def _check(h: VideoHeader, limits: MediaConfig) -> None:
     if h.width <= 0 or h.height <= 0:
         raise VideoProblem("video stream has no frame size in its header")
     if h.fps <= 0 or h.frames <= 0 or h.duration_s <= 0:
-        raise VideoProblem("video stream has no frame rate, frame count or duration in its header "
-                           "(an empty or unfinished file?)")
+        raise VideoProblem(
+            "video stream has no frame rate, frame count or duration in its header (an empty or unfinished file?)"
+        )
     if h.width * h.height > limits.max_video_frame_pixels:
-        raise VideoProblem(f"video frames are {h.width}x{h.height} pixels; at most "
-                           f"{limits.max_video_frame_pixels} pixels per frame are accepted "
-                           "(server.media.max_video_frame_pixels)")
+        raise VideoProblem(
+            f"video frames are {h.width}x{h.height} pixels; at most "
+            f"{limits.max_video_frame_pixels} pixels per frame are accepted "
+            "(server.media.max_video_frame_pixels)"
+        )
     if h.duration_s > limits.max_video_seconds:
-        raise VideoProblem(f"video is {h.duration_s:.1f} s long; at most "
-                           f"{limits.max_video_seconds:g} s are accepted (server.media.max_video_seconds)")
+        raise VideoProblem(
+            f"video is {h.duration_s:.1f} s long; at most "
+            f"{limits.max_video_seconds:g} s are accepted (server.media.max_video_seconds)"
+        )
     if h.frames > limits.max_video_frames:
-        raise VideoProblem(f"video has {h.frames} frames; at most {limits.max_video_frames} are "
-                           "accepted (server.media.max_video_frames)")
+        raise VideoProblem(
+            f"video has {h.frames} frames; at most {limits.max_video_frames} are "
+            "accepted (server.media.max_video_frames)"
+        )
     if h.audio_s is not None and h.audio_s > limits.max_video_audio_seconds:
-        raise VideoProblem(f"video's sound track is {h.audio_s:.1f} s long; at most "
-                           f"{limits.max_video_audio_seconds:g} s are accepted "
-                           "(server.media.max_video_audio_seconds)")
+        raise VideoProblem(
+            f"video's sound track is {h.audio_s:.1f} s long; at most "
+            f"{limits.max_video_audio_seconds:g} s are accepted "
+            "(server.media.max_video_audio_seconds)"
+        )
 
 
 def _sampling(limits: MediaConfig) -> dict:
-    return {"min_frames": limits.video_min_frames, "max_frames": limits.video_max_frames,
-            "temporal_patch_size": TEMPORAL_PATCH}
+    return {
+        "min_frames": limits.video_min_frames,
+        "max_frames": limits.video_max_frames,
+        "temporal_patch_size": TEMPORAL_PATCH,
+    }
 
 
 def sampled_indices(header: VideoHeader, limits: MediaConfig) -> list[int]:
@@ -152,19 +165,21 @@ def decode_frames(data: bytes, header: VideoHeader, limits: MediaConfig) -> np.n
 
     expected = len(sampled_indices(header, limits))
     try:
-        frames, _ = Qwen2VLVideoBackend.load_bytes(data, fps=limits.video_fps, backend="opencv",
-                                                    **_sampling(limits))
+        frames, _ = Qwen2VLVideoBackend.load_bytes(data, fps=limits.video_fps, backend="opencv", **_sampling(limits))
     except Exception as e:  # noqa: BLE001 - a crafted stream fails anywhere in the loader
         # (a corrupt file made vLLM's sampler divide by the zero frames it found): a 400, not a 500
-        raise VideoProblem(f"video stream is corrupt: it could not be decoded ({type(e).__name__}: "
-                           f"{e})") from None
+        raise VideoProblem(f"video stream is corrupt: it could not be decoded ({type(e).__name__}: {e})") from None
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[0] != expected or frames.shape[-1] != 3:
-        raise VideoProblem(f"video stream is corrupt: {frames.shape[0] if frames.ndim == 4 else 0} of "
-                           f"its {expected} sampled frames could be decoded")
+        raise VideoProblem(
+            f"video stream is corrupt: {frames.shape[0] if frames.ndim == 4 else 0} of "
+            f"its {expected} sampled frames could be decoded"
+        )
     if frames.shape[1:3] != (header.height, header.width):
-        raise VideoProblem(f"video frames decode as {frames.shape[2]}x{frames.shape[1]}, not the "
-                           f"{header.width}x{header.height} its header says")
+        raise VideoProblem(
+            f"video frames decode as {frames.shape[2]}x{frames.shape[1]}, not the "
+            f"{header.width}x{header.height} its header says"
+        )
     return np.ascontiguousarray(frames, dtype=np.uint8)
 
 
@@ -173,8 +188,9 @@ def decode_track(data: bytes, header: VideoHeader, rate: int) -> np.ndarray:
     from vllm.multimodal.media.audio import load_audio_pyav
 
     try:
-        samples, native = load_audio_pyav(io.BytesIO(data), sr=None, mono=True,
-                                          max_duration_s=(header.audio_s or 0) + 1.0)
+        samples, native = load_audio_pyav(
+            io.BytesIO(data), sr=None, mono=True, max_duration_s=(header.audio_s or 0) + 1.0
+        )
     except (ValueError, RuntimeError, OSError) as e:
         raise VideoProblem(f"video's sound track could not be decoded ({type(e).__name__}: {e})") from None
     if samples.size == 0:
@@ -183,7 +199,7 @@ def decode_track(data: bytes, header: VideoHeader, rate: int) -> np.ndarray:
         import soxr
 
         samples = soxr.resample(samples, int(native), rate)
-    return np.ascontiguousarray(samples[:_track_samples(header, rate)], dtype=np.float32)
+    return np.ascontiguousarray(samples[: _track_samples(header, rate)], dtype=np.float32)
 
 
 def _track_samples(header: VideoHeader, rate: int) -> int:

@@ -23,7 +23,7 @@ class AddressInUseError(RuntimeError):
 
 
 def ipc_path(address: str) -> Path | None:
-    return Path(address[len("ipc://"):]) if address.startswith("ipc://") else None
+    return Path(address[len("ipc://") :]) if address.startswith("ipc://") else None
 
 
 class IpcClaims:
@@ -55,7 +55,8 @@ class IpcClaims:
             raise AddressInUseError(
                 f"{address} is in use by another running omni_cache pipeline (pid {holder}): "
                 f"stop it, or give this pipeline other addresses (the stages' `address` and "
-                f"`server.control_address` in its config)") from None
+                f"`server.control_address` in its config)"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd

@@ -312,7 +312,27 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     hash_block_size: Annotated[int, Meta(ge=0)] = 0
 
 
-Message = (Submit | StreamStart | StageOutput | StageError | Abort | StageReady | StatsQuery
-           | StageStats | Shutdown | BlockEvents)
-MESSAGE_TYPES = (Submit, StreamStart, StageOutput, StageError, Abort, StageReady, StatsQuery,
-                 StageStats, Shutdown, BlockEvents)
+Message = (
+    Submit
+    | StreamStart
+    | StageOutput
+    | StageError
+    | Abort
+    | StageReady
+    | StatsQuery
+    | StageStats
+    | Shutdown
+    | BlockEvents
+)
+MESSAGE_TYPES = (
+    Submit,
+    StreamStart,
+    StageOutput,
+    StageError,
+    Abort,
+    StageReady,
+    StatsQuery,
+    StageStats,
+    Shutdown,
+    BlockEvents,
+)

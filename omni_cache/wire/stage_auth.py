@@ -53,7 +53,8 @@ class StageAuth:
         if len(secret) < MIN_SECRET_CHARS:
             raise StageAuthError(
                 f"the secret has {len(secret)} characters, at least {MIN_SECRET_CHARS} are needed "
-                "(python -m omni_cache.wire.stage_auth new-key FILE writes one)")
+                "(python -m omni_cache.wire.stage_auth new-key FILE writes one)"
+            )
         # Any 32 bytes are a Curve25519 secret key (the scalar is clamped when used).
         raw = hashlib.sha256(_KDF_LABEL + secret.encode()).digest()
         self.secret_key = zmq.utils.z85.encode(raw)
@@ -116,15 +117,18 @@ def new_key(path: str | os.PathLike[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_cache.wire.stage_auth",
-                                     description="stage authentication keys")
+    parser = argparse.ArgumentParser(
+        prog="python -m omni_cache.wire.stage_auth", description="stage authentication keys"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     nk = sub.add_parser("new-key", help="write a fresh shared secret (mode 0600) to FILE")
     nk.add_argument("file")
     args = parser.parse_args(argv)
     try:
-        print(f"wrote {new_key(args.file)}; copy it to every host of the pipeline and set "
-              "server.stage_auth_key_file to its path")
+        print(
+            f"wrote {new_key(args.file)}; copy it to every host of the pipeline and set "
+            "server.stage_auth_key_file to its path"
+        )
     except FileExistsError:
         print(f"python -m omni_cache.wire.stage_auth: {args.file} exists, not overwritten", file=sys.stderr)
         return 1

@@ -219,8 +219,7 @@ def _tensor_from_buffer(buf: memoryview, dtype: torch.dtype, shape: list[int]) -
 # --------------------------------------------------------------------------- sockets
 
 
-def _open_socket(ctx: zmq.Context, kind: int, hwm: int, linger_ms: int,
-                 options: Mapping[int, int]) -> zmq.Socket:
+def _open_socket(ctx: zmq.Context, kind: int, hwm: int, linger_ms: int, options: Mapping[int, int]) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -365,7 +364,11 @@ class Sender(_Endpoint):
     binds_by_default = False
 
     def send(
-        self, msg: msgspec.Struct, tensors: Mapping[str, torch.Tensor] | None = None, *, track: bool = False,
+        self,
+        msg: msgspec.Struct,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        track: bool = False,
         timeout_s: float | None = None,
     ) -> zmq.MessageTracker | None:
         """Send one message; with ``track=True`` returns a tracker that is done once zmq
@@ -377,13 +380,13 @@ class Sender(_Endpoint):
         # Room for one message means room for all its frames: zmq queues a multipart message
         # whole once its first frame is accepted.
         if not self.socket.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):
-            raise SendTimeout(f"{type(msg).__name__} not taken within {timeout_s:g} s by "
-                              f"{self.address}: its queue is full")
+            raise SendTimeout(
+                f"{type(msg).__name__} not taken within {timeout_s:g} s by {self.address}: its queue is full"
+            )
         try:
             return self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
         except zmq.Again:
-            raise SendTimeout(f"{type(msg).__name__} not taken by {self.address}: its queue is "
-                              "full") from None
+            raise SendTimeout(f"{type(msg).__name__} not taken by {self.address}: its queue is full") from None
 
 
 class AsyncSender(_Endpoint):

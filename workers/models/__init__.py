@@ -23,8 +23,7 @@ def register() -> None:
 
     # vLLM may load plugins more than once per process; register_oot asserts on duplicates.
     if op_registry_oot.get("QwenGatedDeltaNetAttention") is not BlockStateGatedDeltaNet:
-        QwenGatedDeltaNetAttention.register_oot(BlockStateGatedDeltaNet,
-                                                name="QwenGatedDeltaNetAttention")
+        QwenGatedDeltaNetAttention.register_oot(BlockStateGatedDeltaNet, name="QwenGatedDeltaNetAttention")
 
 
 def _register_qwen3_omni() -> None:
@@ -33,8 +32,7 @@ def _register_qwen3_omni() -> None:
     # Lazy ("module:Class"): importing the model needs vLLM's layers, which plugins load early.
     # Registering a name again replaces its class (vLLM logs it at debug level), so this is
     # idempotent; the thinker replaces vLLM's own class for the checkpoint's architecture.
-    ModelRegistry.register_model(TALKER_ARCHITECTURE,
-                                 "workers.models.qwen3_omni_talker:Qwen3OmniTalkerForCausalLM")
+    ModelRegistry.register_model(TALKER_ARCHITECTURE, "workers.models.qwen3_omni_talker:Qwen3OmniTalkerForCausalLM")
     ModelRegistry.register_model(
-        QWEN3_OMNI_ARCHITECTURE,
-        "workers.models.qwen3_omni_thinker:Qwen3OmniThinkerForConditionalGeneration")
+        QWEN3_OMNI_ARCHITECTURE, "workers.models.qwen3_omni_thinker:Qwen3OmniThinkerForConditionalGeneration"
+    )

@@ -64,9 +64,15 @@ class BlockStateGDNMetadata(GDNAttentionMetadata):
     block_states: BlockStatePlan | None = None
 
 
-def boundary_cuts(seq_lens: list[int], query_start_loc: list[int], first_prefill: int,
-                  num_rows: int, block_size: int, block_table: torch.Tensor,
-                  running: list[int]) -> list[tuple[int, int, int]]:
+def boundary_cuts(
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    first_prefill: int,
+    num_rows: int,
+    block_size: int,
+    block_table: torch.Tensor,
+    running: list[int],
+) -> list[tuple[int, int, int]]:
     """(token index in the step, running state block, boundary block) for every block boundary
     strictly inside a prefill row's chunk whose block-table column holds a block.
 
@@ -86,8 +92,9 @@ def boundary_cuts(seq_lens: list[int], query_start_loc: list[int], first_prefill
     return cuts
 
 
-def plan_segments(meta: GDNAttentionMetadata, query_start_loc: list[int],
-                  cuts: list[tuple[int, int, int]]) -> BlockStatePlan:
+def plan_segments(
+    meta: GDNAttentionMetadata, query_start_loc: list[int], cuts: list[tuple[int, int, int]]
+) -> BlockStatePlan:
     """Split a non-speculative batch (decode rows first, then prefill rows) at the cuts."""
     num_rows = meta.num_decodes + meta.num_prefills
     total = query_start_loc[num_rows]
@@ -100,8 +107,7 @@ def plan_segments(meta: GDNAttentionMetadata, query_start_loc: list[int],
     segments = []
     tensor = _TensorMemo(meta.non_spec_state_indices_tensor.device)
     for start, end in zip(edges, edges[1:]):
-        rows = [r for r in range(num_rows)
-                if query_start_loc[r] < end and query_start_loc[r + 1] > start]
+        rows = [r for r in range(num_rows) if query_start_loc[r] < end and query_start_loc[r + 1] > start]
         lens, init, states, decodes = [], [], [], 0
         for r in rows:
             lo, hi = max(query_start_loc[r], start), min(query_start_loc[r + 1], end)
@@ -116,8 +122,11 @@ def plan_segments(meta: GDNAttentionMetadata, query_start_loc: list[int],
             # one-token prefill taken from Qwen3.5's unfused projection ("expect x to be
             # transposed"). The piece always continues its row's state (it follows a cut).
             decodes += 1
-        segments.append(Segment(start, end, _segment_metadata(meta, lens, init, states, decodes, tensor),
-                                tuple(exports_at.get(end, ()))))
+        segments.append(
+            Segment(
+                start, end, _segment_metadata(meta, lens, init, states, decodes, tensor), tuple(exports_at.get(end, ()))
+            )
+        )
     return BlockStatePlan(tuple(segments))
 
 
@@ -138,8 +147,14 @@ class _TensorMemo:
         return self.made[key]
 
 
-def _segment_metadata(meta: GDNAttentionMetadata, lens: list[int], init: list[bool],
-                      states: list[int], num_decodes: int, tensor: _TensorMemo) -> GDNAttentionMetadata:
+def _segment_metadata(
+    meta: GDNAttentionMetadata,
+    lens: list[int],
+    init: list[bool],
+    states: list[int],
+    num_decodes: int,
+    tensor: _TensorMemo,
+) -> GDNAttentionMetadata:
     offsets = [0, *accumulate(lens)]
     qsl = tensor(offsets, torch.int32)
     state_dtype = meta.non_spec_state_indices_tensor.dtype
@@ -147,35 +162,55 @@ def _segment_metadata(meta: GDNAttentionMetadata, lens: list[int], init: list[bo
     num_decode_tokens = offsets[num_decodes]
     return replace(
         meta,
-        num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-        num_prefills=len(lens) - num_decodes, num_prefill_tokens=sum(lens) - num_decode_tokens,
-        num_actual_tokens=sum(lens), has_initial_state=has_init,
-        non_spec_query_start_loc=qsl, non_spec_state_indices_tensor=state_idx,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        num_prefills=len(lens) - num_decodes,
+        num_prefill_tokens=sum(lens) - num_decode_tokens,
+        num_actual_tokens=sum(lens),
+        has_initial_state=has_init,
+        non_spec_query_start_loc=qsl,
+        non_spec_state_indices_tensor=state_idx,
         prefill_query_start_loc=tensor([o - num_decode_tokens for o in offsets[num_decodes:]], torch.int32),
         prefill_state_indices=tensor(states[num_decodes:], state_dtype),
         prefill_has_initial_state=tensor(init[num_decodes:], torch.bool),
         # Precomputed kernel layouts describe the whole batch; the CPU path rebuilds its own.
-        chunk_indices=None, chunk_offsets=None, nums_dict=None, batch_ptr=None,
-        token_chunk_offset_ptr=None, aiter_prefill_metadata=None, checkpoint=None)
+        chunk_indices=None,
+        chunk_offsets=None,
+        nums_dict=None,
+        batch_ptr=None,
+        token_chunk_offset_ptr=None,
+        aiter_prefill_metadata=None,
+        checkpoint=None,
+    )
 
 
 class BlockStateGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):  # type: ignore[override]
         meta = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
         m = common_attn_metadata
-        if (self.vllm_config.cache_config.mamba_cache_mode != "align" or meta.num_prefills == 0
-                or meta.num_spec_decodes > 0 or m.block_table_tensor.device.type != "cpu"):
+        if (
+            self.vllm_config.cache_config.mamba_cache_mode != "align"
+            or meta.num_prefills == 0
+            or meta.num_spec_decodes > 0
+            or m.block_table_tensor.device.type != "cpu"
+        ):
             return meta
         num_rows = meta.num_decodes + meta.num_prefills
         qsl = m.query_start_loc_cpu[: num_rows + 1].tolist()
         running = meta.non_spec_state_indices_tensor[:num_rows].tolist()
-        cuts = boundary_cuts(m.seq_lens.tolist(), qsl, meta.num_decodes, num_rows,
-                             self.kv_cache_spec.block_size, m.block_table_tensor, running)
+        cuts = boundary_cuts(
+            m.seq_lens.tolist(),
+            qsl,
+            meta.num_decodes,
+            num_rows,
+            self.kv_cache_spec.block_size,
+            m.block_table_tensor,
+            running,
+        )
         if not cuts:
             return meta
         plan = plan_segments(meta, qsl, cuts)
-        return BlockStateGDNMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)},
-                                     block_states=plan)
+        return BlockStateGDNMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, block_states=plan)
 
 
 class BlockStateGDNBackend(GDNAttentionBackend):
@@ -208,8 +243,11 @@ class BlockStateGatedDeltaNet(QwenGatedDeltaNetAttention):
         # Contiguous once here rather than per segment inside the op (one copy instead of one per piece).
         mixed_qkv, z, b, a = self._project(hidden_states)
         mixed_qkv, b, a = mixed_qkv.contiguous(), b.contiguous(), a.contiguous()
-        core_attn_out = torch.zeros((hidden_states.shape[0], self.num_v_heads // self.tp_size, self.head_v_dim),
-                                    dtype=hidden_states.dtype, device=hidden_states.device)
+        core_attn_out = torch.zeros(
+            (hidden_states.shape[0], self.num_v_heads // self.tp_size, self.head_v_dim),
+            dtype=hidden_states.dtype,
+            device=hidden_states.device,
+        )
         last = len(plan.segments) - 1
         try:
             for i, segment in enumerate(plan.segments):

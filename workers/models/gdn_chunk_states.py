@@ -28,15 +28,15 @@ def chunk_state_rows(seq_lens: list[int], boundaries: list[list[int]], chunk: in
     for length, offsets in zip(seq_lens, boundaries):
         for offset in offsets:
             if not 0 < offset < length or offset % chunk:
-                raise ValueError(f"boundary {offset} of a {length}-token sequence is not an inner "
-                                 f"{chunk}-token chunk edge")
+                raise ValueError(
+                    f"boundary {offset} of a {length}-token sequence is not an inner {chunk}-token chunk edge"
+                )
             rows.append(first + offset // chunk)
         first += -(-length // chunk)
     return rows
 
 
-def store_chunk_states(h: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-                       blocks: torch.Tensor) -> None:
+def store_chunk_states(h: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor) -> None:
     """pool[blocks[i]] = h[:, rows[i]] (h: [1, chunks, heads, K, V]; pool: [blocks, heads, K, V]).
 
     `rows` and `blocks` are device tensors built once per step with the step's metadata (shared by
@@ -45,8 +45,14 @@ def store_chunk_states(h: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
     Triton launch copies each state once (a gather into a temporary, then a scatter, costs a third
     more traffic and a second launch)."""
     state = h[0, 0].numel()
-    if (h.is_cuda and _triton is not None and h.dtype == pool.dtype and h.is_contiguous()
-            and pool[0].is_contiguous() and pool.stride(0) == state):
+    if (
+        h.is_cuda
+        and _triton is not None
+        and h.dtype == pool.dtype
+        and h.is_contiguous()
+        and pool[0].is_contiguous()
+        and pool.stride(0) == state
+    ):
         grid = (rows.numel(), _triton.cdiv(state, _COPY_TILE))
         _copy_states_kernel[grid](h, pool, rows, blocks, state, TILE=_COPY_TILE)
         return

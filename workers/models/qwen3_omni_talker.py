@@ -57,18 +57,25 @@ class TalkerDecoderLayer(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.self_attn = Qwen3MoeAttention(
-            hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads, rope_parameters=config.rope_parameters,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            rope_parameters=config.rope_parameters,
             max_position_embeddings=config.max_position_embeddings,
-            head_dim=getattr(config, "head_dim", None), rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=getattr(config, "attention_bias", False), cache_config=vllm_config.cache_config,
-            quant_config=vllm_config.quant_config, prefix=f"{prefix}.self_attn")
+            head_dim=getattr(config, "head_dim", None),
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=getattr(config, "attention_bias", False),
+            cache_config=vllm_config.cache_config,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.self_attn",
+        )
         self.mlp = Qwen2MoeSparseMoeBlock(config, vllm_config.quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -82,10 +89,12 @@ class TalkerModel(nn.Module):
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        self.codec_embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                      prefix=f"{prefix}.codec_embedding")
-        self.layers = nn.ModuleList(TalkerDecoderLayer(vllm_config, f"{prefix}.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
+        self.codec_embedding = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.codec_embedding"
+        )
+        self.layers = nn.ModuleList(
+            TalkerDecoderLayer(vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
@@ -102,12 +111,14 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_prefix={"talker.": ""},
         orig_to_new_stacked={
-            ".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
             ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
             ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
-        })
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                              "gate_up_proj": ["gate_proj", "up_proj"]}
+        },
+    )
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -119,11 +130,9 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
         text = vllm_config.model_config.hf_text_config
         self.num_code_groups = self.config.num_code_groups
         self.model = TalkerModel(vllm_config, maybe_prefix(prefix, "model"))
-        self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size,
-                                         prefix=maybe_prefix(prefix, "codec_head"))
+        self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix=maybe_prefix(prefix, "codec_head"))
         self.logits_processor = LogitsProcessor(text.vocab_size)
-        self.code_predictor = CodePredictor(self.config.code_predictor_config).to(
-            vllm_config.model_config.dtype).eval()
+        self.code_predictor = CodePredictor(self.config.code_predictor_config).to(vllm_config.model_config.dtype).eval()
         # Set by the worker (workers/talker_steps.py): rewrites the inputs of positions that feed
         # a sampled code, and gives stage-chosen M-RoPE prompt positions.
         self.step_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -133,9 +142,14 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
     def embed_input_ids(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.model.codec_embedding(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
-                **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         if self.step_inputs is not None:
@@ -145,8 +159,7 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.codec_head, hidden_states)
 
-    def get_mrope_input_positions(self, input_tokens: list[int],
-                                  mm_features: list[Any]) -> tuple[torch.Tensor, int]:
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[torch.Tensor, int]:
         given = self.prompt_positions(len(input_tokens)) if self.prompt_positions else None
         if given is not None:
             return given
@@ -161,7 +174,8 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
                 if name.startswith("talker.code_predictor."):
                     predictor[name.removeprefix("talker.code_predictor.")] = tensor
                 elif name.startswith("talker.") and not name.startswith(
-                        ("talker.text_projection.", "talker.hidden_projection.")):
+                    ("talker.text_projection.", "talker.hidden_projection.")
+                ):
                     yield name, tensor
 
         loader = AutoWeightsLoader(self)  # the code predictor's weights never reach it
@@ -170,14 +184,14 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
         missing = sorted(set(own) - set(predictor))
         if missing:
             raise ValueError(f"the checkpoint lacks code predictor weights: {missing[:4]}")
-        self.code_predictor.load_state_dict(
-            {k: v.to(own[k].dtype) for k, v in predictor.items() if k in own})
+        self.code_predictor.load_state_dict({k: v.to(own[k].dtype) for k, v in predictor.items() if k in own})
         return loaded | {f"code_predictor.{k}" for k in own}
 
     # ---- codebooks (called by workers/talker_steps.py) ---------------------------------------
     @torch.inference_mode()
-    def residual_codes(self, past_hidden: torch.Tensor, code0: torch.Tensor,
-                       pick: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def residual_codes(
+        self, past_hidden: torch.Tensor, code0: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Codebooks 1..G-1 of a step, [B, G-1], as transformers' code predictor writes them: its
         input is the talker's hidden state at the previous position and the first code's
         embedding; step j reads with lm_head[j] and feeds codec_embedding[j]. `pick` turns each
@@ -193,8 +207,7 @@ class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
         for step in range(self.num_code_groups - 1):
             length = embeds.shape[1]
             positions = torch.arange(position, position + length, device=embeds.device)[None]
-            out = predictor.model(inputs_embeds=embeds, position_ids=positions,
-                                  past_key_values=cache, use_cache=True)
+            out = predictor.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
             position += length
             logits = predictor.lm_head[step](out.last_hidden_state[:, -1])
             code = logits.argmax(dim=-1) if pick is None else pick(logits)

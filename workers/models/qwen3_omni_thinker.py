@@ -22,10 +22,14 @@ from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinke
 
 
 class Qwen3OmniThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGeneration):
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
-                **kwargs: Any) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
         # vLLM clears its deepstack buffer inside forward, so the rows are read before it runs.
         injected = self._deepstack_at_taps(inputs_embeds)
         out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
@@ -43,5 +47,4 @@ class Qwen3OmniThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForConditional
         layers = sorted(getattr(self.language_model.model, "aux_hidden_state_layers", ()))
         levels = self.deepstack_input_embeds
         num_tokens = inputs_embeds.size(0)
-        return {i: levels[k - 1][:num_tokens].clone()
-                for i, k in enumerate(layers) if 1 <= k <= len(levels)}
+        return {i: levels[k - 1][:num_tokens].clone() for i, k in enumerate(layers) if 1 <= k <= len(levels)}

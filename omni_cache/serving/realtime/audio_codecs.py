@@ -23,8 +23,7 @@ import soundfile
 
 from omni_cache.pcm import from_int16, to_int16
 
-__all__ = ["AudioFormat", "FORMATS", "PCM", "PCMA", "PCMU", "StreamResampler", "g711_decode",
-           "g711_encode"]
+__all__ = ["AudioFormat", "FORMATS", "PCM", "PCMA", "PCMU", "StreamResampler", "g711_decode", "g711_encode"]
 
 
 @dataclass(frozen=True)
@@ -71,10 +70,12 @@ FORMATS = {f.type: f for f in (PCM, PCMU, PCMA)}
 def _libsndfile_tables(subtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(code of every int16 sample from -32768 up, int16 level of every code) for ``subtype``."""
     buf = io.BytesIO()
-    soundfile.write(buf, np.arange(-32768, 32768, dtype=np.int16), 8000, format="RAW",
-                    subtype=subtype)  # RAW needs a rate; it plays no part in coding a sample
-    levels, _ = soundfile.read(io.BytesIO(bytes(range(256))), format="RAW", subtype=subtype,
-                               samplerate=8000, channels=1, dtype="int16")
+    soundfile.write(
+        buf, np.arange(-32768, 32768, dtype=np.int16), 8000, format="RAW", subtype=subtype
+    )  # RAW needs a rate; it plays no part in coding a sample
+    levels, _ = soundfile.read(
+        io.BytesIO(bytes(range(256))), format="RAW", subtype=subtype, samplerate=8000, channels=1, dtype="int16"
+    )
     return np.frombuffer(buf.getvalue(), dtype=np.uint8), levels
 
 

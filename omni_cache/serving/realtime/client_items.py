@@ -93,8 +93,11 @@ def read(sdk_item: Any, fmt: AudioFormat, rate: int, images: ImageSource | None)
     (nothing decoded); EventError naming the first part that cannot be used."""
     role = getattr(sdk_item, "role", None)
     if getattr(sdk_item, "type", None) != "message" or role not in ("user", "system", "assistant"):
-        raise EventError(f"item type {sdk_item.type!r} is not supported (messages only: this "
-                         "server serves no tools)", param="item.type", code="unsupported")
+        raise EventError(
+            f"item type {sdk_item.type!r} is not supported (messages only: this server serves no tools)",
+            param="item.type",
+            code="unsupported",
+        )
     if not sdk_item.content:
         raise EventError("a message needs content", param="item.content", code="invalid_value")
     _check_media_count(sdk_item.content, images)
@@ -108,8 +111,11 @@ def read(sdk_item: Any, fmt: AudioFormat, rate: int, images: ImageSource | None)
             item.parts.append(PendingPart(kind, c.text))
         elif kind == "input_audio":
             if c.audio is None:
-                raise EventError("an input_audio part needs 'audio' (base64, in the session's "
-                                 "input format)", param=param + ".audio", code="invalid_value")
+                raise EventError(
+                    "an input_audio part needs 'audio' (base64, in the session's input format)",
+                    param=param + ".audio",
+                    code="invalid_value",
+                )
             item.parts.append(PendingPart(kind, c.transcript or "", audio=c.audio))
             item.audio_bytes += clip_bound(fmt, c.audio, rate)
         elif kind == "input_image":
@@ -118,8 +124,7 @@ def read(sdk_item: Any, fmt: AudioFormat, rate: int, images: ImageSource | None)
             # An assistant turn the client supplies: its transcript is what the user heard.
             item.parts.append(PendingPart(kind, c.transcript or ""))
         else:
-            raise EventError(f"content type {kind!r} is not supported", param=param + ".type",
-                             code="unsupported")
+            raise EventError(f"content type {kind!r} is not supported", param=param + ".type", code="unsupported")
     return item
 
 
@@ -159,15 +164,17 @@ def _check_media_count(content: list[Any], images: ImageSource | None) -> None:
     n = sum(c.type in ("input_audio", "input_image") for c in content)
     limit = images.max_items if images is not None else None
     if limit is not None and n > limit:
-        raise EventError(f"the item has {n} audio clips and images; at most {limit} are accepted "
-                         "in one item (server.media.max_items)", param="item.content",
-                         code="invalid_value")
+        raise EventError(
+            f"the item has {n} audio clips and images; at most {limit} are accepted "
+            "in one item (server.media.max_items)",
+            param="item.content",
+            code="invalid_value",
+        )
 
 
 def _read_image(images: ImageSource | None, url: str | None, param: str) -> Any:
     if images is None:
         raise EventError("images are not taken by this server", param=param, code="unsupported")
     if not url:
-        raise EventError("an input_image part needs 'image_url' (a data: URL)", param=param,
-                         code="invalid_value")
+        raise EventError("an input_image part needs 'image_url' (a data: URL)", param=param, code="invalid_value")
     return images.read(url, param)

@@ -26,8 +26,15 @@ from omni_cache.serving.realtime.session import RealtimeSession
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
-__all__ = ["CLOSE_NORMAL", "CLOSE_POLICY", "CLOSE_TRY_LATER", "EventWriter", "RateLimiter", "SessionRegistry",
-           "serve_realtime"]
+__all__ = [
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY",
+    "CLOSE_TRY_LATER",
+    "EventWriter",
+    "RateLimiter",
+    "SessionRegistry",
+    "serve_realtime",
+]
 
 #: WebSocket close codes: normal, policy (auth, model), try again later (full, starting).
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER = 1000, 1008, 1013
@@ -117,30 +124,48 @@ class EventWriter:
         self.closed = True
 
 
-async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig,
-                         registry: SessionRegistry, *, served_model: str,
-                         images: ImageSource | None = None) -> None:
+async def serve_realtime(
+    websocket: WebSocket,
+    orch: Any,
+    limits: RealtimeConfig,
+    registry: SessionRegistry,
+    *,
+    served_model: str,
+    images: ImageSource | None = None,
+) -> None:
     """Run one connection's session until the client leaves or a limit ends it."""
     await websocket.accept()
     model = websocket.query_params.get("model")
     refusal = None
     if model is not None and model != served_model:
-        refusal = (EventError(f"the model {model!r} does not exist; this server serves {served_model!r}",
-                              param="model", code="model_not_found"), CLOSE_POLICY)
+        refusal = (
+            EventError(
+                f"the model {model!r} does not exist; this server serves {served_model!r}",
+                param="model",
+                code="model_not_found",
+            ),
+            CLOSE_POLICY,
+        )
     elif not orch.started:
-        refusal = (EventError("the pipeline is still starting; retry shortly", code="not_ready",
-                              type="server_error"), CLOSE_TRY_LATER)
+        refusal = (
+            EventError("the pipeline is still starting; retry shortly", code="not_ready", type="server_error"),
+            CLOSE_TRY_LATER,
+        )
     elif len(registry) >= limits.max_sessions:
-        refusal = (EventError(f"{limits.max_sessions} realtime sessions are open "
-                              "(server.realtime.max_sessions); retry later",
-                              code="session_limit_reached", type="server_error"), CLOSE_TRY_LATER)
+        refusal = (
+            EventError(
+                f"{limits.max_sessions} realtime sessions are open (server.realtime.max_sessions); retry later",
+                code="session_limit_reached",
+                type="server_error",
+            ),
+            CLOSE_TRY_LATER,
+        )
     outbox = EventWriter(websocket, limits.max_outbox_bytes)
     if refusal is not None:
         outbox.send(error_event(refusal[0], None))
         await _close(websocket, outbox, refusal[1], refusal[0].code or "")
         return
-    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model,
-                              images=images)
+    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model, images=images)
     registry.sessions[session.id] = session
     try:
         try:
@@ -161,8 +186,9 @@ async def serve_realtime(websocket: WebSocket, orch: Any, limits: RealtimeConfig
         await outbox.close()
 
 
-async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: EventWriter,
-                       limits: RealtimeConfig) -> EventError | None:
+async def _read_events(
+    websocket: WebSocket, session: RealtimeSession, outbox: EventWriter, limits: RealtimeConfig
+) -> EventError | None:
     """Client events until the client leaves (None) or a limit ends the session (its error)."""
     limiter = RateLimiter(limits.max_events_per_s)
     end_at = time.monotonic() + limits.max_session_s
@@ -177,23 +203,29 @@ async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: E
             if session.responding:  # waiting for an answer is not idling
                 last_event = now
             if now >= end_at:
-                return EventError(f"the session reached its maximum length of "
-                                  f"{limits.max_session_s:g} s (server.realtime.max_session_s)",
-                                  code="session_expired")
+                return EventError(
+                    f"the session reached its maximum length of "
+                    f"{limits.max_session_s:g} s (server.realtime.max_session_s)",
+                    code="session_expired",
+                )
             if now - last_event >= limits.idle_timeout_s:
-                return EventError(f"no client event for {limits.idle_timeout_s:g} s "
-                                  "(server.realtime.idle_timeout_s)", code="idle_timeout")
+                return EventError(
+                    f"no client event for {limits.idle_timeout_s:g} s (server.realtime.idle_timeout_s)",
+                    code="idle_timeout",
+                )
             wait = min(end_at, last_event + limits.idle_timeout_s) - now
             if session.responding:  # look again soon: the response may end meanwhile
                 wait = min(wait, 1.0)
             if outbox.overflowed.is_set():
-                return EventError(f"more than {limits.max_outbox_bytes} bytes of server events "
-                                  "waited for the client to read them "
-                                  "(server.realtime.max_outbox_bytes)", code="slow_client")
+                return EventError(
+                    f"more than {limits.max_outbox_bytes} bytes of server events "
+                    "waited for the client to read them "
+                    "(server.realtime.max_outbox_bytes)",
+                    code="slow_client",
+                )
             if receiving is None:
                 receiving = asyncio.ensure_future(websocket.receive())
-            done, _ = await asyncio.wait({receiving, overflow}, timeout=wait,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({receiving, overflow}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             if receiving not in done:
                 continue
             message, receiving = receiving.result(), None
@@ -204,10 +236,16 @@ async def _read_events(websocket: WebSocket, session: RealtimeSession, outbox: E
             if raw is None:
                 continue
             if not limiter.allow():
-                outbox.send(error_event(EventError(
-                    f"more than {limits.max_events_per_s:g} client events per second "
-                    "(server.realtime.max_events_per_s): the event was dropped",
-                    code="rate_limit_exceeded"), None))
+                outbox.send(
+                    error_event(
+                        EventError(
+                            f"more than {limits.max_events_per_s:g} client events per second "
+                            "(server.realtime.max_events_per_s): the event was dropped",
+                            code="rate_limit_exceeded",
+                        ),
+                        None,
+                    )
+                )
                 continue
             await _handle(raw, session, outbox)
     finally:
@@ -225,8 +263,12 @@ async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWrite
         outbox.send(error_event(e, e.event_id or event_id))
     except Exception as e:  # noqa: BLE001 -- a bug must not end the session
         logger.exception("realtime session %s: internal error", session.id)
-        outbox.send(error_event(EventError(f"internal error: {type(e).__name__}: {e}",
-                                           type="server_error", code="internal_error"), event_id))
+        outbox.send(
+            error_event(
+                EventError(f"internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error"),
+                event_id,
+            )
+        )
 
 
 async def _close(websocket: WebSocket, outbox: EventWriter, code: int, reason: str) -> None:

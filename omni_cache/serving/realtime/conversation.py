@@ -92,8 +92,7 @@ class Item:
     @property
     def nbytes(self) -> int:
         """What the item holds: its decoded media and its text (a character taken as a byte)."""
-        return sum((p.media.array.nbytes if p.media is not None else 0) + len(p.text)
-                   for p in self.content)
+        return sum((p.media.array.nbytes if p.media is not None else 0) + len(p.text) for p in self.content)
 
     @property
     def media(self) -> list[MediaItem]:
@@ -127,8 +126,11 @@ class Item:
             RealtimeConversationItemUserMessage,
         )
 
-        cls = {"user": RealtimeConversationItemUserMessage, "system": RealtimeConversationItemSystemMessage,
-               "assistant": RealtimeConversationItemAssistantMessage}[self.role]
+        cls = {
+            "user": RealtimeConversationItemUserMessage,
+            "system": RealtimeConversationItemSystemMessage,
+            "assistant": RealtimeConversationItemAssistantMessage,
+        }[self.role]
         content = []
         for part in self.content:
             if part.type in ("input_audio", "output_audio"):
@@ -137,8 +139,9 @@ class Item:
                 content.append({"type": part.type})
             else:
                 content.append({"type": part.type, "text": part.text})
-        return cls(id=self.id, object="realtime.item", type="message", role=self.role,
-                   status=self.status, content=content)
+        return cls(
+            id=self.id, object="realtime.item", type="message", role=self.role, status=self.status, content=content
+        )
 
 
 def audio_item(samples: np.ndarray, rate: int) -> MediaItem:
@@ -159,12 +162,14 @@ class Conversation:
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Insert ``item`` after ``previous_item_id`` (None: at the end); the id it follows."""
         if len(self.items) >= self.max_items:
-            raise EventError(f"the conversation holds {self.max_items} items "
-                             "(server.realtime.max_items): delete some or start a new session",
-                             param="item", code="conversation_full")
+            raise EventError(
+                f"the conversation holds {self.max_items} items "
+                "(server.realtime.max_items): delete some or start a new session",
+                param="item",
+                code="conversation_full",
+            )
         if any(i.id == item.id for i in self.items):
-            raise EventError(f"an item with id {item.id!r} exists", param="item.id",
-                             code="duplicate_item_id")
+            raise EventError(f"an item with id {item.id!r} exists", param="item.id", code="duplicate_item_id")
         if previous_item_id is None:
             at = len(self.items)
         elif previous_item_id == "root":
@@ -178,8 +183,7 @@ class Conversation:
         for i, item in enumerate(self.items):
             if item.id == item_id:
                 return i
-        raise EventError(f"no item with id {item_id!r} in the conversation", param=param,
-                         code="item_not_found")
+        raise EventError(f"no item with id {item_id!r} in the conversation", param=param, code="item_not_found")
 
     def get(self, item_id: str, param: str = "item_id") -> Item:
         return self.items[self.index(item_id, param)]

@@ -55,8 +55,7 @@ class Prompt:
 class ConversationBounds:
     """One session's share of the server's bounds and the thinker's limits on its prompts."""
 
-    def __init__(self, pipeline: Any, max_items: int, max_sessions: int, rate: int,
-                 max_buffer_s: float) -> None:
+    def __init__(self, pipeline: Any, max_items: int, max_sessions: int, rate: int, max_buffer_s: float) -> None:
         self.pipeline = pipeline
         self.max_items = max_items
         admission = pipeline.admission
@@ -67,8 +66,9 @@ class ConversationBounds:
         #: until it joins or is given up (:meth:`done`), whatever settles meanwhile.
         self.pending = 0
         self.media_tokens = MediaTokens()
-        extra = dict(pipeline.topology.entry.engine_args.extra) \
-            if pipeline.topology.entry.engine_args is not None else {}
+        extra = (
+            dict(pipeline.topology.entry.engine_args.extra) if pipeline.topology.entry.engine_args is not None else {}
+        )
         self.audio_limit = media_limit(extra, "audio")
         self.image_limit = media_limit(extra, "image")
 
@@ -77,10 +77,13 @@ class ConversationBounds:
     def open(self) -> None:
         """Reserve the input buffer's room; EventError when the server has none for a session."""
         if self.buffer_room > self.hold.share:
-            raise EventError(f"a session's input buffer needs {self.buffer_room} bytes, more than a "
-                             f"session's share of {self.hold.share} (server.max_media_bytes_in_flight "
-                             "/ server.realtime.max_sessions; lower server.realtime.max_buffer_s)",
-                             type="server_error", code="server_memory_limit_reached")
+            raise EventError(
+                f"a session's input buffer needs {self.buffer_room} bytes, more than a "
+                f"session's share of {self.hold.share} (server.max_media_bytes_in_flight "
+                "/ server.realtime.max_sessions; lower server.realtime.max_buffer_s)",
+                type="server_error",
+                code="server_memory_limit_reached",
+            )
         self._hold(self.buffer_room)
 
     def close(self) -> None:
@@ -90,8 +93,9 @@ class ConversationBounds:
     def conversation_share(self) -> int:
         return self.hold.share - self.buffer_room
 
-    def make_room(self, conversation: Conversation, nbytes: int, truncation: Truncation,
-                  keep: Item | None = None) -> list[Item]:
+    def make_room(
+        self, conversation: Conversation, nbytes: int, truncation: Truncation, keep: Item | None = None
+    ) -> list[Item]:
         """Room for one more item of ``nbytes``: the oldest turns to drop for it (none when it
         fits), its bytes held; EventError when it cannot have room. Nothing is dropped here: the
         caller removes the items returned, adds the item and calls :meth:`done`. ``keep``: an
@@ -102,8 +106,7 @@ class ConversationBounds:
         share = self.conversation_share
 
         def over(cut: int, scale: float) -> bool:
-            return (len(items) - cut + 1 > scale * self.max_items
-                    or sum(sizes[cut:]) + nbytes > scale * share)
+            return len(items) - cut + 1 > scale * self.max_items or sum(sizes[cut:]) + nbytes > scale * share
 
         cut = 0
         if over(0, 1.0):
@@ -130,22 +133,37 @@ class ConversationBounds:
             self.hold.resize(nbytes)
         except RequestError as e:
             if e.status == 413:  # this session's share
-                raise EventError(f"no room for it: {e.message}; delete items or start a new session",
-                                 param="item", code="session_memory_limit_reached") from None
-            raise EventError(f"no room for it now: {e.message}; retry shortly", param="item",
-                             code="server_memory_limit_reached", type="server_error") from None
+                raise EventError(
+                    f"no room for it: {e.message}; delete items or start a new session",
+                    param="item",
+                    code="session_memory_limit_reached",
+                ) from None
+            raise EventError(
+                f"no room for it now: {e.message}; retry shortly",
+                param="item",
+                code="server_memory_limit_reached",
+                type="server_error",
+            ) from None
 
     def _no_room(self, n_items: int, nbytes: int, truncation: Truncation) -> EventError:
-        how = ("truncation is disabled: delete items or start a new session" if not truncation.enabled
-               else "the newest turn alone does not fit")
+        how = (
+            "truncation is disabled: delete items or start a new session"
+            if not truncation.enabled
+            else "the newest turn alone does not fit"
+        )
         if n_items + 1 > self.max_items:
-            return EventError(f"the conversation holds {self.max_items} items "
-                              f"(server.realtime.max_items); {how}", param="item",
-                              code="conversation_full")
-        return EventError(f"the conversation would hold {nbytes} bytes of media and text, more than "
-                          f"this session's {self.conversation_share} (server.max_media_bytes_in_flight "
-                          f"/ server.realtime.max_sessions, less the input buffer); {how}",
-                          param="item", code="session_memory_limit_reached")
+            return EventError(
+                f"the conversation holds {self.max_items} items (server.realtime.max_items); {how}",
+                param="item",
+                code="conversation_full",
+            )
+        return EventError(
+            f"the conversation would hold {nbytes} bytes of media and text, more than "
+            f"this session's {self.conversation_share} (server.max_media_bytes_in_flight "
+            f"/ server.realtime.max_sessions, less the input buffer); {how}",
+            param="item",
+            code="session_memory_limit_reached",
+        )
 
     # ---- prompts ---------------------------------------------------------------------------------
 
@@ -153,12 +171,14 @@ class ConversationBounds:
         admission = self.pipeline.admission
         context = admission.max_model_len
         answer = max_tokens if max_tokens is not None else admission.default_sampling().max_tokens
-        return PromptLimits(tokens=context - answer if context else None,
-                            post_instructions=truncation.post_instructions,
-                            audio=self.audio_limit, images=self.image_limit)
+        return PromptLimits(
+            tokens=context - answer if context else None,
+            post_instructions=truncation.post_instructions,
+            audio=self.audio_limit,
+            images=self.image_limit,
+        )
 
-    async def fit(self, items: list[Item], instructions: str, max_tokens: int | None,
-                  truncation: Truncation) -> Prompt:
+    async def fit(self, items: list[Item], instructions: str, max_tokens: int | None, truncation: Truncation) -> Prompt:
         """The prompt of a response to ``items`` (the conversation when it was asked for):
         with truncation on, its oldest turns dropped until it is within the thinker's limits
         (:mod:`.truncation`). The prompt is tokenized off the event loop."""
@@ -171,9 +191,12 @@ class ConversationBounds:
 
         def over(cut: int, scale: float) -> bool:
             conv = sum(counts[cut:]) + sum(extra[cut:])
-            return (_past(base + conv, limits.tokens, scale) or _past(conv, limits.post_instructions, scale)
-                    or _past(sum(audio[cut:]), limits.audio, scale)
-                    or _past(sum(images[cut:]), limits.images, scale))
+            return (
+                _past(base + conv, limits.tokens, scale)
+                or _past(conv, limits.post_instructions, scale)
+                or _past(sum(audio[cut:]), limits.audio, scale)
+                or _past(sum(images[cut:]), limits.images, scale)
+            )
 
         cuts = cut_points([i.role for i in items])
         cut = (first_cut(cuts, over, truncation.retention_ratio) or 0) if truncation.enabled else 0
@@ -198,8 +221,9 @@ def _past(value: int, limit: int | None, scale: float) -> bool:
     return limit is not None and value > scale * limit
 
 
-def _count(items: list[Item], instructions: str,
-           tokenize: Callable[[list[dict[str, Any]]], list[int]]) -> tuple[list[int], int]:
+def _count(
+    items: list[Item], instructions: str, tokenize: Callable[[list[dict[str, Any]]], list[int]]
+) -> tuple[list[int], int]:
     """Each item's prompt tokens (counted once per text: :attr:`Item.counted`) and the tokens of
     the rest of the prompt (instructions and the generation prompt)."""
     probe = {"role": "user", "content": "."}

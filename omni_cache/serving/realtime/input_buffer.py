@@ -38,8 +38,10 @@ class InputAudioBuffer:
             raise EventError(
                 f"the input audio buffer would hold {(self.size + samples) / self.rate:.1f} s; "
                 f"at most {self.max_samples / self.rate:g} s are held before a commit "
-                "(server.realtime.max_buffer_s): commit or clear it", param="audio",
-                code="input_audio_buffer_full")
+                "(server.realtime.max_buffer_s): commit or clear it",
+                param="audio",
+                code="input_audio_buffer_full",
+            )
 
     def append(self, samples: np.ndarray) -> None:
         self.check_room(len(samples))

@@ -64,8 +64,9 @@ class Heard:
     errors: list[tuple[EventError, str | None]] = field(default_factory=list)
 
 
-def decode_appends(fmt: AudioFormat, appends: list[tuple[str, str | None]]
-                   ) -> tuple[np.ndarray, list[tuple[EventError, str | None]]]:
+def decode_appends(
+    fmt: AudioFormat, appends: list[tuple[str, str | None]]
+) -> tuple[np.ndarray, list[tuple[EventError, str | None]]]:
     """The base64 texts of ``appends`` ((data, event_id) each) as one array of float32 samples in
     ``fmt``, and an error for each that is not valid base64 or not whole samples (it is left
     out). One decode of the joined bytes: a numpy call per append costs more than its data."""
@@ -75,12 +76,19 @@ def decode_appends(fmt: AudioFormat, appends: list[tuple[str, str | None]]
         try:
             b = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
-            errors.append((EventError("audio is not valid base64", param="audio", code="invalid_value"),
-                           event_id))
+            errors.append((EventError("audio is not valid base64", param="audio", code="invalid_value"), event_id))
             continue
         if len(b) % fmt.bytes_per_sample:
-            errors.append((EventError(f"{fmt.type} data must be whole 16-bit samples (an even number "
-                                      "of bytes)", param="audio", code="invalid_value"), event_id))
+            errors.append(
+                (
+                    EventError(
+                        f"{fmt.type} data must be whole 16-bit samples (an even number of bytes)",
+                        param="audio",
+                        code="invalid_value",
+                    ),
+                    event_id,
+                )
+            )
             continue
         raw.append(b)
     return fmt.decode(b"".join(raw)), errors
@@ -92,8 +100,9 @@ class InputStream:
     appends are pending; the loop changes them (:meth:`set_format`, :meth:`set_detector`, the
     detector's ``reset``) only once :meth:`drained`."""
 
-    def __init__(self, worker: InputAudioWorker, fmt: AudioFormat, encoder_rate: int,
-                 on_heard: Callable[[Heard], Any]) -> None:
+    def __init__(
+        self, worker: InputAudioWorker, fmt: AudioFormat, encoder_rate: int, on_heard: Callable[[Heard], Any]
+    ) -> None:
         self.worker = worker
         self.encoder_rate = encoder_rate
         self.on_heard = on_heard
@@ -167,8 +176,7 @@ class InputStream:
             return
         self._heard_queue.append((heard, bound))
         if self._handling is None or self._handling.done():
-            self._handling = asyncio.get_running_loop().create_task(self._handle_heard(),
-                                                                   name="realtime-heard")
+            self._handling = asyncio.get_running_loop().create_task(self._handle_heard(), name="realtime-heard")
 
     async def _handle_heard(self) -> None:
         while self._heard_queue:
@@ -272,9 +280,23 @@ class InputAudioWorker:
                 heard, windows = stream._process(jobs)
             except Exception as e:  # noqa: BLE001 -- a bug in one stream must not stop the others
                 logger.exception("realtime: input audio failed")
-                heard, windows = Heard(np.zeros(0, np.float32), len(jobs), errors=[(EventError(
-                    f"internal error: {type(e).__name__}: {e}", type="server_error",
-                    code="internal_error"), jobs[-1][1])]), None
+                heard, windows = (
+                    Heard(
+                        np.zeros(0, np.float32),
+                        len(jobs),
+                        errors=[
+                            (
+                                EventError(
+                                    f"internal error: {type(e).__name__}: {e}",
+                                    type="server_error",
+                                    code="internal_error",
+                                ),
+                                jobs[-1][1],
+                            )
+                        ],
+                    ),
+                    None,
+                )
             if windows is not None:
                 scoring.append((stream.detector, windows))
                 scored.append(heard)
@@ -296,8 +318,12 @@ class InputAudioWorker:
         except Exception as e:  # noqa: BLE001 -- the sessions are told; the worker goes on
             logger.exception("realtime: voice activity detection failed")
             for heard in scored:
-                heard.errors.append((EventError(f"voice activity detection failed: {e}",
-                                                type="server_error", code="internal_error"), None))
+                heard.errors.append(
+                    (
+                        EventError(f"voice activity detection failed: {e}", type="server_error", code="internal_error"),
+                        None,
+                    )
+                )
             events = [[] for _ in scoring]
         for (detector, _), heard, evs in zip(scoring, scored, events):
             heard.events, heard.in_speech = evs, detector.in_speech

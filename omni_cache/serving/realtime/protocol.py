@@ -17,16 +17,26 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["CLIENT_EVENTS", "EventError", "error_event", "make_event", "new_id", "parse_client_event",
-           "refuse_unsupported", "validation_error", "wire"]
+__all__ = [
+    "CLIENT_EVENTS",
+    "EventError",
+    "error_event",
+    "make_event",
+    "new_id",
+    "parse_client_event",
+    "refuse_unsupported",
+    "validation_error",
+    "wire",
+]
 
 
 class EventError(Exception):
     """A client event that cannot be carried out; answered with an ``error`` event, the session
     stays open. ``param``: the event's field at fault (dotted), ``code``: OpenAI's error code."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, type: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.type = message, param, code, type
         #: The client's event_id of the event at fault, when the parser got that far.
@@ -37,8 +47,7 @@ def _client_event_classes() -> dict[str, type[BaseModel]]:
     from openai.types.realtime.realtime_client_event import RealtimeClientEvent
 
     union = typing.get_args(RealtimeClientEvent)[0]
-    return {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
-            for cls in typing.get_args(union)}
+    return {typing.get_args(cls.model_fields["type"].annotation)[0]: cls for cls in typing.get_args(union)}
 
 
 #: event type -> the SDK's model of it (every client event the GA API defines).
@@ -62,8 +71,11 @@ def parse_client_event(raw: str | bytes) -> tuple[BaseModel, str | None]:
     kind = data.get("type")
     cls = CLIENT_EVENTS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise EventError(f"unknown event type {kind!r} (supported: {', '.join(sorted(CLIENT_EVENTS))})",
-                         param="type", code="invalid_value")
+        raise EventError(
+            f"unknown event type {kind!r} (supported: {', '.join(sorted(CLIENT_EVENTS))})",
+            param="type",
+            code="invalid_value",
+        )
     try:
         return cls.model_validate(data), event_id
     except ValidationError as e:
@@ -91,8 +103,7 @@ def validation_error(e: ValidationError) -> EventError:
     if meant or len(by_member) <= 1:
         message = f"{param or 'event'}: {err['msg']}"
     else:  # no member's discriminator matched: say which values there are
-        wanted = sorted({str(x["ctx"]["expected"]) for x in errors
-                         if _discriminator_mismatch(x) and "ctx" in x})
+        wanted = sorted({str(x["ctx"]["expected"]) for x in errors if _discriminator_mismatch(x) and "ctx" in x})
         message = f"{param}: expected one of {', '.join(wanted)}" if wanted else f"{param}: {err['msg']}"
     return EventError(message, param=param, code="invalid_value")
 
@@ -108,8 +119,7 @@ def _is_member(part: Any) -> bool:
 
 def _discriminator_mismatch(err: dict[str, Any]) -> bool:
     loc = err["loc"]
-    return (err["type"] == "literal_error" and len(loc) >= 2 and loc[-1] in ("type", "role")
-            and _is_member(loc[-2]))
+    return err["type"] == "literal_error" and len(loc) >= 2 and loc[-1] in ("type", "role") and _is_member(loc[-2])
 
 
 def make_event(cls: type[BaseModel], **fields: Any) -> BaseModel:
@@ -127,13 +137,14 @@ def wire(event: BaseModel) -> str:
 def error_event(err: EventError, event_id: str | None) -> BaseModel:
     from openai.types.realtime import RealtimeError, RealtimeErrorEvent
 
-    return make_event(RealtimeErrorEvent, error=RealtimeError(
-        type=err.type, code=err.code, message=err.message, param=err.param, event_id=event_id))
+    return make_event(
+        RealtimeErrorEvent,
+        error=RealtimeError(type=err.type, code=err.code, message=err.message, param=err.param, event_id=event_id),
+    )
 
 
 def refuse_unsupported(fields: Sequence[tuple[str, bool]], what: str) -> None:
     """EventError for the first ``(param, present)`` that is present: a feature not served."""
     for param, present in fields:
         if present:
-            raise EventError(f"{param} is not supported by this server ({what})", param=param,
-                             code="unsupported")
+            raise EventError(f"{param} is not supported by this server ({what})", param=param, code="unsupported")

@@ -50,10 +50,19 @@ class ResponseOptions:
 class ResponseRun:
     """Streams one response; ``send`` queues a server event on the session's socket."""
 
-    def __init__(self, pipeline: Any, send: Callable[[Any], None], item: Item,
-                 options: ResponseOptions, prompt: Callable[[], Awaitable[Prompt]], *,
-                 pace: float | None, received_at: float, session_id: str,
-                 on_prompt: Callable[[list[Item]], None] = lambda dropped: None) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        send: Callable[[Any], None],
+        item: Item,
+        options: ResponseOptions,
+        prompt: Callable[[], Awaitable[Prompt]],
+        *,
+        pace: float | None,
+        received_at: float,
+        session_id: str,
+        on_prompt: Callable[[list[Item]], None] = lambda dropped: None,
+    ) -> None:
         self.id = new_id("resp")
         self.session_id = session_id
         self.pipeline, self.send, self.item, self.options = pipeline, send, item, options
@@ -106,11 +115,18 @@ class ResponseRun:
         )
 
         self.send(make_event(ResponseCreatedEvent, response=self._sdk()))
-        self.send(make_event(ResponseOutputItemAddedEvent, response_id=self.id, output_index=0,
-                             item=self.item.sdk()))
+        self.send(make_event(ResponseOutputItemAddedEvent, response_id=self.id, output_index=0, item=self.item.sdk()))
         self.send(make_event(ConversationItemAdded, item=self.item.sdk()))
-        self.send(make_event(ResponseContentPartAddedEvent, response_id=self.id, item_id=self.item.id,
-                             output_index=0, content_index=0, part=self._part()))
+        self.send(
+            make_event(
+                ResponseContentPartAddedEvent,
+                response_id=self.id,
+                item_id=self.item.id,
+                output_index=0,
+                content_index=0,
+                part=self._part(),
+            )
+        )
         try:
             await self._stream()
         except RequestError as e:  # refused (context length, a stage down) or failed in a stage
@@ -136,9 +152,15 @@ class ResponseRun:
         # with media are not prefix-hashed, so prefix routing alone cannot follow them).
         # stream: the client plays the audio deltas as they come, so stages pace them to playback.
         self.handle = await self.pipeline.submit(
-            prompt.token_ids, max_tokens=self.options.max_tokens,
-            modalities=self.options.pipeline_modalities, media=prompt.media,
-            received_at=self.received_at, session_id=self.session_id, ticket=ticket, stream=True)
+            prompt.token_ids,
+            max_tokens=self.options.max_tokens,
+            modalities=self.options.pipeline_modalities,
+            media=prompt.media,
+            received_at=self.received_at,
+            session_id=self.session_id,
+            ticket=ticket,
+            stream=True,
+        )
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")
         async for ev in self.handle.events():
@@ -160,8 +182,11 @@ class ResponseRun:
         self.item.content[0].text = self.item.spoken.text
         if ev.text:
             cls = ResponseAudioTranscriptDeltaEvent if self.audio else ResponseTextDeltaEvent
-            self.send(make_event(cls, response_id=self.id, item_id=self.item.id, output_index=0,
-                                 content_index=0, delta=ev.text))
+            self.send(
+                make_event(
+                    cls, response_id=self.id, item_id=self.item.id, output_index=0, content_index=0, delta=ev.text
+                )
+            )
 
     def _on_audio(self, samples: Any, rate: int, last: bool = False) -> None:
         from openai.types.realtime import ResponseAudioDeltaEvent
@@ -177,9 +202,16 @@ class ResponseRun:
         if self.first_audio_at is None:
             self.first_audio_at = time.monotonic()
         self.item.spoken.audio_ms += len(out) * 1000 / fmt.rate
-        self.send(make_event(ResponseAudioDeltaEvent, response_id=self.id, item_id=self.item.id,
-                             output_index=0, content_index=0,
-                             delta=base64.b64encode(fmt.encode(out)).decode("ascii")))
+        self.send(
+            make_event(
+                ResponseAudioDeltaEvent,
+                response_id=self.id,
+                item_id=self.item.id,
+                output_index=0,
+                content_index=0,
+                delta=base64.b64encode(fmt.encode(out)).decode("ascii"),
+            )
+        )
 
     def _on_completed(self, ev: Completed) -> None:
         from openai.types.realtime import RealtimeResponseUsage
@@ -196,10 +228,12 @@ class ResponseRun:
         cached = ev.cached_tokens.get(self.pipeline.topology.entry.name, 0)
         out_tokens = self.item.spoken.tokens
         self.usage = RealtimeResponseUsage(
-            input_tokens=ev.num_prompt_tokens, output_tokens=out_tokens,
+            input_tokens=ev.num_prompt_tokens,
+            output_tokens=out_tokens,
             total_tokens=ev.num_prompt_tokens + out_tokens,
             input_token_details=RealtimeResponseUsageInputTokenDetails(cached_tokens=cached),
-            output_token_details=RealtimeResponseUsageOutputTokenDetails(text_tokens=out_tokens))
+            output_token_details=RealtimeResponseUsageOutputTokenDetails(text_tokens=out_tokens),
+        )
         self.status = "completed" if ev.finish_reason != "length" else "incomplete"
         if ev.finish_reason == "length":
             self.reason = "max_output_tokens"
@@ -227,8 +261,7 @@ class ResponseRun:
         else:
             self.send(make_event(ResponseTextDoneEvent, text=part.text, **ids))
         self.send(make_event(ResponseContentPartDoneEvent, part=self._part(), **ids))
-        self.send(make_event(ResponseOutputItemDoneEvent, response_id=self.id, output_index=0,
-                             item=self.item.sdk()))
+        self.send(make_event(ResponseOutputItemDoneEvent, response_id=self.id, output_index=0, item=self.item.sdk()))
         self.send(make_event(ConversationItemDone, item=self.item.sdk()))
         self.send(make_event(ResponseDoneEvent, response=self._sdk()))
 
@@ -246,18 +279,28 @@ class ResponseRun:
         if self.status != "in_progress":
             err = None
             if self.error is not None:
-                err = Error(type="invalid_request_error" if self.error.status < 500 else "server_error",
-                            code=str(self.error.status), message=self.error.message)
-            details = RealtimeResponseStatus(
-                type=self.status,
-                reason=_REASONS.get(self.reason or ""), error=err)
+                err = Error(
+                    type="invalid_request_error" if self.error.status < 500 else "server_error",
+                    code=str(self.error.status),
+                    message=self.error.message,
+                )
+            details = RealtimeResponseStatus(type=self.status, reason=_REASONS.get(self.reason or ""), error=err)
         return RealtimeResponse(
-            id=self.id, object="realtime.response", status=self.status,
-            status_details=details, output_modalities=[self.options.modality],
-            max_output_tokens=self.options.max_tokens or "inf", metadata=self.options.metadata,
-            output=[self.item.sdk()] if self.status != "in_progress" else [], usage=self.usage)
+            id=self.id,
+            object="realtime.response",
+            status=self.status,
+            status_details=details,
+            output_modalities=[self.options.modality],
+            max_output_tokens=self.options.max_tokens or "inf",
+            metadata=self.options.metadata,
+            output=[self.item.sdk()] if self.status != "in_progress" else [],
+            usage=self.usage,
+        )
 
 
 # Our reasons -> the API's status_details.reason.
-_REASONS = {"turn_detected": "turn_detected", "client_cancelled": "client_cancelled",
-            "max_output_tokens": "max_output_tokens"}
+_REASONS = {
+    "turn_detected": "turn_detected",
+    "client_cancelled": "client_cancelled",
+    "max_output_tokens": "max_output_tokens",
+}

@@ -41,8 +41,15 @@ MIN_COMMIT_MS = 100
 
 
 class RealtimeSession:
-    def __init__(self, pipeline: Any, send: Callable[[Any], None], *, limits: RealtimeConfig,
-                 served_model: str, images: client_items.ImageSource | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        send: Callable[[Any], None],
+        *,
+        limits: RealtimeConfig,
+        served_model: str,
+        images: client_items.ImageSource | None = None,
+    ) -> None:
         self.id = new_id("sess")
         self.pipeline, self.send = pipeline, send
         self.served_model = served_model
@@ -54,11 +61,13 @@ class RealtimeSession:
         self.buffer = InputAudioBuffer(self.rate, limits.max_buffer_s)
         self.conversation = Conversation(limits.max_items)
         # Its share of the server's memory bound and the thinker's limits (truncation).
-        self.bounds = ConversationBounds(pipeline, limits.max_items, limits.max_sessions, self.rate,
-                                         limits.max_buffer_s)
+        self.bounds = ConversationBounds(
+            pipeline, limits.max_items, limits.max_sessions, self.rate, limits.max_buffer_s
+        )
         # Input audio is decoded, resampled and scored for speech on the input worker's thread.
-        self.audio_in = input_worker.InputStream(input_worker.shared(), self.config.input_format,
-                                                 self.rate, self._heard)
+        self.audio_in = input_worker.InputStream(
+            input_worker.shared(), self.config.input_format, self.rate, self._heard
+        )
         self.speech_item_id: str | None = None  # the user item the speech in progress becomes
         self.response: ResponseRun | None = None
         self._response_task: asyncio.Task | None = None
@@ -176,8 +185,7 @@ class RealtimeSession:
         self.speech_item_id = new_id("item")
         if td.interrupt_response and self.responding:
             self.response.cancel("turn_detected", truncate=True)  # barge-in
-        self.send(make_event(InputAudioBufferSpeechStartedEvent, audio_start_ms=start_ms,
-                             item_id=self.speech_item_id))
+        self.send(make_event(InputAudioBufferSpeechStartedEvent, audio_start_ms=start_ms, item_id=self.speech_item_id))
 
     def _speech_stopped(self, at_ms: int) -> None:
         from openai.types.realtime import InputAudioBufferSpeechStoppedEvent
@@ -195,9 +203,11 @@ class RealtimeSession:
 
     def on_input_audio_buffer_commit(self, event: Any) -> None:
         if self.buffer.duration_ms < MIN_COMMIT_MS:
-            raise EventError(f"the input audio buffer holds {self.buffer.duration_ms} ms; a commit "
-                             f"needs at least {MIN_COMMIT_MS} ms of audio",
-                             code="input_audio_buffer_commit_empty")
+            raise EventError(
+                f"the input audio buffer holds {self.buffer.duration_ms} ms; a commit "
+                f"needs at least {MIN_COMMIT_MS} ms of audio",
+                code="input_audio_buffer_commit_empty",
+            )
         item_id = self.speech_item_id or new_id("item")
         self.speech_item_id = None
         if self.detector is not None:
@@ -209,8 +219,7 @@ class RealtimeSession:
 
         # Room first (EventError keeps the buffer): a float32 sample is 4 bytes.
         dropped = self._room(self.buffer.size * 4)
-        item = Item("user", [ItemPart("input_audio", media=audio_item(self.buffer.take(), self.rate))],
-                    id=item_id)
+        item = Item("user", [ItemPart("input_audio", media=audio_item(self.buffer.take(), self.rate))], id=item_id)
         previous = self._add(item, None, dropped)
         self.send(make_event(InputAudioBufferCommittedEvent, item_id=item.id, previous_item_id=previous))
         self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
@@ -226,9 +235,13 @@ class RealtimeSession:
         self.send(make_event(InputAudioBufferClearedEvent))
 
     def on_output_audio_buffer_clear(self, event: Any) -> None:
-        raise EventError("output_audio_buffer.clear is for WebRTC/SIP sessions; over WebSocket the "
-                         "client owns its playback buffer (use response.cancel and "
-                         "conversation.item.truncate)", param="type", code="unsupported")
+        raise EventError(
+            "output_audio_buffer.clear is for WebRTC/SIP sessions; over WebSocket the "
+            "client owns its playback buffer (use response.cancel and "
+            "conversation.item.truncate)",
+            param="type",
+            code="unsupported",
+        )
 
     # ---- conversation ----------------------------------------------------------------------------
 
@@ -253,8 +266,9 @@ class RealtimeSession:
         from openai.types.realtime import ConversationItemDeletedEvent
 
         if self.responding and self.response.item.id == event.item_id:
-            raise EventError("the item is being answered; cancel the response first",
-                             param="item_id", code="item_in_progress")
+            raise EventError(
+                "the item is being answered; cancel the response first", param="item_id", code="item_in_progress"
+            )
         self.conversation.delete(event.item_id)
         self.bounds.settle(self.conversation)
         self.send(make_event(ConversationItemDeletedEvent, item_id=event.item_id))
@@ -268,25 +282,35 @@ class RealtimeSession:
         from openai.types.realtime import ConversationItemTruncatedEvent
 
         item = self.conversation.get(event.item_id)
-        if item.role != "assistant" or item.spoken is None or not item.content \
-                or item.content[0].type != "output_audio":
-            raise EventError("only an assistant item with audio can be truncated", param="item_id",
-                             code="invalid_value")
+        if (
+            item.role != "assistant"
+            or item.spoken is None
+            or not item.content
+            or item.content[0].type != "output_audio"
+        ):
+            raise EventError(
+                "only an assistant item with audio can be truncated", param="item_id", code="invalid_value"
+            )
         if event.content_index != 0:
-            raise EventError("the item's audio is content part 0", param="content_index",
-                             code="invalid_value")
+            raise EventError("the item's audio is content part 0", param="content_index", code="invalid_value")
         sent = item.audio_end_ms if item.audio_end_ms is not None else item.sent_audio_ms
         if not 0 <= event.audio_end_ms <= sent:
-            raise EventError(f"audio_end_ms {event.audio_end_ms} is beyond the item's audio "
-                             f"({int(sent)} ms)", param="audio_end_ms", code="invalid_value")
+            raise EventError(
+                f"audio_end_ms {event.audio_end_ms} is beyond the item's audio ({int(sent)} ms)",
+                param="audio_end_ms",
+                code="invalid_value",
+            )
         run = self.response if self.responding and self.response.item is item else None
         if run is not None:
             run.cancel("client_cancelled", truncate=False)
         item.audio_end_ms = float(event.audio_end_ms)
         item.content[0].text = item.spoken.heard(event.audio_end_ms, self.pace)
         self.bounds.settle(self.conversation)
-        self.send(make_event(ConversationItemTruncatedEvent, item_id=item.id, content_index=0,
-                             audio_end_ms=event.audio_end_ms))
+        self.send(
+            make_event(
+                ConversationItemTruncatedEvent, item_id=item.id, content_index=0, audio_end_ms=event.audio_end_ms
+            )
+        )
 
     # ---- responses -------------------------------------------------------------------------------
 
@@ -295,11 +319,11 @@ class RealtimeSession:
 
     def on_response_cancel(self, event: Any) -> None:
         if not self.responding:
-            raise EventError("there is no response in progress to cancel",
-                             code="response_cancel_not_active")
+            raise EventError("there is no response in progress to cancel", code="response_cancel_not_active")
         if event.response_id and event.response_id != self.response.id:
-            raise EventError(f"response {event.response_id!r} is not in progress",
-                             param="response_id", code="invalid_value")
+            raise EventError(
+                f"response {event.response_id!r} is not in progress", param="response_id", code="invalid_value"
+            )
         self.response.cancel("client_cancelled", truncate=False)
 
     def _options(self, params: Any) -> ResponseOptions:
@@ -308,17 +332,18 @@ class RealtimeSession:
         fmt, metadata = c.output_format, None
         if params is not None:
             session_config.refuse_tools_and_prompts(params, "response")
-            refuse_unsupported([
-                ("response.input", params.input is not None),
-                ("response.conversation", params.conversation not in (None, "auto")),
-            ], "a response answers the session's conversation")
+            refuse_unsupported(
+                [
+                    ("response.input", params.input is not None),
+                    ("response.conversation", params.conversation not in (None, "auto")),
+                ],
+                "a response answers the session's conversation",
+            )
             given = params.model_fields_set
             if params.output_modalities is not None:
-                modality = session_config.output_modalities(params.output_modalities,
-                                                            "response.output_modalities")[0]
+                modality = session_config.output_modalities(params.output_modalities, "response.output_modalities")[0]
             if "max_output_tokens" in given:
-                max_tokens = session_config.max_output_tokens(params.max_output_tokens,
-                                                              "response.max_output_tokens")
+                max_tokens = session_config.max_output_tokens(params.max_output_tokens, "response.max_output_tokens")
             if params.instructions is not None:
                 instructions = params.instructions
             if params.audio is not None and params.audio.output is not None:
@@ -331,22 +356,36 @@ class RealtimeSession:
 
     def _start_response(self, params: Any) -> None:
         if self.responding:
-            raise EventError(f"response {self.response.id} is in progress; cancel it or wait for "
-                             "response.done", code="conversation_already_has_active_response")
+            raise EventError(
+                f"response {self.response.id} is in progress; cancel it or wait for response.done",
+                code="conversation_already_has_active_response",
+            )
         options = self._options(params)
         if not any(i.role != "system" and i.message() is not None for i in self.conversation.items):
-            raise EventError("the conversation has no user or assistant item to answer",
-                             code="conversation_empty")
+            raise EventError("the conversation has no user or assistant item to answer", code="conversation_empty")
         kind = "output_audio" if options.modality == "audio" else "output_text"
         item = Item("assistant", [ItemPart(kind)], status="in_progress", spoken=SpokenText())
         self._add(item, None, self._room(0))
         # The prompt: the conversation as it is now, fitted to the thinker's limits when the run
         # starts (truncation tokenizes it off the loop).
-        prompt = functools.partial(self.bounds.fit, self.conversation.items[:-1], options.instructions,
-                                   options.max_tokens, self.config.truncation)
-        self.response = run = ResponseRun(self.pipeline, self.send, item, options, prompt,
-                                          pace=self.pace, received_at=time.monotonic(),
-                                          session_id=self.id, on_prompt=self._drop)
+        prompt = functools.partial(
+            self.bounds.fit,
+            self.conversation.items[:-1],
+            options.instructions,
+            options.max_tokens,
+            self.config.truncation,
+        )
+        self.response = run = ResponseRun(
+            self.pipeline,
+            self.send,
+            item,
+            options,
+            prompt,
+            pace=self.pace,
+            received_at=time.monotonic(),
+            session_id=self.id,
+            on_prompt=self._drop,
+        )
         self._response_task = asyncio.create_task(self._run(run), name=f"realtime-{run.id}")
 
     def _room(self, nbytes: int) -> list[Item]:

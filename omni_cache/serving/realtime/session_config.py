@@ -22,8 +22,19 @@ from omni_cache.serving.realtime.protocol import EventError, refuse_unsupported
 from omni_cache.serving.realtime.truncation import Truncation
 from omni_cache.serving.realtime.truncation import parse as parse_truncation
 
-__all__ = ["MAX_OUTPUT_TOKENS", "SessionConfig", "TurnDetection", "VOICE", "audio_format", "describe",
-           "max_output_tokens", "output_modalities", "refuse_tools_and_prompts", "updated", "voice"]
+__all__ = [
+    "MAX_OUTPUT_TOKENS",
+    "SessionConfig",
+    "TurnDetection",
+    "VOICE",
+    "audio_format",
+    "describe",
+    "max_output_tokens",
+    "output_modalities",
+    "refuse_tools_and_prompts",
+    "updated",
+    "voice",
+]
 
 VOICE = "default"
 #: The API's bound on max_output_tokens.
@@ -61,18 +72,27 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
     from openai.types.realtime import RealtimeSessionCreateRequest
 
     if not isinstance(session, RealtimeSessionCreateRequest):
-        raise EventError("only realtime sessions are served (session.type 'realtime'); "
-                         "transcription sessions are not", param="session.type", code="unsupported")
+        raise EventError(
+            "only realtime sessions are served (session.type 'realtime'); transcription sessions are not",
+            param="session.type",
+            code="unsupported",
+        )
     s = session
     given = s.model_fields_set
     refuse_tools_and_prompts(s, "session")
-    refuse_unsupported([
-        ("session.tracing", s.tracing is not None),
-        ("session.include", bool(s.include)),
-    ], "this server answers with speech and text from the conversation")
+    refuse_unsupported(
+        [
+            ("session.tracing", s.tracing is not None),
+            ("session.include", bool(s.include)),
+        ],
+        "this server answers with speech and text from the conversation",
+    )
     if s.model is not None and s.model != served_model:
-        raise EventError(f"the model {s.model!r} is not served here; this server serves "
-                         f"{served_model!r}", param="session.model", code="model_not_found")
+        raise EventError(
+            f"the model {s.model!r} is not served here; this server serves {served_model!r}",
+            param="session.model",
+            code="model_not_found",
+        )
     out = config
     if "instructions" in given:
         out = replace(out, instructions=s.instructions or "")
@@ -89,18 +109,24 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
 
 def refuse_tools_and_prompts(obj: Any, prefix: str) -> None:
     """What a session and a response may both ask for and this server does not serve."""
-    refuse_unsupported([
-        (f"{prefix}.tools", bool(obj.tools)),
-        (f"{prefix}.tool_choice", obj.tool_choice not in (None, "auto", "none")),
-        (f"{prefix}.prompt", obj.prompt is not None),
-        (f"{prefix}.reasoning", obj.reasoning is not None),
-    ], "this server answers with speech and text from the conversation")
+    refuse_unsupported(
+        [
+            (f"{prefix}.tools", bool(obj.tools)),
+            (f"{prefix}.tool_choice", obj.tool_choice not in (None, "auto", "none")),
+            (f"{prefix}.prompt", obj.prompt is not None),
+            (f"{prefix}.reasoning", obj.reasoning is not None),
+        ],
+        "this server answers with speech and text from the conversation",
+    )
 
 
 def output_modalities(mods: list[str], param: str) -> tuple[str, ...]:
     if len(mods) != 1:
-        raise EventError("output_modalities is either [\"audio\"] (speech and its transcript) or "
-                         "[\"text\"]", param=param, code="invalid_value")
+        raise EventError(
+            'output_modalities is either ["audio"] (speech and its transcript) or ["text"]',
+            param=param,
+            code="invalid_value",
+        )
     return (mods[0],)
 
 
@@ -108,8 +134,11 @@ def max_output_tokens(value: Any, param: str) -> int | None:
     if value is None or value == "inf":
         return None
     if not isinstance(value, int) or not 1 <= value <= MAX_OUTPUT_TOKENS:
-        raise EventError(f"max_output_tokens must be an integer from 1 to {MAX_OUTPUT_TOKENS} or "
-                         "'inf'", param=param, code="invalid_value")
+        raise EventError(
+            f"max_output_tokens must be an integer from 1 to {MAX_OUTPUT_TOKENS} or 'inf'",
+            param=param,
+            code="invalid_value",
+        )
     return value
 
 
@@ -125,25 +154,30 @@ def audio_format(fmt: Any, param: str) -> AudioFormat:
 def voice(value: Any, param: str) -> None:
     name = getattr(value, "id", value)
     if name is not None and name != VOICE:
-        raise EventError(f"voice {name!r} is not available; this pipeline speaks with {VOICE!r}",
-                         param=param, code="invalid_value")
+        raise EventError(
+            f"voice {name!r} is not available; this pipeline speaks with {VOICE!r}", param=param, code="invalid_value"
+        )
 
 
 def _audio_updated(config: SessionConfig, audio: Any) -> SessionConfig:
     out = config
     inp, outp = audio.input, audio.output
     if inp is not None:
-        refuse_unsupported([
-            ("session.audio.input.transcription", inp.transcription is not None),
-            ("session.audio.input.noise_reduction", inp.noise_reduction is not None),
-        ], "the model hears the audio itself")
+        refuse_unsupported(
+            [
+                ("session.audio.input.transcription", inp.transcription is not None),
+                ("session.audio.input.noise_reduction", inp.noise_reduction is not None),
+            ],
+            "the model hears the audio itself",
+        )
         if "format" in inp.model_fields_set:
             out = replace(out, input_format=audio_format(inp.format, "session.audio.input.format"))
         if "turn_detection" in inp.model_fields_set:
             out = replace(out, turn_detection=_turn_detection(inp.turn_detection))
     if outp is not None:
-        refuse_unsupported([("session.audio.output.speed", outp.speed not in (None, 1.0))],
-                           "speech is played at the model's pace")
+        refuse_unsupported(
+            [("session.audio.output.speed", outp.speed not in (None, 1.0))], "speech is played at the model's pace"
+        )
         voice(outp.voice, "session.audio.output.voice")
         if "format" in outp.model_fields_set:
             out = replace(out, output_format=audio_format(outp.format, "session.audio.output.format"))
@@ -155,19 +189,21 @@ def _turn_detection(td: Any) -> TurnDetection | None:
     if td is None:
         return None
     if td.type != "server_vad":
-        raise EventError(f"turn_detection type {td.type!r} is not supported (server_vad or null)",
-                         param=param + ".type", code="unsupported")
-    refuse_unsupported([(param + ".idle_timeout_ms", td.idle_timeout_ms is not None)],
-                       "the server does not prompt a silent user")
+        raise EventError(
+            f"turn_detection type {td.type!r} is not supported (server_vad or null)",
+            param=param + ".type",
+            code="unsupported",
+        )
+    refuse_unsupported(
+        [(param + ".idle_timeout_ms", td.idle_timeout_ms is not None)], "the server does not prompt a silent user"
+    )
     d = TurnDetection()
     if td.threshold is not None and not 0.0 <= td.threshold <= 1.0:
-        raise EventError("threshold must be from 0.0 to 1.0", param=param + ".threshold",
-                         code="invalid_value")
+        raise EventError("threshold must be from 0.0 to 1.0", param=param + ".threshold", code="invalid_value")
     for name in ("prefix_padding_ms", "silence_duration_ms"):
         v = getattr(td, name)
         if v is not None and not 0 <= v <= 10_000:
-            raise EventError(f"{name} must be from 0 to 10000", param=f"{param}.{name}",
-                             code="invalid_value")
+            raise EventError(f"{name} must be from 0 to 10000", param=f"{param}.{name}", code="invalid_value")
     return TurnDetection(
         threshold=d.threshold if td.threshold is None else float(td.threshold),
         prefix_padding_ms=d.prefix_padding_ms if td.prefix_padding_ms is None else td.prefix_padding_ms,
@@ -196,19 +232,33 @@ def describe(config: SessionConfig, served_model: str, session_id: str) -> Any:
     from openai.types.realtime.realtime_audio_input_turn_detection import ServerVad
 
     td = config.turn_detection
-    turn = None if td is None else ServerVad(
-        type="server_vad", threshold=td.threshold, prefix_padding_ms=td.prefix_padding_ms,
-        silence_duration_ms=td.silence_duration_ms, create_response=td.create_response,
-        interrupt_response=td.interrupt_response)
+    turn = (
+        None
+        if td is None
+        else ServerVad(
+            type="server_vad",
+            threshold=td.threshold,
+            prefix_padding_ms=td.prefix_padding_ms,
+            silence_duration_ms=td.silence_duration_ms,
+            create_response=td.create_response,
+            interrupt_response=td.interrupt_response,
+        )
+    )
     return RealtimeSessionCreateRequest(
-        type="realtime", id=session_id, object="realtime.session", model=served_model,
-        instructions=config.instructions, output_modalities=list(config.output_modalities),
+        type="realtime",
+        id=session_id,
+        object="realtime.session",
+        model=served_model,
+        instructions=config.instructions,
+        output_modalities=list(config.output_modalities),
         max_output_tokens="inf" if config.max_output_tokens is None else config.max_output_tokens,
-        tools=[], tool_choice="auto", truncation=config.truncation.sdk(),
+        tools=[],
+        tool_choice="auto",
+        truncation=config.truncation.sdk(),
         audio=RealtimeAudioConfig(
-            input=RealtimeAudioConfigInput(format=_format_model(config.input_format),
-                                           turn_detection=turn, transcription=None,
-                                           noise_reduction=None),
-            output=RealtimeAudioConfigOutput(format=_format_model(config.output_format),
-                                             voice=VOICE, speed=1.0)),
+            input=RealtimeAudioConfigInput(
+                format=_format_model(config.input_format), turn_detection=turn, transcription=None, noise_reduction=None
+            ),
+            output=RealtimeAudioConfigOutput(format=_format_model(config.output_format), voice=VOICE, speed=1.0),
+        ),
     )

@@ -43,8 +43,17 @@ from typing import Any
 from omni_cache.runtime.requests import AUDIO
 from omni_cache.serving.realtime.protocol import EventError
 
-__all__ = ["AUTO_RETENTION", "DEFAULT_AUDIO_TOKENS_PER_S", "MediaTokens", "PromptLimits", "Truncation",
-           "cut_points", "first_cut", "media_limit", "parse"]
+__all__ = [
+    "AUTO_RETENTION",
+    "DEFAULT_AUDIO_TOKENS_PER_S",
+    "MediaTokens",
+    "PromptLimits",
+    "Truncation",
+    "cut_points",
+    "first_cut",
+    "media_limit",
+    "parse",
+]
 
 #: ``auto``'s retention ratio.
 AUTO_RETENTION = 0.75
@@ -76,11 +85,10 @@ class Truncation:
             TokenLimits,
         )
 
-        limits = None if self.post_instructions is None else TokenLimits(
-            post_instructions=self.post_instructions)
-        return RealtimeTruncationRetentionRatio(type="retention_ratio",
-                                                retention_ratio=self.retention_ratio,
-                                                token_limits=limits)
+        limits = None if self.post_instructions is None else TokenLimits(post_instructions=self.post_instructions)
+        return RealtimeTruncationRetentionRatio(
+            type="retention_ratio", retention_ratio=self.retention_ratio, token_limits=limits
+        )
 
 
 def parse(value: Any) -> Truncation:
@@ -90,13 +98,18 @@ def parse(value: Any) -> Truncation:
         return Truncation(mode=value)
     ratio = value.retention_ratio
     if not 0.0 < ratio <= 1.0:
-        raise EventError("retention_ratio must be more than 0.0 and at most 1.0",
-                         param="session.truncation.retention_ratio", code="invalid_value")
+        raise EventError(
+            "retention_ratio must be more than 0.0 and at most 1.0",
+            param="session.truncation.retention_ratio",
+            code="invalid_value",
+        )
     post = value.token_limits.post_instructions if value.token_limits is not None else None
     if post is not None and post < 1:
-        raise EventError("post_instructions must be a positive number of tokens",
-                         param="session.truncation.token_limits.post_instructions",
-                         code="invalid_value")
+        raise EventError(
+            "post_instructions must be a positive number of tokens",
+            param="session.truncation.token_limits.post_instructions",
+            code="invalid_value",
+        )
     return Truncation(mode="retention_ratio", retention_ratio=float(ratio), post_instructions=post)
 
 
@@ -174,8 +187,7 @@ class MediaTokens:
         unknown = [m for m in dict((_key(m), m) for m in media).values() if _key(m) not in self.known]
         if not unknown:
             return
-        added = expanded - unexpanded + len(media) - sum(self.known[_key(m)] for m in media
-                                                         if _key(m) in self.known)
+        added = expanded - unexpanded + len(media) - sum(self.known[_key(m)] for m in media if _key(m) in self.known)
         weights = [self._weight(m) for m in unknown]
         total = sum(weights) or 1.0
         for m, w in zip(unknown, weights):

@@ -79,7 +79,7 @@ class BatchScorer:
         h, c = state[0].clone(), state[1].clone()
         out, start = [], 0
         for n in counts:
-            h_n, c_n = net.decoder.rnn(features[start:start + n], (h[:n], c[:n]))
+            h_n, c_n = net.decoder.rnn(features[start : start + n], (h[:n], c[:n]))
             h[:n], c[:n] = h_n, c_n
             out.append(h_n)
             start += n
@@ -93,7 +93,7 @@ class BatchScorer:
         state = state.clone()
         out, start = [], 0
         for n in counts:
-            p, s = self.net(x[start:start + n], state[:, :n].contiguous())
+            p, s = self.net(x[start : start + n], state[:, :n].contiguous())
             state[:, :n] = s
             out.append(p[:, 0])
             start += n
