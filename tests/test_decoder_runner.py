@@ -22,6 +22,7 @@ from workers.decoder_runner import DecoderRunner
 from workers.runner import DEADLINE_GRACE_S, time_left
 
 ROOT = Path(__file__).resolve().parents[1]
+END_WAIT_S = 60.0  # how long received() waits for the requests it is told will end
 
 
 @pytest.fixture
@@ -49,16 +50,31 @@ def run(runner: DecoderRunner) -> None:
         runner.step()
 
 
-def received(runner: DecoderRunner) -> tuple[dict[str, torch.Tensor], dict[str, StageError]]:
-    """Audio per finished request (chunks in seq order) and errors, from the orchestrator socket."""
+def received(runner: DecoderRunner, ends: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, StageError]]:
+    """Audio per finished request (chunks in seq order) and errors, from the orchestrator socket.
+    Waits until every request in ``ends`` has ended (its last audio chunk or an error): ZMQ's I/O
+    thread delivers what the runner sent in its own time, which on a loaded machine can be seconds
+    (a fixed 200 ms window lost messages under a load average of 10); then takes whatever else
+    arrives within 200 ms."""
     parts: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
     errors = {}
-    while (got := runner.inbox.recv(timeout_ms=200)) is not None:
+    ended: set[str] = set()
+    deadline = time.monotonic() + END_WAIT_S
+    while True:
+        waiting = not ends <= ended and time.monotonic() < deadline
+        got = runner.inbox.recv(timeout_ms=1000 if waiting else 200)
+        if got is None:
+            if waiting:
+                continue
+            break
         msg, tensors = got
         if isinstance(msg, StageError):
             errors[msg.request_id] = msg
+            ended.add(msg.request_id)
         else:
             parts.setdefault(msg.request_id, []).append((msg.seq, tensors["audio"].clone(), msg.finished))
+            if msg.finished:
+                ended.add(msg.request_id)
     audio = {}
     for rid, chunks in parts.items():
         assert [s for s, _, _ in chunks] == list(range(len(chunks))), f"{rid}: out of order"
@@ -81,7 +97,7 @@ def test_more_requests_than_the_batch_all_get_all_their_audio(runner):
             feed(runner, rid, seq, part, finished=seq == 3)
         runner.step()
     run(runner)
-    audio, errors = received(runner)
+    audio, errors = received(runner, set(streams))
     assert not errors and set(audio) == set(streams)
     spc = runner.decoder.samples_per_code
     for rid, ids in streams.items():
@@ -116,7 +132,7 @@ def test_bad_codes_fail_that_request_only(runner):
         feed(runner, rid, 0, ids, finished=True)
     feed(runner, "neg", 0, [1, 2, -5], finished=True)  # refused on arrival
     run(runner)
-    audio, errors = received(runner)
+    audio, errors = received(runner, set(good) | {"neg"})
     assert set(audio) == set(good) and set(errors) == {"neg"}
     assert errors["neg"].stage == "decoder" and errors["neg"].status == 400
     assert "-5" in errors["neg"].message
@@ -129,7 +145,7 @@ def test_a_window_the_codec_rejects_fails_alone(runner):
     feed(runner, "bad", 0, codes(2, 30), finished=True)
     runner.requests["bad"].jobs[0].window.codes[0, 0] = 10_000  # as a broken hand-off would
     run(runner)
-    audio, errors = received(runner)
+    audio, errors = received(runner, {"good", "bad"})
     assert set(audio) == {"good"} and set(errors) == {"bad"}
     assert "outside the codebook" in errors["bad"].message
     assert torch.equal(audio["good"], whole(runner, good).float())
@@ -147,7 +163,7 @@ def test_a_request_opens_only_on_a_stream_start(runner):
     assert runner.requests == {} and not runner.has_work() and runner.total_requests == 0
     feed(runner, "opened", 0, codes(1, 30), finished=True)
     run(runner)
-    audio, errors = received(runner)
+    audio, errors = received(runner, {"opened"})
     assert set(audio) == {"opened"} and not errors
 
 
@@ -166,7 +182,7 @@ def test_a_hand_off_job_of_the_wrong_kind_fails_its_request_alone(runner):
     feed(runner, "good", 0, good, finished=True)
     feed(runner, "wrong", 0, [7, 8, 9], finished=True)
     run(runner)
-    audio, errors = received(runner)
+    audio, errors = received(runner, {"good", "wrong"})
     assert set(audio) == {"good"} and set(errors) == {"wrong"}
     assert errors["wrong"].status == 500 and "GenerateJob" in errors["wrong"].message
     assert torch.equal(audio["good"], whole(runner, good).float())
@@ -183,7 +199,7 @@ def test_abort_before_the_first_message_leaves_nothing(runner):
     runner.abort("late")  # mid-request: forgotten, its rest dropped
     feed(runner, "late", 1, codes(6, 10), finished=True)
     assert runner.requests == {} and not runner.has_work()
-    audio, errors = received(runner)
+    audio, errors = received(runner, set())
     assert not audio and not errors
 
 
@@ -198,7 +214,7 @@ def test_deadline_drops_the_request_and_its_late_input(runner):
     assert runner.requests == {} and runner.counters()["expired"] == 1
     feed(runner, "slow", 1, codes(9, 10), finished=True)  # upstream still sending
     assert runner.requests == {}
-    audio, errors = received(runner)
+    audio, errors = received(runner, {"slow"})
     assert set(errors) == {"slow"} and errors["slow"].status == 504
     assert "deadline" in errors["slow"].message
 
@@ -215,7 +231,7 @@ def test_a_deadline_is_time_left_on_this_process_clock(runner, monkeypatch):
     assert time_left(deadline, now=deadline + 5) == 0.0 and time_left(0.0) is None
     runner.expire(now=deadline + DEADLINE_GRACE_S)
     assert runner.requests == {}
-    _, errors = received(runner)
+    _, errors = received(runner, {"clock"})
     assert errors["clock"].status == 504
 
 
@@ -264,7 +280,7 @@ def test_code2wav_stage_streams_each_request_as_its_whole_decode(q3_runner):
     # 66 codes: its last windows start past the 56 codes of left context the decoder needs.
     streams = {"a": frames(1, 66), "b": frames(2, 21), "c": frames(3, 30)}
     stream_frames(runner, streams, [5, 20, 30, 45])  # the first message: a short first chunk
-    audio, errors = received(runner)
+    audio, errors = received(runner, set(streams))
     assert not errors and set(audio) == set(streams) and runner.requests == {}
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         runner.handoff_ctx.model_path, dtype=torch.float32
@@ -315,7 +331,7 @@ def test_code2wav_stage_bad_codes_fail_that_request_alone(q3_runner):
             StreamStart(request_id="ids", stage="talker", seq=0, token_ids=[1, 2, 3], finished=True), {}
         ),
     )
-    audio, errors = received(runner)
+    audio, errors = received(runner, {"good", "range", "shape", "ids"})
     assert set(audio) == {"good"} and set(errors) == {"range", "shape", "ids"}
     assert all(e.status == 400 and e.stage == "decoder" for e in errors.values())
     assert "code 256 of codebook 3 is outside the codebook [0, 256)" in errors["range"].message
