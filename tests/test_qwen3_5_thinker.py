@@ -147,9 +147,10 @@ def video_part(url: str) -> dict:
 
 # ---- the reference ------------------------------------------------------------------------------
 def reference_inputs(processor, messages: list[dict]) -> dict[str, torch.Tensor]:
-    """transformers' processor over the same chat and the media as the server decodes them
-    (its image decoding; its video frame sampling, the frames at their sampled rate)."""
-    from omni_cache.serving.chat_request import MediaPart
+    """transformers' processor over the same chat: images as the server decodes them, and each
+    video's every frame with the clip's metadata, sampled and stamped by the processor itself."""
+    from vllm.multimodal.video import VideoBackend
+
     from omni_cache.serving.media import MediaDecoder
 
     decoder = MediaDecoder(use_audio_in_video=False)
@@ -159,24 +160,18 @@ def reference_inputs(processor, messages: list[dict]) -> dict[str, torch.Tensor]
             if part["type"] == "image_url":
                 images.append(decoder.image(part["image_url"]["url"], "image").array)
             elif part["type"] == "video_url":
-                [frames] = decoder.decode_all(decoder.read_all([MediaPart("video", part, "video")]))
-                count = frames.array.shape[0]
-                videos.append(frames.array)
-                metadata.append(
-                    {
-                        "fps": frames.fps,
-                        "frames_indices": list(range(count)),
-                        "total_num_frames": count,
-                        "duration": count / frames.fps,
-                    }
-                )
+                data = base64.b64decode(part["video_url"]["url"].split(",", 1)[1])
+                frames, meta = VideoBackend.load_bytes(data, backend="opencv")  # the whole clip
+                assert len(frames) == meta["total_num_frames"]
+                videos.append(frames)
+                metadata.append({k: meta[k] for k in ("fps", "frames_indices", "total_num_frames", "duration")})
     # (transformers' processor rewrites the parts of the conversation it is given: a copy)
     text = processor.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True, tokenize=False)
     kwargs: dict[str, Any] = {}
     if images:
         kwargs["images"] = images
     if videos:
-        kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False)
+        kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=True)
     return dict(processor(text=[text], return_tensors="pt", **kwargs))
 
 

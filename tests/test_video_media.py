@@ -1,7 +1,8 @@
 """Video parts without an engine (omni_cache/serving/video.py through serving/media.py): the
 container header read and checked before anything is decoded, frame sampling as vLLM's Qwen2-VL
-loader does it, the decoded size reserved up front bounding what decoding holds, the digest, when
-a sound track goes along (use_audio_in_video), and the Submit's UUIDs and processor kwargs."""
+loader does it (its Qwen3-VL loader's for Qwen3-VL-family checkpoints, with the metadata that loader
+writes), the decoded size reserved up front bounding what decoding holds, the digest, when a sound
+track goes along (use_audio_in_video), and the Submit's UUIDs and processor kwargs."""
 
 from __future__ import annotations
 
@@ -90,6 +91,77 @@ def test_frames_are_sampled_as_vllms_qwen2vl_loader_samples_them(frames, fps, li
     assert item.kind == VIDEO and item.array.shape == (want, 64, 96, 3)
     assert np.array_equal(item.array, expected)
     assert item.fps == pytest.approx(want / (frames / fps))
+
+
+@pytest.mark.parametrize(
+    "frames, fps, limits, want",
+    [
+        (16, 8, {}, [0, 5, 10, 15]),  # 2 s at 2 frames a second, spread over the clip
+        (40, 8, {}, [0, 4, 9, 13, 17, 22, 26, 30, 35, 39]),
+        (14, 8, {}, [0, 4, 9, 13]),  # 1.75 s: 3 frames a second would give, at least video_min_frames
+        (3, 8, {}, [0, 1, 2]),  # fewer than the minimum: every frame (no temporal pairs)
+        (16, 8, {"video_fps": 3.0}, [0, 3, 6, 9, 12, 15]),
+    ],
+)
+def test_a_qwen3_vl_model_samples_and_stamps_frames_as_vllms_qwen3vl_loader(frames, fps, limits, want):
+    """Qwen3-VL / Qwen3.5 (their checkpoints' Qwen3VLVideoProcessor): the frames vLLM's Qwen3-VL
+    loader picks, and the metadata it writes for them (what the processor stamps times from)."""
+    from vllm.multimodal.video import Qwen3VLVideoBackend
+
+    from omni_cache.wire.messages import MediaRef
+    from workers.video_input import VideoInput
+
+    data = video_bytes(frames=frames, fps=fps)
+    config = MediaConfig(**limits)
+    decoder = MediaDecoder(config, video_sampler=video.QWEN3_VL)
+    [item] = decoder.decode_all(decoder.read_all([part(data)]))
+    expected, meta = Qwen3VLVideoBackend.load_bytes(
+        data, fps=config.video_fps, backend="opencv", min_frames=config.video_min_frames, max_frames=768
+    )
+    assert list(item.frame_indices) == meta["frames_indices"] == want
+    assert np.array_equal(item.array, expected)
+    assert (item.source_fps, item.source_frames) == (meta["fps"], meta["total_num_frames"]) == (fps, frames)
+    ref = MediaRef(
+        kind="video",
+        tensor="media.0",
+        fps=item.fps,
+        frame_indices=list(item.frame_indices),
+        source_fps=item.source_fps,
+        source_frames=item.source_frames,
+    )
+    _, sent = VideoInput(needs_metadata=True).item(item.array, ref)
+    for key in ("fps", "total_num_frames", "frames_indices", "duration", "video_backend"):
+        assert sent[key] == pytest.approx(meta[key]) if key == "duration" else sent[key] == meta[key], key
+    assert sent["do_sample_frames"] is False  # sampled here already
+    # Qwen3-Omni's sampler is unchanged by it, and the two readings never share a digest.
+    assert MediaDecoder(config).read_all([part(data)])[0].digest != decoder.read_all([part(data)])[0].digest
+
+
+def test_a_video_without_its_frames_place_in_the_clip_is_refused_for_a_qwen3_vl_model():
+    from omni_cache.wire.messages import MediaRef
+    from workers.video_input import VideoInput
+
+    frames = np.zeros((4, 8, 8, 3), np.uint8)
+    with pytest.raises(ValueError, match="indices in the clip"):
+        VideoInput(needs_metadata=True).item(frames, MediaRef(kind="video", tensor="media.0", fps=2.0))
+    assert VideoInput().item(frames, MediaRef(kind="video", tensor="media.0", fps=2.0)) is frames
+
+
+def test_the_sampler_is_the_one_vllm_picks_for_the_checkpoints_video_processor(tmp_path):
+    import json
+
+    from omni_cache.models import tiny_qwen3_5, tiny_qwen3_omni
+    from omni_cache.models.preprocessor import video_sampler
+
+    for name, config, want in (
+        ("qwen3.5", tiny_qwen3_5.video_preprocessor_config(), video.QWEN3_VL),
+        ("omni", tiny_qwen3_omni.video_preprocessor_config(), video.QWEN2_VL),
+        ("other", {"video_processor_type": "LlavaNextVideoProcessor"}, video.QWEN2_VL),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "video_preprocessor_config.json").write_text(json.dumps(config))
+        assert video_sampler(tmp_path / name) == want, name
+    assert video_sampler(tmp_path / "none") == video.QWEN2_VL  # no video processor: Qwen3-Omni's
 
 
 def test_what_is_reserved_bounds_what_decoding_holds():

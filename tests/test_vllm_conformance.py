@@ -95,7 +95,7 @@ MODELS = {
     "qwen3-omni": Model(logprob_atol=1e-4, spoken=True, video_rate_kwarg=True),
     # bfloat16, yet the same kernels on the same tokens agree exactly: all 88 answer-token
     # logprobs of the matrix were equal to the bit (AMD EPYC, 2026-11-27), so no looser bound.
-    "qwen3.5": Model(logprob_atol=1e-4, spoken=False, video_as_vllm=False),
+    "qwen3.5": Model(logprob_atol=1e-4, spoken=False),
 }
 # `strict`: vLLM's structural tag then holds the arguments to the schema too (without it only the
 # call's envelope, and random weights write arguments that do not parse).

@@ -46,7 +46,7 @@ def multi_modal_data(
             and t.shape[-1] == 3
             and ref.fps > 0
         ):
-            out.setdefault("video", []).append(video.item(t.numpy(), ref.fps))
+            out.setdefault("video", []).append(video.item(t.numpy(), ref))
         else:
             raise ValueError(f"media item {ref.tensor!r} ({ref.kind}) is missing or malformed")
     return out

@@ -9,9 +9,11 @@ of two forms, which the model's data parser says (``video_needs_metadata``):
   ``mm_processor_kwargs`` (``fps``: its temporal positions are 2 / fps seconds per patch), beside
   ``use_audio_in_video`` when the sound tracks came along.
 * Qwen3-VL and Qwen3.5: ``(frames, metadata)``. Their processor writes a ``<t seconds>`` stamp before
-  each pair of frames from the metadata's frame indices and rate; the frames arrive sampled, so
-  the metadata says ``do_sample_frames: False`` and the sampled frames are the whole video (index
-  i at the sampled rate: frame i's time). No processor kwargs: these models read no sound track.
+  each pair of frames from the metadata's frame indices and rate: the metadata is what vLLM's
+  Qwen3-VL loader writes for the same clip (the sampled frames' indices in the clip, the clip's
+  own rate, frame count and duration), so the stamps are the times ``vllm serve`` writes. The
+  frames arrive sampled: ``do_sample_frames: False``. No processor kwargs: these models read no
+  sound track.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_cache.wire.messages import MediaRef
+
 
 @dataclass(frozen=True)
 class VideoInput:
@@ -28,16 +32,18 @@ class VideoInput:
 
     needs_metadata: bool = False
 
-    def item(self, frames: np.ndarray, fps: float) -> Any:
-        """One video of ``multi_modal_data``."""
+    def item(self, frames: np.ndarray, ref: MediaRef) -> Any:
+        """One video of ``multi_modal_data`` (``ref``: its rate, and where its frames are in the clip)."""
         if not self.needs_metadata:
             return frames
         count = int(frames.shape[0])
+        if len(ref.frame_indices) != count or ref.source_fps <= 0 or ref.source_frames < count:
+            raise ValueError(f"video {ref.tensor!r} came without its frames' indices in the clip")
         return frames, {
-            "fps": float(fps),
-            "duration": count / float(fps),
-            "total_num_frames": count,
-            "frames_indices": list(range(count)),
+            "fps": float(ref.source_fps),
+            "duration": ref.source_frames / float(ref.source_fps),
+            "total_num_frames": int(ref.source_frames),
+            "frames_indices": list(ref.frame_indices),
             "video_backend": "opencv",
             "do_sample_frames": False,
         }

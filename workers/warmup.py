@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_cache.wire.messages import MediaRef
 from workers.video_input import video_input
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,16 @@ def media_requests(llm: Any, tokenizer: Any, params: Any) -> list[WarmupRequest]
             continue
         item = make()
         if modality == "video":  # in the form the model takes videos (workers/video_input.py)
-            item = video.item(item, VIDEO_FPS)
+            count = int(item.shape[0])  # the whole clip, at its own rate
+            ref = MediaRef(
+                kind="video",
+                tensor="warmup",
+                fps=VIDEO_FPS,
+                frame_indices=list(range(count)),
+                source_fps=VIDEO_FPS,
+                source_frames=count,
+            )
+            item = video.item(item, ref)
         prompt = {
             "prompt_token_ids": tokenizer.encode(f"{placeholder}{PROMPT}"),
             "multi_modal_data": {modality: [item]},

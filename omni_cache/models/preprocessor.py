@@ -17,3 +17,19 @@ def audio_input_rate(model_dir: str | Path) -> int:
     except (OSError, ValueError):
         return DEFAULT_AUDIO_INPUT_RATE
     return int(rate) if isinstance(rate, int) and rate > 0 else DEFAULT_AUDIO_INPUT_RATE
+
+
+def video_sampler(model_dir: str | Path) -> str:
+    """The name of vLLM's video loader for the model (``qwen2_vl`` or ``qwen3_vl``): vLLM picks it by
+    the checkpoint's video processor class (``video_preprocessor_config.json``'s
+    ``video_processor_type``), and the server samples frames as that loader does. Qwen2-VL's
+    (Qwen3-Omni's) when the checkpoint names another or none."""
+    from vllm.multimodal.video import get_video_loader_backend_for_processor
+
+    try:
+        config = json.loads((Path(model_dir) / "video_preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return "qwen2_vl"
+    name = config.get("video_processor_type") if isinstance(config, dict) else None
+    backend = get_video_loader_backend_for_processor(name) if isinstance(name, str) else None
+    return backend if backend in ("qwen2_vl", "qwen3_vl") else "qwen2_vl"

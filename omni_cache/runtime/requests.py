@@ -39,6 +39,11 @@ class MediaItem:
     digest: str = ""  # sha256 hex of kind, target rate and encoded bytes ("" if not known)
     #: A video's sampled frames ``uint8 [T, H, W, 3]``: their rate (frames per second of video).
     fps: float = 0.0
+    #: A video: the indices of its sampled frames in the clip, and the clip's own rate and frame
+    #: count (a Qwen3-VL-family processor stamps each pair of frames with its time from them).
+    frame_indices: tuple[int, ...] = ()
+    source_fps: float = 0.0
+    source_frames: int = 0
     #: An audio item that is the sound track of the video before it (use_audio_in_video).
     in_video: bool = False
 
@@ -227,6 +232,9 @@ def submit_message(
                 sample_rate=m.sample_rate,
                 uuid=m.digest,
                 fps=m.fps,
+                frame_indices=list(m.frame_indices),
+                source_fps=m.source_fps,
+                source_frames=m.source_frames,
                 in_video=m.in_video,
             )
             for i, m in enumerate(media)

@@ -142,6 +142,9 @@ class MediaDecoder:
     #: ``server.media.use_audio_in_video`` where it can be honoured; True is the request's
     #: (a MediaError where it cannot); False leaves them out.
     use_audio_in_video: bool | None = None
+    #: vLLM's video loader for the entry stage's model (omni_cache/models/preprocessor.py
+    #: ``video_sampler``): the server samples frames as it does.
+    video_sampler: str = video.QWEN2_VL
 
     def read_all(self, parts: Sequence[MediaPart]) -> list[EncodedItem]:
         """A request's media parts read and checked from their headers, in order (nothing
@@ -205,11 +208,12 @@ class MediaDecoder:
         data = self._url_bytes(url, param, "video_url", self.limits.max_video_bytes)
         try:
             header = video.probe(data, self.limits)
-            frames = len(video.sampled_indices(header, self.limits))
+            frames = len(video.sampled_indices(header, self.limits, self.video_sampler))
         except video.VideoProblem as e:
             raise MediaError(str(e), param) from None
         lim = self.limits
-        digest = _digest(VIDEO, 0, data, f"{lim.video_fps:g}:{lim.video_min_frames}:{lim.video_max_frames}")
+        sampling = f"{lim.video_fps:g}:{lim.video_min_frames}:{lim.video_max_frames}:{self.video_sampler}"
+        digest = _digest(VIDEO, 0, data, sampling)
         return EncodedItem(
             VIDEO,
             data,
@@ -231,7 +235,7 @@ class MediaDecoder:
         )
 
     def _frames(self, item: EncodedItem) -> int:
-        return len(video.sampled_indices(item.header, self.limits))
+        return len(video.sampled_indices(item.header, self.limits, self.video_sampler))
 
     def image(self, url: str, param: str) -> MediaItem:
         """One image part read and decoded."""
@@ -294,10 +298,18 @@ class MediaDecoder:
 
     def _decode_video(self, item: EncodedItem) -> MediaItem:
         try:
-            frames = video.decode_frames(item.data, item.header, self.limits)
+            indices = video.sampled_indices(item.header, self.limits, self.video_sampler)
+            frames = video.decode_frames(item.data, item.header, self.limits, self.video_sampler)
         except video.VideoProblem as e:
             raise MediaError(str(e), item.param) from None
-        return MediaItem(VIDEO, frames, fps=video.sampled_fps(item.header, frames.shape[0]))
+        return MediaItem(
+            VIDEO,
+            frames,
+            fps=video.sampled_fps(item.header, frames.shape[0]),
+            frame_indices=tuple(indices),
+            source_fps=item.header.fps,
+            source_frames=item.header.frames,
+        )
 
     def _decode_track(self, item: EncodedItem) -> MediaItem:
         try:

@@ -279,6 +279,7 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, 
         audio_sample_rate=orch.audio_input_rate,
         cache=cache,
         use_audio_in_video=_use_audio_in_video(chat),
+        video_sampler=orch.video_sampler,
     )
     try:
         encoded = await asyncio.to_thread(decoder.read_all, chat.media)

@@ -7,10 +7,11 @@ and frame count (estimated from duration x rate where the container does not sto
 duration, and the sound track's length. Each is checked against its ``server.media`` key before
 anything is decoded, so a file claiming 100,000 frames of 20,000 x 20,000 pixels costs a header
 read. The frames the model will see are known then too (:func:`sampled_indices`: the sampling of
-vLLM's ``Qwen2VLVideoBackend``, a port of transformers' ``Qwen2VLVideoProcessor.sample_frames``:
-``video_fps`` frames a second, between ``video_min_frames`` and ``video_max_frames``, a multiple of
-the temporal patch of 2), which gives the decoded size the server reserves
-(omni_cache/runtime/admission.py) before it decodes.
+vLLM's loader for the entry stage's model: for Qwen3-Omni ``Qwen2VLVideoBackend``, a port of
+transformers' ``Qwen2VLVideoProcessor.sample_frames``: ``video_fps`` frames a second, between
+``video_min_frames`` and ``video_max_frames``, a multiple of the temporal patch of 2; for Qwen3-VL
+and Qwen3.5 ``Qwen3VLVideoBackend``, the same count unrounded, spread by ``linspace``), which gives
+the decoded size the server reserves (omni_cache/runtime/admission.py) before it decodes.
 
 Decoding (:func:`decode_frames`) is vLLM's own loader (OpenCV), which reads the sampled frames
 into ``uint8 [T, H, W, 3]`` RGB; a stream that yields fewer frames than its header promised
@@ -141,16 +142,28 @@ def _sampling(limits: MediaConfig) -> dict:
     }
 
 
-def sampled_indices(header: VideoHeader, limits: MediaConfig) -> list[int]:
-    """The frame indices the model sees, as vLLM's Qwen2-VL loader picks them."""
-    from vllm.multimodal.video import Qwen2VLVideoBackend
+#: vLLM's video loaders by name (``vllm.multimodal.video``): Qwen2-VL's (Qwen3-Omni's processor)
+#: and Qwen3-VL's (Qwen3-VL and Qwen3.5). vLLM picks one by the checkpoint's video processor class
+#: (omni_cache/models/preprocessor.py ``video_sampler``); the server picks the same one.
+QWEN2_VL, QWEN3_VL = "qwen2_vl", "qwen3_vl"
+
+
+def _backend(sampler: str):
+    from vllm.multimodal.video import Qwen2VLVideoBackend, Qwen3VLVideoBackend
+
+    return {QWEN2_VL: Qwen2VLVideoBackend, QWEN3_VL: Qwen3VLVideoBackend}[sampler]
+
+
+def sampled_indices(header: VideoHeader, limits: MediaConfig, sampler: str = QWEN2_VL) -> list[int]:
+    """The frame indices the model sees, as vLLM's loader for the model (``sampler``) picks them:
+    Qwen2-VL's (a multiple of the temporal patch) or Qwen3-VL's (``linspace`` rounded)."""
     from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
 
     source = VideoSourceMetadata(header.frames, header.fps, header.duration_s)
     target = VideoTargetMetadata(num_frames=-1, fps=limits.video_fps, max_duration=300)
     if header.frames < TEMPORAL_PATCH:
         raise VideoProblem(f"video has {header.frames} frame(s); at least {TEMPORAL_PATCH} are needed")
-    return Qwen2VLVideoBackend.compute_frames_index_to_sample(source, target, **_sampling(limits))
+    return _backend(sampler).compute_frames_index_to_sample(source, target, **_sampling(limits))
 
 
 def sampled_fps(header: VideoHeader, num_frames: int) -> float:
@@ -159,13 +172,11 @@ def sampled_fps(header: VideoHeader, num_frames: int) -> float:
     return num_frames / (header.frames / header.fps)
 
 
-def decode_frames(data: bytes, header: VideoHeader, limits: MediaConfig) -> np.ndarray:
-    """The sampled frames, ``uint8 [T, H, W, 3]`` RGB, read by vLLM's loader (OpenCV)."""
-    from vllm.multimodal.video import Qwen2VLVideoBackend
-
-    expected = len(sampled_indices(header, limits))
+def decode_frames(data: bytes, header: VideoHeader, limits: MediaConfig, sampler: str = QWEN2_VL) -> np.ndarray:
+    """The sampled frames, ``uint8 [T, H, W, 3]`` RGB, read by vLLM's loader for the model (OpenCV)."""
+    expected = len(sampled_indices(header, limits, sampler))
     try:
-        frames, _ = Qwen2VLVideoBackend.load_bytes(data, fps=limits.video_fps, backend="opencv", **_sampling(limits))
+        frames, _ = _backend(sampler).load_bytes(data, fps=limits.video_fps, backend="opencv", **_sampling(limits))
     except Exception as e:  # noqa: BLE001 - a crafted stream fails anywhere in the loader
         # (a corrupt file made vLLM's sampler divide by the zero frames it found): a 400, not a 500
         raise VideoProblem(f"video stream is corrupt: it could not be decoded ({type(e).__name__}: {e})") from None

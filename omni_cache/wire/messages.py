@@ -102,6 +102,11 @@ class MediaRef(msgspec.Struct, kw_only=True):
     uuid: Annotated[str, Meta(max_length=128)] = ""
     #: A video: the rate of its sampled frames (frames per second of video).
     fps: Annotated[float, Meta(ge=0, le=1000)] = 0.0
+    #: A video: its sampled frames' indices in the clip, the clip's rate and frame count (what a
+    #: Qwen3-VL-family processor stamps the frames' times from; empty / 0 when not known).
+    frame_indices: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=768)] = []
+    source_fps: Annotated[float, Meta(ge=0, le=1000)] = 0.0
+    source_frames: Annotated[int, Meta(ge=0)] = 0
     #: An audio clip that is the sound track of the video before it: the thinker reads both
     #: interleaved by time (vLLM's ``use_audio_in_video``).
     in_video: bool = False
