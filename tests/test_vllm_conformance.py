@@ -78,9 +78,6 @@ class Model:
     #: Log-probabilities of the same token may differ by this much between the two servers.
     logprob_atol: float
     spoken: bool  # a talker speaks the answer: the spoken rows apply
-    #: Whether this server samples a video's frames as `vllm serve` does for the model (docs/api.md,
-    #: "Video in": it samples as Qwen3-Omni's processor does, whatever the model).
-    video_as_vllm: bool = True
     #: Whether `vllm serve` must be told the sampled frames' rate (``--mm-processor-kwargs`` fps;
     #: per request it refuses them without --trust-request-mm-kwargs) to place them in time as
     #: this server does (docs/api.md, "Video in": Qwen3-Omni's processor assumes 1 frame/s unless
@@ -544,19 +541,6 @@ def test_a_media_request_gets_the_same_answer_and_prompt(servers, kind, stream):
     fields = {**GREEDY, "logprobs": True, "top_logprobs": 2, **x(return_token_ids=True)}
     streaming = {"stream_options": {"include_usage": True}} if stream else {}
     request = {**fields, **streaming, "messages": [{"role": "user", "content": [MEDIA[kind], question]}]}
-    if kind == "video" and not servers.model.video_as_vllm:
-        want = ask(servers.vllm, servers.name, stream, request)
-        got = ask(servers.omni, servers.name, stream, request)
-        # A known difference (docs/api.md, "Video in"): `vllm serve` samples this model's frames
-        # with its Qwen3-VL loader and stamps each pair with its time in the clip; this server
-        # samples as Qwen3-Omni's processor does and stamps the sampled frames at their rate.
-        # The prompts have the same layout (the same special tokens, the placeholder runs of the
-        # same lengths); only the stamps' text (bytes: ids under 256) and the frames differ.
-        # When they agree, set the model's video_as_vllm.
-        assert len(got["prompt_token_ids"]) == len(want["prompt_token_ids"]) == want["usage"][0]
-        assert got["prompt_token_ids"] != want["prompt_token_ids"]
-        assert [t for t in got["prompt_token_ids"] if t > 255] == [t for t in want["prompt_token_ids"] if t > 255]
-        return
     want = both(servers, request, kind, stream=stream)
     # (What makes the row mean something: the prompt vLLM answers is the expanded one.)
     text_only = ask(
