@@ -17,6 +17,7 @@ from media_samples import video_bytes
 from omni_cache.config import load_config
 from omni_cache.config.errors import ConfigError
 from omni_cache.config.server_schema import MediaConfig
+from omni_cache.models.preprocessor import QWEN2_VL, QWEN3_VL
 from omni_cache.runtime.requests import AUDIO, VIDEO
 from omni_cache.serving import video
 from omni_cache.serving.chat_request import MediaPart
@@ -113,7 +114,7 @@ def test_a_qwen3_vl_model_samples_and_stamps_frames_as_vllms_qwen3vl_loader(fram
 
     data = video_bytes(frames=frames, fps=fps)
     config = MediaConfig(**limits)
-    decoder = MediaDecoder(config, video_sampler=video.QWEN3_VL)
+    decoder = MediaDecoder(config, video_sampler=QWEN3_VL)
     [item] = decoder.decode_all(decoder.read_all([part(data)]))
     expected, meta = Qwen3VLVideoBackend.load_bytes(
         data, fps=config.video_fps, backend="opencv", min_frames=config.video_min_frames, max_frames=768
@@ -154,14 +155,14 @@ def test_the_sampler_is_the_one_vllm_picks_for_the_checkpoints_video_processor(t
     from omni_cache.models.preprocessor import video_sampler
 
     for name, config, want in (
-        ("qwen3.5", tiny_qwen3_5.video_preprocessor_config(), video.QWEN3_VL),
-        ("omni", tiny_qwen3_omni.video_preprocessor_config(), video.QWEN2_VL),
-        ("other", {"video_processor_type": "LlavaNextVideoProcessor"}, video.QWEN2_VL),
+        ("qwen3.5", tiny_qwen3_5.video_preprocessor_config(), QWEN3_VL),
+        ("omni", tiny_qwen3_omni.video_preprocessor_config(), QWEN2_VL),
+        ("other", {"video_processor_type": "LlavaNextVideoProcessor"}, QWEN2_VL),
     ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "video_preprocessor_config.json").write_text(json.dumps(config))
         assert video_sampler(tmp_path / name) == want, name
-    assert video_sampler(tmp_path / "none") == video.QWEN2_VL  # no video processor: Qwen3-Omni's
+    assert video_sampler(tmp_path / "none") == QWEN2_VL  # no video processor: Qwen3-Omni's
 
 
 def test_what_is_reserved_bounds_what_decoding_holds():

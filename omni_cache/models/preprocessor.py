@@ -19,6 +19,11 @@ def audio_input_rate(model_dir: str | Path) -> int:
     return int(rate) if isinstance(rate, int) and rate > 0 else DEFAULT_AUDIO_INPUT_RATE
 
 
+#: vLLM's video loaders by name (``vllm.multimodal.video``): Qwen2-VL's (Qwen3-Omni's processor)
+#: and Qwen3-VL's (Qwen3-VL and Qwen3.5).
+QWEN2_VL, QWEN3_VL = "qwen2_vl", "qwen3_vl"
+
+
 def video_sampler(model_dir: str | Path) -> str:
     """The name of vLLM's video loader for the model (``qwen2_vl`` or ``qwen3_vl``): vLLM picks it by
     the checkpoint's video processor class (``video_preprocessor_config.json``'s
@@ -29,7 +34,7 @@ def video_sampler(model_dir: str | Path) -> str:
     try:
         config = json.loads((Path(model_dir) / "video_preprocessor_config.json").read_text())
     except (OSError, ValueError):
-        return "qwen2_vl"
+        return QWEN2_VL
     name = config.get("video_processor_type") if isinstance(config, dict) else None
     backend = get_video_loader_backend_for_processor(name) if isinstance(name, str) else None
-    return backend if backend in ("qwen2_vl", "qwen3_vl") else "qwen2_vl"
+    return backend if backend in (QWEN2_VL, QWEN3_VL) else QWEN2_VL

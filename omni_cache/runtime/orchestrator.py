@@ -40,7 +40,7 @@ from omni_cache.config import PipelineConfig, resolve_model
 from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
 from omni_cache.heap_trim import HeapTrimmer
-from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, audio_input_rate, video_sampler
+from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, QWEN2_VL, audio_input_rate, video_sampler
 from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
 from omni_cache.runtime.loop_lag import watch_loop_lag
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
@@ -132,7 +132,7 @@ class Orchestrator:
         self.codec = TextCodec(tokenizer)
         #: The rate the entry model's audio inputs are resampled to (its feature extractor's).
         self.audio_input_rate = DEFAULT_AUDIO_INPUT_RATE
-        self.video_sampler = "qwen2_vl"  # vLLM's video loader for the entry model (set at start)
+        self.video_sampler = QWEN2_VL  # vLLM's video loader for the entry model (set at start)
         self.admission = Admission(config, topology, self.supervisor)
         #: The requests in flight (the only copy of each).
         self.requests = RequestTable()

@@ -54,6 +54,7 @@ import httpx
 import numpy as np
 
 from omni_cache.config.server_schema import MediaConfig
+from omni_cache.models.preprocessor import QWEN2_VL
 from omni_cache.runtime.requests import AUDIO, IMAGE, VIDEO, MediaItem
 from omni_cache.serving import video
 
@@ -144,7 +145,7 @@ class MediaDecoder:
     use_audio_in_video: bool | None = None
     #: vLLM's video loader for the entry stage's model (omni_cache/models/preprocessor.py
     #: ``video_sampler``): the server samples frames as it does.
-    video_sampler: str = video.QWEN2_VL
+    video_sampler: str = QWEN2_VL
 
     def read_all(self, parts: Sequence[MediaPart]) -> list[EncodedItem]:
         """A request's media parts read and checked from their headers, in order (nothing
@@ -299,7 +300,7 @@ class MediaDecoder:
     def _decode_video(self, item: EncodedItem) -> MediaItem:
         try:
             indices = video.sampled_indices(item.header, self.limits, self.video_sampler)
-            frames = video.decode_frames(item.data, item.header, self.limits, self.video_sampler)
+            frames = video.decode_frames(item.data, item.header, self.limits, self.video_sampler, len(indices))
         except video.VideoProblem as e:
             raise MediaError(str(e), item.param) from None
         return MediaItem(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_cache.config.server_schema import MediaConfig
+from omni_cache.models.preprocessor import QWEN2_VL, QWEN3_VL
 
 #: Frames per temporal patch of Qwen3-Omni's vision encoder: sampled frame counts are multiples.
 TEMPORAL_PATCH = 2
@@ -142,12 +143,6 @@ def _sampling(limits: MediaConfig) -> dict:
     }
 
 
-#: vLLM's video loaders by name (``vllm.multimodal.video``): Qwen2-VL's (Qwen3-Omni's processor)
-#: and Qwen3-VL's (Qwen3-VL and Qwen3.5). vLLM picks one by the checkpoint's video processor class
-#: (omni_cache/models/preprocessor.py ``video_sampler``); the server picks the same one.
-QWEN2_VL, QWEN3_VL = "qwen2_vl", "qwen3_vl"
-
-
 def _backend(sampler: str):
     from vllm.multimodal.video import Qwen2VLVideoBackend, Qwen3VLVideoBackend
 
@@ -172,9 +167,9 @@ def sampled_fps(header: VideoHeader, num_frames: int) -> float:
     return num_frames / (header.frames / header.fps)
 
 
-def decode_frames(data: bytes, header: VideoHeader, limits: MediaConfig, sampler: str = QWEN2_VL) -> np.ndarray:
-    """The sampled frames, ``uint8 [T, H, W, 3]`` RGB, read by vLLM's loader for the model (OpenCV)."""
-    expected = len(sampled_indices(header, limits, sampler))
+def decode_frames(data: bytes, header: VideoHeader, limits: MediaConfig, sampler: str, expected: int) -> np.ndarray:
+    """The sampled frames, ``uint8 [T, H, W, 3]`` RGB, read by vLLM's loader for the model (OpenCV);
+    ``expected``: how many it samples (``len(sampled_indices(...))``, which the caller has)."""
     try:
         frames, _ = _backend(sampler).load_bytes(data, fps=limits.video_fps, backend="opencv", **_sampling(limits))
     except Exception as e:  # noqa: BLE001 - a crafted stream fails anywhere in the loader
