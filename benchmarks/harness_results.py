@@ -10,7 +10,14 @@ from typing import Any
 
 from benchmarks.harness import command_line, compared_sides
 from benchmarks.machine_monitor import Monitor
-from benchmarks.report import answers_identical, evaluate_targets, paired_ratios, ratios, summarize_side
+from benchmarks.report import (
+    answers_identical,
+    evaluate_targets,
+    paired_interval,
+    paired_ratios,
+    ratios,
+    summarize_side,
+)
 
 
 def _sum_resources(dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,6 +95,7 @@ def assemble(
         result["ratios_per_round"] = per_round
         result["paired_ratios"] = paired_ratios(per_round)
         result["paired_ratios_median"] = paired_ratios(per_round, "median")
+        result["paired_intervals"] = paired_interval(per_round)
         result["answers_identical"] = answers_identical(samples[first], samples[second])
         result["targets"] = evaluate_targets(
             config.get("workload", ""), result["paired_ratios"], config.get("sizes"), sides=sides

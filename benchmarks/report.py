@@ -21,6 +21,7 @@ __all__ = [
     "evaluate_targets",
     "fmt_number",
     "format_table",
+    "paired_interval",
     "paired_ratios",
     "percentile",
     "ratios",
@@ -204,6 +205,36 @@ def paired_ratios(per_round: Sequence[Mapping[str, Any]], how: str = "geomean") 
     return out
 
 
+def paired_interval(
+    per_round: Sequence[Mapping[str, Any]], level: float = 0.95, draws: int = 4000, seed: int = 0
+) -> dict[str, Any]:
+    """How far :func:`paired_ratios`' geometric mean could move by the luck of which rounds ran: the
+    central ``level`` of its values over ``draws`` resamplings of the rounds (with replacement;
+    numpy's generator seeded with ``seed``, so a saved JSON gives the same interval again), for
+    the p50 latencies and requests/s, as ``[low, high]``. An A/A run whose interval holds 1 does
+    not tell its sides apart; one wider than a target band cannot show the target. With few
+    rounds the interval is a little narrower than the true one. Empty with fewer than 3 rounds."""
+    if len(per_round) < 3:
+        return {}
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(per_round), size=(draws, len(per_round)))
+    q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
+
+    def interval(values: list[float], change: float = 0.0) -> list[float] | None:
+        logs = np.log(np.asarray(values) + change)
+        if len(logs) != len(per_round) or not np.all(np.isfinite(logs)):
+            return None  # a round without the figure (no first text timed, say)
+        low, high = np.percentile(np.exp(logs[picks].mean(axis=1)), q)
+        return [float(low - change), float(high - change)]
+
+    out: dict[str, Any] = {"rounds": len(per_round), "level": level, "draws": draws, "speedup": {}}
+    for key in LATENCIES:
+        out["speedup"][key] = interval([r["speedup"][key]["p50"] for r in per_round])
+    tp = [r["throughput_change"]["requests_per_s"] for r in per_round]
+    out["throughput_change"] = {"requests_per_s": interval(tp, change=1.0)}
+    return out
+
+
 def answers_identical(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """How many requests got the same answer text on both sides (greedy decoding: the cache should
     not change it)."""
@@ -312,8 +343,12 @@ def format_table(result: Mapping[str, Any]) -> str:
         + "".join(f"{LABELS.get(s, s):>18}" for s in sides)
         + (f"{pair['second'] + '/' + pair['first']:>10}" if rat else "")
     )
+    # Where the paired figure could lie, by the luck of the rounds (paired_interval).
+    interval = (result.get("paired_intervals") or None) if paired else None
     if paired:
         head += f"{'paired':>10}"
+    if interval:
+        head += f"{'95%, rounds':>16}"
     lines = [head, "-" * len(head)]
     for key, label in LATENCIES.items():
         for p in ("p50", "p90", "p99"):
@@ -322,6 +357,9 @@ def format_table(result: Mapping[str, Any]) -> str:
                 row += f"{fmt_number(rat['speedup'][key][p]) + 'x':>10}"
             if paired:
                 row += f"{fmt_number(paired['speedup'][key][p]) + 'x':>10}"
+            if interval and p == "p50" and interval["speedup"].get(key):
+                low, high = interval["speedup"][key]
+                row += f"{fmt_number(low) + '-' + fmt_number(high) + 'x':>16}"
             lines.append(row)
     # What `vllm bench serve` reports as "Mean TTFT": the first chunk that has choices (this server
     # sends none before the first text or audio, or the finish when the answer has neither).
@@ -337,6 +375,9 @@ def format_table(result: Mapping[str, Any]) -> str:
             row += f"{fmt_number(rat['throughput_change'][key] * 100, '+.1f') + '%':>10}"
         if paired:
             row += f"{fmt_number(paired['throughput_change'][key] * 100, '+.1f') + '%':>10}"
+        if interval and (interval["throughput_change"].get(key) or None):
+            low, high = (fmt_number(v * 100, "+.1f") for v in interval["throughput_change"][key])
+            row += f"{low + '..' + high + '%':>16}"
         lines.append(row)
     lines.append(
         f"{'thinker prefix-cache hit rate':<{w0}}"

@@ -917,8 +917,9 @@ def test_paired_ratios_follow_rounds_not_the_drift_between_them():
     assert targets["zero-reuse: highest prefix-cache hit rate of any stage, either side"]["met"]
     # Per-process CPU is pooled per process.
     assert result["sides"]["on"]["resources"]["cpu_s_by_process"] == {"server": 4.0, "thinker": 20.0}
+    assert result["paired_intervals"]["speedup"]["ttfa_s"] == pytest.approx([1.1, 1.1])
     table = report.format_table(result)
-    assert "paired" in table and "CPU s / request, thinker" in table
+    assert "paired" in table and "95%, rounds" in table and "CPU s / request, thinker" in table
 
 
 def test_paired_ratios_average_rounds_geometrically():
@@ -934,6 +935,29 @@ def test_paired_ratios_average_rounds_geometrically():
     assert geo["throughput_change"]["requests_per_s"] == pytest.approx(0.0)
     assert report.paired_ratios(per_round, "median")["speedup"]["ttfa_s"]["p50"] == pytest.approx(1.25)
     assert report.paired_ratios([]) == {}
+
+
+def test_paired_interval_says_how_far_the_rounds_luck_moves_the_paired_figure():
+    def rnd(x: float) -> dict:
+        lat = {key: {"p50": x} for key in report.LATENCIES}
+        return {"speedup": lat, "throughput_change": {"requests_per_s": x - 1}}
+
+    # Every round 10% apart: no luck to move it, the interval is the figure.
+    steady = report.paired_interval([rnd(1.1)] * 6)
+    assert steady["speedup"]["ttft_s"] == pytest.approx([1.1, 1.1])
+    assert steady["throughput_change"]["requests_per_s"] == pytest.approx([0.1, 0.1])
+    # Rounds that lean both ways by 2x: the interval holds 1 and is wide; resampled the same way
+    # each time (a saved JSON gives the same interval).
+    swinging = [rnd(2.0), rnd(0.5)] * 4
+    low, high = report.paired_interval(swinging)["speedup"]["ttfa_s"]
+    assert low < 0.8 < 1.0 < 1.25 < high
+    assert report.paired_interval(swinging) == report.paired_interval(swinging)
+    # A round without the figure (no first text timed): no interval for it, the others stand.
+    gap = [rnd(1.0)] * 4
+    gap[1] = {**gap[1], "speedup": {**gap[1]["speedup"], "ttft_s": {"p50": math.nan}}}
+    out = report.paired_interval(gap)
+    assert out["speedup"]["ttft_s"] is None and out["speedup"]["e2e_s"] == pytest.approx([1.0, 1.0])
+    assert report.paired_interval([rnd(1.0)] * 2) == {}  # too few rounds to resample
 
 
 def test_zero_reuse_target_fails_on_any_hit():
