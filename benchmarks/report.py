@@ -222,7 +222,7 @@ def paired_interval(
 
     def interval(values: list[float], change: float = 0.0) -> list[float] | None:
         logs = np.log(np.asarray(values) + change)
-        if len(logs) != len(per_round) or not np.all(np.isfinite(logs)):
+        if not np.all(np.isfinite(logs)):
             return None  # a round without the figure (no first text timed, say)
         low, high = np.percentile(np.exp(logs[picks].mean(axis=1)), q)
         return [float(low - change), float(high - change)]
@@ -344,7 +344,7 @@ def format_table(result: Mapping[str, Any]) -> str:
         + (f"{pair['second'] + '/' + pair['first']:>10}" if rat else "")
     )
     # Where the paired figure could lie, by the luck of the rounds (paired_interval).
-    interval = (result.get("paired_intervals") or None) if paired else None
+    interval = result.get("paired_intervals") if paired else None
     if paired:
         head += f"{'paired':>10}"
     if interval:
@@ -375,7 +375,7 @@ def format_table(result: Mapping[str, Any]) -> str:
             row += f"{fmt_number(rat['throughput_change'][key] * 100, '+.1f') + '%':>10}"
         if paired:
             row += f"{fmt_number(paired['throughput_change'][key] * 100, '+.1f') + '%':>10}"
-        if interval and (interval["throughput_change"].get(key) or None):
+        if interval and interval["throughput_change"].get(key):
             low, high = (fmt_number(v * 100, "+.1f") for v in interval["throughput_change"][key])
             row += f"{low + '..' + high + '%':>16}"
         lines.append(row)
