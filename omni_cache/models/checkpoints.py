@@ -26,6 +26,10 @@ Checkpoints (``CHECKPOINT_NAMES``):
     GatedDeltaNet layers, 1 gated full-attention layer) with Qwen3-VL's vision encoder, processor files
     and a chat template for image/video content parts. What goes in it:
     :mod:`omni_cache.models.tiny_qwen3_5`.
+``qwen2.5-omni``
+    Qwen2.5-Omni (``Qwen2_5OmniModel``) in the released layout: thinker (Qwen2 with audio and vision
+    encoders), talker and token2wav (DiT + BigVGAN) in one folder with ``spk_dict.pt`` (two speakers),
+    processor files and a chat template. What goes in it: :mod:`omni_cache.models.tiny_qwen2_5_omni`.
 
 Determinism: the same (name, seed) gives byte-identical files. Every tensor is drawn from its own
 ``torch.Generator`` seeded from (seed, crc32 of "<checkpoint>/<tensor name>"), so the output does not
@@ -114,7 +118,7 @@ CHECKPOINT_NAMES = tuple(TINY_MODELS)
 # Written last inside a checkpoint directory; its presence means the directory is complete.
 COMPLETE_MARKER = ".omni_cache_complete"
 # Bump when the generator changes what it writes (part of the marker, so stale caches are rebuilt).
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -324,6 +328,27 @@ def _write_decoder(out: Path, seed: int) -> None:
     save_safetensors(out / "model.safetensors", weights)
 
 
+def _write_multimodal_files(out: Path, m) -> None:
+    """Tokenizer, chat template and processor files of a released-layout multimodal checkpoint whose
+    contents module ``m`` describes (``tiny_qwen3_omni``, ``tiny_qwen3_5``, ``tiny_qwen2_5_omni``)."""
+    write_tokenizer(
+        out,
+        m.SPECIAL_TOKENS,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        chat_template=m.CHAT_TEMPLATE,
+        extra_config=m.TOKENIZER_EXTRA_CONFIG,
+        # The thinker's vocabulary is larger than bytes + specials; a random model samples those
+        # ids too, and an id without a token would decode to nothing (empty answers).
+        fillers=tuple(f"<{i}>" for i in range(256 + len(m.SPECIAL_TOKENS), m.VOCAB_SIZE)),
+    )
+    # transformers' processors and vLLM's multimodal processor read the template from here.
+    write_json(out / "chat_template.json", {"chat_template": m.CHAT_TEMPLATE})
+    write_json(out / "preprocessor_config.json", m.preprocessor_config())
+    write_json(out / "video_preprocessor_config.json", m.video_preprocessor_config())
+
+
 def _write_qwen3_omni(out: Path, seed: int) -> None:
     from omni_cache.models import tiny_qwen3_omni as q3
 
@@ -334,22 +359,7 @@ def _write_qwen3_omni(out: Path, seed: int) -> None:
     f = TensorFactory("qwen3-omni", seed)
     weights = q3.random_weights(cfg, lambda name, shape, std: f.normal(name, shape, std=std))
     save_safetensors(out / "model.safetensors", weights)
-    write_tokenizer(
-        out,
-        q3.SPECIAL_TOKENS,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        bos=None,
-        chat_template=q3.CHAT_TEMPLATE,
-        extra_config=q3.TOKENIZER_EXTRA_CONFIG,
-        # The thinker's vocabulary is larger than bytes + specials; a random model samples those
-        # ids too, and an id without a token would decode to nothing (empty answers).
-        fillers=tuple(f"<{i}>" for i in range(256 + len(q3.SPECIAL_TOKENS), q3.VOCAB_SIZE)),
-    )
-    # transformers' processors and vLLM's multimodal processor read the template from here.
-    write_json(out / "chat_template.json", {"chat_template": q3.CHAT_TEMPLATE})
-    write_json(out / "preprocessor_config.json", q3.preprocessor_config())
-    write_json(out / "video_preprocessor_config.json", q3.video_preprocessor_config())
+    _write_multimodal_files(out, q3)
 
 
 def _write_qwen3_5(out: Path, seed: int) -> None:
@@ -361,19 +371,20 @@ def _write_qwen3_5(out: Path, seed: int) -> None:
     f = TensorFactory("qwen3.5", seed)
     weights = q35.random_weights(cfg, lambda name, shape, std: f.normal(name, shape, std=std), f.uniform)
     save_safetensors(out / "model.safetensors", weights)
-    write_tokenizer(
-        out,
-        q35.SPECIAL_TOKENS,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        bos=None,
-        chat_template=q35.CHAT_TEMPLATE,
-        extra_config=q35.TOKENIZER_EXTRA_CONFIG,
-        fillers=tuple(f"<{i}>" for i in range(256 + len(q35.SPECIAL_TOKENS), q35.VOCAB_SIZE)),
-    )
-    write_json(out / "chat_template.json", {"chat_template": q35.CHAT_TEMPLATE})
-    write_json(out / "preprocessor_config.json", q35.preprocessor_config())
-    write_json(out / "video_preprocessor_config.json", q35.video_preprocessor_config())
+    _write_multimodal_files(out, q35)
+
+
+def _write_qwen2_5_omni(out: Path, seed: int) -> None:
+    from omni_cache.models import tiny_qwen2_5_omni as q25
+
+    cfg = q25.config()
+    write_json(out / "config.json", {"model_type": "qwen2_5_omni", **cfg})
+    write_json(out / "generation_config.json", q25.generation_config())
+    f = TensorFactory("qwen2.5-omni", seed)
+    save_safetensors(out / "model.safetensors", q25.random_weights(cfg, f.normal))
+    # The released folder's speakers file; transformers' from_pretrained requires it.
+    (out / "spk_dict.pt").write_bytes(q25.speaker_dict_bytes(q25.speaker_dict(cfg, f.normal)))
+    _write_multimodal_files(out, q25)
 
 
 _WRITERS: dict[str, Callable[[Path, int], None]] = {
@@ -383,6 +394,7 @@ _WRITERS: dict[str, Callable[[Path, int], None]] = {
     "decoder": _write_decoder,
     "qwen3-omni": _write_qwen3_omni,
     "qwen3.5": _write_qwen3_5,
+    "qwen2.5-omni": _write_qwen2_5_omni,
 }
 
 

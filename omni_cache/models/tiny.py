@@ -22,6 +22,7 @@ TINY_MODELS: dict[str, tuple[str, ...]] = {
     "decoder": ("generation",),
     "qwen3-omni": ("autoregressive", "generation"),
     "qwen3.5": ("autoregressive",),
+    "qwen2.5-omni": ("autoregressive", "generation"),
 }
 
 #: Environment variable naming where ``tiny:*`` checkpoints are generated (when the config has no

@@ -1,11 +1,45 @@
-"""The tiny Qwen2.5-Omni checkpoint's contents: config, weight names and init, tokenizer specials, speakers,
-processor files and chat template, in the released ``Qwen2_5OmniModel`` layout.
+"""The tiny Qwen2.5-Omni checkpoint's contents: config, weight names and init, tokenizer specials,
+speakers, processor files and chat template, in the released ``Qwen2_5OmniModel`` layout.
 
 ``omni_cache.models.checkpoints`` writes the files (name ``qwen2.5-omni``); this module only says what
-goes in them. (Docstring completed below with the rest of the module.)
+goes in them. One folder holds the whole model, as released: ``config.json`` with ``thinker_config`` /
+``talker_config`` / ``token2wav_config``, one ``model.safetensors`` with ``thinker.*``, ``talker.*`` and
+``token2wav.*`` tensors (thinker and talker in bf16; token2wav in float32, the dtype transformers runs
+it in), and ``spk_dict.pt`` with the speakers' conditioning.
+
+Sizes: thinker 4 layers (Qwen2, hidden 256), 2-layer audio (Whisper-style, 128 mel bins) and vision
+(Qwen2.5-VL style, patch 14, merge 2, windowed attention with one full-attention block) encoders;
+talker 2 layers (hidden 128) over the thinker-wide codec embeddings; token2wav: a 4-layer DiT (hidden
+64, blocks of 24 mel frames) and a BigVGAN vocoder with the released upsampling (240 samples per mel
+frame, 24 kHz). About 5.5M parameters.
+
+Codec ids: codes 0..255 (:data:`CODEBOOK_SIZE`), then the talker's specials in the released order
+(released pad 8292, start 8293, end 8294, mask 8296): :data:`CODEC_PAD_ID` 256, :data:`CODEC_BOS_ID`
+257, :data:`CODEC_EOS_ID` 258, :data:`CODEC_MASK_ID` 259 (the released unused id between end and mask
+is not kept); talker vocabulary 264. The DiT embeds ids 0..257 (``num_embeds`` 257, like the released 8193 after
+an 8192-code book).
+
+Random weights and greedy parity: transformers' reference stops the talker on pad or end
+(``talker_eos_token_id``, released ``[8292, 8294]``) and suppresses only start. A random talker would
+also pick mask or the unused ids above the codebook, which token2wav cannot embed, so the rows of
+``talker.codec_head.weight`` for every id >= :data:`CODEBOOK_SIZE` are zero except pad and end: their
+logit is 0 while about half the code logits are positive, so greedy decoding emits codes and, now and
+then, a stop id.
+
+Token ids: bytes 0..255 are ids 0..255 (the project's byte-level tokenizer), :data:`SPECIAL_TOKENS`
+follow from 256 with the released names (``<|AUDIO|>``, ``<|IMAGE|>``, ``<|VIDEO|>`` are the pads the
+processor expands). The role names are single tokens, as in the released tokenizer: the talker's input
+takes the first answer token at a fixed offset in the assistant turn. Each speaker of ``spk_dict.pt``
+names a thinker token (``bos_token``) that opens the talker's text stream.
 """
 
 from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+
+import torch
 
 __all__ = [
     "CODEBOOK_SIZE",
@@ -16,11 +50,18 @@ __all__ = [
     "DEFAULT_SPEAKER",
     "SPEAKERS",
     "SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
     "TALKER_VOCAB_SIZE",
     "TOKENIZER_EXTRA_CONFIG",
     "TOKEN_ID",
     "VOCAB_SIZE",
     "config",
+    "generation_config",
+    "preprocessor_config",
+    "random_weights",
+    "speaker_dict",
+    "speaker_dict_bytes",
+    "video_preprocessor_config",
 ]
 
 SPECIAL_TOKENS = (
@@ -75,6 +116,36 @@ TALKER_VOCAB_SIZE = 264
 SPEAKERS = {"Chelsie": "<|speaker_chelsie|>", "Ethan": "<|speaker_ethan|>"}
 # transformers' generate() default speaker.
 DEFAULT_SPEAKER = "Chelsie"
+
+INIT_STD = 0.02
+CONV_GAIN = 0.8
+SAMPLE_RATE = 24000
+# Mel frames of each speaker's reference mel (the DiT's speaker encoder pools over them).
+REF_MEL_FRAMES = 96
+
+# The released template's semantics: a default system message when the first message is not one, and
+# one placeholder per media item where the part stands (the processor, or vLLM's multimodal processor,
+# expands the pad token to the encoder's length). OpenAI content part types are accepted beside Qwen's.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ['image', 'image_url'] %}"
+    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
+    "{%- elif part['type'] in ['audio', 'input_audio', 'audio_url'] %}"
+    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
+    "{%- elif part['type'] in ['video', 'video_url'] %}"
+    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 # Released thinker and talker: head_dim 128, mrope_section [16, 24, 24]; halved for head_dim 64.
 _MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]}
@@ -214,3 +285,125 @@ def config() -> dict:
         "enable_audio_output": True,
         "dtype": "bfloat16",
     }
+
+
+def generation_config() -> dict:
+    return {
+        "bos_token_id": TOKEN_ID["<|im_start|>"],
+        "eos_token_id": TOKEN_ID["<|im_end|>"],
+        "pad_token_id": TOKEN_ID["<|endoftext|>"],
+        "do_sample": False,
+    }
+
+
+_PROCESSOR_COMMON = {
+    "processor_class": "Qwen2_5OmniProcessor",
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 1 / 255,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    # Released bounds: 56x56 to 12,845,056 pixels (about 16,000 vision tokens).
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "size": {"longest_edge": 12845056, "shortest_edge": 3136},
+}
+
+
+def preprocessor_config() -> dict:
+    """Whisper feature extractor (128 mel bins, 16 kHz) and Qwen2-VL image processor, one file."""
+    return {
+        **_PROCESSOR_COMMON,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 128,
+        "sampling_rate": 16000,
+        "hop_length": 160,
+        "chunk_length": 300,
+        "n_fft": 400,
+        "n_samples": 300 * 16000,
+        "nb_max_frames": 300 * 16000 // 160,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+        "dither": 0.0,
+    }
+
+
+def video_preprocessor_config() -> dict:
+    return {**_PROCESSOR_COMMON, "video_processor_type": "Qwen2VLVideoProcessor"}
+
+
+def _init(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+    """(kind, value) for one file tensor: ("const", c) or ("normal", std)."""
+    leaf = name.rsplit(".", 1)[-1]
+    module = name.rsplit(".", 2)[-2]
+    if len(shape) == 1:
+        if leaf == "bias":
+            return "const", 0.0
+        if leaf in ("alpha", "beta"):  # SnakeBeta keeps log-scale parameters: exp(0) = 1
+            return "const", 0.0
+        if leaf == "weight" and ("norm" in module or module.startswith("ln")):
+            return "const", 1.0
+        raise ValueError(f"no init rule for 1-D tensor {name}")
+    if len(shape) >= 3:  # convolutions
+        return "normal", CONV_GAIN / math.sqrt(math.prod(shape[1:]))
+    return "normal", INIT_STD
+
+
+def _file_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the released file layout, from transformers' own module tree."""
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(**cfg))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def random_weights(cfg: dict, normal: Callable[[str, tuple[int, ...], float], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights for ``cfg`` in the file layout; ``normal(name, shape, std)`` draws float32 N(0, std).
+
+    bf16 except ``token2wav.*`` (float32: transformers casts token2wav to float32 whatever the load
+    dtype, so the file keeps the precision it runs at)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in _file_shapes(cfg).items():
+        kind, value = _init(name, shape)
+        t = normal(name, shape, value) if kind == "normal" else torch.full(shape, value)
+        if name == "talker.codec_head.weight":
+            # Only codes and the two stop ids can win a greedy step (module docstring).
+            keep = torch.zeros(shape[0], dtype=torch.bool)
+            keep[:CODEBOOK_SIZE] = True
+            keep[[CODEC_PAD_ID, CODEC_EOS_ID]] = True
+            t[~keep] = 0.0
+        out[name] = t if name.startswith("token2wav.") else t.to(torch.bfloat16)
+    return out
+
+
+def speaker_dict(cfg: dict, normal: Callable[[str, tuple[int, ...], float], torch.Tensor]) -> dict[str, dict]:
+    """``spk_dict.pt``'s contents, per speaker as transformers' ``generate`` reads them: ``cond`` (the
+    DiT's speaker embedding, ``[1, enc_emb_dim]``), ``ref_mel`` (a reference log-mel, ``[1, frames,
+    mel_dim]``) and ``bos_token`` (the thinker token that opens the talker's text stream)."""
+    dit = cfg["token2wav_config"]["dit_config"]
+    out = {}
+    for speaker, token in SPEAKERS.items():
+        key = speaker.lower()
+        # Log-mel values around -4 (quiet speech in natural-log amplitude), unit spread.
+        ref_mel = normal(f"spk.{key}.ref_mel", (1, REF_MEL_FRAMES, dit["mel_dim"]), 1.0) - 4.0
+        out[speaker] = {
+            "cond": normal(f"spk.{key}.cond", (1, dit["enc_emb_dim"]), 1.0),
+            "ref_mel": ref_mel,
+            "bos_token": TOKEN_ID[token],
+        }
+    return out
+
+
+def speaker_dict_bytes(speakers: dict[str, dict]) -> bytes:
+    """``torch.save`` bytes of ``speakers`` (loads with ``torch.load(weights_only=True)``)."""
+    buf = io.BytesIO()
+    torch.save(speakers, buf)
+    return buf.getvalue()
