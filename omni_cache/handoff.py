@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from omni_cache.cache.latent_rows import LatentBuffer, LatentChunk, layer_name, merged_name
+from omni_cache.cache.latent_rows import HIDDEN, LatentBuffer, LatentChunk, layer_name, merged_name
 from omni_cache.models.code_windows import CodeWindow, next_window
+from omni_cache.models.qwen3_omni_talker_prompt import DEFAULT_SPEAKER
 from omni_cache.wire.messages import CODES_FRAME, StreamStart
 
 # Thinker -> talker segmentation: the talker's first segment starts once the thinker has this many
@@ -66,6 +67,7 @@ class Upstream:
     image_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per image of the prompt
     video_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per video of the prompt
     video_seconds_per_grid: list[float] = field(default_factory=list)  # per video
+    voice: str = ""  # the speaker the request asked for ("" = the checkpoint's default)
 
     @classmethod
     def opened_by(cls, start: StreamStart) -> Upstream:
@@ -81,6 +83,7 @@ class Upstream:
             image_grids=[list(g) for g in start.image_grids],
             video_grids=[list(g) for g in start.video_grids],
             video_seconds_per_grid=list(start.video_seconds_per_grid),
+            voice=start.voice,
         )
 
 
@@ -214,6 +217,7 @@ def _talker_codes_and_eos(ctx: HandoffContext) -> list[int]:
 # transformers' reference samples Qwen3-Omni's talker with this repetition penalty (its
 # `talker_repetition_penalty` default); the pipeline applies the same rule (workers/codec_logits.py).
 QWEN3_OMNI_TALKER_REPETITION_PENALTY = 1.05
+QWEN2_5_OMNI_TALKER_REPETITION_PENALTY = 1.05
 
 
 def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[GenerateJob | FeedJob]:
@@ -260,7 +264,7 @@ def qwen3_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict)
             return []
         token_ids = list(up.prompt_token_ids) + list(up.token_ids)
         head = _qwen3_omni_rows(prompt, embeds, up, 0, min(need, known))
-        start = prompt.build(token_ids, head, accept)
+        start = prompt.build(token_ids, head, accept, speaker=up.voice or DEFAULT_SPEAKER)
         positions, delta = prompt.positions(token_ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
         state["started"] = True
         text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, need, known), up.finished)
@@ -321,16 +325,102 @@ def _qwen3_omni_prompt(ctx: HandoffContext) -> Any:
 CODEC_LOGITS_KEY = "codec_logits"
 
 
-def codec_logits_args(penalty: float, suppress: tuple[int, int], keep: list[int]) -> dict[str, Any]:
+def codec_logits_args(
+    penalty: float, suppress: tuple[int, int], keep: list[int], prompt_ids: list[int] | None = None
+) -> dict[str, Any]:
     """extra_args asking for the codec logits rules: a repetition penalty over the request's
-    generated codes, and the ids in [suppress[0], suppress[1]) never sampled except `keep`."""
-    return {CODEC_LOGITS_KEY: {"penalty": float(penalty), "suppress": list(suppress), "keep": list(keep)}}
+    generated codes (and `prompt_ids`, the ids a reference prompt held: Qwen2.5-Omni's talker
+    penalises those too), and the ids in [suppress[0], suppress[1]) never sampled except `keep`."""
+    rule = {"penalty": float(penalty), "suppress": list(suppress), "keep": list(keep)}
+    if prompt_ids:
+        rule["prompt_ids"] = sorted(set(prompt_ids))
+    return {CODEC_LOGITS_KEY: rule}
 
 
 def _qwen3_omni_logits(prompt: Any) -> dict[str, Any]:
     # The talker's vocabulary ends with 1,024 control codes transformers never samples but EOS.
     vocab = prompt.talker_vocab_size
     return codec_logits_args(QWEN3_OMNI_TALKER_REPETITION_PENALTY, (vocab - 1024, vocab), keep=[prompt.codec_eos_id])
+
+
+def qwen2_5_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[GenerateJob | FeedJob]:
+    """Qwen2.5-Omni's talker over the thinker's output, as transformers' reference builds it, streamed
+    (`omni_cache.models.qwen2_5_omni_talker_input` says what each row is).
+
+    One talker request per answer, started once the thinker has sent the row of the answer's first
+    token (the thinker's second output): the prompt rows, the speaker row, that row. Every later row
+    is one step's text, fed to the running request as it arrives; when the thinker finishes, the
+    text-eos row follows, then the text-pad row for ever. A step ahead of the thinker waits for its
+    row (scheduler/streamed_rows.py), so the codes do not depend on timing. Reads the thinker's
+    final hidden state and layer tap 0 (`latents: {hidden: true, layers: [0]}`); each row is their
+    sum, in the thinker's dtype, as the reference adds them.
+    """
+    talker = _qwen2_5_omni_input(ctx)
+    hidden, embeds = up.latents.get(HIDDEN), up.latents.get(layer_name(0))
+    if hidden is None or embeds is None:
+        raise ValueError(
+            "the Qwen2.5-Omni talker needs the thinker's latents.hidden and latents.layers [0]; it sent "
+            f"{sorted(up.latents) or 'none'}"
+        )
+    n_prompt = len(up.prompt_token_ids)
+    if not n_prompt:
+        raise ValueError("the thinker sent no prompt token ids (needed for the talker's positions)")
+    known = min(hidden.shape[0], embeds.shape[0])  # positions whose row is known
+    if not state.get("started"):
+        if known <= n_prompt and not up.finished:
+            return []
+        speaker = talker.speaker(up.voice)
+        rows = hidden[: n_prompt + 1] + embeds[: n_prompt + 1]
+        if known <= n_prompt:
+            # The answer ended before its first token was fed (a one-token answer): its first row
+            # is the end of the text, as if the answer were empty.
+            rows = torch.cat([rows[:n_prompt], talker.text_eos.to(rows.dtype)[None]])
+        first = up.token_ids[0] if up.token_ids else up.prompt_token_ids[-1]
+        ids = talker.prompt_ids(list(up.prompt_token_ids), first, speaker)
+        positions, delta = talker.positions(ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
+        state.update(started=True, rows_done=max(known, n_prompt + 1))
+        text = _qwen2_5_omni_text(talker, hidden, embeds, n_prompt + 1, known, up.finished)
+        state["rows_finished"] = up.finished
+        return [
+            GenerateJob(
+                prompt_embeds=talker.prompt(rows, speaker),
+                stream=RowStream(talker.text_pad.to(rows.dtype), text, up.finished),
+                last=True,
+                stop_token_ids=talker.stop_ids(),
+                extra_args=_qwen2_5_omni_logits(talker),
+                positions=(positions, delta) if delta else None,
+            )
+        ]
+    if state.get("rows_finished") or (known <= state["rows_done"] and not up.finished):
+        return []
+    text = _qwen2_5_omni_text(talker, hidden, embeds, state["rows_done"], known, up.finished)
+    state.update(rows_done=max(known, state["rows_done"]), rows_finished=up.finished)
+    return [FeedJob(text, up.finished)]
+
+
+def _qwen2_5_omni_text(
+    talker: Any, hidden: torch.Tensor, embeds: torch.Tensor, start: int, stop: int, finished: bool
+) -> torch.Tensor:
+    """Text rows start..stop-1 (embedding plus hidden state), then text-eos once finished."""
+    rows = hidden[start:stop] + embeds[start:stop] if stop > start else hidden[:0]
+    return torch.cat([rows, talker.text_eos.to(rows.dtype)[None]]) if finished else rows
+
+
+def _qwen2_5_omni_input(ctx: HandoffContext) -> Any:
+    if "qwen2_5_omni_input" not in ctx.resources:
+        from omni_cache.models.qwen2_5_omni_talker_input import Qwen25TalkerInput
+
+        ctx.resources["qwen2_5_omni_input"] = Qwen25TalkerInput.load(ctx.model_path)
+    return ctx.resources["qwen2_5_omni_input"]
+
+
+def _qwen2_5_omni_logits(talker: Any) -> dict[str, Any]:
+    # The reference's talker `generate`: repetition penalty 1.05 over its input ids (the prompt's
+    # codec mask, pad and bos) and the generated codes; codec bos suppressed.
+    bos = talker.codec_bos_id
+    return codec_logits_args(
+        QWEN2_5_OMNI_TALKER_REPETITION_PENALTY, (bos, bos + 1), keep=[], prompt_ids=talker.penalized_prompt_ids()
+    )
 
 
 def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[DecodeJob]:

@@ -182,6 +182,7 @@ class Pipeline:
         timeout_s: float | None = None,
         media: Sequence[Sequence[Any]] | None = None,
         stream: bool = False,
+        voice: str = "",
     ) -> list[GenerationResult]:
         """Run prompts through the pipeline; one :class:`GenerationResult` per prompt, in order.
 
@@ -197,7 +198,8 @@ class Pipeline:
         decoded images and clips (``omni_cache.serving.media.MediaItem``) for its placeholders.
         ``stream=True`` submits them as answers a client streams (``Submit.stream``): stages with
         ``pacing`` then pace their audio to playback, as for an HTTP client with ``"stream":
-        true``; the results are still whole answers.
+        true``; the results are still whole answers. ``voice``: the speaker of the spoken answers,
+        one of ``pipeline.orchestrator.voices`` ("" or ``default``: the checkpoint's default).
 
         Raises :class:`GenerationError` if any request failed (after all of them ended).
         """
@@ -228,6 +230,7 @@ class Pipeline:
             return_latents=return_latents,
             timeout_s=timeout_s,
             stream=stream,
+            voice=_checked_voice(voice, self.orchestrator.voices),
         )
         outcomes = self._run(self._generate(token_lists, kwargs, media))
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
@@ -291,3 +294,10 @@ def _close_forgotten() -> None:
             pipe.orchestrator.kill_all_sync()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _checked_voice(voice: str, voices: tuple[str, ...]) -> str:
+    """The voice as the stages take it ("" = the default), or ValueError naming the valid ones."""
+    if voice and voice.lower() not in voices:
+        raise ValueError(f"voice {voice!r} is not available; this pipeline speaks with {', '.join(voices)}")
+    return "" if not voice or voice.lower() == "default" else voice.lower()

@@ -271,8 +271,8 @@ BAD_CASES = {
     "unknown_tiny_model": (
         "tiny:talker",
         "tiny:talkr",
-        "stages[1].model: unknown tiny checkpoint 'talkr' (known: tiny:decoder, tiny:qwen3-omni, "
-        "tiny:qwen3.5, tiny:talker, tiny:thinker, tiny:thinker-hybrid)",
+        "stages[1].model: unknown tiny checkpoint 'talkr' (known: tiny:decoder, tiny:qwen2.5-omni, "
+        "tiny:qwen3-omni, tiny:qwen3.5, tiny:talker, tiny:thinker, tiny:thinker-hybrid)",
     ),
     "tiny_model_of_other_kind": (
         "tiny:decoder",

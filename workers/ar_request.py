@@ -41,4 +41,5 @@ class ARRequest:
     resumed_tail: list[int] | None = None
     answer_finished: str = ""  # Submit.answer_finished
     stream: bool = False  # Submit.stream, forwarded downstream in the StreamStart
+    voice: str = ""  # Submit.voice (or the upstream's StreamStart.voice), forwarded likewise
     clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it

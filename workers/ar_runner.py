@@ -131,6 +131,7 @@ class ARRunner(StageRunner):
             return_latents=msg.return_latents,
             route=dict(msg.route),
             stream=msg.stream,
+            voice=msg.voice,
         )
         req.clock = self._clock(req)
         if msg.resumed_tokens:
@@ -204,6 +205,7 @@ class ARRunner(StageRunner):
             route=dict(start.route),
             upstream=Upstream.opened_by(start),
             stream=start.stream,
+            voice=start.voice,
         )
         req.clock = self._clock(req)
         self.requests[start.request_id] = req
@@ -426,6 +428,7 @@ class ARRunner(StageRunner):
             video_grids=out.video_grids.grids if out.video_grids else [],
             video_seconds_per_grid=out.video_grids.seconds_per_grid if out.video_grids else [],
             stream=req.stream,
+            voice=req.voice,
         )
 
     # ---- control ---------------------------------------------------------------------------

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from omni_cache.models.talker_positions import VisionTokens, talker_positions
+
 #: How many thinker rows of the assistant turn the talker prompt takes (the rest is its text).
 ASSISTANT_PROMPT_ROWS = 4
 #: Talker prompt rows after the user turns: 3 role rows, 4 tts_pad, tts_bos, the first text row.
@@ -87,11 +89,14 @@ class TalkerPrompt:
         self.im_start_id = config["im_start_token_id"]
         self.user_id, self.assistant_id = config["user_token_id"], config["assistant_token_id"]
         self.media_ids = {thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")}
-        self.image_id, self.video_id = thinker["image_token_id"], thinker["video_token_id"]
-        self.vision_start_id = thinker["vision_start_token_id"]
+        self.vision = VisionTokens(
+            image_id=thinker["image_token_id"],
+            video_id=thinker["video_token_id"],
+            vision_start_id=thinker["vision_start_token_id"],
+            spatial_merge_size=int(talker.get("spatial_merge_size", 2)),
+            position_id_per_seconds=float(talker.get("position_id_per_seconds", 25)),
+        )
         self.tts_pad_id = config["tts_pad_token_id"]
-        self.spatial_merge_size = int(talker.get("spatial_merge_size", 2))
-        self.position_id_per_seconds = float(talker.get("position_id_per_seconds", 25))
         self.speakers = {name.lower(): i for name, i in talker["speaker_id"].items()}
         self.codec_eos_id = talker["codec_eos_token_id"]
         self.talker_vocab_size = talker["text_config"]["vocab_size"]
@@ -194,49 +199,10 @@ class TalkerPrompt:
         video_seconds_per_grid: list[float] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """The talker prompt's M-RoPE positions [3, L] and the decode delta (positions of later
-        steps are their index plus it)."""
-        ids = self.talker_ids(prompt_token_ids)
-        video_grids, seconds = video_grids or [], video_seconds_per_grid or []
-        if self.image_id in ids and not image_grids:
-            raise ValueError("the talker prompt has image tokens but the thinker sent no image grids")
-        if len(seconds) != len(video_grids):
-            raise ValueError(f"{len(video_grids)} video grids but {len(seconds)} seconds per grid")
-        columns: list[list[int]] = []
-        nxt, i, seen = 0, 0, {self.image_id: 0, self.video_id: 0}
-        while i < len(ids):
-            kind = ids[i + 1] if ids[i] == self.vision_start_id and i + 1 < len(ids) else None
-            if kind in seen:
-                columns.append([nxt] * 3)  # vision_start
-                n = 1
-                while i + 1 + n < len(ids) and ids[i + 1 + n] == kind:
-                    n += 1
-                k = seen[kind]
-                if kind == self.image_id:
-                    grids, what, step = image_grids, "image", 0.0  # one frame: temporal index 0
-                else:
-                    grids, what = video_grids, "video"
-                    step = seconds[k] * self.position_id_per_seconds if k < len(seconds) else 0.0
-                if k >= len(grids):
-                    raise ValueError(f"the prompt has more {what}s than the {len(grids)} grids sent")
-                columns += self._grid_columns(nxt + 1, grids[k], step, n, f"{what} {k}")
-                nxt = max(max(col) for col in columns) + 1
-                i += 1 + n
-                seen[kind] = k + 1
-            else:
-                columns.append([nxt] * 3)
-                nxt += 1
-                i += 1
-        positions = torch.tensor(columns, dtype=torch.long).T.contiguous()
-        return positions, int(positions.max()) + 1 - positions.shape[1]
-
-    def _grid_columns(self, start: int, grid: list[int], step: float, n: int, what: str) -> list[list[int]]:
-        """(t, h, w) positions of a grid's n tokens from ``start``: patch k's temporal index is
-        ``int(k * step)`` (the reference's float positions, whole where its step is)."""
-        t, h, w = grid
-        hh, ww = h // self.spatial_merge_size, w // self.spatial_merge_size
-        if t * hh * ww != n:
-            raise ValueError(f"{what}: grid {t}x{h}x{w} does not match its {n} tokens")
-        return [[start + int(k * step), start + r, start + c] for k in range(t) for r in range(hh) for c in range(ww)]
+        steps are their index plus it): `omni_cache.models.talker_positions`."""
+        return talker_positions(
+            self.talker_ids(prompt_token_ids), self.vision, image_grids, video_grids, video_seconds_per_grid
+        )
 
     def text(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker text rows of thinker rows (their input embeddings), one per decode step."""

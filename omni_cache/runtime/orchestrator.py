@@ -41,6 +41,7 @@ from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, QWEN2_VL, audio_input_rate, video_sampler
+from omni_cache.models.voices import DEFAULT_VOICE, checkpoint_voices
 from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
 from omni_cache.runtime.loop_lag import watch_loop_lag
 from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
@@ -133,6 +134,7 @@ class Orchestrator:
         #: The rate the entry model's audio inputs are resampled to (its feature extractor's).
         self.audio_input_rate = DEFAULT_AUDIO_INPUT_RATE
         self.video_sampler = QWEN2_VL  # vLLM's video loader for the entry model (set at start)
+        self.voices: tuple[str, ...] = (DEFAULT_VOICE,)  # the entry checkpoint's speakers (set at start)
         self.admission = Admission(config, topology, self.supervisor)
         #: The requests in flight (the only copy of each).
         self.requests = RequestTable()
@@ -242,6 +244,7 @@ class Orchestrator:
         self.codec.load(path)
         self.audio_input_rate = audio_input_rate(path)
         self.video_sampler = video_sampler(path)
+        self.voices = checkpoint_voices(path)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until start() completed (for callers that run start() in the background)."""
@@ -304,6 +307,7 @@ class Orchestrator:
         session_id: str | None = None,
         ticket: Ticket | None = None,
         stream: bool = False,
+        voice: str = "",
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage; :class:`RequestError` when it is
         refused up front (:mod:`omni_cache.runtime.admission`), else a handle that gets exactly
@@ -316,7 +320,8 @@ class Orchestrator:
         deadline counts from it). ``session_id``: requests of one session (a realtime
         conversation) stay on the replicas its first request went to. ``ticket``: its place in
         the server's bounds, taken before its body was read (None: here). ``stream``: its client
-        plays it as it comes (stages pace its audio: docs/pacing.md)."""
+        plays it as it comes (stages pace its audio: docs/pacing.md). ``voice``: the speaker of
+        its spoken answer, one of :attr:`voices` ("" or ``default``: the checkpoint's default)."""
         ticket = ticket or self.admission.enter()
         try:
             admitted = self.admission.check(
@@ -343,7 +348,9 @@ class Orchestrator:
                 ticket=ticket,
             )
             self.routes.assign(req, admitted.prompt_token_ids, admitted.media, session_id=session_id, hashes=hashes)
-            req.submit = submit_message(req, admitted.sampling, admitted.media, stream=stream)
+            req.submit = submit_message(
+                req, admitted.sampling, admitted.media, stream=stream, voice="" if voice == DEFAULT_VOICE else voice
+            )
             req.media = media_frames(admitted.media)
             self.requests.add(req)
         except BaseException:

@@ -214,7 +214,7 @@ def new_request(
 
 
 def submit_message(
-    req: Request, sampling: EngineSampling, media: Sequence[MediaItem], *, stream: bool = False
+    req: Request, sampling: EngineSampling, media: Sequence[MediaItem], *, stream: bool = False, voice: str = ""
 ) -> Submit:
     """The Submit that hands ``req`` (routed) to its entry stage; its media travel as the frames
     :func:`media_frames` makes. Its ``time_left_s`` is set when it is sent (:func:`with_time_left`).
@@ -241,6 +241,7 @@ def submit_message(
         ],
         route=dict(req.route),
         stream=stream,
+        voice=voice,
     )
 
 

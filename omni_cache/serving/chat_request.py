@@ -45,6 +45,8 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     #: The request's images and clips in the order their placeholders appear in the prompt.
     media: tuple[MediaPart, ...] = ()
+    #: The voice of a spoken answer as the client named it ("" = the checkpoint's default).
+    voice: str = ""
 
     @property
     def wants_audio(self) -> bool:
@@ -57,7 +59,7 @@ class ChatRequest:
         return replace(self, body=self.body.model_copy(update={"messages": []}), messages=[], media=())
 
 
-#: The voices the pipeline speaks with (its talker has one).
+#: The voices a pipeline without named speakers speaks with (omni_cache.models.voices).
 VOICES = ("default",)
 
 
@@ -158,8 +160,9 @@ def validated_request(raw: bytes) -> Any:
         ) from None
 
 
-def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
-    """Validate a chat-completions body for the model this server serves; APIError otherwise."""
+def parse_chat_request(raw: bytes, served_model: str, voices: tuple[str, ...] = VOICES) -> ChatRequest:
+    """Validate a chat-completions body for the model this server serves; APIError otherwise.
+    ``voices``: the ``audio.voice`` names the pipeline speaks with (matched without case)."""
     req = validated_request(raw)
     if req.model is not None and req.model != served_model:
         raise APIError(404, f"The model `{req.model}` does not exist. Valid aliases: {served_model}.", param="model")
@@ -175,10 +178,10 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
         raise APIError(400, "audio must be an object {voice, format}", param="audio")
     audio_format = audio.get("format") or (STREAM_FORMAT if req.stream else "wav")
     voice = audio.get("voice")
-    if voice is not None and voice not in VOICES:
+    if voice is not None and (not isinstance(voice, str) or voice.lower() not in voices):
         raise APIError(
             400,
-            f"voice {voice!r} is not available; this pipeline speaks with " + ", ".join(repr(v) for v in VOICES),
+            f"voice {voice!r} is not available; this pipeline speaks with " + ", ".join(repr(v) for v in voices),
             param="audio.voice",
         )
     if "audio" in modalities:
@@ -192,7 +195,8 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
         )
     media: list[MediaPart] = []
     messages = [_message_dict(i, m, media) for i, m in enumerate(req.messages)]
-    return ChatRequest(req, modalities, audio_format, messages, tuple(media))
+    spoken_voice = "" if voice is None or voice.lower() == "default" else voice.lower()
+    return ChatRequest(req, modalities, audio_format, messages, tuple(media), voice=spoken_voice)
 
 
 def _modalities(value: Any) -> tuple[str, ...]:

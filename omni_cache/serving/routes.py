@@ -184,7 +184,7 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
     state = request.app.state
     server = orch.config.server
     body = await read_body(request, server.max_body_bytes, reserve=ticket.hold_body, timeout=server.body_timeout_s)
-    chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name)
+    chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name, orch.voices)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
         raise APIError(
@@ -211,6 +211,7 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
         session_id=req.session_id,
         ticket=ticket,
         stream=bool(req.stream),
+        voice=chat.voice,
     )
     chat = chat.without_content()
     # vLLM names the answer after the request's id (default: a random one).

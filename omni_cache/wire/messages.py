@@ -73,6 +73,8 @@ Modality = Literal["text", "audio"]
 StopString = Annotated[str, Meta(max_length=1 << 16)]
 #: A vLLM finish reason ("stop", "length", ...).
 FinishReason = Annotated[str, Meta(max_length=32)]
+# A speaker of the pipeline's talker and decoder ("" = the checkpoint's default).
+Voice = Annotated[str, Meta(max_length=64)]
 #: Seconds a request has left when the message carrying it is sent (None: no deadline).
 TimeLeft = Annotated[float, Meta(ge=0)] | None
 #: A block hash as vLLM's KV events carry it: the low 64 bits of the digest (msgpack's
@@ -139,6 +141,9 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     #: The client streams the answer (it plays audio as it comes): stages with ``pacing`` pace
     #: its audio to playback (scheduler/pacing.py). Forwarded downstream in the StreamStart.
     stream: bool = False
+    #: The speaker of a spoken answer (the request's ``audio.voice``; "" = the checkpoint's
+    #: default): the talker and decoder stages read it from the StreamStart.
+    voice: Voice = ""
 
 
 class MediaSpan(msgspec.Struct, array_like=True):
@@ -229,6 +234,8 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
     # The request's Submit.stream: the client streams, so the stages downstream pace its audio to
     # playback.
     stream: bool = False
+    # The request's Submit.voice: the speaker the talker and decoder stages speak with.
+    voice: Voice = ""
 
     @classmethod
     def opening(cls, first: StageOutput, **once: Any) -> StreamStart:

@@ -1,0 +1,126 @@
+"""Qwen2.5-Omni's talker inputs, built from what the thinker stage emits, as transformers' reference
+`Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` builds them.
+
+The talker reads one thinker row per position: the thinker's input embedding (its layer tap 0: the
+embedding row at text positions, the encoder output at image/audio/video positions) plus its final
+hidden state. The thinker stage emits both (`latents: {hidden: true, layers: [0]}`), and the
+hidden-state cache keeps both, so a prompt prefix the thinker skipped still has its rows. With the
+thinker's prompt of L positions and answer tokens a_0, a_1, ...:
+
+* the talker prompt is L + 2 rows: the L prompt rows; the speaker's text-bos embedding (a thinker
+  token of the speaker, `spk_dict.pt`'s ``bos_token``) plus the codec pad embedding; the row of a_0
+  plus the codec bos embedding. Its M-RoPE positions are the thinker's layout over the prompt ids
+  followed by [speaker bos, a_0] (`omni_cache.models.talker_positions`);
+* decode step s feeds the code sampled at step s plus text row s: the rows of a_1, a_2, ... (each
+  known once the thinker has fed that token, i.e. one step after it was sampled), then the text-eos
+  embedding, then the text-pad embedding for ever. The thinker's last token (end of turn, or the
+  token that hit max_tokens) is never fed, so it has no row, and the reference does not speak it
+  either.
+
+The talker's own prefix cache keys on the speaker by construction: the prompt's rows are equal for
+two speakers up to the speaker row, so vLLM's hashes of the prompt embeddings share the blocks
+before it and differ from its block on.
+
+Torch only (no vLLM): the talker stage's hand-off (`omni_cache.handoff`) calls it. It reads the
+thinker's embedding rows for three tokens, the talker's codec embedding table and the speakers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from omni_cache.models.qwen3_omni_talker_prompt import THINKER_EMBEDDINGS, EmbeddingRows
+from omni_cache.models.talker_positions import VisionTokens, talker_positions
+from omni_cache.models.voices import load_speakers, resolve_voice
+
+#: The talker's codec embedding table in the checkpoint (thinker-wide rows).
+CODEC_EMBEDDINGS = "talker.model.embed_tokens.weight"
+#: transformers' `generate` default speaker.
+DEFAULT_SPEAKER = "Chelsie"
+
+
+class Qwen25TalkerInput:
+    """Everything the talker's inputs need from the checkpoint, loaded once per stage."""
+
+    def __init__(self, config: dict, codec_table: torch.Tensor, rows: EmbeddingRows, speakers: dict) -> None:
+        thinker, talker = config["thinker_config"], config["talker_config"]
+        self.vision = VisionTokens(
+            image_id=thinker["image_token_index"],
+            video_id=thinker["video_token_index"],
+            vision_start_id=thinker["vision_start_token_id"],
+            spatial_merge_size=int(talker.get("spatial_merge_size", 2)),
+            position_id_per_seconds=float(talker.get("position_id_per_seconds", 25)),
+        )
+        self.codec_pad_id = int(talker["tts_codec_pad_token_id"])
+        self.codec_bos_id = int(talker["tts_codec_start_token_id"])
+        self.codec_eos_id = int(talker["tts_codec_end_token_id"])
+        self.codec_mask_id = int(talker["tts_codec_mask_token_id"])
+        self.vocab_size = int(talker["vocab_size"])
+        self.speakers = {name: int(entry["bos_token"]) for name, entry in speakers.items()}
+        self.default_speaker = DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else sorted(self.speakers)[0]
+        self.embedding_rows = rows
+        self._codec = codec_table
+        eos_pad = rows([int(talker["tts_text_end_token_id"]), int(talker["tts_text_pad_token_id"])])
+        self.text_eos, self.text_pad = eos_pad[0], eos_pad[1]
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Qwen25TalkerInput:
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        codec: torch.Tensor | None = None
+        rows: EmbeddingRows | None = None
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    if name == THINKER_EMBEDDINGS:
+                        rows = EmbeddingRows(file, name)
+                    elif name == CODEC_EMBEDDINGS:
+                        codec = f.get_tensor(name)
+        if rows is None or codec is None:
+            raise ValueError(f"{folder}: no {THINKER_EMBEDDINGS} / {CODEC_EMBEDDINGS} (not a Qwen2.5-Omni checkpoint?)")
+        return cls(config, codec, rows, load_speakers(folder))
+
+    def speaker(self, voice: str) -> str:
+        """The checkpoint's speaker for a request's voice ("" = the default); ValueError naming the
+        valid ones for an unknown name."""
+        return resolve_voice(voice, list(self.speakers), self.default_speaker)
+
+    def codec_rows(self, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return self._codec[torch.tensor(ids)].to(dtype)
+
+    def prompt(self, rows: torch.Tensor, speaker: str) -> torch.Tensor:
+        """The talker prompt [L + 2, dim] from the thinker rows of the L prompt positions and of
+        the first answer token ([L + 1, dim], each the input embedding plus the hidden state)."""
+        dtype = rows.dtype
+        bos = self.embedding_rows([self.speakers[speaker]]).to(dtype)[0]
+        pad_bos = self.codec_rows([self.codec_pad_id, self.codec_bos_id], dtype)
+        # The reference adds the codec embeddings to the last two rows inside the talker's
+        # forward, in the talker's dtype; so do we (same operands, same order).
+        return torch.cat([rows[:-1], (bos + pad_bos[0])[None], (rows[-1] + pad_bos[1])[None]])
+
+    def prompt_ids(self, prompt_token_ids: list[int], first_answer_token: int, speaker: str) -> list[int]:
+        """The ids the talker prompt stands for (what the reference's rope index reads)."""
+        return [*prompt_token_ids, self.speakers[speaker], first_answer_token]
+
+    def positions(
+        self,
+        ids: list[int],
+        image_grids: list[list[int]],
+        video_grids: list[list[int]] | None = None,
+        video_seconds_per_grid: list[float] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        return talker_positions(ids, self.vision, image_grids, video_grids, video_seconds_per_grid)
+
+    def penalized_prompt_ids(self) -> list[int]:
+        """The talker's prompt ids as the reference's repetition penalty sees them: codec mask at
+        every thinker position, then codec pad and codec bos."""
+        return [self.codec_mask_id, self.codec_pad_id, self.codec_bos_id]
+
+    def stop_ids(self) -> list[int]:
+        """Where the reference's talker stops: codec pad and codec end (its `talker_eos_token_id`)."""
+        return [self.codec_pad_id, self.codec_eos_id]
