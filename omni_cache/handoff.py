@@ -352,34 +352,35 @@ def qwen2_5_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dic
     is one step's text, fed to the running request as it arrives; when the thinker finishes, the
     text-eos row follows, then the text-pad row for ever. A step ahead of the thinker waits for its
     row (scheduler/streamed_rows.py), so the codes do not depend on timing. Reads the thinker's
-    final hidden state and layer tap 0 (`latents: {hidden: true, layers: [0]}`); each row is their
-    sum, in the thinker's dtype, as the reference adds them.
+    final hidden states (`latents: {hidden: true}`) and its prompt ids (sent with its first
+    output); each row adds the token's embedding, read by id from the checkpoint.
     """
     talker = _qwen2_5_omni_input(ctx)
-    hidden, embeds = up.latents.get(HIDDEN), up.latents.get(layer_name(0))
-    if hidden is None or embeds is None:
+    hidden = up.latents.get(HIDDEN)
+    if hidden is None:
         raise ValueError(
-            "the Qwen2.5-Omni talker needs the thinker's latents.hidden and latents.layers [0]; it sent "
-            f"{sorted(up.latents) or 'none'}"
+            f"the Qwen2.5-Omni talker needs the thinker's latents.hidden; it sent {sorted(up.latents) or 'none'}"
         )
     n_prompt = len(up.prompt_token_ids)
     if not n_prompt:
-        raise ValueError("the thinker sent no prompt token ids (needed for the talker's positions)")
-    known = min(hidden.shape[0], embeds.shape[0])  # positions whose row is known
+        raise ValueError("the thinker sent no prompt token ids (needed for the talker's rows and positions)")
+    ids = [*up.prompt_token_ids, *up.token_ids]
+    known = min(hidden.shape[0], len(ids))  # positions whose row is known
     if not state.get("started"):
         if known <= n_prompt and not up.finished:
             return []
         speaker = talker.speaker(up.voice)
-        rows = hidden[: n_prompt + 1] + embeds[: n_prompt + 1]
+        head = min(known, n_prompt + 1)
+        rows = talker.rows(hidden[:head], ids[:head])
         if known <= n_prompt:
             # The answer ended before its first token was fed (a one-token answer): its first row
             # is the end of the text, as if the answer were empty.
             rows = torch.cat([rows[:n_prompt], talker.text_eos.to(rows.dtype)[None]])
         first = up.token_ids[0] if up.token_ids else up.prompt_token_ids[-1]
-        ids = talker.prompt_ids(list(up.prompt_token_ids), first, speaker)
-        positions, delta = talker.positions(ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
+        rope_ids = talker.prompt_ids(list(up.prompt_token_ids), first, speaker)
+        positions, delta = talker.positions(rope_ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
         state.update(started=True, rows_done=max(known, n_prompt + 1))
-        text = _qwen2_5_omni_text(talker, hidden, embeds, n_prompt + 1, known, up.finished)
+        text = _qwen2_5_omni_text(talker, hidden, ids, n_prompt + 1, known, up.finished)
         state["rows_finished"] = up.finished
         return [
             GenerateJob(
@@ -393,16 +394,16 @@ def qwen2_5_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dic
         ]
     if state.get("rows_finished") or (known <= state["rows_done"] and not up.finished):
         return []
-    text = _qwen2_5_omni_text(talker, hidden, embeds, state["rows_done"], known, up.finished)
+    text = _qwen2_5_omni_text(talker, hidden, ids, state["rows_done"], known, up.finished)
     state.update(rows_done=max(known, state["rows_done"]), rows_finished=up.finished)
     return [FeedJob(text, up.finished)]
 
 
 def _qwen2_5_omni_text(
-    talker: Any, hidden: torch.Tensor, embeds: torch.Tensor, start: int, stop: int, finished: bool
+    talker: Any, hidden: torch.Tensor, ids: list[int], start: int, stop: int, finished: bool
 ) -> torch.Tensor:
-    """Text rows start..stop-1 (embedding plus hidden state), then text-eos once finished."""
-    rows = hidden[start:stop] + embeds[start:stop] if stop > start else hidden[:0]
+    """Text rows start..stop-1 (hidden state plus embedding), then text-eos once finished."""
+    rows = talker.rows(hidden[start:stop], ids[start:stop]) if stop > start else hidden[:0]
     return torch.cat([rows, talker.text_eos.to(rows.dtype)[None]]) if finished else rows
 
 

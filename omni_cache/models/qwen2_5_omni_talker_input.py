@@ -1,11 +1,12 @@
 """Qwen2.5-Omni's talker inputs, built from what the thinker stage emits, as transformers' reference
 `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` builds them.
 
-The talker reads one thinker row per position: the thinker's input embedding (its layer tap 0: the
-embedding row at text positions, the encoder output at image/audio/video positions) plus its final
-hidden state. The thinker stage emits both (`latents: {hidden: true, layers: [0]}`), and the
-hidden-state cache keeps both, so a prompt prefix the thinker skipped still has its rows. With the
-thinker's prompt of L positions and answer tokens a_0, a_1, ...:
+The talker reads one thinker row per position: the thinker's final hidden state plus its token
+embedding, zero at image/audio/video placeholder positions (the reference zeroes the encoder output
+there before adding). The embedding is the checkpoint's thinker embedding row of the token, so the
+thinker stage emits only its final hidden states (`latents: {hidden: true}`); the hidden-state
+cache keeps them, so a prompt prefix the thinker skipped still has its rows. With the thinker's
+prompt of L positions and answer tokens a_0, a_1, ...:
 
 * the talker prompt is L + 2 rows: the L prompt rows; the speaker's text-bos embedding (a thinker
   token of the speaker, `spk_dict.pt`'s ``bos_token``) plus the codec pad embedding; the row of a_0
@@ -59,6 +60,9 @@ class Qwen25TalkerInput:
         self.codec_eos_id = int(talker["tts_codec_end_token_id"])
         self.codec_mask_id = int(talker["tts_codec_mask_token_id"])
         self.vocab_size = int(talker["vocab_size"])
+        self.media_ids = frozenset(
+            int(thinker[k]) for k in ("audio_token_index", "image_token_index", "video_token_index")
+        )
         self.speakers = {name: int(entry["bos_token"]) for name, entry in speakers.items()}
         self.default_speaker = DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else sorted(self.speakers)[0]
         self.embedding_rows = rows
@@ -90,12 +94,21 @@ class Qwen25TalkerInput:
         valid ones for an unknown name."""
         return resolve_voice(voice, list(self.speakers), self.default_speaker)
 
+    def rows(self, hidden: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+        """The talker's thinker rows of these positions: hidden state plus token embedding, the
+        embedding zero at media placeholders (as the reference's `generate` adds them)."""
+        embeds = self.embedding_rows(token_ids).to(hidden.dtype)
+        media = torch.tensor([t in self.media_ids for t in token_ids], dtype=torch.bool)
+        if bool(media.any()):
+            embeds[media] = 0
+        return hidden + embeds
+
     def codec_rows(self, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
         return self._codec[torch.tensor(ids)].to(dtype)
 
     def prompt(self, rows: torch.Tensor, speaker: str) -> torch.Tensor:
         """The talker prompt [L + 2, dim] from the thinker rows of the L prompt positions and of
-        the first answer token ([L + 1, dim], each the input embedding plus the hidden state)."""
+        the first answer token ([L + 1, dim], from `rows`)."""
         dtype = rows.dtype
         bos = self.embedding_rows([self.speakers[speaker]]).to(dtype)[0]
         pad_bos = self.codec_rows([self.codec_pad_id, self.codec_bos_id], dtype)
