@@ -4,6 +4,8 @@ answers. The models (``model``, one round each; ``MODELS``):
 
 * ``qwen3-omni``: the Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker, talker,
   code2wav) on the tiny Qwen3-Omni checkpoint, float32; with the spoken rows below.
+* ``qwen2.5-omni``: the Qwen2.5-Omni pipeline (stage_configs/qwen2_5_omni.yaml: thinker, talker,
+  token2wav) on the tiny Qwen2.5-Omni checkpoint, float32; with the spoken rows.
 * ``qwen3.5``: the Qwen3.5 thinker alone (stage_configs/qwen3_5.yaml) on the tiny Qwen3.5
   checkpoint, bfloat16 (vLLM's CPU GatedDeltaNet kernel takes nothing else); our server is the
   one tests/test_qwen3_5_thinker.py used (tests/conftest.py's ``qwen3_5_server``). No talker: the
@@ -90,6 +92,8 @@ VIDEO_SAMPLED_FPS = 2.0
 MODELS = {
     # float32: the same kernels in other processes and batches agree to ~1e-6.
     "qwen3-omni": Model(logprob_atol=1e-4, spoken=True, video_rate_kwarg=True),
+    # float32, as Qwen3-Omni; Qwen2.5-Omni's processor also takes the sampled rate as `fps`.
+    "qwen2.5-omni": Model(logprob_atol=1e-4, spoken=True, video_rate_kwarg=True),
     # bfloat16, yet the same kernels on the same tokens agree exactly: all 88 answer-token
     # logprobs of the matrix were equal to the bit (AMD EPYC, 2026-11-27), so no looser bound.
     "qwen3.5": Model(logprob_atol=1e-4, spoken=False),
@@ -166,8 +170,12 @@ def model(request) -> str:
     return request.param
 
 
-def omni_pipeline_config(checkpoint: Path) -> dict[str, Any]:
-    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
+#: The omni pipelines of the matrix: stage config and tiny checkpoint per model.
+OMNI_PIPELINES = {"qwen3-omni": "qwen3_omni.yaml", "qwen2.5-omni": "qwen2_5_omni.yaml"}
+
+
+def omni_pipeline_config(checkpoint: Path, stage_config: str = "qwen3_omni.yaml") -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "stage_configs" / stage_config).read_text())
     data["name"] = "conformance"
     data["server"]["port"] = 0
     for stage in data["stages"]:
@@ -183,7 +191,7 @@ def ours(model, request, tmp_path_factory):
         shared = request.getfixturevalue("qwen3_5_server")
         yield Ours(shared.url, shared.name, shared.config)
         return
-    data = omni_pipeline_config(ensure_checkpoint("qwen3-omni", tmp_path_factory.mktemp("q3omni")))
+    data = omni_pipeline_config(ensure_checkpoint(model, tmp_path_factory.mktemp("omni")), OMNI_PIPELINES[model])
     with served(copy.deepcopy(data), tmp_path_factory.mktemp("omni")) as srv:
         yield Ours(srv.url, data["name"], data)
 

@@ -41,6 +41,7 @@ class ResponseOptions:
     instructions: str
     output_format: AudioFormat
     metadata: dict[str, str] | None = None
+    voice: str = "default"  # the session's, or the response's own ``audio.output.voice``
 
     @property
     def pipeline_modalities(self) -> tuple[str, ...]:
@@ -160,6 +161,7 @@ class ResponseRun:
             session_id=self.session_id,
             ticket=ticket,
             stream=True,
+            voice=self.options.voice,
         )
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")

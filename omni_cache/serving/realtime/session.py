@@ -116,7 +116,7 @@ class RealtimeSession:
     async def on_session_update(self, event: Any) -> None:
         from openai.types.realtime import SessionUpdatedEvent
 
-        new = session_config.updated(self.config, event.session, self.served_model)
+        new = session_config.updated(self.config, event.session, self.served_model, self.pipeline.voices)
         old, self.config = self.config, new
         if new.input_format != old.input_format:
             self.audio_in.set_format(new.input_format)
@@ -329,7 +329,7 @@ class RealtimeSession:
     def _options(self, params: Any) -> ResponseOptions:
         c = self.config
         modality, max_tokens, instructions = c.output_modalities[0], c.max_output_tokens, c.instructions
-        fmt, metadata = c.output_format, None
+        fmt, metadata, voice = c.output_format, None, c.voice
         if params is not None:
             session_config.refuse_tools_and_prompts(params, "response")
             refuse_unsupported(
@@ -348,11 +348,11 @@ class RealtimeSession:
                 instructions = params.instructions
             if params.audio is not None and params.audio.output is not None:
                 out = params.audio.output
-                session_config.voice(out.voice, "response.audio.output.voice")
+                voice = session_config.voice(out.voice, "response.audio.output.voice", self.pipeline.voices) or voice
                 if "format" in out.model_fields_set:
                     fmt = session_config.audio_format(out.format, "response.audio.output.format")
             metadata = params.metadata
-        return ResponseOptions(modality, max_tokens, instructions, fmt, metadata)
+        return ResponseOptions(modality, max_tokens, instructions, fmt, metadata, voice)
 
     def _start_response(self, params: Any) -> None:
         if self.responding:

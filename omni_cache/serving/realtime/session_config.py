@@ -6,7 +6,8 @@ Served: ``instructions``, ``output_modalities`` (``["audio"]``: speech plus its 
 (``audio/pcm`` 24 kHz, ``audio/pcmu``, ``audio/pcma``), ``audio.input.turn_detection``
 (``server_vad`` with ``threshold``, ``prefix_padding_ms``, ``silence_duration_ms``,
 ``create_response``, ``interrupt_response``; or ``null`` for manual commits) and
-``audio.output.voice`` (the pipeline speaks with one voice, ``default``) and ``truncation``
+``audio.output.voice`` (``default`` or one of the checkpoint's speakers, omni_cache/models/voices.py)
+and ``truncation``
 (``auto``, the default; ``disabled``; ``retention_ratio``: :mod:`.truncation`). Everything else the
 API defines (tools, transcription, noise reduction, semantic VAD, tracing, prompts) is refused with
 an error naming the field: the update is then not applied.
@@ -64,11 +65,16 @@ class SessionConfig:
     max_output_tokens: int | None = None
     #: How the oldest turns are dropped when the conversation outgrows the thinker's limits.
     truncation: Truncation = field(default_factory=Truncation)
+    #: The speaker of the session's answers: ``default`` or one of the pipeline's voices.
+    voice: str = VOICE
 
 
-def updated(config: SessionConfig, session: Any, served_model: str) -> SessionConfig:
+def updated(
+    config: SessionConfig, session: Any, served_model: str, voices: tuple[str, ...] = (VOICE,)
+) -> SessionConfig:
     """``config`` with the fields present in ``session`` (a validated ``session.update``'s
-    ``session``) applied; EventError naming the first field that cannot be."""
+    ``session``) applied; EventError naming the first field that cannot be. ``voices``: the
+    pipeline's (``Orchestrator.voices``)."""
     from openai.types.realtime import RealtimeSessionCreateRequest
 
     if not isinstance(session, RealtimeSessionCreateRequest):
@@ -103,7 +109,7 @@ def updated(config: SessionConfig, session: Any, served_model: str) -> SessionCo
     if s.truncation is not None:
         out = replace(out, truncation=parse_truncation(s.truncation))
     if s.audio is not None:
-        out = _audio_updated(out, s.audio)
+        out = _audio_updated(out, s.audio, voices)
     return out
 
 
@@ -151,15 +157,22 @@ def audio_format(fmt: Any, param: str) -> AudioFormat:
     return found
 
 
-def voice(value: Any, param: str) -> None:
+def voice(value: Any, param: str, voices: tuple[str, ...] = (VOICE,)) -> str | None:
+    """The voice named (lower case), None when none is; EventError when the pipeline has no such
+    voice (matched without case, as the chat API's ``audio.voice``)."""
     name = getattr(value, "id", value)
-    if name is not None and name != VOICE:
+    if name is None:
+        return None
+    if not isinstance(name, str) or name.lower() not in voices:
         raise EventError(
-            f"voice {name!r} is not available; this pipeline speaks with {VOICE!r}", param=param, code="invalid_value"
+            f"voice {name!r} is not available; this pipeline speaks with {', '.join(map(repr, voices))}",
+            param=param,
+            code="invalid_value",
         )
+    return name.lower()
 
 
-def _audio_updated(config: SessionConfig, audio: Any) -> SessionConfig:
+def _audio_updated(config: SessionConfig, audio: Any, voices: tuple[str, ...]) -> SessionConfig:
     out = config
     inp, outp = audio.input, audio.output
     if inp is not None:
@@ -178,7 +191,9 @@ def _audio_updated(config: SessionConfig, audio: Any) -> SessionConfig:
         refuse_unsupported(
             [("session.audio.output.speed", outp.speed not in (None, 1.0))], "speech is played at the model's pace"
         )
-        voice(outp.voice, "session.audio.output.voice")
+        chosen = voice(outp.voice, "session.audio.output.voice", voices)
+        if chosen is not None:
+            out = replace(out, voice=chosen)
         if "format" in outp.model_fields_set:
             out = replace(out, output_format=audio_format(outp.format, "session.audio.output.format"))
     return out
@@ -259,6 +274,6 @@ def describe(config: SessionConfig, served_model: str, session_id: str) -> Any:
             input=RealtimeAudioConfigInput(
                 format=_format_model(config.input_format), turn_detection=turn, transcription=None, noise_reduction=None
             ),
-            output=RealtimeAudioConfigOutput(format=_format_model(config.output_format), voice=VOICE, speed=1.0),
+            output=RealtimeAudioConfigOutput(format=_format_model(config.output_format), voice=config.voice, speed=1.0),
         ),
     )
