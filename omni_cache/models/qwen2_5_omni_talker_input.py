@@ -54,6 +54,9 @@ class Qwen25TalkerInput:
             vision_start_id=thinker["vision_start_token_id"],
             spatial_merge_size=int(talker.get("spatial_merge_size", 2)),
             position_id_per_seconds=float(talker.get("position_id_per_seconds", 25)),
+            audio_id=thinker["audio_token_index"],
+            audio_start_id=thinker["audio_start_token_id"],
+            interleave_chunk_s=float(talker.get("seconds_per_chunk", 2)),
         )
         self.codec_pad_id = int(talker["tts_codec_pad_token_id"])
         self.codec_bos_id = int(talker["tts_codec_start_token_id"])
