@@ -1,4 +1,4 @@
-"""The Qwen3-Omni talker's logits rules, as transformers' reference `generate` applies them.
+"""The codec talkers' logits rules, as transformers' reference `generate` applies them.
 
 Two rules, on the first codebook's logits, per request (a vLLM logits processor, the engine's
 documented extension point, registered through the `logits_processors` engine argument):
@@ -8,6 +8,10 @@ documented extension point, registered through the `logits_processors` engine ar
   have (vLLM would read whatever ids its batch slot held before), so it cannot be used here;
 - suppressed ids: the talker's vocabulary ends with 1,024 control codes that are never sampled,
   except the end-of-speech code.
+
+Qwen2.5-Omni's talker (workers/models/qwen2_5_omni_talker.py, `qwen2_5_omni_talker_logits`) uses
+the same two rules with other arguments: its reference penalises the ids of its prompt as well
+(codec mask, pad and bos: `prompt_ids`), and suppresses only codec bos.
 
 A request opts in through `SamplingParams.extra_args` (`omni_cache.handoff.codec_logits_args`;
 the stage's hand-off fills it from the checkpoint).
@@ -38,12 +42,14 @@ class CodecLogits(AdapterLogitsProcessor):
             if first <= keep < end:
                 suppressed[keep - first] = False
         ids = torch.arange(first, end)[suppressed]
-        return partial(_apply, float(args["penalty"]), ids)
+        return partial(_apply, float(args["penalty"]), ids, frozenset(args.get("prompt_ids", ())))
 
 
-def _apply(penalty: float, suppressed: torch.Tensor, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-    if penalty != 1.0 and output_ids:
-        seen = torch.tensor(sorted(set(output_ids)), dtype=torch.long, device=logits.device)
+def _apply(
+    penalty: float, suppressed: torch.Tensor, prompt_ids: frozenset[int], output_ids: list[int], logits: torch.Tensor
+) -> torch.Tensor:
+    if penalty != 1.0 and (output_ids or prompt_ids):
+        seen = torch.tensor(sorted(prompt_ids.union(output_ids)), dtype=torch.long, device=logits.device)
         scores = logits[seen]
         logits[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
     logits[suppressed.to(logits.device)] = float("-inf")

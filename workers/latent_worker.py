@@ -6,9 +6,10 @@ The mixin adds four things to vLLM's own worker and leaves its model runner unto
 - after `initialize_from_config`: size the hidden-state mirror from the KV-cache config;
 - after `execute_model`: the runner has left `hidden_states`, `aux_hidden_states` and the step's
   `slot_mappings` in `execute_model_state` (sampling has not run yet); hand them to LatentCapture;
-- for a model with a code predictor (the Qwen3-Omni talker), `TalkerSteps` around each forward
-  and after each sampling (workers/talker_steps.py): all codebooks of every sampled code, and the
-  summed input embedding of every fed one.
+- for a codec talker (Qwen3-Omni's, Qwen2.5-Omni's), `TalkerSteps` around each forward and after
+  each sampling (workers/talker_steps.py): the input embedding of every position that feeds a code
+  (its codebooks' embeddings plus the thinker's text row), and, with a code predictor, all
+  codebooks of every sampled code.
 
 Written against vLLM 0.32's V1 model runner (`GPUModelRunner`, which `CPUModelRunner` subclasses);
 the stage sets VLLM_USE_V2_MODEL_RUNNER=0 so GPU hosts use it too. Speculative decoding is not
@@ -32,7 +33,7 @@ class LatentWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        if hasattr(model, "residual_codes"):
+        if hasattr(model, "codec_input_embeds"):  # a codec talker (Qwen3-Omni's, Qwen2.5-Omni's)
             self.talker = TalkerSteps(self.model_runner, model)  # type: ignore[attr-defined]
             model.step_inputs = self.talker.adjust_inputs
             model.prompt_positions = self.talker.next_prompt_positions

@@ -98,7 +98,7 @@ class LLMStage:
     ) -> None:
         """block_states=False keeps vLLM's plain align mode on a hybrid thinker (states only where a
         chunk ends; benchmarks compare against it). It changes nothing for other models.
-        submodel="talker" runs Qwen3-Omni's talker from the checkpoint folder (StageConfig.submodel).
+        submodel="talker" runs the talker of the checkpoint folder's omni family (StageConfig.submodel).
         report_blocks=True turns vLLM's KV-cache events on and keeps the block hashes its prefix
         cache gains and loses in `block_events` (scheduler/block_events.py), for prefix routing.
         pacer: the stage's scheduler/pacing.py Pacer; its scheduler then paces the requests `add`
@@ -127,16 +127,19 @@ class LLMStage:
             }
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_cache_block_states": block_states}
         if submodel == "talker":
-            from workers.models.qwen3_omni_talker import talker_hf_overrides
+            from workers.models import talker_module
 
-            # The talker reads embeddings and writes codes: no tokenizer. Its decode steps wait
+            # The checkpoint's family picks the talker (workers/models/__init__.py TALKER_MODULES).
+            # A talker reads embeddings and writes codes: no tokenizer. Its decode steps wait
             # for the thinker's text (scheduler/streamed_rows.py), which async scheduling's
             # one-step-ahead planning cannot do.
+            family = talker_module(model)
             kwargs.update(
-                hf_overrides=talker_hf_overrides,
+                hf_overrides=family.talker_hf_overrides,
                 skip_tokenizer_init=True,
                 enable_prompt_embeds=True,
                 logits_processors=["workers.codec_logits:CodecLogits"],
+                **family.talker_engine_kwargs(),
             )
             if async_scheduling:
                 raise ValueError("the talker stage cannot use async_scheduling")
@@ -165,7 +168,10 @@ class LLMStage:
         self.block_events = block_events.install(self.scheduler) if report_blocks else None
         worker = core.model_executor.driver_worker.worker
         self.capture = worker.latents
-        self.talker = worker.talker  # TalkerSteps of a multi-codebook talker, else None
+        # TalkerSteps of a multi-codebook talker (its codes travel as frames, `StepOutput.codes`),
+        # else None: a one-codebook talker's codes are its sampled token ids, as any stage's.
+        steps = worker.talker
+        self.talker = steps if steps is not None and steps.residual else None
         self.max_model_len = self.engine.vllm_config.model_config.max_model_len
 
     # ---- requests --------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The worker's side of the Qwen3-Omni talker: what happens around each forward.
+"""The worker's side of a codec talker: what happens around each forward.
 
-vLLM feeds a decode step the code it sampled last (the first codebook, `code0`). Qwen3-Omni's talker
-instead feeds, at the position of the s-th sampled code, the sum of the embeddings of ALL its
-codebooks plus text row s of the thinker (`scheduler/streamed_rows.py`). The other codebooks come
+vLLM feeds a decode step the code it sampled last (the first codebook, `code0`). A talker instead
+feeds, at the position of the s-th sampled code, its codec embedding (`model.codec_input_embeds`)
+plus text row s of the thinker (`scheduler/streamed_rows.py`). Qwen2.5-Omni's talker has one
+codebook (`model.has_residual_codebooks` False): that is all, its codes are the token ids vLLM
+samples. Qwen3-Omni's feeds the sum of the embeddings of ALL its codebooks; the other codebooks come
 from the code predictor, which needs the talker's hidden state at the previous position
 (`past_hidden`); it decodes greedily for a greedy request and samples (`residual_picker`) for a
 sampling one, as the reference does. So, at every step:
@@ -10,10 +12,11 @@ sampling one, as the reference does. So, at every step:
 1. `adjust_inputs` (called by the model's forward, when vLLM's runner has laid out the batch):
    replace the input embedding of every scheduled position that feeds a sampled code by the sum
    of its codebooks' embeddings and its text row;
-2. `after_step` (after `execute_model`): keep each request's last hidden state as its next
-   `past_hidden`;
-3. `after_sampling` (after vLLM sampled): run the code predictor (batched over the requests) for
-   every code sampled now, and queue its complete codes [num_code_groups] for the stage (`drain`).
+2. `after_step` (after `execute_model`; residual codebooks only): keep each request's last hidden
+   state as its next `past_hidden`;
+3. `after_sampling` (after vLLM sampled; residual codebooks only): run the code predictor (batched
+   over the requests) for every code sampled now, and queue its complete codes [num_code_groups]
+   for the stage (`drain`).
 
 The code predictor needs the sampled code and the hidden state it came from, not the next text
 row, so a code's codebooks are known as soon as it is sampled: they leave with the step that
@@ -50,6 +53,8 @@ class TalkerSteps:
 
     def __init__(self, runner: Any, model: Any) -> None:
         self.runner, self.model = runner, model
+        # Whether a code has codebooks beyond the sampled one (a code predictor writes them).
+        self.residual = bool(model.has_residual_codebooks)
         self.scheduler_output: Any = None
         self.pending: dict[str, list[torch.Tensor]] = {}  # req id -> codes [G] per new step
 
@@ -72,6 +77,9 @@ class TalkerSteps:
 
     def after_step(self, state: Any) -> None:
         """Remember each scheduled request's last hidden state (the row its logits came from)."""
+        if not self.residual:
+            self.scheduler_output = None  # only the code predictor reads past_hidden
+            return
         if state is None or self.scheduler_output is None:
             return
         hidden = state.sample_hidden_states
@@ -93,7 +101,7 @@ class TalkerSteps:
         code0 = torch.tensor(
             [req.output_token_ids[s] for req, s in zip(reqs, steps)], dtype=torch.long, device=inputs_embeds.device
         )
-        residual = self._residual_codes(reqs, steps, code0)
+        residual = self._residual_codes(reqs, steps, code0) if self.residual else None
         embeds = self.model.codec_input_embeds(code0, residual)
         text = torch.stack([self._text_row(out, req, s) for req, s in zip(reqs, steps)])
         index = torch.tensor(rows, dtype=torch.long, device=inputs_embeds.device)
@@ -119,6 +127,8 @@ class TalkerSteps:
     def after_sampling(self, output: Any) -> None:
         """Codebooks 1..G-1 of every code vLLM sampled in this step (`output`: its
         ModelRunnerOutput), predicted now: one batched code-predictor run."""
+        if not self.residual:
+            return  # a one-codebook code is its sampled token id: nothing to add
         reqs, steps = [], []
         for i, req_id in enumerate(getattr(output, "req_ids", None) or ()):
             req = self.runner.requests.get(req_id)

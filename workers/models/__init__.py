@@ -8,14 +8,24 @@ scheduler's block allocation and the layer's state writes in lockstep on multi-p
 
 from __future__ import annotations
 
+from typing import Any
+
 #: The architecture name of this project's Qwen3-Omni talker (workers/models/qwen3_omni_talker.py).
 TALKER_ARCHITECTURE = "OmniCacheQwen3OmniTalker"
 #: The released Qwen3-Omni checkpoints' architecture; vLLM serves its thinker under this name.
 QWEN3_OMNI_ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
+#: The architecture name of this project's Qwen2.5-Omni talker (workers/models/qwen2_5_omni_talker.py).
+QWEN2_5_OMNI_TALKER_ARCHITECTURE = "OmniCacheQwen2_5OmniTalker"
+#: The talker module of each family, by its checkpoint's config.json model_type: each module has
+#: the same small interface (its hf_overrides and the engine arguments it needs).
+TALKER_MODULES = {
+    "qwen3_omni_moe": "workers.models.qwen3_omni_talker",
+    "qwen2_5_omni": "workers.models.qwen2_5_omni_talker",
+}
 
 
 def register() -> None:
-    _register_qwen3_omni()
+    _register_omni_models()
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
@@ -26,7 +36,7 @@ def register() -> None:
         QwenGatedDeltaNetAttention.register_oot(BlockStateGatedDeltaNet, name="QwenGatedDeltaNetAttention")
 
 
-def _register_qwen3_omni() -> None:
+def _register_omni_models() -> None:
     from vllm import ModelRegistry
 
     # Lazy ("module:Class"): importing the model needs vLLM's layers, which plugins load early.
@@ -34,5 +44,25 @@ def _register_qwen3_omni() -> None:
     # idempotent; the thinker replaces vLLM's own class for the checkpoint's architecture.
     ModelRegistry.register_model(TALKER_ARCHITECTURE, "workers.models.qwen3_omni_talker:Qwen3OmniTalkerForCausalLM")
     ModelRegistry.register_model(
+        QWEN2_5_OMNI_TALKER_ARCHITECTURE, "workers.models.qwen2_5_omni_talker:Qwen2_5OmniTalkerForCausalLM"
+    )
+    ModelRegistry.register_model(
         QWEN3_OMNI_ARCHITECTURE, "workers.models.qwen3_omni_thinker:Qwen3OmniThinkerForConditionalGeneration"
     )
+
+
+def talker_module(model: str) -> Any:
+    """The talker module (TALKER_MODULES) of the checkpoint folder `model`."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"submodel talker: {model} is not a checkpoint folder (no config.json)")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in TALKER_MODULES:
+        raise ValueError(
+            f"submodel talker: no talker for model_type {model_type!r} ({model}); known: {sorted(TALKER_MODULES)}"
+        )
+    return importlib.import_module(TALKER_MODULES[model_type])

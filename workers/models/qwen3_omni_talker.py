@@ -52,6 +52,11 @@ def talker_hf_overrides(config: Any) -> Any:
     return talker
 
 
+def talker_engine_kwargs() -> dict[str, Any]:
+    """Engine arguments this talker needs beyond every talker's (workers/llm_stage.py): none."""
+    return {}
+
+
 class TalkerDecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
@@ -106,6 +111,8 @@ class TalkerModel(nn.Module):
 
 
 class Qwen3OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
+    #: Codebooks 1..G-1 come from the code predictor (workers/talker_steps.py); codes travel as frames.
+    has_residual_codebooks = True
     # The checkpoint's talker.* names -> this module's; q/k/v and the shared expert's gate/up are
     # stacked as vLLM's layers hold them. Expert weights go through vLLM's MoE loader.
     hf_to_vllm_mapper = WeightsMapper(
