@@ -175,6 +175,21 @@ def test_transformers_loads_and_speaks(hf):
     assert 0.01 < wav.std() < 0.5 and (wav.abs() >= 0.999).float().mean() < 0.01
 
 
+def test_token2wav_follows_the_codes(hf):
+    """The vocoder's audio depends on the codes, not only on the DiT's starting noise (the tiny init's
+    point: see tiny_qwen2_5_omni's DIT_GAIN / DIT_MEL_MEAN)."""
+    model = hf[0]
+    spk = model.speaker_map[q25.DEFAULT_SPEAKER]
+    g = torch.Generator().manual_seed(1)
+    wavs = []
+    for codes in torch.randint(0, q25.CODEBOOK_SIZE, (2, 1, 24), generator=g):
+        torch.manual_seed(0)  # the same starting noise for both
+        with torch.no_grad():
+            wavs.append(model.token2wav(codes, conditioning=spk["cond"], reference_mel=spk["ref_mel"]))
+    assert wavs[0].shape == (24 * SAMPLES_PER_CODE,)
+    assert (wavs[0] - wavs[1]).std() > 0.2 * wavs[0].std() > 0.01
+
+
 # ---- vLLM ------------------------------------------------------------------------------------------
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 

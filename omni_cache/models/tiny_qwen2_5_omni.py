@@ -23,8 +23,13 @@ Random weights and greedy parity: transformers' reference stops the talker on pa
 (``talker_eos_token_id``, released ``[8292, 8294]``) and suppresses only start. A random talker would
 also pick mask or the unused ids above the codebook, which token2wav cannot embed, so the rows of
 ``talker.codec_head.weight`` for every id >= :data:`CODEBOOK_SIZE` are zero except pad and end: their
-logit is 0 while about half the code logits are positive, so greedy decoding emits codes and, now and
-then, a stop id.
+logit is 0 while about half the code logits are positive, so greedy decoding emits only codes or a stop
+id. A stop is possible but rare (none in 200 greedy steps on six prompts): bound the talker with
+``talker_max_new_tokens``.
+
+token2wav is scaled so that its audio follows the codes (see :data:`DIT_GAIN`, :data:`DIT_MEL_MEAN`,
+:data:`VOCODER_CONV_GAIN`): waveform std about 0.13, no clipping, and two code sequences decoded from the
+same noise differ by about 40% of that.
 
 Token ids: bytes 0..255 are ids 0..255 (the project's byte-level tokenizer), :data:`SPECIAL_TOKENS`
 follow from 256 with the released names (``<|AUDIO|>``, ``<|IMAGE|>``, ``<|VIDEO|>`` are the pads the
@@ -119,6 +124,18 @@ DEFAULT_SPEAKER = "Chelsie"
 
 INIT_STD = 0.02
 CONV_GAIN = 0.8
+# token2wav at INIT_STD is silent about its input: the DiT's velocity is ~0, so its mel is the starting
+# noise whatever the codes (0.3% of the mel's spread came from the codes). DiT linears at 1/sqrt(fan_in)
+# and unit codec embeddings make the codes move the mel by about a third of its spread.
+DIT_GAIN = 1.0
+# The DiT's output bias: the log-mel at which BigVGAN's normalized input (dB over [-115, 0], 20 dB
+# headroom) is 0, as a trained DiT's mean output sits mid-range. At bias 0 the vocoder sees a constant
+# +0.65 in every bin and its output is a fixed pattern of the upsampling kernels, not the mel.
+DIT_MEL_MEAN = math.log(10 ** ((-115 / 2 + 20) / 20))
+# BigVGAN stacks ~40 convolutions with SnakeBeta (x + sin^2) activations; its output level is steep in
+# the gain: 0.8 gives std ~0.04, 0.88 ~0.16 (the waveform's difference between two code sequences
+# ~40% of that), 0.95 clips 40% of the samples.
+VOCODER_CONV_GAIN = 0.87
 SAMPLE_RATE = 24000
 # Mel frames of each speaker's reference mel (the DiT's speaker encoder pools over them).
 REF_MEL_FRAMES = 96
@@ -202,6 +219,8 @@ def config() -> dict:
         "window_size": 112,
         "fullatt_block_indexes": [1],
         "out_hidden_size": THINKER_HIDDEN,
+        # Released; vLLM reads it for the video positions (25 when absent).
+        "tokens_per_second": 25,
     }
     thinker_config = {
         "text_config": text_config,
@@ -343,7 +362,10 @@ def _init(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
     """(kind, value) for one file tensor: ("const", c) or ("normal", std)."""
     leaf = name.rsplit(".", 1)[-1]
     module = name.rsplit(".", 2)[-2]
+    dit = name.startswith("token2wav.code2wav_dit_model.")
     if len(shape) == 1:
+        if name == "token2wav.code2wav_dit_model.proj_out.bias":
+            return "const", DIT_MEL_MEAN
         if leaf == "bias":
             return "const", 0.0
         if leaf in ("alpha", "beta"):  # SnakeBeta keeps log-scale parameters: exp(0) = 1
@@ -352,7 +374,10 @@ def _init(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
             return "const", 1.0
         raise ValueError(f"no init rule for 1-D tensor {name}")
     if len(shape) >= 3:  # convolutions
-        return "normal", CONV_GAIN / math.sqrt(math.prod(shape[1:]))
+        gain = VOCODER_CONV_GAIN if name.startswith("token2wav.code2wav_bigvgan_model.") else CONV_GAIN
+        return "normal", gain / math.sqrt(math.prod(shape[1:]))
+    if dit:
+        return "normal", 1.0 if module == "codec_embed" else DIT_GAIN / math.sqrt(shape[1])
     return "normal", INIT_STD
 
 
