@@ -1,7 +1,7 @@
 """Runner of the generation stage: the decoder, batched across requests.
 
-The decoder is whatever the stage's checkpoint holds (`load_window_decoder`: Qwen3-Omni's code2wav
-or the tiny codec), used only through `WindowDecoder`. A request's codes arrive as the talker's
+The decoder is whatever the stage's checkpoint holds (`load_window_decoder`: Qwen3-Omni's code2wav,
+Qwen2.5-Omni's token2wav or the tiny codec), used only through `WindowDecoder`. A request's codes arrive as the talker's
 token ids (one codebook) or as `codes` tensor frames ([num_quantizers, k] per output, collected
 into one [num_quantizers, N] tensor per request); the hand-off (`talker_to_decoder`) cuts them into
 windows of `chunk_size` codes with the decoder's receptive field of context. Each step decodes up
@@ -10,7 +10,9 @@ request's audio leaves in order, taking requests round-robin: the windows that d
 queued for the next steps, and a request served now goes behind those that were not; first windows
 (a request's first audio) go before all others, in batches of their own. Every window
 is checked (shape, each codebook's code range) before the batch runs; if a batched pass fails,
-each window of it is decoded alone, so only the request whose window fails is failed.
+each window of it is decoded alone, so only the request whose window fails is failed. Every window
+carries its request's sampling seed (`CodeWindow.seed`, from the StreamStart's sampling; 0 when the
+client gave none): a decoder that samples (Qwen2.5-Omni's token2wav) draws its noise from it.
 
 With `pacing:` (scheduler/pacing.py) every streamed answer has a playback clock moved by the samples
 the stage emits: an answer more than the lead ahead of its playback yields its turn while another
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from omni_cache.handoff import CODES_FRAME, DecodeJob, HandoffContext, Upstream
 from omni_cache.models.code_windows import CodeWindow, check_window
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import StageOutput
+from omni_cache.wire.messages import StageOutput, StreamStart
 from scheduler.pacing import PlaybackClock
 from workers.runner import StageRunner, deadline_in, stage_pacer
 
@@ -52,6 +54,7 @@ class _DecodeRequest:
     seq: int = 0
     frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
     clock: PlaybackClock | None = None  # a streamed answer's playback as this stage emits it
+    seed: int = 0  # the request's sampling seed (0: none given), copied onto its windows
 
 
 class DecoderRunner(StageRunner):
@@ -89,6 +92,9 @@ class DecoderRunner(StageRunner):
             )
             if self.pacer is not None and msg.stream:
                 req.clock = self.pacer.clock()
+            sampling = msg.sampling if isinstance(msg, StreamStart) else None
+            if sampling is not None and sampling.seed is not None:
+                req.seed = sampling.seed
             self.total_requests += 1
         bad = [c for c in msg.token_ids if c < 0]
         if bad:
@@ -104,6 +110,8 @@ class DecoderRunner(StageRunner):
                 raise TypeError(
                     f"hand-off {self.stage.handoff} returned a {type(job).__name__}: the decoder stage runs DecodeJob"
                 )
+            if job.window is not None and req.seed:
+                job.window = replace(job.window, seed=req.seed)
             req.jobs.append(job)
 
     def _add_frame(self, req: _DecodeRequest, tensors: dict[str, torch.Tensor]) -> None:

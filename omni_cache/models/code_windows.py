@@ -4,9 +4,11 @@ A decoder turns codes ``[num_quantizers, T]`` into a waveform; streaming decodes
 window by window (:class:`CodeWindow`: left context, the codes whose audio is emitted, lookahead),
 as far as the decoder's :class:`ReceptiveField` says a sample reaches. :class:`WindowDecoder` is
 that contract: the decoder stage (``workers/decoder_runner.py``) and the talker -> decoder hand-off
-use only it. Two decoders satisfy it: Qwen3-Omni's code2wav
-(:class:`~omni_cache.models.qwen3_omni_code2wav.Code2WavDecoder`) and the tiny one-codebook codec
-through its adapter (:class:`~omni_cache.models.codec_decoder.CodecWindowDecoder`);
+use only it. Three decoders satisfy it: Qwen3-Omni's code2wav
+(:class:`~omni_cache.models.qwen3_omni_code2wav.Code2WavDecoder`), Qwen2.5-Omni's token2wav
+(:class:`~omni_cache.models.qwen2_5_omni_token2wav.Token2WavDecoder`: block-aligned windows, and a
+window also carries its request's speaker, seed and position in the stream) and the tiny one-codebook
+codec through its adapter (:class:`~omni_cache.models.codec_decoder.CodecWindowDecoder`);
 :func:`omni_cache.models.window_decoders.load_window_decoder` picks one from a checkpoint
 folder's ``config.json``.
 """
@@ -41,6 +43,11 @@ class ReceptiveField:
     #: ``[start, stop)``, samples ``[start * spc - lag, stop * spc - lag)`` (from 0 for the first
     #: window); their concatenation is the whole decode, and the first audio needs one code.
     lag_samples: int = 0
+    #: Codes per block of a decoder that computes in fixed blocks of codes counted from the stream's
+    #: start (Qwen2.5-Omni's DiT attends block-wise): a window that does not end the stream starts
+    #: and stops its emitted codes on block boundaries, so its blocks are the whole sequence's
+    #: (left_codes and right_codes are then whole blocks too). 1: any boundary.
+    block_codes: int = 1
 
     def context_codes(self, samples_per_code: int) -> int:
         """Left context of a window: what a sample at its first code needs, plus the codes its
@@ -62,6 +69,13 @@ class CodeWindow:
     codes: torch.Tensor
     start: int
     stop: int
+    #: Index of ``codes[:, 0]`` in the request's stream (a decoder whose computation depends on the
+    #: absolute position, e.g. noise drawn for the whole sequence, needs it).
+    offset: int = 0
+    #: The request's voice for a decoder conditioned on a speaker; None: the checkpoint's default.
+    speaker: str | None = None
+    #: Seed of the request's random draws for a decoder that samples (the request's sampling seed).
+    seed: int = 0
 
     @property
     def final(self) -> bool:
@@ -106,6 +120,9 @@ def next_window(
         raise ValueError(f"emitted={emitted} is outside the {n} codes received")
     ready = n if final else max(emitted, n - rf.right_codes)
     stop = ready if max_codes is None else min(ready, emitted + max_codes)
+    if rf.block_codes > 1 and stop < n:
+        capped = max_codes is not None and stop == emitted + max_codes
+        stop = _block_stop(rf.block_codes, emitted, stop, ready, final, capped)
     if final and n - stop < rf.right_codes:
         stop = n  # too little left to serve as lookahead: finish the stream in this window
     if stop <= emitted:
@@ -117,7 +134,23 @@ def next_window(
     ctx = rf.left_codes if left_context is None else left_context
     first = max(0, emitted - ctx)
     last = n if stop == n else min(n, stop + rf.right_codes)
-    return CodeWindow(codes[:, first:last], emitted - first, stop - first)
+    return CodeWindow(codes[:, first:last], emitted - first, stop - first, offset=first)
+
+
+def _block_stop(block: int, emitted: int, stop: int, ready: int, final: bool, capped: bool) -> int:
+    """``stop`` moved to a block boundary: up to the next one when the codes up to it are ready (so
+    a cap smaller than a block still emits one block: the smallest first audio such a decoder can
+    give); else the rest of a stream that has ended; else, for a window ``max_codes`` capped,
+    nothing yet (wait until its last block is there rather than emit less than asked); else down
+    to the last ready boundary."""
+    up = -(-stop // block) * block
+    if up <= ready:
+        return up
+    if final:
+        return ready
+    if capped:
+        return emitted
+    return max(emitted, ready // block * block)
 
 
 def check_window(decoder: WindowDecoder, w: CodeWindow) -> None:
