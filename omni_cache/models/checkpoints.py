@@ -118,7 +118,7 @@ CHECKPOINT_NAMES = tuple(TINY_MODELS)
 # Written last inside a checkpoint directory; its presence means the directory is complete.
 COMPLETE_MARKER = ".omni_cache_complete"
 # Bump when the generator changes what it writes (part of the marker, so stale caches are rebuilt).
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 
 
 # ---- helpers ---------------------------------------------------------------------------------------

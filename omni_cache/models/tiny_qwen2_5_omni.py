@@ -131,7 +131,8 @@ DIT_GAIN = 1.0
 # The DiT's output bias: the log-mel at which BigVGAN's normalized input (dB over [-115, 0], 20 dB
 # headroom) is 0, as a trained DiT's mean output sits mid-range. At bias 0 the vocoder sees a constant
 # +0.65 in every bin and its output is a fixed pattern of the upsampling kernels, not the mel.
-DIT_MEL_MEAN = math.log(10 ** ((-115 / 2 + 20) / 20))
+# Rounded to 1/16 (-4.3125), a value every dtype holds exactly, so the tensor reads as a constant.
+DIT_MEL_MEAN = round(16 * math.log(10 ** ((-115 / 2 + 20) / 20))) / 16
 # BigVGAN stacks ~40 convolutions with SnakeBeta (x + sin^2) activations; its output level is steep in
 # the gain: 0.8 gives std ~0.04, 0.88 ~0.16 (the waveform's difference between two code sequences
 # ~40% of that), 0.95 clips 40% of the samples.
