@@ -130,8 +130,9 @@ def stage_request(llm: Any, sampling: Any) -> WarmupRequest:
     tokenizer = _tokenizer(llm)
     if tokenizer is not None:
         return WarmupRequest("stage_sampling", {"prompt_token_ids": tokenizer.encode(PROMPT)}, params)
-    hidden = llm.engine.vllm_config.model_config.get_hidden_size()
-    return WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, hidden)}, params, streamed=True)
+    # As wide as the talker's inputs, which need not be its hidden size (Qwen2.5-Omni's are the thinker's).
+    width = llm.engine.vllm_config.model_config.get_inputs_embeds_size()
+    return WarmupRequest("stage_sampling", {"prompt_embeds": torch.zeros(4, width)}, params, streamed=True)
 
 
 def warmup_requests(llm: Any) -> list[WarmupRequest]:
@@ -246,8 +247,7 @@ def _run_alone(llm: Any, request_id: str, request: WarmupRequest) -> None:
     if request.streamed:
         from scheduler.streamed_rows import StreamedRows
 
-        hidden = llm.engine.vllm_config.model_config.get_hidden_size()
-        streamed = StreamedRows(torch.zeros(hidden))
+        streamed = StreamedRows(torch.zeros(llm.engine.vllm_config.model_config.get_inputs_embeds_size()))
         streamed.add(None, done=True)
     llm.add(request_id, request.prompt, request.params, streamed=streamed)
     for _ in range(MAX_STEPS):
