@@ -12,12 +12,13 @@ for it (`projection_dim`, `ModelConfig.get_inputs_embeds_size`).
 
 Loaded from the released checkpoint folder as it is: `talker_hf_overrides` makes vLLM see the
 folder's `talker_config` with this class as its architecture, and `load_weights` takes the
-`talker.*` tensors of the shared weight file. The prompt (and the logits rule, `qwen2_5_omni_talker_logits`)
-are the stage hand-off's to build; this module only names the reference's rule.
+`talker.*` tensors of the shared weight file. The prompt is the stage hand-off's to build; this
+module names the reference's logits rule and stop ids for it (`qwen2_5_omni_talker_logits`,
+`qwen2_5_omni_talker_stop_token_ids`).
 
-Built from vLLM's own layers (`LlamaAttention`: unlike vLLM's Qwen2 attention it reads `head_dim`
-from the config, which the released talker sets to 64 with 896 / 12 heads; `Qwen2MLP`, `RMSNorm`,
-its embedding and head), registered through vLLM's model registry (workers/models/__init__.py).
+Built from vLLM's own layers (`LlamaAttention`: it reads the config's `head_dim`, which vLLM's Qwen2
+attention would derive as hidden_size // num_heads instead; `Qwen2MLP`, `RMSNorm`, its embedding
+and head), registered through vLLM's model registry (workers/models/__init__.py).
 """
 
 from __future__ import annotations
