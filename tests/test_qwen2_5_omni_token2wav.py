@@ -5,7 +5,6 @@ seeds reach the audio, bad speakers and codes are refused. No vLLM here."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from omni_cache.handoff import HandoffContext, Upstream, talker_to_decoder
 from omni_cache.models import checkpoints as ck
 from omni_cache.models import tiny_qwen2_5_omni as q25
 from omni_cache.models.code_windows import CodeWindow
-from omni_cache.models.qwen2_5_omni_token2wav import STREAM_ATOL, WHOLE_ATOL, Token2WavDecoder
+from omni_cache.models.qwen2_5_omni_token2wav import STREAM_MAX_ABS, STREAM_RMS, WHOLE_ATOL, Token2WavDecoder
 from omni_cache.models.window_decoders import load_window_decoder
 from omni_cache.wire.messages import StageOutput, StreamStart
 from omni_cache.wire.sampling import EngineSampling
@@ -131,37 +130,31 @@ def test_streamed_within_measured_bound(decoder, codes, whole):
         assert w.offset % 12 == 0 and (w.offset + w.start) % 12 == 0
         assert (w.offset + w.stop) % 12 == 0 or w.final
     for chunks in (windows, _reference_chunks(decoder, codes)):
-        wav = _audio(decoder, chunks, seed=3)
-        assert wav.shape == whole.shape
-        assert (wav - whole).abs().max() <= STREAM_ATOL  # measured up to 7.2e-7 on 192 codes
+        diff = _audio(decoder, chunks, seed=3) - whole
+        assert diff.shape == whole.shape
+        # Measured 6.9e-3 / 4.5e-3, RMS 2.3e-4 / 1.4e-4 here (signal std 0.135): close, but not rounding.
+        assert 1e-4 < diff.abs().max() <= STREAM_MAX_ABS and diff.pow(2).mean().sqrt() <= STREAM_RMS
 
 
-def _reference_chunks(decoder, codes) -> list[CodeWindow]:
+def _reference_chunks(decoder, codes, left_context: int | None = None) -> list[CodeWindow]:
     windows, emitted = [], 0
-    while w := decoder.next_window(codes, emitted, True):
+    while w := decoder.next_window(codes, emitted, True, left_context=left_context):
         windows.append(w)
         emitted = w.offset + w.stop
     assert [w.stop - w.start for w in windows] == [36, 36, 36, 12]
     return windows
 
 
-def test_chunking_is_approximate_when_the_dit_mixes_frames(decoder, codes):
-    """The tiny DiT's random weights hardly mix frames, so its streamed audio is within rounding.
-    With attention and its gates scaled up (frames mix, as trained weights do), the same windows
-    part from the whole sequence far beyond the bound: chunked flow matching is not exact."""
-    module = copy.deepcopy(decoder.module)
-    for name, p in module.code2wav_dit_model.transformer_blocks.named_parameters():
-        if any(k in name for k in ("attn_norm.linear", "attn.to_q", "attn.to_k", "attn.to_out")):
-            p.mul_(30)
-    mixing = Token2WavDecoder(module, {n: {"cond": c, "ref_mel": r} for n, (c, r) in decoder.speakers.items()})
-    short = codes[:, :72]
-    wav = _audio(mixing, _handoff_windows(mixing, short[0].tolist()), seed=3)
-    assert (wav - mixing.decode(short, seed=3)).abs().max() > 100 * STREAM_ATOL  # measured 1.9e-3 on 192 codes
+def test_streaming_error_comes_from_cut_context(decoder, codes, whole):
+    """Without left context the DiT's chunks part from the whole sequence 20x further: the error is
+    the chunking's (what the DiT does not see), not the windows' bookkeeping."""
+    diff = _audio(decoder, _reference_chunks(decoder, codes, left_context=0), seed=3) - whole
+    assert diff.abs().max() > 5 * STREAM_MAX_ABS  # measured 0.41
 
 
 def test_speaker_and_seed_change_the_audio(decoder, codes, whole):
     other = decoder.decode(codes, speaker="Ethan", seed=3)
-    assert other.shape == whole.shape and (other - whole).abs().max() > 1e-2  # measured 3.7e-2
+    assert other.shape == whole.shape and (other - whole).abs().max() > 0.1  # measured 0.55
     assert (decoder.decode(codes, seed=4) - whole).abs().max() > 1e-1  # other noise: other audio
 
 
