@@ -193,7 +193,8 @@ class Pipeline:
         output the pipeline has (``("text", "audio")`` for the default pipelines).
         ``return_latents`` adds the thinker's latents (name -> tensor, one row per token: prompt
         and generated), and a later autoregressive stage's as ``"<stage>.<name>"`` (Qwen3-Omni's
-        talker: ``"talker.codes"``, every codebook, [num_code_groups, steps]).
+        talker: ``"talker.codes"``, every codebook, [num_code_groups, steps]; a one-codebook
+        talker's codes are its token ids, ``"talker.token_ids"``, its end-of-speech id included).
         ``max_tokens=None`` uses the thinker's configured default. ``media``: per prompt, the
         decoded images and clips (``omni_cache.serving.media.MediaItem``) for its placeholders.
         ``stream=True`` submits them as answers a client streams (``Submit.stream``): stages with

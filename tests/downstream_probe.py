@@ -54,3 +54,45 @@ def received(directory: Path) -> dict[tuple[int, ...], tuple[list[int], dict[str
         prompt = tuple(tensors.pop(PROMPT).tolist())
         out[prompt] = (tensors.pop(ANSWER).tolist(), tensors)
     return out
+
+
+def record_qwen2_5_talker_inputs(ctx: HandoffContext, up: Upstream, state: dict) -> list:
+    """``omni_cache.handoff.qwen2_5_omni_thinker_to_talker``, writing down the talker inputs it built
+    for each request (its prompt embeddings, then every streamed text row, in order) once the
+    thinker's stream ended: one file per request, ``<prompt digest>-<n>.safetensors``, n counting
+    the requests with that prompt (so a repeat does not overwrite the first)."""
+    from omni_cache.handoff import FeedJob, GenerateJob, qwen2_5_omni_thinker_to_talker
+
+    jobs = qwen2_5_omni_thinker_to_talker(ctx, up, state)
+    for job in jobs:
+        if isinstance(job, GenerateJob):
+            state["probe_prompt"] = job.prompt_embeds.clone()
+            state["probe_rows"] = [job.stream.rows.clone()]
+        elif isinstance(job, FeedJob):
+            state["probe_rows"].append(job.rows.clone())
+    if up.finished and not state.get("recorded") and "probe_prompt" in state:
+        state["recorded"] = True
+        from safetensors.torch import save_file
+
+        directory = Path(os.environ[PROBE_DIR_ENV])
+        prompt = torch.tensor(up.prompt_token_ids, dtype=torch.int64)
+        digest = hashlib.sha256(prompt.numpy().tobytes()).hexdigest()[:24]
+        n = len(list(directory.glob(f"{digest}-*.safetensors")))
+        tensors = {"prompt_embeds": state["probe_prompt"], "rows": torch.cat(state["probe_rows"]), PROMPT: prompt}
+        tmp = directory / f".{digest}-{n}.tmp"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp.replace(directory / f"{digest}-{n}.safetensors")
+    return jobs
+
+
+def talker_inputs(directory: Path) -> dict[tuple[int, ...], list[dict[str, torch.Tensor]]]:
+    """expanded prompt -> per request in arrival order, the talker inputs recorded for it."""
+    from safetensors.torch import load_file
+
+    out: dict[tuple[int, ...], list[dict[str, torch.Tensor]]] = {}
+    for path in sorted(
+        directory.glob("*-*.safetensors"), key=lambda p: (p.stem.rsplit("-", 1)[0], int(p.stem.rsplit("-", 1)[1]))
+    ):
+        tensors = load_file(str(path))
+        out.setdefault(tuple(tensors.pop(PROMPT).tolist()), []).append(tensors)
+    return out

@@ -110,6 +110,12 @@ class OutputAssembler:
         for name, t in tensors.items():
             if name != "audio":
                 req.latents.setdefault(prefix + name, []).append((msg.latent_start, t.clone()))
+        if prefix and msg.token_ids and CODES_FRAME not in tensors:
+            # A one-codebook talker's codes are its token ids (Qwen2.5-Omni): "talker.token_ids",
+            # in the order the stage sent them (its end-of-speech id included).
+            import torch
+
+            req.latents.setdefault(prefix + TOKEN_IDS, []).append((msg.seq, torch.tensor(msg.token_ids)))
 
     def completed(self, req: Request) -> Completed:
         """The terminal event of ``req``, every participant finished."""
@@ -131,6 +137,10 @@ class OutputAssembler:
         if "audio" not in req.modalities or speaker is None or speaker not in req.finished:
             return None
         return req.finished[speaker].input_text
+
+
+#: A later stage's generated token ids among a request's latents (``"<stage>.token_ids"``).
+TOKEN_IDS = "token_ids"
 
 
 def joined_latents(parts_by_name: dict[str, list[tuple[int, Any]]]) -> dict[str, Any]:

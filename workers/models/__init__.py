@@ -16,6 +16,8 @@ TALKER_ARCHITECTURE = "OmniCacheQwen3OmniTalker"
 QWEN3_OMNI_ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
 #: The architecture name of this project's Qwen2.5-Omni talker (workers/models/qwen2_5_omni_talker.py).
 QWEN2_5_OMNI_TALKER_ARCHITECTURE = "OmniCacheQwen2_5OmniTalker"
+#: The released Qwen2.5-Omni checkpoints' architecture names; vLLM serves their thinker under both.
+QWEN2_5_OMNI_ARCHITECTURES = ("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration")
 #: The talker module of each family, by its checkpoint's config.json model_type: each module has
 #: the same small interface (its hf_overrides and the engine arguments it needs).
 TALKER_MODULES = {
@@ -49,6 +51,10 @@ def _register_omni_models() -> None:
     ModelRegistry.register_model(
         QWEN3_OMNI_ARCHITECTURE, "workers.models.qwen3_omni_thinker:Qwen3OmniThinkerForConditionalGeneration"
     )
+    for arch in QWEN2_5_OMNI_ARCHITECTURES:
+        ModelRegistry.register_model(
+            arch, "workers.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"
+        )
 
 
 def talker_module(model: str) -> Any:
