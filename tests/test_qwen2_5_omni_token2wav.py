@@ -107,6 +107,11 @@ def test_whole_window_equals_transformers(path, decoder, codes, whole):
     assert (whole - ref).abs().max() <= WHOLE_ATOL  # measured: 0 (bitwise)
     assert 0.05 < whole.std() < 0.5  # a real signal, not silence or clipping
     assert torch.equal(decoder.decode(codes, speaker=q25.DEFAULT_SPEAKER, seed=3), whole)  # None = the default
+    odd = codes[:, :50]  # not a whole number of DiT blocks: the last block is short, as in the reference
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ref = model.token2wav(odd, conditioning=spk["cond"].float(), reference_mel=spk["ref_mel"].float())
+    assert (decoder.decode(odd) - ref).abs().max() <= WHOLE_ATOL
 
 
 def test_noise_is_prefix_consistent(decoder):
@@ -209,6 +214,10 @@ def test_batched_windows_equal_single(decoder, codes):
     assert [b.shape[0] for b in batched] == [(w.stop - w.start) * 480 for w in windows]
     for w, b in zip(windows, batched):
         torch.testing.assert_close(b, decoder.decode_windows([w])[0], atol=WHOLE_ATOL, rtol=0)
+    # Context that starts inside a block is cut back to the block boundary: the DiT sees whole blocks.
+    ragged = CodeWindow(codes[:, 5:60], 19, 31, offset=5, seed=2)
+    aligned = CodeWindow(codes[:, 12:60], 12, 24, offset=12, seed=2)
+    assert torch.equal(*decoder.decode_windows([ragged]), *decoder.decode_windows([aligned]))
 
 
 def test_vocoder_reach_bounds_the_real_one(decoder):
