@@ -441,7 +441,8 @@ def talker_to_decoder(ctx: HandoffContext, up: Upstream, state: dict) -> list[De
     emitted = state.get("emitted", 0)
     jobs = []
     while True:
-        size = min(FIRST_CHUNK_CODES << state.get("windows", 0), chunk)
+        # A decoder that works in blocks of codes (token2wav's DiT: 12) starts at one block.
+        size = min(max(FIRST_CHUNK_CODES, rf.block_codes) << state.get("windows", 0), chunk)
         if not up.finished and codes.shape[-1] - rf.right_codes < emitted + size:
             break  # wait for a whole chunk and its lookahead
         window = next_window(

@@ -9,7 +9,7 @@ track, each asked twice: the second time the thinker's prefix cache covers the m
 talker's own prefix cache hits). The talker receives its inputs through a recording hand-off
 (tests/downstream_probe.py): on the hit, its prompt embeddings and every streamed row are bitwise
 the ones it received when the thinker computed every row (the first, cold, request: the hidden-state
-cache served the hit's rows). The waveform must match within WAVE_ATOL.
+cache served the hit's rows). The waveform must match within WAVE_ATOL and WAVE_RMS.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from media_samples import clip_b64, png_data_url, video_data_url
 
 from omni_cache.config import load_config
 from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.models.qwen2_5_omni_token2wav import STREAM_MAX_ABS, STREAM_RMS
 from omni_cache.pipeline import Pipeline
 from omni_cache.serving.chat_request import MediaPart
 from omni_cache.serving.media import MediaDecoder
@@ -41,9 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 THINKER_TOKENS = 12
 TALKER_STEPS = 40  # the talker's sampling.max_tokens (random weights rarely say end-of-speech)
-# token2wav in float32 over the same codes and the same initial noise; the decoder streams it in
-# windows (omni_cache/models/qwen2_5_omni_token2wav.py says what that costs against one whole pass).
-WAVE_ATOL = 1e-3
+# token2wav in float32 over the same codes and the same initial noise. The decoder streams it in the
+# reference's chunks (3 DiT blocks with 2 of past and 1 of future context): chunked flow matching is
+# not exact, since the DiT's reach grows with each of its 36 evaluations, so the waveform is held to
+# the decoder's measured streaming bounds (omni_cache/models/qwen2_5_omni_token2wav.py); a whole
+# window equals the reference to 1e-6 (tests/test_qwen2_5_omni_token2wav.py).
+WAVE_ATOL, WAVE_RMS = STREAM_MAX_ABS, STREAM_RMS
 
 PROMPTS = {
     "text": [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}],
@@ -150,6 +154,7 @@ def check_against_reference(got, want_text, want_codes, want_wav, model) -> None
     assert codes == want_codes
     assert got.audio is not None and got.audio.shape == want_wav.shape
     assert np.abs(got.audio - want_wav).max() <= WAVE_ATOL
+    assert float(np.sqrt(np.mean((got.audio - want_wav) ** 2))) <= WAVE_RMS
 
 
 def check_hit_rows_equal_cold_rows(probe_dir: Path, prompt: list[int]) -> None:

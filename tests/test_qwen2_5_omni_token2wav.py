@@ -131,7 +131,7 @@ def test_streamed_within_measured_bound(decoder, codes, whole):
     """The hand-off's windows (one block first, then growing to 36-code chunks, all on block
     boundaries) and the reference's fixed 36-code chunks, against the whole-sequence decode."""
     windows = _handoff_windows(decoder, codes[0].tolist())
-    assert [w.stop - w.start for w in windows] == [12, 12, 12, 12, 24, 36, 12]
+    assert [w.stop - w.start for w in windows] == [12, 24, 36, 36, 12]
     for w in windows:
         assert w.offset % 12 == 0 and (w.offset + w.start) % 12 == 0
         assert (w.offset + w.stop) % 12 == 0 or w.final
@@ -184,7 +184,7 @@ def test_speaker_and_seed_change_the_audio(decoder, codes, whole):
 
 
 def test_unknown_speaker_is_refused(decoder, codes):
-    with pytest.raises(ValueError, match=r"unknown speaker 'Nobody'.*\['Chelsie', 'Ethan'\]"):
+    with pytest.raises(ValueError, match=r"unknown voice 'Nobody'; this checkpoint speaks with Chelsie, Ethan"):
         decoder.decode_windows([CodeWindow(codes[:, :12], 0, 12, speaker="Nobody")])
 
 
@@ -240,8 +240,9 @@ def test_runner_gives_windows_the_request_seed(tmp_path, path, decoder, codes):
             first = StageOutput(request_id=rid, stage="talker", seq=0, token_ids=ids, finished=True)
             runner.accept(StreamStart.opening(first, sampling=EngineSampling(seed=seed)), {})
         seeded, unseeded = (list(runner.requests[r].jobs) for r in ("seeded", "unseeded"))
-        assert [j.window.seed for j in seeded] == [7, 7, 7] and [j.window.seed for j in unseeded] == [0, 0, 0]
-        # Asked for 1, 2, 4 codes: whole blocks; the last takes the 4 codes too few for lookahead.
-        assert [j.window.stop - j.window.start for j in seeded] == [12, 12, 16] and seeded[-1].last
+        assert len(seeded) == len(unseeded) >= 2
+        assert all(j.window.seed == 7 for j in seeded) and all(j.window.seed == 0 for j in unseeded)
+        # One block first, then two (the stream ends: the last window takes what is left).
+        assert [j.window.stop - j.window.start for j in seeded] == [12, 28] and seeded[-1].last
     finally:
         close()

@@ -110,8 +110,10 @@ class DecoderRunner(StageRunner):
                 raise TypeError(
                     f"hand-off {self.stage.handoff} returned a {type(job).__name__}: the decoder stage runs DecodeJob"
                 )
-            if job.window is not None and req.seed:
-                job.window = replace(job.window, seed=req.seed)
+            if job.window is not None and (req.seed or req.upstream.voice):
+                # The request's seed and voice go with each window (a speaker-conditioned decoder
+                # reads them; others ignore them).
+                job.window = replace(job.window, seed=req.seed, speaker=req.upstream.voice or None)
             req.jobs.append(job)
 
     def _add_frame(self, req: _DecodeRequest, tensors: dict[str, torch.Tensor]) -> None:

@@ -84,6 +84,7 @@ from pathlib import Path
 import torch
 
 from omni_cache.models.code_windows import CodeWindow, ReceptiveField, check_window, next_window
+from omni_cache.models.voices import resolve_voice
 
 __all__ = ["DEFAULT_SPEAKER", "SAMPLE_RATE", "STREAM_MAX_ABS", "STREAM_RMS", "WHOLE_ATOL", "Token2WavDecoder"]
 
@@ -165,11 +166,7 @@ class Token2WavDecoder:
     def speaker(self, name: str | None) -> str:
         """The voice a window speaks with: ``name``, or the default for None. ValueError naming the
         checkpoint's voices for any other name."""
-        if name is None:
-            return self.default_speaker
-        if name not in self.speakers:
-            raise ValueError(f"unknown speaker {name!r}; this checkpoint has {sorted(self.speakers)}")
-        return name
+        return resolve_voice(name or "", list(self.speakers), self.default_speaker)
 
     def noise(self, seed: int, first: int, last: int) -> torch.Tensor:
         """The request's initial noise for mel frames ``[first, last)``, ``[last - first, mel_dim]``:
