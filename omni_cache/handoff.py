@@ -388,7 +388,7 @@ def qwen2_5_omni_thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dic
                 stream=RowStream(talker.text_pad.to(rows.dtype), text, up.finished),
                 last=True,
                 stop_token_ids=talker.stop_ids(),
-                extra_args=_qwen2_5_omni_logits(talker),
+                extra_args=qwen2_5_omni_talker_logits(talker),
                 positions=(positions, delta) if delta else None,
             )
         ]
@@ -415,9 +415,10 @@ def _qwen2_5_omni_input(ctx: HandoffContext) -> Any:
     return ctx.resources["qwen2_5_omni_input"]
 
 
-def _qwen2_5_omni_logits(talker: Any) -> dict[str, Any]:
-    # The reference's talker `generate`: repetition penalty 1.05 over its input ids (the prompt's
-    # codec mask, pad and bos) and the generated codes; codec bos suppressed.
+def qwen2_5_omni_talker_logits(talker: Any) -> dict[str, Any]:
+    """The reference's talker `generate` rule for `talker` (a `Qwen25TalkerInput`): HF's repetition
+    penalty 1.05 over its input ids (a prompt of embeddings has none, so the reference's codec mask,
+    pad and bos are given) and the generated codes; codec bos suppressed (workers/codec_logits.py)."""
     bos = talker.codec_bos_id
     return codec_logits_args(
         QWEN2_5_OMNI_TALKER_REPETITION_PENALTY, (bos, bos + 1), keep=[], prompt_ids=talker.penalized_prompt_ids()

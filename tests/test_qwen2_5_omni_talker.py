@@ -11,7 +11,7 @@ hand-off must give them: prompt embeddings (the thinker rows, the codec pad and 
 the last two, as the reference's forward does at prefill), the reply rows streamed while it runs (the
 reference's `thinker_reply_part`: reply rows 1.., text eos, then text pad for ever), the prompt's
 M-RoPE positions from the reference's `get_rope_index`, and the logits rule of
-`qwen2_5_omni_talker_logits`. The code ids must be equal.
+`omni_cache.handoff.qwen2_5_omni_talker_logits`. The code ids must be equal.
 
 transformers 5.19's `generate` drops an all-ones attention mask before the forward (generation/utils.py,
 "We can drop the mask altogether if it's all 1s"), and the talker's forward takes both its prefill
@@ -102,9 +102,8 @@ def _keep_attention_mask(module, args, kwargs):
 
 
 def _stop_ids(model) -> list[int]:
-    from workers.models.qwen2_5_omni_talker import qwen2_5_omni_talker_stop_token_ids
-
-    return qwen2_5_omni_talker_stop_token_ids(model.config.talker_config)
+    cfg = model.config.talker_config
+    return [cfg.tts_codec_pad_token_id, cfg.tts_codec_end_token_id]  # the reference's talker_eos_token_id
 
 
 def reference_inputs(model, processor, messages, speaker: str = "Chelsie", images=None) -> dict:
@@ -159,7 +158,8 @@ def reference_run(model, kwargs: dict) -> tuple[list[int], torch.Tensor]:
 
 def talker_job(model, kwargs: dict) -> dict:
     """Our talker's request, as the stage hand-off must build it from the thinker's output."""
-    from workers.models.qwen2_5_omni_talker import qwen2_5_omni_talker_logits
+    from omni_cache.handoff import qwen2_5_omni_talker_logits
+    from omni_cache.models.qwen2_5_omni_talker_input import Qwen25TalkerInput
 
     cfg = model.config.talker_config
     codec = model.talker.get_input_embeddings()
@@ -183,7 +183,7 @@ def talker_job(model, kwargs: dict) -> dict:
         rows=reply[:-1].clone(),  # reply rows 1.., then text eos
         pad=reply[-1].clone(),  # text pad: every step after the last row reads it
         stop=_stop_ids(model),
-        extra_args=qwen2_5_omni_talker_logits(cfg),
+        extra_args=qwen2_5_omni_talker_logits(Qwen25TalkerInput.load(model.name_or_path)),
     )
 
 
@@ -305,11 +305,14 @@ def test_two_speakers_prompts_differ_from_the_speaker_row_on(talker, reference_m
 def test_the_logits_rule_is_hfs_penalty_over_prompt_ids_and_codes_then_bos_suppressed(reference_model):
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor
 
+    from omni_cache.handoff import QWEN2_5_OMNI_TALKER_REPETITION_PENALTY as REPETITION_PENALTY
+    from omni_cache.handoff import qwen2_5_omni_talker_logits
+    from omni_cache.models.qwen2_5_omni_talker_input import Qwen25TalkerInput
     from workers.codec_logits import CodecLogits
-    from workers.models.qwen2_5_omni_talker import REPETITION_PENALTY, qwen2_5_omni_talker_logits
 
     cfg = reference_model.config.talker_config
-    params = type("Params", (), {"extra_args": qwen2_5_omni_talker_logits(cfg)})()
+    talker_input = Qwen25TalkerInput.load(reference_model.name_or_path)
+    params = type("Params", (), {"extra_args": qwen2_5_omni_talker_logits(talker_input)})()
     rule = CodecLogits.__new__(CodecLogits).new_req_logits_processor(params)
     prompt = [cfg.tts_codec_mask_token_id] * 5 + [cfg.tts_codec_pad_token_id, cfg.tts_codec_start_token_id]
     generated = [3, 7, 7, cfg.tts_codec_end_token_id]

@@ -12,9 +12,9 @@ for it (`projection_dim`, `ModelConfig.get_inputs_embeds_size`).
 
 Loaded from the released checkpoint folder as it is: `talker_hf_overrides` makes vLLM see the
 folder's `talker_config` with this class as its architecture, and `load_weights` takes the
-`talker.*` tensors of the shared weight file. The prompt is the stage hand-off's to build; this
-module names the reference's logits rule and stop ids for it (`qwen2_5_omni_talker_logits`,
-`qwen2_5_omni_talker_stop_token_ids`).
+`talker.*` tensors of the shared weight file. The prompt, the logits rule and the stop ids are the
+stage hand-off's (`omni_cache.handoff.qwen2_5_omni_thinker_to_talker`,
+`omni_cache.models.qwen2_5_omni_talker_input`).
 
 Built from vLLM's own layers (`LlamaAttention`: it reads the config's `head_dim`, which vLLM's Qwen2
 attention would derive as hidden_size // num_heads instead; `Qwen2MLP`, `RMSNorm`, its embedding
@@ -40,10 +40,6 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from workers.models import QWEN2_5_OMNI_TALKER_ARCHITECTURE
 
-#: transformers' reference (`Qwen2_5OmniForConditionalGeneration.generate`) samples the talker with
-#: this repetition penalty (its `talker_repetition_penalty` default).
-REPETITION_PENALTY = 1.05
-
 
 def talker_hf_overrides(config: Any) -> Any:
     """vLLM `hf_overrides`: the checkpoint's Qwen2.5-Omni config -> its talker's config, served by
@@ -63,28 +59,6 @@ def talker_hf_overrides(config: Any) -> Any:
 def talker_engine_kwargs() -> dict[str, Any]:
     """Engine arguments this talker needs beyond every talker's (workers/llm_stage.py): none."""
     return {}
-
-
-def _field(talker_config: Any, name: str) -> int:
-    return int(talker_config[name] if isinstance(talker_config, dict) else getattr(talker_config, name))
-
-
-def qwen2_5_omni_talker_logits(talker_config: Any) -> dict[str, Any]:
-    """`SamplingParams.extra_args` asking for the reference's logits rule (workers/codec_logits.py):
-    HF's repetition penalty (REPETITION_PENALTY) over the codes generated so far AND the ids of the
-    reference's talker prompt (codec_mask at every thinker prompt position, then codec_pad and
-    codec_bos: a prompt of embeddings has no ids of its own, so they are given), and codec_bos never
-    sampled (`suppress_tokens`). `talker_config`: the checkpoint's `talker_config` (object or dict)."""
-    from omni_cache.handoff import codec_logits_args
-
-    mask, pad, bos = (_field(talker_config, f"tts_codec_{k}_token_id") for k in ("mask", "pad", "start"))
-    return codec_logits_args(REPETITION_PENALTY, (bos, bos + 1), keep=[], prompt_ids=[mask, pad, bos])
-
-
-def qwen2_5_omni_talker_stop_token_ids(talker_config: Any) -> list[int]:
-    """The reference's `talker_eos_token_id` default, [8292, 8294]: the released checkpoint's
-    codec_pad and codec_end, read here from the checkpoint's config."""
-    return [_field(talker_config, "tts_codec_pad_token_id"), _field(talker_config, "tts_codec_end_token_id")]
 
 
 class TalkerDecoderLayer(nn.Module):
