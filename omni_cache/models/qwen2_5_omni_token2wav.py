@@ -31,9 +31,9 @@ sequence's blocks), and keeps the mel of the emitted codes. The vocoder runs ove
 window's own mel of its context, up to the vocoder's receptive field (:attr:`Token2WavDecoder.vocoder_frames`,
 a bound computed from the module tree: 41 mel frames for the released upsampling), and the audio is
 trimmed to the emitted codes. The reference runs chunks of 3 blocks (36 codes: set the stage's
-``chunk_size`` to 36). The hand-off (``talker_to_decoder``, unchanged) asks for 1, 2, 4, ... codes
-first; ``next_window`` rounds each up to whole blocks, so the first audio needs 24 codes (one block and
-its lookahead) and the windows emit 12, 12, 12, 12, 24, then 36 codes.
+``chunk_size`` to 36). The hand-off (``talker_to_decoder``) asks for one block first, then twice as
+many up to ``chunk_size``, and ``next_window`` keeps windows on whole blocks: the windows emit 12, 24,
+then 36 codes, and the first audio needs 24 codes (one block and its lookahead: 480 ms of speech).
 
 Streamed audio is not the whole sequence's, not even in exact arithmetic: every DiT evaluation lets a
 frame see one more block ahead and two more back (one look-ahead layer, two look-back layers), and
@@ -46,8 +46,8 @@ How far the two part depends on how much the DiT mixes frames, which random weig
 on the tiny checkpoint (192 codes = 3.84 s, seeds 0-2, both speakers, waveform std 0.13-0.15, one
 code's change moving the audio by 0.07-0.12), streamed against whole-sequence audio:
 
-- format 10 (every DiT linear at 1/sqrt(fan_in)): the hand-off's windows (12, 12, 12, 12, 24, 36, 36,
-  36, 12 codes) max |diff| 3.9-6.7e-3, RMS 1.6-2.1e-4; the reference's fixed 36-code chunks max
+- format 10 (every DiT linear at 1/sqrt(fan_in)): the hand-off's windows of the time (12, 12, 12, 12,
+  24, 36, 36, 36, 12 codes) max |diff| 3.9-6.7e-3, RMS 1.6-2.1e-4; the reference's fixed 36-code chunks max
   3.7-6.7e-3, RMS 1.2-1.5e-4: an RMS error of 0.1-0.15% of the signal's.
 - the DiT blocks at std 0.02 (the next tiny init: their gates shut attention out, frames barely mix):
   max 0.6-1.3e-6, RMS 1.1e-7, float32 rounding.
