@@ -61,7 +61,7 @@ def talker_engine_kwargs() -> dict[str, Any]:
     return {}
 
 
-class TalkerDecoderLayer(nn.Module):
+class Qwen25TalkerDecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
@@ -100,7 +100,7 @@ class TalkerDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class TalkerModel(nn.Module):
+class Qwen25TalkerModel(nn.Module):
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
@@ -109,7 +109,7 @@ class TalkerModel(nn.Module):
             config.vocab_size, config.embedding_size, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            TalkerDecoderLayer(vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+            Qwen25TalkerDecoderLayer(vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -149,7 +149,7 @@ class Qwen2_5OmniTalkerForCausalLM(nn.Module, SupportsMRoPE):
             quant_config=None,
             prefix=maybe_prefix(prefix, "thinker_to_talker_proj"),
         )
-        self.model = TalkerModel(vllm_config, maybe_prefix(prefix, "model"))
+        self.model = Qwen25TalkerModel(vllm_config, maybe_prefix(prefix, "model"))
         self.codec_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, bias=False, prefix=maybe_prefix(prefix, "codec_head")
         )
