@@ -57,11 +57,12 @@ def received(directory: Path) -> dict[tuple[int, ...], tuple[list[int], dict[str
 
 
 def record_qwen2_5_talker_inputs(ctx: HandoffContext, up: Upstream, state: dict) -> list:
-    """``omni_cache.handoff.qwen2_5_omni_thinker_to_talker``, writing down the talker inputs it built
+    """``omni_cache.models.qwen2_5_omni_talker_input.thinker_to_talker``, writing down the talker inputs it built
     for each request (its prompt embeddings, then every streamed text row, in order) once the
     thinker's stream ended: one file per request, ``<prompt digest>-<n>.safetensors``, n counting
     the requests with that prompt (so a repeat does not overwrite the first)."""
-    from omni_cache.handoff import FeedJob, GenerateJob, qwen2_5_omni_thinker_to_talker
+    from omni_cache.handoff import FeedJob, GenerateJob
+    from omni_cache.models.qwen2_5_omni_talker_input import thinker_to_talker as qwen2_5_omni_thinker_to_talker
 
     jobs = qwen2_5_omni_thinker_to_talker(ctx, up, state)
     for job in jobs:

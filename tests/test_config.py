@@ -129,7 +129,7 @@ def test_qwen_example_needs_no_path_check() -> None:
     assert thinker.latents.layers == [] and thinker.latents.merged.media_layer == 24
     talker = config.stage("talker")
     assert talker.submodel == "talker" and talker.model == thinker.model
-    assert talker.handoff == "omni_cache.handoff.qwen3_omni_thinker_to_talker"
+    assert talker.handoff == "omni_cache.models.qwen3_omni_talker_prompt.thinker_to_talker"
     # Laid out for Ray: two thinker replicas on the thinker_gpu hosts, the audio stages together.
     assert config.server.ray_address == "auto" and all(config.placed_by_ray(s) for s in config.stages)
     assert all(s.address is None and s.ray is not None and s.ray.num_gpus == 1 for s in config.stages)

@@ -11,7 +11,7 @@ hand-off must give them: prompt embeddings (the thinker rows, the codec pad and 
 the last two, as the reference's forward does at prefill), the reply rows streamed while it runs (the
 reference's `thinker_reply_part`: reply rows 1.., text eos, then text pad for ever), the prompt's
 M-RoPE positions from the reference's `get_rope_index`, and the logits rule of
-`omni_cache.handoff.qwen2_5_omni_talker_logits`. The code ids must be equal.
+`omni_cache.models.qwen2_5_omni_talker_input.talker_logits`. The code ids must be equal.
 
 transformers 5.19's `generate` drops an all-ones attention mask before the forward (generation/utils.py,
 "We can drop the mask altogether if it's all 1s"), and the talker's forward takes both its prefill
@@ -158,8 +158,8 @@ def reference_run(model, kwargs: dict) -> tuple[list[int], torch.Tensor]:
 
 def talker_job(model, kwargs: dict) -> dict:
     """Our talker's request, as the stage hand-off must build it from the thinker's output."""
-    from omni_cache.handoff import qwen2_5_omni_talker_logits
     from omni_cache.models.qwen2_5_omni_talker_input import Qwen25TalkerInput
+    from omni_cache.models.qwen2_5_omni_talker_input import talker_logits as qwen2_5_omni_talker_logits
 
     cfg = model.config.talker_config
     codec = model.talker.get_input_embeddings()
@@ -305,9 +305,9 @@ def test_two_speakers_prompts_differ_from_the_speaker_row_on(talker, reference_m
 def test_the_logits_rule_is_hfs_penalty_over_prompt_ids_and_codes_then_bos_suppressed(reference_model):
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor
 
-    from omni_cache.handoff import QWEN2_5_OMNI_TALKER_REPETITION_PENALTY as REPETITION_PENALTY
-    from omni_cache.handoff import qwen2_5_omni_talker_logits
+    from omni_cache.models.qwen2_5_omni_talker_input import TALKER_REPETITION_PENALTY as REPETITION_PENALTY
     from omni_cache.models.qwen2_5_omni_talker_input import Qwen25TalkerInput
+    from omni_cache.models.qwen2_5_omni_talker_input import talker_logits as qwen2_5_omni_talker_logits
     from workers.codec_logits import CodecLogits
 
     cfg = reference_model.config.talker_config

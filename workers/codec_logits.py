@@ -9,7 +9,7 @@ documented extension point, registered through the `logits_processors` engine ar
 - suppressed ids: the talker's vocabulary ends with 1,024 control codes that are never sampled,
   except the end-of-speech code.
 
-Qwen2.5-Omni's talker (`omni_cache.handoff.qwen2_5_omni_talker_logits`) uses
+Qwen2.5-Omni's talker (`omni_cache.models.qwen2_5_omni_talker_input.talker_logits`) uses
 the same two rules with other arguments: its reference penalises the ids of its prompt as well
 (codec mask, pad and bos: `prompt_ids`), and suppresses only codec bos.
 

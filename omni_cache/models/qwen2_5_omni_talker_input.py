@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from omni_cache.cache.latent_rows import HIDDEN
+from omni_cache.models.handoff_jobs import FeedJob, GenerateJob, HandoffContext, RowStream, Upstream, codec_logits_args
 from omni_cache.models.qwen3_omni_talker_prompt import THINKER_EMBEDDINGS, EmbeddingRows
 from omni_cache.models.talker_positions import VisionTokens, talker_positions
 from omni_cache.models.voices import load_speakers, resolve_voice
@@ -41,6 +44,9 @@ from omni_cache.models.voices import load_speakers, resolve_voice
 CODEC_EMBEDDINGS = "talker.model.embed_tokens.weight"
 #: transformers' `generate` default speaker.
 DEFAULT_SPEAKER = "Chelsie"
+#: transformers' reference samples the talker with this repetition penalty (its
+#: `talker_repetition_penalty` default).
+TALKER_REPETITION_PENALTY = 1.05
 
 
 class Qwen25TalkerInput:
@@ -140,3 +146,84 @@ class Qwen25TalkerInput:
     def stop_ids(self) -> list[int]:
         """Where the reference's talker stops: codec pad and codec end (its `talker_eos_token_id`)."""
         return [self.codec_pad_id, self.codec_eos_id]
+
+
+# ---- the stage hand-off (stage_configs/qwen2_5_omni.yaml: the talker's `handoff`) --------------
+def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[GenerateJob | FeedJob]:
+    """Qwen2.5-Omni's talker over the thinker's output, as transformers' reference builds it, streamed
+    (`omni_cache.models.qwen2_5_omni_talker_input` says what each row is).
+
+    One talker request per answer, started once the thinker has sent the row of the answer's first
+    token (the thinker's second output): the prompt rows, the speaker row, that row. Every later row
+    is one step's text, fed to the running request as it arrives; when the thinker finishes, the
+    text-eos row follows, then the text-pad row for ever. A step ahead of the thinker waits for its
+    row (scheduler/streamed_rows.py), so the codes do not depend on timing. Reads the thinker's
+    final hidden states (`latents: {hidden: true}`) and its prompt ids (sent with its first
+    output); each row adds the token's embedding, read by id from the checkpoint.
+    """
+    talker = _qwen2_5_omni_input(ctx)
+    hidden = up.latents.get(HIDDEN)
+    if hidden is None:
+        raise ValueError(
+            f"the Qwen2.5-Omni talker needs the thinker's latents.hidden; it sent {sorted(up.latents) or 'none'}"
+        )
+    n_prompt = len(up.prompt_token_ids)
+    if not n_prompt:
+        raise ValueError("the thinker sent no prompt token ids (needed for the talker's rows and positions)")
+    ids = [*up.prompt_token_ids, *up.token_ids]
+    known = min(hidden.shape[0], len(ids))  # positions whose row is known
+    if not state.get("started"):
+        if known <= n_prompt and not up.finished:
+            return []
+        speaker = talker.speaker(up.voice)
+        head = min(known, n_prompt + 1)
+        rows = talker.rows(hidden[:head], ids[:head])
+        if known <= n_prompt:
+            # The answer ended before its first token was fed (a one-token answer): its first row
+            # is the end of the text, as if the answer were empty.
+            rows = torch.cat([rows[:n_prompt], talker.text_eos.to(rows.dtype)[None]])
+        first = up.token_ids[0] if up.token_ids else up.prompt_token_ids[-1]
+        rope_ids = talker.prompt_ids(list(up.prompt_token_ids), first, speaker)
+        positions, delta = talker.positions(rope_ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
+        state.update(started=True, rows_done=max(known, n_prompt + 1))
+        text = _qwen2_5_omni_text(talker, hidden, ids, n_prompt + 1, known, up.finished)
+        state["rows_finished"] = up.finished
+        return [
+            GenerateJob(
+                prompt_embeds=talker.prompt(rows, speaker),
+                stream=RowStream(talker.text_pad.to(rows.dtype), text, up.finished),
+                last=True,
+                stop_token_ids=talker.stop_ids(),
+                extra_args=talker_logits(talker),
+                positions=(positions, delta) if delta else None,
+            )
+        ]
+    if state.get("rows_finished") or (known <= state["rows_done"] and not up.finished):
+        return []
+    text = _qwen2_5_omni_text(talker, hidden, ids, state["rows_done"], known, up.finished)
+    state.update(rows_done=max(known, state["rows_done"]), rows_finished=up.finished)
+    return [FeedJob(text, up.finished)]
+
+
+def _qwen2_5_omni_text(
+    talker: Any, hidden: torch.Tensor, ids: list[int], start: int, stop: int, finished: bool
+) -> torch.Tensor:
+    """Text rows start..stop-1 (hidden state plus embedding), then text-eos once finished."""
+    rows = talker.rows(hidden[start:stop], ids[start:stop]) if stop > start else hidden[:0]
+    return torch.cat([rows, talker.text_eos.to(rows.dtype)[None]]) if finished else rows
+
+
+def _qwen2_5_omni_input(ctx: HandoffContext) -> Any:
+    if "qwen2_5_omni_input" not in ctx.resources:
+        ctx.resources["qwen2_5_omni_input"] = Qwen25TalkerInput.load(ctx.model_path)
+    return ctx.resources["qwen2_5_omni_input"]
+
+
+def talker_logits(talker: Any) -> dict[str, Any]:
+    """The reference's talker `generate` rule for `talker` (a `Qwen25TalkerInput`): HF's repetition
+    penalty 1.05 over its input ids (a prompt of embeddings has none, so the reference's codec mask,
+    pad and bos are given) and the generated codes; codec bos suppressed (workers/codec_logits.py)."""
+    bos = talker.codec_bos_id
+    return codec_logits_args(
+        TALKER_REPETITION_PENALTY, (bos, bos + 1), keep=[], prompt_ids=talker.penalized_prompt_ids()
+    )

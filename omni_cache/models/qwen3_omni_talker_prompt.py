@@ -34,9 +34,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from omni_cache.cache.latent_rows import layer_name, merged_name
+from omni_cache.models.handoff_jobs import FeedJob, GenerateJob, HandoffContext, RowStream, Upstream, codec_logits_args
 from omni_cache.models.talker_positions import VisionTokens, talker_positions
 
 #: How many thinker rows of the assistant turn the talker prompt takes (the rest is its text).
@@ -239,3 +242,114 @@ def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtyp
         )
     except KeyError as exc:
         raise ValueError(f"the checkpoint lacks {exc.args[0]} (not a Qwen3-Omni checkpoint?)") from None
+
+
+# ---- the stage hand-off (stage_configs/qwen3_omni.yaml: the talker's `handoff`) ----------------
+# transformers' reference samples Qwen3-Omni's talker with this repetition penalty (its
+# `talker_repetition_penalty` default); the pipeline applies the same rule (workers/codec_logits.py).
+TALKER_REPETITION_PENALTY = 1.05
+
+
+def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[GenerateJob | FeedJob]:
+    """Qwen3-Omni's talker over the thinker's output, as transformers' reference builds it, streamed.
+
+    One talker request per answer. It starts once the thinker's first output (the prompt's rows)
+    and the answer's first token are in (the talker prompt: the user turn, then the assistant part
+    with the speaker's codec specials; `omni_cache.models.qwen3_omni_talker_prompt`). Every later
+    token of the answer is one row of text for one talker decode step, fed to the running request
+    as it arrives; when the thinker finishes, the end-of-speech row follows, then pad rows. A
+    talker step that is ahead of the thinker waits for its row (scheduler/streamed_rows.py), so
+    the codes do not depend on timing.
+
+    Reads the thinker's layer tap 0 (input embeddings) at the prompt's text positions and its
+    `accept_hidden_layer` state at image/audio positions, and its prompt token ids (sent with its
+    first output): from one merged latent (`latents.merged`, what stage_configs/qwen3_omni.yaml
+    emits) or from the two taps (`latents.layers`). The answer's rows are its tokens' input
+    embeddings, read by id from the checkpoint (`TalkerPrompt.embedding_rows`; bitwise the
+    thinker's tap 0 there): the thinker hands over only the tokens whose text its client has
+    (workers/spoken_tokens.py), and the last token of an answer cut by `max_tokens` has no tap row
+    (it was never fed through the thinker), so the talker speaks exactly the client's text.
+    """
+    prompt = _qwen3_omni_prompt(ctx)
+    accept_layer = prompt.accept_hidden_layer
+    merged = up.latents.get(merged_name(0, accept_layer))
+    if merged is not None:
+        # TalkerPrompt reads embeddings only at text positions, accept states only at media ones.
+        embeds = accept = merged
+    else:
+        embeds = up.latents.get(layer_name(0))
+        accept = up.latents.get(layer_name(accept_layer))
+    if embeds is None or accept is None:
+        raise ValueError(
+            "the Qwen3-Omni talker needs the thinker's latents.merged {layer: 0, media_layer: "
+            f"{accept_layer}}} (or latents.layers [0, {accept_layer}]); it sent "
+            f"{sorted(up.latents) or 'none'}"
+        )
+    if not up.prompt_token_ids:
+        raise ValueError("the thinker sent no prompt token ids (needed to find the user turn)")
+    known = len(up.prompt_token_ids) + len(up.token_ids)  # positions whose row is known
+    if not state.get("started"):
+        need = prompt.rows_needed(up.prompt_token_ids)
+        if known < need and not up.finished:
+            return []
+        token_ids = list(up.prompt_token_ids) + list(up.token_ids)
+        head = _qwen3_omni_rows(prompt, embeds, up, 0, min(need, known))
+        start = prompt.build(token_ids, head, accept, speaker=up.voice or DEFAULT_SPEAKER)
+        positions, delta = prompt.positions(token_ids, up.image_grids, up.video_grids, up.video_seconds_per_grid)
+        state["started"] = True
+        text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, need, known), up.finished)
+        state["rows_done"] = max(known, need)
+        return [
+            GenerateJob(
+                prompt_embeds=start,
+                stream=RowStream(prompt.tts_pad, text, done),
+                last=True,
+                stop_token_ids=[prompt.codec_eos_id],
+                extra_args=_qwen3_omni_logits(prompt),
+                positions=(positions, delta) if delta else None,
+            )
+        ]
+    if state.get("rows_finished"):
+        return []
+    done_rows = state["rows_done"]
+    if known <= done_rows and not up.finished:
+        return []
+    text, done = _qwen3_omni_text(prompt, _qwen3_omni_rows(prompt, embeds, up, done_rows, known), up.finished)
+    state["rows_done"] = max(known, done_rows)
+    state["rows_finished"] = done
+    return [FeedJob(text, done)]
+
+
+def _qwen3_omni_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int, stop: int) -> torch.Tensor:
+    """The thinker's input-embedding rows of positions start..stop-1: the prompt's from its tap,
+    the answer's by token id from the checkpoint (in the tap's dtype)."""
+    n_prompt = len(up.prompt_token_ids)
+    if stop <= start:
+        return embeds[:0]
+    if min(stop, n_prompt) > embeds.shape[0]:
+        raise ValueError(f"the thinker sent {embeds.shape[0]} prompt rows of {n_prompt}")
+    parts = [embeds[start : min(stop, n_prompt)]]
+    if stop > n_prompt:
+        ids = up.token_ids[max(start - n_prompt, 0) : stop - n_prompt]
+        parts.append(prompt.embedding_rows(ids).to(embeds.dtype))
+    return torch.cat(parts)
+
+
+def _qwen3_omni_text(prompt: Any, rows: torch.Tensor, finished: bool) -> tuple[torch.Tensor, bool]:
+    """Talker text rows of these thinker rows, plus the end-of-speech row at the end."""
+    text = prompt.text(rows)
+    if finished:
+        text = torch.cat([text, prompt.tts_eos.reshape(1, -1)])
+    return text, finished
+
+
+def _qwen3_omni_prompt(ctx: HandoffContext) -> Any:
+    if "qwen3_omni_prompt" not in ctx.resources:
+        ctx.resources["qwen3_omni_prompt"] = TalkerPrompt.load(ctx.model_path)
+    return ctx.resources["qwen3_omni_prompt"]
+
+
+def _qwen3_omni_logits(prompt: Any) -> dict[str, Any]:
+    # The talker's vocabulary ends with 1,024 control codes transformers never samples but EOS.
+    vocab = prompt.talker_vocab_size
+    return codec_logits_args(TALKER_REPETITION_PENALTY, (vocab - 1024, vocab), keep=[prompt.codec_eos_id])

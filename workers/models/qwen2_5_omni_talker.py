@@ -13,7 +13,7 @@ for it (`projection_dim`, `ModelConfig.get_inputs_embeds_size`).
 Loaded from the released checkpoint folder as it is: `talker_hf_overrides` makes vLLM see the
 folder's `talker_config` with this class as its architecture, and `load_weights` takes the
 `talker.*` tensors of the shared weight file. The prompt, the logits rule and the stop ids are the
-stage hand-off's (`omni_cache.handoff.qwen2_5_omni_thinker_to_talker`,
+stage hand-off's (`omni_cache.models.qwen2_5_omni_talker_input.thinker_to_talker`,
 `omni_cache.models.qwen2_5_omni_talker_input`).
 
 Built from vLLM's own layers (`LlamaAttention`: it reads the config's `head_dim`, which vLLM's Qwen2
