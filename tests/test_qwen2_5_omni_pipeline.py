@@ -9,7 +9,8 @@ track, each asked twice: the second time the thinker's prefix cache covers the m
 talker's own prefix cache hits). The talker receives its inputs through a recording hand-off
 (tests/downstream_probe.py): on the hit, its prompt embeddings and every streamed row are bitwise
 the ones it received when the thinker computed every row (the first, cold, request: the hidden-state
-cache served the hit's rows). The waveform must match within WAVE_ATOL and WAVE_RMS.
+cache served the hit's rows), and bitwise those of the same pipeline with prefix caching off, which
+also equals the reference. The waveform must match within WAVE_ATOL and WAVE_RMS.
 """
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ def probe_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("probe")
 
 
-@pytest.fixture(scope="module")
-def pipeline(checkpoint, probe_dir, tmp_path_factory):
+def start_pipeline(checkpoint, probe_dir, tmp_path_factory, name: str, prefix_cache: bool = True):
     data = yaml.safe_load((ROOT / "stage_configs" / "qwen2_5_omni.yaml").read_text())
-    name = "q25parity"
     data["name"] = name
     for stage in data["stages"]:
+        if stage["kind"] == "autoregressive":
+            stage["prefix_cache"] = prefix_cache
         stage["model"] = str(checkpoint)
         stage["address"] = f"ipc:///tmp/omni_cache/{name}-{os.getpid()}/{stage['name']}.sock"
         # Every stage checks every hand-off of the config it is given: all import the probe.
@@ -93,8 +94,22 @@ def pipeline(checkpoint, probe_dir, tmp_path_factory):
             stage["env"][PROBE_DIR_ENV] = str(probe_dir)
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
-    with Pipeline(load_config(path)).start() as pipe:
+    return Pipeline(load_config(path)).start()
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoint, probe_dir, tmp_path_factory):
+    with start_pipeline(checkpoint, probe_dir, tmp_path_factory, "q25parity") as pipe:
         yield pipe
+
+
+@pytest.fixture(scope="module")
+def pipeline_off(checkpoint, tmp_path_factory):
+    """The same pipeline with prefix caching (and so the hidden-state cache) off in both vLLM
+    stages, recording what its talker receives in a directory of its own."""
+    probe = tmp_path_factory.mktemp("probe_off")
+    with start_pipeline(checkpoint, probe, tmp_path_factory, "q25off", prefix_cache=False) as pipe:
+        yield pipe, probe
 
 
 @pytest.fixture(scope="module")
@@ -187,9 +202,7 @@ def test_media_prompts_equal_the_reference_cold_and_on_a_hit_past_the_medium(
 ):
     items = media_items(kind)
     expanded, inputs = reference_inputs(checkpoint, kind, items)
-    want = ref.reference(
-        reference_model, expanded, thinker_tokens=THINKER_TOKENS, talker_steps=TALKER_STEPS, **inputs
-    )
+    want = ref.reference(reference_model, expanded, thinker_tokens=THINKER_TOKENS, talker_steps=TALKER_STEPS, **inputs)
     cfg = reference_model.config.thinker_config
     media_ids = (cfg.image_token_index, cfg.video_token_index, cfg.audio_token_index)
     media_end = max(i for i, t in enumerate(expanded) if t in media_ids)
@@ -222,3 +235,32 @@ def test_several_at_once_keep_the_codes(pipeline, reference_model):
     results = pipeline.generate([token_ids] * 3, max_tokens=THINKER_TOKENS, return_latents=True)
     for r in results:
         assert r.latents["talker.token_ids"].tolist() == want_codes
+
+
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_cache_off_equals_the_reference_and_a_hits_talker_inputs_equal_cache_off(
+    pipeline, pipeline_off, reference_model, checkpoint, probe_dir, kind
+):
+    """With prefix caching off the pipeline gives the reference's text, codes and audio too; and
+    the talker's inputs of a request whose thinker prefix was served by the hidden-state cache are
+    bitwise those of the cache-off pipeline's request."""
+    off, off_probe = pipeline_off
+    if kind == "text":
+        items, prompt = [], pipeline.tokenize(PROMPTS["text"])
+        expanded, inputs = prompt, {}
+    else:
+        items = media_items(kind)
+        expanded, inputs = reference_inputs(checkpoint, kind, items)
+        prompt = media_prompt(pipeline, kind)
+    want = ref.reference(reference_model, expanded, thinker_tokens=THINKER_TOKENS, talker_steps=TALKER_STEPS, **inputs)
+    media = [items] if items else None
+    [got_off] = off.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True, media=media)
+    check_against_reference(got_off, *want, reference_model)
+    assert got_off.cached_tokens.get("thinker", 0) == 0
+    for _ in range(2):  # the second is a hit, whatever ran before
+        [got] = pipeline.generate([prompt], max_tokens=THINKER_TOKENS, return_latents=True, media=media)
+    assert got.cached_tokens.get("thinker", 0) > 0
+    hit = talker_inputs(probe_dir)[tuple(expanded)][-1]
+    [cache_off] = talker_inputs(off_probe)[tuple(expanded)]
+    assert torch.equal(hit["prompt_embeds"], cache_off["prompt_embeds"])
+    assert torch.equal(hit["rows"], cache_off["rows"])
