@@ -17,7 +17,7 @@ transformers 5.19's `generate` drops an all-ones attention mask before the forwa
 "We can drop the mask altogether if it's all 1s"), and the talker's forward takes both its prefill
 codec embeddings and its M-RoPE positions only when a mask is given: unpatched, the reference speaks
 from the thinker rows alone at plain positions. The oracle therefore hands the forward the mask
-`generate` was given (`_keep_attention_mask`), so it runs what its own forward says.
+`generate` was given (tests/qwen2_5_reference.py), so it runs what its own forward says.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import pytest
+import qwen2_5_reference
 import torch
 
 pytestmark = pytest.mark.vllm
@@ -61,11 +62,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_model(checkpoint):
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.talker.register_forward_pre_hook(_keep_attention_mask, with_kwargs=True)
-    return model
+    return qwen2_5_reference.load(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +86,6 @@ def talker(checkpoint):
     print(f"talker engine up in {time.monotonic() - start:.1f} s")
     yield stage
     del stage
-
-
-def _keep_attention_mask(module, args, kwargs):
-    """The all-ones mask `generate` was given (and dropped), as long as the sequence so far."""
-    if kwargs.get("attention_mask") is None:
-        cache = kwargs.get("past_key_values")
-        past = cache.get_seq_length() if cache is not None else 0
-        new = kwargs["inputs_embeds"] if kwargs.get("inputs_embeds") is not None else kwargs["input_ids"]
-        kwargs["attention_mask"] = torch.ones(new.shape[0], past + new.shape[1], dtype=torch.long)
-    return args, kwargs
 
 
 def _stop_ids(model) -> list[int]:

@@ -141,3 +141,25 @@ def write_tokenizer(
     if bos is not None:
         smap["bos_token"] = bos
     write_json(out / "special_tokens_map.json", smap)
+
+
+def load_prefixed(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The ``prefix``* tensors of a checkpoint folder (one file, or shards named by an index), prefix
+    removed: one submodel's weights (code2wav, token2wav) without reading the others."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix):
+                    state[key[len(prefix) :]] = f.get_tensor(key)
+    if not state:
+        raise ValueError(f"{path} holds no {prefix}* tensors")
+    return state

@@ -83,6 +83,7 @@ from pathlib import Path
 
 import torch
 
+from omni_cache.models.checkpoint_files import load_prefixed
 from omni_cache.models.code_windows import CodeWindow, ReceptiveField, check_window, next_window
 from omni_cache.models.voices import resolve_voice
 
@@ -158,7 +159,7 @@ class Token2WavDecoder:
         config = Qwen2_5OmniToken2WavConfig(**raw["token2wav_config"])
         with torch.device(device):
             module = Qwen2_5OmniToken2WavModel._from_config(config, dtype=torch.float32)
-        module.load_state_dict(_load_prefixed(path, _PREFIX), strict=True)
+        module.load_state_dict(load_prefixed(path, _PREFIX), strict=True)
         speakers = torch.load(path / "spk_dict.pt", weights_only=True, map_location=device)
         return cls(module.to(device=device, dtype=torch.float32), speakers)
 
@@ -279,27 +280,6 @@ class Token2WavDecoder:
             self.chunk_codes if max_codes is None else max_codes,
             left_context,
         )
-
-
-def _load_prefixed(path: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The ``prefix``* tensors of a folder (one file, or shards named by an index), prefix removed."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
-    else:
-        files = ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(prefix):
-                    state[key[len(prefix) :]] = f.get_tensor(key)
-    if not state:
-        raise ValueError(f"{path} holds no {prefix}* tensors")
-    return state
 
 
 def _vocoder_reach(vocoder: torch.nn.Module) -> int:

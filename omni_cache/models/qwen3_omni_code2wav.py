@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from omni_cache.models.checkpoint_files import load_prefixed
 from omni_cache.models.code_windows import CodeWindow, ReceptiveField, check_window, next_window
 
 __all__ = ["CHUNKED_ATOL", "SAMPLE_RATE", "Code2WavDecoder", "CodeWindow", "ReceptiveField"]
@@ -83,7 +84,7 @@ class Code2WavDecoder:
         config = AutoConfig.from_pretrained(path)
         with torch.device(device):
             module = Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config, dtype=dtype)
-        module.load_state_dict(_load_code2wav_state(path), strict=True)
+        module.load_state_dict(load_prefixed(path, _PREFIX), strict=True)
         return cls(module.to(device=device, dtype=dtype))
 
     # ---- decoding --------------------------------------------------------------------------------
@@ -147,27 +148,6 @@ class Code2WavDecoder:
         if left_context is None:
             left_context = self.receptive_field.context_codes(self.samples_per_code)
         return next_window(self.receptive_field, codes, emitted, final, max_codes, left_context)
-
-
-def _load_code2wav_state(path: Path) -> dict[str, torch.Tensor]:
-    """The ``code2wav.*`` tensors of a folder (one file, or shards named by an index), prefix removed."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({f for k, f in weight_map.items() if k.startswith(_PREFIX)})
-    else:
-        files = ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(_PREFIX):
-                    state[key[len(_PREFIX) :]] = f.get_tensor(key)
-    if not state:
-        raise ValueError(f"{path} holds no {_PREFIX}* tensors")
-    return state
 
 
 def _receptive_field(module: torch.nn.Module) -> ReceptiveField:
