@@ -7,6 +7,7 @@ timeout, an over-long body read on so its client reads the 413."""
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from collections import Counter
@@ -19,8 +20,9 @@ import yaml
 from body_fuzz import Case, cases, send
 from fake_pipeline import API_KEY, make_orchestrator, write_config
 
+from omni_cache import json_body
+from omni_cache.json_body import MAX_JSON_DEPTH, BodyError, json_depth, json_shape, parse_json
 from omni_cache.serving.chat_request import parse_chat_request
-from omni_cache.serving.json_body import MAX_JSON_DEPTH, BodyError, json_depth, parse_json
 from omni_cache.serving.server import ServerThread
 
 MAX_BODY_BYTES = 64 * 1024  # small: the over-long bodies stay quick to send
@@ -180,3 +182,23 @@ def test_a_deep_tool_call_argument_string_reads_as_no_arguments():
     ).encode()
     chat = parse_chat_request(body, "m")
     assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_json_shape_is_the_same_in_any_chunks(monkeypatch):
+    """The scan carries its state (in a string, a run of backslashes, the depth) from one chunk to
+    the next: cut anywhere, the same shape as read whole."""
+    rng = random.Random(5)
+    alphabet = [b"[", b"]", b"{", b"}", b'"', b"\\", b",", b"a", b":", b"\\\\", b'\\"']
+    texts = [b"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 200))) for _ in range(300)]
+    whole = [json_shape(t) for t in texts]
+    for chunk in (1, 2, 3, 7):
+        monkeypatch.setattr(json_body, "_CHUNK", chunk)
+        assert [json_shape(t) for t in texts] == whole
+
+
+def test_json_shape_counts_values_outside_strings():
+    assert json_shape(b'{"a": [1, 2, {"b": ",,[{"}], "c": "\\\\"}').values == 6
+    assert json_shape(b"[]").values == 1 and json_shape(b"7").values == 0
+    with pytest.raises(BodyError, match="the JSON event holds 4 values; at most 3 are read"):
+        parse_json(b"[1, 2, 3, 4]", max_values=3, what="event")
+    assert parse_json(b"[1, 2]", max_values=3) == [1, 2]

@@ -8,7 +8,10 @@ its prompt starts), driven by the openai SDK's realtime client.
 - a session's conversation bytes count against ``server.max_media_bytes_in_flight`` (its share:
   / ``server.realtime.max_sessions``): past it an ``error``, the server serving everyone else;
   everything is given back when sessions end;
-- a client that stops reading is closed past ``server.realtime.max_outbox_bytes``.
+- a client that stops reading is closed past ``server.realtime.max_outbox_bytes``;
+- an event too deep, too large (``max_event_bytes``), of too many values or not JSON is an
+  ``error`` naming the problem and the session goes on; a message past ``max_message_bytes`` is
+  not read (close 1009).
 The planning itself (cuts, media token estimates, the shared media bound) is unit-tested at the end.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 
@@ -40,6 +44,7 @@ POOL = 4 * 1024 * 1024
 SESSIONS = 4
 BUFFER_S = 2.0
 OUTBOX = 256 * 1024
+EVENT_BYTES, MESSAGE_BYTES = 1024 * 1024, 2 * 1024 * 1024
 
 
 @contextlib.contextmanager
@@ -75,7 +80,8 @@ def small():
     """A media bound of 4 MiB for 4 sessions (1 MiB each, 2 s of input buffer reserved)."""
     with fake_server(
         f", max_media_bytes_in_flight: {POOL}, realtime: {{max_sessions: {SESSIONS}, "
-        f"max_buffer_s: {BUFFER_S}, max_outbox_bytes: {OUTBOX}}}"
+        f"max_buffer_s: {BUFFER_S}, max_outbox_bytes: {OUTBOX}, max_event_bytes: {EVENT_BYTES}, "
+        f"max_message_bytes: {MESSAGE_BYTES}}}"
     ) as s:
         yield s
 
@@ -369,6 +375,45 @@ def test_a_client_that_stops_reading_is_closed_and_freed(small):
     assert answer.done.response.status in ("completed", "incomplete")
     bounds = small.orchestrator.admission.bounds
     wait_until(lambda: len(small.app.state.realtime_sessions) == 0 and bounds.media_bytes == 0)
+
+
+# ---- bad events ----------------------------------------------------------------------------------
+
+
+def test_bad_events_are_errors_naming_the_problem_and_the_session_goes_on(small):
+    """Before: 200,000 brackets were an ``internal_error`` (RecursionError) and nothing bounded an
+    event below uvicorn's 16 MiB."""
+    bad = [
+        ("[" * 200_000 + "]" * 200_000, "invalid_json", "nests 200000 levels deep; at most 64"),
+        ('{"type": "x", "a": [' + ",".join(["0"] * 150_000) + "]}", "invalid_json", "at most 100000 are read"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * EVENT_BYTES}), "event_too_large", "max_event"),
+        ("{nope", "invalid_json", "not valid JSON"),
+    ]
+
+    async def go():
+        async with connect(small.url, model(small), API_KEY) as conn:
+            s = Session(conn)
+            await s.open()
+            errors = []
+            for raw, _, _ in bad:
+                await conn.send_raw(raw)
+                errors.append(await next_event(conn))
+            await s.say("still there?")
+            answer, _ = await s.answer()
+        async with connect(small.url, model(small), API_KEY) as conn:
+            assert (await next_event(conn)).type == "session.created"
+            await conn.send_raw("A" * (MESSAGE_BYTES + 1))
+            with pytest.raises(ConnectionClosed) as closed:
+                await next_event(conn)
+        return errors, answer, closed.value
+
+    errors, answer, closed = run(go())
+    for event, (_, code, needle) in zip(errors, bad, strict=True):
+        assert event.type == "error" and event.error.type == "invalid_request_error", event
+        assert event.error.code == code and needle in event.error.message, event
+    assert answer.done.response.status in ("completed", "incomplete")
+    assert closed.rcvd is not None and closed.rcvd.code == 1009  # message too big: never read whole
+    wait_until(lambda: len(small.app.state.realtime_sessions) == 0)
 
 
 # ---- images ---------------------------------------------------------------------------------------

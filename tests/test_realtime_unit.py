@@ -7,10 +7,13 @@ SDK's own models for what a client event may hold, Silero (the real model) for s
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import threading
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,10 +22,16 @@ import soundfile
 from benchmarks.speech_clips import silence, speech
 from omni_cache.pcm import pcm16, to_int16
 from omni_cache.serving.realtime import audio_codecs as ac
+from omni_cache.serving.realtime import protocol
 from omni_cache.serving.realtime.connection import RateLimiter
 from omni_cache.serving.realtime.conversation import Conversation, Item, ItemPart, SpokenText, audio_item
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
-from omni_cache.serving.realtime.protocol import EventError, parse_client_event
+from omni_cache.serving.realtime.protocol import (
+    OFF_LOOP_BYTES,
+    EventError,
+    parse_client_event,
+    parse_client_event_async,
+)
 from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
 from omni_cache.serving.realtime.vad import SpeechDetector, load_model
 from omni_cache.serving.realtime.vad_batch import BatchScorer
@@ -222,6 +231,37 @@ def test_not_json_and_not_an_object():
     assert e.value.code == "invalid_json"
     with pytest.raises(EventError, match="JSON object"):
         parse_client_event("[1]")
+
+
+def test_deep_large_and_many_valued_events_are_errors_naming_the_problem():
+    """Checked before anything is parsed: before, 200,000 brackets raised RecursionError (an
+    ``internal_error``) and nothing bounded an event's size or values."""
+    for raw, max_bytes, code, needle in [
+        ("[" * 200_000 + "]" * 200_000, None, "invalid_json", "nests 200000 levels deep; at most 64"),
+        ('{"type": "x", "a": [' + ",".join(["0"] * 100_001) + "]}", None, "invalid_json", "at most 100000"),
+        ('{"type": "input_audio_buffer.append", "audio": "' + "A" * 2000 + '"}', 1000, "event_too_large", "max_event"),
+        ("é" * 600, 1000, "event_too_large", "the event is 1200 bytes"),  # counted in bytes, not characters
+    ]:
+        with pytest.raises(EventError, match=needle) as e:
+            parse_client_event(raw, max_bytes)
+        assert e.value.code == code and e.value.type == "invalid_request_error"
+
+
+def test_large_events_are_parsed_off_the_event_loop():
+    small = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"})
+    large = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * OFF_LOOP_BYTES})
+
+    async def thread_of(raw):
+        threads = []
+        real = protocol.parse_client_event
+        with mock.patch.object(
+            protocol, "parse_client_event", lambda *a: threads.append(threading.current_thread()) or real(*a)
+        ):
+            await parse_client_event_async(raw, 1 << 20)
+        return threads[0]
+
+    assert asyncio.run(thread_of(small)) is threading.main_thread()
+    assert asyncio.run(thread_of(large)).name.startswith("realtime-parse")
 
 
 def session_of(**session):

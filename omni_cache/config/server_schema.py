@@ -80,6 +80,14 @@ class RealtimeConfig(ConfigStruct, kw_only=True):
     #: Server events queued for a client and not yet sent, in bytes of their JSON: a client that
     #: stops reading is closed past it (code 1008, reason ``slow_client``) and its events freed.
     max_outbox_bytes: PositiveInt = 8 * 1024 * 1024
+    #: Largest client event, in bytes of its JSON: a larger one is answered with an ``error``
+    #: (code ``event_too_large``) and dropped, and the session goes on. 8 MiB holds an
+    #: ``input_audio_buffer.append`` of 60 s of pcm16 (3.8 MB in base64) or an image of 6 MiB.
+    max_event_bytes: PositiveInt = 8 * 1024 * 1024
+    #: Largest WebSocket message the server reads at all (uvicorn's ``ws_max_size``, 16 MiB by
+    #: default there too): a larger one ends the connection (close code 1009, message too big).
+    #: At least ``max_event_bytes``: a message between the two is read only to answer it.
+    max_message_bytes: PositiveInt = 16 * 1024 * 1024
 
 
 class ServerConfig(ConfigStruct, kw_only=True):

@@ -349,6 +349,12 @@ def _check_server(config: PipelineConfig, issues: IssueCollector, *, check_paths
             f"must be longer than server.heartbeat_interval_s ({server.heartbeat_interval_s:g} s), "
             f"got {server.heartbeat_timeout_s:g} s",
         )
+    if server.realtime.max_message_bytes < server.realtime.max_event_bytes:
+        issues.add(
+            ("server", "realtime", "max_message_bytes"),
+            f"must be at least server.realtime.max_event_bytes ({server.realtime.max_event_bytes}), got "
+            f"{server.realtime.max_message_bytes}: events of that size could not be read",
+        )
     if server.media.video_min_frames > server.media.video_max_frames:
         issues.add(
             ("server", "media", "video_min_frames"),

@@ -16,10 +16,10 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 
+from omni_cache.json_body import BodyError, parse_json
 from omni_cache.serving.audio_formats import STREAM_FORMAT, UnsupportedFormat, check_format
 from omni_cache.serving.chat_fields import refusal
 from omni_cache.serving.errors import APIError
-from omni_cache.serving.json_body import BodyError, parse_json
 
 __all__ = ["ChatRequest", "MediaPart", "drain_body", "parse_chat_request", "read_body"]
 

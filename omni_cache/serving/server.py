@@ -200,6 +200,7 @@ def serve(config: Any, args: Any) -> int:
         log_level=getattr(args, "log_level", "info") or "info",
         timeout_graceful_shutdown=5,
         ws_per_message_deflate=WS_DEFLATE,
+        ws_max_size=config.server.realtime.max_message_bytes,
     )
     server = uvicorn.Server(uv_config)
     holder["server"] = server
@@ -242,6 +243,7 @@ class ServerThread:
                 log_level=log_level,
                 timeout_graceful_shutdown=2,
                 ws_per_message_deflate=WS_DEFLATE,
+                ws_max_size=orch.config.server.realtime.max_message_bytes,
             )
         )
         self._host = host

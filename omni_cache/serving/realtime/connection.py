@@ -5,7 +5,9 @@ out through one writer task in the order they were queued (:class:`EventWriter`)
 session limits (``server.realtime``): sessions open at once, session length, idle time between
 client events, client events per second, and the bytes of server events queued for a client that
 does not read them (``max_outbox_bytes``: past it the connection is closed, code 1008
-``slow_client``, and what was queued is dropped). A client that goes away (closed socket, dropped TCP)
+``slow_client``, and what was queued is dropped). An event larger than ``max_event_bytes``, too deep
+or not JSON is answered with an ``error`` and the session goes on; the WebSocket layer (uvicorn) reads
+no message larger than ``max_message_bytes``. A client that goes away (closed socket, dropped TCP)
 ends the session: the response in flight is cancelled, its pipeline request aborted, the
 session's buffers dropped and it leaves the :class:`SessionRegistry`.
 """
@@ -21,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketState
 
 from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.serving.realtime.client_items import ImageSource
-from omni_cache.serving.realtime.protocol import EventError, error_event, parse_client_event, wire
+from omni_cache.serving.realtime.protocol import EventError, error_event, parse_client_event_async, wire
 from omni_cache.serving.realtime.session import RealtimeSession
 
 logger = logging.getLogger("omni_cache.serving.realtime")
@@ -247,17 +249,17 @@ async def _read_events(
                     )
                 )
                 continue
-            await _handle(raw, session, outbox)
+            await _handle(raw, session, outbox, limits.max_event_bytes)
     finally:
         overflow.cancel()
         if receiving is not None and not receiving.done():
             receiving.cancel()
 
 
-async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWriter) -> None:
+async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWriter, max_bytes: int) -> None:
     event_id = None
     try:
-        event, event_id = parse_client_event(raw)
+        event, event_id = await parse_client_event_async(raw, max_bytes)
         await session.handle(event)
     except EventError as e:
         outbox.send(error_event(e, e.event_id or event_id))

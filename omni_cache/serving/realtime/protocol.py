@@ -5,25 +5,38 @@ union ``RealtimeClientEvent``, one class per ``type``); a bad one becomes an :cl
 whose ``param`` is the dotted path of the offending field (``session.audio.input.format.rate``,
 ``item.content.0.text``), as OpenAI's ``error`` events name it. Server events are built as the
 same SDK's models (:func:`wire`) so what the SDK parses is what it documents.
+
+A client event's JSON is read by the chat bodies' bounded parser (:mod:`omni_cache.json_body`):
+its size, nesting and number of values are checked before it is parsed, so a deep, huge or
+many-valued event is an ``error`` naming the problem, never a ``RecursionError`` or a stall. Events
+over :data:`OFF_LOOP_BYTES` are scanned, parsed and validated on this module's own two threads
+(:func:`parse_client_event_async`): every session and HTTP request shares the event loop, and
+sessions sending large events wait for each other there, not for the chat requests' threads.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import typing
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from omni_cache.json_body import MAX_JSON_DEPTH, BodyError, parse_json
+
 __all__ = [
     "CLIENT_EVENTS",
+    "MAX_EVENT_VALUES",
+    "OFF_LOOP_BYTES",
     "EventError",
     "error_event",
     "make_event",
     "new_id",
     "parse_client_event",
+    "parse_client_event_async",
     "refuse_unsupported",
     "validation_error",
     "wire",
@@ -59,12 +72,35 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-def parse_client_event(raw: str | bytes) -> tuple[BaseModel, str | None]:
-    """``(the SDK model of the event, its event_id)``; EventError naming the field otherwise."""
+#: Values (array and object members) one client event may hold. The largest real ones hold a few
+#: thousand (a session.update's tool schemas); parsing a million small values holds the GIL for
+#: tens of milliseconds whatever thread runs it.
+MAX_EVENT_VALUES = 100_000
+#: Events larger than this (bytes) are parsed off the event loop; smaller ones take microseconds.
+OFF_LOOP_BYTES = 64 * 1024
+
+_PARSE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="realtime-parse")
+
+
+async def parse_client_event_async(raw: str | bytes, max_bytes: int) -> tuple[BaseModel, str | None]:
+    """:func:`parse_client_event`, on the parser's threads when ``raw`` is large."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse_client_event(raw, max_bytes)
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_THREADS, parse_client_event, raw, max_bytes)
+
+
+def parse_client_event(raw: str | bytes, max_bytes: int | None = None) -> tuple[BaseModel, str | None]:
+    """``(the SDK model of the event, its event_id)``; EventError naming the field otherwise
+    (or the problem: larger than ``max_bytes``, too deep, too many values, not JSON)."""
+    if max_bytes is not None and len(raw) > max_bytes:  # a str's length never exceeds its UTF-8 size
+        raise _too_large(len(raw), max_bytes)
+    encoded = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if max_bytes is not None and len(encoded) > max_bytes:
+        raise _too_large(len(encoded), max_bytes)
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise EventError(f"the message is not valid JSON ({e})", code="invalid_json") from None
+        data = parse_json(encoded, MAX_JSON_DEPTH, max_values=MAX_EVENT_VALUES, what="event")
+    except BodyError as e:
+        raise EventError(str(e), code="invalid_json") from None
     if not isinstance(data, dict):
         raise EventError("an event must be a JSON object", code="invalid_event")
     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
@@ -82,6 +118,13 @@ def parse_client_event(raw: str | bytes) -> tuple[BaseModel, str | None]:
         err = validation_error(e)
         err.event_id = event_id
         raise err from None
+
+
+def _too_large(size: int, max_bytes: int) -> EventError:
+    return EventError(
+        f"the event is {size} bytes; at most {max_bytes} are read (server.realtime.max_event_bytes)",
+        code="event_too_large",
+    )
 
 
 def validation_error(e: ValidationError) -> EventError:
