@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import gzip
 import http.server
 import io
 import threading
 import time
+import tracemalloc
+from unittest import mock
 
 import numpy as np
 import pytest
 from media_samples import clip_b64, png_data_url
 
 from omni_cache.config.server_schema import MediaConfig
+from omni_cache.serving.chat_request import MediaPart
 from omni_cache.serving.media import AUDIO, B64_SLICE_CHARS, IMAGE, DecodedCache, MediaDecoder, MediaError
 
 
@@ -103,6 +108,8 @@ def test_audio_duration_limit():
         MediaDecoder(MediaConfig(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")
 
 
+#: The Accept-Encoding of each request for /bomb and /gzipped.
+ACCEPTED_ENCODINGS: list[str | None] = []
 #: Bytes the /trickle answer sends, one every TRICKLE_GAP_S: each read is quick, the whole is not.
 TRICKLE_BYTES, TRICKLE_GAP_S = 400, 0.01
 
@@ -123,6 +130,14 @@ def image_host():
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(png + b"\0" * 4096)
+            elif self.path in ("/bomb", "/gzipped"):  # compressed whatever the client asked for
+                ACCEPTED_ENCODINGS.append(self.headers.get("Accept-Encoding"))
+                body = BOMB if self.path == "/bomb" else gzip.compress(png)
+                self.send_response(200)
+                self.send_header("Content-Encoding", "gzip")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             elif self.path == "/trickle":
                 self.send_response(200)
                 self.end_headers()
@@ -148,11 +163,17 @@ def image_host():
     server.shutdown()
 
 
+def fetched_image(decoder: MediaDecoder, url: str):
+    """``decoder.image(url)`` after its download, as the server does it: awaited on a loop."""
+    asyncio.run(decoder.fetch_urls({url: ("p", "image_url", decoder.limits.max_item_bytes)}))
+    return decoder.image(url, "p")
+
+
 def test_urls_are_fetched_only_from_allowed_hosts_and_not_redirected(image_host):
     allowed = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"]))
-    assert allowed.image(image_host + "/x.png", "p").array.shape == (8, 8, 3)
+    assert fetched_image(allowed, image_host + "/x.png").array.shape == (8, 8, 3)
     with pytest.raises(MediaError, match="redirect"):
-        allowed.image(image_host + "/moved", "p")
+        fetched_image(allowed, image_host + "/moved")
     with pytest.raises(MediaError, match="allowed_url_hosts"):
         MediaDecoder().image(image_host + "/x.png", "p")
 
@@ -162,15 +183,55 @@ def test_a_url_fetch_has_a_status_a_size_limit_and_a_deadline_for_the_whole_down
     far below the per-read timeout) but needs TRICKLE_BYTES * TRICKLE_GAP_S = 4 s in all."""
     limits = dict(allowed_url_hosts=["127.0.0.1"], max_item_bytes=1024)
     with pytest.raises(MediaError, match="HTTP 404") as e:
-        MediaDecoder(MediaConfig(**limits)).image(image_host + "/missing", "p")
+        fetched_image(MediaDecoder(MediaConfig(**limits)), image_host + "/missing")
     assert e.value.param == "p"
     with pytest.raises(MediaError, match="max_item_bytes"):
-        MediaDecoder(MediaConfig(**limits)).image(image_host + "/big", "p")
-    assert MediaDecoder(MediaConfig(**{**limits, "max_item_bytes": 8192})).image(
-        image_host + "/big", "p"
-    ).array.shape == (8, 8, 3)  # PNG ignores what follows its end
+        fetched_image(MediaDecoder(MediaConfig(**limits)), image_host + "/big")
+    big = fetched_image(MediaDecoder(MediaConfig(**{**limits, "max_item_bytes": 8192})), image_host + "/big")
+    assert big.array.shape == (8, 8, 3)  # PNG ignores what follows its end
     with pytest.raises(MediaError, match="within 0.5 s \\(server.media.fetch_timeout_s\\)"):
-        MediaDecoder(MediaConfig(**limits, fetch_timeout_s=0.5)).image(image_host + "/trickle", "p")
+        fetched_image(MediaDecoder(MediaConfig(**limits, fetch_timeout_s=0.5)), image_host + "/trickle")
+
+
+#: 64 MiB of zeros gzipped: 64 KiB on the wire.
+BOMB = gzip.compress(b"\0" * (64 << 20), compresslevel=9)
+
+
+def test_a_compressed_download_is_counted_on_the_wire_and_inflated_within_the_limit(image_host):
+    """Before: httpx inflated each chunk as it came (a 64 KiB chunk of the bomb, 64 MiB), so the
+    limit was checked after the memory was taken (the issue's 1 GiB bomb: +175 MiB)."""
+    decoder = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_item_bytes=1 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(MediaError, match=r"max_item_bytes\) once its gzip body is inflated"):
+            fetched_image(decoder, image_host + "/bomb")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # the raw 64 KiB, at most 1 MiB + 1 inflated (145 MiB before)
+    with pytest.raises(MediaError, match="max_item_bytes"):  # over the limit as sent: never inflated
+        fetched_image(
+            MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_item_bytes=1024)), image_host + "/bomb"
+        )
+    # A server that compresses though asked not to is still read (within the limit).
+    assert fetched_image(decoder, image_host + "/gzipped").array.shape == (8, 8, 3)
+    assert set(ACCEPTED_ENCODINGS) == {"identity"}
+
+
+def test_downloads_are_awaited_on_the_loop_not_run_in_a_worker_thread(image_host):
+    """Before: read_all, in a worker thread, ran each download through asyncio.run, holding that
+    thread (one of those that parse every request) for up to fetch_timeout_s."""
+    decoder = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"]))
+    parts = [MediaPart(IMAGE, {"image_url": {"url": image_host + "/x.png"}}, "messages.0.content.0")]
+
+    async def serve():
+        await decoder.fetch_all(parts)
+        return await asyncio.to_thread(decoder.read_all, parts)
+
+    run = asyncio.run
+    with mock.patch("asyncio.run", side_effect=AssertionError("asyncio.run in a worker thread")):
+        (item,) = run(serve())
+    assert item.decoded_bytes == 8 * 8 * 3
 
 
 def test_a_repeated_item_is_decoded_once_and_keeps_its_digest():

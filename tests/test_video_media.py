@@ -6,6 +6,7 @@ track goes along (use_audio_in_video), and the Submit's UUIDs and processor kwar
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
 
@@ -254,13 +255,16 @@ def test_a_video_url_is_fetched_from_an_allowed_host_within_max_video_bytes(vide
     url, data = video_host
     remote = MediaPart(VIDEO, {"type": "video_url", "video_url": {"url": url}}, "messages.0.content.0")
     decoder = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"]))
+    asyncio.run(decoder.fetch_all([remote]))  # as the server does: awaited on its loop
     [fetched] = decoder.decode_all(decoder.read_all([remote]))
     [sent] = decoder.decode_all(decoder.read_all([part(data)]))
     assert fetched.digest == sent.digest and np.array_equal(fetched.array, sent.array)
     with pytest.raises(MediaError, match="video_url from host '127.0.0.1' is not fetched"):
-        MediaDecoder().read_all([remote])
+        asyncio.run(MediaDecoder().fetch_all([remote]))
     with pytest.raises(MediaError, match="server.media.max_video_bytes"):
-        MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_video_bytes=1000)).read_all([remote])
+        asyncio.run(
+            MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_video_bytes=1000)).fetch_all([remote])
+        )
 
 
 def test_the_benchmarks_video_workload_sends_one_readable_video_to_all():

@@ -7,8 +7,10 @@ Three content-part types carry media, as in OpenAI's chat API (the third as in v
   GIF (first frame) or BMP, decoded by Pillow into ``uint8 [H, W, 3]`` RGB. ``http(s)://`` URLs
   are fetched (by httpx) only from the hosts ``server.media.allowed_url_hosts`` lists (none by
   default), without following redirects (one could lead to another host), within
-  ``fetch_timeout_s`` for the whole download and ``max_item_bytes``; ``file://`` and every other
-  scheme are refused.
+  ``fetch_timeout_s`` for the whole download and ``max_item_bytes`` on the wire and inflated
+  (:mod:`omni_cache.serving.media_fetch`: awaited on the event loop by :meth:`MediaDecoder.fetch_all`
+  before :meth:`MediaDecoder.read_all` runs in a thread); ``file://`` and every other scheme are
+  refused.
 * ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav" | "mp3"}}``:
   decoded by libsndfile (``soundfile``), mixed down to mono and resampled with libsoxr to the
   thinker's feature-extractor rate (16 kHz for Qwen3-Omni), ``float32 [n]``.
@@ -38,7 +40,6 @@ and prefix-cache keys use the UUID). Clients cannot set it.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hashlib
@@ -50,13 +51,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 
 from omni_cache.config.server_schema import MediaConfig
 from omni_cache.models.preprocessor import QWEN2_VL
 from omni_cache.runtime.requests import AUDIO, IMAGE, VIDEO, MediaItem
-from omni_cache.serving import video
+from omni_cache.serving import media_fetch, video
+from omni_cache.serving.media_fetch import is_remote
 
 if TYPE_CHECKING:
     from omni_cache.serving.chat_request import MediaPart
@@ -146,6 +147,9 @@ class MediaDecoder:
     #: vLLM's video loader for the entry stage's model (omni_cache/models/preprocessor.py
     #: ``video_sampler``): the server samples frames as it does.
     video_sampler: str = QWEN2_VL
+    #: http(s) URLs' bodies, downloaded on the event loop by :meth:`fetch_all` before
+    #: :meth:`read_all` reads them in a worker thread.
+    fetched: dict[str, bytes] = field(default_factory=dict)
 
     def read_all(self, parts: Sequence[MediaPart]) -> list[EncodedItem]:
         """A request's media parts read and checked from their headers, in order (nothing
@@ -369,7 +373,13 @@ class MediaDecoder:
                 raise MediaError(f"a data: URL must be base64 (data:{kind}/<type>;base64,...)", param)
             return self._b64(payload, param, limit)
         if scheme in ("http", "https"):
-            return self._fetch(url, param, limit, part)
+            try:
+                media_fetch.check_host(url, param, part, self.limits)
+            except media_fetch.FetchError as e:
+                raise MediaError(str(e), e.param) from None
+            if url not in self.fetched:  # a caller's mistake, not the client's
+                raise RuntimeError(f"{url} was not fetched: await MediaDecoder.fetch_all first")
+            return self.fetched[url]
         raise MediaError(
             f"{part} scheme {scheme + ':' if scheme else '(none)'} is not accepted; send a data: URL (base64)", param
         )
@@ -389,54 +399,26 @@ class MediaDecoder:
             raise MediaError(self._too_large(limit), param)
         return data
 
-    def _fetch(self, url: str, param: str, limit: int | None = None, part: str = "image_url") -> bytes:
-        host = (urllib.parse.urlsplit(url).hostname or "").lower()
-        if host not in self.limits.allowed_url_hosts:
-            raise MediaError(
-                f"{part} from host {host or '(none)'!r} is not fetched (this server "
-                "fetches only from server.media.allowed_url_hosts); send a data: URL",
-                param,
-            )
-        try:
-            # httpx's timeouts bound each operation (connect, each read); a server trickling a
-            # byte at a time would pass them all. The deadline bounds the whole download.
-            return asyncio.run(asyncio.wait_for(self._download(url, param, limit), self.limits.fetch_timeout_s))
-        except TimeoutError:
-            raise MediaError(
-                f"{part} could not be fetched within {self.limits.fetch_timeout_s:g} s (server.media.fetch_timeout_s)",
-                param,
-            ) from None
-        except httpx.HTTPError as e:
-            raise MediaError(f"{part} could not be fetched ({type(e).__name__}: {e})", param) from None
+    # ---- downloads (on the event loop) ----------------------------------------------------------
+    async def fetch_all(self, parts: Sequence[MediaPart]) -> None:
+        """Download the http(s) URLs of a request's image and video parts into :attr:`fetched`,
+        all at once, before :meth:`read_all` reads them in a worker thread; MediaError for the
+        first that cannot be fetched (the others are cancelled)."""
+        urls: dict[str, tuple[str, str, int]] = {}
+        for p in parts:
+            if p.kind in (IMAGE, VIDEO):
+                part = "image_url" if p.kind == IMAGE else "video_url"
+                limit = self.limits.max_item_bytes if p.kind == IMAGE else self.limits.max_video_bytes
+                urls.setdefault(p.part[part].get("url") or "", (p.param + f".{part}.url", part, limit))
+        await self.fetch_urls(urls)
 
-    async def _download(self, url: str, param: str, limit: int | None = None) -> bytes:
-        """The body of a 200 answer at ``url``, refused once it exceeds ``limit`` bytes
-        (``max_item_bytes`` unless given)."""
-        limit = self.limits.max_item_bytes if limit is None else limit
-        async with (
-            httpx.AsyncClient(follow_redirects=False, timeout=self.limits.fetch_timeout_s) as client,
-            client.stream("GET", url) as resp,
-        ):
-            if resp.is_redirect:
-                raise MediaError(
-                    f"media URL could not be fetched (redirect to "
-                    f"{resp.headers.get('location', '?')} refused: it could lead off "
-                    "server.media.allowed_url_hosts)",
-                    param,
-                )
-            if resp.status_code != 200:
-                raise MediaError(
-                    f"media URL could not be fetched (HTTP {resp.status_code} {resp.reason_phrase})", param
-                )
-            declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
-                raise MediaError(self._too_large(limit), param)
-            data = bytearray()
-            async for chunk in resp.aiter_bytes():  # decompressed: the limit is on what is kept
-                data += chunk
-                if len(data) > limit:
-                    raise MediaError(self._too_large(limit), param)
-            return bytes(data)
+    async def fetch_urls(self, urls: dict[str, tuple[str, str, int]]) -> None:
+        """``{url: (param, part, limit)}``: the http(s) ones not fetched yet, downloaded at once."""
+        remote = {url: how for url, how in urls.items() if is_remote(url) and url not in self.fetched}
+        try:
+            self.fetched.update(await media_fetch.fetch_all(remote, self.limits, self._too_large))
+        except media_fetch.FetchError as e:
+            raise MediaError(str(e), e.param) from None
 
     def _too_large(self, limit: int | None = None) -> str:
         if limit is not None and limit == self.limits.max_video_bytes != self.limits.max_item_bytes:

@@ -259,13 +259,19 @@ def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
         except MediaError as e:
             raise event_error(e, param) from None
 
+    async def fetch(urls: list[tuple[str, str]]) -> None:
+        try:
+            await decoder.fetch_urls({url: (param, "image_url", decoder.limits.max_item_bytes) for url, param in urls})
+        except MediaError as e:
+            raise event_error(e, e.param or "item") from None
+
     def decode(item: Any) -> MediaItem:
         try:
             return decoder.decode_all([item])[0]
         except MediaError as e:
             raise event_error(e, item.param) from None
 
-    return ImageSource(read, decode, decoder.limits.max_items)
+    return ImageSource(read, decode, decoder.limits.max_items, fetch, decoder.fetched.clear)
 
 
 async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, cache: DecodedCache) -> list[MediaItem]:
@@ -283,6 +289,7 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, 
         video_sampler=orch.video_sampler,
     )
     try:
+        await decoder.fetch_all(chat.media)  # http(s) URLs, awaited here: no thread waits on a download
         encoded = await asyncio.to_thread(decoder.read_all, chat.media)
         orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
         return await asyncio.to_thread(decoder.decode_all, encoded)

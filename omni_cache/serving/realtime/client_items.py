@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,10 @@ class ImageSource:
     decode: Callable[[Any], MediaItem]
     #: Clips and images one item may carry (``server.media.max_items``, as one chat request).
     max_items: int
+    #: [(URL, param)] -> the http(s) ones downloaded, on the event loop, for ``read`` to find.
+    fetch: Callable[[list[tuple[str, str]]], Awaitable[None]]
+    #: Drops what ``fetch`` downloaded, once ``read`` took it.
+    forget: Callable[[], None]
 
 
 @dataclass
@@ -170,6 +174,16 @@ def _check_media_count(content: list[Any], images: ImageSource | None) -> None:
             param="item.content",
             code="invalid_value",
         )
+
+
+def image_urls(sdk_item: Any) -> list[tuple[str, str]]:
+    """The ``(image_url, param)`` of a message item's ``input_image`` parts."""
+    content = getattr(sdk_item, "content", None) or []
+    return [
+        (c.image_url, f"item.content.{i}.image_url")
+        for i, c in enumerate(content)
+        if getattr(c, "type", None) == "input_image" and c.image_url
+    ]
 
 
 def _read_image(images: ImageSource | None, url: str | None, param: str) -> Any:

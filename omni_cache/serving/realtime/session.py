@@ -251,7 +251,13 @@ class RealtimeSession:
         # Read and checked first (images from their headers), room made for what decoding will
         # hold, then decoded: the bytes are in the server's bound before they exist.
         fmt = self.config.input_format
-        pending = await asyncio.to_thread(client_items.read, event.item, fmt, self.rate, self.images)
+        if self.images is not None:  # its image URLs downloaded here, on the loop, not in the thread
+            await self.images.fetch(client_items.image_urls(event.item))
+        try:
+            pending = await asyncio.to_thread(client_items.read, event.item, fmt, self.rate, self.images)
+        finally:
+            if self.images is not None:
+                self.images.forget()
         dropped = self._room(pending.nbytes)
         try:
             item = await asyncio.to_thread(client_items.decode, pending, fmt, self.rate, self.images)

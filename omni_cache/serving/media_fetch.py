@@ -1,0 +1,133 @@
+"""Media URLs (``http(s)://`` image and video parts) downloaded on the event loop, within bounds.
+
+A download is awaited on the server's event loop (httpx's async client), never run through
+``asyncio.run`` in a worker thread, where it held one of the threads that parse and tokenize
+every request for up to ``server.media.fetch_timeout_s``. Its bytes are counted as they arrive on
+the wire: the request asks for ``Accept-Encoding: identity`` and reads the raw stream, since
+httpx's decoded stream inflates a gzip / br / zstd body before it can be measured (a 1 MiB gzip
+body can inflate to 1 GiB). A server that compresses anyway has its body, already bounded on the
+wire, inflated on a worker thread to at most the same limit (gzip and deflate; other encodings are
+refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+import zlib
+from collections.abc import Callable
+
+import httpx
+
+from omni_cache.config.server_schema import MediaConfig
+
+__all__ = ["FetchError", "check_host", "fetch", "fetch_all", "inflate_bounded", "is_remote"]
+
+
+class FetchError(ValueError):
+    """A URL that cannot be fetched; ``param`` names the content part."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def is_remote(url: str) -> bool:
+    return urllib.parse.urlsplit(url).scheme.lower() in ("http", "https")
+
+
+def check_host(url: str, param: str, part: str, limits: MediaConfig) -> None:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in limits.allowed_url_hosts:
+        raise FetchError(
+            f"{part} from host {host or '(none)'!r} is not fetched (this server "
+            "fetches only from server.media.allowed_url_hosts); send a data: URL",
+            param,
+        )
+
+
+async def fetch_all(
+    urls: dict[str, tuple[str, str, int]], limits: MediaConfig, too_large: Callable[[int], str]
+) -> dict[str, bytes]:
+    """``{url: (param, part, limit)}`` -> ``{url: body}``, downloaded at once; the first failure
+    raises and the other downloads are cancelled (nothing keeps running for a refused request)."""
+    tasks = {asyncio.ensure_future(fetch(url, *how, limits, too_large)): url for url, how in urls.items()}
+    if not tasks:
+        return {}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    return {url: task.result() for task, url in tasks.items()}  # the first failure raises
+
+
+async def fetch(
+    url: str, param: str, part: str, limit: int, limits: MediaConfig, too_large: Callable[[int], str]
+) -> bytes:
+    """The body at an allowed http(s) ``url``, within ``fetch_timeout_s`` for all of it and
+    ``limit`` bytes on the wire and inflated; FetchError naming ``param`` otherwise."""
+    check_host(url, param, part, limits)
+    try:
+        # httpx's timeouts bound each operation (connect, each read); a server trickling a
+        # byte at a time would pass them all. The deadline bounds the whole download.
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            raw, encoding = await _download(url, param, limit, limits.fetch_timeout_s, too_large)
+    except TimeoutError:
+        raise FetchError(
+            f"{part} could not be fetched within {limits.fetch_timeout_s:g} s (server.media.fetch_timeout_s)", param
+        ) from None
+    except httpx.HTTPError as e:
+        raise FetchError(f"{part} could not be fetched ({type(e).__name__}: {e})", param) from None
+    if encoding in ("", "identity"):
+        return raw
+    inflated = await asyncio.to_thread(inflate_bounded, raw, encoding, limit, param)
+    if inflated is None:
+        raise FetchError(too_large(limit) + f" once its {encoding} body is inflated", param)
+    return inflated
+
+
+async def _download(
+    url: str, param: str, limit: int, timeout_s: float, too_large: Callable[[int], str]
+) -> tuple[bytes, str]:
+    """The raw body of a 200 answer at ``url`` (refused once it passes ``limit`` bytes) and its
+    Content-Encoding."""
+    async with (
+        httpx.AsyncClient(follow_redirects=False, timeout=timeout_s) as client,
+        client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as resp,
+    ):
+        if resp.is_redirect:
+            raise FetchError(
+                f"media URL could not be fetched (redirect to {resp.headers.get('location', '?')} refused: "
+                "it could lead off server.media.allowed_url_hosts)",
+                param,
+            )
+        if resp.status_code != 200:
+            raise FetchError(f"media URL could not be fetched (HTTP {resp.status_code} {resp.reason_phrase})", param)
+        declared = resp.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise FetchError(too_large(limit), param)
+        data = bytearray()
+        async for chunk in resp.aiter_raw():  # as sent: counted before anything is inflated
+            data += chunk
+            if len(data) > limit:
+                raise FetchError(too_large(limit), param)
+        return bytes(data), resp.headers.get("content-encoding", "").strip().lower()
+
+
+def inflate_bounded(data: bytes, encoding: str, limit: int, param: str | None = None) -> bytes | None:
+    """A gzip / deflate body inflated to at most ``limit`` bytes (None when it holds more: zlib
+    stops there, so a bomb never expands in memory); FetchError for another encoding."""
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise FetchError(
+            f"media URL answered with Content-Encoding {encoding!r}; only gzip and deflate are read "
+            "(this server asks for identity)",
+            param,
+        )
+    try:
+        out = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding != "deflate" else zlib.MAX_WBITS).decompress(
+            data, limit + 1
+        )
+    except zlib.error as e:
+        raise FetchError(f"media URL's {encoding} body could not be inflated ({e})", param) from None
+    return None if len(out) > limit else out
