@@ -233,6 +233,8 @@ class OrchestratorMetrics:
         #: (stage, replica) -> requests resumed elsewhere because that replica died
         self.resumed: dict[tuple[str, int], int] = {}
         self.requests_ok = 0
+        #: Requests ended because their client let more than server.max_outbox_bytes wait.
+        self.slow_clients = 0
         self.requests_failed: dict[int, int] = {}
         # Set by render() for the collector to read: a scrape is one synchronous call.
         self._scrape: tuple[Mapping[str, StageSnapshot], int, RoutingSnapshot, dict[str, float]] | None = None
@@ -281,6 +283,9 @@ class OrchestratorMetrics:
     def request_resumed(self, stage: str, replica: int) -> None:
         """A request moved to live replicas because replica ``replica`` of ``stage`` died."""
         self.resumed[(stage, replica)] = self.resumed.get((stage, replica), 0) + 1
+
+    def slow_client(self) -> None:
+        self.slow_clients += 1
 
     def request_done(self, status: int | None) -> None:
         if status is None:
@@ -356,6 +361,12 @@ class OrchestratorMetrics:
         )
         yield GaugeMetricFamily(
             "omni_cache_requests_in_flight", "Requests accepted and not yet answered.", value=in_flight
+        )
+        yield CounterMetricFamily(
+            "omni_cache_slow_clients_disconnected",
+            "Streamed requests whose client let more than server.max_outbox_bytes of the answer wait "
+            "unread: disconnected, the request aborted and what waited freed.",
+            value=self.slow_clients,
         )
         answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.", labels=["outcome"])
         answered.add_metric(["ok"], self.requests_ok)

@@ -346,6 +346,7 @@ class Orchestrator:
                 timeout=timeout,
                 return_latents=return_latents,
                 ticket=ticket,
+                max_outbox_bytes=self.config.server.max_outbox_bytes,
             )
             self.routes.assign(req, admitted.prompt_token_ids, admitted.media, session_id=session_id, hashes=hashes)
             req.submit = submit_message(

@@ -99,6 +99,20 @@ class RequestEnds:
             self.abort_on_stages(req, skip=stage)
         logger.info("request %s failed (%d): %s", req.request_id, status, message)
 
+    def drop_slow_client(self, req: Request) -> None:
+        """``req``'s client let more than ``server.max_outbox_bytes`` of its answer wait: what
+        waits is dropped now, the request aborted on its stages, and its handler closes the
+        connection (the queue's ``overflowed``). Counted apart, not as a failed request."""
+        req.queue.drop()
+        self.metrics.slow_client()
+        self.fail(
+            req,
+            499,
+            f"more than {req.queue.max_bytes} bytes of the answer waited for the client to read them "
+            "(server.max_outbox_bytes): the connection was closed",
+            count=False,
+        )
+
     def complete(self, req: Request) -> None:
         """End ``req`` with ``Completed``: every stage it needs finished."""
         completed = self.outputs.completed(req)  # first: if this fails, the request is failed

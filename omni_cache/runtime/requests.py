@@ -3,7 +3,6 @@ and the ids recently answered (so a stage's late output for one is recognised, n
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 import warnings
@@ -15,6 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from omni_cache.runtime.client_events import ClientEvents
 from omni_cache.wire.messages import MediaRef, StageOutput, Submit
 from omni_cache.wire.sampling import EngineSampling
 
@@ -68,7 +68,7 @@ class Request:
     #: prompt tokens its entry replica is expected to compute for it (not found cached when it
     #: was routed); 0 once the entry stage sent its first output (routing's prefill backlog)
     prefill_backlog: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # its client's events
+    queue: ClientEvents = field(default_factory=ClientEvents)  # its client's events, counted in bytes
     finished: dict[str, StageOutput] = field(default_factory=dict)  # stage -> its last output
     latents: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     got_token: bool = False
@@ -196,6 +196,7 @@ def new_request(
     timeout: float,
     return_latents: bool,
     ticket: Any,
+    max_outbox_bytes: int = 2**62,
 ) -> Request:
     """A request accepted now: a new id, its deadline ``timeout`` seconds after it was received
     (``received_at``, ``time.monotonic()``; None: now)."""
@@ -210,6 +211,7 @@ def new_request(
         timeout_s=timeout,
         return_latents=return_latents,
         ticket=ticket,
+        queue=ClientEvents(max_outbox_bytes),
     )
 
 

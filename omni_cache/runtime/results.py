@@ -140,6 +140,12 @@ class RequestHandle:
         return self._req.engine_prompt_token_ids or self.prompt_token_ids
 
     @property
+    def overflowed(self) -> asyncio.Event:
+        """Set when its client let more than ``server.max_outbox_bytes`` of the answer wait:
+        the request was ended and its handler should close the connection."""
+        return self._req.queue.overflowed
+
+    @property
     def done(self) -> bool:
         """Whether the terminal event was consumed."""
         return self._terminal

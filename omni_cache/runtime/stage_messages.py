@@ -99,6 +99,8 @@ class StageMessages:
             self.routes.output_seen(req, msg.stage, msg.media_layout)
             if self.outputs.add(req, self.config.stage(msg.stage), msg, tensors, time.monotonic()):
                 self.ends.complete(req)
+            elif req.queue.over:  # its client stopped reading: its answer is not kept for it
+                self.ends.drop_slow_client(req)
         except BadOutput as e:
             self.ends.fail(req, 500, str(e), stage=msg.stage)
         except Exception as e:  # noqa: BLE001 -- a bug: this request ends now, not at its deadline

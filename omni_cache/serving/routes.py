@@ -37,6 +37,7 @@ from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, Med
 from omni_cache.serving.realtime.client_items import ImageSource
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
 from omni_cache.serving.realtime.protocol import EventError
+from omni_cache.tasks import cancel_and_wait
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -345,9 +346,16 @@ class _RequestStream(StreamingResponse):
         self._handle = handle
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        response = asyncio.ensure_future(super().__call__(scope, receive, send))
+        overflowed = asyncio.ensure_future(self._handle.overflowed.wait())
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({response, overflowed}, return_when=asyncio.FIRST_COMPLETED)
+            if response.done():
+                response.result()
+            # Else its client stopped reading (server.max_outbox_bytes): the response is given
+            # up unfinished, which makes uvicorn close the connection; its write waits no more.
         finally:
+            await cancel_and_wait(response, overflowed)
             if not self._handle.done:
                 self._handle.abort("the client disconnected from the stream")
 
