@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from omni_cache.config import load_config
 from omni_cache.config.addresses import control_address
+from omni_cache.config.identity import pipeline_hash
 from omni_cache.config.replicas import stage_replicas
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
@@ -118,6 +119,7 @@ class FakeStage:
             max_model_len=max_len or 0,
             auth=self.auth,
             replica=self.replica.index,
+            config_hash=pipeline_hash(self.config),
         )
         await self.orch.send(announcer.message)
         announcer.start()

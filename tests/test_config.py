@@ -1009,14 +1009,14 @@ def test_explicit_replica_addresses(tmp_path: Path) -> None:
     """What omni-serve writes for Ray-placed stages: one address per replica, each its own."""
     from omni_cache.config.replicas import stage_replicas
 
-    both = "\n    replicas: 2\n    replica_addresses: [tcp://10.0.0.1:7000, tcp://10.0.0.2:7000]  #"
+    both = "\n    replicas: 2\n    replica_addresses: [tcp://127.0.0.1:7000, tcp://127.0.0.2:7000]  #"
     path = write_variant(tmp_path, THINKER_ADDRESS, both)
     assert [r.address for r in stage_replicas(load_config(path).stage("thinker"))] == [
-        "tcp://10.0.0.1:7000",
-        "tcp://10.0.0.2:7000",
+        "tcp://127.0.0.1:7000",
+        "tcp://127.0.0.2:7000",
     ]
     assert_refused_naming(
-        write_variant(tmp_path, THINKER_ADDRESS, both.replace("10.0.0.2", "10.0.0.1")),
+        write_variant(tmp_path, THINKER_ADDRESS, both.replace("127.0.0.2", "127.0.0.1")),
         "stages[0].replica_addresses[1]",
         "is also the address of stages[0]",
     )

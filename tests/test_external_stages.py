@@ -31,10 +31,11 @@ from stage_probe import inject
 
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
+from omni_cache.config.identity import pipeline_hash
 from omni_cache.runtime.metrics import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
-from omni_cache.wire.messages import MESSAGE_TYPES, StageReady
+from omni_cache.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, StageReady
 from omni_cache.wire.stage_auth import StageAuth, StageAuthError, new_key
 from omni_cache.wire.transport import Codec, Receiver
 
@@ -64,7 +65,8 @@ def free_port() -> int:
 def write_config(*, heartbeat_timeout_s: float = 10.0, key_file: Path | None = None, external: bool = True) -> Path:
     d = Path(tempfile.mkdtemp(prefix="ocx"))
     ports = [free_port() for _ in range(3)]
-    auth = f", stage_auth_key_file: {key_file}" if key_file else ""
+    # The stages bind 0.0.0.0 (as on other hosts): without a key only the opt-out lets them.
+    auth = f", stage_auth_key_file: {key_file}" if key_file else ", allow_unauthenticated_stages: true"
     path = d / "pipeline.yaml"
     path.write_text(
         textwrap.dedent(f"""
@@ -330,7 +332,14 @@ def test_an_announced_stage_the_server_cannot_reach_is_not_up(stages, servers):
     sock.linger = 0
     sock.connect(config.server.control_address)
     codec = Codec(MESSAGE_TYPES)
-    ready = StageReady(stage="thinker", pid=os.getpid(), incarnation="by-hand", host="here")
+    ready = StageReady(
+        stage="thinker",
+        pid=os.getpid(),
+        incarnation="by-hand",
+        host="here",
+        protocol=PROTOCOL_VERSION,
+        config_hash=pipeline_hash(config),
+    )
     try:
 
         def announced() -> bool:
@@ -487,11 +496,34 @@ def test_config_errors_name_the_key(tmp_path, server_extra, stage_extra, key, me
 
 def test_bind_and_advertise_addresses_load(tmp_path):
     path = _variant(
-        tmp_path, ", control_bind_address: 'tcp://0.0.0.0:5600'", ", bind_address: 'tcp://0.0.0.0:5601', external: true"
+        tmp_path,
+        ", control_bind_address: 'tcp://0.0.0.0:5600', allow_unauthenticated_stages: true",
+        ", bind_address: 'tcp://0.0.0.0:5601', external: true",
     )
     config = load_config(path)
     assert config.server.control_bind_address == "tcp://0.0.0.0:5600"
     assert config.stages[0].bind_address == "tcp://0.0.0.0:5601" and config.stages[0].external
+
+
+def test_sockets_beyond_loopback_need_a_key_or_the_opt_out(tmp_path):
+    """Before: a tcp://0.0.0.0 bind without a key loaded, and anyone reaching the port could send
+    the stages messages."""
+    binds = (", control_bind_address: 'tcp://0.0.0.0:5600'", ", bind_address: 'tcp://0.0.0.0:5601', external: true")
+    with pytest.raises(ConfigError) as e:
+        load_config(_variant(tmp_path, *binds))
+    for key, address in [
+        ("server.control_bind_address", "tcp://0.0.0.0:5600"),
+        ("stages[0].bind_address", "tcp://0.0.0.0:5601"),
+    ]:
+        assert f"{key}: '{address}' listens beyond loopback" in str(e.value)
+    assert "python -m omni_cache.wire.stage_auth new-key FILE" in str(e.value)
+    # A host name is reachable from other hosts too; loopback and ipc are not.
+    with pytest.raises(ConfigError, match="stages\\[0\\].address: 'tcp://node-b:5601' listens beyond loopback"):
+        load_config(_variant(tmp_path))
+    key = tmp_path / "stage.key"
+    key.write_text("k" * 64)
+    assert load_config(_variant(tmp_path, binds[0] + f", stage_auth_key_file: {key}", binds[1]))
+    assert load_config(_variant(tmp_path, binds[0] + ", allow_unauthenticated_stages: true", binds[1]))
 
 
 def test_omni_serve_external_stages_flag(tmp_path, capsys):

@@ -8,19 +8,22 @@ all its effects besides the state of its :class:`StageProcess` objects.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from omni_cache.config import load_config
 from omni_cache.config.addresses import with_default_addresses
+from omni_cache.config.identity import pipeline_hash
 from omni_cache.runtime.requests import Request, RequestTable
 from omni_cache.runtime.supervisor import StageStartError, StageSupervisor
-from omni_cache.wire.messages import StageOutput, StageReady
+from omni_cache.wire.messages import PROTOCOL_VERSION, StageOutput, StageReady
 
 CONFIG = Path(__file__).resolve().parents[1] / "stage_configs" / "tiny_omni.yaml"
 
@@ -375,3 +378,40 @@ def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker
             ctx.destroy(linger=0)
 
     asyncio.run(run())
+
+
+def test_a_stage_of_another_protocol_or_pipeline_is_refused_naming_both(thinker, caplog):
+    """Before: StageReady carried neither, and msgspec filled what an older stage did not send:
+    a stage started elsewhere from other code or another config was taken silently."""
+    events = Recorder()
+    ours = pipeline_hash(load_config(CONFIG))
+    sup = StageSupervisor(events, heartbeat_timeout_s=10.0, announce_to="tcp://orchestrator:1", config_hash=ours)
+    sup.add(thinker, None, {}, False)
+    sp = sup.stages[thinker.name]
+    with caplog.at_level(logging.ERROR, logger="omni_cache.runtime.supervisor"):
+        sup.on_announcement(StageReady(stage=thinker.name, pid=10, incarnation="a", config_hash=ours))
+        sup.on_announcement(StageReady(stage=thinker.name, pid=10, incarnation="a", config_hash=ours))  # once
+        sup.on_announcement(
+            StageReady(stage=thinker.name, pid=11, incarnation="b", protocol=PROTOCOL_VERSION, config_hash="0123abcd")
+        )
+    assert not sp.up and events.events == []
+    assert f"refused: it runs pipeline config 0123abcd, this server {ours}" in sp.why_down()  # /health says
+    refusals = [r.getMessage() for r in caplog.records]
+    assert len(refusals) == 2, refusals
+    assert (
+        f"speaks stage protocol none (code from before protocol versions), this server {PROTOCOL_VERSION}"
+        in (refusals[0])
+    )
+    assert f"runs pipeline config 0123abcd, this server {ours}" in refusals[1]
+    sup.on_announcement(
+        StageReady(stage=thinker.name, pid=12, incarnation="c", protocol=PROTOCOL_VERSION, config_hash=ours)
+    )
+    assert sp.up and events.events == [("up", thinker.name)]
+
+
+def test_the_pipeline_hash_is_its_shape_not_its_addresses(tmp_path):
+    config = load_config(CONFIG)
+    placed = with_default_addresses(config, str(tmp_path))
+    assert pipeline_hash(placed) == pipeline_hash(config)
+    other = msgspec.structs.replace(config, stages=[msgspec.structs.replace(config.stages[0], model="tiny:other")])
+    assert pipeline_hash(other) != pipeline_hash(config)

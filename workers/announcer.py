@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from omni_cache.wire.messages import StageReady
+from omni_cache.wire.messages import PROTOCOL_VERSION, StageReady
 from omni_cache.wire.transport import Codec
 from workers.loop_progress import LoopProgress
 
@@ -41,6 +41,7 @@ class Announcer:
         auth: Any = None,
         replica: int = 0,
         progress: LoopProgress | None = None,
+        config_hash: str = "",
     ) -> None:
         """``progress``: the stage loop's (None: a loop that is never stuck, e.g. a test's)."""
         self.message = StageReady(
@@ -50,6 +51,8 @@ class Announcer:
             max_model_len=max_model_len or 0,
             incarnation=uuid.uuid4().hex,
             host=socket.gethostname(),
+            protocol=PROTOCOL_VERSION,
+            config_hash=config_hash,
         )
         self.interval_s = interval_s
         self.progress = progress

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from omni_cache.config import PipelineConfig, StageConfig
+from omni_cache.config.identity import pipeline_hash
 from omni_cache.config.replicas import reports_blocks, stage_replicas
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.wire.messages import (
@@ -139,6 +140,7 @@ class StageProcess:
                 auth=self.auth,
                 replica=self.replica.index,
                 progress=self.progress,
+                config_hash=pipeline_hash(self.config),
             )
             # Queued on the outbox (the announcer drops beats while nobody listens): a server
             # that is already up hears it at once; the announcer's beats follow.

@@ -140,6 +140,11 @@ class ServerConfig(ConfigStruct, kw_only=True):
     #: ZMQ connection between the orchestrator and the stages is then authenticated and encrypted
     #: with CURVE keys derived from it. Every host needs the same file. None -> no authentication.
     stage_auth_key_file: str | None = None
+    #: Accept stage and orchestrator sockets bound beyond loopback (``tcp://0.0.0.0``, a network
+    #: address) without ``stage_auth_key_file``: anyone who reaches them can send the pipeline
+    #: messages. Only for a network you trust; the server logs a warning at every start. False:
+    #: such a config is refused with the command that makes a key.
+    allow_unauthenticated_stages: bool = False
     #: Every stage re-announces itself (StageReady) this often: a server started after its stages
     #: finds them, and the orchestrator watches stages started elsewhere by it.
     heartbeat_interval_s: PositiveFloat = 0.25

@@ -16,6 +16,7 @@ from omni_cache.config.engine_args_extra import extra_problems
 from omni_cache.config.errors import IssueCollector
 from omni_cache.config.schema import EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle
 from omni_cache.config.stage_addresses import check_addresses, check_hand_started, check_ray, check_replicas
+from omni_cache.config.stage_exposure import check_stage_exposure
 from omni_cache.models.tiny import TINY_MODELS, TINY_PREFIX
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of
@@ -84,6 +85,7 @@ def collect_config_issues(config: PipelineConfig, issues: IssueCollector, *, che
     check_addresses(config, issues)
     check_hand_started(config, {s.name for s in stages if s.external}, issues)
     check_ray(config, issues)
+    check_stage_exposure(config, issues)
     _check_server(config, issues, check_paths=bool(check_paths))
 
     if graph_ok and len(first_index) == len(stages):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from omni_cache.config import PipelineConfig, resolve_model
 from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
+from omni_cache.config.stage_exposure import exposed_sockets
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, QWEN2_VL, audio_input_rate, video_sampler
 from omni_cache.models.voices import DEFAULT_VOICE, checkpoint_voices
@@ -220,6 +221,7 @@ class Orchestrator:
             raise RuntimeError("Orchestrator.start() called twice")
         self._loop = asyncio.get_running_loop()
         self._ready_event = asyncio.Event()
+        _warn_unauthenticated(self.config)
         try:
             await self.fleet.bind()
             for name, coro in [
@@ -446,3 +448,15 @@ class Orchestrator:
         return self.metrics.render(
             await self.stage_stats(), self.in_flight, routing=self.routes.snapshot(), heap=self.heap.counters()
         )
+
+
+def _warn_unauthenticated(config: PipelineConfig) -> None:
+    """Loud at every start: sockets reachable from the network take anyone's messages."""
+    if config.server.stage_auth_key_file is None and config.server.allow_unauthenticated_stages:
+        for key, address in exposed_sockets(config):
+            logger.warning(
+                "%s binds %s beyond loopback without a stage key (server.allow_unauthenticated_stages): "
+                "anyone who reaches it can send this pipeline's stages messages",
+                ".".join(str(k) for k in key),
+                address,
+            )

@@ -21,6 +21,7 @@ import zmq
 
 from omni_cache.config import PipelineConfig
 from omni_cache.config.addresses import control_address
+from omni_cache.config.identity import pipeline_hash
 from omni_cache.config.replicas import Replica
 from omni_cache.runtime.placement import StagePlacement
 from omni_cache.runtime.stage_links import StageLinks
@@ -58,7 +59,10 @@ class StageFleet:
         self.control_address = control_addr or control_address(config) or ""  # "": Ray's node IP
         self.placement = StagePlacement(config, run_dir=run_dir, stage_argv=stage_argv, external=external)
         self.supervisor = StageSupervisor(
-            self, heartbeat_timeout_s=config.server.heartbeat_timeout_s, announce_to=self.control_address
+            self,
+            heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+            announce_to=self.control_address,
+            config_hash=pipeline_hash(config),
         )
         self.links = StageLinks(config, self.placement.replicas, self.supervisor, external)
         self._claims = IpcClaims([a for a in (self.control_address, *(r.address for r in self.replicas.values())) if a])

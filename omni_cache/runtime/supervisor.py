@@ -29,6 +29,7 @@ from omni_cache.config.replicas import Replica, stage_replicas
 from omni_cache.runtime.connection_watch import ConnectionWatch
 from omni_cache.runtime.hang_watch import HangWatch, step_timeout_s
 from omni_cache.runtime.process_runner import LocalRunner, ProcessRunner, StageStartError
+from omni_cache.runtime.stage_identity import StageIdentity
 from omni_cache.runtime.stage_stopping import kill_replicas, stop_replicas
 from omni_cache.runtime.supervised_replica import SupervisedReplica
 from omni_cache.tasks import wait_ended
@@ -79,8 +80,13 @@ class StageSupervisor:
     kills, restarts or stops those.
     """
 
-    def __init__(self, events: StageEvents, *, heartbeat_timeout_s: float, announce_to: str) -> None:
+    def __init__(
+        self, events: StageEvents, *, heartbeat_timeout_s: float, announce_to: str, config_hash: str | None = None
+    ) -> None:
         self._events = events
+        #: This pipeline's hash (omni_cache.config.identity): announcements of another are refused.
+        #: None: not checked (a supervisor without a pipeline, in tests).
+        self._identity = StageIdentity(config_hash) if config_hash is not None else None
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._announce_to = announce_to  # the address external stages announce themselves to
         self._stages: dict[str, SupervisedReplica] = {}  # replica name -> its process
@@ -239,6 +245,11 @@ class StageSupervisor:
             logger.warning(
                 "StageReady from unknown stage %r replica %d (pid %d), ignored", msg.stage, msg.replica, msg.pid
             )
+            return
+        refusal = self._identity.refusal(sp.name, msg) if self._identity is not None else None
+        if refusal is not None:  # another protocol or pipeline: never up (logged; /health says why)
+            if sp.external and not sp.up:
+                sp.pid, sp.host, sp.lost_reason = msg.pid, msg.host, f"refused: it {refusal}"
             return
         if sp.external:
             self._on_external_announcement(sp, msg)

@@ -261,6 +261,12 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
     request_id: RequestId
 
 
+#: The version of these messages' shapes, in every StageReady: raised when a message changes so
+#: that processes of different code would misread each other (msgspec fills a missing field with
+#: its default and drops an unknown one, silently).
+PROTOCOL_VERSION = 1
+
+
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
     """Stage -> orchestrator, once its model is loaded and it serves, then again every
     ``server.heartbeat_interval_s``: the announcement doubles as heartbeat, so a server started
@@ -281,6 +287,10 @@ class StageReady(msgspec.Struct, tag="ready", kw_only=True):
     busy: bool = False
     #: Seconds since the stage's loop last moved, on the stage's own clock when it sent this.
     stalled_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    #: The sender's PROTOCOL_VERSION (0: code from before it was sent) and its pipeline's hash
+    #: (omni_cache.config.identity): the orchestrator refuses a stage whose either differs.
+    protocol: Count = 0
+    config_hash: Annotated[str, Meta(max_length=64)] = ""
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", kw_only=True):
