@@ -14,6 +14,9 @@ the previous report: held (``stored``) or gone (``removed``). vLLM also sends ``
 for blocks a request hit (they were cached already), so a hash is a set member, not a count. In
 the rare case of two blocks with one hash, the eviction of one drops the hash while the other
 still holds it: the router then misses a preference, it never keeps a stale one.
+A report lost on its way is made good by :meth:`BlockEventCollector.take` with ``snapshot``: every
+hash held, after a reset (workers/block_reporter.py sends it after a failed send, or when the
+router saw a gap in the reports' numbers).
 
 Hybrid thinkers (Qwen3-Next, Qwen3.5: GatedDeltaNet + attention) have several KV-cache groups and
 vLLM reports each group's blocks under the same hash. A hit there needs the attention KV of every
@@ -122,9 +125,13 @@ class BlockEventCollector:
         return self.inner.get_publisher_config() if self.inner is not None else None
 
     # what the stage reads
-    def take(self) -> BlockChanges:
-        """The changes since the last call (and forget them)."""
+    def take(self, snapshot: bool = False) -> BlockChanges:
+        """The changes since the last call (and forget them). ``snapshot``: instead, everything
+        held now, as a reset followed by its blocks (the router's index is rebuilt from it)."""
         recurrent = bool(self._state_groups)
+        if snapshot:
+            self._dirty = set(self._groups)
+            self._cleared = True
         out = BlockChanges(
             cleared=self._cleared,
             block_size=self._block_size,

@@ -438,8 +438,8 @@ class ARRunner(StageRunner):
             self.by_job.pop(req.active, None)
             self.llm.abort(req.active)
 
-    def take_block_changes(self) -> Any:
-        return self.llm.block_events.take() if self.llm.block_events is not None else None
+    def take_block_changes(self, snapshot: bool = False) -> Any:
+        return self.llm.block_events.take(snapshot) if self.llm.block_events is not None else None
 
     def counters(self) -> dict[str, float]:
         running, waiting = self.llm.scheduler.get_request_counts()

@@ -199,9 +199,10 @@ class StageRunner:
             self.tombstones.popitem(last=False)
 
     # ---- status ----------------------------------------------------------------------------
-    def take_block_changes(self) -> Any:
+    def take_block_changes(self, snapshot: bool = False) -> Any:
         """What the stage's prefix cache gained and lost since the last call
-        (scheduler/block_events.py BlockChanges), or None when it does not report them."""
+        (scheduler/block_events.py BlockChanges; ``snapshot``: all it holds), or None when it does
+        not report them."""
         return None
 
     def counters(self) -> dict[str, float]:

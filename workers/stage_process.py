@@ -35,7 +35,7 @@ from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
-    BlockEvents,
+    BlockSnapshotQuery,
     Shutdown,
     StageOutput,
     StageStats,
@@ -45,6 +45,7 @@ from omni_cache.wire.messages import (
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import Codec, Receiver
 from workers.announcer import Announcer
+from workers.block_reporter import BlockReporter
 from workers.loop_progress import LoopProgress
 from workers.outbox import Outbox, send_timeout_s
 from workers.step_hold import StepHold
@@ -129,6 +130,7 @@ class StageProcess:
         signal, the parent gone); then close everything. Raises the model step's error when
         steps failed :data:`MAX_FAILED_STEPS` times in a row."""
         self.runner = runner
+        self.blocks = BlockReporter(self.stage.name, self.replica.index, runner.take_block_changes)
         if self.orchestrator:
             self.announcer = Announcer(
                 self.ctx,
@@ -218,22 +220,7 @@ class StageProcess:
 
     def _report_blocks(self) -> None:
         """Tell the orchestrator what this step changed in the prefix cache (prefix routing)."""
-        changes = self.runner.take_block_changes()
-        if changes:
-            self.outbox.to_orchestrator(
-                BlockEvents(
-                    stage=self.stage.name,
-                    replica=self.replica.index,
-                    stored=changes.stored,
-                    removed=changes.removed,
-                    cleared=changes.cleared,
-                    block_size=changes.block_size,
-                    recurrent=changes.recurrent,
-                    state_stored=changes.state_stored,
-                    state_removed=changes.state_removed,
-                    hash_block_size=changes.hash_block_size,
-                )
-            )
+        self.blocks.report(self.outbox.to_orchestrator)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -269,6 +256,8 @@ class StageProcess:
             self.runner.guarded(msg.request_id, lambda: self.runner.accept(msg, tensors))
         elif isinstance(msg, Shutdown):
             self.stopping = True
+        elif isinstance(msg, BlockSnapshotQuery):
+            self.blocks.request_snapshot()
         elif isinstance(msg, StatsQuery):
             self._outside_requests("answering a stats query", self._send_stats)
         elif isinstance(msg, Abort):

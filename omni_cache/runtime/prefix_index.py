@@ -37,6 +37,21 @@ class PrefixIndex:
         self.scale: dict[int, int] = {}
         #: Replicas whose hits need a recurrent state (hybrid thinkers).
         self.recurrent: set[int] = set()
+        #: replica -> the number of its last report applied (BlockEvents.seq).
+        self._seq: dict[int, int] = {}
+
+    def in_sequence(self, replica: int, seq: int, cleared: bool) -> bool:
+        """Whether a report numbered ``seq`` follows the last one applied. A gap (a report lost
+        on the way) leaves the index unsure of what the replica holds: its hashes are dropped
+        now (the router never prefers a replica for a block it may have lost) until a snapshot
+        (``cleared``) comes, which is always in sequence. ``seq`` 0: unnumbered, never a gap."""
+        last = self._seq.get(replica)
+        if seq:
+            self._seq[replica] = seq
+        if not seq or cleared or (last is not None and seq == last + 1) or (last is None and seq == 1):
+            return True
+        self._drop_blocks(replica)
+        return False
 
     def apply(
         self,
@@ -54,7 +69,7 @@ class PrefixIndex:
         """One report: ``cleared`` drops what the replica held before; then its changes (a hash
         is in ``stored`` or ``removed``, not both; likewise for the ``state_*`` pair)."""
         if cleared:
-            self.forget(replica)
+            self._drop_blocks(replica)
         if block_size:
             step = hash_block_size or block_size
             if block_size % step:
@@ -71,7 +86,11 @@ class PrefixIndex:
         held.update(stored)
 
     def forget(self, replica: int) -> None:
-        """The replica's cache is gone (it died, or it reset its prefix cache)."""
+        """The replica is gone (it died): its cache, and the numbering of its reports."""
+        self._drop_blocks(replica)
+        self._seq.pop(replica, None)
+
+    def _drop_blocks(self, replica: int) -> None:
         self._held.pop(replica, None)
         self._states.pop(replica, None)
         self.recurrent.discard(replica)

@@ -302,10 +302,13 @@ class RoutePlanner:
             [(s.modality, s.identifier, s.offset, s.length) for s in layout.spans],
         )
 
-    def on_block_events(self, msg: BlockEvents) -> None:
+    def on_block_events(self, msg: BlockEvents) -> bool:
+        """Apply one replica's report; False when it followed a gap (the replica should send a
+        snapshot: omni_cache/runtime/stage_messages.py asks it)."""
         sp = self._supervisor.replica(msg.stage, msg.replica)
         if msg.stage != self._entry.name or sp is None or not sp.up:
-            return  # a replica that is down holds nothing (a late report from its old process)
+            return True  # a replica that is down holds nothing (a late report from its old process)
+        in_sequence = self.prefix_index.in_sequence(msg.replica, msg.seq, msg.cleared)
         self.prefix_index.apply(
             msg.replica,
             msg.stored,
@@ -317,6 +320,7 @@ class RoutePlanner:
             state_stored=msg.state_stored,
             state_removed=msg.state_removed,
         )
+        return in_sequence
 
     def forget(self, replica: Replica) -> None:
         """``replica`` went down: its caches died with it."""

@@ -24,7 +24,15 @@ from omni_cache.runtime.route_planner import RoutePlanner
 from omni_cache.runtime.stage_fleet import StageFleet
 from omni_cache.runtime.stats import StageStatsBoard
 from omni_cache.runtime.topology import Topology
-from omni_cache.wire.messages import Abort, BlockEvents, StageError, StageOutput, StageReady, StageStats
+from omni_cache.wire.messages import (
+    Abort,
+    BlockEvents,
+    BlockSnapshotQuery,
+    StageError,
+    StageOutput,
+    StageReady,
+    StageStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +80,10 @@ class StageMessages:
         elif isinstance(msg, StageReady):
             supervisor.on_announcement(msg)
         elif isinstance(msg, BlockEvents):
-            self.routes.on_block_events(msg)
+            if not self.routes.on_block_events(msg):  # a report was lost: ask for all it holds
+                name = self.fleet.name_of(msg.stage, msg.replica)
+                if name is not None:
+                    self._spawn(self.fleet.send(name, BlockSnapshotQuery(), timeout=1.0))
         elif isinstance(msg, StageStats):
             name = self.fleet.name_of(msg.stage, msg.replica)
             if name is None:

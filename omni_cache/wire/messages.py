@@ -264,7 +264,7 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
 #: The version of these messages' shapes, in every StageReady: raised when a message changes so
 #: that processes of different code would misread each other (msgspec fills a missing field with
 #: its default and drops an unknown one, silently).
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: BlockEvents.seq, BlockSnapshotQuery
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
@@ -332,6 +332,15 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     #: Tokens per hash step (vLLM's hash_block_size; 0: block_size). A full block's hash is the
     #: chain's at the block's end, so the router hashes prompts in steps of this.
     hash_block_size: Annotated[int, Meta(ge=0)] = 0
+    #: This replica process's reports numbered from 1 (0: unnumbered). A report the router did
+    #: not get (a send that timed out) leaves a gap: the stage then sends, or the router asks for
+    #: (BlockSnapshotQuery), a snapshot: ``cleared`` with every hash it holds in ``stored``.
+    seq: Count = 0
+
+
+class BlockSnapshotQuery(msgspec.Struct, tag="block_snapshot_query", kw_only=True):
+    """Orchestrator -> stage: its block reports had a gap; send every hash you hold (a BlockEvents
+    with ``cleared``) with your next report."""
 
 
 Message = (
@@ -345,6 +354,7 @@ Message = (
     | StageStats
     | Shutdown
     | BlockEvents
+    | BlockSnapshotQuery
 )
 MESSAGE_TYPES = (
     Submit,
@@ -357,4 +367,5 @@ MESSAGE_TYPES = (
     StageStats,
     Shutdown,
     BlockEvents,
+    BlockSnapshotQuery,
 )
