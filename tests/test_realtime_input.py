@@ -241,3 +241,42 @@ def test_a_full_buffer_refuses_the_append_at_once():
     err, held_ms = asyncio.run(go())
     assert err.code == "input_audio_buffer_full" and err.param == "audio"
     assert 700 <= held_ms <= 834  # the resampler holds back its filter's delay until a commit
+
+
+def test_a_vad_model_that_does_not_load_is_tried_once_and_each_session_told_once(monkeypatch, caplog):
+    """Before: every 100 ms tick loaded the model again, logged the traceback again and sent each
+    session another error event carrying the exception's text."""
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("no such file /srv/secret/silero.jit")
+
+    monkeypatch.setattr(vad, "load_model", broken)
+    worker = InputAudioWorker(tick_s=0.02)
+    heard: list[list] = [[], []]
+
+    async def go():
+        streams = [InputStream(worker, PCM, vad.RATE, heard[i].append) for i in range(2)]
+        for s in streams:
+            s.set_detector(vad.SpeechDetector(0.5, 300))
+        audio = clip(3)
+        for i in range(0, len(audio), CHUNK):  # many ticks' worth of appends
+            for s in streams:
+                s.append(b64(audio[i : i + CHUNK]), None)
+            await asyncio.sleep(0.005)
+        for s in streams:
+            await s.drained()
+
+    try:
+        with caplog.at_level("ERROR", logger="omni_cache.serving.realtime"):
+            asyncio.run(go())
+    finally:
+        worker.close()
+    assert len(calls) == 1  # the next try waits VAD_RETRY_S
+    assert len([r for r in caplog.records if "did not load" in r.getMessage()]) == 1
+    for session in heard:
+        errors = [e for h in session for e, _ in h.errors]
+        assert [e.code for e in errors] == ["vad_unavailable"], errors
+        assert "turn_detection to null" in errors[0].message and "secret" not in errors[0].message
+        assert sum(len(h.samples) for h in session) > 0  # the audio itself is still heard

@@ -528,3 +528,26 @@ def test_benchmark_config_and_summary(tmp_path):
     assert s["last_over_first_p50"] == pytest.approx(1.1)
     assert s["linear_fit"] == {"slope_ms_per_turn": pytest.approx(20.0), "last_over_first": pytest.approx(1.1)}
     assert s["stage_hit_rates"] == {"thinker": pytest.approx(0.64)}
+
+
+def test_an_internal_error_names_the_event_not_the_exception():
+    """Before: the exception's type and text went to the client (paths, internals)."""
+    from omni_cache.serving.realtime.connection import handle_event
+
+    class Session:
+        id = "sess_1"
+
+        async def handle(self, event):
+            raise RuntimeError("/srv/secret/path exploded")
+
+    class Outbox:
+        sent: list = []
+
+        def send(self, event):
+            self.sent.append(event)
+
+    outbox = Outbox()
+    asyncio.run(handle_event(json.dumps({"type": "response.cancel", "event_id": "ev_9"}), Session(), outbox, 1 << 20))
+    (event,) = outbox.sent
+    assert event.error.code == "internal_error" and event.error.event_id == "ev_9"
+    assert "secret" not in event.error.message and "sess_1" in event.error.message

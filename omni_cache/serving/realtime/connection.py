@@ -35,6 +35,7 @@ __all__ = [
     "EventWriter",
     "RateLimiter",
     "SessionRegistry",
+    "handle_event",
     "serve_realtime",
 ]
 
@@ -249,25 +250,32 @@ async def _read_events(
                     )
                 )
                 continue
-            await _handle(raw, session, outbox, limits.max_event_bytes)
+            await handle_event(raw, session, outbox, limits.max_event_bytes)
     finally:
         overflow.cancel()
         if receiving is not None and not receiving.done():
             receiving.cancel()
 
 
-async def _handle(raw: str | bytes, session: RealtimeSession, outbox: EventWriter, max_bytes: int) -> None:
+async def handle_event(raw: str | bytes, session: RealtimeSession, outbox: EventWriter, max_bytes: int) -> None:
+    """One client event parsed and carried out; every failure an ``error`` event, the session goes on."""
     event_id = None
     try:
         event, event_id = await parse_client_event_async(raw, max_bytes)
         await session.handle(event)
     except EventError as e:
         outbox.send(error_event(e, e.event_id or event_id))
-    except Exception as e:  # noqa: BLE001 -- a bug must not end the session
-        logger.exception("realtime session %s: internal error", session.id)
+    except Exception:  # noqa: BLE001 -- a bug must not end the session
+        # The exception's text stays in the log (it can name paths and internals); the client gets
+        # the event it concerned and the session id to find it there.
+        logger.exception("realtime session %s: internal error handling event %s", session.id, event_id)
         outbox.send(
             error_event(
-                EventError(f"internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error"),
+                EventError(
+                    f"internal error handling this event (logged for session {session.id})",
+                    type="server_error",
+                    code="internal_error",
+                ),
                 event_id,
             )
         )

@@ -31,6 +31,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ __all__ = ["TICK_S", "Heard", "InputAudioWorker", "InputStream", "decode_appends
 
 #: How long the worker lets appends gather before it handles them (see the module's docstring).
 TICK_S = 0.1
+#: Seconds between tries to load the voice activity model after one failed.
+VAD_RETRY_S = 30.0
 
 
 @dataclass
@@ -217,6 +220,8 @@ class InputAudioWorker:
         self.tick_s = tick_s
         #: Silero, batched; loaded by the thread when a detector first needs it.
         self.scorer = scorer
+        self._load_failed_at: float | None = None  # when loading the model last failed
+        self._told: weakref.WeakSet = weakref.WeakSet()  # detectors told VAD is unavailable
         self._cv = threading.Condition()
         self._ready: dict[InputStream, None] = {}  # streams with jobs, in arrival order
         self._thread: threading.Thread | None = None
@@ -278,7 +283,7 @@ class InputAudioWorker:
             bound = sum(stream.bound(data) for data, _ in jobs)
             try:
                 heard, windows = stream._process(jobs)
-            except Exception as e:  # noqa: BLE001 -- a bug in one stream must not stop the others
+            except Exception:  # noqa: BLE001 -- a bug in one stream must not stop the others
                 logger.exception("realtime: input audio failed")
                 heard, windows = (
                     Heard(
@@ -287,7 +292,7 @@ class InputAudioWorker:
                         errors=[
                             (
                                 EventError(
-                                    f"internal error: {type(e).__name__}: {e}",
+                                    "internal error while reading the input audio (in the server's log)",
                                     type="server_error",
                                     code="internal_error",
                                 ),
@@ -307,26 +312,44 @@ class InputAudioWorker:
 
     def _score(self, scoring: list[tuple[vad.SpeechDetector, np.ndarray]], scored: list[Heard]) -> None:
         try:
-            if self.scorer is None:
-                import torch
-
-                # One thread: the batches are small (intra-op threads would spin more than they
-                # help) and the event loop needs the other core. The package's import sets it too.
-                torch.set_num_threads(1)
-                self.scorer = BatchScorer(vad.load_model())
-            events = self.scorer.score(scoring)
-        except Exception as e:  # noqa: BLE001 -- the sessions are told; the worker goes on
+            scorer = self._scorer()
+            events = scorer.score(scoring) if scorer is not None else None
+        except Exception:  # noqa: BLE001 -- the sessions are told; the worker goes on
             logger.exception("realtime: voice activity detection failed")
-            for heard in scored:
-                heard.errors.append(
-                    (
-                        EventError(f"voice activity detection failed: {e}", type="server_error", code="internal_error"),
-                        None,
-                    )
-                )
+            events = None
+        if events is None:
+            # Each session is told once per failure, not every tick; the exception is the log's.
+            for (detector, _), heard in zip(scoring, scored):
+                if detector not in self._told:
+                    self._told.add(detector)
+                    heard.errors.append((_vad_unavailable(), None))
             events = [[] for _ in scoring]
+        else:
+            self._told = weakref.WeakSet()
         for (detector, _), heard, evs in zip(scoring, scored, events):
             heard.events, heard.in_speech = evs, detector.in_speech
+
+    def _scorer(self) -> BatchScorer | None:
+        """The batched Silero model, loaded on first use; None while a failed load waits for its
+        retry (:data:`VAD_RETRY_S`: loading again every tick would log and fail every 100 ms)."""
+        if self.scorer is not None:
+            return self.scorer
+        now = time.monotonic()
+        if self._load_failed_at is not None and now - self._load_failed_at < VAD_RETRY_S:
+            return None
+        try:
+            import torch
+
+            # One thread: the batches are small (intra-op threads would spin more than they
+            # help) and the event loop needs the other core. The package's import sets it too.
+            torch.set_num_threads(1)
+            self.scorer = BatchScorer(vad.load_model())
+        except Exception:  # noqa: BLE001 -- logged once per try; the sessions are told
+            self._load_failed_at = now
+            logger.exception("realtime: the voice activity model did not load; next try in %g s", VAD_RETRY_S)
+            return None
+        self._load_failed_at = None
+        return self.scorer
 
     @staticmethod
     def _deliver(out: list[tuple[InputStream, Heard, int]]) -> None:
@@ -340,6 +363,15 @@ class InputAudioWorker:
                 loop.call_soon_threadsafe(_hand_over, items)
             except RuntimeError:  # the loop is closed: its sessions are gone
                 pass
+
+
+def _vad_unavailable() -> EventError:
+    return EventError(
+        "server_vad is unavailable: the voice activity model did not load on this server (in its "
+        "log); set audio.input.turn_detection to null and commit the input buffer yourself",
+        type="server_error",
+        code="vad_unavailable",
+    )
 
 
 def _hand_over(items: list[tuple[InputStream, Heard, int]]) -> None:
