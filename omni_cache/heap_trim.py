@@ -84,16 +84,26 @@ class HeapTrimmer:
     With the C library's own ``malloc_trim`` (``trim`` not given) it also takes trimming over from
     ``free()`` (:func:`keep_freed_pages`)."""
 
-    def __init__(self, interval_s: float = TRIM_INTERVAL_S, trim: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self, interval_s: float = TRIM_INTERVAL_S, trim: Callable[[int], int] | None = None, *, manage: bool = True
+    ) -> None:
+        """``manage`` False: a process that is not ours to tune (the Python API's caller): no
+        trims, the allocator's thresholds left as they are."""
         self.interval_s = interval_s
-        self._trim = trim if trim is not None else find_malloc_trim()
-        if self._trim is None:
+        self._trim = (trim if trim is not None else find_malloc_trim()) if manage else None
+        if not manage:
+            pass
+        elif self._trim is None:
             logger.info("no malloc_trim in this C library: freed heap pages stay with the process")
         elif trim is None:
             keep_freed_pages()
         self.next_at = time.monotonic() + interval_s
         self.trims = 0
         self.seconds = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether :meth:`maybe_trim` would trim at ``now``."""
+        return self._trim is not None and now >= self.next_at
 
     def maybe_trim(self, now: float) -> bool:
         """Trim if ``interval_s`` passed since the last trim (``now``: time.monotonic())."""

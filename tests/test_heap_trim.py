@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,21 @@ def test_freed_step_sized_blocks_stay_until_the_trimmer_runs():
     before = rss_bytes()
     assert trimmer.maybe_trim(trimmer.next_at)
     assert before - rss_bytes() >= size // 2, "the trimmer did not give the freed pages back"
+
+
+def test_an_orchestrator_leaves_its_callers_allocator_alone(monkeypatch, tmp_path):
+    """Before: creating an Orchestrator (the Python API, a notebook's ServerThread) set the
+    process's malloc thresholds for good and trimmed its heap; only omni-serve's process is ours."""
+    from omni_cache import heap_trim
+    from omni_cache.config import load_config
+    from omni_cache.runtime.orchestrator import Orchestrator
+
+    tuned = []
+    monkeypatch.setattr(heap_trim, "keep_freed_pages", lambda: tuned.append(1) or True)
+    config = load_config(Path(__file__).resolve().parents[1] / "stage_configs" / "tiny_omni.yaml")
+    caller = Orchestrator(config)
+    assert tuned == [] and not caller.heap.due(float("inf"))
+    server = Orchestrator(config, manage_heap=True)
+    assert tuned == [1] and server.heap.due(float("inf"))
+    for orch in (caller, server):
+        orch.kill_all_sync()

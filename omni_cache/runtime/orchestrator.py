@@ -108,6 +108,7 @@ class Orchestrator:
         echo_stage_logs: bool = True,
         control_addr: str | None = None,
         shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+        manage_heap: bool = False,
     ) -> None:
         # Stages started by hand need the addresses the config spells out: checked before the
         # server chooses the others (sockets in a directory of its own).
@@ -177,7 +178,10 @@ class Orchestrator:
             spawn=self._spawn,
         )
         # The server's own heap: see omni_cache/heap_trim.py (trimmed from the deadline loop).
-        self.heap = HeapTrimmer()
+        # Only a process of its own (omni-serve: manage_heap) has its malloc thresholds changed and
+        # its heap trimmed; a caller's process (the Python API, a notebook's ServerThread) keeps its
+        # own allocator settings.
+        self.heap = HeapTrimmer(manage=manage_heap)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -413,7 +417,8 @@ class Orchestrator:
                 self.ends.fail_expired(now)
             except Exception:  # noqa: BLE001
                 logger.exception("orchestrator: deadline check failed")
-            self.heap.maybe_trim(now)
+            if self.heap.due(now):  # in a thread: malloc_trim takes milliseconds, with the GIL free
+                await asyncio.to_thread(self.heap.maybe_trim, now)
 
     # ---- what the stages send --------------------------------------------------------------------
 

@@ -171,6 +171,7 @@ def serve(config: Any, args: Any) -> int:
     try:
         orch = Orchestrator(
             config,
+            manage_heap=True,  # omni-serve's process is the server's own
             checkpoint_dir=getattr(args, "checkpoint_dir", None),
             prefix_cache=not getattr(args, "no_prefix_cache", False),
         )
