@@ -243,3 +243,27 @@ def test_waiting_for_tasks_does_not_swallow_the_callers_cancellation():
         assert await wait_ended([inner], 5.0) and inner.cancelled()
 
     asyncio.run(main())
+
+
+def test_the_tool_parser_reads_the_tokenizer_under_its_lock_off_the_loop():
+    """Before: a request with tools parsed its answer on the event loop without the tokenizer's
+    lock, while worker threads tokenized other requests with the same tokenizer."""
+    import threading
+    from types import SimpleNamespace
+
+    from omni_cache.runtime.text_codec import TextCodec
+    from omni_cache.serving.routes import parse_locked
+
+    codec = TextCodec.__new__(TextCodec)
+    codec._lock = threading.Lock()
+    orch = SimpleNamespace(codec=codec)
+    seen = []
+
+    def parse(x):
+        seen.append((threading.current_thread() is threading.main_thread(), codec._lock.locked()))
+        return x
+
+    assert asyncio.run(parse_locked(orch, SimpleNamespace(parser=object()), parse, 7)) == 7
+    assert seen == [(False, True)]  # a worker thread, holding the tokenizer's lock
+    assert asyncio.run(parse_locked(orch, SimpleNamespace(parser=None), parse, 8)) == 8
+    assert seen[1] == (True, False)  # no tool parser: nothing reads the tokenizer, no hop

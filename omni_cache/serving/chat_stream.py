@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,10 @@ async def collect_unless_disconnected(handle: RequestHandle, request: Request) -
             handle.abort("the request handler was cancelled")
 
 
+async def _called_here(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
 @dataclass
 class StreamOptions:
     """What a stream adds besides its choices (vLLM's ``stream_options``, ``return_token_ids``)."""
@@ -137,6 +142,7 @@ async def stream_chunks(
     entry_stage: str,
     options: StreamOptions,
     error_body: Callable[[RequestError], dict[str, Any]],
+    parse: Callable[..., Awaitable[Any]] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer, ending with ``data: [DONE]``.
 
@@ -150,6 +156,7 @@ async def stream_chunks(
         ChatCompletionStreamResponse,
     )
 
+    parse = parse or _called_here
     audio_id = f"audio_{handle.request_id}"
     pcm_stream = PcmStream()
     sent_first = False
@@ -176,7 +183,8 @@ async def stream_chunks(
         async for event in handle.events():
             if isinstance(event, TextDelta):
                 prompt_tokens = event.num_prompt_tokens or prompt_tokens
-                choice = writer.delta(event.text, event.token_ids, event.logprobs, last=event.last)
+                delta = functools.partial(writer.delta, last=event.last)
+                choice = await parse(delta, event.text, event.token_ids, event.logprobs)
                 if choice is not None:
                     yield chunk(choice)
             elif isinstance(event, AudioDelta):
@@ -188,7 +196,7 @@ async def stream_chunks(
                 if tail:
                     yield audio(tail)
                 prompt_tokens = event.num_prompt_tokens
-                yield chunk(writer.finish(event.finish_reason, event.stop_reason))
+                yield chunk(await parse(writer.finish, event.finish_reason, event.stop_reason))
                 if options.include_usage:
                     final = ChatCompletionStreamResponse(
                         **base,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,6 +299,14 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, 
         raise APIError(400, str(e), param=e.param) from None
 
 
+async def parse_locked(orch: Orchestrator, writer: ChoiceWriter, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a ChoiceWriter call: with a tool parser (it reads the tokenizer) under the
+    tokenizer's lock in a worker thread; without one, here (nothing else reads the tokenizer)."""
+    if writer.parser is None:
+        return fn(*args)
+    return await asyncio.to_thread(orch.codec.call_locked, fn, *args)
+
+
 def _use_audio_in_video(chat: ChatRequest) -> bool | None:
     """The request's ``mm_processor_kwargs.use_audio_in_video``; None: the server's default."""
     return (chat.body.mm_processor_kwargs or {}).get("use_audio_in_video")
@@ -329,6 +338,7 @@ def _stream(
             entry_stage=orch.topology.entry.name,
             options=options,
             error_body=lambda e: APIError.from_request_error(e).body(),
+            parse=lambda fn, *args: parse_locked(orch, writer, fn, *args),
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -370,8 +380,18 @@ async def _complete(
     created = int(time.time())
     answer = await collect_unless_disconnected(handle, request)
     done = answer.completed
-    # On the loop: the tool parser shares the tokenizer with the threads that tokenize.
-    choice = writer.choice(answer.text, answer.token_ids, answer.logprobs, done.finish_reason, done.stop_reason)
+    # The tool parser reads the tokenizer the worker threads tokenize with: under its lock, in a
+    # thread (the lock may be held for a long prompt's tokenizing; the loop does not wait for it).
+    choice = await parse_locked(
+        orch,
+        writer,
+        writer.choice,
+        answer.text,
+        answer.token_ids,
+        answer.logprobs,
+        done.finish_reason,
+        done.stop_reason,
+    )
 
     def body() -> bytes:
         """The response's JSON; in a worker thread: encoding, base64 and rendering a whole
