@@ -68,7 +68,6 @@ class Qwen25TalkerInput:
         self.codec_bos_id = int(talker["tts_codec_start_token_id"])
         self.codec_eos_id = int(talker["tts_codec_end_token_id"])
         self.codec_mask_id = int(talker["tts_codec_mask_token_id"])
-        self.vocab_size = int(talker["vocab_size"])
         self.media_ids = frozenset(
             int(thinker[k]) for k in ("audio_token_index", "image_token_index", "video_token_index")
         )
