@@ -125,3 +125,47 @@ def test_summary_ratios_use_first_audio_for_spoken_answers_and_count_failures():
     spoken = s["kinds"]["spoken"]
     assert spoken["measure"] == "ttfa_s"
     assert spoken["ratio"] == pytest.approx((1.5 + 2.5) / 2) and spoken["max_ratio"] == 2.5
+
+
+class _GrammarWaitingStage:
+    """An LLMStage's add/step/has_work/abort as the warm-up sees them while vLLM compiles a
+    request's grammar in a thread of its own: the request is not scheduled, steps return nothing
+    at once, until the grammar is ready; then it finishes in one step."""
+
+    def __init__(self, compile_s: float) -> None:
+        import threading
+
+        self.ready = threading.Event()
+        self.steps = 0
+        self._timer = threading.Timer(compile_s, self.ready.set)
+        self.request_id: str | None = None
+
+    def add(self, request_id, prompt, params, streamed=None):
+        self.request_id = request_id
+        self._timer.start()
+
+    def has_work(self) -> bool:
+        return self.ready.is_set()
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.steps += 1
+        if not self.ready.is_set():
+            return []
+        return [SimpleNamespace(request_id=self.request_id, error=None, finished=True)]
+
+    def abort(self, request_id):
+        self._timer.cancel()
+
+
+def test_a_warmup_request_waiting_for_its_grammar_is_waited_for_not_counted_out():
+    """CI failed a stage's start with "warm-up request 'structured_output' did not finish in 256
+    steps": empty steps while xgrammar compiled ran out a step count. The warm-up waits by time."""
+    from workers import warmup
+
+    stage = _GrammarWaitingStage(compile_s=0.5)
+    request = warmup.WarmupRequest("structured_output", {"prompt_token_ids": [1, 2]}, params=None)
+    warmup.run_alone(stage, "omni-cache-warmup-0-structured_output", request)
+    assert stage.ready.is_set()
+    assert stage.steps >= 2  # it stepped while the grammar compiled, and once after

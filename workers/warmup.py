@@ -44,8 +44,13 @@ logger = logging.getLogger(__name__)
 REQUEST_PREFIX = "omni-cache-warmup-"
 #: Tokens each warm-up request generates: the first decode step is the one that compiles.
 WARMUP_TOKENS = 2
-#: Engine steps one warm-up request may take before the warm-up gives up on it.
-MAX_STEPS = 256
+#: Seconds one warm-up request may take before the warm-up gives up on it. A deadline, not a
+#: step count: a request with a grammar waits, unscheduled, while vLLM compiles the grammar in a
+#: thread of its own, and steps that schedule nothing take microseconds (a count of 256 ran out
+#: before xgrammar finished on a loaded 2-core machine). First-use compiles take ~10 s here.
+MAX_REQUEST_S = 300.0
+#: Pause between steps that produced nothing (the request waits for its grammar, not the engine).
+IDLE_POLL_S = 0.005
 #: The warm-up's own text (a prompt no client shares, so nothing of it could be a prefix hit).
 PROMPT = "omni_cache warm-up: a few tokens of text."
 #: Frame rate of the warm-up's video (its frames' sampling rate, as the server reports a clip's).
@@ -109,7 +114,7 @@ def warm_up(llm: Any, sampling: Any, *, entry: bool) -> WarmupReport:
     requests = warmup_requests(llm) if entry else [stage_request(llm, sampling)]
     for i, request in enumerate(requests):
         t0 = time.perf_counter()
-        _run_alone(llm, f"{REQUEST_PREFIX}{i}-{request.path}", request)
+        run_alone(llm, f"{REQUEST_PREFIX}{i}-{request.path}", request)
         report.seconds[request.path] = report.seconds.get(request.path, 0.0) + time.perf_counter() - t0
     _forget_warmup(llm)
     report.compiles_at_ready = compiled_frames()
@@ -241,7 +246,7 @@ def _tokenizer(llm: Any) -> Any:
     return llm.engine.tokenizer
 
 
-def _run_alone(llm: Any, request_id: str, request: WarmupRequest) -> None:
+def run_alone(llm: Any, request_id: str, request: WarmupRequest) -> None:
     """Add one request and step the engine until it finished (the stage holds nothing else)."""
     streamed = None
     if request.streamed:
@@ -250,15 +255,19 @@ def _run_alone(llm: Any, request_id: str, request: WarmupRequest) -> None:
         streamed = StreamedRows(torch.zeros(llm.engine.vllm_config.model_config.get_inputs_embeds_size()))
         streamed.add(None, done=True)
     llm.add(request_id, request.prompt, request.params, streamed=streamed)
-    for _ in range(MAX_STEPS):
-        for out in llm.step():
+    deadline = time.monotonic() + MAX_REQUEST_S
+    while time.monotonic() < deadline:
+        outputs = llm.step()
+        for out in outputs:
             if out.error is not None:
                 llm.abort(request_id)
                 raise RuntimeError(f"warm-up request {request.path!r} failed: {out.error}") from out.error
             if out.finished:
                 return
+        if not outputs and not llm.has_work():
+            time.sleep(IDLE_POLL_S)
     llm.abort(request_id)
-    raise RuntimeError(f"warm-up request {request.path!r} did not finish in {MAX_STEPS} steps")
+    raise RuntimeError(f"warm-up request {request.path!r} did not finish in {MAX_REQUEST_S:g} s")
 
 
 def _forget_warmup(llm: Any) -> None:
