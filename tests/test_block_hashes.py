@@ -1,7 +1,9 @@
-"""The orchestrator's block hashes of a prompt (omni_cache/runtime/block_hashes.py) equal the ones
-vLLM's prefix cache computes and its KV events report, with vLLM's default seed and with a
-PYTHONHASHSEED, for text prompts and for prompts with images, audio and video (vLLM's own
-functions, no engine: a vLLM ``Request`` with the items' features, hashed by vLLM's block hasher)."""
+"""The orchestrator's block hashes of a prompt (omni_cache/runtime/block_hashes.py, which calls
+vLLM's hashing functions with its own first parent and request stand-in) equal the ones an engine
+computes and its KV events report, with vLLM's default seed and with a PYTHONHASHSEED, for text
+prompts and for prompts with images, audio and video: the reference is the engine's path, no
+engine started (``init_none_hash`` reading the seed as an engine does at start, then a vLLM
+``Request`` with the items' features hashed by ``get_request_block_hasher``)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def test_prompt_block_hashes_are_vllms(monkeypatch: pytest.MonkeyPatch, seed: st
             ours = prompt_block_hashes(ids, block_size, seed)
             assert len(ours) == n // block_size
             assert ours == vllm_hashes(ids, block_size)
+            assert ours == vllm_request_hashes(ids, block_size, [])  # the engine's request path
     finally:
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
         vllm_hashes([], 1)  # vLLM's global seed back to its default for later tests

@@ -1,45 +1,66 @@
-"""The block hashes vLLM's prefix cache gives a prompt, computed in the orchestrator without
-vLLM, so the router can ask which replica holds which prefix (omni_cache/runtime/routing.py).
+"""The block hashes vLLM's prefix cache gives a prompt, computed in the orchestrator before the
+request reaches an engine, so the router can ask which replica holds which prefix
+(omni_cache/runtime/routing.py).
 
-vLLM 0.32 (``prefix_caching_hash_algo: sha256``, its default) names each full block of a prompt by
-a chain: block i's hash is SHA-256 over the pickled tuple ``(hash of block i-1, the block's token
-ids as a tuple, extra keys)``, block 0's parent being the hash of the seed string (the environment's
-``PYTHONHASHSEED`` when set, else the fixed ``"vllm-none-hash"``, so independent processes agree).
-A text prompt without LoRA, cache salt or prompt embeddings has no extra keys (None). vLLM's KV
-events report a hash as the low 64 bits of the digest read big-endian
-(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by default): that is the form returned here.
+The hashing is vLLM's own (``vllm.v1.core.kv_cache_utils``, ``prefix_caching_hash_algo: sha256``,
+its default): each full block's extra keys come from ``generate_block_hash_extra_keys`` and its
+hash from ``hash_block_tokens`` with ``vllm.utils.hashing.sha256``, chained from block to block as
+the engine's ``get_request_block_hasher`` chains them. What stays ours:
 
-A prompt with images, audio or video is hashed over its *expanded* token ids (each item's
-placeholder replaced by the run the thinker's processor made of it), and every block that overlaps
-an item's run gets the extra key ``("mm", identifier, run offset - block start)``: the item's
-multimodal identifier as the engine names it (our content digest, or vLLM's hash of it with the
-request's processor kwargs) and where its run starts relative to the block. The items are walked
-in the engine's order with one cursor, as vLLM's ``_gen_mm_extra_hash_keys`` does: a block that
-ends inside an item's run stops there, so of two items on the same run (a video and its sound
-track) only the first is keyed in the blocks before the run's last one. Where those runs and
-identifiers come from: omni_cache/runtime/media_layouts.py.
+* the first block's parent. vLLM derives it from the engine process's seed (``init_none_hash``:
+  its ``PYTHONHASHSEED`` when set, else ``DEFAULT_NONE_HASH_SEED``) into a global of the process
+  that calls it; the router hashes for engines in other processes, whose seed it is told, so it
+  derives the parent the same way (the hash function over the seed) without touching that global;
+* the prompt as a request: the expanded token ids and the media items (identifier, offset and
+  length of each item's run, in the engine's order; omni_cache/runtime/media_layouts.py), handed
+  to vLLM's extra-key function as a request with those features and no LoRA, cache salt or
+  prompt embeddings (the router does not route those prompts by prefix);
+* the 64-bit form. vLLM's KV events report a hash as the low 64 bits of the digest read
+  big-endian (``maybe_convert_block_hash`` with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by
+  default); the stages report that form whatever the variable says (scheduler/block_events.py),
+  and so does this.
 
-Other hash algorithms, LoRA and cache salts are not computed here (the router does not route
-those prompts by prefix). ``tests/test_block_hashes.py`` checks these hashes against vLLM's own
-functions, text and media prompts alike.
+``tests/test_block_hashes.py`` checks these hashes against an engine-side vLLM ``Request`` hashed
+by ``get_request_block_hasher``, text and media prompts alike.
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
+import functools
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
-#: The seed vLLM derives the first block's parent from when PYTHONHASHSEED is not set.
-DEFAULT_SEED = "vllm-none-hash"
 _LOW_64_BITS = (1 << 64) - 1
 
 #: One media item of an expanded prompt: (identifier, offset of its run, length of its run).
 MediaPosition = tuple[str, int, int]
 
 
-def _sha256(value: object) -> bytes:
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+@functools.cache
+def _vllm() -> SimpleNamespace:
+    """vLLM's hashing functions, imported on first use (the module loads without vLLM)."""
+    from vllm.multimodal.inputs import PlaceholderRange
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    return SimpleNamespace(
+        sha256=sha256,
+        default_seed=kv_cache_utils.DEFAULT_NONE_HASH_SEED,
+        extra_keys=kv_cache_utils.generate_block_hash_extra_keys,
+        hash_block=kv_cache_utils.hash_block_tokens,
+        PlaceholderRange=PlaceholderRange,
+    )
+
+
+def _as_request(v: SimpleNamespace, media: Sequence[MediaPosition]) -> Any:
+    """What ``generate_block_hash_extra_keys`` reads of a vLLM ``Request``: its multimodal
+    features (identifier and run), LoRA, cache salt and prompt embeddings (none here)."""
+    features = [
+        SimpleNamespace(identifier=identifier, mm_position=v.PlaceholderRange(offset=offset, length=length))
+        for identifier, offset, length in media
+    ]
+    return SimpleNamespace(mm_features=features, lora_request=None, cache_salt=None, prompt_embeds=None)
 
 
 def prompt_block_hashes(
@@ -50,28 +71,14 @@ def prompt_block_hashes(
     ``media``: the prompt's media items in the engine's order (``token_ids`` expanded)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    parent = _sha256(DEFAULT_SEED if seed is None else seed)
+    v = _vllm()
+    request = _as_request(v, media)
+    parent = v.sha256(v.default_seed if seed is None else seed)  # vLLM's NONE_HASH for that seed
     out: list[int] = []
-    cursor = 0  # the first item a later block can still overlap
+    cursor = 0  # the first media item a later block can still overlap (vLLM's curr_mm_idx)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        keys, cursor = _media_keys(media, start, start + block_size, cursor)
-        parent = _sha256((parent, tuple(int(t) for t in token_ids[start : start + block_size]), keys))
+        end = start + block_size
+        keys, cursor = v.extra_keys(request, start, end, cursor)
+        parent = v.hash_block(v.sha256, parent, [int(t) for t in token_ids[start:end]], keys)
         out.append(int.from_bytes(parent, "big") & _LOW_64_BITS)
     return out
-
-
-def _media_keys(media: Sequence[MediaPosition], start: int, end: int, cursor: int) -> tuple[tuple | None, int]:
-    """The extra keys of block [start, end) and the cursor for the next block."""
-    keys = []
-    while cursor < len(media):
-        identifier, offset, length = media[cursor]
-        if end <= offset:
-            break  # the item starts in a later block
-        if start >= offset + length:
-            cursor += 1  # the item ended before this block
-            continue
-        keys.append(("mm", identifier, offset - start))
-        if end < offset + length:
-            break  # the item goes on past this block: later items are not looked at here
-        cursor += 1
-    return (tuple(keys) if keys else None), cursor
