@@ -264,3 +264,37 @@ def test_a_dead_actor_is_replaced_on_its_node_at_the_same_address(cluster, serve
             model=NAME, messages=[{"role": "user", "content": "after a new actor"}], max_tokens=4
         )
     assert thinker_requests(server)["1"] == 1
+
+
+def test_ray_placed_stages_take_only_clients_with_the_runs_key(server):
+    """Ray-placed stages listen on their nodes' network addresses. With no key file in the config
+    the server makes a key for the run and hands it to every actor, so a peer without it cannot
+    complete a handshake with any stage (CI's nodes listen beyond loopback: before, the stages
+    refused such a config; a plain socket would have reached them)."""
+    import re
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    addresses = set(re.findall(r"listens at (tcp://\S+)", server.log_path.read_text(errors="replace")))
+    assert len(addresses) == 4, server.log()
+    ctx = zmq.Context()
+    try:
+        for address in sorted(addresses):
+            sock = ctx.socket(zmq.DEALER)
+            monitor = sock.get_monitor_socket()
+            sock.connect(address)
+            events = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(
+                e in events for e in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            ):
+                if monitor.poll(100):
+                    events.append(recv_monitor_message(monitor)["event"])
+            assert zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in events, (address, events)
+            assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events, address
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close(0)
+    finally:
+        ctx.term()

@@ -8,7 +8,9 @@ outputs. Bound to ``tcp://0.0.0.0`` or a host's network address without
 refused, with the command that makes a key (:mod:`omni_cache.wire.stage_auth`), unless
 ``server.allow_unauthenticated_stages`` says the network is trusted (the server then logs a
 warning at every start). ipc:// sockets and loopback tcp addresses are reachable only from this
-host and need no key. Where Ray places a stage its address is chosen at start, not checked here."""
+host and need no key. Where Ray places a stage its address is chosen at start, not checked here:
+without a key file the server makes a key for the run and gives it to every Ray actor
+(:mod:`omni_cache.runtime.placement`), so those stages' traffic is authenticated too."""
 
 from __future__ import annotations
 

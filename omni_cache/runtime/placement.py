@@ -28,6 +28,7 @@ from omni_cache.config.overrides import config_text
 from omni_cache.config.replicas import Replica, replica_name, stage_replicas
 from omni_cache.config.stage_addresses import check_hand_started
 from omni_cache.runtime.process_runner import ProcessRunner, default_stage_argv
+from omni_cache.wire.stage_auth import new_secret
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,16 @@ class StagePlacement:
         #: The config text every stage process is started with (:meth:`runners` sets it).
         self.config_text: str | None = None
         self._ray: Any = None  # ray_placement.RayPlacement while Ray places stages
+        #: The run's stage key when Ray places the stages and the config names none: they listen on
+        #: their nodes' network addresses, so their traffic is authenticated all the same (the
+        #: orchestrator and every actor hold it, no file is shared). Not with stages started by
+        #: hand (they could not know it: such a pipeline needs server.stage_auth_key_file) nor
+        #: where server.allow_unauthenticated_stages says the network is trusted.
+        self.run_secret: str | None = None
+        server = config.server
+        if self.uses_ray and not external and server.stage_auth_key_file is None:
+            if not server.allow_unauthenticated_stages:
+                self.run_secret = new_secret()
         self._ray_connected = False  # we joined the cluster (close() leaves it)
 
     @property
@@ -154,6 +165,7 @@ class StagePlacement:
             args,
             self.config_text,
             dict(self._config.stage(replica.stage).env),
+            self.run_secret,
         )
 
     # ---- closing ---------------------------------------------------------------------------------

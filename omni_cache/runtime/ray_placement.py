@@ -44,11 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from omni_cache.config import PipelineConfig, RayResources
 from omni_cache.config.replicas import replica_name
 from omni_cache.runtime.process_runner import StageStartError, exit_words
+from omni_cache.wire.stage_auth import write_secret
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +142,28 @@ class StageActor:
         }
 
     async def start(
-        self, prefix: list[str] | None, args: list[str], config_text: str, env: dict[str, str]
+        self,
+        prefix: list[str] | None,
+        args: list[str],
+        config_text: str,
+        env: dict[str, str],
+        stage_secret: str | None = None,
     ) -> tuple[int, int]:
         """Run the stage: ``prefix`` (default: this node's ``python -m workers``) plus the config
-        written here, ``args``, and this actor as its parent. Returns its pid, and the count of
-        output lines before its first (those are an earlier process's)."""
+        written here, ``args``, and this actor as its parent. ``stage_secret``: the run's stage
+        key (the server made it, :meth:`RayRunner` passes it), written here readable by this user
+        only and named in the config as ``server.stage_auth_key_file``. Returns the stage's pid,
+        and the count of output lines before its first (those are an earlier process's)."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"stage {self._name} is still running (pid {self._proc.pid})")
+        if stage_secret is not None:
+            key_path = os.path.join(self._dir, "stage_auth.key")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(key_path)  # an earlier start's (the same run's key)
+            write_secret(key_path, stage_secret)
+            data = yaml.safe_load(config_text)
+            data.setdefault("server", {})["stage_auth_key_file"] = key_path
+            config_text = yaml.safe_dump(data, sort_keys=False)
         path = os.path.join(self._dir, "stage_config.yaml")
         with open(path, "w") as f:
             f.write(config_text)
@@ -320,16 +337,24 @@ class RayRunner:
     """A :class:`~omni_cache.runtime.process_runner.ProcessRunner` whose process a :class:`StageActor`
     owns. ``args``: the stage's arguments besides its config and parent (the actor adds those);
     ``prefix``: the command before them (None: the node's ``python -m workers``);
-    ``config_text``: the stage config, as YAML."""
+    ``config_text``: the stage config, as YAML; ``stage_secret``: the run's stage key when the
+    server made one (the actor writes it on its node, :meth:`StageActor.start`)."""
 
     def __init__(
-        self, placed: PlacedReplica, prefix: list[str] | None, args: list[str], config_text: str, env: dict[str, str]
+        self,
+        placed: PlacedReplica,
+        prefix: list[str] | None,
+        args: list[str],
+        config_text: str,
+        env: dict[str, str],
+        stage_secret: str | None = None,
     ) -> None:
         self.placed = placed
         self._prefix = prefix
         self._args = args
         self._config_text = config_text
         self._env = env
+        self._stage_secret = stage_secret
         self.argv = [*(prefix or ["python", "-m", "workers"]), "--stage-config", "(written on its node)", *args]
         self.pid: int | None = None
         self._run: _Run | None = None
@@ -357,7 +382,8 @@ class RayRunner:
                 self._replace_actor()
             actor = self.placed.actor
             self.pid, seen = ray.get(
-                actor.start.remote(self._prefix, self._args, self._config_text, self._env), timeout=CALL_TIMEOUT_S
+                actor.start.remote(self._prefix, self._args, self._config_text, self._env, self._stage_secret),
+                timeout=CALL_TIMEOUT_S,
             )
             run.started.set()
             exited = actor.wait.remote()

@@ -64,7 +64,7 @@ class StageFleet:
             announce_to=self.control_address,
             config_hash=pipeline_hash(config),
         )
-        self.links = StageLinks(config, self.placement.replicas, self.supervisor, external)
+        self.links = StageLinks(config, self.placement.replicas, self.supervisor, external, self.placement.run_secret)
         self._claims = IpcClaims([a for a in (self.control_address, *(r.address for r in self.replicas.values())) if a])
 
     @property

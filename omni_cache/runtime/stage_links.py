@@ -24,7 +24,7 @@ from omni_cache.config import PipelineConfig
 from omni_cache.config.replicas import Replica
 from omni_cache.runtime.supervisor import StageSupervisor
 from omni_cache.wire.messages import MESSAGE_TYPES
-from omni_cache.wire.stage_auth import load_stage_auth
+from omni_cache.wire.stage_auth import StageAuth, load_stage_auth
 from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 
 logger = logging.getLogger(__name__)
@@ -33,12 +33,20 @@ logger = logging.getLogger(__name__)
 class StageLinks:
     """``replicas`` (replica name -> its address) is read when a socket is made, so addresses
     that Ray placement fills in later are the ones connected to; ``external``: the stages whose
-    connections the supervisor watches."""
+    connections the supervisor watches; ``run_secret``: the run's stage key where the server
+    made one (Ray placement, :attr:`omni_cache.runtime.placement.StagePlacement.run_secret`),
+    else the config's key file, if any, secures the sockets."""
 
     def __init__(
-        self, config: PipelineConfig, replicas: Mapping[str, Replica], supervisor: StageSupervisor, external: set[str]
+        self,
+        config: PipelineConfig,
+        replicas: Mapping[str, Replica],
+        supervisor: StageSupervisor,
+        external: set[str],
+        run_secret: str | None = None,
     ) -> None:
         self._config = config
+        self._run_secret = run_secret
         self._replicas = replicas
         self._supervisor = supervisor
         self._external = external
@@ -52,7 +60,7 @@ class StageLinks:
     def open(self) -> None:
         """The context, with its authenticator started before anything binds."""
         self._ctx = zmq.asyncio.Context()
-        self._auth = load_stage_auth(self._config)
+        self._auth = StageAuth(self._run_secret) if self._run_secret else load_stage_auth(self._config)
         if self._auth is not None:
             self._auth.guard(self._ctx)
 

@@ -107,13 +107,23 @@ def load_stage_auth(config: object) -> StageAuth | None:
     return StageAuth.from_file(path) if path else None
 
 
-def new_key(path: str | os.PathLike[str]) -> Path:
-    """Write a fresh random secret to ``path`` (mode 0600, refusing to overwrite)."""
+def new_secret() -> str:
+    """A fresh random secret (64 characters)."""
+    return secrets.token_urlsafe(48)
+
+
+def write_secret(path: str | os.PathLike[str], secret: str) -> Path:
+    """Write ``secret`` to ``path``, a new file readable by this user only (refusing to overwrite)."""
     p = Path(path).expanduser()
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(48) + "\n")
+        f.write(secret + "\n")
     return p
+
+
+def new_key(path: str | os.PathLike[str]) -> Path:
+    """Write a fresh random secret to ``path`` (mode 0600, refusing to overwrite)."""
+    return write_secret(path, new_secret())
 
 
 def main(argv: list[str] | None = None) -> int:
