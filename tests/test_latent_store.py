@@ -3,6 +3,8 @@
 Runs on CPU in CI; on a CUDA machine the same file also covers the device mirror (Triton kernel and
 its torch fallback), the host mirror's copy pipeline, no-host-sync writes and CUDA-graph capture.
 The Triton kernel itself is also checked on CPU through Triton's interpreter (in a subprocess).
+On a GPU machine (no vLLM needed): `PYTHONPATH=. python3 -m benchmarks.gpu_latent_store` runs this
+file and fails if any CUDA or Triton test was skipped (docs/benchmarks.md, "Latent store on a GPU").
 """
 
 from __future__ import annotations
