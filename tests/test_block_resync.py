@@ -69,7 +69,7 @@ class Router:
         if not self.index.in_sequence(msg.replica, msg.seq, msg.cleared):
             reporter.request_snapshot()  # what the orchestrator's BlockSnapshotQuery does
             self.asked += 1
-        self.index.apply(msg.replica, msg.stored, msg.removed, cleared=msg.cleared, block_size=msg.block_size)
+        self.index.apply_report(msg.replica, msg)  # what the orchestrator's RoutePlanner does
 
     def held(self) -> set[int]:
         return set(self.index._held.get(0, set()))
@@ -150,3 +150,25 @@ def test_a_gap_drops_the_replicas_hashes_until_its_snapshot():
     assert index.in_sequence(0, 5, True)  # the snapshot
     assert index.in_sequence(1, 0, False)  # unnumbered (older stage code): never a gap
     assert not index.in_sequence(2, 9, False)  # the first report the router sees is not 1
+
+
+def test_one_mapping_carries_a_replicas_block_changes_to_the_message_and_the_index():
+    """``BLOCK_REPORT_FIELDS`` is every field of a stage's ``BlockChanges``, every field of a
+    ``BlockEvents`` but who sent it and its number, and every keyword of ``PrefixIndex.apply``:
+    a field added to one and not the others would be dropped on the way without a word."""
+    import dataclasses
+    import inspect
+
+    from omni_cache.wire.messages import BLOCK_REPORT_FIELDS, BlockEvents, block_report
+    from scheduler.block_events import BlockChanges
+
+    fields = set(BLOCK_REPORT_FIELDS)
+    assert {f.name for f in dataclasses.fields(BlockChanges)} == fields
+    assert set(BlockEvents.__struct_fields__) - {"stage", "replica", "seq"} == fields
+    assert set(inspect.signature(PrefixIndex.apply).parameters) - {"self", "replica"} == fields
+    changes = BlockChanges(stored=[1, 2], removed=[3], block_size=32, hash_block_size=16)
+    msg = BlockEvents(stage="thinker", replica=1, seq=4, **block_report(changes))
+    assert block_report(msg) == block_report(changes)
+    index = PrefixIndex()
+    index.apply_report(1, msg)
+    assert index.blocks(1) == 2 and index.block_size[1] == 16 and index.scale[1] == 2

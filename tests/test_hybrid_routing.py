@@ -56,20 +56,6 @@ def hybrid_collector():
     )
 
 
-def apply(index: PrefixIndex, replica: int, changes) -> None:
-    index.apply(
-        replica,
-        changes.stored,
-        changes.removed,
-        cleared=changes.cleared,
-        block_size=changes.block_size,
-        hash_block_size=changes.hash_block_size,
-        recurrent=changes.recurrent,
-        state_stored=changes.state_stored,
-        state_removed=changes.state_removed,
-    )
-
-
 def test_a_hybrid_replica_reports_attention_blocks_and_states_apart():
     collector = hybrid_collector()
     # Align mode, one chunk of 3 blocks: attention caches all three, the GDN groups a state at the
@@ -85,13 +71,13 @@ def test_a_hybrid_replica_reports_attention_blocks_and_states_apart():
 
 def test_the_index_claims_only_hits_that_end_on_a_state():
     index, collector = PrefixIndex(), hybrid_collector()
-    apply(index, 0, report(collector, stored([11, 12, 13], ATTENTION), stored([13], GDN_A), stored([13], GDN_B)))
+    index.apply_report(0, report(collector, stored([11, 12, 13], ATTENTION), stored([13], GDN_A), stored([13], GDN_B)))
     assert index.recurrent == {0}
     assert index.matched_blocks(0, [11, 12, 13, 14]) == 3  # the state at block 3: a 3-block hit
     # A branch after block 2: attention holds 2 blocks, but there is no state at block 2 (nor 1)
     # and the engine recomputes everything. Counting attention blocks alone would say 2.
     assert index.matched_blocks(0, [11, 12, 99]) == 0
-    apply(index, 0, report(collector, stored([11], GDN_A), stored([11], GDN_B)))
+    index.apply_report(0, report(collector, stored([11], GDN_A), stored([11], GDN_B)))
     assert index.matched_blocks(0, [11, 12, 99]) == 1  # the best state at or below the KV match
     # A dense replica beside it keeps counting leading blocks.
     index.apply(1, stored=[11, 12], removed=[], block_size=4)
@@ -102,7 +88,9 @@ def test_a_prompt_is_never_matched_up_to_its_last_token():
     """vLLM computes at least a prompt's last token: a block-aligned prompt's last block cannot be
     hit, so the limit drops it (on a hybrid the state one block earlier decides)."""
     index = PrefixIndex()
-    apply(index, 0, report(hybrid_collector(), stored([11, 12], ATTENTION), stored([12], GDN_A), stored([12], GDN_B)))
+    index.apply_report(
+        0, report(hybrid_collector(), stored([11, 12], ATTENTION), stored([12], GDN_A), stored([12], GDN_B))
+    )
     assert index.matched_blocks(0, [11, 12]) == 2
     assert index.matched_blocks(0, [11, 12], limit=(8 - 1) // 4) == 0  # an 8-token prompt
     assert index.matched_blocks(0, [11, 12], limit=(9 - 1) // 4) == 2  # a 9-token one
@@ -135,7 +123,7 @@ def test_hash_steps_below_the_block_match_whole_blocks_only():
 @pytest.mark.parametrize("cleared", [False, True])
 def test_forgetting_a_hybrid_replica_drops_its_states(cleared):
     index = PrefixIndex()
-    apply(index, 0, report(hybrid_collector(), stored([11], ATTENTION), stored([11], GDN_A), stored([11], GDN_B)))
+    index.apply_report(0, report(hybrid_collector(), stored([11], ATTENTION), stored([11], GDN_A), stored([11], GDN_B)))
     if cleared:
         index.apply(0, stored=[11], removed=[], cleared=True, block_size=4)  # a dense report now
         assert index.matched_blocks(0, [11]) == 1 and 0 not in index.recurrent

@@ -86,17 +86,7 @@ class Engine:
         if text:
             self.predictions.append((said, result.num_cached_tokens))
         changes = self.stage.block_events.take()
-        self.index.apply(
-            0,
-            changes.stored,
-            changes.removed,
-            cleared=changes.cleared,
-            block_size=changes.block_size,
-            hash_block_size=changes.hash_block_size,
-            recurrent=changes.recurrent,
-            state_stored=changes.state_stored,
-            state_removed=changes.state_removed,
-        )
+        self.index.apply_report(0, changes)
         return result
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omni_cache.wire.messages import BlockEvents
+from omni_cache.wire.messages import BlockEvents, block_report
 
 __all__ = ["BlockReporter"]
 
@@ -47,16 +47,4 @@ class BlockReporter:
         self.snapshots += snapshot
 
     def _message(self, changes: Any) -> BlockEvents:
-        return BlockEvents(
-            stage=self.stage,
-            replica=self.replica,
-            seq=self.seq,
-            stored=changes.stored,
-            removed=changes.removed,
-            cleared=changes.cleared,
-            block_size=changes.block_size,
-            recurrent=changes.recurrent,
-            state_stored=changes.state_stored,
-            state_removed=changes.state_removed,
-            hash_block_size=changes.hash_block_size,
-        )
+        return BlockEvents(stage=self.stage, replica=self.replica, seq=self.seq, **block_report(changes))

@@ -24,6 +24,9 @@ is where the engine's full-block hits are; the count it returns is in steps.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+from omni_cache.wire.messages import block_report
 
 
 class PrefixIndex:
@@ -84,6 +87,12 @@ class PrefixIndex:
         held = self._held.setdefault(replica, set())
         held.difference_update(removed)
         held.update(stored)
+
+    def apply_report(self, replica: int, report: Any) -> None:
+        """:meth:`apply` one block report of ``replica``: a ``BlockEvents`` from the wire or a
+        stage's ``BlockChanges`` (scheduler/block_events.py), read by the fields they share
+        (omni_cache/wire/messages.py ``BLOCK_REPORT_FIELDS``)."""
+        self.apply(replica, **block_report(report))
 
     def forget(self, replica: int) -> None:
         """The replica is gone (it died): its cache, and the numbering of its reports."""

@@ -309,17 +309,7 @@ class RoutePlanner:
         if msg.stage != self._entry.name or sp is None or not sp.up:
             return True  # a replica that is down holds nothing (a late report from its old process)
         in_sequence = self.prefix_index.in_sequence(msg.replica, msg.seq, msg.cleared)
-        self.prefix_index.apply(
-            msg.replica,
-            msg.stored,
-            msg.removed,
-            cleared=msg.cleared,
-            block_size=msg.block_size,
-            hash_block_size=msg.hash_block_size,
-            recurrent=msg.recurrent,
-            state_stored=msg.state_stored,
-            state_removed=msg.state_removed,
-        )
+        self.prefix_index.apply_report(msg.replica, msg)
         return in_sequence
 
     def forget(self, replica: Replica) -> None:

@@ -338,6 +338,28 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     seq: Count = 0
 
 
+#: What a block report says beside who sent it (``stage``, ``replica``) and its number (``seq``):
+#: the fields a stage's block changes (scheduler/block_events.py ``BlockChanges``) and a
+#: ``BlockEvents`` share, under the same names, and what the router's index applies of either
+#: (omni_cache/runtime/prefix_index.py ``PrefixIndex.apply_report``).
+BLOCK_REPORT_FIELDS = (
+    "stored",
+    "removed",
+    "cleared",
+    "block_size",
+    "hash_block_size",
+    "recurrent",
+    "state_stored",
+    "state_removed",
+)
+
+
+def block_report(changes: Any) -> dict[str, Any]:
+    """The report fields of ``changes`` (a ``BlockChanges`` or a ``BlockEvents``) by name: the one
+    mapping from a replica's block changes to a message and to the router's index."""
+    return {name: getattr(changes, name) for name in BLOCK_REPORT_FIELDS}
+
+
 class BlockSnapshotQuery(msgspec.Struct, tag="block_snapshot_query", kw_only=True):
     """Orchestrator -> stage: its block reports had a gap; send every hash you hold (a BlockEvents
     with ``cleared``) with your next report."""
