@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.paired_stats import METHOD, log_t_interval
+
 __all__ = [
     "LATENCIES",
     "distribution",
@@ -205,29 +207,21 @@ def paired_ratios(per_round: Sequence[Mapping[str, Any]], how: str = "geomean") 
     return out
 
 
-def paired_interval(
-    per_round: Sequence[Mapping[str, Any]], level: float = 0.95, draws: int = 4000, seed: int = 0
-) -> dict[str, Any]:
-    """How far :func:`paired_ratios`' geometric mean could move by the luck of which rounds ran: the
-    central ``level`` of its values over ``draws`` resamplings of the rounds (with replacement;
-    numpy's generator seeded with ``seed``, so a saved JSON gives the same interval again), for
-    the p50 latencies and requests/s, as ``[low, high]``. An A/A run whose interval holds 1 does
-    not tell its sides apart; one wider than a target band cannot show the target. With few
-    rounds the interval is a little narrower than the true one. Empty with fewer than 3 rounds."""
+def paired_interval(per_round: Sequence[Mapping[str, Any]], level: float = 0.95) -> dict[str, Any]:
+    """How far :func:`paired_ratios`' geometric mean could move by the luck of which rounds ran:
+    the ``level`` t-interval on the per-round log ratios (benchmarks/paired_stats.py, which says
+    why not a bootstrap), for the p50 latencies and requests/s, as ``[low, high]``. An A/A run
+    whose interval holds 1 does not tell its sides apart; one wider than a target band cannot
+    show the target. Empty with fewer than 3 rounds."""
     if len(per_round) < 3:
         return {}
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(per_round), size=(draws, len(per_round)))
-    q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
 
     def interval(values: list[float], change: float = 0.0) -> list[float] | None:
-        logs = np.log(np.asarray(values) + change)
-        if not np.all(np.isfinite(logs)):
-            return None  # a round without the figure (no first text timed, say)
-        low, high = np.percentile(np.exp(logs[picks].mean(axis=1)), q)
-        return [float(low - change), float(high - change)]
+        # None: a round without the figure (no first text timed, say)
+        found = log_t_interval([v + change for v in values], level)
+        return None if found is None else [found[0] - change, found[1] - change]
 
-    out: dict[str, Any] = {"rounds": len(per_round), "level": level, "draws": draws, "speedup": {}}
+    out: dict[str, Any] = {"rounds": len(per_round), "level": level, "method": METHOD, "speedup": {}}
     for key in LATENCIES:
         out["speedup"][key] = interval([r["speedup"][key]["p50"] for r in per_round])
     tp = [r["throughput_change"]["requests_per_s"] for r in per_round]

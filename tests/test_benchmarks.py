@@ -946,18 +946,20 @@ def test_paired_interval_says_how_far_the_rounds_luck_moves_the_paired_figure():
     steady = report.paired_interval([rnd(1.1)] * 6)
     assert steady["speedup"]["ttft_s"] == pytest.approx([1.1, 1.1])
     assert steady["throughput_change"]["requests_per_s"] == pytest.approx([0.1, 0.1])
-    # Rounds that lean both ways by 2x: the interval holds 1 and is wide; resampled the same way
-    # each time (a saved JSON gives the same interval).
+    # Rounds that lean both ways by 2x: the interval holds 1 and is wide, the t-interval on the
+    # log ratios (mean 0, sd log 2 * sqrt(8 / 7), t 2.365 at 7 degrees of freedom).
     swinging = [rnd(2.0), rnd(0.5)] * 4
-    low, high = report.paired_interval(swinging)["speedup"]["ttfa_s"]
-    assert low < 0.8 < 1.0 < 1.25 < high
-    assert report.paired_interval(swinging) == report.paired_interval(swinging)
+    out = report.paired_interval(swinging)
+    low, high = out["speedup"]["ttfa_s"]
+    half = 2.3646 * math.log(2.0) * math.sqrt(8 / 7) / math.sqrt(8)
+    assert [low, high] == pytest.approx([math.exp(-half), math.exp(half)], rel=1e-4)
+    assert low < 0.8 < 1.0 < 1.25 < high and out["method"] == "t-interval on the per-round log ratios"
     # A round without the figure (no first text timed): no interval for it, the others stand.
     gap = [rnd(1.0)] * 4
     gap[1] = {**gap[1], "speedup": {**gap[1]["speedup"], "ttft_s": {"p50": math.nan}}}
     out = report.paired_interval(gap)
     assert out["speedup"]["ttft_s"] is None and out["speedup"]["e2e_s"] == pytest.approx([1.0, 1.0])
-    assert report.paired_interval([rnd(1.0)] * 2) == {}  # too few rounds to resample
+    assert report.paired_interval([rnd(1.0)] * 2) == {}  # too few rounds for an interval
 
 
 def test_zero_reuse_target_fails_on_any_hit():
