@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 import wave
@@ -406,24 +407,65 @@ def test_metrics_text_format(srv, http):
     assert not any(n.startswith("omni_cache_") and "prefix_cache" in n for n, _, _ in samples)
 
 
+def _first_output_event(orch, stage: str) -> tuple[threading.Event, object]:
+    """An event set once ``stage``'s first output of any request reached the orchestrator, and
+    the ``outputs.add`` it wraps (put it back with ``orch.outputs.add = original``)."""
+    seen = threading.Event()
+    add = orch.outputs.add
+
+    def recording_add(req, st, msg, tensors, now):
+        if st.name == stage and msg.token_ids:
+            seen.set()
+        return add(req, st, msg, tensors, now)
+
+    orch.outputs.add = recording_add
+    return seen, add
+
+
+def _hold_restarts(sp):
+    """Keep the supervisor from restarting replica ``sp`` until the returned event is set: its
+    launch, when due, is put off by one poll (the restart counted once, when it happens)."""
+    release = threading.Event()
+    launch = sp.launch
+
+    def held_launch():
+        if release.is_set():
+            del sp.launch  # the class's again
+            return launch()
+        sp.restarts -= 1  # poll() counted this attempt; the real one counts itself
+        sp.tail.pop()  # its "--- restart N ---" line
+        sp.restart_at = time.monotonic() + 0.05
+        return None
+
+    sp.launch = held_launch
+    return release
+
+
 def test_killed_stage_fails_in_flight_request_fast_and_comes_back(srv, http):
     orch = srv.orchestrator
     old_pid = orch.stage_pids()["thinker"]
-    content = "k" * 120
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(http.post, "/v1/chat/completions", json=chat(srv, content, max_tokens=100))
-        end = time.monotonic() + 5
-        while orch.in_flight == 0 and time.monotonic() < end:
-            time.sleep(0.01)
-        time.sleep(0.3)  # a few tokens in
-        os.kill(old_pid, signal.SIGKILL)
-        r = fut.result(timeout=120)  # bounds a hang; how fast it fails is benchmarks.stage_failure's
-    # 503, not the 504 the TIMEOUT_S deadline would give: the death itself failed the request.
-    assert r.status_code == 503, r.text
-    assert "thinker" in r.json()["error"]["message"]
-    health = httpx.get(srv.url + "/health")
-    if health.status_code == 503:
-        assert "thinker" in health.json()["message"]
+    replica = orch.supervisor.replica("thinker", 0)
+    # STALL: two tokens, then nothing until the stage is told to abort: the request is in flight
+    # whenever the kill comes.
+    content = "STALL " + "k" * 120
+    first_token, add = _first_output_event(orch, "thinker")
+    release = _hold_restarts(replica)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(http.post, "/v1/chat/completions", json=chat(srv, content, max_tokens=100))
+            assert first_token.wait(30), "the thinker never answered a token"  # a few tokens in
+            os.kill(old_pid, signal.SIGKILL)
+            r = fut.result(timeout=120)  # bounds a hang; how fast it fails is benchmarks.stage_failure's
+        # 503, not the 504 the TIMEOUT_S deadline would give: the death itself failed the request.
+        assert r.status_code == 503, r.text
+        assert "thinker" in r.json()["error"]["message"]
+        # The restart is held: /health says the thinker is down, and why.
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503, health.text
+        assert "thinker" in health.json()["message"], health.text
+    finally:
+        orch.outputs.add = add
+        release.set()
     wait_healthy(srv)
     assert orch.stage_pids()["thinker"] not in (None, old_pid)
     r = http.post("/v1/chat/completions", json=chat(srv, "back again", max_tokens=4))
@@ -479,17 +521,55 @@ def _wait_idle(srv, http, timeout=3.0):
     )
 
 
+def _recording_ends(orch) -> tuple[list, threading.Event, object]:
+    """Every request failed from now on, as (status, message), an event set at each, and the
+    ``ends.fail`` it wraps (put it back with ``orch.ends.fail = original``)."""
+    ended: list[tuple[int, str]] = []
+    each = threading.Event()
+    fail = orch.ends.fail
+
+    def recording_fail(req, status, message, **kw):
+        if not req.done:
+            ended.append((status, message))
+            each.set()
+        return fail(req, status, message, **kw)
+
+    orch.ends.fail = recording_fail
+    return ended, each, fail
+
+
+def _wait_ended(ended: list, each: threading.Event, n: int, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while len(ended) < n:
+        assert time.monotonic() < end, f"{len(ended)} request(s) ended, not {n}: {ended}"
+        each.wait(0.1)
+        each.clear()
+
+
 def test_client_that_goes_away_aborts_its_request(srv, http):
-    _wait_idle(srv, http)
-    body = chat(srv, "g" * 120, max_tokens=100, stream=True)
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        next(r.iter_lines())  # the first chunk, then hang up
-    # The answer would take 2 s: idle within 1 s means the orchestrator forgot the request and
-    # the thinker dropped it.
-    _wait_idle(srv, http, timeout=1.0)
-    with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/chat/completions", json=chat(srv, "h" * 120, max_tokens=100), timeout=0.3)
-    _wait_idle(srv, http, timeout=1.2)  # disconnects of non-streamed requests are polled (0.5 s)
+    """STALL answers two tokens and then nothing until the thinker is told to abort (or the
+    TIMEOUT_S deadline fails it, 504): a request ended 499 by its client's leaving, and a thinker
+    idle after it, show the request was aborted and dropped, with no wall-clock window."""
+    wait_healthy(srv)  # (a stage an earlier test killed is back)
+    _wait_idle(srv, http, timeout=30.0)
+    orch = srv.orchestrator
+    ended, each, fail = _recording_ends(orch)
+    try:
+        body = chat(srv, "STALL g" + "g" * 120, max_tokens=100, stream=True)
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            next(r.iter_lines())  # the first chunk, then hang up
+        _wait_ended(ended, each, 1)
+        assert ended[0] == (499, "the client disconnected from the stream"), ended
+        _wait_idle(srv, http, timeout=30.0)  # the thinker dropped it (else it holds it an hour)
+        # A non-streamed request whose client stops waiting (disconnects are polled every 0.5 s).
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/chat/completions", json=chat(srv, "STALL h" + "h" * 120, max_tokens=100), timeout=0.3)
+        _wait_ended(ended, each, 2)
+        assert ended[1] == (499, "the client disconnected"), ended
+        _wait_idle(srv, http, timeout=30.0)
+    finally:
+        orch.ends.fail = fail
 
 
 def test_python_pipeline_api():
