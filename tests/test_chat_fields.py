@@ -194,7 +194,7 @@ SUPPORTED_SAMPLING = dict(
     ],
 )
 def test_what_to_sampling_params_made_reaches_the_engine_unchanged(fields):
-    from workers.entry_sampling import sampling_params
+    from workers.ar_request import sampling_params
 
     req = parse_chat_request(body(**fields), MODEL).body
     defaults = EngineSampling(temperature=0.0, top_p=1.0, max_tokens=32)

@@ -13,8 +13,8 @@ from omni_cache.runtime.requests import Request, RequestTable, with_time_left
 from omni_cache.runtime.resume import ResumedText, new_samples, new_tokens, resumed_submit
 from omni_cache.wire.messages import Submit
 from omni_cache.wire.sampling import EngineSampling
+from workers.ar_request import resumed_as_undisturbed
 from workers.llm_stage import StepOutput
-from workers.resumed_output import resumed_as_undisturbed
 
 
 def request(max_tokens: int = 10) -> Request:

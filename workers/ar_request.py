@@ -1,16 +1,25 @@
-"""One request's state on an autoregressive (vLLM) stage, as workers/ar_runner.py keeps it."""
+"""One request on an autoregressive (vLLM) stage, as workers/ar_runner.py keeps it: its state, the
+vLLM ``SamplingParams`` it runs with, and, when it was resumed on this replica after another died,
+its first output rewritten as the one an undisturbed run would have sent."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from omni_cache.cache.latent_rows import LatentBuffer
 from omni_cache.handoff import GenerateJob, Upstream
 from omni_cache.wire.sampling import EngineSampling
 from scheduler.pacing import PlaybackClock
+from workers.spoken_tokens import SpokenDelta
 
-__all__ = ["ARRequest"]
+if TYPE_CHECKING:  # annotations only
+    from workers.llm_stage import StepOutput
+
+__all__ = ["ARRequest", "resumed_as_undisturbed", "sampling_params"]
 
 
 @dataclass
@@ -43,3 +52,47 @@ class ARRequest:
     stream: bool = False  # Submit.stream, forwarded downstream in the StreamStart
     voice: str = ""  # Submit.voice (or the upstream's StreamStart.voice), forwarded likewise
     clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
+
+
+def sampling_params(sampling: EngineSampling) -> Any:
+    """The entry stage's vLLM ``SamplingParams`` for a request, from the fields its ``Submit``
+    carries (omni_cache/wire/sampling.py: what the server's ``to_sampling_params`` produced):
+    exactly those fields, the rest vLLM's defaults. vLLM checks them again here; a value it
+    refuses fails the request with a 400."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    fields = msgspec.structs.asdict(sampling)
+    structured = fields.pop("structured_outputs")
+    if structured is not None:
+        fields["structured_outputs"] = StructuredOutputsParams(**msgspec.structs.asdict(structured))
+    return SamplingParams(**fields)
+
+
+def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: str) -> None:
+    """A request whose replica died starts again on a live one with the answer its client already
+    has at the end of its prompt (omni_cache/runtime/resume.py); its first output passes through
+    here, so downstream stages and the client see one stream, as if nothing had happened.
+
+    Rewrite a resumed request's first output (omni_cache.runtime.resume) as the output an
+    undisturbed run would have sent by now: its prompt is the client's, and the answer tokens at
+    the end of the resumed prompt are generated ones, sent with the new token. vLLM outputs
+    nothing before the first token, so this first output holds the whole prefill's rows: one per
+    position fed, as an undisturbed run has after sampling as many tokens.
+
+    ``answer_finished``: the answer was complete; the token vLLM sampled now is not part of it,
+    and neither is the row of the answer's last token, which an undisturbed run never feeds."""
+    k = len(tail)
+    out.num_prompt_tokens -= k
+    if out.prompt_token_ids:
+        out.prompt_token_ids = out.prompt_token_ids[:-k]
+    if answer_finished:
+        out.token_ids, out.text = list(tail), ""
+        out.finished, out.finish_reason = True, answer_finished
+        out.latents = {name: rows[:-1] for name, rows in out.latents.items()}
+        if out.spoken is not None:
+            # The token that stopped the answer is not spoken (its text the client never got).
+            out.spoken = SpokenDelta(list(tail[:-1] if answer_finished == "stop" else tail))
+    else:
+        out.token_ids = [*tail, *out.token_ids]
+        if out.spoken is not None:
+            out.spoken = SpokenDelta([*tail, *out.spoken.token_ids], out.spoken.text)

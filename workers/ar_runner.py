@@ -27,13 +27,11 @@ from omni_cache.handoff import CODES_FRAME, FeedJob, GenerateJob, HandoffContext
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import StageOutput, StreamStart, Submit
 from scheduler.pacing import PlaybackClock
-from workers.ar_request import ARRequest
+from workers.ar_request import ARRequest, resumed_as_undisturbed, sampling_params
 from workers.engine_media import media_layout, mm_processor_kwargs, multi_modal_data, multi_modal_uuids
-from workers.entry_sampling import sampling_params
 from workers.kv_cache_sizing import describe_pool, resolve_kv_cache_size
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage, StepOutput
-from workers.resumed_output import resumed_as_undisturbed
 from workers.runner import StageRunner, deadline_in, stage_pacer, time_left
 from workers.video_input import video_input
 from workers.warmup import no_warmup, warm_up

@@ -19,7 +19,7 @@ from omni_cache.cache.latent_rows import LatentRows
 from omni_cache.wire.messages import TokenLogprob
 from workers.latent_capture import LatentOptions
 from workers.spoken_tokens import SpokenDelta, SpokenTokens
-from workers.video_grids import VideoGrids, video_grids
+from workers.video_input import VideoGrids, video_grids
 
 # Must be set before vLLM is imported in this process.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

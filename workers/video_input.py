@@ -1,5 +1,5 @@
-"""How a video's sampled frames go to vLLM's multimodal processor: the one place where the two
-families of video models differ.
+"""How a video's sampled frames go to vLLM's multimodal processor (the one place where the two
+families of video models differ), and what comes back for the talker: each video's patch grid.
 
 The server samples and decodes a clip's frames itself (omni_cache/serving/video.py) and sends them
 ``uint8 [T, H, W, 3]`` with the rate they were sampled at. vLLM's processors then want them in one
@@ -18,10 +18,11 @@ of two forms, which the model's data parser says (``video_needs_metadata``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from omni_cache.wire.messages import MediaRef
 
@@ -61,3 +62,29 @@ def video_input(engine: Any) -> VideoInput:
     if processor is None:
         return VideoInput()
     return VideoInput(needs_metadata=bool(processor.info.data_parser.video_needs_metadata))
+
+
+@dataclass
+class VideoGrids:
+    """A thinker request's videos as its downstream talker needs them: each video's (t, h, w)
+    patch grid and seconds per temporal patch, read from vLLM's processed multimodal features.
+    The talker places its M-RoPE positions by them (omni_cache/models/talker_positions.py)."""
+
+    grids: list[list[int]] = field(default_factory=list)
+    seconds_per_grid: list[float] = field(default_factory=list)
+
+
+def video_grids(request: Any) -> VideoGrids:
+    """The videos of a vLLM request (``Request.mm_features``), in prompt order."""
+    out = VideoGrids()
+    for feature in sorted(request.mm_features or (), key=lambda f: f.mm_position.offset):
+        if feature.modality != "video" or feature.data is None:
+            continue
+        data = feature.data.get_data()
+        grid = data.get("video_grid_thw")
+        if grid is None:
+            continue
+        out.grids.append([int(x) for x in torch.as_tensor(grid).reshape(-1)[:3]])
+        seconds = data.get("second_per_grid_ts")
+        out.seconds_per_grid.append(float(torch.as_tensor(seconds).reshape(-1)[0]) if seconds is not None else 1.0)
+    return out

@@ -9,7 +9,7 @@ it replaces are stale and dropped.
 * The entry stage gets the prompt plus the answer tokens the client already has and generates only
   the rest (``Submit.resumed_tokens``), as vLLM recomputes a preempted request. Its first output
   carries those tokens again, rewritten as the stream an undisturbed run would have sent
-  (workers/resumed_output.py): downstream stages need no notion of resumption, they start afresh.
+  (workers/ar_request.py): downstream stages need no notion of resumption, they start afresh.
 * When the answer was complete (a talker or decoder replica died after the thinker finished), the
   entry stage only recomputes it (``Submit.answer_finished``: a prefill, no new token kept), so the
   downstream stages get their input again.

@@ -3,7 +3,7 @@ carries over the wire (``Submit.sampling``).
 
 The server fills it from what vLLM's own ``ChatCompletionRequest.to_sampling_params`` produced
 (omni_cache/serving/chat_sampling.py), the Python API from the entry stage's defaults; the entry
-stage builds vLLM's ``SamplingParams`` from it again (workers/entry_sampling.py). Field names and
+stage builds vLLM's ``SamplingParams`` from it again (workers/ar_request.py). Field names and
 defaults are vLLM's, so a field left out means what vLLM's default means. msgspec only: the
 orchestrator side and the stages decode it without importing vLLM, and nothing here is unpickled.
 
