@@ -202,6 +202,42 @@ def _run_driver(transport, sessions, **kw):
     return driver, asyncio.run(driver.run(sessions))
 
 
+class _VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop on a virtual clock: when nothing is ready to run it jumps to its next
+    timer instead of waiting for it (everything here is in memory: nothing else could wake it).
+    Sleeps and timings then come out exact however loaded the machine is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._now = 0.0
+        select = self._selector.select
+
+        def jump(timeout=None):
+            events = select(0)
+            if not events and timeout:
+                self._now += timeout
+            return events
+
+        self._selector.select = jump
+
+    def time(self) -> float:
+        return self._now
+
+
+def _run_driver_on_virtual_time(monkeypatch, transport, sessions, **kw):
+    """:func:`_run_driver` with the driver's clock (time.perf_counter) the loop's virtual one."""
+    import types
+
+    import benchmarks.client as client_module
+
+    with asyncio.Runner(loop_factory=_VirtualClockLoop) as runner:
+        loop = runner.get_loop()
+        monkeypatch.setattr(client_module, "time", types.SimpleNamespace(perf_counter=loop.time))
+        driver = Driver("http://fake", "tiny", **kw)
+        driver._client = lambda: httpx.AsyncClient(transport=transport)  # type: ignore[method-assign]
+        return driver, runner.run(driver.run(sessions))
+
+
 def test_driver_times_text_and_audio_and_resends_answers():
     transport, seen = _fake_server(delay_s=0.02)
     _, sessions = build_workload(
@@ -247,27 +283,30 @@ def test_driver_records_errors_and_skips_the_rest_of_a_conversation():
     assert all("not sent" in s.error for s in samples[1:])
 
 
-def test_driver_rate_mode_follows_arrival_times():
+def test_driver_rate_mode_follows_arrival_times(monkeypatch):
     transport, _ = _fake_server()
     _, sessions = build_workload("zero-reuse", Sizes(num_requests=3, shared_tokens=100, unique_tokens=30), 0)
     for s, t in zip(sessions, (0.0, 0.1, 0.2)):
         s.arrival_s = t
-    _, samples = _run_driver(transport, sessions, rate=10.0)
-    starts = sorted(s.start_s for s in samples)
-    assert starts[0] < 0.05 and 0.09 < starts[1] < 0.2 and 0.19 < starts[2] < 0.3
+    _, samples = _run_driver_on_virtual_time(monkeypatch, transport, sessions, rate=10.0)
+    assert len(samples) == 3 and all(s.ok for s in samples)
+    assert sorted(s.start_s for s in samples) == pytest.approx([0.0, 0.1, 0.2], abs=1e-9)
+    assert [s.scheduled_s for s in sorted(samples, key=lambda s: s.start_s)] == [0.0, 0.1, 0.2]
 
 
-def test_driver_closed_loop_stagger_opens_clients_apart():
-    # Each answer takes ~0.3 s, so every client's first request starts before any answer ends: the
+def test_driver_closed_loop_stagger_opens_clients_apart(monkeypatch):
+    # Each answer takes 0.3 s, so every client's first request starts before any answer ends: the
     # opening wave is spread by the stagger alone, and later requests follow their client's last.
     transport, _ = _fake_server(delay_s=0.15)
     _, sessions = build_workload("zero-reuse", Sizes(num_requests=6, shared_tokens=100, unique_tokens=30), 0)
-    _, samples = _run_driver(transport, sessions, concurrency=3, stagger_s=0.1)
-    starts = sorted(s.start_s for s in samples)
-    assert starts[0] < 0.05 and 0.09 < starts[1] < 0.15 and 0.19 < starts[2] < 0.25
+    _, samples = _run_driver_on_virtual_time(monkeypatch, transport, sessions, concurrency=3, stagger_s=0.1)
     assert len(samples) == 6 and all(s.ok for s in samples)
-    _, samples = _run_driver(transport, sessions, concurrency=3)
-    assert sorted(s.start_s for s in samples)[2] < 0.05  # default: all at once
+    # client k opens at 0.1 k and sends its next request when its answer ended 0.3 s later
+    assert sorted(s.start_s for s in samples) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4, 0.5], abs=1e-9)
+    assert all(s.e2e_s == pytest.approx(0.3, abs=1e-9) for s in samples)
+    _, samples = _run_driver_on_virtual_time(monkeypatch, transport, sessions, concurrency=3)
+    # default: all at once, then all again when their answers ended
+    assert sorted(s.start_s for s in samples) == pytest.approx([0.0, 0.0, 0.0, 0.3, 0.3, 0.3], abs=1e-9)
 
 
 def test_harness_stagger_flag():
@@ -441,7 +480,45 @@ def test_pool_runs_sums_durations_and_counters():
     assert p["resources"] == {"stage_cpu_s": 7.0, "loadavg_mean": 2.0}
 
 
-def test_json_is_strict_and_png_is_written(tmp_path):
+def _plotted(monkeypatch, path, result):
+    """report_plot.plot's figure (kept past its close): what it drew, to read back."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    close = plt.close
+
+    def keep(fig=None):
+        figures.append(fig)
+        close(fig)
+
+    monkeypatch.setattr(plt, "close", keep)
+    report_plot.plot(path, result)
+    assert len(figures) == 1
+    head = path.read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n"
+    return figures[0]
+
+
+def _cdf_panels(fig) -> dict[str, dict[str, tuple[list[float], list[float], float]]]:
+    """panel title -> legend label -> (the step's x, its y, the median line's x)."""
+    out = {}
+    for ax in fig.axes[:3]:
+        steps = [ln for ln in ax.get_lines() if ln.get_drawstyle().startswith("steps")]
+        medians = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+        assert len(steps) == len(medians)
+        out[ax.get_title()] = {
+            step.get_label(): (list(step.get_xdata()), list(step.get_ydata()), med.get_xdata()[0])
+            for step, med in zip(steps, medians)
+        }
+    return out
+
+
+def _expected_cdf(samples: list[dict], key: str) -> tuple[list[float], list[float], float]:
+    xs = sorted(s[key] for s in samples)
+    return [xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], float(np.percentile(xs, 50))
+
+
+def test_json_is_strict_and_png_is_written(tmp_path, monkeypatch):
     result = _fake_result()
     result["sides"]["on"]["ttft_s"]["p99"] = math.nan  # NaN must become null, not invalid JSON
     path = tmp_path / "out.json"
@@ -449,18 +526,44 @@ def test_json_is_strict_and_png_is_written(tmp_path):
     data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert data["sides"]["on"]["ttft_s"]["p99"] is None
     assert len(data["samples"]["on"]) == 10 and data["machine"]["cpu_model"] == "Test CPU"
-    png = tmp_path / "out.png"
-    report_plot.plot(png, result)
-    head = png.read_bytes()[:8]
-    assert head == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
+    fig = _plotted(monkeypatch, tmp_path / "out.png", result)
+    # Each latency panel: one CDF per side, of that side's samples, its median marked.
+    panels = _cdf_panels(fig)
+    assert list(panels) == ["time to first audio", "time to first text", "end-to-end"]
+    for key, title in (("ttfa_s", "time to first audio"), ("ttft_s", "time to first text"), ("e2e_s", "end-to-end")):
+        assert list(panels[title]) == ["prefix cache on (n=10)", "prefix cache off (n=10)"], title
+        for side, label in (("on", "prefix cache on (n=10)"), ("off", "prefix cache off (n=10)")):
+            xs, ys, median = panels[title][label]
+            want_xs, want_ys, want_median = _expected_cdf(result["samples"][side], key)
+            assert xs == pytest.approx(want_xs) and ys == pytest.approx(want_ys), (title, side)
+            assert median == pytest.approx(want_median), (title, side)
+    # TTFA 0.5 s against 5 s spans more than 4x: a log axis
+    assert fig.axes[0].get_xscale() == "log"
+    # The last panel: every request's TTFA at the time it was sent.
+    scatter = fig.axes[3].collections
+    assert [c.get_label() for c in scatter] == ["prefix cache on", "prefix cache off"]
+    for c, side in zip(scatter, ("on", "off")):
+        want = [v for s in result["samples"][side] for v in (s["start_s"], s["ttfa_s"])]
+        assert np.ravel(c.get_offsets()).tolist() == pytest.approx(want), side
+    title = fig._suptitle.get_text()
+    assert title.startswith("omni_cache end to end: workload shared-prefix  (N=10, S=4000, U=100, max_tokens=32")
+    assert "median speedup off/on: TTFA 10" in title and "Test CPU, 2 CPUs" in title, title
 
 
-def test_plot_with_one_side_and_no_data(tmp_path):
+def test_plot_with_one_side_and_no_data(tmp_path, monkeypatch):
     result = _fake_result()
     result["samples"] = {"server": result["samples"]["on"][:3], "empty": []}
     result.pop("ratios")
-    report_plot.plot(tmp_path / "one.png", result)
-    assert (tmp_path / "one.png").stat().st_size > 10000
+    fig = _plotted(monkeypatch, tmp_path / "one.png", result)
+    panels = _cdf_panels(fig)
+    for key, title in (("ttfa_s", "time to first audio"), ("ttft_s", "time to first text"), ("e2e_s", "end-to-end")):
+        assert list(panels[title]) == ["server (n=3)"], title  # the side without samples: nothing
+        xs, ys, median = panels[title]["server (n=3)"]
+        want_xs, want_ys, want_median = _expected_cdf(result["samples"]["server"], key)
+        assert xs == pytest.approx(want_xs) and ys == pytest.approx(want_ys) and median == pytest.approx(want_median)
+    assert [c.get_label() for c in fig.axes[3].collections] == ["server"]
+    assert len(fig.axes[3].collections[0].get_offsets()) == 3
+    assert "speedup" not in fig._suptitle.get_text()  # no ratios: no speedup line
 
 
 def test_private_config_isolates_sockets_and_port(tmp_path):
