@@ -112,25 +112,42 @@ def test_a_video_is_answered_with_text_and_speech(client, with_sound):
     assert with_video.usage.prompt_tokens >= without.usage.prompt_tokens + 280
 
 
-def test_a_streamed_video_answer_brings_text_and_audio(client):
-    stream = client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": [clip(2), text("Describe it.")]}],
-        max_tokens=6,
-        modalities=["text", "audio"],
-        audio={"voice": "default", "format": "pcm16"},
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    audio_bytes, usage = 0, None
+def test_a_streamed_video_answer_is_the_same_answer_as_a_whole_one(client):
+    """Greedy: the streamed answer's text, tokens and audio (pcm16, its chunks joined) are those of
+    the same request answered whole, and there is speech at all (a 6-token answer)."""
+    request = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": [clip(2), text("Describe it.")]}],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+        "extra_body": {"return_token_ids": True},
+    }
+    stream = client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    streamed_text, token_ids, pcm, usage, finish = "", [], b"", None, None
     for chunk in stream:
         usage = chunk.usage or usage
         if chunk.choices:
-            delta = chunk.choices[0].delta
+            choice = chunk.choices[0]
+            delta = choice.delta
+            streamed_text += delta.content or ""
+            token_ids += (choice.model_extra or {}).get("token_ids") or []
+            finish = choice.finish_reason or finish
             audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
             if audio:
-                audio_bytes += len(base64.b64decode(audio["data"] if isinstance(audio, dict) else audio.data))
-    assert audio_bytes > 0 and usage is not None and usage.completion_tokens == 6
+                pcm += base64.b64decode(audio["data"] if isinstance(audio, dict) else audio.data)
+    whole = client.chat.completions.create(**request)
+    choice = whole.choices[0]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 6
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len(token_ids) == 6 and token_ids == choice.model_extra["token_ids"]
+    assert streamed_text == choice.message.content and finish == choice.finish_reason == "length"
+    whole_pcm = base64.b64decode(choice.message.audio.data)
+    assert len(pcm) > 0 and len(pcm) % 2 == 0
+    assert len(pcm) == len(whole_pcm), "streamed and whole audio differ in length"
+    first_diff = next((i for i, (a, b) in enumerate(zip(pcm, whole_pcm)) if a != b), None)
+    assert first_diff is None, f"streamed audio differs from the whole answer's from byte {first_diff}"
 
 
 def test_the_same_video_again_hits_every_cache_and_equals_the_cache_off_answer(client, server, tmp_path_factory):
