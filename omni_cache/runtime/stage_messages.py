@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_cache.config import PipelineConfig
-from omni_cache.runtime.metrics import OrchestratorMetrics
-from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
-from omni_cache.runtime.request_ends import RequestEnds
-from omni_cache.runtime.requests import RequestTable
-from omni_cache.runtime.route_planner import RoutePlanner
-from omni_cache.runtime.stage_fleet import StageFleet
-from omni_cache.runtime.stats import StageStatsBoard
-from omni_cache.runtime.topology import Topology
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics
+from omni_cache.runtime.request_path.output_assembly import BadOutput, OutputAssembler
+from omni_cache.runtime.request_path.request_ends import RequestEnds
+from omni_cache.runtime.request_path.requests import RequestTable
+from omni_cache.runtime.request_path.topology import Topology
+from omni_cache.runtime.routing.route_planner import RoutePlanner
+from omni_cache.runtime.supervision.stage_fleet import StageFleet
+from omni_cache.runtime.supervision.stats import StageStatsBoard
 from omni_cache.wire.messages import (
     Abort,
     BlockEvents,
@@ -114,11 +114,16 @@ class StageMessages:
                 self.ends.drop_slow_client(req)
         except BadOutput as e:
             self.ends.fail(req, 500, str(e), stage=msg.stage)
-        except Exception as e:  # noqa: BLE001 -- a bug: this request ends now, not at its deadline
+        except Exception:  # noqa: BLE001 -- a bug: this request ends now, not at its deadline
             logger.exception("request %s: handling stage %s's output failed", req.request_id, msg.stage)
             self.metrics.output_failed(msg.stage)
+            # The exception's text stays in the log (it can name paths and internals): the client
+            # gets a stable message and the request id to find it there.
             self.ends.fail(
-                req, 500, f"the server failed on stage {msg.stage!r}'s output: {type(e).__name__}: {e}", stage=msg.stage
+                req,
+                500,
+                f"the server failed on stage {msg.stage!r}'s output (logged for request {req.request_id})",
+                stage=msg.stage,
             )
 
     def _on_error(self, msg: StageError) -> None:
