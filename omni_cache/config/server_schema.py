@@ -10,7 +10,7 @@ from msgspec import Meta, field
 
 from omni_cache.config.struct_base import ConfigStruct, NonNegativeInt, PositiveFloat, PositiveInt
 
-#: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing).
+#: How the orchestrator picks a replica of a stage for each request (omni_cache.runtime.routing.replica_router).
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
 
@@ -81,12 +81,17 @@ class RealtimeConfig(ConfigStruct, kw_only=True):
     #: stops reading is closed past it (code 1008, reason ``slow_client``) and its events freed.
     max_outbox_bytes: PositiveInt = 8 * 1024 * 1024
     #: Largest client event, in bytes of its JSON: a larger one is answered with an ``error``
-    #: (code ``event_too_large``) and dropped, and the session goes on. 8 MiB holds an
-    #: ``input_audio_buffer.append`` of 60 s of pcm16 (3.8 MB in base64) or an image of 6 MiB.
-    max_event_bytes: PositiveInt = 8 * 1024 * 1024
-    #: Largest WebSocket message the server reads at all (uvicorn's ``ws_max_size``, 16 MiB by
-    #: default there too): a larger one ends the connection (close code 1009, message too big).
-    #: At least ``max_event_bytes``: a message between the two is read only to answer it.
+    #: (code ``event_too_large``) and dropped, and the session goes on; its bytes are dropped as
+    #: they arrive, never assembled. 4 MiB holds an ``input_audio_buffer.append`` of the whole
+    #: input buffer (60 s of 24 kHz pcm16: 3.84 MB in base64) or an image of 3 MiB. Each event up
+    #: to it is unmasked on the event loop and parsed (holding the GIL) on a thread, a few ms per
+    #: MiB on a slow core: the bound on one event's pause to everyone else.
+    max_event_bytes: PositiveInt = 4 * 1024 * 1024
+    #: Largest WebSocket message the server takes at all (uvicorn's ``ws_max_size``; 16 MiB, as
+    #: there): a larger one ends the connection (close code 1009, message too big) from its
+    #: frame's header. At least ``max_event_bytes``: a message between the two is dropped as it
+    #: arrives and answered with ``event_too_large`` (an append of up to 15 MiB, which OpenAI's
+    #: API accepts, gets that error, not a closed connection).
     max_message_bytes: PositiveInt = 16 * 1024 * 1024
 
 
@@ -108,7 +113,7 @@ class ServerConfig(ConfigStruct, kw_only=True):
     #: past it 408 (a client that declared more than it sends holds nothing longer).
     body_timeout_s: PositiveFloat = 30.0
     #: Requests in flight at once: from before their body is read until they are answered
-    #: (omni_cache/runtime/admission.py). Past it a new request gets 429 with Retry-After.
+    #: (omni_cache/runtime/request_path/admission.py). Past it a new request gets 429 with Retry-After.
     max_requests_in_flight: PositiveInt = 64
     #: Decoded images and clips (pixels x 3 bytes, samples x 4 bytes) the requests in flight hold
     #: together, reserved from each item's header before it is decoded. Past it 429 with
@@ -161,11 +166,11 @@ class ServerConfig(ConfigStruct, kw_only=True):
     #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
     #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
     #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the
-    #: prompt, as its engine reports, unless it is much busier: omni_cache/runtime/routing.py;
+    #: prompt, as its engine reports, unless it is much busier: omni_cache/runtime/routing/replica_router.py;
     #: "least_loaded" when none holds any). A request's later messages to a stage go to the
     #: replica its first one went to.
     routing: RoutingPolicy = "prefix"
-    #: A Ray cluster to place the stage replicas on (``omni_cache.runtime.ray_placement``):
+    #: A Ray cluster to place the stage replicas on (``omni_cache.runtime.supervision.ray_placement``):
     #: "auto" (the cluster this host joined with ``ray start``) or the head's "HOST:PORT". Every
     #: replica of every stage not ``external`` then runs as a process owned by a Ray actor, placed
     #: by the stage's ``ray`` resources, at its node's IP and a port its actor picks. None (the

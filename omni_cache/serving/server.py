@@ -22,7 +22,7 @@ Errors are vLLM's bodies ``{"error": {"message", "type", "param", "code"}}``
 prompt, 401 missing or wrong API key (every route but /health, when a key is set), 404 unknown
 model, 413 a body over ``server.max_body_bytes`` or media that can never fit, 429 (OpenAI's rate
 limit body) with ``Retry-After`` past the bounds on requests and decoded media in flight
-(:mod:`omni_cache.runtime.admission`), 503 a stage is down or died, 504 deadline. Streams report
+(:mod:`omni_cache.runtime.request_path.admission`), 503 a stage is down or died, 504 deadline. Streams report
 errors that happen after the first byte as an SSE event ``data: {"error": {...}}`` followed by
 ``data: [DONE]``.
 
@@ -55,6 +55,7 @@ from omni_cache.serving.errors import add_error_handlers
 from omni_cache.serving.media import DecodedCache
 from omni_cache.serving.preload import preload
 from omni_cache.serving.realtime.connection import SessionRegistry
+from omni_cache.serving.realtime.ws_protocol import bounded_ws_protocol
 from omni_cache.serving.routes import router
 from omni_cache.tasks import cancel_and_wait
 
@@ -66,7 +67,18 @@ logger = logging.getLogger(__name__)
 #: (benchmarks.realtime_load, py-spy on the loop thread).
 WS_DEFLATE = False
 
-__all__ = ["ServerThread", "create_app", "serve"]
+__all__ = ["ServerThread", "create_app", "serve", "websocket_options"]
+
+
+def websocket_options(config: Any) -> dict[str, Any]:
+    """uvicorn's WebSocket settings for a pipeline ``config``: the bounded protocol
+    (:mod:`omni_cache.serving.realtime.ws_protocol`), its largest message, no deflate."""
+    realtime = config.server.realtime
+    return {
+        "ws": bounded_ws_protocol(realtime.max_event_bytes),
+        "ws_per_message_deflate": WS_DEFLATE,
+        "ws_max_size": realtime.max_message_bytes,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,8 +212,7 @@ def serve(config: Any, args: Any) -> int:
         lifespan="on",
         log_level=getattr(args, "log_level", "info") or "info",
         timeout_graceful_shutdown=5,
-        ws_per_message_deflate=WS_DEFLATE,
-        ws_max_size=config.server.realtime.max_message_bytes,
+        **websocket_options(config),
     )
     server = uvicorn.Server(uv_config)
     holder["server"] = server
@@ -243,8 +254,7 @@ class ServerThread:
                 lifespan="on",
                 log_level=log_level,
                 timeout_graceful_shutdown=2,
-                ws_per_message_deflate=WS_DEFLATE,
-                ws_max_size=orch.config.server.realtime.max_message_bytes,
+                **websocket_options(orch.config),
             )
         )
         self._host = host

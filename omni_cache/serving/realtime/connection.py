@@ -6,10 +6,12 @@ session limits (``server.realtime``): sessions open at once, session length, idl
 client events, client events per second, and the bytes of server events queued for a client that
 does not read them (``max_outbox_bytes``: past it the connection is closed, code 1008
 ``slow_client``, and what was queued is dropped). An event larger than ``max_event_bytes``, too deep
-or not JSON is answered with an ``error`` and the session goes on; the WebSocket layer (uvicorn) reads
-no message larger than ``max_message_bytes``. A client that goes away (closed socket, dropped TCP)
-ends the session: the response in flight is cancelled, its pipeline request aborted, the
-session's buffers dropped and it leaves the :class:`SessionRegistry`.
+or not JSON is answered with an ``error`` and the session goes on (a message over
+``max_event_bytes`` is never assembled: :mod:`.ws_protocol` drops its bytes as they arrive); the
+WebSocket layer closes a connection whose message is larger than ``max_message_bytes`` (1009). A
+client that goes away (closed socket, dropped TCP) ends the session: the response in flight is
+cancelled, its pipeline request aborted, the session's buffers dropped and it leaves the
+:class:`SessionRegistry`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,15 @@ from starlette.websockets import WebSocket, WebSocketState
 
 from omni_cache.config.server_schema import RealtimeConfig
 from omni_cache.serving.realtime.client_items import ImageSource
-from omni_cache.serving.realtime.protocol import EventError, error_event, parse_client_event_async, wire
+from omni_cache.serving.realtime.protocol import (
+    EventError,
+    error_event,
+    event_too_large,
+    parse_client_event_async,
+    wire,
+)
 from omni_cache.serving.realtime.session import RealtimeSession
+from omni_cache.serving.realtime.ws_protocol import SKIPPED_BYTES
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
@@ -236,7 +245,8 @@ async def _read_events(
                 return None
             last_event = time.monotonic()
             raw = message.get("text") if message.get("text") is not None else message.get("bytes")
-            if raw is None:
+            skipped = message.get(SKIPPED_BYTES)  # too large: never read (ws_protocol)
+            if raw is None and skipped is None:
                 continue
             if not limiter.allow():
                 outbox.send(
@@ -249,6 +259,9 @@ async def _read_events(
                         None,
                     )
                 )
+                continue
+            if skipped is not None:
+                outbox.send(error_event(event_too_large(skipped, limits.max_event_bytes), None))
                 continue
             await handle_event(raw, session, outbox, limits.max_event_bytes)
     finally:

@@ -33,6 +33,7 @@ __all__ = [
     "OFF_LOOP_BYTES",
     "EventError",
     "error_event",
+    "event_too_large",
     "make_event",
     "new_id",
     "parse_client_event",
@@ -93,10 +94,10 @@ def parse_client_event(raw: str | bytes, max_bytes: int | None = None) -> tuple[
     """``(the SDK model of the event, its event_id)``; EventError naming the field otherwise
     (or the problem: larger than ``max_bytes``, too deep, too many values, not JSON)."""
     if max_bytes is not None and len(raw) > max_bytes:  # a str's length never exceeds its UTF-8 size
-        raise _too_large(len(raw), max_bytes)
+        raise event_too_large(len(raw), max_bytes)
     encoded = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if max_bytes is not None and len(encoded) > max_bytes:
-        raise _too_large(len(encoded), max_bytes)
+        raise event_too_large(len(encoded), max_bytes)
     try:
         data = parse_json(encoded, MAX_JSON_DEPTH, max_values=MAX_EVENT_VALUES, what="event")
     except BodyError as e:
@@ -120,7 +121,8 @@ def parse_client_event(raw: str | bytes, max_bytes: int | None = None) -> tuple[
         raise err from None
 
 
-def _too_large(size: int, max_bytes: int) -> EventError:
+def event_too_large(size: int, max_bytes: int) -> EventError:
+    """The error answering an event of ``size`` bytes, past ``max_bytes``."""
     return EventError(
         f"the event is {size} bytes; at most {max_bytes} are read (server.realtime.max_event_bytes)",
         code="event_too_large",

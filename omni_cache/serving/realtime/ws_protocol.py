@@ -1,0 +1,206 @@
+"""The WebSocket layer under ``/v1/realtime``: uvicorn's own protocol (``websockets-sansio``, the
+one uvicorn picks) with two changes that keep a large message off the event loop.
+
+- A message larger than ``server.realtime.max_event_bytes`` is never assembled: its length is read
+  from each frame's header, and its payload is dropped as it arrives, one network read at a time
+  (nothing is kept, unmasked or decoded). When its last byte has arrived the application gets a
+  ``websocket.receive`` message with no ``text`` and no ``bytes`` but :data:`SKIPPED_BYTES`, the
+  message's size, and answers it with an ``error`` (``event_too_large``); the session goes on.
+  Before, uvicorn read the whole message (up to ``max_message_bytes``), joined, unmasked and
+  decoded it on the loop, and only then was its size checked: tens of milliseconds of a 15 MiB
+  message that every other session and HTTP request waited behind.
+- A message larger than ``max_message_bytes`` still ends the connection (close 1009, message too
+  big) when its header says so, before its payload is read.
+- A text message larger than :data:`OFF_LOOP_TEXT_BYTES` is handed over as its UTF-8 bytes
+  (``bytes``, with :data:`TEXT_FRAME` true) instead of a ``str``: it is decoded by the event
+  parser on its own threads, not on the loop. Invalid UTF-8 there is an ``error`` event
+  (``invalid_json``), not a close 1007.
+
+Frames within the limit are parsed by websockets as before (control frames, fragmentation,
+masking and close handling are unchanged)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Generator
+from typing import Any
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import InvalidMessage, PayloadTooBig, ProtocolError
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request
+from websockets.protocol import CONNECTING
+from websockets.server import ServerProtocol
+
+__all__ = ["OFF_LOOP_TEXT_BYTES", "SKIPPED_BYTES", "TEXT_FRAME", "BoundedServerProtocol", "bounded_ws_protocol"]
+
+#: Key of a ``websocket.receive`` message standing for a message that was too large: its size.
+SKIPPED_BYTES = "omni_cache.skipped_bytes"
+#: Key of a ``websocket.receive`` message whose ``bytes`` are a text message's UTF-8.
+TEXT_FRAME = "omni_cache.text_frame"
+#: Text messages larger than this are handed over undecoded (the event parser decodes them).
+OFF_LOOP_TEXT_BYTES = 64 * 1024
+
+_DATA = (Opcode.CONT, Opcode.TEXT, Opcode.BINARY)
+
+
+class Skipped(bytes):
+    """The (empty) payload of a frame that ends a message too large to read; ``size``: the
+    message's bytes."""
+
+    size: int = 0
+    text: bool = False
+
+
+class BoundedServerProtocol(ServerProtocol):
+    """websockets' server protocol dropping the payload of messages over ``max_event_bytes``
+    (``max_size``, ``max_message_bytes``, still ends the connection past it)."""
+
+    def __init__(self, *args: Any, max_event_bytes: int, **kwargs: Any) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._skipping: int | None = None  # bytes of the message being skipped so far
+        self._skipping_text = self._after_read = False
+        super().__init__(*args, **kwargs)
+
+    def parse(self) -> Generator[None]:
+        if self.state is CONNECTING:  # the opening handshake, as ServerProtocol.parse reads it
+            try:
+                request = yield from Request.parse(self.reader.read_line)
+            except Exception as exc:  # noqa: BLE001
+                self.handshake_exc = InvalidMessage("did not receive a valid HTTP request")
+                self.handshake_exc.__cause__ = exc
+                self.send_eof()
+                self.parser = self.discard()
+                next(self.parser)
+                yield
+            self.events.append(request)
+        yield from self._frames()
+
+    def _frames(self) -> Generator[None]:
+        try:
+            while True:
+                if (yield from self.reader.at_eof()):
+                    raise EOFError("unexpected end of stream")
+                head = yield from self._peek(2)
+                opcode = Opcode(head[0] & 0x0F) if head[0] & 0x0F in _OPCODES else None
+                n = head[1] & 0x7F
+                header = 2 + (2 if n == 126 else 8 if n == 127 else 0)
+                if n >= 126:
+                    head = yield from self._peek(header)
+                    (length,) = struct.unpack("!H" if n == 126 else "!Q", head[2:header])
+                else:
+                    length = n
+                if opcode in _DATA and (
+                    self._skipping is not None or (self.cur_size or 0) + length > self.max_event_bytes
+                ):
+                    yield from self._skip(opcode, bool(head[0] & 0x80), bool(head[1] & 0x80), header, length)
+                    continue
+                max_size = None if self.max_size is None else self.max_size - (self.cur_size or 0)
+                frame = yield from Frame.parse(
+                    self.reader.read_exact, mask=True, max_size=max_size, extensions=self.extensions
+                )
+                self.recv_frame(frame)
+        except ProtocolError as exc:
+            self.fail(1002, str(exc))
+            self.parser_exc = exc
+        except EOFError as exc:
+            self.fail(1006, str(exc))
+            self.parser_exc = exc
+        except UnicodeDecodeError as exc:
+            self.fail(1007, f"{exc.reason} at position {exc.start}")
+            self.parser_exc = exc
+        except PayloadTooBig as exc:
+            self.fail(1009, str(exc))
+            self.parser_exc = exc
+        except Exception as exc:  # noqa: BLE001 -- as websockets' own parser: a close, no details
+            self.logger.error("parser failed", exc_info=True)
+            self.fail(1011)
+            self.parser_exc = exc
+        yield
+        raise AssertionError("parse() shouldn't step after error")
+
+    def _peek(self, n: int) -> Generator[None, None, bytes]:
+        """The next ``n`` bytes, left in the buffer."""
+        while len(self.reader.buffer) < n:
+            if self.reader.eof:
+                raise EOFError(f"stream ends after {len(self.reader.buffer)} bytes, expected {n} bytes")
+            yield
+        return bytes(self.reader.buffer[:n])
+
+    def _skip(self, opcode: Opcode, fin: bool, masked: bool, header: int, length: int) -> Generator[None]:
+        """Drop one frame of a message too large to read; at the message's end, a frame whose
+        payload is :class:`Skipped` stands for it."""
+        if not masked:
+            raise ProtocolError("incorrect masking")
+        starting = self._skipping is None
+        if opcode is Opcode.CONT:
+            if starting and self.cur_size is None:
+                raise ProtocolError("unexpected continuation frame")
+        elif not starting or self.cur_size is not None:
+            raise ProtocolError("expected a continuation frame")
+        if starting:  # frames of it already read (cur_size) are dropped by the application side
+            self._skipping = self.cur_size or 0
+            self._skipping_text = opcode is Opcode.TEXT
+            self._after_read = self.cur_size is not None
+        total = self._skipping + length
+        if self.max_size is not None and total > self.max_size:
+            raise PayloadTooBig(length, self.max_size, total - length)
+        self._skipping = total
+        yield from self.reader.read_exact(header + 4)  # the header and the mask
+        remaining = length
+        buffer = self.reader.buffer
+        while remaining:
+            if not buffer:
+                if self.reader.eof:
+                    raise EOFError("unexpected end of stream")
+                yield
+                continue
+            take = min(remaining, len(buffer))
+            del buffer[:take]
+            remaining -= take
+        if fin:
+            payload = Skipped()
+            payload.size, payload.text = total, self._skipping_text
+            self._skipping, self.cur_size = None, None
+            # CONT after frames of it were read (uvicorn appends it to them), else TEXT / BINARY.
+            kind = Opcode.CONT if self._after_read else Opcode.TEXT if self._skipping_text else Opcode.BINARY
+            self.events.append(Frame(kind, payload, fin=True))
+
+
+_OPCODES = {op.value for op in Opcode}
+
+
+def bounded_ws_protocol(max_event_bytes: int) -> type[WebSocketsSansIOProtocol]:
+    """uvicorn's ``ws`` protocol class for a server whose events are at most ``max_event_bytes``
+    (``uvicorn.Config(ws=..., ws_max_size=max_message_bytes)``)."""
+
+    class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            self.conn = BoundedServerProtocol(
+                extensions=self.conn.available_extensions,
+                max_size=config.ws_max_size,
+                max_event_bytes=max_event_bytes,
+                logger=self.conn.logger,
+            )
+
+        def send_receive_event_to_app(self) -> None:
+            frames, self.frames = self.frames, []
+            skipped = next((f for f in frames if isinstance(f, Skipped)), None)
+            if self.close_sent:
+                return
+            if skipped is not None:
+                message: dict[str, Any] = {"type": "websocket.receive", "text": None, "bytes": None}
+                message[SKIPPED_BYTES] = skipped.size
+            elif self.curr_msg_data_type == "text" and sum(len(f) for f in frames) > OFF_LOOP_TEXT_BYTES:
+                message = {"type": "websocket.receive", "text": None, "bytes": b"".join(frames), TEXT_FRAME: True}
+            else:
+                self.frames = frames
+                super().send_receive_event_to_app()
+                return
+            self.queue.put_nowait(message)
+            if not self.read_paused:
+                self.read_paused = True
+                self.transport.pause_reading()
+
+    return BoundedWebSocketProtocol
