@@ -308,7 +308,7 @@ class Driver:
 
 # ---- /metrics ---------------------------------------------------------------------------------
 
-#: Counters read from /metrics, per stage (names in omni_cache/runtime/metrics.py).
+#: Counters read from /metrics, per stage (names in omni_cache/runtime/metrics/prometheus.py).
 COUNTERS = {
     "queried": "vllm:prefix_cache_queries_total",
     "hit": "vllm:prefix_cache_hits_total",
@@ -316,7 +316,7 @@ COUNTERS = {
     "requests": "omni_cache_stage_requests_total",
     "restarts": "omni_cache_stage_restarts_total",
     "fresh": "omni_cache_stage_stats_fresh",
-    # Playback pacing (stages with `pacing:`; omni_cache/runtime/pacing_metrics.py).
+    # Playback pacing (stages with `pacing:`; omni_cache/runtime/metrics/pacing_metrics.py).
     "paced": "omni_cache_stage_paced_requests_total",
     "underruns": "omni_cache_stage_audio_underruns_total",
     "first_audio_shared_steps": "omni_cache_stage_first_audio_shared_steps_total",
@@ -326,7 +326,7 @@ COUNTERS = {
 def metric_counters(text: str) -> dict[str, dict[str, float]]:
     """stage -> {queried, hit, latent_rows, requests, restarts, fresh, the pacing counters} from
     Prometheus text; a stage's replicas summed (``fresh``: 1 only when every replica answered)."""
-    from omni_cache.runtime.metrics import parse_metrics
+    from omni_cache.runtime.metrics.prometheus import parse_metrics
 
     by_name = {v: k for k, v in COUNTERS.items()}
     out: dict[str, dict[str, float]] = {}

@@ -58,7 +58,7 @@ VLLM_HISTOGRAMS = {
 def histogram_means(before: str, after: str) -> dict[str, float]:
     """Mean seconds per request of each :data:`VLLM_HISTOGRAMS` between two /metrics texts (sum
     and count deltas, summed over label sets); NaN where nothing was counted."""
-    from omni_cache.runtime.metrics import parse_metrics
+    from omni_cache.runtime.metrics.prometheus import parse_metrics
 
     def totals(text: str) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -257,7 +257,7 @@ async def wait_serving(client: httpx.AsyncClient, url: str, timeout_s: float) ->
 async def stage_samples(url: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """stage -> {sample name: value} of the named ``omni_cache_stage_*`` samples in /metrics
     (the warm-up's seconds, the compiles while serving; workers/warmup.py)."""
-    from omni_cache.runtime.metrics import parse_metrics
+    from omni_cache.runtime.metrics.prometheus import parse_metrics
 
     out: dict[str, dict[str, float]] = {}
     try:

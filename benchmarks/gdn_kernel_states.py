@@ -10,7 +10,7 @@ checkout (docs/benchmarks.md has the command).
 For a varlen batch of prefill sequences (bfloat16 q, k, v; float32 log-decays g; random float32
 initial states) with block boundaries every `block` tokens:
 - correctness: states taken from the kernel's per-chunk `h` at the boundaries
-  (workers/models/gdn_chunk_states.py) against a float32 token-by-token recurrence of the gated
+  (benchmarks/gdn_chunk_states.py) against a float32 token-by-token recurrence of the gated
   delta rule from the same initial states; also the kernel's output against the recurrence's;
 - cost: median time of fla's `chunk_gated_delta_rule_fwd` (what vLLM runs: no states kept) against
   the same kernels composed here so that `h` is kept and the boundary states are copied into a
@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from workers.models.gdn_chunk_states import CHUNK, chunk_state_rows, store_chunk_states
+from benchmarks.gdn_chunk_states import CHUNK, chunk_state_rows, store_chunk_states
 
 
 def recurrence(q, k, v, g, beta, h0, scale, keep):

@@ -58,7 +58,7 @@ FIRST_TURN = 700
 
 
 def _stage(model: str, *, block_states: bool = True, prefix_cache: bool = True, **engine_args: Any) -> Any:
-    from omni_cache.models.checkpoints import ensure_checkpoint
+    from omni_cache.tiny.checkpoints import ensure_checkpoint
     from workers.latent_capture import LatentOptions
     from workers.llm_stage import LLMStage
 

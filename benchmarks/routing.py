@@ -27,7 +27,7 @@ as above), an image tenant (one image of about ``--shared-tokens`` vision tokens
 (one WAV clip of about as many audio tokens) and a video tenant (one MP4 with its sound track,
 read with ``use_audio_in_video``); a media tenant's requests are its medium then a question of
 their own, without a system prompt, so what a replica can hold of them is the medium's blocks,
-keyed by its content digest (omni_cache/runtime/media_layouts.py). Run it on the Qwen3-Omni
+keyed by its content digest (omni_cache/runtime/routing/media_layouts.py). Run it on the Qwen3-Omni
 pipeline: ``--stage-config stage_configs/qwen3_omni.yaml --workload media --thinker-only``
 (``--thinker-only``: the entry stage alone, text answers). The hit rate is also reported per
 tenant kind.
@@ -75,7 +75,7 @@ POLICIES = ("prefix", "round_robin", "least_loaded")
 
 def _decisions(text: str) -> dict[str, float]:
     """ "replica/decision" -> the thinker's routing decisions so far (from /metrics)."""
-    from omni_cache.runtime.metrics import parse_metrics
+    from omni_cache.runtime.metrics.prometheus import parse_metrics
 
     return {
         f"{lab['replica']}/{lab['decision']}": v

@@ -47,7 +47,7 @@ def loadavg() -> list[float]:
         return [float(x) for x in f.read().split()[:3]]
 
 
-#: Per-stage samples read from /metrics (names in omni_cache/runtime/metrics.py).
+#: Per-stage samples read from /metrics (names in omni_cache/runtime/metrics/prometheus.py).
 STAGE_SAMPLES = {
     "omni_cache_stage_queue_depth": "queue_depth",
     "omni_cache_stage_requests_total": "requests",
@@ -72,7 +72,7 @@ SERVER_SAMPLES = {
 async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
     """Per-stage samples of :data:`STAGE_SAMPLES`, the server's requests in flight and
     :data:`SERVER_SAMPLES`."""
-    from omni_cache.runtime.metrics import parse_metrics
+    from omni_cache.runtime.metrics.prometheus import parse_metrics
 
     try:
         r = await client.get(base_url + "/metrics", timeout=30.0)

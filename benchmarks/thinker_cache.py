@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.retries is None:
         args.retries = 0 if args.quick else 2
 
-    from omni_cache.models.checkpoints import ensure_checkpoint
+    from omni_cache.tiny.checkpoints import ensure_checkpoint
 
     mspec = model_spec(args.model)
     model = str(ensure_checkpoint(mspec.checkpoint))
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "engine_args": {**mspec.engine_args, "model": f"{mspec.checkpoint} (omni_cache.models.checkpoints, seed 0)"},
+        "engine_args": {**mspec.engine_args, "model": f"{mspec.checkpoint} (omni_cache.tiny.checkpoints, seed 0)"},
         "config": {
             "rounds": rounds,
             "requests": requests,

@@ -57,7 +57,7 @@ def make_audio(seed: str) -> tuple[Any, int]:
 
 
 def media_placeholder(modality: str) -> list[int]:
-    from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
+    from omni_cache.tiny.qwen3_omni import TOKEN_ID
 
     names = {
         "image": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),

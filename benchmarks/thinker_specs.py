@@ -69,7 +69,7 @@ OMNI_TARGET_SPEEDUP_FRACTION = 0.97  # issue 20
 class ModelSpec:
     """What differs between the text-only run (issue 3) and the multimodal run (issue 20)."""
 
-    checkpoint: str  # omni_cache.models.checkpoints name
+    checkpoint: str  # omni_cache.tiny.checkpoints name
     engine_args: dict[str, Any]
     workloads: tuple[str, ...]
     row_rtol: float

@@ -52,7 +52,7 @@ PIXELS_PER_IMAGE_TOKEN = 32
 ALPHABET = "abcdefghijklmnopqrstuvwxyz     .,"
 
 #: Tokens the tiny chat template adds (stage_configs/tiny_omni.yaml's thinker,
-#: omni_cache.models.checkpoints.CHAT_TEMPLATE): ``<|im_start|>ROLE\n CONTENT <|im_end|>\n`` per message,
+#: omni_cache.tiny.checkpoints.CHAT_TEMPLATE): ``<|im_start|>ROLE\n CONTENT <|im_end|>\n`` per message,
 #: plus ``<|im_start|>assistant\n`` as the generation prompt.
 TEMPLATE = {
     "system": 10,  # <|im_start|> + "system\n" (7) + <|im_end|> + "\n"

@@ -26,7 +26,7 @@ from typing import Any
 
 from omni_cache.config import PipelineConfig, load_config
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.runtime.results import GenerationResult, RequestError
+from omni_cache.runtime.request_path.results import GenerationResult, RequestError
 
 __all__ = ["GenerationError", "GenerationResult", "Pipeline"]
 

@@ -6,10 +6,10 @@ evicted (its hash is gone) and ``AllBlocksCleared`` when the prefix cache is res
 scheduler hands each step's batch to its publisher. :func:`install` puts a
 :class:`BlockEventCollector` in front of that publisher (in-process: the stage's engine core runs
 in the stage), so the stage can send the orchestrator what changed since its last report
-(``BlockEvents``; omni_cache/runtime/prefix_index.py keeps it).
+(``BlockEvents``; omni_cache/runtime/routing/prefix_index.py keeps it).
 
 The hashes are vLLM's own, in the 64-bit form its events carry; the orchestrator computes the same
-for a prompt (omni_cache/runtime/block_hashes.py). What is reported is each hash's last state since
+for a prompt (omni_cache/runtime/routing/block_hashes.py). What is reported is each hash's last state since
 the previous report: held (``stored``) or gone (``removed``). vLLM also sends ``BlockStored`` again
 for blocks a request hit (they were cached already), so a hash is a set member, not a count. In
 the rare case of two blocks with one hash, the eviction of one drops the hash while the other
@@ -24,7 +24,7 @@ block up to the hit *and* a recurrent state at the hit's last block (vLLM's alig
 only at some boundaries: where a chunk ended, or, with block states, every boundary a prefill
 crossed). So the collector keeps which groups hold each hash and reports two sets: ``stored``, the
 hashes every attention group holds, and ``state_stored``, those every recurrent (Mamba) group holds;
-the orchestrator's index combines them as the engine does (omni_cache/runtime/prefix_index.py).
+the orchestrator's index combines them as the engine does (omni_cache/runtime/routing/prefix_index.py).
 Merging the groups into one set would say "held" for every attention block although the engine
 can only resume where a state is.
 """

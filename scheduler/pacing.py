@@ -48,7 +48,7 @@ ATTRIBUTE = "playback_clock"
 #: Bucket bounds (seconds of slack: audio emitted minus playback time) of the slack histogram.
 #: Negative slack is an underrun; the upper bounds reach the lead of an answer written far ahead.
 SLACK_BUCKETS: tuple[float, ...] = (-5.0, -1.0, -0.5, -0.2, 0.0, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-#: StageStats counter names (omni_cache/runtime/pacing_metrics.py renders them).
+#: StageStats counter names (omni_cache/runtime/metrics/pacing_metrics.py renders them).
 PACED_REQUESTS = "paced_requests"
 UNDERRUNS = "audio_underruns"
 SHARED_FIRST_AUDIO_STEPS = "first_audio_shared_steps"

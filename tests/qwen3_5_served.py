@@ -23,8 +23,8 @@ from typing import Any
 import yaml
 from served_config import served
 
-from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.serving.server import ServerThread
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "qwen3_5"  # the pipeline's name: the model name clients send

@@ -16,7 +16,7 @@ import yaml
 from served_config import served
 from sse_client import read_events
 
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 
 #: Bound of the waits for a restart (vLLM start-up) and for an answer.
 WAIT_S = 300.0

@@ -1,4 +1,4 @@
-"""Admission control (omni_cache/runtime/admission.py, omni_cache/serving/routes.py): the bounds
+"""Admission control (omni_cache/runtime/request_path/admission.py, omni_cache/serving/routes.py): the bounds
 on requests in flight and on the decoded media they hold, the 429 with Retry-After past them, the
 HTTP body limit, and a flood.
 
@@ -30,9 +30,9 @@ from fake_pipeline import FAKE_STAGE, ByteTokenizer, echo
 from media_samples import flat_png_data_url
 
 from omni_cache.config import load_config
-from omni_cache.runtime.admission import RETRY_AFTER_S, InFlightBounds
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.runtime.results import RequestError
+from omni_cache.runtime.request_path.admission import RETRY_AFTER_S, InFlightBounds
+from omni_cache.runtime.request_path.results import RequestError
 from omni_cache.serving.server import ServerThread
 
 MIB = 1 << 20
@@ -112,7 +112,7 @@ def test_an_answered_request_lets_go_of_its_media_with_its_ticket():
 
     import torch
 
-    from omni_cache.runtime.requests import Request, RequestTable
+    from omni_cache.runtime.request_path.requests import Request, RequestTable
 
     bounds = InFlightBounds(max_requests=2, max_media_bytes=100)
     ticket = bounds.enter()

@@ -1,12 +1,12 @@
-"""Talker replicas for a shared prompt (omni_cache.runtime.affinity): the replica that took a
+"""Talker replicas for a shared prompt (omni_cache.runtime.routing.affinity): the replica that took a
 prompt prefix before takes the next request with it, unless it is much busier; a dead replica is
 forgotten; the memory is bounded."""
 
 from __future__ import annotations
 
-from omni_cache.runtime.affinity import AFFINITY_BLOCK_SIZE, PrefixAffinity
-from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.runtime.routing import ReplicaRouter
+from omni_cache.runtime.routing.affinity import AFFINITY_BLOCK_SIZE, PrefixAffinity
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
+from omni_cache.runtime.routing.replica_router import ReplicaRouter
 
 
 def chain(tokens: list[int]) -> list[int]:

@@ -93,13 +93,13 @@ FIRST_PARTY = {"omni_cache", "workers", "tests"}
 @pytest.mark.parametrize(
     "source",
     [
-        "from omni_cache.runtime.results import _Request\n",
-        "from omni_cache.runtime.results import RequestError, _Request as R\n",
+        "from omni_cache.runtime.request_path.results import _Request\n",
+        "from omni_cache.runtime.request_path.results import RequestError, _Request as R\n",
         "from .errors import _Issues\n",
         "from vllm.utils import _private_helper\n",
         "def f():\n    from omni_cache.cache.latent_store import _launch_rows\n",
-        "import omni_cache.runtime.supervisor as sup\nsup._exit_words(1)\n",
-        "import omni_cache.runtime.supervisor\nomni_cache.runtime.supervisor._exit_words(1)\n",
+        "import omni_cache.runtime.supervision.supervisor as sup\nsup._exit_words(1)\n",
+        "import omni_cache.runtime.supervision.supervisor\nomni_cache.runtime.supervisor._exit_words(1)\n",
         "import workers\nx = workers._thing\n",
     ],
 )
@@ -112,7 +112,7 @@ def test_checker_flags_private_imports(source: str) -> None:
     [
         "from __future__ import annotations\n",
         "from omni_cache import __version__\n",
-        "from omni_cache.runtime.results import RequestError\n",
+        "from omni_cache.runtime.request_path.results import RequestError\n",
         "import torch\nraw = torch._C\n",  # another project's private attribute: not this rule
         "_local = 1\nprint(_local)\n",
         "class A:\n    def f(self):\n        return self._x\n",
@@ -339,3 +339,50 @@ def test_no_benchmarks_module_is_over_500_lines():
         if (n := len(p.read_text().splitlines())) > MAX_BENCHMARK_MODULE_LINES
     }
     assert not long, f"benchmarks/ modules over {MAX_BENCHMARK_MODULE_LINES} lines (split them by job): {long}"
+
+
+#: omni_cache/runtime/'s subpackages, lowest first: a module imports its own subpackage's modules
+#: and those of the layers below it, never above (the modules at runtime/'s top compose them all).
+RUNTIME_LAYERS = ("metrics", "supervision", "request_path", "routing")
+
+
+def runtime_layer_violations(root: Path) -> list[str]:
+    """Each import in omni_cache/runtime/ from a lower layer to a higher one, as ``file: module``."""
+    rank = {name: i for i, name in enumerate(RUNTIME_LAYERS)}
+    top = len(RUNTIME_LAYERS)  # runtime/'s own modules (the orchestrator)
+    found = []
+    for path in sorted((root / "omni_cache" / "runtime").rglob("*.py")):
+        parts = path.relative_to(root / "omni_cache" / "runtime").parts
+        layer = rank.get(parts[0], top) if len(parts) > 1 else top
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                bits = name.split(".")
+                if bits[:2] != ["omni_cache", "runtime"] or len(bits) < 3:
+                    continue
+                target = rank.get(bits[2], top) if bits[2] in rank else top
+                if target > layer:
+                    found.append(f"{path.relative_to(root)}: {name}")
+    return found
+
+
+def test_runtime_layers_import_only_downward():
+    assert runtime_layer_violations(ROOT) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path: Path):
+    pkg = tmp_path / "omni_cache" / "runtime"
+    (pkg / "metrics").mkdir(parents=True)
+    (pkg / "routing").mkdir()
+    (pkg / "metrics" / "prometheus.py").write_text("from omni_cache.runtime.routing import route_planner\n")
+    (pkg / "routing" / "route_planner.py").write_text("from omni_cache.runtime.metrics import prometheus\n")
+    (pkg / "orchestrator.py").write_text("from omni_cache.runtime.routing import route_planner\n")
+    found = runtime_layer_violations(tmp_path)
+    assert found == [
+        "omni_cache/runtime/metrics/prometheus.py: omni_cache.runtime.routing",
+        "omni_cache/runtime/metrics/prometheus.py: omni_cache.runtime.routing.route_planner",
+    ]

@@ -33,7 +33,7 @@ from benchmarks.workloads import (
 
 
 def _tiny_template_tokens(messages: list[dict[str, str]]) -> int:
-    """What omni_cache.models.checkpoints.CHAT_TEMPLATE + the byte-level tokenizer give: one token per
+    """What omni_cache.tiny.checkpoints.CHAT_TEMPLATE + the byte-level tokenizer give: one token per
     ASCII character, one per special token."""
     n = 0
     for m in messages:
@@ -798,7 +798,7 @@ def test_thinker_cache_multimodal_prompts_share_prefix_and_media():
         UNIQUE_TOKENS,
         model_spec,
     )
-    from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
+    from omni_cache.tiny.qwen3_omni import TOKEN_ID
 
     wl = make_workloads(0, 0, 3, model_spec("qwen3-omni").workloads)
     assert list(wl) == ["shared_prefix", "shared_image", "shared_audio", "zero_reuse"]

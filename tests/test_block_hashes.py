@@ -1,4 +1,4 @@
-"""The orchestrator's block hashes of a prompt (omni_cache/runtime/block_hashes.py, which calls
+"""The orchestrator's block hashes of a prompt (omni_cache/runtime/routing/block_hashes.py, which calls
 vLLM's hashing functions with its own first parent and request stand-in) equal the ones an engine
 computes and its KV events report, with vLLM's default seed and with a PYTHONHASHSEED, for text
 prompts and for prompts with images, audio and video: the reference is the engine's path, no
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from omni_cache.runtime.block_hashes import prompt_block_hashes
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
 
 
 def vllm_hashes(token_ids: list[int], block_size: int) -> list[int]:
@@ -71,7 +71,7 @@ def vllm_request_hashes(token_ids: list[int], block_size: int, media: list[tuple
     return [kv_cache_utils.maybe_convert_block_hash(h) for h in req.block_hashes]
 
 
-# Qwen3-Omni's tokens around a run (omni_cache/models/tiny_qwen3_omni.py).
+# Qwen3-Omni's tokens around a run (omni_cache/tiny/qwen3_omni.py).
 AUDIO_START, AUDIO_END, AUDIO_PAD, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (259, 260, 261, 262, 263, 264, 265)
 
 

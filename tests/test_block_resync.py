@@ -9,7 +9,7 @@ replica for a block it may have lost) and asks for a snapshot (``BlockSnapshotQu
 a lost report was logged and its hashes stayed in the router's index for good.
 
 The replica here is vLLM's event stream into the real collector (scheduler/block_events.py), the
-router the real index (omni_cache/runtime/prefix_index.py); only the socket between them is a list."""
+router the real index (omni_cache/runtime/routing/prefix_index.py); only the socket between them is a list."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.routing.prefix_index import PrefixIndex
 from omni_cache.wire.transport import SendTimeout
 from scheduler.block_events import BlockEventCollector
 from workers.block_reporter import BlockReporter

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omni_cache.models import checkpoints as ck
 from omni_cache.models.codec_decoder import CodecDecoder
+from omni_cache.tiny import checkpoints as ck
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -286,7 +286,7 @@ def test_deterministic_across_processes(ckpt_root, tmp_path):
     root = Path(__file__).resolve().parents[1]
     names = ("talker", "decoder", "qwen3-omni")
     out = subprocess.run(
-        [sys.executable, "-m", "omni_cache.models.checkpoints", "--out", str(tmp_path), *names],
+        [sys.executable, "-m", "omni_cache.tiny.checkpoints", "--out", str(tmp_path), *names],
         cwd=root,
         env=env,
         check=True,

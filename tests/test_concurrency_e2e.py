@@ -26,10 +26,10 @@ import yaml
 import zmq
 
 from omni_cache.config import load_config
-from omni_cache.models.checkpoints import THINKER_HIDDEN
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
+from omni_cache.tiny.checkpoints import THINKER_HIDDEN
 from omni_cache.wire.messages import MESSAGE_TYPES, Abort, StageOutput, StreamStart
 from omni_cache.wire.transport import Codec, Sender
 

@@ -600,9 +600,9 @@ def test_resolve_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         calls.append((name, Path(root)))
         return Path(root) / name
 
-    fake = types.ModuleType("omni_cache.models.checkpoints")
+    fake = types.ModuleType("omni_cache.tiny.checkpoints")
     fake.ensure_checkpoint = ensure_checkpoint
-    monkeypatch.setitem(sys.modules, "omni_cache.models.checkpoints", fake)
+    monkeypatch.setitem(sys.modules, "omni_cache.tiny.checkpoints", fake)
     config = load_config(TINY)
     config.checkpoint_dir = str(tmp_path)
     assert resolve_model(config.stage("thinker"), config) == str(tmp_path / "thinker")

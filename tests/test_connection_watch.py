@@ -17,7 +17,7 @@ import textwrap
 SCENARIO = textwrap.dedent("""
     import asyncio, os, socket
     import zmq, zmq.asyncio
-    from omni_cache.runtime.connection_watch import ConnectionWatch
+    from omni_cache.runtime.supervision.connection_watch import ConnectionWatch
 
     async def main():
         ctx = zmq.asyncio.Context()

@@ -1,6 +1,6 @@
 """One config reaches every stage process: a stage restarted after the YAML file was edited runs
 the server's config, not the edited file (omni_cache/config/overrides.py,
-omni_cache/runtime/placement.py). Fake stages (tests/fake_stage.py) report their
+omni_cache/runtime/supervision/placement.py). Fake stages (tests/fake_stage.py) report their
 ``engine_args.max_model_len`` in their StageReady, and the server admits prompts by what the
 entry stage reported, so what a restarted thinker read shows in what the server admits."""
 

@@ -32,7 +32,7 @@ from stage_probe import inject
 from omni_cache import cli
 from omni_cache.config import ConfigError, load_config
 from omni_cache.config.identity import pipeline_hash
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 from omni_cache.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, StageReady
@@ -198,7 +198,7 @@ def assert_answer(resp: httpx.Response, content: str) -> None:
 @pytest.fixture(autouse=True)
 def supervisor_log(caplog):
     """The supervisor's INFO lines (a stage up, its pid and host) in a failing test's report."""
-    caplog.set_level(logging.INFO, logger="omni_cache.runtime.supervisor")
+    caplog.set_level(logging.INFO, logger="omni_cache.runtime.supervision.supervisor")
 
 
 @pytest.fixture

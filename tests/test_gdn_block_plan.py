@@ -1,6 +1,6 @@
 """Unit tests of the block-state plan (workers/models/gdn_block_states.py), of the rule that turns
 block states on by what a model's recurrent layers are (scheduler/mamba_block_states.py) and of the
-chunk-kernel state extraction (workers/models/gdn_chunk_states.py); the engine-level tests are in
+chunk-kernel state extraction (benchmarks/gdn_chunk_states.py); the engine-level tests are in
 test_hybrid_block_states.py, the GPU kernel check in benchmarks/gdn_kernel_states.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
+from benchmarks.gdn_chunk_states import chunk_state_rows, store_chunk_states
 from scheduler.mamba_block_states import recurrent_layers_reason
 from workers.models.gdn_block_states import BlockStateGatedDeltaNet, boundary_cuts, plan_segments
-from workers.models.gdn_chunk_states import chunk_state_rows, store_chunk_states
 
 B = 128
 

@@ -1,4 +1,4 @@
-"""The hang watch's judgment on a clock the test drives (omni_cache/runtime/hang_watch.py): real
+"""The hang watch's judgment on a clock the test drives (omni_cache/runtime/supervision/hang_watch.py): real
 StageReady beats, the server's reads and ticks in the order its event loop runs them. The watch
 judges on what the server could have read: a server that lags on every tick still finds a
 stopped stage; a server that stalls never blames a healthy stage for the beats it did not read."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omni_cache.runtime.hang_watch import HangWatch, Liveness, step_timeout_s
+from omni_cache.runtime.supervision.hang_watch import HangWatch, Liveness, step_timeout_s
 from omni_cache.wire.messages import StageReady
 
 TIMEOUT_S = 3.0  # server.heartbeat_timeout_s
@@ -151,7 +151,7 @@ def test_a_stalling_then_lagging_server_blames_no_healthy_stage_and_still_finds_
 
     from omni_cache.config import load_config
     from omni_cache.config.addresses import with_default_addresses
-    from omni_cache.runtime.supervisor import StageSupervisor
+    from omni_cache.runtime.supervision.supervisor import StageSupervisor
     from omni_cache.wire.messages import MESSAGE_TYPES
     from omni_cache.wire.transport import AsyncReceiver, Codec
 

@@ -21,7 +21,7 @@ import torch
 from thinker_harness import NAMES, close, comparable_rows, make_stage, run
 from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
 
-from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 # Starts two in-process vLLM engines (the module fixture): skipped by -m "not vllm".
 pytestmark = pytest.mark.vllm

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
+from omni_cache.runtime.routing.prefix_index import PrefixIndex
 
 ATTENTION, GDN_A, GDN_B = 0, 1, 2  # a hybrid's groups: one attention group, two GDN groups
 

@@ -3,7 +3,7 @@ ZMQ, HTTP): a stage held inside one model step (the test-only hook workers/step_
 beating from its announcer thread. Held 60 s, twenty times ``server.heartbeat_timeout_s``, the
 thinker is busy, not killed: /health and /metrics say so and its request is answered afterwards.
 The decoder, whose ``step_timeout_s`` is below 60 s, is judged hung once its step passes that
-limit, killed and restarted (omni_cache/runtime/hang_watch.py).
+limit, killed and restarted (omni_cache/runtime/supervision/hang_watch.py).
 """
 
 from __future__ import annotations

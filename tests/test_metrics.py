@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cache.runtime.metrics import (
+from omni_cache.runtime.metrics.prometheus import (
     STAGE_DONE,
     TTFA,
     TTFT,

@@ -35,9 +35,9 @@ from media_samples import clip_b64, png_data_url
 from PIL import Image
 from thinker_harness import Result, close, comparable_rows, run
 
-from omni_cache.models.checkpoints import ensure_checkpoint
-from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
 from omni_cache.serving.media import MediaDecoder
+from omni_cache.tiny.checkpoints import ensure_checkpoint
+from omni_cache.tiny.qwen3_omni import TOKEN_ID
 
 pytestmark = [
     pytest.mark.vllm,

@@ -15,14 +15,14 @@ import torch
 from omni_cache.config import load_config
 from omni_cache.config.addresses import new_run_dir
 from omni_cache.config.overrides import with_overrides
-from omni_cache.runtime.admission import CLOSED, OPEN, Admission
-from omni_cache.runtime.metrics import OrchestratorMetrics
-from omni_cache.runtime.output_assembly import BadOutput, OutputAssembler
-from omni_cache.runtime.placement import StagePlacement, external_stages_of
-from omni_cache.runtime.requests import Request
-from omni_cache.runtime.results import AudioDelta, Completed, RequestError, TextDelta
-from omni_cache.runtime.supervisor import StageSupervisor
-from omni_cache.runtime.topology import Topology
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics
+from omni_cache.runtime.request_path.admission import CLOSED, OPEN, Admission
+from omni_cache.runtime.request_path.output_assembly import BadOutput, OutputAssembler
+from omni_cache.runtime.request_path.requests import Request
+from omni_cache.runtime.request_path.results import AudioDelta, Completed, RequestError, TextDelta
+from omni_cache.runtime.request_path.topology import Topology
+from omni_cache.runtime.supervision.placement import StagePlacement, external_stages_of
+from omni_cache.runtime.supervision.supervisor import StageSupervisor
 from omni_cache.wire.messages import StageOutput, StageReady
 
 CONFIG = """

@@ -16,7 +16,7 @@ import torch
 
 from omni_cache.config import PacingConfig, load_config, validate_config
 from omni_cache.config.errors import ConfigError
-from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot, parse_metrics
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics, StageSnapshot, parse_metrics
 from scheduler import pacing
 from scheduler.pacing import SLACK_BUCKETS, Pacer, PacingPolicy, PacingStats, PlaybackClock
 
@@ -182,7 +182,7 @@ def make_scheduler(tmp_path_factory):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from omni_cache.models.checkpoints import ensure_checkpoint
+    from omni_cache.tiny.checkpoints import ensure_checkpoint
     from scheduler.omni_scheduler import OmniScheduler
 
     model = ModelConfig(

@@ -239,7 +239,7 @@ def test_stream_sends_nothing_before_the_first_token_and_matches_non_stream(serv
     """A long prompt nobody sent before takes seconds to prefill: the stream's first chunk must
     wait for the first token (load generators time it as TTFT), and the streamed text (random
     bytes, mostly invalid UTF-8, as vLLM's detokenizer writes them) equals the non-streamed one."""
-    from omni_cache.runtime.metrics import parse_metrics
+    from omni_cache.runtime.metrics.prometheus import parse_metrics
 
     h = {"Authorization": "Bearer test-key"}
 

@@ -6,7 +6,7 @@ prefix (a 64-block pool, churned), the router stops sending the prefix there for
 Media prompts too, on two replicas of the Qwen3-Omni thinker (the tiny checkpoint): a repeated
 image, and a repeated video with its sound track, go to the replica that holds them, by the block
 hashes the orchestrator computed with the items' keys from what the thinker reported of their
-first request (omni_cache/runtime/media_layouts.py)."""
+first request (omni_cache/runtime/routing/media_layouts.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import yaml
 from media_samples import png_data_url, video_bytes
 from served_config import served
 
-from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
 
 pytestmark = pytest.mark.vllm
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from omni_cache.models import checkpoints as ck
-from omni_cache.models import tiny_qwen2_5_omni as q25
-from omni_cache.models.tiny_qwen2_5_omni import TOKEN_ID
+from omni_cache.tiny import checkpoints as ck
+from omni_cache.tiny import qwen2_5_omni as q25
+from omni_cache.tiny.qwen2_5_omni import TOKEN_ID
 
 MAX_TOKENS = 8
 SAMPLES_PER_CODE = 2 * 240  # DiT repeats each code twice; BigVGAN makes 240 samples per mel frame
@@ -113,7 +113,7 @@ def test_released_layout(path):
 
 def test_rewrite_in_another_process_is_byte_identical(path, tmp_path):
     """Same seed, fresh interpreter: every file (spk_dict.pt's zip records included) is the same."""
-    code = f"from omni_cache.models import checkpoints as ck; ck.write_checkpoint('qwen2.5-omni', {str(tmp_path)!r})"
+    code = f"from omni_cache.tiny import checkpoints as ck; ck.write_checkpoint('qwen2.5-omni', {str(tmp_path)!r})"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     for p in path.iterdir():
         if p.name != ck.COMPLETE_MARKER:

@@ -28,11 +28,11 @@ from downstream_probe import PROBE_DIR_ENV, talker_inputs
 from media_samples import clip_b64, png_data_url, video_data_url
 
 from omni_cache.config import load_config
-from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.models.qwen2_5_omni_token2wav import STREAM_MAX_ABS, STREAM_RMS
 from omni_cache.pipeline import Pipeline
 from omni_cache.serving.chat_request import MediaPart
 from omni_cache.serving.media import MediaDecoder
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 pytestmark = [
     pytest.mark.vllm,

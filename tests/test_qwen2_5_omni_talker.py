@@ -55,7 +55,7 @@ class _Stop(Exception):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from omni_cache.models.checkpoints import ensure_checkpoint
+    from omni_cache.tiny.checkpoints import ensure_checkpoint
 
     return ensure_checkpoint("qwen2.5-omni", tmp_path_factory.mktemp("q25omni"))
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from media_samples import video_data_url
 
-from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.models.qwen2_5_omni_talker_input import Qwen25TalkerInput
 from omni_cache.serving.chat_request import MediaPart
 from omni_cache.serving.media import MediaDecoder
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 
 @pytest.fixture(scope="module")

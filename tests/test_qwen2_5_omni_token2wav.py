@@ -14,11 +14,11 @@ import torch
 from decoder_harness import make_runner
 
 from omni_cache.handoff import HandoffContext, Upstream, talker_to_decoder
-from omni_cache.models import checkpoints as ck
-from omni_cache.models import tiny_qwen2_5_omni as q25
 from omni_cache.models.code_windows import CodeWindow
 from omni_cache.models.qwen2_5_omni_token2wav import STREAM_MAX_ABS, STREAM_RMS, WHOLE_ATOL, Token2WavDecoder
 from omni_cache.models.window_decoders import load_window_decoder
+from omni_cache.tiny import checkpoints as ck
+from omni_cache.tiny import qwen2_5_omni as q25
 from omni_cache.wire.messages import StageOutput, StreamStart
 from omni_cache.wire.sampling import EngineSampling
 

@@ -29,9 +29,9 @@ from PIL import Image
 from thinker_harness import NAMES, TAP, Result, close, comparable_rows, run
 from thinker_pair import HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
 
-from omni_cache.models.checkpoints import ensure_checkpoint
-from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.runtime.prefix_index import PrefixIndex
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
+from omni_cache.runtime.routing.prefix_index import PrefixIndex
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 # Starts three in-process vLLM engines (the module fixture): skipped by -m "not vllm".
 pytestmark = pytest.mark.vllm

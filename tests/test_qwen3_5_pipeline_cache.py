@@ -46,9 +46,9 @@ from downstream_probe import PROBE_DIR_ENV, received
 from media_samples import png_data_url
 
 from omni_cache.config import load_config
-from omni_cache.models.tiny_qwen3_5 import HIDDEN
 from omni_cache.pipeline import Pipeline
-from omni_cache.runtime.results import GenerationResult
+from omni_cache.runtime.request_path.results import GenerationResult
+from omni_cache.tiny.qwen3_5 import HIDDEN
 
 pytestmark = pytest.mark.vllm
 
@@ -264,8 +264,8 @@ def collect(batches: list, on: Run, off: Run) -> list[Request]:
 
 @pytest.fixture(scope="module")
 def requests(tmp_path_factory) -> list[Request]:
-    from omni_cache.models.checkpoints import write_talker
     from omni_cache.serving.media import MediaDecoder
+    from omni_cache.tiny.checkpoints import write_talker
 
     tmp = tmp_path_factory.mktemp("q35down")
     talker = write_talker(tmp / "talker", thinker_hidden=HIDDEN)

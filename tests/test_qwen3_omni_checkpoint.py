@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from omni_cache.models import checkpoints as ck
-from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
+from omni_cache.tiny import checkpoints as ck
+from omni_cache.tiny.qwen3_omni import TOKEN_ID
 
 
 @pytest.fixture(scope="module")

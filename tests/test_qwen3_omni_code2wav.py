@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omni_cache.models import checkpoints as ck
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL, Code2WavDecoder, CodeWindow
+from omni_cache.tiny import checkpoints as ck
 
 T = 120  # codes: 9.6 s of audio at 12.5 codes per second; > 2x the receptive field
 

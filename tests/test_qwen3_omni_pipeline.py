@@ -21,9 +21,9 @@ import yaml
 from media_samples import clip_b64, png_data_url
 
 from omni_cache.config import load_config
-from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.pipeline import Pipeline
 from omni_cache.serving.media import MediaDecoder
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 pytestmark = [
     pytest.mark.vllm,

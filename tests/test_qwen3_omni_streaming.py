@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from omni_cache.config import load_config
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 

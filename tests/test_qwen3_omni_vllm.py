@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cache.models import checkpoints as ck
-from omni_cache.models.tiny_qwen3_omni import TOKEN_ID
+from omni_cache.tiny import checkpoints as ck
+from omni_cache.tiny.qwen3_omni import TOKEN_ID
 
 pytestmark = [
     pytest.mark.vllm,

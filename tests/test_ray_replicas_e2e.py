@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from benchmarks.side_processes import stop_omni_serve
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""A Ray-placed stage's signals leave the caller at once (omni_cache/runtime/ray_placement.py):
+"""A Ray-placed stage's signals leave the caller at once (omni_cache/runtime/supervision/ray_placement.py):
 the supervisor signals on the server's event loop, and a call to the actor of a hung node can
 take 60 + 10 s. Ray stands in here as a fake whose actor calls block until the test lets them
 through (a real cluster cannot be made to hang on cue); the runner, its threads and the order
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ray_placement = pytest.importorskip("omni_cache.runtime.ray_placement")
+ray_placement = pytest.importorskip("omni_cache.runtime.supervision.ray_placement")
 
 
 class _Method:

@@ -32,9 +32,9 @@ from websockets.exceptions import ConnectionClosed
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import speech
-from omni_cache.runtime.admission import InFlightBounds, MediaHold
-from omni_cache.runtime.requests import AUDIO, MediaItem
-from omni_cache.runtime.results import RequestError
+from omni_cache.runtime.request_path.admission import InFlightBounds, MediaHold
+from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
+from omni_cache.runtime.request_path.results import RequestError
 from omni_cache.serving.realtime.truncation import MediaTokens, cut_points, first_cut
 
 MAX_MODEL_LEN = 600

@@ -20,11 +20,11 @@ import pytest
 from sse_client import read_events
 
 from omni_cache.config import load_config
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.runtime.prefix_index import PrefixIndex
-from omni_cache.runtime.requests import Request, RequestTable
-from omni_cache.runtime.routing import ReplicaRouter
+from omni_cache.runtime.request_path.requests import Request, RequestTable
+from omni_cache.runtime.routing.prefix_index import PrefixIndex
+from omni_cache.runtime.routing.replica_router import ReplicaRouter
 from omni_cache.serving.server import ServerThread
 
 FAKE_STAGE = Path(__file__).with_name("fake_stage.py")

@@ -3,7 +3,7 @@
 (counted from each replica's own ``omni_cache_stage_requests_total`` in /metrics), both replicas
 answer a prompt alike (same checkpoint, greedy), and kill -9 of a thinker or a talker replica with
 8 spoken answers streaming loses none: each goes on on live replicas from where its client is and
-equals the undisturbed answer (omni_cache.runtime.resume); the dead one restarts and is routed to
+equals the undisturbed answer (omni_cache.runtime.request_path.resume); the dead one restarts and is routed to
 again.
 """
 
@@ -22,7 +22,7 @@ import yaml
 from served_config import served
 from sse_client import read_events
 
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 
 pytestmark = pytest.mark.vllm
 

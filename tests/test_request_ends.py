@@ -25,7 +25,7 @@ import pytest
 from fake_pipeline import API_KEY, make_orchestrator, write_config
 from starlette.requests import ClientDisconnect
 
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.server import ServerThread
 from omni_cache.tasks import cancel_and_wait, finish_or_cancel, wait_ended
 
@@ -280,7 +280,7 @@ def test_the_tool_parser_reads_the_tokenizer_under_its_lock_off_the_loop():
     import threading
     from types import SimpleNamespace
 
-    from omni_cache.runtime.text_codec import TextCodec
+    from omni_cache.runtime.request_path.text_codec import TextCodec
     from omni_cache.serving.routes import parse_locked
 
     codec = TextCodec.__new__(TextCodec)

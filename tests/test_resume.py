@@ -1,4 +1,4 @@
-"""Resuming a request on live replicas (omni_cache.runtime.resume) in pieces, without processes:
+"""Resuming a request on live replicas (omni_cache.runtime.request_path.resume) in pieces, without processes:
 the resumed Submit, what the client is not sent twice, and the entry stage's rewrite of a resumed
 request's first output (workers/ar_runner.py). The end-to-end kills are in test_replicas.py (fake
 stages) and test_replicas_e2e.py (vLLM)."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cache.runtime.requests import Request, RequestTable, with_time_left
-from omni_cache.runtime.resume import ResumedText, new_samples, new_tokens, resumed_submit
+from omni_cache.runtime.request_path.requests import Request, RequestTable, with_time_left
+from omni_cache.runtime.request_path.resume import ResumedText, new_samples, new_tokens, resumed_submit
 from omni_cache.wire.messages import Submit
 from omni_cache.wire.sampling import EngineSampling
 from workers.ar_request import resumed_as_undisturbed

@@ -1,4 +1,4 @@
-"""``prefix`` routing's trade of the longest prefix against load (omni_cache/runtime/routing.py),
+"""``prefix`` routing's trade of the longest prefix against load (omni_cache/runtime/routing/replica_router.py),
 and what the orchestrator feeds it: the prefix each replica holds, counting the prompts its
 requests in flight are computing, and the prefill queued on it. Without processes: the router
 alone, and an orchestrator that was built but not started."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from routing_orchestrator import two_replica_orchestrator
 
-from omni_cache.runtime.block_hashes import prompt_block_hashes
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.runtime.routing import LOAD_RATIO, ReplicaRouter
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
+from omni_cache.runtime.routing.replica_router import LOAD_RATIO, ReplicaRouter
 from omni_cache.wire.messages import StageOutput
 
 BS = 32
@@ -61,7 +61,7 @@ def orch(tmp_path):
 
 def _submit(o: Orchestrator, prompt: list[int]):
     """Route ``prompt`` as submit() does and record it in flight; the request."""
-    from omni_cache.runtime.requests import Request
+    from omni_cache.runtime.request_path.requests import Request
 
     chains = o.routes.prompt_chains(prompt)
     req = Request(
@@ -131,7 +131,7 @@ def test_a_session_stays_on_its_replicas_while_they_are_up(orch):
     go where its first request went, though least_loaded would send them elsewhere."""
     import numpy as np
 
-    from omni_cache.runtime.requests import MediaItem, Request
+    from omni_cache.runtime.request_path.requests import MediaItem, Request
 
     def route(session: str | None) -> Request:
         req = Request(

@@ -1,5 +1,5 @@
 """Media prompts routed by content, without engines: what the thinker reports of a media prompt
-(its expansion, ``MediaLayout``) is learned per item (omni_cache/runtime/media_layouts.py), a later
+(its expansion, ``MediaLayout``) is learned per item (omni_cache/runtime/routing/media_layouts.py), a later
 prompt with the same items is expanded and hashed as the engine will, and the router sends it to
 the replica that reported those blocks. The engine's expansion is played here by a stand-in that
 replaces each placeholder by a run, as vLLM's processor does; tests/test_block_hashes.py checks
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from routing_orchestrator import two_replica_orchestrator
 
-from omni_cache.runtime.block_hashes import prompt_block_hashes
-from omni_cache.runtime.media_layouts import MediaLayouts, media_keys
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.runtime.requests import MediaItem, Request, submit_message
+from omni_cache.runtime.request_path.requests import MediaItem, Request, submit_message
+from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
+from omni_cache.runtime.routing.media_layouts import MediaLayouts, media_keys
 from omni_cache.wire.messages import MediaLayout, MediaSpan, StageOutput
 from omni_cache.wire.sampling import EngineSampling
 

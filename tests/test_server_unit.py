@@ -44,8 +44,8 @@ from fake_pipeline import (  # noqa: F401  (re-used by this module's tests)
 from omni_cache.config import load_config
 from omni_cache.config.addresses import control_address
 from omni_cache.pcm import to_pcm16
-from omni_cache.runtime.metrics import parse_metrics
-from omni_cache.runtime.process_runner import StageStartError
+from omni_cache.runtime.metrics.prometheus import parse_metrics
+from omni_cache.runtime.supervision.process_runner import StageStartError
 from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.server import ServerThread
 

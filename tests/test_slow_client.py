@@ -17,7 +17,7 @@ import httpx
 import pytest
 from fake_pipeline import API_KEY, make_orchestrator, write_config
 
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.server import ServerThread
 
 OUTBOX = 1024 * 1024  # 1092 tokens of the fake decoder's audio (2 s of its answer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 from workers.spoken_tokens import SpokenTokens
 
 

@@ -1,7 +1,7 @@
 """A stage that hangs, on the real Qwen3-Omni pipeline (tiny checkpoint, real vLLM engines, ZMQ,
 HTTP): SIGSTOP the thinker, then the talker, then the decoder, each under 4 spoken answers
 streaming. The stopped process neither exits nor closes a connection; only its heartbeats tell
-(omni_cache/runtime/hang_watch.py). Each time: every stream ends within
+(omni_cache/runtime/supervision/hang_watch.py). Each time: every stream ends within
 ``server.heartbeat_timeout_s`` + 5 s (those the stopped stage held with a 503 naming it), /health
 reports the stage not ready, the stopped process is replaced while it stays stopped (SIGKILL
 reaches a stopped process), nothing of the failed requests stays in the other stages, and the

@@ -18,7 +18,7 @@ import pytest
 from fake_pipeline import API_KEY, echo, fake_server, sse_events
 from fake_stage import SLOW_FIRST_TOKEN_S, UTF8BAD_ANSWER
 
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 
 TTFT = "vllm:time_to_first_token_seconds"
 

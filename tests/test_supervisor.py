@@ -21,8 +21,8 @@ import pytest
 from omni_cache.config import load_config
 from omni_cache.config.addresses import with_default_addresses
 from omni_cache.config.identity import pipeline_hash
-from omni_cache.runtime.requests import Request, RequestTable
-from omni_cache.runtime.supervisor import StageStartError, StageSupervisor
+from omni_cache.runtime.request_path.requests import Request, RequestTable
+from omni_cache.runtime.supervision.supervisor import StageStartError, StageSupervisor
 from omni_cache.wire.messages import PROTOCOL_VERSION, StageOutput, StageReady
 
 CONFIG = Path(__file__).resolve().parents[1] / "stage_configs" / "tiny_omni.yaml"
@@ -189,7 +189,7 @@ def test_a_runner_elsewhere_is_supervised_like_a_local_process(thinker):
     assert runner.closed and not sp.up
 
 
-# ---- hangs (omni_cache/runtime/hang_watch.py) ----------------------------------------------------
+# ---- hangs (omni_cache/runtime/supervision/hang_watch.py) ----------------------------------------------------
 
 
 def beat(sp, *, busy: bool, stalled_s: float, **kw) -> StageReady:
@@ -388,7 +388,7 @@ def test_a_stage_of_another_protocol_or_pipeline_is_refused_naming_both(thinker,
     sup = StageSupervisor(events, heartbeat_timeout_s=10.0, announce_to="tcp://orchestrator:1", config_hash=ours)
     sup.add(thinker, None, {}, False)
     sp = sup.stages[thinker.name]
-    with caplog.at_level(logging.ERROR, logger="omni_cache.runtime.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="omni_cache.runtime.supervision.supervisor"):
         sup.on_announcement(StageReady(stage=thinker.name, pid=10, incarnation="a", config_hash=ours))
         sup.on_announcement(StageReady(stage=thinker.name, pid=10, incarnation="a", config_hash=ours))  # once
         sup.on_announcement(

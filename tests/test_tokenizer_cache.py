@@ -1,4 +1,4 @@
-"""The server's tokenizer keeps a bounded word cache (omni_cache/runtime/tokenizer_cache.py).
+"""The server's tokenizer keeps a bounded word cache (omni_cache/runtime/request_path/tokenizer_cache.py).
 
 The cache lives in ``tokenizers``' Rust code, outside Python's allocator, so it is measured where it
 lives: glibc's bytes in use (``mallinfo2().uordblks``) before and after tokenizing prompts of words
@@ -13,8 +13,8 @@ import string
 
 import pytest
 
-from omni_cache.models.checkpoints import write_checkpoint
-from omni_cache.runtime.tokenizer_cache import WORD_CACHE_WORDS, bound_word_cache, load_tokenizer
+from omni_cache.runtime.request_path.tokenizer_cache import WORD_CACHE_WORDS, bound_word_cache, load_tokenizer
+from omni_cache.tiny.checkpoints import write_checkpoint
 
 MIB = 2**20
 

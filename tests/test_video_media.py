@@ -19,7 +19,7 @@ from omni_cache.config import load_config
 from omni_cache.config.errors import ConfigError
 from omni_cache.config.server_schema import MediaConfig
 from omni_cache.models.preprocessor import QWEN2_VL, QWEN3_VL
-from omni_cache.runtime.requests import AUDIO, VIDEO
+from omni_cache.runtime.request_path.requests import AUDIO, VIDEO
 from omni_cache.serving import video
 from omni_cache.serving.chat_request import MediaPart
 from omni_cache.serving.media import MediaDecoder, MediaError
@@ -152,8 +152,9 @@ def test_a_video_without_its_frames_place_in_the_clip_is_refused_for_a_qwen3_vl_
 def test_the_sampler_is_the_one_vllm_picks_for_the_checkpoints_video_processor(tmp_path):
     import json
 
-    from omni_cache.models import tiny_qwen3_5, tiny_qwen3_omni
     from omni_cache.models.preprocessor import video_sampler
+    from omni_cache.tiny import qwen3_5 as tiny_qwen3_5
+    from omni_cache.tiny import qwen3_omni as tiny_qwen3_omni
 
     for name, config, want in (
         ("qwen3.5", tiny_qwen3_5.video_preprocessor_config(), QWEN3_VL),

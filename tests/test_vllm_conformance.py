@@ -62,7 +62,7 @@ from media_samples import png_data_url, video_bytes
 from served_config import served
 
 from omni_cache.config import load_config
-from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 pytestmark = [
     pytest.mark.vllm,

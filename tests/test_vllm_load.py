@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_cache.models import checkpoints as ck
+from omni_cache.tiny import checkpoints as ck
 
 pytestmark = [
     pytest.mark.vllm,

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from omni_cache.models.checkpoints import ensure_checkpoint
 from omni_cache.models.voices import DEFAULT_VOICE, checkpoint_voices, resolve_voice
 from omni_cache.serving.chat_request import parse_chat_request
 from omni_cache.serving.errors import APIError
 from omni_cache.serving.realtime import session_config
 from omni_cache.serving.realtime.protocol import EventError
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 
 
 @pytest.fixture(scope="module")

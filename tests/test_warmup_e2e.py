@@ -17,7 +17,7 @@ import yaml
 from media_samples import clip_b64, png_data_url
 from served_config import served, write_pipeline_config
 
-from omni_cache.runtime.metrics import parse_metrics
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_cache.models.checkpoints import ensure_checkpoint
+from omni_cache.tiny.checkpoints import ensure_checkpoint
 from workers.latent_capture import LatentOptions
 from workers.llm_stage import LLMStage
 

@@ -6,7 +6,7 @@ time it goes round and each time it takes a message in; the announcer sends with
 long ago the last stamp was (``stalled_s``) and whether the loop was working then (``busy``). A
 loop that waits for input while it holds nothing marks itself idle first, so however long it
 waits it is never taken for stuck; a long job made of many steps (a big prompt's prefill in
-chunks) stamps once per step. The supervisor (omni_cache/runtime/hang_watch.py) judges.
+chunks) stamps once per step. The supervisor (omni_cache/runtime/supervision/hang_watch.py) judges.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ report) is logged and counted (``loop_errors``) and the loop goes on. Only a mod
 :data:`MAX_FAILED_STEPS` times in a row ends the process, for the supervisor to restart it. The
 loop stamps its progress (workers/loop_progress.py) for the heartbeats, so the server tells a
 loop busy in one long step from a stopped process and from a loop stuck past its
-``stages[].step_timeout_s`` (omni_cache/runtime/hang_watch.py). Tests can hold it inside one step
+``stages[].step_timeout_s`` (omni_cache/runtime/supervision/hang_watch.py). Tests can hold it inside one step
 (workers/step_hold.py, test-only).
 """
 

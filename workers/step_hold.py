@@ -1,5 +1,5 @@
 """TEST-ONLY hook: hold a stage's loop inside one model step, so tests can show how the server
-tells a long step (busy, heartbeats coming) from a hang (omni_cache/runtime/hang_watch.py).
+tells a long step (busy, heartbeats coming) from a hang (omni_cache/runtime/supervision/hang_watch.py).
 
 Off unless the stage process's environment has :data:`ENV` (tests set it through the stage's
 ``env`` key; nothing shipped sets it): then, before each model step, the stage looks for the file

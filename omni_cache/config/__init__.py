@@ -40,7 +40,7 @@ from omni_cache.config.schema import (
 )
 from omni_cache.config.server_schema import ServerConfig
 from omni_cache.config.validation import import_handoff, validate_config
-from omni_cache.models.tiny import (
+from omni_cache.tiny.registry import (
     CHECKPOINTS_ENV,
     DEFAULT_CHECKPOINT_DIR,
     TINY_MODELS,
@@ -90,14 +90,14 @@ def checkpoint_root(config: PipelineConfig | None = None) -> Path:
 def resolve_model(stage: StageConfig, config: PipelineConfig) -> str:
     """The model path a stage loads.
 
-    ``tiny:NAME`` generates the checkpoint if needed (``omni_cache.models.checkpoints.ensure_checkpoint``
+    ``tiny:NAME`` generates the checkpoint if needed (``omni_cache.tiny.checkpoints.ensure_checkpoint``
     under :func:`checkpoint_root`); a path is returned absolute, with ``~`` expanded.
     """
     if stage.model.startswith(TINY_PREFIX):
         name = stage.model[len(TINY_PREFIX) :]
         if name not in TINY_MODELS:
             raise ConfigError(f"stage {stage.name!r}: unknown tiny checkpoint {name!r}")
-        from omni_cache.models.checkpoints import ensure_checkpoint  # lazy: it imports torch
+        from omni_cache.tiny.checkpoints import ensure_checkpoint  # lazy: it imports torch
 
         return str(ensure_checkpoint(name, checkpoint_root(config)))
     return str(Path(stage.model).expanduser().absolute())

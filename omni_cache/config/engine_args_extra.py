@@ -7,7 +7,7 @@ checked before anything starts, each refusal naming the key and why:
 * keys the stage sets itself: its worker and scheduler classes (the latent capture and the
   scheduler's plumbing live in them), prefix caching (the stage's ``prefix_cache``), the KV-cache
   events prefix routing reads, the model and its tokenizer (the server tokenizes with the model
-  folder's, omni_cache/runtime/text_codec.py), and for a talker what it needs to read embeddings
+  folder's, omni_cache/runtime/request_path/text_codec.py), and for a talker what it needs to read embeddings
   and write codes;
 * what one in-process vLLM worker per stage cannot run: parallelism across processes or GPUs
   (pipeline, data, context and expert parallelism, their addresses and ranks; a stage scales by
@@ -50,7 +50,7 @@ REFUSED: dict[str, str] = {
     "kv_events_config": "the stage sets it when prefix routing reads its blocks (scheduler/block_events.py)",
     "distributed_executor_backend": _PARALLEL,
     "tokenizer": "the server tokenizes prompts with the model folder's tokenizer "
-    "(omni_cache/runtime/text_codec.py); the stage must read them with the same one",
+    "(omni_cache/runtime/request_path/text_codec.py); the stage must read them with the same one",
     "skip_tokenizer_init": "the stage sets it for a talker; a stage that writes text needs its tokenizer",
     "runner": "a stage runs a generating model (vLLM's default runner)",
     "convert": "a stage runs a generating model (vLLM's default runner)",
@@ -103,7 +103,7 @@ SET_FOR_TALKER = ("hf_overrides", "logits_processors")
 #: Keys of ``extra.additional_config`` the stage writes (workers/llm_stage.py).
 STAGE_ADDITIONAL_CONFIG = ("omni_cache", "omni_cache_block_states")
 #: The only ``prefix_caching_hash_algo`` whose hashes prefix routing computes
-#: (omni_cache/runtime/block_hashes.py).
+#: (omni_cache/runtime/routing/block_hashes.py).
 ROUTED_HASH_ALGO = "sha256"
 
 
@@ -141,6 +141,6 @@ def _refusal(
     if key == "prefix_caching_hash_algo" and value != ROUTED_HASH_ALGO:
         return (key,), (
             f"{value!r} is not supported: prefix routing computes the prompt's block "
-            f"hashes as vLLM's {ROUTED_HASH_ALGO!r} does (omni_cache/runtime/block_hashes.py)"
+            f"hashes as vLLM's {ROUTED_HASH_ALGO!r} does (omni_cache/runtime/routing/block_hashes.py)"
         )
     return None

@@ -253,7 +253,7 @@ class StageConfig(ConfigStruct, kw_only=True):
     #: A replica whose heartbeats keep coming while its loop stays inside one model step is busy,
     #: not hung, until that step has lasted this long; then it is hung (killed and restarted).
     #: Must exceed ``server.heartbeat_timeout_s`` (silence is judged by that). None -> 300 s
-    #: (omni_cache/runtime/hang_watch.py says why), or the heartbeat timeout when that is longer.
+    #: (omni_cache/runtime/supervision/hang_watch.py says why), or the heartbeat timeout when that is longer.
     step_timeout_s: PositiveFloat | None = None
     #: Autoregressive (vLLM) stages: before announcing itself, run the paths vLLM compiles or
     #: builds on first use (logprobs, penalties, seeded and top-k/top-p sampling, structured

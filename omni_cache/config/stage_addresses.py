@@ -214,7 +214,7 @@ _RAY_BUILTIN_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": None, 
 
 
 def check_ray(config: PipelineConfig, issues: IssueCollector) -> None:
-    """``server.ray_address`` and the stages' ``ray`` keys (omni_cache.runtime.ray_placement)."""
+    """``server.ray_address`` and the stages' ``ray`` keys (omni_cache.runtime.supervision.ray_placement)."""
     address = config.server.ray_address
     if address is not None:
         key = ("server", "ray_address")

@@ -10,7 +10,7 @@ refused, with the command that makes a key (:mod:`omni_cache.wire.stage_auth`), 
 warning at every start). ipc:// sockets and loopback tcp addresses are reachable only from this
 host and need no key. Where Ray places a stage its address is chosen at start, not checked here:
 without a key file the server makes a key for the run and gives it to every Ray actor
-(:mod:`omni_cache.runtime.placement`), so those stages' traffic is authenticated too."""
+(:mod:`omni_cache.runtime.supervision.placement`), so those stages' traffic is authenticated too."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from omni_cache.config.errors import IssueCollector
 from omni_cache.config.schema import EngineArgs, PipelineConfig, Sampling, StageConfig, find_input_cycle
 from omni_cache.config.stage_addresses import check_addresses, check_hand_started, check_ray, check_replicas
 from omni_cache.config.stage_exposure import check_stage_exposure
-from omni_cache.models.tiny import TINY_MODELS, TINY_PREFIX
+from omni_cache.tiny.registry import TINY_MODELS, TINY_PREFIX
 
 #: True: check every stage's model path (and the stage key file); False: none; a collection of
 #: stage names: only those stages' models (and the key file).

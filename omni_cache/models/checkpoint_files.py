@@ -1,6 +1,6 @@
 """The file formats of a tiny checkpoint, independent of any model: seeded tensors, safetensors and
 JSON written byte-for-byte the same every time, and a byte-level BPE tokenizer (token id == byte
-value, special tokens from 256). omni_cache.models.checkpoints composes them into checkpoints."""
+value, special tokens from 256). omni_cache.tiny.checkpoints composes them into checkpoints."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ softsign ``y / (1 + |y|)`` rather than tanh because ATen's vectorized tanh (SLEE
 length.
 
 The decoder is deterministic and has no state; weights are random (written by
-``omni_cache.models.checkpoints``), so the waveform is noise-like, not speech.
+``omni_cache.tiny.checkpoints``), so the waveform is noise-like, not speech.
 """
 
 from __future__ import annotations

@@ -4,20 +4,20 @@ One :class:`Orchestrator` runs in one asyncio event loop (uvicorn's for ``omni-s
 thread's for :class:`omni_cache.pipeline.Pipeline`). It coordinates parts it owns, each with its own
 state and module, as vLLM's engine client owns its engine processes:
 
-* ``fleet`` (:mod:`~omni_cache.runtime.stage_fleet`): the stage replicas: where they run, the one
+* ``fleet`` (:mod:`~omni_cache.runtime.supervision.stage_fleet`): the stage replicas: where they run, the one
   config they start with, their processes (the supervisor reports one going down or up:
   :meth:`Orchestrator.on_stage_down` / :meth:`Orchestrator.on_stage_up`), the sockets to them;
-* ``codec`` (:mod:`~omni_cache.runtime.text_codec`): the thinker's tokenizer;
-* ``admission`` (:mod:`~omni_cache.runtime.admission`): the checks that refuse a request up front;
-* ``routes`` (:mod:`~omni_cache.runtime.route_planner`): one replica of every stage a request
+* ``codec`` (:mod:`~omni_cache.runtime.request_path.text_codec`): the thinker's tokenizer;
+* ``admission`` (:mod:`~omni_cache.runtime.request_path.admission`): the checks that refuse a request up front;
+* ``routes`` (:mod:`~omni_cache.runtime.routing.route_planner`): one replica of every stage a request
   passes, from what the replicas hold and are busy with (``server.routing``);
-* the in-flight requests (:mod:`~omni_cache.runtime.requests`): the only copy of each, its
+* the in-flight requests (:mod:`~omni_cache.runtime.request_path.requests`): the only copy of each, its
   deadline and route; a request whose replica died starts again on live replicas from where its
-  client is (:mod:`~omni_cache.runtime.resume`);
-* ``outputs`` (:mod:`~omni_cache.runtime.output_assembly`): the stages' outputs turned into the
-  client's events; ``metrics`` and the stages' counters (:mod:`~omni_cache.runtime.stats`);
-* ``ends`` (:mod:`~omni_cache.runtime.request_ends`): every request's end, exactly one terminal
-  event on its :class:`~omni_cache.runtime.results.RequestHandle`, ``Completed`` (every stage it
+  client is (:mod:`~omni_cache.runtime.request_path.resume`);
+* ``outputs`` (:mod:`~omni_cache.runtime.request_path.output_assembly`): the stages' outputs turned into the
+  client's events; ``metrics`` and the stages' counters (:mod:`~omni_cache.runtime.supervision.stats`);
+* ``ends`` (:mod:`~omni_cache.runtime.request_path.request_ends`): every request's end, exactly one terminal
+  event on its :class:`~omni_cache.runtime.request_path.results.RequestHandle`, ``Completed`` (every stage it
   needs finished) or ``Failed`` (stage died -> 503, stage error -> its status, a failure handling
   its output -> 500, deadline -> 504, shutdown -> 503);
 * ``inbox`` (:mod:`~omni_cache.runtime.stage_messages`): the dispatch of what the stages send;
@@ -43,22 +43,29 @@ from omni_cache.config.stage_exposure import exposed_sockets
 from omni_cache.heap_trim import HeapTrimmer
 from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, QWEN2_VL, audio_input_rate, video_sampler
 from omni_cache.models.voices import DEFAULT_VOICE, checkpoint_voices
-from omni_cache.runtime.admission import CLOSED, OPEN, Admission, Ticket
-from omni_cache.runtime.loop_lag import watch_loop_lag
-from omni_cache.runtime.metrics import OrchestratorMetrics, StageSnapshot
-from omni_cache.runtime.output_assembly import OutputAssembler
-from omni_cache.runtime.placement import external_stages_of
+from omni_cache.runtime.metrics.loop_lag import watch_loop_lag
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics, StageSnapshot
 from omni_cache.runtime.replica_loss import ReplicaLoss
-from omni_cache.runtime.request_ends import RequestEnds
-from omni_cache.runtime.requests import Request, RequestTable, media_frames, new_request, submit_message, with_time_left
-from omni_cache.runtime.results import RequestHandle
-from omni_cache.runtime.route_planner import RoutePlanner
-from omni_cache.runtime.stage_fleet import StageFleet
+from omni_cache.runtime.request_path.admission import CLOSED, OPEN, Admission, Ticket
+from omni_cache.runtime.request_path.output_assembly import OutputAssembler
+from omni_cache.runtime.request_path.request_ends import RequestEnds
+from omni_cache.runtime.request_path.requests import (
+    Request,
+    RequestTable,
+    media_frames,
+    new_request,
+    submit_message,
+    with_time_left,
+)
+from omni_cache.runtime.request_path.results import RequestHandle
+from omni_cache.runtime.request_path.text_codec import TextCodec
+from omni_cache.runtime.request_path.topology import Topology
+from omni_cache.runtime.routing.route_planner import RoutePlanner
 from omni_cache.runtime.stage_messages import StageMessages
-from omni_cache.runtime.stats import StageStatsBoard
-from omni_cache.runtime.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRACE_S
-from omni_cache.runtime.text_codec import TextCodec
-from omni_cache.runtime.topology import Topology
+from omni_cache.runtime.supervision.placement import external_stages_of
+from omni_cache.runtime.supervision.stage_fleet import StageFleet
+from omni_cache.runtime.supervision.stats import StageStatsBoard
+from omni_cache.runtime.supervision.supervisor import DEFAULT_START_TIMEOUT_S, SHUTDOWN_GRACE_S
 from omni_cache.tasks import cancel_and_wait
 from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import Submit
@@ -66,7 +73,7 @@ from omni_cache.wire.sampling import EngineSampling
 from omni_cache.wire.transport import MessageTooLarge
 
 if TYPE_CHECKING:  # used in annotations only
-    from omni_cache.runtime.requests import MediaItem
+    from omni_cache.runtime.request_path.requests import MediaItem
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +93,7 @@ class Orchestrator:
     ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the
     copy, and the addresses it leaves unset are sockets in a directory of this server's
     (:mod:`omni_cache.config.addresses`); every stage process is started with that copy
-    (:mod:`omni_cache.runtime.placement`).
+    (:mod:`omni_cache.runtime.supervision.placement`).
     ``tokenizer``: anything with ``apply_chat_template`` (default: the entry stage's).
     ``stage_argv``: the command of a stage process before its arguments (default
     ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
@@ -203,7 +210,7 @@ class Orchestrator:
 
     def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], **template: Any) -> list[int]:
         """Chat messages -> prompt token ids through the thinker's chat template (thread-safe);
-        ``template``: its ``tools`` and ``template_kwargs`` (omni_cache/runtime/text_codec.py)."""
+        ``template``: its ``tools`` and ``template_kwargs`` (omni_cache/runtime/request_path/text_codec.py)."""
         return self.codec.tokenize_messages(messages, **template)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -316,7 +323,7 @@ class Orchestrator:
         voice: str = "",
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage; :class:`RequestError` when it is
-        refused up front (:mod:`omni_cache.runtime.admission`), else a handle that gets exactly
+        refused up front (:mod:`omni_cache.runtime.request_path.admission`), else a handle that gets exactly
         one terminal event. ``sampling``: the entry stage's, as the server resolved it (vLLM's
         ``SamplingParams`` fields); without it, the stage's defaults with ``max_tokens`` ...
         ``seed`` where given. ``media``: decoded images and clips for the prompt's placeholders,
@@ -341,7 +348,7 @@ class Orchestrator:
                 modalities=modalities,
                 media=media,
             )
-            # Hashing grows with the prompt: off the event loop (omni_cache.runtime.route_planner).
+            # Hashing grows with the prompt: off the event loop (omni_cache.runtime.routing.route_planner).
             hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids, admitted.media))
             timeout = float(timeout_s or self.config.server.request_timeout_s)
             req = new_request(

@@ -3,7 +3,7 @@
 :class:`ReplicaLoss` is the orchestrator's part for what the supervisor reports as a replica
 going down (its process died, hung, or, started elsewhere, went silent or closed its connection):
 what was queued for it is forgotten by routing; each request it was serving starts again as a new
-attempt on live replicas, from where its client is (:mod:`omni_cache.runtime.resume`), while every
+attempt on live replicas, from where its client is (:mod:`omni_cache.runtime.request_path.resume`), while every
 stage it needs has a replica up and it has attempts left; otherwise it fails (503). The requests
 routed to the other replicas of its stage go on untouched.
 """
@@ -15,15 +15,15 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from omni_cache.config.replicas import Replica
-from omni_cache.runtime.admission import CLOSED, Admission
-from omni_cache.runtime.metrics import OrchestratorMetrics
-from omni_cache.runtime.request_ends import RequestEnds
-from omni_cache.runtime.requests import Request, RequestTable
-from omni_cache.runtime.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
-from omni_cache.runtime.route_planner import RoutePlanner
-from omni_cache.runtime.stage_fleet import StageFleet
-from omni_cache.runtime.text_codec import TextCodec
-from omni_cache.runtime.topology import Topology
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics
+from omni_cache.runtime.request_path.admission import CLOSED, Admission
+from omni_cache.runtime.request_path.request_ends import RequestEnds
+from omni_cache.runtime.request_path.requests import Request, RequestTable
+from omni_cache.runtime.request_path.resume import MAX_ATTEMPTS, next_attempt, resumed_prompt, resumed_submit
+from omni_cache.runtime.request_path.text_codec import TextCodec
+from omni_cache.runtime.request_path.topology import Topology
+from omni_cache.runtime.routing.route_planner import RoutePlanner
+from omni_cache.runtime.supervision.stage_fleet import StageFleet
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,14 @@ import numpy as np
 from starlette.requests import Request
 
 from omni_cache.pcm import PcmStream
-from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, RequestHandle, TextDelta
+from omni_cache.runtime.request_path.results import (
+    AudioDelta,
+    Completed,
+    Failed,
+    RequestError,
+    RequestHandle,
+    TextDelta,
+)
 from omni_cache.serving.chat_output import ChoiceWriter
 from omni_cache.wire.messages import TokenLogprob
 

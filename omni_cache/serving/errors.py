@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from omni_cache.runtime.results import RequestError
+from omni_cache.runtime.request_path.results import RequestError
 
 # The server's logger: "internal error" lines keep the name they were always logged under.
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ Reading and decoding are two steps, so that what an item will hold is known befo
 :meth:`MediaDecoder.read_all` takes each part's bytes (base64, or the fetch) and checks its header,
 which gives its decoded size (:attr:`EncodedItem.decoded_bytes`: an image's pixels x 3, a clip's
 samples at the target rate x 4); the server reserves that much of ``server.max_media_bytes_in_flight``
-(omni_cache/runtime/admission.py) and only then :meth:`MediaDecoder.decode_all` decodes.
+(omni_cache/runtime/request_path/admission.py) and only then :meth:`MediaDecoder.decode_all` decodes.
 
 Every item gets a ``digest``: sha256 of what decides its decoded array (kind, target rate, encoded
 bytes). It keys :class:`DecodedCache` (``server.media.decoded_cache_bytes``: a repeated image is not
@@ -55,7 +55,7 @@ import numpy as np
 
 from omni_cache.config.server_schema import MediaConfig
 from omni_cache.models.preprocessor import QWEN2_VL
-from omni_cache.runtime.requests import AUDIO, IMAGE, VIDEO, MediaItem
+from omni_cache.runtime.request_path.requests import AUDIO, IMAGE, VIDEO, MediaItem
 from omni_cache.serving import media_fetch, video
 from omni_cache.serving.media_fetch import is_remote
 

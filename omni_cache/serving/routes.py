@@ -3,7 +3,7 @@
 name and the API key on ``request.app.state`` (set by :func:`omni_cache.serving.server.create_app`).
 
 A chat request takes its place among the requests in flight before anything of its body is read
-(429 when there is none: omni_cache/runtime/admission.py), reads its body up to
+(429 when there is none: omni_cache/runtime/request_path/admission.py), reads its body up to
 ``server.max_body_bytes`` (each byte held against ``server.max_body_bytes_in_flight`` until the
 request was submitted; after that it keeps neither body nor messages), and does its heavy work
 off the event loop: parsing the JSON, tokenizing, reading and decoding its media (whose decoded
@@ -22,10 +22,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from omni_cache.runtime.admission import Ticket
-from omni_cache.runtime.metrics import CONTENT_TYPE
+from omni_cache.runtime.metrics.prometheus import CONTENT_TYPE
 from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.runtime.results import RequestHandle
+from omni_cache.runtime.request_path.admission import Ticket
+from omni_cache.runtime.request_path.results import RequestHandle
 from omni_cache.serving.audio_formats import encode_audio
 from omni_cache.serving.auth import bearer_token_problem
 from omni_cache.serving.chat_output import ChoiceWriter
@@ -88,7 +88,7 @@ async def health(request: Request) -> JSONResponse:
     not_ready = orch.not_ready()
     replicas = orch.replicas_not_ready()
     # Replicas up but inside one long step (heartbeats coming): busy, not down
-    # (omni_cache/runtime/hang_watch.py); named whatever the status.
+    # (omni_cache/runtime/supervision/hang_watch.py); named whatever the status.
     long_steps = orch.supervisor.long_steps()
     busy = (
         {
@@ -278,7 +278,7 @@ def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
 
 async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, cache: DecodedCache) -> list[MediaItem]:
     """The request's images and clips, each checked against ``server.media`` from its header,
-    their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/admission.py), then
+    their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/request_path/admission.py), then
     decoded; reading and decoding run off the event loop (milliseconds to seconds). A bad item is
     a 400 naming its part."""
     if not chat.media:

@@ -11,7 +11,7 @@ vLLM's loader for the entry stage's model: for Qwen3-Omni ``Qwen2VLVideoBackend`
 transformers' ``Qwen2VLVideoProcessor.sample_frames``: ``video_fps`` frames a second, between
 ``video_min_frames`` and ``video_max_frames``, a multiple of the temporal patch of 2; for Qwen3-VL
 and Qwen3.5 ``Qwen3VLVideoBackend``, the same count unrounded, spread by ``linspace``), which gives
-the decoded size the server reserves (omni_cache/runtime/admission.py) before it decodes.
+the decoded size the server reserves (omni_cache/runtime/request_path/admission.py) before it decodes.
 
 Decoding (:func:`decode_frames`) is vLLM's own loader (OpenCV), which reads the sampled frames
 into ``uint8 [T, H, W, 3]`` RGB; a stream that yields fewer frames than its header promised

@@ -131,7 +131,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     #: stage the request passes); each stage forwards it with its first output downstream, where
     #: it picks the replica the request's stream goes to. A stage missing here: replica 0.
     route: dict[StageName, Count] = {}
-    #: A resumed request (omni_cache.runtime.resume): the last ``resumed_tokens`` of
+    #: A resumed request (omni_cache.runtime.request_path.resume): the last ``resumed_tokens`` of
     #: ``prompt_token_ids`` are the answer's first tokens, which its client already has. The stage
     #: sends them again with its first output, as if it had generated them.
     resumed_tokens: Count = 0
@@ -160,7 +160,7 @@ class MediaLayout(msgspec.Struct, kw_only=True):
     """Entry stage -> orchestrator, with a media request's first output: its prompt as the
     engine expanded it (the client's ``prompt_token_ids``, as `vllm serve` answers them) and where
     each item sits, so the router can hash later prompts with the same media as the engine does
-    (omni_cache/runtime/media_layouts.py; no spans where an item's name is too long for the wire)."""
+    (omni_cache/runtime/routing/media_layouts.py; no spans where an item's name is too long for the wire)."""
 
     prompt_token_ids: list[TokenId]
     spans: list[MediaSpan]
@@ -312,7 +312,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
 class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
     """Stage -> orchestrator, after a step that changed it: what the replica's prefix cache gained
     and lost since its last report (vLLM's KV-cache events, net per block hash; see
-    scheduler/block_events.py), for prefix routing (omni_cache/runtime/routing.py)."""
+    scheduler/block_events.py), for prefix routing (omni_cache/runtime/routing/replica_router.py)."""
 
     stage: StageName
     replica: Count = 0
@@ -341,7 +341,7 @@ class BlockEvents(msgspec.Struct, tag="blocks", kw_only=True):
 #: What a block report says beside who sent it (``stage``, ``replica``) and its number (``seq``):
 #: the fields a stage's block changes (scheduler/block_events.py ``BlockChanges``) and a
 #: ``BlockEvents`` share, under the same names, and what the router's index applies of either
-#: (omni_cache/runtime/prefix_index.py ``PrefixIndex.apply_report``).
+#: (omni_cache/runtime/routing/prefix_index.py ``PrefixIndex.apply_report``).
 BLOCK_REPORT_FIELDS = (
     "stored",
     "removed",

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.runtime.requests import MediaItem
+from omni_cache.runtime.request_path.requests import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item, ItemPart, SpokenText, audio_item
 from omni_cache.serving.realtime.protocol import EventError, new_id

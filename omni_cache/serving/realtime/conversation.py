@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.runtime.requests import AUDIO, MediaItem
+from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.serving.realtime.protocol import EventError, new_id
 
 __all__ = ["ItemPart", "Conversation", "Item", "SpokenText", "audio_item", "render"]

@@ -2,7 +2,7 @@
 
 Memory: a session holds its conversation (decoded clips and images, and text) and its input
 buffer in the server's media bound, ``server.max_media_bytes_in_flight``, beside the HTTP
-requests' media (:class:`~omni_cache.runtime.admission.MediaHold`): at most
+requests' media (:class:`~omni_cache.runtime.request_path.admission.MediaHold`): at most
 ``max_media_bytes_in_flight / server.realtime.max_sessions`` each, so a full house of sessions fits
 the bound together. The input buffer's room (``server.realtime.max_buffer_s`` of float32 samples
 at the encoder's rate) is reserved when the session opens; each item is held from before its
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_cache.runtime.admission import MediaHold
-from omni_cache.runtime.requests import AUDIO, MediaItem
-from omni_cache.runtime.results import RequestError
+from omni_cache.runtime.request_path.admission import MediaHold
+from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
+from omni_cache.runtime.request_path.results import RequestError
 from omni_cache.serving.realtime.conversation import Conversation, Item, render
 from omni_cache.serving.realtime.protocol import EventError
 from omni_cache.serving.realtime.truncation import (

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.runtime.results import AudioDelta, Completed, Failed, RequestError, TextDelta
+from omni_cache.runtime.request_path.results import AudioDelta, Completed, Failed, RequestError, TextDelta
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item
 from omni_cache.serving.realtime.conversation_bounds import Prompt

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omni_cache.runtime.requests import AUDIO
+from omni_cache.runtime.request_path.requests import AUDIO
 from omni_cache.serving.realtime.protocol import EventError
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""What ``GET /metrics`` exposes: per-stage Prometheus families, pacing figures, event-loop lag."""

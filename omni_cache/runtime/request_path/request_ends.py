@@ -1,0 +1,122 @@
+"""A request's end: exactly one terminal event on its handle, and the stages told to drop it.
+
+:class:`RequestEnds` is the orchestrator's part that ends requests: ``Completed`` once every stage
+the request needs finished (:class:`~omni_cache.runtime.request_path.output_assembly.OutputAssembler` builds it),
+``Failed`` with a status otherwise (stage died -> 503, stage error -> its status, a failure
+handling its output -> 500, deadline -> 504, shutdown -> 503, client gone -> 499). Either way the
+request leaves the in-flight table at once; a failed one is aborted on the live replicas that
+still run its current attempt, so they stop spending steps on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics
+from omni_cache.runtime.request_path.admission import CLOSED, Admission
+from omni_cache.runtime.request_path.output_assembly import OutputAssembler
+from omni_cache.runtime.request_path.requests import Request, RequestTable
+from omni_cache.runtime.request_path.results import Failed, RequestError
+from omni_cache.runtime.supervision.stage_fleet import StageFleet
+from omni_cache.wire.messages import Abort
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RequestEnds"]
+
+
+class RequestEnds:
+    """Ends the requests of ``requests``. ``spawn``: runs a coroutine in the background on the
+    orchestrator's loop (the Abort sends, which nothing waits for)."""
+
+    def __init__(
+        self,
+        requests: RequestTable,
+        *,
+        fleet: StageFleet,
+        admission: Admission,
+        outputs: OutputAssembler,
+        metrics: OrchestratorMetrics,
+        spawn: Callable[[Any], None],
+    ) -> None:
+        self.requests = requests
+        self.fleet = fleet
+        self.admission = admission
+        self.outputs = outputs
+        self.metrics = metrics
+        self._spawn = spawn
+
+    def serving(self, req: Request, stage: str) -> str:
+        """The name of the replica of ``stage`` that serves ``req``."""
+        name = self.fleet.name_of(stage, req.route.get(stage, 0))
+        assert name is not None, (stage, req.route)
+        return name
+
+    def abort_on_stages(self, req: Request, *, skip: str | None = None) -> None:
+        """Tell every live replica still running ``req``'s current attempt to drop it."""
+        for name in req.participants:
+            sp = self.fleet.supervisor.stages.get(self.serving(req, name))
+            if name != skip and name not in req.finished and sp is not None and sp.up:
+                self._spawn(self.fleet.send(sp.name, Abort(request_id=req.wire_id), timeout=1.0))
+
+    def fail_expired(self, now: float) -> None:
+        """Fail (504) every request whose deadline passed, naming the stages it still waits for."""
+        for req in self.requests.expired(now):
+            waiting = req.waiting_for()
+            self.fail(
+                req,
+                504,
+                f"request timed out after {req.timeout_s:g} s (server.request_timeout_s); "
+                f"still waiting for stage(s): {', '.join(waiting)}",
+                stage=waiting[0] if waiting else None,
+            )
+
+    def fail(
+        self,
+        req: Request,
+        status: int,
+        message: str,
+        *,
+        stage: str | None = None,
+        abort: bool = True,
+        count: bool = True,
+    ) -> None:
+        """End ``req`` with ``Failed`` (once; later calls do nothing). ``stage``: the stage to blame
+        (metrics, the error's ``stage``; not told to abort); ``abort``: tell the replicas still
+        running it; ``count``: in the requests' status counts (not for a client that left)."""
+        if req.done:
+            return
+        req.done = True
+        self.requests.answered(req)
+        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
+        if count:
+            self.metrics.request_done(status)
+            if stage is not None:
+                self.metrics.stage_failed_request(stage)
+        if abort and self.admission.state != CLOSED:
+            self.abort_on_stages(req, skip=stage)
+        logger.info("request %s failed (%d): %s", req.request_id, status, message)
+
+    def drop_slow_client(self, req: Request) -> None:
+        """``req``'s client let more than ``server.max_outbox_bytes`` of its answer wait: what
+        waits is dropped now, the request aborted on its stages, and its handler closes the
+        connection (the queue's ``overflowed``). Counted apart, not as a failed request."""
+        req.queue.drop()
+        self.metrics.slow_client()
+        self.fail(
+            req,
+            499,
+            f"more than {req.queue.max_bytes} bytes of the answer waited for the client to read them "
+            "(server.max_outbox_bytes): the connection was closed",
+            count=False,
+        )
+
+    def complete(self, req: Request) -> None:
+        """End ``req`` with ``Completed``: every stage it needs finished."""
+        completed = self.outputs.completed(req)  # first: if this fails, the request is failed
+        req.done = True
+        self.requests.answered(req)
+        req.queue.put_nowait(completed)
+        self.metrics.request_done(None)

@@ -1,0 +1,92 @@
+"""Text in and out of the entry stage's vocabulary: chat messages -> prompt token ids through the
+thinker's chat template, token ids -> text.
+
+A tokenizer is not safe to use from two threads at once, so each use holds a lock. Tokenizing runs
+in worker threads (a long prompt takes milliseconds behind the lock); detokenizing also runs on
+the event loop (a resumed answer's few new tokens, omni_cache/runtime/request_path/resume.py), so it has a copy
+of the tokenizer and a lock of its own: the event loop never waits for a tokenization. The
+tokenizer is loaded from the entry stage's model (resolving a ``tiny:*`` model writes its
+checkpoint first) with its word cache bounded (:mod:`omni_cache.runtime.request_path.tokenizer_cache`).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from omni_cache.runtime.request_path.tokenizer_cache import load_tokenizer
+
+T = TypeVar("T")
+
+
+class TextCodec:
+    """``tokenizer``: anything with ``apply_chat_template`` (and ``decode``), or None to load the
+    entry model's with :meth:`load`."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._decoder: Any = None  # the copy detokenizing uses (load())
+        self._decode_lock = threading.Lock()
+        #: The folder the tokenizer came from ("" before load()): ``/v1/models``' ``root``.
+        self.model_path = ""
+
+    def load(self, model_path: str) -> None:
+        """Load ``model_path``'s tokenizer unless one was given, and its copy for detokenizing
+        (blocking)."""
+        self.model_path = str(model_path)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(model_path)
+        try:
+            self._decoder = copy.deepcopy(self.tokenizer)
+        except Exception:  # noqa: BLE001 -- one that cannot be copied shares the tokenize lock
+            self._decoder, self._decode_lock = self.tokenizer, self._lock
+
+    def call_locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` holding the tokenizer's lock (blocking; for a worker thread): vLLM code
+        that reads the tokenizer, such as a tool parser built with it (its vocabulary: tens of
+        milliseconds for a real one)."""
+        with self._lock:
+            return fn(*args)
+
+    def tokenize_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Chat messages -> prompt token ids through the chat template, given ``tools`` and the
+        template's other arguments (default: only the generation prompt added)."""
+        if self.tokenizer is None:
+            raise RuntimeError("the tokenizer is not loaded yet (start() has not run)")
+        kwargs = {"add_generation_prompt": True} if template_kwargs is None else dict(template_kwargs)
+        with self._lock:
+            out = self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=True, **kwargs)
+        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        if hasattr(out, "tolist"):
+            out = out.tolist()
+        if out and isinstance(out[0], (list, tuple)):
+            out = out[0]
+        return [int(t) for t in out]
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens included (a log-probability's token); on the
+        detokenizing copy, so the event loop does not wait for a tokenization."""
+        decoder = self._decoder if self._decoder is not None else self.tokenizer
+        if decoder is None:
+            return ""
+        with self._decode_lock:
+            return str(decoder.decode([int(token_id)]))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Token ids -> text, special tokens left out ("" without a tokenizer that decodes)."""
+        decoder = self._decoder if self._decoder is not None else self.tokenizer
+        if decoder is None or not hasattr(decoder, "decode"):
+            return ""
+        lock = self._decode_lock if self._decoder is not None else self._lock
+        with lock:
+            return str(decoder.decode(list(token_ids), skip_special_tokens=True))
