@@ -326,22 +326,24 @@ def test_a_client_gone_mid_answer_leaves_nothing_in_the_server(server):
 INSTRUCTIONS = (
     "You are a voice assistant in a long conversation. Answer in a few words, and keep to the subject the user chose."
 )
-LONG_TURNS = 300
+# Turns of the first part (clip path) and in all: each part reaches its truncation path at least
+# three times (the first at turn 33, then every tenth turn; the second every few turns).
+CLIP_TURNS = 64
+LONG_TURNS = CLIP_TURNS + 32
 
 
-def test_a_300_turn_session_goes_on_past_the_clip_limit_and_the_context(server):
-    """Text and 0.2 s audio turns, 300 of them: in the first half short text and audio turns
-    alternate under ``truncation: auto`` (the thinker's 16 clips per prompt are passed every 32
-    turns); in the second half longer text turns with a clip every sixth under a retention ratio
-    of 0.5 and a token limit (``post_instructions``, 1200: the token path; with the real
-    8192-token context this half took ~10 minutes on a loaded 2-vCPU machine, and the fake
-    pipeline's tests truncate at max_model_len). Every turn is answered; each turn after the first hits the
-    prefix cache: on
-    the whole previous prompt between truncations, on the instructions' blocks on a turn that
-    truncated."""
+def test_a_long_session_goes_on_past_the_clip_limit_and_the_context(server):
+    """Text and 0.2 s audio turns, 96 of them: in the first 64 short text and audio turns
+    alternate under ``truncation: auto`` (the thinker's 16 clips per prompt are passed at turn
+    33, then every 10 turns: 0.75 of 16 clips kept); in the last 32 longer text turns with a clip
+    every sixth under a retention ratio of 0.5 and a token limit (``post_instructions``, 600: the
+    token path, passed every few turns; with the real 8192-token context this part took ~10
+    minutes on a loaded 2-vCPU machine, and the fake pipeline's tests truncate at max_model_len).
+    Every turn is answered; each turn after the first hits the prefix cache: on the whole
+    previous prompt between truncations, on the instructions' blocks on a turn that truncated."""
     block = server.orchestrator.config.stage("thinker").engine_args.block_size
-    half = LONG_TURNS // 2
-    post_instructions = 1200
+    half = CLIP_TURNS
+    post_instructions = 600
     filler = " ".join(f"word{i}" for i in range(15))  # ~100 bytes
 
     def audio_turn(turn: int) -> bool:
