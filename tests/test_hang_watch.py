@@ -134,7 +134,7 @@ def test_the_default_step_timeout_is_300_s_and_never_below_the_heartbeat_timeout
 def test_a_stalling_then_lagging_server_blames_no_healthy_stage_and_still_finds_a_stopped_one(tmp_path):
     """A stage process beats every 50 ms (a thread here, as its announcer is) over ZMQ to the
     server's inbox, read by a receive task as the orchestrator's is; the supervisor's monitor
-    judges. The server's loop stalls 3 s (three heartbeat timeouts), then lags 0.6 s on every
+    judges. The server's loop stalls three heartbeat timeouts, then lags 0.6 of one on every
     round (every tick late): the stage, beating all along, is never judged. Then its beats stop
     (SIGSTOP) while the lag goes on: found within the timeout and a few late ticks (the old watch,
     judging nothing on a late tick, never found it). Here the receive task drains the inbox
@@ -155,7 +155,8 @@ def test_a_stalling_then_lagging_server_blames_no_healthy_stage_and_still_finds_
     from omni_cache.wire.messages import MESSAGE_TYPES
     from omni_cache.wire.transport import AsyncReceiver, Codec
 
-    timeout_s = 1.0
+    timeout_s = 0.5  # ten beats (a 1 s timeout, the lag and stall scaled with it, showed the same)
+    lag_s = 0.6 * timeout_s
     config = load_config(Path(__file__).resolve().parents[1] / "stage_configs" / "tiny_omni.yaml")
     thinker = with_default_addresses(config, str(tmp_path)).stages[0]
     downs: list[str] = []
@@ -201,19 +202,19 @@ def test_a_stalling_then_lagging_server_blames_no_healthy_stage_and_still_finds_
         try:
             await sup.wait_ready(30)
             sup.start_monitor()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5 * timeout_s)
             time.sleep(3 * timeout_s)  # the server's loop stalls: beats queue unread
-            await asyncio.sleep(0.5)
-            lag_until = time.monotonic() + 4
+            await asyncio.sleep(0.5 * timeout_s)
+            lag_until = time.monotonic() + 4 * timeout_s
             while time.monotonic() < lag_until:  # then lags steadily: every tick late
-                time.sleep(0.6)
+                time.sleep(lag_s)
                 await asyncio.sleep(0)
             assert downs == [] and sp.up, downs
             beating.clear()  # the stage stops
             stopped = time.monotonic()
             while sp.up:
-                assert time.monotonic() - stopped < timeout_s + 5 * 0.7, "never found stopped"
-                time.sleep(0.6)
+                assert time.monotonic() - stopped < timeout_s + 5 * (lag_s + 0.1), "never found stopped"
+                time.sleep(lag_s)
                 await asyncio.sleep(0)
             assert downs[0].startswith("stopped answering (no heartbeat for ")
         finally:
