@@ -1,0 +1,177 @@
+"""What everyone else gets while 64 hostile clients attack the server (issue 52's must-show): /health
+latency, another client's first text, the server's RSS, idle vs attacked, several rounds.
+
+    .venv/bin/python -m benchmarks.hostile [--rounds 3] [--seconds 30] [--json OUT] [--log OUT.md]
+
+The server is the tests' fake pipeline (tests/fake_pipeline.py: the HTTP app and orchestrator in
+this process, real stage processes and ZMQ, an echo thinker and a fake decoder, no model), so what
+is measured is the server's own work. Its limits are the defaults but for an allowed image host
+(127.0.0.1) and ``server.max_outbox_bytes`` of 1 MiB (the silent readers are cut within their
+hold). The attacks and probes are ``benchmarks/hostile_clients.py``'s, each in a process of its own
+(they would compete for this process's GIL): per round an idle phase (the probes alone) and an
+attacked phase (the 64 attacks, their 3 s of warm-up, then the probes), each ``--seconds`` long.
+Reported per round: /health p50/p99, first text p50/p99 (a streamed 4-token text answer asked for
+every 0.5 s, to its first content delta), the RSS at the phase's start and its peak (sampled
+every 20 ms), and the load average; then the medians over rounds and attacked / idle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks.hostile_clients import MIX, Hostile, RssSampler, rss_bound
+from benchmarks.report import percentile
+
+MIB = 1 << 20
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    return f"? x {os.cpu_count()}"
+
+
+def summary(probe: dict[str, Any]) -> dict[str, float]:
+    ms = lambda xs, q: round(1000 * percentile(xs, q), 2)  # noqa: E731
+    return {
+        "health_n": len(probe["health"]),
+        "health_p50_ms": ms(probe["health"], 50),
+        "health_p99_ms": ms(probe["health"], 99),
+        "first_text_n": len(probe["first_text"]),
+        "first_text_p50_ms": ms(probe["first_text"], 50),
+        "first_text_p99_ms": ms(probe["first_text"], 99),
+        "probe_failures": probe["failures"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(TESTS))
+    from fake_pipeline import API_KEY, serve_config, write_config
+
+    if args.unbounded_ws:  # as before ws_protocol: uvicorn's own, every message read whole on the loop
+        from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+        from omni_cache.serving import server
+
+        server.bounded_ws_protocol = lambda max_event_bytes: WebSocketsSansIOProtocol
+
+    answer = 20000
+    path = write_config(
+        f"hostile_{uuid.uuid4().hex[:8]}",
+        token_delay_s=0.002,
+        max_model_len=2 * answer + 200,
+        timeout_s=120,
+        server_extra=f", max_outbox_bytes: {MIB}, media: {{allowed_url_hosts: ['127.0.0.1']}}",
+    )
+    rounds: list[dict[str, Any]] = []
+    with serve_config(path) as srv:
+        config = srv.orchestrator.config
+        rss = RssSampler()
+        options = {"silent_tokens": answer, "nested_bytes": 2 * MIB}
+        with Hostile(srv.url, srv.orchestrator.served_model_name, API_KEY, **options) as hostile:
+            hostile.idle(5)  # warm: connections, first requests
+            for i in range(args.rounds):
+                row: dict[str, Any] = {"round": i + 1}
+                load = os.getloadavg()[0]
+                base = rss.reset()
+                row["idle"] = summary(hostile.idle(args.seconds)) | {
+                    "rss_mib": round(base / MIB, 1),
+                    "rss_peak_mib": round(rss.peak() / MIB, 1),
+                    "load_1m": (load, os.getloadavg()[0]),
+                }
+                load = os.getloadavg()[0]
+                base = rss.reset()
+                probe, outcomes = hostile.attacked(args.seconds)
+                row["attacked"] = summary(probe) | {
+                    "rss_mib": round(base / MIB, 1),
+                    "rss_peak_mib": round(rss.peak() / MIB, 1),
+                    "load_1m": (load, os.getloadavg()[0]),
+                    "outcomes": outcomes,
+                }
+                rounds.append(row)
+                print(json.dumps(row), flush=True)
+        rss.close()
+        bound = rss_bound(config, MIX)
+    med = lambda phase, key: statistics.median(r[phase][key] for r in rounds)  # noqa: E731
+    keys = ("health_p50_ms", "health_p99_ms", "first_text_p50_ms", "first_text_p99_ms")
+    medians = {phase: {k: med(phase, k) for k in keys} for phase in ("idle", "attacked")}
+    growth = max(r["attacked"]["rss_peak_mib"] - r["attacked"]["rss_mib"] for r in rounds)
+    return {
+        "machine": cpu_model(),
+        "rounds": rounds,
+        "medians": medians,
+        "ratio": {k: round(medians["attacked"][k] / medians["idle"][k], 2) for k in keys},
+        "rss_growth_max_mib": round(growth, 1),
+        "rss_bound_mib": round(bound / MIB, 1),
+        "mix": MIX,
+        "seconds": args.seconds,
+        "ws": "uvicorn's own (unbounded)" if args.unbounded_ws else "ws_protocol (bounded)",
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    m, r = result["medians"], result["ratio"]
+    rows = [
+        "| | /health p50 | /health p99 | first text p50 | first text p99 |",
+        "|---|---|---|---|---|",
+    ]
+    for phase in ("idle", "attacked"):
+        rows.append(
+            f"| {phase} | "
+            + " | ".join(f"{m[phase][k]:.1f} ms" for k in ("health_p50_ms", "health_p99_ms"))
+            + " | "
+            + " | ".join(f"{m[phase][k]:.0f} ms" for k in ("first_text_p50_ms", "first_text_p99_ms"))
+            + " |"
+        )
+    rows.append(
+        "| attacked / idle | "
+        + " | ".join(
+            f"{r[k]:.2f}x" for k in ("health_p50_ms", "health_p99_ms", "first_text_p50_ms", "first_text_p99_ms")
+        )
+        + " |"
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=30.0, help="probe seconds per phase")
+    ap.add_argument(
+        "--unbounded-ws", action="store_true", help="uvicorn's own WebSocket protocol (before ws_protocol), to compare"
+    )
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--log", help="append the run (command, machine, rounds, table) to this markdown file")
+    args = ap.parse_args(argv)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    result = run(args)
+    text = table(result)
+    print(text)
+    growth, bound = result["rss_growth_max_mib"], result["rss_bound_mib"]
+    print(f"RSS growth under attack: at most {growth} MiB (config bound {bound} MiB)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(
+                f"\n## {started}: `python -m benchmarks.hostile {' '.join(argv or sys.argv[1:])}`\n\n"
+                f"Machine: {result['machine']}. WebSocket layer: {result['ws']}. Mix: {result['mix']}, "
+                f"{result['seconds']:g} s per phase.\n\n"
+                + "".join(f"    {json.dumps(row)}\n" for row in result["rounds"])
+                + f"\nMedians over rounds:\n\n{text}\n\nRSS growth under attack: at most "
+                f"{result['rss_growth_max_mib']} MiB (bound from the config: {result['rss_bound_mib']} MiB)\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
