@@ -251,19 +251,22 @@ def test_waiting_for_tasks_does_not_swallow_the_callers_cancellation():
     a while: the caller's CancelledError comes through (suppress(BaseException) swallowed it)."""
 
     async def main():
-        release = asyncio.Event()
+        release, cleaning = asyncio.Event(), asyncio.Event()
 
         async def stubborn():
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
+                cleaning.set()
                 await release.wait()  # cleans up for a while before it ends
                 raise
 
         inner = asyncio.create_task(stubborn())
         await asyncio.sleep(0)
         closer = asyncio.create_task(cancel_and_wait(inner))
-        await asyncio.sleep(0.01)
+        # The closer cancelled the task and waits for its cleanup (not a guess that it got there).
+        await asyncio.wait_for(cleaning.wait(), 5.0)
+        assert not closer.done()
         closer.cancel()
         with pytest.raises(asyncio.CancelledError):
             await closer
