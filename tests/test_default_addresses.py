@@ -173,6 +173,7 @@ def test_two_omni_serve_from_one_config_serve_side_by_side(tmp_path: Path):
     up and answer; before, the second was refused for the first one's ipc addresses."""
     data = yaml.safe_load(TINY.read_text())
     data["stages"] = [data["stages"][0]]  # the thinker: text only
+    data["stages"][0]["warmup"] = False  # (what is tested is where the sockets are, not first use)
     data["name"] = "side_by_side"
     path = tmp_path / "one.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -220,4 +221,4 @@ def _ready_url(proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> str
         tail = log.read_text()[-4000:]
         assert proc.poll() is None, f"omni-serve exited before it was ready:\n{tail}"
         assert time.monotonic() < end, f"omni-serve not ready after {timeout:g} s:\n{tail}"
-        time.sleep(0.5)
+        time.sleep(0.1)

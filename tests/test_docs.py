@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
+from served_config import without_warmup
 
 from omni_cache.config import ConfigError, load_config
 from omni_cache.config.schema import PipelineConfig, StageConfig
@@ -370,7 +371,9 @@ CURL_BLOCKS = [b for b in fenced_blocks(QUICKSTART, "bash") if "curl" in b]
 @pytest.fixture(scope="module")
 def make_serve(tmp_path_factory):
     """``omni-serve`` as ``make serve`` runs it (the Makefile's default CONFIG), under its own
-    name, addresses and a free port, answering as model 'qwen3_omni' like the original."""
+    name, addresses and a free port, answering as model 'qwen3_omni' like the original; without
+    the start-up warm-up (no curl block tests first use: tests/test_warmup_e2e.py does)."""
+
     from benchmarks.harness import ServerProcess
 
     config = re.search(r"^CONFIG \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
@@ -381,7 +384,7 @@ def make_serve(tmp_path_factory):
     for stage in data["stages"]:
         stage["address"] = f"ipc:///tmp/omni_cache/{name}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("quickstart") / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(without_warmup(data)))
     with ServerProcess(path, start_timeout_s=900) as served:
         yield served
 
