@@ -301,8 +301,14 @@ def test_a_wrong_key_or_model_is_refused(srv):
 # ---- limits and cleanup ------------------------------------------------------------------------
 
 
-def test_buffer_and_event_rate_limits_answer_errors(tight):
+def test_buffer_and_event_rate_limits_answer_errors(tight, monkeypatch):
     wait_until(lambda: len(tight.app.state.realtime_sessions) == 0)
+    from omni_cache.serving.realtime import connection
+
+    # The session's limiter on a clock that stands still: no token comes back while the clears
+    # arrive, however long the machine takes to send them.
+    limiter = connection.RateLimiter
+    monkeypatch.setattr(connection, "RateLimiter", lambda rate: limiter(rate, clock=lambda: 0.0))
 
     async def go():
         async with connect(tight.url, model(tight), API_KEY) as conn:
@@ -317,11 +323,11 @@ def test_buffer_and_event_rate_limits_answer_errors(tight):
     full, answers = run(go())
     assert full.type == "error" and full.error.code == "input_audio_buffer_full"
     assert full.error.param == "audio"
-    # max_events_per_s 5 (bursts of 5): the append took one, so 4 clears pass at once (a 5th if
-    # 200 ms went by meanwhile); the rest are dropped with an error.
+    # max_events_per_s 5 (bursts of 5): the append took one, so 4 clears pass; the rest are
+    # dropped with an error.
     cleared = [e for e in answers if e.type == "input_audio_buffer.cleared"]
     refused = [e for e in answers if e.type == "error"]
-    assert 4 <= len(cleared) <= 5 and len(refused) == 8 - len(cleared)
+    assert len(cleared) == 4 and len(refused) == 4, [e.type for e in answers]
     assert all(e.error.code == "rate_limit_exceeded" for e in refused)
 
 
