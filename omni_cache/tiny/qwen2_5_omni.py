@@ -46,6 +46,8 @@ from collections.abc import Callable
 
 import torch
 
+from omni_cache.tiny.processors import vision_processor, whisper_features
+
 __all__ = [
     "CODEBOOK_SIZE",
     "CODEC_BOS_ID",
@@ -317,17 +319,12 @@ def generation_config() -> dict:
 
 
 _PROCESSOR_COMMON = {
-    "processor_class": "Qwen2_5OmniProcessor",
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "rescale_factor": 1 / 255,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
+    **vision_processor(
+        "Qwen2_5OmniProcessor",
+        mean=[0.48145466, 0.4578275, 0.40821073],
+        std=[0.26862954, 0.26130258, 0.27577711],
+        patch_size=14,
+    ),
     # Released bounds: 56x56 to 12,845,056 pixels (about 16,000 vision tokens).
     "min_pixels": 3136,
     "max_pixels": 12845056,
@@ -340,18 +337,7 @@ def preprocessor_config() -> dict:
     return {
         **_PROCESSOR_COMMON,
         "image_processor_type": "Qwen2VLImageProcessor",
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "feature_size": 128,
-        "sampling_rate": 16000,
-        "hop_length": 160,
-        "chunk_length": 300,
-        "n_fft": 400,
-        "n_samples": 300 * 16000,
-        "nb_max_frames": 300 * 16000 // 160,
-        "padding_side": "right",
-        "padding_value": 0.0,
-        "return_attention_mask": True,
-        "dither": 0.0,
+        **whisper_features(),
     }
 
 

@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+from omni_cache.tiny.processors import vision_processor
+
 __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
@@ -185,19 +187,7 @@ def generation_config() -> dict:
     }
 
 
-_PROCESSOR_COMMON = {
-    "processor_class": "Qwen3VLProcessor",
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "rescale_factor": 1 / 255,
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-}
+_PROCESSOR_COMMON = vision_processor("Qwen3VLProcessor", mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5], patch_size=16)
 
 
 def preprocessor_config() -> dict:

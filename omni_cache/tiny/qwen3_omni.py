@@ -34,6 +34,8 @@ from collections.abc import Callable
 
 import torch
 
+from omni_cache.tiny.processors import vision_processor, whisper_features
+
 __all__ = [
     "CHAT_TEMPLATE",
     "CODE2WAV_CODEBOOK_SIZE",
@@ -275,17 +277,7 @@ def generation_config() -> dict:
 
 
 _PROCESSOR_COMMON = {
-    "processor_class": "Qwen3OmniMoeProcessor",
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "rescale_factor": 1 / 255,
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
+    **vision_processor("Qwen3OmniMoeProcessor", mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5], patch_size=16),
     # The released cap (12,845,056 pixels: about 12,500 vision tokens), so an image costs the
     # tiny model as many tokens as it costs the real one; the tests send small images.
     "min_pixels": 32 * 32,
@@ -299,18 +291,7 @@ def preprocessor_config() -> dict:
     return {
         **_PROCESSOR_COMMON,
         "image_processor_type": "Qwen2VLImageProcessor",
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "feature_size": 128,
-        "sampling_rate": 16000,
-        "hop_length": 160,
-        "chunk_length": 300,
-        "n_fft": 400,
-        "n_samples": 300 * 16000,
-        "nb_max_frames": 300 * 16000 // 160,
-        "padding_side": "right",
-        "padding_value": 0.0,
-        "return_attention_mask": True,
-        "dither": 0.0,
+        **whisper_features(),
     }
 
 
