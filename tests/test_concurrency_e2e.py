@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 import zmq
+from served_config import without_warmup
 
 from omni_cache.config import load_config
 from omni_cache.runtime.metrics.prometheus import parse_metrics
@@ -57,7 +58,7 @@ def server(tmp_path_factory):
             stage["engine_args"]["max_model_len"] = TALKER_MAX_MODEL_LEN
             stage["sampling"]["max_tokens"] = TALKER_MAX_CODES
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
     orch = Orchestrator(load_config(path), echo_stage_logs=False)
     srv = ServerThread(orch, api_key="test-key").start()
     srv.wait_ready(600)
@@ -129,7 +130,7 @@ def wait_until_empty(server) -> dict[tuple[str, str], float]:
         if not busy:
             return m
         assert time.monotonic() < deadline, f"still held after the burst: {busy}"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 PROMPTS = [f"question {i}: what is {i} plus {i}?" for i in range(4)]

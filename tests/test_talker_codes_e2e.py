@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from served_config import without_warmup
 
 from omni_cache.config import load_config
 from omni_cache.pipeline import Pipeline
@@ -54,7 +55,7 @@ def pipe(tmp_path_factory):
     for stage in data["stages"]:
         stage["address"] = f"ipc:///tmp/omni_cache/{name}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
     with Pipeline(load_config(path)).start() as p:
         yield p
 

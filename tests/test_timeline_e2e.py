@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from served_config import without_warmup
 
 from benchmarks.breakdown import AUDIO_SEGMENTS, TEXT_SEGMENTS, request_id_of, request_segments
 from benchmarks.client import Sample, stream_chat
@@ -48,7 +49,7 @@ def served(tmp_path_factory):
         if stage["name"] == "talker":
             stage["sampling"]["max_tokens"] = 24  # a short answer: the test is about its start
     path = tmp / f"{NAME}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
     directory = tmp / "timeline"
     with ServerProcess(path, start_timeout_s=900, env={timeline.TIMELINE_DIR_ENV: str(directory)}) as server:
         yield server, directory
