@@ -206,7 +206,7 @@ def back_and_routed_to(server, name: str, old_pid: int) -> None:
     deadline = time.monotonic() + 300
     while httpx.get(server.url + "/health", timeout=30).json() != {"status": "ok"}:
         assert time.monotonic() < deadline, f"{name} did not come back"
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert orch.stage_pids()[name] not in (None, old_pid)
 
 

@@ -239,7 +239,7 @@ def vllm_url(model, ours, tmp_path_factory):
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.1)
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
