@@ -7,11 +7,14 @@ the wire: the request asks for ``Accept-Encoding: identity`` and reads the raw s
 httpx's decoded stream inflates a gzip / br / zstd body before it can be measured (a 1 MiB gzip
 body can inflate to 1 GiB). A server that compresses anyway has its body, already bounded on the
 wire, inflated on a worker thread to at most the same limit (gzip and deflate; other encodings are
-refused)."""
+refused). The TLS context every download's client uses is built once, on a worker thread:
+httpx builds one per client by default, loading the CA bundle (90-450 ms on the event loop per
+download on a loaded 2-core host, measured with benchmarks/hostile.py's URL attacks)."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import urllib.parse
 import zlib
 from collections.abc import Callable
@@ -87,13 +90,25 @@ async def fetch(
     return inflated
 
 
+_tls: ssl.SSLContext | None = None
+
+
+async def _tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (its CA bundle), built once off the event loop."""
+    global _tls
+    if _tls is None:
+        context = await asyncio.to_thread(httpx.create_ssl_context)
+        _tls = _tls or context
+    return _tls
+
+
 async def _download(
     url: str, param: str, limit: int, timeout_s: float, too_large: Callable[[int], str]
 ) -> tuple[bytes, str]:
     """The raw body of a 200 answer at ``url`` (refused once it passes ``limit`` bytes) and its
     Content-Encoding."""
     async with (
-        httpx.AsyncClient(follow_redirects=False, timeout=timeout_s) as client,
+        httpx.AsyncClient(follow_redirects=False, timeout=timeout_s, verify=await _tls_context()) as client,
         client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as resp,
     ):
         if resp.is_redirect:
