@@ -349,14 +349,24 @@ def test_a_client_that_stops_reading_is_closed_and_freed(small):
     async def go():
         conn = await connect(small.url, model(small), API_KEY).enter()
         try:
+            await asyncio.to_thread(wait_until, lambda: len(small.app.state.realtime_sessions) == 1)  # (held)
             for _ in range(updates):
                 # Closed meanwhile, or the socket full both ways (the server stopped reading a
-                # client it is closing; this client reads nothing): the client stops sending.
-                try:
-                    update = conn.session.update(session={"type": "realtime", "instructions": instructions})
-                    await asyncio.wait_for(update, 30)
-                except (TimeoutError, ConnectionClosed):
+                # client it is closing; this client reads nothing): the client stops sending, at
+                # the latest when its send blocked 30 s, at once when the server freed the session.
+                update = asyncio.ensure_future(
+                    conn.session.update(session={"type": "realtime", "instructions": instructions})
+                )
+                blocked_until = time.monotonic() + 30
+                while not update.done() and time.monotonic() < blocked_until and small.app.state.realtime_sessions:
+                    await asyncio.wait({update}, timeout=0.1)
+                if not update.done():
+                    update.cancel()
                     break
+                if update.exception() is not None:
+                    if isinstance(update.exception(), ConnectionClosed):
+                        break
+                    raise update.exception()
             # The server gives up on the session without this client reading anything.
             await asyncio.to_thread(wait_until, lambda: len(small.app.state.realtime_sessions) == 0)
             # Another session is served as before.
