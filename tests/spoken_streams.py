@@ -106,7 +106,7 @@ def wait_until_no_stage_holds_anything(server) -> None:
         if not any(held.values()):
             return
         assert time.monotonic() < deadline, f"requests left in the stages: {held}"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def answers_again(server) -> None:
@@ -114,7 +114,7 @@ def answers_again(server) -> None:
     deadline = time.monotonic() + WAIT_S
     while httpx.get(server.url + "/health", timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "the pipeline did not come back"
-        time.sleep(0.5)
+        time.sleep(0.1)
     events: list = []
     read_events(server.url + "/v1/chat/completions", spoken(server, "Hello again.", 8), {}, events, timeout=WAIT_S)
     assert events[-1] == "[DONE]" and any(has_audio(e) for e in events), events[-1:]
