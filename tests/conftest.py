@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +15,41 @@ def qwen3_5_server(tmp_path_factory):
 
     with served_qwen3_5(tmp_path_factory.mktemp("qwen3_5_shared")) as shared:
         yield shared
+
+
+#: Servers stopped after the last test that uses them (see pytest_runtest_teardown below).
+_RELEASE: dict[str, object] = {}
+_LAST_USER: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_server(tmp_path_factory):
+    """The shipped Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker, talker and
+    code2wav in their own processes, no start-up warm-up) served in this process as model
+    ``q3shared``, started by the first module that asks (tests/test_qwen3_omni_streaming.py in
+    file order) and kept for the next (tests/test_realtime_e2e.py): one start of its three
+    engines, not two. Stopped right after the last test that uses it, not at the end of the run
+    (its processes hold a few GiB)."""
+    from served_config import QWEN3_OMNI_SHARED, served, write_pipeline_config  # (imported by its users only)
+
+    path = write_pipeline_config(tmp_path_factory.mktemp("qwen3_omni_shared"), QWEN3_OMNI_SHARED, "qwen3_omni.yaml")
+    data = yaml.safe_load(path.read_text())
+    with served(data, path.parent) as srv:
+        _RELEASE["qwen3_omni_server"] = srv
+        yield srv
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in ("qwen3_omni_server",):
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own teardown
+def pytest_runtest_teardown(item, nextitem):
+    for name, nodeid in _LAST_USER.items():
+        srv = _RELEASE.pop(name, None) if item.nodeid == nodeid else None
+        if srv is not None:
+            srv.stop()  # (stopping again at the end of the session does nothing more)

@@ -40,6 +40,8 @@ def served(
 
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The name (and served model name) of tests/conftest.py's shared Qwen3-Omni pipeline.
+QWEN3_OMNI_SHARED = "q3shared"
 
 
 def without_warmup(data: dict[str, Any]) -> dict[str, Any]:

@@ -14,12 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
+from served_config import QWEN3_OMNI_SHARED
 
-from omni_cache.config import load_config
 from omni_cache.runtime.metrics.prometheus import parse_metrics
-from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.serving.server import ServerThread
 
 pytestmark = [
     pytest.mark.vllm,
@@ -27,23 +24,14 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME = "q3stream"
+NAME = QWEN3_OMNI_SHARED
 LONG_ANSWER = 160  # thinker tokens: long enough that the first audio comes well before its end
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = yaml.safe_load((ROOT / "stage_configs" / "qwen3_omni.yaml").read_text())
-    data["name"] = NAME
-    data["server"]["port"] = 0
-    for stage in data["stages"]:
-        stage["address"] = f"ipc:///tmp/omni_cache/{NAME}-{os.getpid()}/{stage['name']}.sock"
-    path = tmp_path_factory.mktemp("cfg") / f"{NAME}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    srv = ServerThread(Orchestrator(load_config(path), echo_stage_logs=False)).start()
-    srv.wait_ready(600)
-    yield srv
-    srv.stop()
+def server(qwen3_omni_server):
+    """The shipped pipeline, shared with tests/test_realtime_e2e.py (tests/conftest.py)."""
+    return qwen3_omni_server
 
 
 def events(server, content: str, max_tokens: int):
@@ -112,7 +100,7 @@ def answers_again(server) -> None:
     deadline = time.monotonic() + 300
     while httpx.get(server.url + "/health", timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "the pipeline did not come back"
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert any("audio" in kinds(e) for e in events(server, "Hello again.", 8))
 
 

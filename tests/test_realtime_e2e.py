@@ -1,6 +1,7 @@
 """/v1/realtime on the real tiny Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker,
 talker and code2wav in their own processes, vLLM engines, real ZMQ), driven by the openai SDK's
-realtime client unmodified. One server for the module.
+realtime client unmodified. One server for the module (started once for this module and
+tests/test_qwen3_omni_streaming.py: tests/conftest.py's qwen3_omni_server).
 
 What a voice client sees: a text turn and a committed audio turn answered with audio and its
 transcript; server VAD finding speech in a synthesized clip and answering it; speech cancelling a
@@ -19,29 +20,22 @@ import httpx
 import numpy as np
 import pytest
 from media_samples import png_data_url
-from served_config import write_pipeline_config
+from served_config import QWEN3_OMNI_SHARED
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import silence, speech, turn_clip
-from omni_cache.config import load_config
 from omni_cache.runtime.metrics.prometheus import parse_metrics
-from omni_cache.runtime.orchestrator import Orchestrator
-from omni_cache.serving.server import ServerThread
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "rt_e2e"
+MODEL = QWEN3_OMNI_SHARED
 MAX_TOKENS = 10  # thinker tokens per answer: short turns
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), MODEL, "qwen3_omni.yaml")
-    orch = Orchestrator(load_config(path), echo_stage_logs=False)
-    srv = ServerThread(orch).start()
-    srv.wait_ready(600)
-    yield srv
-    srv.stop()
+def server(qwen3_omni_server):
+    """The shipped pipeline, shared with tests/test_qwen3_omni_streaming.py (tests/conftest.py)."""
+    return qwen3_omni_server
 
 
 def run(coro):
