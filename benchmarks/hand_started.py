@@ -49,9 +49,12 @@ def _with_port(address: str, port: int) -> str:
 class HandStartedPipeline:
     """``base`` (stage_configs/tiny_omni_hosts.yaml) as docs/external-stages.md runs it, on free ports (each
     address keeps its host) and, with ``auth``, a fresh stage key file (else none); a server and
-    stages started as separate processes."""
+    stages started as separate processes. ``warmup=False``: the vLLM stages start without their
+    start-up warm-up (``stages[].warmup``; for tests that do not test first use)."""
 
-    def __init__(self, base: Path = HOSTS, *, auth: bool = True, workdir: Path | None = None) -> None:
+    def __init__(
+        self, base: Path = HOSTS, *, auth: bool = True, workdir: Path | None = None, warmup: bool = True
+    ) -> None:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="omni_hosts_"))
         data = yaml.safe_load(base.read_text())
         data["name"] = f"{data['name']}_{os.getpid()}"
@@ -73,6 +76,8 @@ class HandStartedPipeline:
             port = free_port()
             stage["address"] = _with_port(stage["address"], port)
             stage["bind_address"] = _with_port(stage["bind_address"], port)
+            if not warmup and stage["kind"] == "autoregressive":
+                stage["warmup"] = False
         self.config_path = self.dir / "pipeline.yaml"
         self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         self.config = data

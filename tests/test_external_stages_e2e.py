@@ -24,7 +24,7 @@ STAGES = ("thinker", "talker", "decoder")
 
 @pytest.fixture(scope="module")
 def hosts():
-    p = HandStartedPipeline(auth=True)
+    p = HandStartedPipeline(auth=True, warmup=False)  # (no test of first use here)
     p.answers = {}
     try:
         yield p
