@@ -87,3 +87,18 @@ def test_an_orchestrator_leaves_its_callers_allocator_alone(monkeypatch, tmp_pat
     assert tuned == [1] and server.heap.due(float("inf"))
     for orch in (caller, server):
         orch.kill_all_sync()
+
+
+def test_only_the_servers_own_process_freezes_its_start_up_objects():
+    """gc.freeze() after start-up (a full collection then walks only what came after: 134 ms ->
+    0.2 ms for a started server's ~275,000 objects); a caller's process is left alone."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    assert not HeapTrimmer(trim=lambda pad: 0, manage=False).freeze_startup_objects()
+    assert gc.get_freeze_count() == frozen
+    try:
+        assert HeapTrimmer(trim=lambda pad: 0).freeze_startup_objects()
+        assert gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()

@@ -142,6 +142,7 @@ def _lifespan(
             else:
                 logger.error("the pipeline did not start: %s", e)
             return
+        orch.heap.freeze_startup_objects()  # omni-serve's own process only
         if on_ready is not None:
             on_ready()
 
