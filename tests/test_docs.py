@@ -29,7 +29,6 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
-from served_config import without_warmup
 
 from omni_cache.config import ConfigError, load_config
 from omni_cache.config.schema import PipelineConfig, StageConfig
@@ -371,9 +370,8 @@ CURL_BLOCKS = [b for b in fenced_blocks(QUICKSTART, "bash") if "curl" in b]
 @pytest.fixture(scope="module")
 def make_serve(tmp_path_factory):
     """``omni-serve`` as ``make serve`` runs it (the Makefile's default CONFIG), under its own
-    name, addresses and a free port, answering as model 'qwen3_omni' like the original; without
-    the start-up warm-up (no curl block tests first use: tests/test_warmup_e2e.py does)."""
-
+    name, addresses and a free port, answering as model 'qwen3_omni' like the original. With the
+    start-up warm-up, as a new user's server has it: the curl blocks are each a first request."""
     from benchmarks.harness import ServerProcess
 
     config = re.search(r"^CONFIG \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
@@ -384,7 +382,7 @@ def make_serve(tmp_path_factory):
     for stage in data["stages"]:
         stage["address"] = f"ipc:///tmp/omni_cache/{name}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("quickstart") / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(without_warmup(data)))
+    path.write_text(yaml.safe_dump(data))
     with ServerProcess(path, start_timeout_s=900) as served:
         yield served
 
