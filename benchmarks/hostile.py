@@ -6,8 +6,11 @@ latency, another client's first text, the server's RSS, idle vs attacked, severa
 The server is the tests' fake pipeline (tests/fake_pipeline.py: the HTTP app and orchestrator in
 this process, real stage processes and ZMQ, an echo thinker and a fake decoder, no model), so what
 is measured is the server's own work. Its limits are the defaults but for an allowed image host
-(127.0.0.1) and ``server.max_outbox_bytes`` of 1 MiB (the silent readers are cut within their
-hold). The attacks and probes are ``benchmarks/hostile_clients.py``'s, each in a process of its own
+(127.0.0.1) and ``server.max_outbox_bytes`` of 1 MiB; the fake thinker writes a token every
+``--token-delay`` seconds (0.02: 50 tokens/s, about a real thinker's pace on these hosts; each
+token of a spoken answer carries 10 ms of audio). A silent reader is cut once the sockets and the
+outbox hold its answer (~5 MiB: ~100 s at that pace), so an attacked phase lasts until then. The attacks and probes are
+``benchmarks/hostile_clients.py``'s, each in a process of its own
 (they would compete for this process's GIL): per round an idle phase (the probes alone) and an
 attacked phase (the 64 attacks, their 3 s of warm-up, then the probes), each ``--seconds`` long.
 Reported per round: /health p50/p99, first text p50/p99 (a streamed 4-token text answer asked for
@@ -55,7 +58,11 @@ def summary(probe: dict[str, Any]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
-    from fake_pipeline import API_KEY, serve_config, write_config
+    from fake_pipeline import API_KEY, FAKE_STAGE, ByteTokenizer, write_config
+
+    from omni_cache.config import load_config
+    from omni_cache.runtime.orchestrator import Orchestrator
+    from omni_cache.serving.server import ServerThread
 
     if args.unbounded_ws:  # as before ws_protocol: uvicorn's own, every message read whole on the loop
         from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -67,16 +74,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     answer = 20000
     path = write_config(
         f"hostile_{uuid.uuid4().hex[:8]}",
-        token_delay_s=0.002,
+        token_delay_s=args.token_delay,
         max_model_len=2 * answer + 200,
-        timeout_s=120,
+        timeout_s=600,
         server_extra=f", max_outbox_bytes: {MIB}, media: {{allowed_url_hosts: ['127.0.0.1']}}",
     )
     rounds: list[dict[str, Any]] = []
-    with serve_config(path) as srv:
+    orch = Orchestrator(
+        load_config(path),
+        tokenizer=ByteTokenizer(),
+        stage_argv=[sys.executable, str(FAKE_STAGE)],
+        start_timeout_s=60,
+        shutdown_grace_s=2,
+        echo_stage_logs=False,
+        manage_heap=args.manage_heap,  # as omni-serve's own process: heap trims, start-up objects frozen
+    )
+    with ServerThread(orch, api_key=API_KEY) as srv:
+        srv.wait_ready(60)
         config = srv.orchestrator.config
         rss = RssSampler()
-        options = {"silent_tokens": answer, "nested_bytes": 2 * MIB}
+        options = {
+            "silent_tokens": answer,
+            "nested_bytes": 2 * MIB,
+            "silent_hold_s": 300.0,
+            "attacker_nice": args.attacker_nice,
+        }
         with Hostile(srv.url, srv.orchestrator.served_model_name, API_KEY, **options) as hostile:
             hostile.idle(5)  # warm: connections, first requests
             for i in range(args.rounds):
@@ -115,6 +137,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mix": MIX,
         "seconds": args.seconds,
         "ws": "uvicorn's own (unbounded)" if args.unbounded_ws else "ws_protocol (bounded)",
+        "token_delay_s": args.token_delay,
+        "attacker_nice": args.attacker_nice,
+        "manage_heap": args.manage_heap,
     }
 
 
@@ -147,6 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=30.0, help="probe seconds per phase")
     ap.add_argument(
+        "--token-delay", type=float, default=0.02, help="the fake thinker's seconds per token (50 tokens/s)"
+    )
+    ap.add_argument(
+        "--no-manage-heap",
+        dest="manage_heap",
+        action="store_false",
+        help="leave the process as the Python API does (no heap trims, no gc.freeze of start-up)",
+    )
+    ap.add_argument(
+        "--attacker-nice", type=int, default=0, help="niceness of the attackers' process (10: the server first)"
+    )
+    ap.add_argument(
         "--unbounded-ws", action="store_true", help="uvicorn's own WebSocket protocol (before ws_protocol), to compare"
     )
     ap.add_argument("--json", help="write every number here")
@@ -164,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.log, "a") as f:
             f.write(
                 f"\n## {started}: `python -m benchmarks.hostile {' '.join(argv or sys.argv[1:])}`\n\n"
-                f"Machine: {result['machine']}. WebSocket layer: {result['ws']}. Mix: {result['mix']}, "
+                f"Machine: {result['machine']}. WebSocket layer: {result['ws']}. Fake thinker: "
+                f"{result['token_delay_s']:g} s per token. Attackers at nice {result['attacker_nice']}. "
+                f"manage_heap (gc.freeze after start-up): {result['manage_heap']}. "
+                f"Mix: {result['mix']}, "
                 f"{result['seconds']:g} s per phase.\n\n"
                 + "".join(f"    {json.dumps(row)}\n" for row in result["rounds"])
                 + f"\nMedians over rounds:\n\n{text}\n\nRSS growth under attack: at most "

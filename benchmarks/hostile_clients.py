@@ -28,6 +28,7 @@ import asyncio
 import collections
 import http.server
 import json
+import os
 import socket
 import threading
 import time
@@ -238,6 +239,7 @@ async def _attack(o: dict[str, Any], seconds: float) -> dict[str, int]:
 def attacker(o: dict[str, Any], go: Any, out: Any) -> None:
     """The attacker process: a media host, then one attack phase per ``go`` item (its seconds;
     None ends), each phase's outcomes put on ``out``."""
+    os.nice(o["attacker_nice"])  # on a 2-core host the attackers' own CPU would be what is measured
     host = MediaHost(o["bomb_mib"])
     o = {**o, "media_url": host.url}
     out.put("ready")
@@ -355,6 +357,7 @@ class Hostile:
             "bomb_mib": 256,
             "silent_tokens": 12000,
             "silent_hold_s": 120.0,
+            "attacker_nice": 0,
             **options,
         }
         self.options = o
