@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
+
+# A Ray call made by a test process that has not joined a cluster fails instead of starting a
+# local cluster of its own (Ray's auto-init): the tests join theirs explicitly, and a stray call
+# (a thread outliving a test's fake ray) once started one whose loss, 60 s later, ended pytest
+# with exit code 1 and no summary. Read by ray when it is first imported, so set here.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 
 @pytest.fixture(scope="session")
