@@ -93,13 +93,13 @@ class HeapTrimmer:
         self.interval_s = interval_s
         #: Whether this process is the server's own (its allocator and collector tuned here).
         self.manage = manage
-        self._trim = (trim if trim is not None else find_malloc_trim()) if manage else None
-        if not manage:
-            pass
-        elif self._trim is None:
-            logger.info("no malloc_trim in this C library: freed heap pages stay with the process")
-        elif trim is None:
-            keep_freed_pages()
+        self._trim: Callable[[int], int] | None = None
+        if manage:
+            self._trim = trim if trim is not None else find_malloc_trim()
+            if self._trim is None:
+                logger.info("no malloc_trim in this C library: freed heap pages stay with the process")
+            elif trim is None:
+                keep_freed_pages()
         self.next_at = time.monotonic() + interval_s
         self.trims = 0
         self.seconds = 0.0
@@ -122,7 +122,7 @@ class HeapTrimmer:
 
     def maybe_trim(self, now: float) -> bool:
         """Trim if ``interval_s`` passed since the last trim (``now``: time.monotonic())."""
-        if self._trim is None or now < self.next_at:
+        if not self.due(now):
             return False
         t0 = time.perf_counter()
         self._trim(0)
