@@ -58,10 +58,8 @@ def summary(probe: dict[str, Any]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
-    from fake_pipeline import API_KEY, FAKE_STAGE, ByteTokenizer, write_config
+    from fake_pipeline import API_KEY, make_orchestrator, write_config
 
-    from omni_cache.config import load_config
-    from omni_cache.runtime.orchestrator import Orchestrator
     from omni_cache.serving.server import ServerThread
 
     if args.unbounded_ws:  # as before ws_protocol: uvicorn's own, every message read whole on the loop
@@ -80,15 +78,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server_extra=f", max_outbox_bytes: {MIB}, media: {{allowed_url_hosts: ['127.0.0.1']}}",
     )
     rounds: list[dict[str, Any]] = []
-    orch = Orchestrator(
-        load_config(path),
-        tokenizer=ByteTokenizer(),
-        stage_argv=[sys.executable, str(FAKE_STAGE)],
-        start_timeout_s=60,
-        shutdown_grace_s=2,
-        echo_stage_logs=False,
-        manage_heap=args.manage_heap,  # as omni-serve's own process: heap trims, start-up objects frozen
-    )
+    # manage_heap: as omni-serve's own process (heap trims, start-up objects frozen)
+    orch = make_orchestrator(path, manage_heap=args.manage_heap)
     with ServerThread(orch, api_key=API_KEY) as srv:
         srv.wait_ready(60)
         config = srv.orchestrator.config

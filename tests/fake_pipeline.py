@@ -11,6 +11,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -83,7 +84,8 @@ stages:
     return path
 
 
-def make_orchestrator(path: Path) -> Orchestrator:
+def make_orchestrator(path: Path, **options: Any) -> Orchestrator:
+    """The fake-stage pipeline of config ``path``; ``options``: more Orchestrator arguments."""
     return Orchestrator(
         load_config(path),
         tokenizer=ByteTokenizer(),
@@ -91,6 +93,7 @@ def make_orchestrator(path: Path) -> Orchestrator:
         start_timeout_s=60,
         shutdown_grace_s=2,
         echo_stage_logs=False,
+        **options,
     )
 
 
