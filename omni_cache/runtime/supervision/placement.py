@@ -72,11 +72,9 @@ class StagePlacement:
         #: orchestrator and every actor hold it, no file is shared). Not with stages started by
         #: hand (they could not know it: such a pipeline needs server.stage_auth_key_file) nor
         #: where server.allow_unauthenticated_stages says the network is trusted.
-        self.run_secret: str | None = None
         server = config.server
-        if self.uses_ray and not external and server.stage_auth_key_file is None:
-            if not server.allow_unauthenticated_stages:
-                self.run_secret = new_secret()
+        makes_key = self.uses_ray and not external and server.stage_auth_key_file is None
+        self.run_secret = new_secret() if makes_key and not server.allow_unauthenticated_stages else None
         self._ray_connected = False  # we joined the cluster (close() leaves it)
 
     @property
