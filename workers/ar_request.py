@@ -70,14 +70,15 @@ def sampling_params(sampling: EngineSampling) -> Any:
 
 def resumed_as_undisturbed(out: StepOutput, tail: list[int], answer_finished: str) -> None:
     """A request whose replica died starts again on a live one with the answer its client already
-    has at the end of its prompt (omni_cache/runtime/request_path/resume.py); its first output passes through
-    here, so downstream stages and the client see one stream, as if nothing had happened.
+    has at the end of its prompt (omni_cache/runtime/request_path/resume.py); its first output
+    passes through here, so downstream stages and the client see one stream, as if nothing had
+    happened.
 
-    Rewrite a resumed request's first output (omni_cache.runtime.request_path.resume) as the output an
-    undisturbed run would have sent by now: its prompt is the client's, and the answer tokens at
-    the end of the resumed prompt are generated ones, sent with the new token. vLLM outputs
-    nothing before the first token, so this first output holds the whole prefill's rows: one per
-    position fed, as an undisturbed run has after sampling as many tokens.
+    Rewrite that first output as the output an undisturbed run would have sent by now: its prompt
+    is the client's, and the answer tokens at the end of the resumed prompt are generated ones,
+    sent with the new token. vLLM outputs nothing before the first token, so this first output
+    holds the whole prefill's rows: one per position fed, as an undisturbed run has after
+    sampling as many tokens.
 
     ``answer_finished``: the answer was complete; the token vLLM sampled now is not part of it,
     and neither is the row of the answer's last token, which an undisturbed run never feeds."""
