@@ -21,7 +21,7 @@ class InProcessServer:
         import uvicorn
 
         from omni_cache.runtime.orchestrator import Orchestrator
-        from omni_cache.serving.server import create_app, websocket_options
+        from omni_cache.serving.server import create_app, protocol_options
 
         self.orch = Orchestrator(
             config,
@@ -33,7 +33,7 @@ class InProcessServer:
         self.app = create_app(self.orch, manage_lifecycle=False)
         self._server = uvicorn.Server(
             uvicorn.Config(
-                self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", **websocket_options(config)
+                self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", **protocol_options(config)
             )
         )
         self._serving: asyncio.Task | None = None

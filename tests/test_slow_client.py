@@ -1,7 +1,8 @@
 """A chat client that reads nothing of a long spoken answer it streams is disconnected once more
 than ``server.max_outbox_bytes`` of the answer waits for it: its request is aborted, what waited
 is freed, and ``omni_cache_slow_clients_disconnected`` counts it in /metrics. Before, the answer
-waited in the server whole until ``server.request_timeout_s``.
+waited in the server whole until ``server.request_timeout_s``. The cut is expected (and counted):
+uvicorn's ERROR line for a response that ended unfinished is not logged for it.
 
 The server runs fake stages (tests/fake_stage.py: real processes, real ZMQ, no model): the echo
 thinker answers with its prompt's bytes, the fake decoder sends 240 float32 samples per token."""
@@ -9,6 +10,7 @@ thinker answers with its prompt's bytes, the fake decoder sends 240 float32 samp
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 import uuid
@@ -18,6 +20,7 @@ import pytest
 from fake_pipeline import API_KEY, make_orchestrator, write_config
 
 from omni_cache.runtime.metrics.prometheus import parse_metrics
+from omni_cache.serving.http_protocol import UNFINISHED
 from omni_cache.serving.server import ServerThread
 
 OUTBOX = 1024 * 1024  # 1092 tokens of the fake decoder's audio (2 s of its answer)
@@ -70,9 +73,21 @@ def _open_stream_without_reading(srv) -> socket.socket:
     return sock
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def test_a_client_that_stops_reading_is_disconnected_and_its_request_freed(srv):
     orch = srv.orchestrator
     before = _slow_clients(srv)
+    records = _Records()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(records)
     sock = _open_stream_without_reading(srv)
     try:
         end = time.monotonic() + 60
@@ -89,7 +104,9 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_request_freed(srv):
             received += chunk
     finally:
         sock.close()
+        uvicorn_log.removeHandler(records)
     assert b"data: [DONE]" not in received
+    assert UNFINISHED not in records.messages  # an expected cut, counted: no ERROR line
     assert len(received) < ANSWER_TOKENS * 700  # far from the whole answer
     # Another client is served as before.
     r = httpx.post(

@@ -124,6 +124,11 @@ class ServerConfig(ConfigStruct, kw_only=True):
     #: aborted and what waited freed (``omni_cache_slow_clients_disconnected`` in /metrics).
     #: 8 MiB: 87 s of 24 kHz audio ahead of the client.
     max_outbox_bytes: PositiveInt = 8 * 1024 * 1024
+    #: Seconds a streaming client may take none of the bytes sent to it (its TCP connection
+    #: acknowledges nothing while they wait) before it is disconnected the same way. Its writes
+    #: stop sooner, after half a second of that: the answer then waits unencoded, within
+    #: ``max_outbox_bytes``. 10 s: a client that plays as it reads takes bytes many times a second.
+    max_send_stall_s: PositiveFloat = 10.0
     #: Deadline of one client request, end to end.
     request_timeout_s: PositiveFloat = 300.0
     #: The model name clients address; ``None`` -> the pipeline's name (filled in on load).

@@ -408,6 +408,15 @@ class Orchestrator:
         if req is not None:
             self.ends.fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
 
+    def drop_slow_client(self, request_id: str, bound: str, message: str) -> None:
+        """A streaming client past one of its bounds (``bound``, a ``server`` key): its request
+        ends as a slow client's (request_ends.py), counted by bound."""
+        req = self.requests.find(request_id)
+        if req is not None:
+            self.ends.drop_slow_client(req, bound, message)
+        else:  # already answered: its handler still closes the connection
+            self.metrics.slow_client(bound)
+
     def abort_threadsafe(self, request_id: str, reason: str = "aborted") -> None:
         """`abort` from any thread, run on the orchestrator's loop (unknown or finished: ignored)."""
         if self._loop is None:

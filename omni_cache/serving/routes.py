@@ -34,10 +34,12 @@ from omni_cache.serving.chat_request import ChatRequest, drain_body, parse_chat_
 from omni_cache.serving.chat_sampling import engine_sampling
 from omni_cache.serving.chat_stream import StreamOptions, collect_unless_disconnected, stream_chunks, usage
 from omni_cache.serving.errors import APIError, Unauthorized
+from omni_cache.serving.http_protocol import quiet_unfinished_response, transport_of
 from omni_cache.serving.media import DecodedCache, MediaDecoder, MediaError, MediaItem
 from omni_cache.serving.realtime.client_items import ImageSource
 from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
 from omni_cache.serving.realtime.protocol import EventError
+from omni_cache.serving.send_watch import SendWatch
 from omni_cache.tasks import cancel_and_wait
 
 __all__ = ["AUDIO_TTL_S", "router"]
@@ -331,6 +333,7 @@ def _stream(
     )
     return _RequestStream(
         handle,
+        orch,
         stream_chunks(
             handle,
             base,
@@ -349,23 +352,39 @@ class _RequestStream(StreamingResponse):
     """An SSE response that ends its request however the response ends. The generator's own
     ``finally`` aborts an unanswered request only once the generator started: Starlette cancels
     a response whose client is already gone before it iterates the generator at all, and the
-    request (with its place among those in flight) would then live until its stages finished."""
+    request (with its place among those in flight) would then live until its stages finished.
 
-    def __init__(self, handle: RequestHandle, *args: Any, **kwargs: Any) -> None:
+    Its client's connection is watched (:mod:`omni_cache.serving.send_watch`): the writes wait
+    while the client takes nothing, and past ``server.max_send_stall_s`` of that it is dropped
+    as a slow client, as past ``server.max_outbox_bytes``."""
+
+    def __init__(self, handle: RequestHandle, orch: Orchestrator, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._handle = handle
+        self._max_stall_s = orch.config.server.max_send_stall_s
+        self._metrics = orch.metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        response = asyncio.ensure_future(super().__call__(scope, receive, send))
+        watch = SendWatch(transport_of(scope), self._max_stall_s, self._metrics.stream_write_paused)
+        response = asyncio.ensure_future(super().__call__(scope, receive, watch.send(send)))
         overflowed = asyncio.ensure_future(self._handle.overflowed.wait())
+        stalled = asyncio.ensure_future(watch.stalled())
         try:
-            await asyncio.wait({response, overflowed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({response, overflowed, stalled}, return_when=asyncio.FIRST_COMPLETED)
             if response.done():
                 response.result()
-            # Else its client stopped reading (server.max_outbox_bytes): the response is given
-            # up unfinished, which makes uvicorn close the connection; its write waits no more.
+            else:
+                if stalled.done():
+                    self._handle.drop_slow_client(
+                        "max_send_stall_s",
+                        f"the client took none of the answer for {self._max_stall_s:g} s "
+                        "(server.max_send_stall_s): the connection was closed",
+                    )
+                # Its client stopped reading (server.max_outbox_bytes or max_send_stall_s): the
+                # response is given up unfinished, which makes uvicorn close the connection.
+                quiet_unfinished_response()
         finally:
-            await cancel_and_wait(response, overflowed)
+            await cancel_and_wait(response, overflowed, stalled)
             if not self._handle.done:
                 self._handle.abort("the client disconnected from the stream")
 

@@ -52,6 +52,7 @@ from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.chat_output import parser_class
 from omni_cache.serving.errors import add_error_handlers
+from omni_cache.serving.http_protocol import HttpProtocol
 from omni_cache.serving.media import DecodedCache
 from omni_cache.serving.preload import preload
 from omni_cache.serving.realtime.connection import SessionRegistry
@@ -67,14 +68,17 @@ logger = logging.getLogger(__name__)
 #: (benchmarks.realtime_load, py-spy on the loop thread).
 WS_DEFLATE = False
 
-__all__ = ["ServerThread", "create_app", "serve", "websocket_options"]
+__all__ = ["ServerThread", "create_app", "protocol_options", "serve"]
 
 
-def websocket_options(config: Any) -> dict[str, Any]:
-    """uvicorn's WebSocket settings for a pipeline ``config``: the bounded protocol
+def protocol_options(config: Any) -> dict[str, Any]:
+    """uvicorn's protocol settings for a pipeline ``config``: HTTP whose requests see their
+    connection (:mod:`omni_cache.serving.http_protocol`: streamed answers watch their client's
+    TCP acknowledgements); WebSockets through the bounded protocol
     (:mod:`omni_cache.serving.realtime.ws_protocol`), its largest message, no deflate."""
     realtime = config.server.realtime
     return {
+        "http": HttpProtocol,
         "ws": bounded_ws_protocol(realtime.max_event_bytes),
         "ws_per_message_deflate": WS_DEFLATE,
         "ws_max_size": realtime.max_message_bytes,
@@ -213,7 +217,7 @@ def serve(config: Any, args: Any) -> int:
         lifespan="on",
         log_level=getattr(args, "log_level", "info") or "info",
         timeout_graceful_shutdown=5,
-        **websocket_options(config),
+        **protocol_options(config),
     )
     server = uvicorn.Server(uv_config)
     holder["server"] = server
@@ -255,7 +259,7 @@ class ServerThread:
                 lifespan="on",
                 log_level=log_level,
                 timeout_graceful_shutdown=2,
-                **websocket_options(orch.config),
+                **protocol_options(orch.config),
             )
         )
         self._host = host

@@ -99,16 +99,18 @@ class RequestEnds:
             self.abort_on_stages(req, skip=stage)
         logger.info("request %s failed (%d): %s", req.request_id, status, message)
 
-    def drop_slow_client(self, req: Request) -> None:
-        """``req``'s client let more than ``server.max_outbox_bytes`` of its answer wait: what
-        waits is dropped now, the request aborted on its stages, and its handler closes the
-        connection (the queue's ``overflowed``). Counted apart, not as a failed request."""
+    def drop_slow_client(self, req: Request, bound: str = "max_outbox_bytes", message: str = "") -> None:
+        """``req``'s client let more than ``server.max_outbox_bytes`` of its answer wait (or
+        took none of it for ``server.max_send_stall_s``: ``bound``, ``message``): what waits is
+        dropped now, the request aborted on its stages, and its handler closes the connection
+        (the queue's ``overflowed``). Counted apart, by bound, not as a failed request."""
         req.queue.drop()
-        self.metrics.slow_client()
+        self.metrics.slow_client(bound)
         self.fail(
             req,
             499,
-            f"more than {req.queue.max_bytes} bytes of the answer waited for the client to read them "
+            message
+            or f"more than {req.queue.max_bytes} bytes of the answer waited for the client to read them "
             "(server.max_outbox_bytes): the connection was closed",
             count=False,
         )

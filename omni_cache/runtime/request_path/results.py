@@ -120,6 +120,9 @@ class HandleOwner(Protocol):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Token ids -> text."""
 
+    def drop_slow_client(self, request_id: str, bound: str, message: str) -> None:
+        """End the request as a slow client's, past ``bound``."""
+
 
 class RequestHandle:
     """The client side of one accepted request: its events (streaming) or its result."""
@@ -196,6 +199,12 @@ class RequestHandle:
             if not self._terminal:
                 self.abort("the caller stopped waiting")
         raise RequestError(500, "request ended without a result", request_id=self.request_id)
+
+    def drop_slow_client(self, bound: str, message: str) -> None:
+        """Its client is past ``bound`` (a ``server`` key): the request ends as a slow client's,
+        what waits for it is dropped and :attr:`overflowed` is set (loop thread only)."""
+        self._orch.drop_slow_client(self.request_id, bound, message)
+        self._req.queue.drop()  # answered already: what waits goes all the same
 
     def abort(self, reason: str = "aborted by the client") -> None:
         """Forget the request and tell the stages to drop it (idempotent; loop thread only)."""

@@ -1,0 +1,135 @@
+"""A streaming chat client that takes none of its answer is cut by ``server.max_send_stall_s``,
+long before ``server.max_outbox_bytes`` could count it: its TCP connection acknowledges nothing
+while bytes wait (omni_cache/serving/send_watch.py). Its writes stop first (the answer waits
+unencoded), its request is aborted in every stage, the cut is counted in /metrics by bound, and
+uvicorn logs no ERROR for the response given up. Before, such a client was written to until the
+kernel's send buffer (megabytes) was full, and only the byte bound cut it; here, with a byte bound
+larger than the whole answer, it was not cut at all and read ``[DONE]`` at the end.
+
+The server runs fake stages (tests/fake_stage.py: real processes, real ZMQ, no model): the echo
+thinker answers with its prompt's bytes, the fake decoder sends 240 float32 samples per token."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import uuid
+
+import httpx
+import pytest
+from fake_pipeline import API_KEY, make_orchestrator, write_config
+
+from omni_cache.runtime.metrics.prometheus import parse_metrics
+from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
+from omni_cache.serving.server import ServerThread
+
+ANSWER_TOKENS = 20000  # 40 s at 2 ms a token: the stall bound (1 s) comes long before its end
+OUTBOX = 1 << 30  # more than the whole answer: only the stall bound can cut it
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def srv():
+    path = write_config(
+        f"stall_{uuid.uuid4().hex[:8]}",
+        token_delay_s=0.002,
+        max_model_len=2 * ANSWER_TOKENS + 200,  # the prompt is as long as the answer
+        timeout_s=120,
+        server_extra=f", max_outbox_bytes: {OUTBOX}, max_send_stall_s: 1",
+    )
+    server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+def _metric(srv, name: str, **labels: str) -> float:
+    r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    return sum(
+        v for n, got, v in parse_metrics(r.text) if n == name and all(got.get(k) == x for k, x in labels.items())
+    )
+
+
+def _open_stream_without_reading(srv) -> socket.socket:
+    """A streamed spoken answer asked for over a socket whose receive window is 4 KiB."""
+    body = json.dumps(
+        {
+            "model": srv.orchestrator.served_model_name,
+            "max_tokens": ANSWER_TOKENS,
+            "stream": True,
+            "modalities": ["text", "audio"],
+            "audio": {"format": "pcm16", "voice": "default"},
+            "messages": [{"role": "user", "content": "x" * ANSWER_TOKENS}],
+        }
+    ).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+    sock.connect((host, int(port)))
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
+    orch = srv.orchestrator
+    stalled = "omni_cache_slow_clients_disconnected_total"
+    cuts, pauses = _metric(srv, stalled, bound="max_send_stall_s"), _metric(srv, "omni_cache_stream_write_pauses_total")
+    records = Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    sock = _open_stream_without_reading(srv)
+    try:
+        # The request ends one way or the other: cut (the fix) or answered whole (before it).
+        end = time.monotonic() + 120
+        while not orch.in_flight:
+            assert time.monotonic() < end, "the request was never in flight"
+            time.sleep(0.05)
+        while orch.in_flight or orch.admission.bounds.requests:
+            assert time.monotonic() < end, "the silent client's request is still in flight"
+            time.sleep(0.05)
+        received = bytearray()
+        sock.settimeout(30)
+        while chunk := sock.recv(65536):
+            received += chunk
+    finally:
+        sock.close()
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    assert b"data: [DONE]" not in received, "the client that took nothing was kept to the end of its answer"
+    assert _metric(srv, stalled, bound="max_send_stall_s") == cuts + 1
+    assert _metric(srv, "omni_cache_stream_write_pauses_total") >= pauses + 1  # its writes waited first
+    assert UNFINISHED not in records.messages  # the cut is expected: no ERROR line for it
+    # Another client, reading, is served to the end.
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={
+            "model": orch.served_model_name,
+            "max_tokens": 400,
+            "stream": True,
+            "modalities": ["text", "audio"],
+            "messages": [{"role": "user", "content": "y" * 400}],
+        },
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+
+
+def test_the_filter_keeps_other_unfinished_responses():
+    """Only a response marked as given up loses its line; any other unfinished one is logged."""
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, UNFINISHED, None, None)
+    assert UnfinishedResponseFilter().filter(record)
