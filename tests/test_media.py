@@ -13,11 +13,13 @@ import time
 import tracemalloc
 from unittest import mock
 
+import httpx
 import numpy as np
 import pytest
 from media_samples import clip_b64, png_data_url
 
 from omni_cache.config.server_schema import MediaConfig
+from omni_cache.serving import media_fetch
 from omni_cache.serving.chat_request import MediaPart
 from omni_cache.serving.media import AUDIO, B64_SLICE_CHARS, IMAGE, DecodedCache, MediaDecoder, MediaError
 
@@ -130,9 +132,11 @@ def image_host():
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(png + b"\0" * 4096)
-            elif self.path in ("/bomb", "/gzipped"):  # compressed whatever the client asked for
+            elif self.path in ("/bomb", "/gzipped", "/declares-more", "/declares-less"):  # compressed anyway
                 ACCEPTED_ENCODINGS.append(self.headers.get("Accept-Encoding"))
-                body = BOMB if self.path == "/bomb" else gzip.compress(png)
+                body = {"/bomb": BOMB, "/declares-more": DECLARES_MORE, "/declares-less": DECLARES_LESS}.get(
+                    self.path, gzip.compress(png)
+                )
                 self.send_response(200)
                 self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(body)))
@@ -195,6 +199,41 @@ def test_a_url_fetch_has_a_status_a_size_limit_and_a_deadline_for_the_whole_down
 
 #: 64 MiB of zeros gzipped: 64 KiB on the wire.
 BOMB = gzip.compress(b"\0" * (64 << 20), compresslevel=9)
+#: A gzip header, a deflate block zlib refuses (type 3 is reserved), and a trailer declaring 1 GiB.
+DECLARES_MORE = gzip.compress(b"")[:10] + b"\xff" * 64 + (0).to_bytes(4, "little") + (1 << 30).to_bytes(4, "little")
+#: The bomb with a trailer that says it inflates to 100 bytes.
+DECLARES_LESS = BOMB[:-4] + (100).to_bytes(4, "little")
+
+
+def test_a_gzip_body_declaring_more_than_the_limit_is_refused_before_it_is_inflated(image_host):
+    """Its trailer's size is read first (here its deflate data would make zlib fail): before,
+    each bomb of benchmarks/hostile.py's attack was inflated to the limit on a worker thread,
+    a fifth of the server's CPU. A trailer that declares less does not get a bomb through: the
+    inflation stops at the limit as before."""
+    decoder = MediaDecoder(MediaConfig(allowed_url_hosts=["127.0.0.1"], max_item_bytes=1 << 20))
+    with pytest.raises(MediaError, match=r"max_item_bytes\) once its gzip body is inflated"):
+        fetched_image(decoder, image_host + "/declares-more")
+    with pytest.raises(MediaError, match=r"max_item_bytes\) once its gzip body is inflated"):
+        fetched_image(decoder, image_host + "/declares-less")
+
+
+def test_downloads_that_start_together_build_one_tls_context():
+    """Before: each download that found no context built its own, 16 at once (loading the CA
+    bundle each time) when benchmarks/hostile.py's URL attacks began."""
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    async def eight():
+        return await asyncio.gather(*(media_fetch.tls_context() for _ in range(8)))
+
+    real = httpx.create_ssl_context
+    with mock.patch.object(httpx, "create_ssl_context", build), mock.patch.object(media_fetch, "_tls", None):
+        contexts = asyncio.run(eight())
+    assert len(built) == 1
+    assert all(c is contexts[0] for c in contexts)
 
 
 def test_a_compressed_download_is_counted_on_the_wire_and_inflated_within_the_limit(image_host):

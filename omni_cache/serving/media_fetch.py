@@ -7,9 +7,12 @@ the wire: the request asks for ``Accept-Encoding: identity`` and reads the raw s
 httpx's decoded stream inflates a gzip / br / zstd body before it can be measured (a 1 MiB gzip
 body can inflate to 1 GiB). A server that compresses anyway has its body, already bounded on the
 wire, inflated on a worker thread to at most the same limit (gzip and deflate; other encodings are
-refused). The TLS context every download's client uses is built once, on a worker thread:
-httpx builds one per client by default, loading the CA bundle (90-450 ms on the event loop per
-download on a loaded 2-core host, measured with benchmarks/hostile.py's URL attacks)."""
+refused). A gzip body whose trailer declares more than the limit is refused before a byte of it
+is inflated: inflating a bomb to the limit (16 MiB by default) was a fifth of the server's CPU
+under benchmarks/hostile.py's attack. The TLS context every download's client uses is built once,
+on a worker thread, however many downloads start together: httpx builds one per client by
+default, loading the CA bundle (90-450 ms on the event loop per download on a loaded 2-core host,
+measured with benchmarks/hostile.py's URL attacks)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,16 @@ import httpx
 
 from omni_cache.config.server_schema import MediaConfig
 
-__all__ = ["FetchError", "check_host", "fetch", "fetch_all", "inflate_bounded", "is_remote"]
+__all__ = [
+    "FetchError",
+    "check_host",
+    "fetch",
+    "fetch_all",
+    "gzip_declared_size",
+    "inflate_bounded",
+    "is_remote",
+    "tls_context",
+]
 
 
 class FetchError(ValueError):
@@ -91,14 +103,26 @@ async def fetch(
 
 
 _tls: ssl.SSLContext | None = None
+#: The build in progress and the loop it runs for (a test may serve from several loops in turn).
+_building: tuple[asyncio.AbstractEventLoop, asyncio.Future[ssl.SSLContext]] | None = None
 
 
-async def _tls_context() -> ssl.SSLContext:
-    """httpx's default TLS context (its CA bundle), built once off the event loop."""
-    global _tls
-    if _tls is None:
-        context = await asyncio.to_thread(httpx.create_ssl_context)
-        _tls = _tls or context
+async def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (its CA bundle), built once off the event loop: the downloads
+    that start before it is ready wait for the same build (each made its own before: 16 at once
+    under benchmarks/hostile.py's first attack, 13% of the server's CPU samples)."""
+    global _tls, _building
+    if _tls is not None:
+        return _tls
+    loop = asyncio.get_running_loop()
+    if _building is None or _building[0] is not loop:
+        _building = (loop, asyncio.ensure_future(asyncio.to_thread(httpx.create_ssl_context)))
+    try:
+        context = await asyncio.shield(_building[1])  # a cancelled download leaves it to the others
+    except Exception:
+        _building = None  # the next download tries again
+        raise
+    _tls = _tls or context
     return _tls
 
 
@@ -108,7 +132,7 @@ async def _download(
     """The raw body of a 200 answer at ``url`` (refused once it passes ``limit`` bytes) and its
     Content-Encoding."""
     async with (
-        httpx.AsyncClient(follow_redirects=False, timeout=timeout_s, verify=await _tls_context()) as client,
+        httpx.AsyncClient(follow_redirects=False, timeout=timeout_s, verify=await tls_context()) as client,
         client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as resp,
     ):
         if resp.is_redirect:
@@ -130,15 +154,28 @@ async def _download(
         return bytes(data), resp.headers.get("content-encoding", "").strip().lower()
 
 
+def gzip_declared_size(data: bytes) -> int | None:
+    """What a gzip body's trailer says its last member inflates to (ISIZE: its bytes mod 2**32;
+    None: not gzip). The whole body inflates to at least that much, unless the trailer lies, which
+    zlib would refuse once it got there; a body of 4 GiB or more may declare less (the bounded
+    inflation still stops it)."""
+    if len(data) < 18 or data[:2] != b"\x1f\x8b":  # a header and a trailer at least
+        return None
+    return int.from_bytes(data[-4:], "little")
+
+
 def inflate_bounded(data: bytes, encoding: str, limit: int, param: str | None = None) -> bytes | None:
     """A gzip / deflate body inflated to at most ``limit`` bytes (None when it holds more: zlib
-    stops there, so a bomb never expands in memory); FetchError for another encoding."""
+    stops there, so a bomb never expands in memory; a gzip body whose trailer declares more is not
+    inflated at all); FetchError for another encoding."""
     if encoding not in ("gzip", "x-gzip", "deflate"):
         raise FetchError(
             f"media URL answered with Content-Encoding {encoding!r}; only gzip and deflate are read "
             "(this server asks for identity)",
             param,
         )
+    if encoding != "deflate" and (gzip_declared_size(data) or 0) > limit:
+        return None
     try:
         out = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding != "deflate" else zlib.MAX_WBITS).decompress(
             data, limit + 1
