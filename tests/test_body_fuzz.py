@@ -196,6 +196,22 @@ def test_json_shape_is_the_same_in_any_chunks(monkeypatch):
         assert [json_shape(t) for t in texts] == whole
 
 
+def test_json_shape_by_runs_outside_strings_is_the_scan_of_every_byte(monkeypatch):
+    """Chunks with few quotes are counted by their runs outside strings (a 2 MiB nesting attack
+    or a base64 string: a few passes): the same shapes as the scan of every byte, in any chunks,
+    escaped quotes and backslash runs across chunk edges included."""
+    rng = random.Random(7)
+    alphabet = [b"[", b"]", b"{", b"}", b'"', b"\\", b",", b"a", b"a" * 50, b"[" * 30, b"\\\\", b'\\"']
+    texts = [b"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 120))) for _ in range(400)]
+    texts += [b"[" * 5000, b'{"audio": "' + b"QUFB" * 4000 + b'"}', b'"' + b"\\" * 9 + b'"[[', b"\\" * 7 + b'"]']
+    monkeypatch.setattr(json_body, "_FEW_QUOTES", -1)  # every chunk scanned byte by byte
+    expected = [json_shape(t) for t in texts]
+    monkeypatch.setattr(json_body, "_FEW_QUOTES", 64)
+    for chunk in (1, 3, 64, 1 << 20):
+        monkeypatch.setattr(json_body, "_CHUNK", chunk)
+        assert [json_shape(t) for t in texts] == expected, chunk
+
+
 def test_json_shape_counts_values_outside_strings():
     assert json_shape(b'{"a": [1, 2, {"b": ",,[{"}], "c": "\\\\"}').values == 6
     assert json_shape(b"[]").values == 1 and json_shape(b"7").values == 0
