@@ -172,7 +172,8 @@ class FakeStage:
         prompt = list(sub.prompt_token_ids)
         tail = prompt[len(prompt) - k :] if k else []
         prompt = prompt[: len(prompt) - k]
-        raw = bytes(t for t in prompt if t < 256)
+        ids = np.asarray(prompt, dtype=np.int64)
+        raw = ids[ids < 256].astype(np.uint8).tobytes()
         cached = self._cached(prompt)
         self.counters["prefix_cache_queried_tokens"] += len(prompt)
         self.counters["prefix_cache_hit_tokens"] += cached
@@ -201,12 +202,17 @@ class FakeStage:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reason = "length" if len(out) >= sub.sampling.max_tokens else "stop"
         stall = b"STALL" in raw and not k
-        if not out:
-            out_msgs = [([], True)]
-        else:
-            out_msgs = [([t], i == len(out) - 1 and not stall) for i, t in enumerate(out)]
-            out_msgs[0] = (tail + out_msgs[0][0], out_msgs[0][1])
-        for i, (toks, last) in enumerate(out_msgs):
+
+        def out_msgs():
+            """(token ids, last) per output, made as they are sent: a list of 20,000 of them made
+            up front held this stage's loop (and every other request's tokens) for milliseconds
+            per long answer, 16 at once under benchmarks/hostile.py."""
+            if not out:
+                yield [], True
+            for i, t in enumerate(out):
+                yield (tail + [t] if i == 0 else [t]), i == len(out) - 1 and not stall
+
+        for i, (toks, last) in enumerate(out_msgs()):
             await asyncio.sleep(SLOW_FIRST_TOKEN_S if i == 0 and b"SLOWSTART" in raw else self.delay)
             new = toks[len(tail) :] if i == 0 else toks  # vLLM's text covers new tokens only
             text = decoder.decode(bytes(new), final=last and flush_at_end)
