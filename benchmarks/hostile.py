@@ -15,7 +15,14 @@ outbox hold its answer (~5 MiB: ~100 s at that pace), so an attacked phase lasts
 attacked phase (the 64 attacks, their 3 s of warm-up, then the probes), each ``--seconds`` long.
 Reported per round: /health p50/p99, first text p50/p99 (a streamed 4-token text answer asked for
 every 0.5 s, to its first content delta), the RSS at the phase's start and its peak (sampled
-every 20 ms), and the load average; then the medians over rounds and attacked / idle."""
+every 20 ms), and the load average; then the medians over rounds and attacked / idle.
+
+``--server-cpus 0 --attacker-cpus 1`` pins the server (with its stage processes and the probes) and
+the attackers' process to CPUs of their own, in both phases, so that what the attack traffic costs
+to generate does not compete with the server: what is left is what the server does for the
+attackers (other processes on the host still go anywhere). ``--ab`` runs twice the rounds, the
+server as it is and as before its send watch and gzip trailer check (:func:`as_before`) in turn, and
+reports each apart; ``--as-before`` runs only the latter."""
 
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.hostile_clients import MIX, Hostile, RssSampler, rss_bound
+from benchmarks.hostile_clients import MIX, Hostile, RssSampler, pin, rss_bound
 from benchmarks.report import percentile
+from omni_cache.serving.media_fetch import gzip_declared_size as GZIP_DECLARED_SIZE
 
 MIB = 1 << 20
 TESTS = Path(__file__).resolve().parents[1] / "tests"
@@ -54,6 +62,25 @@ def summary(probe: dict[str, Any]) -> dict[str, float]:
         "first_text_p99_ms": ms(probe["first_text"], 99),
         "probe_failures": probe["failures"],
     }
+
+
+def as_before(before: bool) -> None:
+    """The server as before the changes that followed the stall recorder (``before``) or as it is:
+    streams not watched (a silent reader written to until its socket's buffer is full,
+    omni_cache/serving/send_watch.py) and gzip trailers not read (each bomb inflated to the limit,
+    omni_cache/serving/media_fetch.py). Switched between rounds, in the same process."""
+    from omni_cache.serving import media_fetch, routes, send_watch
+
+    routes.SendWatch = (lambda transport, *a: send_watch.SendWatch(None, *a)) if before else send_watch.SendWatch
+    media_fetch.gzip_declared_size = (lambda data: None) if before else GZIP_DECLARED_SIZE
+
+
+def variants(args: argparse.Namespace) -> list[str]:
+    """Each round's server: "now", or with ``--ab`` "now" and "before" in turn, ABBA (so that a
+    host's load drifting over the run weighs on both alike)."""
+    if not args.ab:
+        return ["before" if args.as_before else "now"] * args.rounds
+    return [("now", "before", "before", "now")[i % 4] for i in range(2 * args.rounds)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,11 +116,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "nested_bytes": 2 * MIB,
             "silent_hold_s": 300.0,
             "attacker_nice": args.attacker_nice,
+            "attacker_cpus": args.attacker_cpus,
+            "probe_cpus": args.server_cpus,  # the probes beside the server: the attackers' CPU is not theirs
         }
         with Hostile(srv.url, srv.orchestrator.served_model_name, API_KEY, **options) as hostile:
             hostile.idle(5)  # warm: connections, first requests
-            for i in range(args.rounds):
-                row: dict[str, Any] = {"round": i + 1}
+            for i, variant in enumerate(variants(args)):
+                as_before(variant == "before")
+                row: dict[str, Any] = {"round": i + 1, "server": variant}
                 load = os.getloadavg()[0]
                 base = rss.reset()
                 row["idle"] = summary(hostile.idle(args.seconds)) | {
@@ -114,30 +144,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps(row), flush=True)
         rss.close()
         bound = rss_bound(config, MIX)
-    med = lambda phase, key: statistics.median(r[phase][key] for r in rounds)  # noqa: E731
     keys = ("health_p50_ms", "health_p99_ms", "first_text_p50_ms", "first_text_p99_ms")
-    medians = {phase: {k: med(phase, k) for k in keys} for phase in ("idle", "attacked")}
+    by_server: dict[str, Any] = {}
+    for variant in sorted({r["server"] for r in rounds}, reverse=True):  # "now" first
+        mine = [r for r in rounds if r["server"] == variant]
+        med = {p: {k: statistics.median(r[p][k] for r in mine) for k in keys} for p in ("idle", "attacked")}
+        ratio = {k: round(med["attacked"][k] / med["idle"][k], 2) for k in keys}
+        by_server[variant] = {"medians": med, "ratio": ratio}
     growth = max(r["attacked"]["rss_peak_mib"] - r["attacked"]["rss_mib"] for r in rounds)
     return {
         "machine": cpu_model(),
         "rounds": rounds,
-        "medians": medians,
-        "ratio": {k: round(medians["attacked"][k] / medians["idle"][k], 2) for k in keys},
+        "by_server": by_server,
         "rss_growth_max_mib": round(growth, 1),
         "rss_bound_mib": round(bound / MIB, 1),
         "mix": MIX,
         "seconds": args.seconds,
         "ws": "uvicorn's own (unbounded)" if args.unbounded_ws else "ws_protocol (bounded)",
+        "servers": variants(args),
         "token_delay_s": args.token_delay,
         "attacker_nice": args.attacker_nice,
+        "server_cpus": args.server_cpus,
+        "attacker_cpus": args.attacker_cpus,
         "manage_heap": args.manage_heap,
     }
 
 
 def table(result: dict[str, Any]) -> str:
-    m, r = result["medians"], result["ratio"]
+    return "\n\n".join(server_table(variant, v["medians"], v["ratio"]) for variant, v in result["by_server"].items())
+
+
+def server_table(variant: str, m: dict[str, Any], r: dict[str, float]) -> str:
     rows = [
-        "| | /health p50 | /health p99 | first text p50 | first text p99 |",
+        f"| server {variant} | /health p50 | /health p99 | first text p50 | first text p99 |",
         "|---|---|---|---|---|",
     ]
     for phase in ("idle", "attacked"):
@@ -174,13 +213,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--attacker-nice", type=int, default=0, help="niceness of the attackers' process (10: the server first)"
     )
+    cpus = lambda text: sorted({int(c) for c in text.split(",")})  # noqa: E731
+    ap.add_argument(
+        "--server-cpus",
+        type=cpus,
+        help="CPUs (0,1) for the server, its stages and the probes; with --attacker-cpus the attack "
+        "traffic's own CPU is kept off the server's (taskset)",
+    )
+    ap.add_argument("--attacker-cpus", type=cpus, help="CPUs for the attackers' process")
     ap.add_argument(
         "--unbounded-ws", action="store_true", help="uvicorn's own WebSocket protocol (before ws_protocol), to compare"
     )
+    ap.add_argument(
+        "--as-before",
+        action="store_true",
+        help="the server as before send_watch and the gzip trailer check (as_before)",
+    )
+    ap.add_argument("--ab", action="store_true", help="2 x --rounds rounds, the server now and as before in turn")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--log", help="append the run (command, machine, rounds, table) to this markdown file")
     args = ap.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    pin(args.server_cpus)  # first: the threads and stage processes started later inherit it
     result = run(args)
     text = table(result)
     print(text)
@@ -192,8 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.log, "a") as f:
             f.write(
                 f"\n## {started}: `python -m benchmarks.hostile {' '.join(argv or sys.argv[1:])}`\n\n"
-                f"Machine: {result['machine']}. WebSocket layer: {result['ws']}. Fake thinker: "
+                f"Machine: {result['machine']}. WebSocket layer: {result['ws']}. "
+                f"Server per round (now / as before send_watch and the gzip trailer check): "
+                f"{result['servers']}. Fake thinker: "
                 f"{result['token_delay_s']:g} s per token. Attackers at nice {result['attacker_nice']}. "
+                f"CPUs: server, stages and probes {result['server_cpus'] or 'any'}, attackers "
+                f"{result['attacker_cpus'] or 'any'}. "
                 f"manage_heap (gc.freeze after start-up): {result['manage_heap']}. "
                 f"Mix: {result['mix']}, "
                 f"{result['seconds']:g} s per phase.\n\n"

@@ -133,7 +133,14 @@ async def _url_chat(kind: str, o: dict[str, Any], stop: float, tally: collection
     }
     async with httpx.AsyncClient(timeout=120, headers=_headers(o["api_key"])) as client:
         while time.monotonic() < stop:
-            r = await client.post(o["url"] + "/v1/chat/completions", json=body)
+            try:
+                r = await client.post(o["url"] + "/v1/chat/completions", json=body)
+            except (httpx.ReadError, httpx.RemoteProtocolError) as e:
+                # A kept-alive connection the server closed while this process, starved of CPU
+                # (nice 10, pinned to one core), slept past uvicorn's 5 s keep-alive: ask again
+                # on a new one (counted apart, so a run says how often).
+                tally[f"{kind}: kept-alive connection closed ({type(e).__name__}), asked again"] += 1
+                continue
             message = r.json().get("error", {}).get("message", "") if r.status_code >= 400 else ""
             named = [b for b in ("server.media.max_item_bytes", "server.media.fetch_timeout_s") if b in message]
             if r.status_code == 400 and want in named:
@@ -156,7 +163,12 @@ def slow_clients(metrics_text: str) -> float:
 
 
 async def _slow_clients(client: Any, o: dict[str, Any]) -> float:
-    return slow_clients((await client.get(o["url"] + "/metrics")).text)
+    import httpx
+
+    try:
+        return slow_clients((await client.get(o["url"] + "/metrics")).text)
+    except (httpx.ReadError, httpx.RemoteProtocolError):  # a kept-alive connection closed meanwhile
+        return slow_clients((await client.get(o["url"] + "/metrics")).text)
 
 
 async def _silent(o: dict[str, Any], n: int, stop: float, tally: collections.Counter) -> None:
@@ -236,10 +248,17 @@ async def _attack(o: dict[str, Any], seconds: float) -> dict[str, int]:
     return dict(tally)
 
 
+def pin(cpus: Any) -> None:
+    """Keep this process (and the threads and processes it starts) on ``cpus`` (None: anywhere)."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+
+
 def attacker(o: dict[str, Any], go: Any, out: Any) -> None:
     """The attacker process: a media host, then one attack phase per ``go`` item (its seconds;
     None ends), each phase's outcomes put on ``out``."""
     os.nice(o["attacker_nice"])  # on a 2-core host the attackers' own CPU would be what is measured
+    pin(o["attacker_cpus"])  # or kept off the server's cores
     host = MediaHost(o["bomb_mib"])
     o = {**o, "media_url": host.url}
     out.put("ready")
@@ -252,6 +271,7 @@ def prober(o: dict[str, Any], go: Any, out: Any) -> None:
     latencies (seconds) of that long, put on ``out``."""
     import httpx
 
+    pin(o["probe_cpus"])
     out.put("ready")
     while (seconds := go.get()) is not None:
         stop = time.monotonic() + seconds
@@ -358,17 +378,20 @@ class Hostile:
             "silent_tokens": 12000,
             "silent_hold_s": 120.0,
             "attacker_nice": 0,
+            "attacker_cpus": None,  # CPU numbers; None: wherever the scheduler puts them
+            "probe_cpus": None,
             **options,
         }
         self.options = o
         ctx = multiprocessing.get_context("spawn")
         self._attack_go, self._attack_out = ctx.Queue(), ctx.Queue()
         self._probe_go, self._probe_out = ctx.Queue(), ctx.Queue()
-        self._procs = [
+        #: The attackers' process and the probes'.
+        self.procs = [
             ctx.Process(target=attacker, args=(o, self._attack_go, self._attack_out), daemon=True),
             ctx.Process(target=prober, args=(o, self._probe_go, self._probe_out), daemon=True),
         ]
-        for p in self._procs:
+        for p in self.procs:
             p.start()
         assert self._attack_out.get(timeout=300) == "ready" and self._probe_out.get(timeout=300) == "ready"
 
@@ -387,7 +410,7 @@ class Hostile:
     def close(self) -> None:
         self._attack_go.put(None)
         self._probe_go.put(None)
-        for p in self._procs:
+        for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()

@@ -35,6 +35,10 @@ GOOD = {
     "bomb: 400 naming server.media.fetch_timeout_s",  # the attacker's host slower than the limit
     "never: 400 naming server.media.fetch_timeout_s",
     "silent: cut, no [DONE]",
+} | {  # an attacker starved of CPU past uvicorn's 5 s keep-alive asks again on a new connection
+    f"{kind}: kept-alive connection closed ({error}), asked again"
+    for kind in ("bomb", "never")
+    for error in ("ReadError", "RemoteProtocolError")
 }
 
 
