@@ -93,6 +93,15 @@ class RealtimeConfig(ConfigStruct, kw_only=True):
     #: arrives and answered with ``event_too_large`` (an append of up to 15 MiB, which OpenAI's
     #: API accepts, gets that error, not a closed connection).
     max_message_bytes: PositiveInt = 16 * 1024 * 1024
+    #: The thinker listens while the user speaks: each complete audio-encoder window of a turn
+    #: (8 s for Qwen3-Omni) is prefilled as it arrives, so at the turn's end only the last window
+    #: and the answer remain (omni_cache/serving/realtime/listening.py). Off: the turn's audio is
+    #: prefilled when the turn ends (the prompt is the same either way).
+    listen_while_speaking: bool = True
+    #: Listening (prefill-only) requests in flight in the whole server at once; beyond it a
+    #: window is left to the turn's response. Each also takes a place among
+    #: ``max_requests_in_flight``, only while a quarter of them stays free.
+    max_listening_requests: PositiveInt = 8
 
 
 class ServerConfig(ConfigStruct, kw_only=True):

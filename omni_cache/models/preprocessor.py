@@ -19,6 +19,30 @@ def audio_input_rate(model_dir: str | Path) -> int:
     return int(rate) if isinstance(rate, int) and rate > 0 else DEFAULT_AUDIO_INPUT_RATE
 
 
+def audio_window_samples(model_dir: str | Path) -> int | None:
+    """Samples (at the feature extractor's rate) of one attention window of the model's audio
+    encoder, where audio cut into separate items encodes as the whole clip does; None when the
+    encoder has no such window (only Qwen3-Omni's audio tower is known to have one).
+
+    Qwen3-Omni (``thinker_config.audio_config``): convolutions over chunks of ``2 * n_window`` mel
+    frames (position restarting at each), attention within ``n_window_infer`` frames; one mel
+    frame is ``hop_length`` samples (``preprocessor_config.json``). A window is a whole number of
+    convolution chunks, so a cut every ``n_window_infer * hop_length`` samples changes only the
+    mel front end's frames at the cut (issue 51; docs/realtime.md)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        pre = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != "qwen3_omni_moe":
+        return None
+    audio = (config.get("thinker_config") or {}).get("audio_config") or {}
+    window, conv, hop = audio.get("n_window_infer"), audio.get("n_window"), pre.get("hop_length")
+    if not all(isinstance(v, int) and v > 0 for v in (window, conv, hop)) or window % (2 * conv):
+        return None
+    return window * hop
+
+
 #: vLLM's video loaders by name (``vllm.multimodal.video``): Qwen2-VL's (Qwen3-Omni's processor)
 #: and Qwen3-VL's (Qwen3-VL and Qwen3.5).
 QWEN2_VL, QWEN3_VL = "qwen2_vl", "qwen3_vl"

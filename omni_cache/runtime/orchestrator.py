@@ -41,7 +41,13 @@ from omni_cache.config.addresses import new_run_dir, with_default_addresses
 from omni_cache.config.overrides import with_overrides
 from omni_cache.config.stage_exposure import exposed_sockets
 from omni_cache.heap_trim import HeapTrimmer
-from omni_cache.models.preprocessor import DEFAULT_AUDIO_INPUT_RATE, QWEN2_VL, audio_input_rate, video_sampler
+from omni_cache.models.preprocessor import (
+    DEFAULT_AUDIO_INPUT_RATE,
+    QWEN2_VL,
+    audio_input_rate,
+    audio_window_samples,
+    video_sampler,
+)
 from omni_cache.models.voices import DEFAULT_VOICE, checkpoint_voices
 from omni_cache.runtime.metrics.loop_lag import watch_loop_lag
 from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics, StageSnapshot
@@ -142,6 +148,10 @@ class Orchestrator:
         self.codec = TextCodec(tokenizer)
         #: The rate the entry model's audio inputs are resampled to (its feature extractor's).
         self.audio_input_rate = DEFAULT_AUDIO_INPUT_RATE
+        #: The thinker's audio encoder window in samples and its audio placeholder token: a
+        #: realtime turn's audio is cut into items of that many samples (None: kept whole).
+        self.audio_window_samples: int | None = None
+        self.audio_placeholder_id: int | None = None
         self.video_sampler = QWEN2_VL  # vLLM's video loader for the entry model (set at start)
         self.voices: tuple[str, ...] = (DEFAULT_VOICE,)  # the entry checkpoint's speakers (set at start)
         self.admission = Admission(config, topology, self.supervisor)
@@ -256,6 +266,11 @@ class Orchestrator:
         path = resolve_model(self.topology.entry, self.config)
         self.codec.load(path)
         self.audio_input_rate = audio_input_rate(path)
+        window = audio_window_samples(path)
+        token = getattr(self.codec.tokenizer, "audio_token", None)
+        placeholder = self.codec.tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+        if window is not None and isinstance(placeholder, int) and placeholder >= 0:
+            self.audio_window_samples, self.audio_placeholder_id = window, placeholder
         self.video_sampler = video_sampler(path)
         self.voices = checkpoint_voices(path)
 

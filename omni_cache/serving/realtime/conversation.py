@@ -20,7 +20,17 @@ import numpy as np
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.serving.realtime.protocol import EventError, new_id
 
-__all__ = ["ItemPart", "Conversation", "Item", "SpokenText", "audio_item", "render"]
+__all__ = [
+    "ItemPart",
+    "Conversation",
+    "Item",
+    "SpokenText",
+    "audio_item",
+    "audio_parts",
+    "audio_runs",
+    "expand_audio_runs",
+    "render",
+]
 
 
 @dataclass
@@ -74,6 +84,10 @@ class ItemPart:
     type: str
     text: str = ""  # the text, or an audio part's transcript
     media: MediaItem | None = None  # input_audio / input_image
+    #: input_audio: this clip goes on the previous part's audio (one clip cut at the encoder's
+    #: windows, :func:`audio_parts`): no placeholder span of its own, its item right after the
+    #: previous one's inside the same ``audio_start ... audio_end``.
+    joined: bool = False
 
 
 @dataclass
@@ -109,7 +123,8 @@ class Item:
         for part in self.content:
             if part.media is not None:
                 media.append(part.media)
-                parts.append({"type": "audio" if part.media.kind == AUDIO else "image"})
+                if not part.joined:
+                    parts.append({"type": "audio" if part.media.kind == AUDIO else "image"})
             elif part.text:
                 parts.append({"type": "text", "text": part.text})
         if not parts:
@@ -133,6 +148,8 @@ class Item:
         }[self.role]
         content = []
         for part in self.content:
+            if part.joined:  # the rest of the clip before it
+                continue
             if part.type in ("input_audio", "output_audio"):
                 content.append({"type": part.type, "transcript": part.text or None})
             elif part.type == "input_image":
@@ -152,6 +169,55 @@ def audio_item(samples: np.ndarray, rate: int) -> MediaItem:
     h = hashlib.sha256(f"realtime-audio:{rate}:".encode())
     h.update(samples.tobytes())
     return MediaItem(AUDIO, samples, rate, h.hexdigest())
+
+
+def audio_parts(samples: np.ndarray, rate: int, window: int | None) -> list[ItemPart]:
+    """A user turn's audio as the prompt holds it: one clip, or (``window``: the thinker's audio
+    encoder window in samples) the clip cut every ``window`` samples, each piece its own item
+    (its own digest) and the pieces after the first joined to it. The thinker sees the same
+    token ids either way and encodes each window as the whole clip's (issue 51): the pieces of
+    a turn prefilled while it was spoken (:mod:`.listening`) are the turn's first items."""
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    if not window or len(samples) <= window:
+        return [ItemPart("input_audio", media=audio_item(samples, rate))]
+    return [
+        ItemPart("input_audio", media=audio_item(samples[at : at + window], rate), joined=at > 0)
+        for at in range(0, len(samples), window)
+    ]
+
+
+def audio_runs(items: list[Item]) -> list[int]:
+    """How many audio items each audio placeholder of a prompt of ``items`` stands for, in order."""
+    runs: list[int] = []
+    for item in items:
+        if item.message() is None:
+            continue
+        for part in item.content:
+            if part.media is None or part.media.kind != AUDIO:
+                continue
+            if part.joined and runs:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+    return runs
+
+
+def expand_audio_runs(token_ids: list[int], runs: list[int], placeholder: int | None) -> list[int]:
+    """``token_ids`` with the audio placeholder of a run of ``n`` items repeated ``n`` times (vLLM
+    expands each to its own item's tokens: the items sit side by side in one span)."""
+    if placeholder is None or all(n == 1 for n in runs):
+        return token_ids
+    out: list[int] = []
+    k = 0
+    for t in token_ids:
+        if t == placeholder and k < len(runs):
+            out.extend([t] * runs[k])
+            k += 1
+        else:
+            out.append(t)
+    if k != len(runs):
+        raise ValueError(f"the prompt has {k} audio placeholders for {len(runs)} clips")
+    return out
 
 
 class Conversation:

@@ -26,7 +26,7 @@ from typing import Any
 from omni_cache.runtime.request_path.admission import MediaHold
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.runtime.request_path.results import RequestError
-from omni_cache.serving.realtime.conversation import Conversation, Item, render
+from omni_cache.serving.realtime.conversation import Conversation, Item, audio_runs, expand_audio_runs, render
 from omni_cache.serving.realtime.protocol import EventError
 from omni_cache.serving.realtime.truncation import (
     MediaTokens,
@@ -70,6 +70,9 @@ class ConversationBounds:
             dict(pipeline.topology.entry.engine_args.extra) if pipeline.topology.entry.engine_args is not None else {}
         )
         self.audio_limit = media_limit(extra, "audio")
+        #: The thinker's audio placeholder token: a clip cut at the encoder's windows is one
+        #: placeholder per piece, side by side (conversation.audio_parts).
+        self.audio_placeholder: int | None = getattr(pipeline, "audio_placeholder_id", None)
         self.image_limit = media_limit(extra, "image")
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -203,6 +206,7 @@ class ConversationBounds:
         while True:
             messages, media = render(items[cut:], instructions)
             ids = await asyncio.to_thread(tokenize, messages)
+            ids = expand_audio_runs(ids, audio_runs(items[cut:]), self.audio_placeholder)
             estimate = len(ids) - len(media) + sum(self.media_tokens.of(m) for m in media)
             later = [c for c in cuts if c > cut]
             # The per-item counts assumed the template adds each message's tokens: the whole

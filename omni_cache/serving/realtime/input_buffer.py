@@ -18,6 +18,9 @@ class InputAudioBuffer:
         self._chunks: list[np.ndarray] = []
         self.size = 0  # samples held
         self.appended = 0  # samples appended since the session opened (the clock)
+        #: Changes whenever the first sample held changes (a commit, a clear, silence dropped
+        #: before speech): what was read with :meth:`head` before is not the buffer's start now.
+        self.epoch = 0
 
     @property
     def end_ms(self) -> int:
@@ -50,6 +53,19 @@ class InputAudioBuffer:
             self.size += len(samples)
             self.appended += len(samples)
 
+    def head(self, n: int) -> np.ndarray:
+        """A copy of the first ``n`` samples held (at most what is held); nothing is consumed."""
+        n = min(n, self.size)
+        if not n:
+            return np.zeros(0, np.float32)
+        parts, got = [], 0
+        for chunk in self._chunks:
+            parts.append(chunk[: n - got])
+            got += len(parts[-1])
+            if got >= n:
+                break
+        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
     def take(self) -> np.ndarray:
         """Everything held, and the buffer is empty after."""
         out = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
@@ -62,6 +78,7 @@ class InputAudioBuffer:
         drop = self.size - keep
         if drop <= 0:
             return
+        self.epoch += 1
         # Whole chunks leave from the front, the first kept one is sliced: called after every
         # tick of silence, this copies nothing (joining everything held each time did).
         while drop:
@@ -75,3 +92,4 @@ class InputAudioBuffer:
 
     def clear(self) -> None:
         self._chunks, self.size = [], 0
+        self.epoch += 1

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_cache.config.server_schema import RealtimeConfig
-from omni_cache.serving.realtime import client_items, input_worker, session_config, vad
-from omni_cache.serving.realtime.conversation import Conversation, Item, ItemPart, SpokenText, audio_item
+from omni_cache.serving.realtime import client_items, input_worker, listening, session_config, vad
+from omni_cache.serving.realtime.conversation import Conversation, Item, ItemPart, SpokenText, audio_parts
 from omni_cache.serving.realtime.conversation_bounds import ConversationBounds
 from omni_cache.serving.realtime.input_buffer import InputAudioBuffer
 from omni_cache.serving.realtime.protocol import EventError, error_event, make_event, new_id, refuse_unsupported
@@ -72,6 +72,12 @@ class RealtimeSession:
         self.response: ResponseRun | None = None
         self._response_task: asyncio.Task | None = None
         self.pace: float | None = None  # ms of audio per answer token, measured (SpokenText)
+        # A turn's audio is cut at the thinker's audio-encoder windows (None: kept whole) and
+        # prefilled window by window while it is spoken (issue 51).
+        self.audio_window: int | None = getattr(pipeline, "audio_window_samples", None)
+        self.listener = listening.Listener(
+            self, self.audio_window, limits.listen_while_speaking, limits.max_listening_requests
+        )
 
     @property
     def detector(self) -> vad.SpeechDetector | None:
@@ -89,6 +95,7 @@ class RealtimeSession:
     async def close(self) -> None:
         """Cancel the response in flight (its pipeline request is aborted) and wait for it."""
         self.audio_in.close()
+        await self.listener.close()  # its request in flight aborted
         if self.response is not None:
             self.response.cancel("client_disconnected", truncate=False)
         if self._response_task is not None:
@@ -168,6 +175,7 @@ class RealtimeSession:
             return
         if heard.in_speech is False:
             self.buffer.keep_last(self.config.turn_detection.prefix_padding_ms)
+        self.listener.poke()
 
     async def _barge_in_done(self) -> None:
         """When speech cancelled the response in flight, its response.done goes out before
@@ -181,6 +189,7 @@ class RealtimeSession:
 
         td = self.config.turn_detection
         start_ms = max(self.buffer.start_ms, at_ms - td.prefix_padding_ms)
+        self.listener.forget()  # nothing is listened to outside speech; a new turn starts here
         self.buffer.keep_last(self.buffer.end_ms - start_ms)
         self.speech_item_id = new_id("item")
         if td.interrupt_response and self.responding:
@@ -219,7 +228,8 @@ class RealtimeSession:
 
         # Room first (EventError keeps the buffer): a float32 sample is 4 bytes.
         dropped = self._room(self.buffer.size * 4)
-        item = Item("user", [ItemPart("input_audio", media=audio_item(self.buffer.take(), self.rate))], id=item_id)
+        item = Item("user", audio_parts(self.buffer.take(), self.rate, self.audio_window), id=item_id)
+        self.listener.turn_ended()
         previous = self._add(item, None, dropped)
         self.send(make_event(InputAudioBufferCommittedEvent, item_id=item.id, previous_item_id=previous))
         self.send(make_event(ConversationItemAdded, item=item.sdk(), previous_item_id=previous))
@@ -228,6 +238,7 @@ class RealtimeSession:
     def on_input_audio_buffer_clear(self, event: Any) -> None:
         from openai.types.realtime import InputAudioBufferClearedEvent
 
+        self.listener.forget()  # what was prefilled of it is abandoned
         self.buffer.clear()
         self.speech_item_id = None
         if self.detector is not None:

@@ -1,0 +1,183 @@
+"""End of speech -> first audio with the thinker listening while the user speaks, on vs off (issue 51).
+
+Per side (``server.realtime.listen_while_speaking`` true / false, one server each, prefix caches on)
+and per cell (turn length ``--seconds`` x sessions at once ``--sessions``): each session says
+``--turns`` turns of speech-like audio (benchmarks/speech_clips.py) appended in real time (100 ms
+appends, 100 ms apart, as a microphone sends them), then ``input_audio_buffer.commit`` and
+``response.create`` (manual turn detection: the time measured is the pipeline's, not the VAD's
+silence wait), and reads the whole answer before its next turn. Measured per turn, client side:
+commit -> first ``response.output_audio.delta`` (end of speech to first audio), the thinker's
+``cached_tokens`` over its prompt; per cell: the stage processes' CPU seconds (user + system, from
+/proc) per second of speech, and the thinker's.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.realtime_listening --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from benchmarks import harness
+from benchmarks.realtime_client import connect, next_event, read_answer
+from benchmarks.report import percentile
+from benchmarks.speech_clips import RATE, pcm16, turn_clip
+from benchmarks.side_processes import ManagedServer
+
+APPEND_S = 0.1
+
+
+def side_config(src: str, dst: Path, listen: bool, talker_max_tokens: int) -> Path:
+    data = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
+    for stage in data["stages"]:
+        if stage.get("submodel") == "talker":
+            stage.setdefault("sampling", {})["max_tokens"] = talker_max_tokens
+    data.setdefault("server", {}).setdefault("realtime", {})["listen_while_speaking"] = listen
+    dst.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return dst
+
+
+async def speak(conn: Any, samples: np.ndarray) -> None:
+    """``samples`` (24 kHz) appended in real time: 100 ms every 100 ms."""
+    import base64
+
+    data = pcm16(samples)
+    step = int(APPEND_S * RATE) * 2
+    t0 = time.monotonic()
+    for k, i in enumerate(range(0, len(data), step)):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(data[i : i + step]).decode())
+        delay = t0 + (k + 1) * APPEND_S - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def one_session(url: str, model: str, *, seconds: float, turns: int, max_tokens: int, seed: int) -> list[dict]:
+    out = []
+    async with connect(url, model) as conn:
+        assert (await next_event(conn)).type == "session.created"
+        await conn.session.update(
+            session={"type": "realtime", "max_output_tokens": max_tokens, "audio": {"input": {"turn_detection": None}}}
+        )
+        assert (await next_event(conn)).type == "session.updated"
+        for turn in range(turns):
+            await speak(conn, turn_clip(seconds, seed=seed * 1000 + turn))
+            t0 = time.monotonic()
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            answer = await read_answer(conn, t0=t0)
+            r = answer.done.response
+            if r.status not in ("completed", "incomplete"):
+                raise RuntimeError(f"turn {turn}: response {r.status}: {r.status_details}")
+            out.append(
+                {
+                    "turn": turn + 1,
+                    "first_audio_s": answer.first_audio_s,
+                    "input_tokens": r.usage.input_tokens,
+                    "cached_tokens": r.usage.input_token_details.cached_tokens,
+                    "text": answer.transcript,
+                }
+            )
+    return out
+
+
+def _cpu(pids: dict[str, int | None]) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        if pid is None:
+            continue
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return out
+
+
+def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from omni_cache.serving.realtime import listening
+
+    model = srv.server.orchestrator.served_model_name
+    stats0 = asdict(listening.TOTALS)
+    before = _cpu(srv.stage_pids())
+    t0 = time.monotonic()
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                one_session(srv.url, model, seconds=seconds, turns=args.turns, max_tokens=args.max_tokens, seed=seed + i)
+                for i in range(sessions)
+            )
+        )
+
+    results = asyncio.run(go())
+    wall = time.monotonic() - t0
+    after = _cpu(srv.stage_pids())
+    rows = [t for s in results for t in s]
+    fa = [r["first_audio_s"] for r in rows if r["first_audio_s"] is not None]
+    speech_s = seconds * args.turns * sessions
+    cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {
+        "seconds": seconds,
+        "sessions": sessions,
+        "turns": len(rows),
+        "first_audio_p50_ms": 1000 * percentile(fa, 50) if fa else None,
+        "first_audio_p90_ms": 1000 * percentile(fa, 90) if fa else None,
+        "cached_share": sum(r["cached_tokens"] for r in rows) / max(1, sum(r["input_tokens"] for r in rows)),
+        "stage_cpu_s_per_speech_s": sum(cpu.values()) / speech_s,
+        "stage_cpu_s_per_speech_s_by_stage": {k: v / speech_s for k, v in cpu.items()},
+        "wall_s": wall,
+        "listening": {k: v - stats0[k] for k, v in asdict(listening.TOTALS).items()},
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="stage_configs/qwen3_omni.yaml")
+    p.add_argument("--seconds", type=float, nargs="+", default=[2.0, 16.0, 30.0])
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=10)
+    p.add_argument("--talker-max-tokens", type=int, default=40)
+    p.add_argument("--sides", nargs="+", default=["on", "off"])
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result: dict[str, Any] = {"args": vars(args), "cells": []}
+    tmp = Path(tempfile.mkdtemp(prefix="listen_bench_"))
+    for side in args.sides:
+        cfg = side_config(args.config, tmp / f"{side}.yaml", side == "on", args.talker_max_tokens)
+        with ManagedServer(cfg, prefix_cache=True, tag=f"listen-{side}", checkpoint_dir=args.checkpoint_dir) as srv:
+            harness.log(f"listening {side}: ready after {srv.startup_s:.0f} s; warm-up")
+            model = srv.server.orchestrator.served_model_name
+            asyncio.run(one_session(srv.url, model, seconds=9.0, turns=1, max_tokens=args.max_tokens, seed=99_999))
+            for seconds in args.seconds:
+                for n in args.sessions:
+                    cell = run_cell(srv, seconds, n, args, seed=int(seconds * 100) + n)
+                    cell["side"] = side
+                    result["cells"].append(cell)
+                    harness.log(
+                        f"listening {side} {seconds:g} s x {n}: p50 {cell['first_audio_p50_ms']:.0f} ms, "
+                        f"p90 {cell['first_audio_p90_ms']:.0f} ms, cached {cell['cached_share']:.2f}, "
+                        f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, listening {cell['listening']}"
+                    )
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
