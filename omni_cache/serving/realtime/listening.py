@@ -15,7 +15,7 @@ abandoned leaves only evictable cached blocks that no other prompt can match.
 Bounds: at most one listening request per session at a time (a window that completes meanwhile is
 taken by the next one, which covers everything before it), at most
 ``server.realtime.max_listening_requests`` in the server, and each takes a place among
-``server.max_requests_in_flight`` only while a quarter of them stays free: a listening request
+``server.max_requestsIN_FLIGHT`` only while a quarter of them stays free: a listening request
 never takes the place an answer needs, and one that cannot be sent is skipped (the response
 computes that audio itself). None runs while the session's own response is in flight (its
 answer is not in the conversation yet). vLLM schedules the requests already decoding before
@@ -42,10 +42,10 @@ from omni_cache.tasks import wait_ended
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
-__all__ = ["TOTALS", "Listener", "ListenStats"]
+__all__ = ["IN_FLIGHT", "TOTALS", "Listener", "ListenStats"]
 
-#: Listening requests in flight, per pipeline (id) : the server-wide bound.
-_in_flight: dict[int, int] = {}
+#: Listening requests in flight, per pipeline (its id()): the server-wide bound.
+IN_FLIGHT: dict[int, int] = {}
 
 
 @dataclass
@@ -53,6 +53,7 @@ class ListenStats:
     requests: int = 0  # listening requests sent
     windows: int = 0  # windows they prefilled (the furthest each reached, summed per turn)
     aborted: int = 0  # aborted by a clear / a trimmed buffer / the session closing
+    cut: int = 0  # still running at the turn's commit: aborted, the response takes over
     skipped: int = 0  # not sent: the server's bounds
 
 
@@ -100,7 +101,13 @@ class Listener:
         self._reset()
 
     def turn_ended(self) -> None:
-        """A commit took the buffer: the request in flight finishes (the response hits its blocks)."""
+        """A commit took the buffer: the listening request in flight is aborted too. What it
+        computed stays in the prefix cache (vLLM hashes a block when its tokens are scheduled and
+        takes an abort between steps), and the turn's response, sent right after, computes the
+        rest once instead of both computing it (a window completed just before the commit)."""
+        if self._handle is not None and not self._handle.done:
+            self._handle.abort("realtime listening: the turn was committed")
+            _count(self.stats, "cut")
         self._reset()
 
     async def close(self) -> None:
@@ -157,7 +164,7 @@ class Listener:
         epoch, parts = self._epoch, list(self._parts)
         key = id(pipeline)
         bounds = pipeline.admission.bounds
-        if _in_flight.get(key, 0) >= self.max_requests or bounds.requests >= bounds.max_requests * 3 // 4:
+        if IN_FLIGHT.get(key, 0) >= self.max_requests or bounds.requests >= bounds.max_requests * 3 // 4:
             _count(self.stats, "skipped")
             return False
         turn = Item("user", parts)
@@ -175,7 +182,7 @@ class Listener:
             _count(self.stats, "skipped")
             return False
         ticket.prepaid = sum(m.array.nbytes for m in prompt.media)  # held by the session already
-        _in_flight[key] = _in_flight.get(key, 0) + 1
+        IN_FLIGHT[key] = IN_FLIGHT.get(key, 0) + 1
         try:
             self._handle = handle = await pipeline.submit(
                 ids,
@@ -196,8 +203,8 @@ class Listener:
             _count(self.stats, "skipped")
             return False
         finally:
-            _in_flight[key] -= 1
-            if not _in_flight[key]:
-                del _in_flight[key]
+            IN_FLIGHT[key] -= 1
+            if not IN_FLIGHT[key]:
+                del IN_FLIGHT[key]
             self._handle = None
         return True
