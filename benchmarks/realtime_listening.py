@@ -73,7 +73,15 @@ async def one_session(url: str, model: str, *, seconds: float, turns: int, max_t
             t0 = time.monotonic()
             await conn.input_audio_buffer.commit()
             await conn.response.create()
-            answer = await read_answer(conn, t0=t0)
+            first_text: list[float] = []
+
+            def on_event(event: Any, _answer: Any) -> None:
+                # The transcript's first delta: the thinker's first token at the client (the
+                # talker and decoder come after it).
+                if event.type == "response.output_audio_transcript.delta" and not first_text:
+                    first_text.append(time.monotonic() - t0)
+
+            answer = await read_answer(conn, t0=t0, on_event=on_event)
             r = answer.done.response
             if r.status not in ("completed", "incomplete"):
                 raise RuntimeError(f"turn {turn}: response {r.status}: {r.status_details}")
@@ -81,6 +89,7 @@ async def one_session(url: str, model: str, *, seconds: float, turns: int, max_t
                 {
                     "turn": turn + 1,
                     "first_audio_s": answer.first_audio_s,
+                    "first_text_s": first_text[0] if first_text else None,
                     "input_tokens": r.usage.input_tokens,
                     "cached_tokens": r.usage.input_token_details.cached_tokens,
                     "text": answer.transcript,
@@ -127,6 +136,7 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
     after = _cpu(srv.stage_pids())
     rows = [t for s in results for t in s]
     fa = [r["first_audio_s"] for r in rows if r["first_audio_s"] is not None]
+    ft = [r["first_text_s"] for r in rows if r.get("first_text_s") is not None]
     speech_s = seconds * args.turns * sessions
     cpu = {k: after[k] - before.get(k, 0.0) for k in after}
     return {
@@ -135,6 +145,8 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
         "turns": len(rows),
         "first_audio_p50_ms": 1000 * percentile(fa, 50) if fa else None,
         "first_audio_p90_ms": 1000 * percentile(fa, 90) if fa else None,
+        "first_text_p50_ms": 1000 * percentile(ft, 50) if ft else None,
+        "first_text_p90_ms": 1000 * percentile(ft, 90) if ft else None,
         "cached_share": sum(r["cached_tokens"] for r in rows) / max(1, sum(r["input_tokens"] for r in rows)),
         "stage_cpu_s_per_speech_s": sum(cpu.values()) / speech_s,
         "stage_cpu_s_per_speech_s_by_stage": {k: v / speech_s for k, v in cpu.items()},
@@ -171,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     result["cells"].append(cell)
                     harness.log(
                         f"listening {side} {seconds:g} s x {n}: p50 {cell['first_audio_p50_ms']:.0f} ms, "
-                        f"p90 {cell['first_audio_p90_ms']:.0f} ms, cached {cell['cached_share']:.2f}, "
+                        f"p90 {cell['first_audio_p90_ms']:.0f} ms (first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
+                        f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
                         f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, listening {cell['listening']}"
                     )
                     if args.json:

@@ -55,13 +55,15 @@ class ListenStats:
     aborted: int = 0  # aborted by a clear / a trimmed buffer / the session closing
     cut: int = 0  # still running at the turn's commit: aborted, the response takes over
     skipped: int = 0  # not sent: the server's bounds
+    busy_s: float = 0.0  # listening requests' time from submit to their end, summed
+    longest_s: float = 0.0  # the longest one
 
 
 #: Every session's counts, summed (this server process).
 TOTALS = ListenStats()
 
 
-def _count(stats: ListenStats, field_name: str, n: int = 1) -> None:
+def _count(stats: ListenStats, field_name: str, n: float = 1) -> None:
     setattr(stats, field_name, getattr(stats, field_name) + n)
     setattr(TOTALS, field_name, getattr(TOTALS, field_name) + n)
 
@@ -196,8 +198,13 @@ class Listener:
             _count(self.stats, "windows", len(parts) - self._fed)
             self._fed = len(parts)
             _count(self.stats, "requests")
+            sent = time.monotonic()
             async for _ in handle.events():  # the one token and its end, dropped
                 pass
+            took = time.monotonic() - sent
+            _count(self.stats, "busy_s", took)
+            for stats in (self.stats, TOTALS):
+                stats.longest_s = max(stats.longest_s, took)
         except RequestError as e:
             logger.debug("realtime listening request refused: %s", e)
             _count(self.stats, "skipped")
