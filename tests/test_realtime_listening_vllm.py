@@ -9,8 +9,9 @@ Checked, on a cache-on engine (vLLM's prefix cache and our mirror) and a cache-o
 * a listening request (the prompt up to the end of the first piece, no audio_end, max_tokens 1)
   leaves the blocks the turn's request then hits: at least every full block of the listened
   prompt, the encoder not run again for the first piece;
-* the rows the hit serves are bitwise the rows the listening request computed, and every row is
-  within the hidden-cache tolerance of the cache-off engine (tests/test_multimodal_cache.py's);
+* the rows the hit serves are bitwise the rows the listening request computed and the cache-off
+  engine's rows, and every row is within the hidden-cache tolerance of the cache-off engine
+  (tests/test_multimodal_cache.py's);
 * the turn's answer is the cache-off engine's, token for token.
 """
 
@@ -129,7 +130,8 @@ def test_a_listened_turn_hits_and_answers_as_the_whole_turn(engines):
         a, b = t_on.latents[name][:n].float(), t_off.latents[name][:n].float()
         rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
         assert float(rel.max()) <= ROW_RTOL, f"{name}: row {int(rel.argmax())} off by {float(rel.max()):.2e}"
-    # Reported, not asserted: whether the served rows are bitwise the cache-off engine's.
-    bitwise = {name: bool(torch.equal(t_on.latents[name][:hit], t_off.latents[name][:hit])) for name in t_on.latents}
-    print("served rows bitwise equal to the cache-off engine's:", bitwise, "hit", hit)
+    # The served rows are bitwise the cache-off engine's too (float32; held on this project's
+    # 2-core x86 hosts, where the listening prefix and the whole prompt run the same kernels).
+    for name in t_on.latents:
+        assert torch.equal(t_on.latents[name][:hit], t_off.latents[name][:hit]), f"{name}: not bitwise cache-off's"
     np.testing.assert_array_equal(np.concatenate(pieces), audio)
