@@ -71,7 +71,9 @@ def features(fe: Any, clips: list[np.ndarray]) -> list[torch.Tensor]:
     feature-extractor call over the request's clips, padded to the longest, clips pre-padded to
     a hop multiple)."""
     padded = [np.pad(c, (0, (-len(c)) % HOP)) for c in clips]
-    out = fe(padded, sampling_rate=RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
+    out = fe(
+        padded, sampling_rate=RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt"
+    )
     lens = out["attention_mask"].sum(-1).tolist()
     return [out["input_features"][i, :, : int(n)] for i, n in enumerate(lens)]
 

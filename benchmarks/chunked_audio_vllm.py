@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.chunked_audio_exactness import HOP, RATE, chunk_bounds, speech_audio
+from benchmarks.chunked_audio_exactness import RATE, chunk_bounds, speech_audio
 
 ANSWER_TOKENS = 12
 
@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": len(whole.prompt_token_ids),
             "token_ids_equal": whole.prompt_token_ids == chunked.prompt_token_ids,
             "greedy_answer_equal": list(whole.outputs[0].token_ids) == list(chunked.outputs[0].token_ids),
-            "text_after_audio_logprob_max_abs_diff": float(np.max(np.abs(np.subtract(wp[after - 1 :], cp[after - 1 :])))),
+            "text_after_audio_logprob_max_abs_diff": float(
+                np.max(np.abs(np.subtract(wp[after - 1 :], cp[after - 1 :])))
+            ),
             "answer_logprob_max_abs_diff": float(np.max(np.abs(np.subtract(wa, ca)))),
         }
         if len(chunks) > 1:

@@ -30,8 +30,8 @@ import yaml
 from benchmarks import harness
 from benchmarks.realtime_client import connect, next_event, read_answer
 from benchmarks.report import percentile
-from benchmarks.speech_clips import RATE, pcm16, turn_clip
 from benchmarks.side_processes import ManagedServer
+from benchmarks.speech_clips import RATE, pcm16, turn_clip
 
 APPEND_S = 0.1
 
@@ -75,7 +75,7 @@ async def one_session(url: str, model: str, *, seconds: float, turns: int, max_t
             await conn.response.create()
             first_text: list[float] = []
 
-            def on_event(event: Any, _answer: Any) -> None:
+            def on_event(event: Any, _answer: Any, first_text: list[float] = first_text, t0: float = t0) -> None:
                 # The transcript's first delta: the thinker's first token at the client (the
                 # talker and decoder come after it).
                 if event.type == "response.output_audio_transcript.delta" and not first_text:
@@ -126,7 +126,9 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
     async def go():
         return await asyncio.gather(
             *(
-                one_session(srv.url, model, seconds=seconds, turns=args.turns, max_tokens=args.max_tokens, seed=seed + i)
+                one_session(
+                    srv.url, model, seconds=seconds, turns=args.turns, max_tokens=args.max_tokens, seed=seed + i
+                )
                 for i in range(sessions)
             )
         )
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     result["cells"].append(cell)
                     harness.log(
                         f"listening {side} {seconds:g} s x {n}: p50 {cell['first_audio_p50_ms']:.0f} ms, "
-                        f"p90 {cell['first_audio_p90_ms']:.0f} ms (first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
+                        f"p90 {cell['first_audio_p90_ms']:.0f} ms "
+                        f"(first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
                         f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
                         f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, listening {cell['listening']}"
                     )

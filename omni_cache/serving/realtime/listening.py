@@ -171,7 +171,8 @@ class Listener:
             return False
         turn = Item("user", parts)
         c = s.config
-        prompt = await s.bounds.fit(list(s.conversation.items) + [turn], c.instructions, c.max_output_tokens, c.truncation)
+        items = list(s.conversation.items) + [turn]
+        prompt = await s.bounds.fit(items, c.instructions, c.max_output_tokens, c.truncation)
         if self._epoch != epoch or not self._listening():
             return False  # the audio changed meanwhile
         ids = prompt.token_ids
