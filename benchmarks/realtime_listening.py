@@ -60,8 +60,11 @@ async def speak(conn: Any, samples: np.ndarray) -> None:
             await asyncio.sleep(delay)
 
 
-async def one_session(url: str, model: str, *, seconds: float, turns: int, max_tokens: int, seed: int) -> list[dict]:
+async def one_session(
+    url: str, model: str, *, seconds: float, turns: int, max_tokens: int, seed: int, delay_s: float = 0.0
+) -> list[dict]:
     out = []
+    await asyncio.sleep(delay_s)
     async with connect(url, model) as conn:
         assert (await next_event(conn)).type == "session.created"
         await conn.session.update(
@@ -127,7 +130,13 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
         return await asyncio.gather(
             *(
                 one_session(
-                    srv.url, model, seconds=seconds, turns=args.turns, max_tokens=args.max_tokens, seed=seed + i
+                    srv.url,
+                    model,
+                    seconds=seconds,
+                    turns=args.turns,
+                    max_tokens=args.max_tokens,
+                    seed=seed + i,
+                    delay_s=args.stagger * i * seconds / sessions,
                 )
                 for i in range(sessions)
             )
@@ -167,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=10)
     p.add_argument("--talker-max-tokens", type=int, default=40)
     p.add_argument("--sides", nargs="+", default=["on", "off"])
+    p.add_argument(
+        "--stagger",
+        type=float,
+        default=0.0,
+        help="session i starts i x this x turn length / sessions later (0: in lock-step, every turn ends at once)",
+    )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
