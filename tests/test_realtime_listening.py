@@ -294,3 +294,22 @@ def test_a_refused_listening_request_is_skipped():
         await listener.close()
 
     asyncio.run(go())
+
+
+def test_a_listening_request_waits_while_an_answer_is_on_its_way_to_its_first_audio():
+    async def go():
+        pipeline = FakePipeline()
+        session = FakeSession(pipeline)
+        listener = listening.Listener(session, WINDOW, True, 8)
+        listening.answer_starting(pipeline)  # another session's response: submitted, no delta yet
+        session.buffer.append(clip(1.1))
+        listener.poke()
+        await asyncio.sleep(0.1)
+        assert pipeline.submitted == []
+        listening.answer_settled(pipeline)  # its first audio went out
+        await asyncio.sleep(0.05)
+        assert len(pipeline.submitted) == 1 and listening.STARTING == {}
+        assert listener.stats.yielded_s >= 0.1
+        await listener.close()
+
+    asyncio.run(go())

@@ -18,7 +18,9 @@ taken by the next one, which covers everything before it), at most
 ``server.max_requestsIN_FLIGHT`` only while a quarter of them stays free: a listening request
 never takes the place an answer needs, and one that cannot be sent is skipped (the response
 computes that audio itself). None runs while the session's own response is in flight (its
-answer is not in the conversation yet). vLLM schedules the requests already decoding before
+answer is not in the conversation yet), and one waits (up to 1 s) while any response of the
+server is between its submission and its first delta: answers on their way to first audio go
+first. vLLM schedules the requests already decoding before
 new prefill in each step, so answers being spoken go first. ``server.realtime.listen_while_speaking:
 false`` turns it off (the pieces stay: the prompts are the same either way).
 
@@ -42,7 +44,7 @@ from omni_cache.tasks import wait_ended
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
-__all__ = ["IN_FLIGHT", "TOTALS", "Listener", "ListenStats"]
+__all__ = ["IN_FLIGHT", "STARTING", "TOTALS", "Listener", "ListenStats", "answer_settled", "answer_starting"]
 
 #: Listening requests in flight, per pipeline (its id()): the server-wide bound.
 IN_FLIGHT: dict[int, int] = {}
@@ -55,8 +57,27 @@ class ListenStats:
     aborted: int = 0  # aborted by a clear / a trimmed buffer / the session closing
     cut: int = 0  # still running at the turn's commit: aborted, the response takes over
     skipped: int = 0  # not sent: the server's bounds
+    yielded_s: float = 0.0  # time listening requests waited for answers' first deltas
     busy_s: float = 0.0  # listening requests' time from submit to their end, summed
     longest_s: float = 0.0  # the longest one
+
+
+#: Responses sent and not yet at their first delta, per pipeline (its id()): a listening request
+#: waits (at most :data:`MAX_YIELD_S`) while there are any, so it does not take CPU from an
+#: answer's way to its first audio (the thinker, talker and decoder share the host's cores).
+STARTING: dict[int, int] = {}
+MAX_YIELD_S = 1.0
+
+
+def answer_starting(pipeline: Any) -> None:
+    STARTING[id(pipeline)] = STARTING.get(id(pipeline), 0) + 1
+
+
+def answer_settled(pipeline: Any) -> None:
+    key = id(pipeline)
+    STARTING[key] = STARTING.get(key, 0) - 1
+    if STARTING[key] <= 0:
+        del STARTING[key]
 
 
 #: Every session's counts, summed (this server process).
@@ -173,6 +194,10 @@ class Listener:
         c = s.config
         items = list(s.conversation.items) + [turn]
         prompt = await s.bounds.fit(items, c.instructions, c.max_output_tokens, c.truncation)
+        waited = time.monotonic()
+        while STARTING.get(key) and time.monotonic() - waited < MAX_YIELD_S:
+            await asyncio.sleep(0.01)  # an answer is on its way to its first audio: it goes first
+        _count(self.stats, "yielded_s", time.monotonic() - waited)
         if self._epoch != epoch or not self._listening():
             return False  # the audio changed meanwhile
         ids = prompt.token_ids

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.runtime.request_path.results import AudioDelta, Completed, Failed, RequestError, TextDelta
+from omni_cache.serving.realtime import listening
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item
 from omni_cache.serving.realtime.conversation_bounds import Prompt
@@ -81,6 +82,7 @@ class ResponseRun:
         self.done = False
         self.first_audio_at: float | None = None
         self._resampler: StreamResampler | None = None
+        self._starting = False  # counted in listening.STARTING: submitted, no first delta yet
 
     @property
     def audio(self) -> bool:
@@ -138,6 +140,8 @@ class ResponseRun:
         finally:
             if self.handle is not None and not self.handle.done:
                 self.handle.abort("the realtime session stopped waiting")
+            if self._starting:
+                self._settled()
             self._finish()
 
     async def _stream(self) -> None:
@@ -165,9 +169,13 @@ class ResponseRun:
         )
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")
+        listening.answer_starting(self.pipeline)  # listening requests wait for its first delta
+        self._starting = True
         async for ev in self.handle.events():
             if self.reason is not None:
                 return
+            if self._starting and (isinstance(ev, AudioDelta) or (isinstance(ev, TextDelta) and not self.audio)):
+                self._settled()
             if isinstance(ev, TextDelta):
                 self._on_text(ev)
             elif isinstance(ev, AudioDelta):
@@ -176,6 +184,10 @@ class ResponseRun:
                 self._on_completed(ev)
             elif isinstance(ev, Failed):
                 raise ev.error
+
+    def _settled(self) -> None:
+        self._starting = False
+        listening.answer_settled(self.pipeline)
 
     def _on_text(self, ev: TextDelta) -> None:
         from openai.types.realtime import ResponseAudioTranscriptDeltaEvent, ResponseTextDeltaEvent
