@@ -129,8 +129,8 @@ def compare(fe: Any, enc: Any, audio: np.ndarray, chunk_frames: int) -> dict[str
 def tiny_encoder() -> tuple[Any, Any]:
     from transformers import AutoProcessor, Qwen3OmniMoeForConditionalGeneration
 
-    from omni_cache.models import checkpoints as ck
-    from omni_cache.models.tiny import resolve_checkpoint_dir
+    from omni_cache.tiny import checkpoints as ck
+    from omni_cache.tiny.registry import resolve_checkpoint_dir
 
     path = ck.ensure_checkpoint("qwen3-omni", resolve_checkpoint_dir())
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()

@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    from omni_cache.models import checkpoints as ck
-    from omni_cache.models.tiny import resolve_checkpoint_dir
+    from omni_cache.tiny import checkpoints as ck
+    from omni_cache.tiny.registry import resolve_checkpoint_dir
 
     path = ck.ensure_checkpoint("qwen3-omni", resolve_checkpoint_dir())
     llm = LLM(
