@@ -8,7 +8,10 @@ appends, 100 ms apart, as a microphone sends them), then ``input_audio_buffer.co
 silence wait), and reads the whole answer before its next turn. Measured per turn, client side:
 commit -> first ``response.output_audio.delta`` (end of speech to first audio), the thinker's
 ``cached_tokens`` over its prompt; per cell: the stage processes' CPU seconds (user + system, from
-/proc) per second of speech, and the thinker's.
+/proc) per second of speech, and the thinker's. With ``--timeline DIR`` the pipeline's request
+timelines (omni_cache/timeline.py) are kept there and each cell also gets a per-stage breakdown
+of its responses' way to the first audio (``stage_breakdown``: from the server taking the
+response to its first audio coming back; listening requests have no audio and are left out).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.realtime_listening --json out.json
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,6 +32,7 @@ import numpy as np
 import yaml
 
 from benchmarks import harness
+from benchmarks.breakdown import AUDIO_SEGMENTS
 from benchmarks.realtime_client import connect, next_event, read_answer
 from benchmarks.report import percentile
 from benchmarks.side_processes import ManagedServer
@@ -116,6 +121,39 @@ def _cpu(pids: dict[str, int | None]) -> dict[str, float]:
     return out
 
 
+#: The server-side part of the first audio's way (the client's two ends are not in the timeline).
+SERVER_SIDE_SEGMENTS = tuple(seg for seg in AUDIO_SEGMENTS if not seg[1].startswith("client."))[:-1]
+
+
+def stage_breakdown(directory: str, t0: float, t1: float) -> dict[str, Any]:
+    """Per segment p50 / p90 (ms) over the responses the server received between t0 and t1
+    (monotonic), from the request timelines in ``directory``."""
+    from omni_cache import timeline
+
+    rows = []
+    for events in timeline.read(directory).values():
+        points = {f"{proc}.{ev}": t for proc, evs in events.items() for ev, t in evs.items()}
+        start = points.get("server.received")
+        if start is None or not t0 <= start <= t1 or "server.audio_in" not in points:
+            continue
+        outs = [t for k, t in points.items() if k.startswith("thinker.out") and k[11:].isdigit()]
+        job = points.get("talker.job")
+        before = [t for t in outs if job is not None and t <= job]
+        if before:
+            points["thinker.out*"] = max(before)
+        seg = {n: points[b] - points[a] for n, a, b in SERVER_SIDE_SEGMENTS if a in points and b in points}
+        if len(seg) == len(SERVER_SIDE_SEGMENTS):
+            seg["total"] = points["server.audio_in"] - start
+            rows.append(seg)
+    names = [n for n, _, _ in SERVER_SIDE_SEGMENTS] + ["total"]
+    return {
+        "responses": len(rows),
+        "ms": {
+            n: [round(1000 * percentile([r[n] for r in rows], q), 2) for q in (50, 90)] if rows else None for n in names
+        },
+    }
+
+
 def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     from dataclasses import asdict
 
@@ -144,6 +182,7 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
 
     results = asyncio.run(go())
     wall = time.monotonic() - t0
+    breakdown = stage_breakdown(args.timeline, t0, t0 + wall) if args.timeline else None
     after = _cpu(srv.stage_pids())
     rows = [t for s in results for t in s]
     fa = [r["first_audio_s"] for r in rows if r["first_audio_s"] is not None]
@@ -162,7 +201,9 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
         "stage_cpu_s_per_speech_s": sum(cpu.values()) / speech_s,
         "stage_cpu_s_per_speech_s_by_stage": {k: v / speech_s for k, v in cpu.items()},
         "wall_s": wall,
+        "load_average": os.getloadavg(),  # the host is shared: its 1/5/15-min load when the cell ended
         "listening": {k: v - stats0[k] for k, v in asdict(listening.TOTALS).items()},
+        "stage_breakdown": breakdown,
         "rows": rows,
     }
 
@@ -184,7 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--timeline", default=None, help="keep request timelines here; per-stage breakdown per cell")
+    p.add_argument("--rounds", type=int, default=1, help="run the whole grid of every side this many times")
     args = p.parse_args(argv)
+    if args.timeline:
+        from omni_cache.timeline import TIMELINE_DIR_ENV
+
+        # Read when the server's orchestrator and its stage processes start (stages inherit it).
+        os.environ[TIMELINE_DIR_ENV] = str(Path(args.timeline).resolve())
     result: dict[str, Any] = {"args": vars(args), "cells": []}
     tmp = Path(tempfile.mkdtemp(prefix="listen_bench_"))
     for side in args.sides:
@@ -193,20 +241,23 @@ def main(argv: list[str] | None = None) -> int:
             harness.log(f"listening {side}: ready after {srv.startup_s:.0f} s; warm-up")
             model = srv.server.orchestrator.served_model_name
             asyncio.run(one_session(srv.url, model, seconds=9.0, turns=1, max_tokens=args.max_tokens, seed=99_999))
-            for seconds in args.seconds:
-                for n in args.sessions:
-                    cell = run_cell(srv, seconds, n, args, seed=int(seconds * 100) + n)
-                    cell["side"] = side
-                    result["cells"].append(cell)
-                    harness.log(
-                        f"listening {side} {seconds:g} s x {n}: p50 {cell['first_audio_p50_ms']:.0f} ms, "
-                        f"p90 {cell['first_audio_p90_ms']:.0f} ms "
-                        f"(first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
-                        f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
-                        f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, listening {cell['listening']}"
-                    )
-                    if args.json:
-                        Path(args.json).write_text(json.dumps(result, indent=1))
+            cells = [(r, seconds, n) for r in range(args.rounds) for seconds in args.seconds for n in args.sessions]
+            for rnd, seconds, n in cells:
+                cell = run_cell(srv, seconds, n, args, seed=int(seconds * 100) + n + 10_000 * rnd)
+                cell["side"], cell["round"] = side, rnd
+                result["cells"].append(cell)
+                harness.log(
+                    f"listening {side} {seconds:g} s x {n}: p50 {cell['first_audio_p50_ms']:.0f} ms, "
+                    f"p90 {cell['first_audio_p90_ms']:.0f} ms "
+                    f"(first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
+                    f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
+                    f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, listening {cell['listening']}"
+                )
+                if cell["stage_breakdown"]:
+                    bd = cell["stage_breakdown"]["ms"]
+                    harness.log("  p50/p90 ms: " + ", ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in bd.items() if v))
+                if args.json:
+                    Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
