@@ -183,6 +183,7 @@ class Pipeline:
         media: Sequence[Sequence[Any]] | None = None,
         stream: bool = False,
         voice: str = "",
+        prefill_only: bool = False,
     ) -> list[GenerationResult]:
         """Run prompts through the pipeline; one :class:`GenerationResult` per prompt, in order.
 
@@ -201,6 +202,8 @@ class Pipeline:
         ``pacing`` then pace their audio to playback, as for an HTTP client with ``"stream":
         true``; the results are still whole answers. ``voice``: the speaker of the spoken answers,
         one of ``pipeline.orchestrator.voices`` ("" or ``default``: the checkpoint's default).
+        ``prefill_only=True``: the prompts are only taken into the stages' prefix caches, as a
+        realtime session listening to its user does (``Orchestrator.submit``'s ``prefill_only``).
 
         Raises :class:`GenerationError` if any request failed (after all of them ended).
         """
@@ -232,6 +235,7 @@ class Pipeline:
             timeout_s=timeout_s,
             stream=stream,
             voice=_checked_voice(voice, self.orchestrator.voices),
+            prefill_only=prefill_only,
         )
         outcomes = self._run(self._generate(token_lists, kwargs, media))
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}

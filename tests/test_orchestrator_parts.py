@@ -93,6 +93,22 @@ def test_an_admitted_request_has_the_stage_defaults_with_its_overrides(config):
     assert adm.check([1]).participants == ("thinker",)  # text only: the entry stage alone
 
 
+def test_a_prefill_only_request_passes_the_entry_stage_and_a_talker_only(config):
+    # Here the decoder reads the thinker's text directly: it has no prompt to prefill.
+    adm = admission_of(config)
+    assert adm.check([1], prefill_only=True).participants == ("thinker",)
+    with pytest.raises(RequestError) as info:
+        adm.check([1], modalities=["audio"], prefill_only=True)
+    assert info.value.status == 400 and "talker" in info.value.message
+    # Qwen3-Omni: thinker -> talker -> decoder; a listening request stops at the talker.
+    q3 = load_config(Path(__file__).resolve().parents[1] / "stage_configs" / "qwen3_omni.yaml")
+    topology = Topology.of(q3)
+    assert topology.speaker == "talker" and topology.speaker_prefills
+    assert topology.participants(("text", "audio"), prefill_only=True) == ("thinker", "talker")
+    assert topology.participants(("text", "audio")) == ("thinker", "talker", "decoder")
+    assert topology.participants(("text",), prefill_only=True) == ("thinker",)
+
+
 @pytest.mark.parametrize(
     "prompt, kwargs, status, needle",
     [

@@ -52,6 +52,7 @@ class ARRequest:
     stream: bool = False  # Submit.stream, forwarded downstream in the StreamStart
     voice: str = ""  # Submit.voice (or the upstream's StreamStart.voice), forwarded likewise
     clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
+    prefill_only: bool = False  # Submit.prefill_only (or the StreamStart's), forwarded likewise
 
 
 def sampling_params(sampling: EngineSampling) -> Any:

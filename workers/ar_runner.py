@@ -130,6 +130,7 @@ class ARRunner(StageRunner):
             route=dict(msg.route),
             stream=msg.stream,
             voice=msg.voice,
+            prefill_only=msg.prefill_only,
         )
         req.clock = self._clock(req)
         if msg.resumed_tokens:
@@ -204,6 +205,7 @@ class ARRunner(StageRunner):
             upstream=Upstream.opened_by(start),
             stream=start.stream,
             voice=start.voice,
+            prefill_only=start.prefill_only,
         )
         req.clock = self._clock(req)
         self.requests[start.request_id] = req
@@ -384,7 +386,9 @@ class ARRunner(StageRunner):
                     input_text=msg.input_text,
                 )
             )
-        if self.downstream and "audio" in req.modalities:
+        # A prefill-only request ends at the stage fed by a hand-off (the talker: its prompt is
+        # prefilled; the decoder has none, Topology.participants).
+        if self.downstream and "audio" in req.modalities and not (req.prefill_only and self.handoff is not None):
             down = msg
             if out.spoken is not None:  # only the tokens whose text the client has
                 down = msgspec.structs.replace(msg, token_ids=out.spoken.token_ids, text=out.spoken.text, logprobs=None)
@@ -427,6 +431,7 @@ class ARRunner(StageRunner):
             video_seconds_per_grid=out.video_grids.seconds_per_grid if out.video_grids else [],
             stream=req.stream,
             voice=req.voice,
+            prefill_only=req.prefill_only,
         )
 
     # ---- control ---------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class Upstream:
     video_grids: list[list[int]] = field(default_factory=list)  # (t, h, w) per video of the prompt
     video_seconds_per_grid: list[float] = field(default_factory=list)  # per video
     voice: str = ""  # the speaker the request asked for ("" = the checkpoint's default)
+    # A prefill-only request (wire Submit.prefill_only): its prompt ends inside the user's turn
+    # (a realtime session listening); the hand-off builds a prompt to prefill, nothing to speak.
+    prefill_only: bool = False
 
     @classmethod
     def opened_by(cls, start: Any) -> Upstream:
@@ -53,6 +56,7 @@ class Upstream:
             video_grids=[list(g) for g in start.video_grids],
             video_seconds_per_grid=list(start.video_seconds_per_grid),
             voice=start.voice,
+            prefill_only=start.prefill_only,
         )
 
 

@@ -336,6 +336,7 @@ class Orchestrator:
         ticket: Ticket | None = None,
         stream: bool = False,
         voice: str = "",
+        prefill_only: bool = False,
     ) -> RequestHandle:
         """Accept a request and send it to the entry stage; :class:`RequestError` when it is
         refused up front (:mod:`omni_cache.runtime.request_path.admission`), else a handle that gets exactly
@@ -349,7 +350,9 @@ class Orchestrator:
         conversation) stay on the replicas its first request went to. ``ticket``: its place in
         the server's bounds, taken before its body was read (None: here). ``stream``: its client
         plays it as it comes (stages pace its audio: docs/pacing.md). ``voice``: the speaker of
-        its spoken answer, one of :attr:`voices` ("" or ``default``: the checkpoint's default)."""
+        its spoken answer, one of :attr:`voices` ("" or ``default``: the checkpoint's default).
+        ``prefill_only``: the stages only take its prompt into their prefix caches (wire
+        ``Submit.prefill_only``; with "audio", the talker's too and no decoder)."""
         ticket = ticket or self.admission.enter()
         try:
             admitted = self.admission.check(
@@ -362,6 +365,7 @@ class Orchestrator:
                 seed=seed,
                 modalities=modalities,
                 media=media,
+                prefill_only=prefill_only,
             )
             # Hashing grows with the prompt: off the event loop (omni_cache.runtime.routing.route_planner).
             hashes = await asyncio.to_thread(self.routes.hasher(admitted.prompt_token_ids, admitted.media))
@@ -376,6 +380,7 @@ class Orchestrator:
                 ticket=ticket,
                 max_outbox_bytes=self.config.server.max_outbox_bytes,
             )
+            req.prefill_only = prefill_only
             self.routes.assign(req, admitted.prompt_token_ids, admitted.media, session_id=session_id, hashes=hashes)
             req.submit = submit_message(
                 req, admitted.sampling, admitted.media, stream=stream, voice="" if voice == DEFAULT_VOICE else voice

@@ -144,6 +144,11 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     #: The speaker of a spoken answer (the request's ``audio.voice``; "" = the checkpoint's
     #: default): the talker and decoder stages read it from the StreamStart.
     voice: Voice = ""
+    #: A prefill-only request (a realtime session listening while its user speaks,
+    #: omni_cache/serving/realtime/listening.py): the prompt is taken into the prefix caches of
+    #: the entry stage and, with "audio", of the stage that speaks its text (the talker); that
+    #: stage writes nothing downstream. Its output is dropped by its sender.
+    prefill_only: bool = False
 
 
 class MediaSpan(msgspec.Struct, array_like=True):
@@ -236,6 +241,8 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
     stream: bool = False
     # The request's Submit.voice: the speaker the talker and decoder stages speak with.
     voice: Voice = ""
+    # The request's Submit.prefill_only: the receiver prefills its prompt and sends nothing on.
+    prefill_only: bool = False
 
     @classmethod
     def opening(cls, first: StageOutput, **once: Any) -> StreamStart:

@@ -263,12 +263,14 @@ class Admission:
         seed: int | None = None,
         modalities: Iterable[str] = ("text",),
         media: Sequence[MediaItem] = (),
+        prefill_only: bool = False,
     ) -> AdmittedRequest:
         """The admitted request, or :class:`RequestError` for the first check it fails.
         ``sampling``: the request's, as the server resolved it; without it the entry stage's
         defaults with ``max_tokens``, ``temperature``, ``top_p`` and ``seed`` where given.
         ``ticket``: the request's place in the bounds; its media are held on it (what they hold
-        decoded, beyond what was reserved from their headers)."""
+        decoded, beyond what was reserved from their headers). ``prefill_only``: the stages it
+        passes (:meth:`Topology.participants`) are those of a prefill-only request."""
         if ticket is not None:
             self.hold_media(ticket, [m.array.nbytes for m in media])
         if self.state == CLOSED:
@@ -282,7 +284,9 @@ class Admission:
         if sampling.max_tokens < 1:
             raise RequestError(400, f"max_tokens must be at least 1, got {sampling.max_tokens}")
         self._context_length(len(ids), sampling.max_tokens)
-        participants = self._topology.participants(mods)
+        if prefill_only and "audio" in mods and not self._topology.speaker_prefills:
+            raise RequestError(400, "a prefill-only request asks for audio only where a talker speaks the text")
+        participants = self._topology.participants(mods, prefill_only)
         self._available(participants)
         return AdmittedRequest(ids, mods, sampling, participants, tuple(media))
 

@@ -60,6 +60,8 @@ class Request:
     deadline: float  # time.monotonic() by which it fails with 504
     timeout_s: float
     return_latents: bool
+    #: A prefill-only request (wire ``Submit.prefill_only``): a realtime session listening.
+    prefill_only: bool = False
     #: stage -> the replica serving this request there (omni_cache.runtime.routing.replica_router)
     route: dict[str, int] = field(default_factory=dict)
     #: block size -> the prompt's block hashes (prefix routing; empty for a prompt with media):
@@ -244,6 +246,7 @@ def submit_message(
         route=dict(req.route),
         stream=stream,
         voice=voice,
+        prefill_only=req.prefill_only,
     )
 
 

@@ -25,6 +25,9 @@ class Topology:
     downstream_of_entry: frozenset[str]
     #: The stage that speaks the text stage's output (reads it directly), if any.
     speaker: str | None = None
+    #: The speaker is an autoregressive stage (a talker: it has a prompt, so a prefill-only
+    #: request can fill its prefix cache); a generation stage (a decoder) has none.
+    speaker_prefills: bool = False
 
     @classmethod
     def of(cls, config: PipelineConfig) -> Topology:
@@ -40,12 +43,19 @@ class Topology:
             audio_stage=audio[0] if audio else None,
             downstream_of_entry=frozenset(_reachable(config, entry.name)),
             speaker=speakers[0].name if speakers else None,
+            speaker_prefills=bool(speakers) and speakers[0].kind == "autoregressive",
         )
 
-    def participants(self, modalities: Iterable[str]) -> tuple[str, ...]:
-        """The stages a request with these modalities needs, in topological order."""
+    def participants(self, modalities: Iterable[str], prefill_only: bool = False) -> tuple[str, ...]:
+        """The stages a request with these modalities needs, in topological order. A prefill-only
+        request (wire ``Submit.prefill_only``) with "audio" goes only as far as the stage that
+        speaks the text (the talker): the stages after it have no prompt to prefill."""
         names = {self.entry.name}
-        if "audio" in modalities:
+        if "audio" in modalities and prefill_only:
+            if not self.speaker_prefills:
+                raise ValueError("a prefill-only request asks for audio only where the speaker has a prompt")
+            names.add(self.speaker)
+        elif "audio" in modalities:
             names |= self.downstream_of_entry
         return tuple(n for n in self.stage_names if n in names)
 
