@@ -120,6 +120,7 @@ class FakePipeline:
     def __init__(self, max_requests: int = 8) -> None:
         self.admission = SimpleNamespace(bounds=InFlightBounds(max_requests, 2**40))
         self.admission.enter = self.admission.bounds.enter
+        self.topology = SimpleNamespace(speaker_prefills=True)  # a talker speaks (Topology)
         self.submitted: list[dict] = []
         self.handles: list[FakeHandle] = []
 
@@ -150,14 +151,16 @@ class FakeBounds:
 
 
 class FakeSession:
-    def __init__(self, pipeline: FakePipeline, vad: bool = False) -> None:
+    def __init__(self, pipeline: FakePipeline, vad: bool = False, output: str = "text") -> None:
         self.id = "sess_test"
         self.pipeline = pipeline
         self.rate = RATE
         self.buffer = InputAudioBuffer(RATE, 60.0)
         self.bounds = FakeBounds()
         self.conversation = SimpleNamespace(items=[Item("user", [ItemPart("input_text", text="hi")])])
-        self.config = SimpleNamespace(instructions="", max_output_tokens=5, truncation=None)
+        self.config = SimpleNamespace(
+            instructions="", max_output_tokens=5, truncation=None, output_modalities=(output,)
+        )
         self.responding = False
         self.detector = object() if vad else None
         self.speech_item_id = "item_1" if vad else None
@@ -184,6 +187,7 @@ def test_each_complete_window_is_prefilled_up_to_its_end_and_no_further():
         # The conversation's prompt, then the turn's first window: no audio_end, no answer prompt.
         assert req["ids"] == [1, 9, PAD]
         assert req["max_tokens"] == 1 and req["modalities"] == ("text",) and req["session_id"] == session.id
+        assert req["prefill_only"] is True
         (piece,) = req["media"]
         np.testing.assert_array_equal(piece.array, session.buffer.head(WINDOW))
         # A second window arrives while the first request runs: one request at a time, then the
@@ -310,6 +314,24 @@ def test_a_listening_request_waits_while_an_answer_is_on_its_way_to_its_first_au
         await asyncio.sleep(0.05)
         assert len(pipeline.submitted) == 1 and listening.STARTING == {}
         assert listener.stats.yielded_s >= 0.1
+        await listener.close()
+
+    asyncio.run(go())
+
+
+def test_a_session_that_speaks_its_answers_has_the_talker_listen_too():
+    """Its listening requests ask for audio (thinker -> talker) and are prefill-only: the talker
+    prefills the user turn's rows, no decoder runs (tests/test_talker_listening_e2e.py)."""
+
+    async def go():
+        pipeline = FakePipeline()
+        session = FakeSession(pipeline, output="audio")
+        listener = listening.Listener(session, WINDOW, True, 8)
+        session.buffer.append(clip(1.2))
+        listener.poke()
+        await settle()
+        (req,) = pipeline.submitted
+        assert req["modalities"] == ("text", "audio") and req["prefill_only"] is True
         await listener.close()
 
     asyncio.run(go())

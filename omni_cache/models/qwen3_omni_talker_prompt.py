@@ -171,21 +171,51 @@ class TalkerPrompt:
         if speaker_id is None:
             raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(self.speakers)}")
         start = self.assistant_start(prompt_token_ids)
-        user = self.user_positions(prompt_token_ids[:start])
-        media = torch.tensor([prompt_token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
+        user_rows = self.user_rows(prompt_token_ids[:start], embeds, accept)
         dtype = self.tts_pad.dtype
-        index = torch.tensor(user, dtype=torch.long)
-        # Text rows through text_projection, media rows through hidden_projection, each projected
-        # only where it is used (an image prompt is mostly media rows).
-        user_rows = torch.empty(len(user), self.tts_pad.shape[-1], dtype=dtype)
-        user_rows[~media] = _blockwise(self.text_projection, embeds[index[~media]].to(dtype))
-        if bool(media.any()):
-            user_rows[media] = _blockwise(self.hidden_projection, accept[index[media]].to(dtype))
         turn = self.text_projection(embeds[start : start + ASSISTANT_PROMPT_ROWS].to(dtype))
         text = torch.cat([turn[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], turn[3:4]])
         codec_ids = [speaker_id if c is None else c for c in self._codec_specials]
         codec = torch.cat([torch.zeros(3, text.shape[-1], dtype=dtype), self._codec_table[torch.tensor(codec_ids)]])
         return torch.cat([user_rows, text + codec[: text.shape[0]]])
+
+    def user_rows(self, token_ids: list[int], embeds: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+        """The talker rows of the user turns among the positions of ``token_ids`` [n, hidden].
+
+        Row k depends only on thinker row k and on its rank among the text (or media) rows
+        (:data:`PROJECTION_BLOCK`), so the rows of a prompt that ends inside a user turn (a
+        listening request, :meth:`listening_rows`) are bitwise the first rows of the turn's
+        whole prompt, given bitwise equal thinker rows: the talker's prefix cache, which hashes
+        its prompt embeddings, then hits them."""
+        user = self.user_positions(token_ids)
+        media = torch.tensor([token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
+        dtype = self.tts_pad.dtype
+        index = torch.tensor(user, dtype=torch.long)
+        # Text rows through text_projection, media rows through hidden_projection, each projected
+        # only where it is used (an image prompt is mostly media rows).
+        rows = torch.empty(len(user), self.tts_pad.shape[-1], dtype=dtype)
+        rows[~media] = _blockwise(self.text_projection, embeds[index[~media]].to(dtype))
+        if bool(media.any()):
+            rows[media] = _blockwise(self.hidden_projection, accept[index[media]].to(dtype))
+        return rows
+
+    def listening_rows(self, prompt_token_ids: list[int], embeds: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+        """The talker prompt of a prefill-only request whose thinker prompt ends inside the
+        user's turn (no assistant turn yet): the user turns' rows only, which are the first rows
+        of the talker prompt the turn's answer will have (:meth:`user_rows`)."""
+        return self.user_rows(prompt_token_ids, embeds, accept)
+
+    def listening_positions(
+        self,
+        prompt_token_ids: list[int],
+        image_grids: list[list[int]],
+        video_grids: list[list[int]] | None = None,
+        video_seconds_per_grid: list[float] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions of :meth:`listening_rows`: the first positions of the answer's
+        talker prompt (a media item's positions depend only on what precedes it)."""
+        user = [prompt_token_ids[i] for i in self.user_positions(prompt_token_ids)]
+        return talker_positions(user, self.vision, image_grids, video_grids, video_seconds_per_grid)
 
     def talker_ids(self, prompt_token_ids: list[int]) -> list[int]:
         """The token ids the talker prompt stands for: the user turns' ids, then tts_pad ids for
@@ -287,6 +317,8 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Ge
         )
     if not up.prompt_token_ids:
         raise ValueError("the thinker sent no prompt token ids (needed to find the user turn)")
+    if up.prefill_only:
+        return _listening_job(prompt, embeds, accept, up, state)
     known = len(up.prompt_token_ids) + len(up.token_ids)  # positions whose row is known
     if not state.get("started"):
         need = prompt.rows_needed(up.prompt_token_ids)
@@ -318,6 +350,39 @@ def thinker_to_talker(ctx: HandoffContext, up: Upstream, state: dict) -> list[Ge
     state["rows_done"] = max(known, done_rows)
     state["rows_finished"] = done
     return [FeedJob(text, done)]
+
+
+def _listening_job(
+    prompt: TalkerPrompt, embeds: torch.Tensor, accept: torch.Tensor, up: Upstream, state: dict
+) -> list[GenerateJob]:
+    """A prefill-only request (a realtime session listening, omni_cache/serving/realtime/
+    listening.py): the thinker's prompt ends inside the user's turn; the talker prefills the user
+    turns' rows so far (one step, its code dropped) and its prefix cache then holds them for the
+    turn's answer, whose talker prompt begins with the same rows."""
+    n = len(up.prompt_token_ids)
+    if state.get("started") or (embeds.shape[0] < n and not up.finished):
+        return []
+    if embeds.shape[0] < n:
+        raise ValueError(f"the thinker sent {embeds.shape[0]} prompt rows of {n}")
+    state["started"] = True
+    rows = prompt.listening_rows(list(up.prompt_token_ids), embeds, accept)
+    if rows.shape[0] == 0:
+        raise ValueError("a prefill-only talker request needs a user turn in the prompt")
+    positions, delta = prompt.listening_positions(
+        list(up.prompt_token_ids), up.image_grids, up.video_grids, up.video_seconds_per_grid
+    )
+    return [
+        GenerateJob(
+            prompt_embeds=rows,
+            # No decode step reads a text row (one code, then the end); pad rows if one did.
+            stream=RowStream(prompt.tts_pad, prompt.tts_pad.new_zeros(0, prompt.tts_pad.shape[-1]), done=True),
+            max_tokens=1,
+            last=True,
+            stop_token_ids=[prompt.codec_eos_id],
+            extra_args=_qwen3_omni_logits(prompt),
+            positions=(positions, delta) if delta else None,
+        )
+    ]
 
 
 def _qwen3_omni_rows(prompt: Any, embeds: torch.Tensor, up: Upstream, start: int, stop: int) -> torch.Tensor:

@@ -6,10 +6,16 @@ does), one multimodal item each, side by side in one audio span. While the turn 
 time the input buffer completes another window the session sends the thinker a **prefill-only
 request**: the prompt the turn's response will have (the conversation, fitted as a response's
 prompt is), cut after the last complete window (no ``audio_end``, no generation prompt),
-``max_tokens`` 1, text only, its output dropped. vLLM's prefix cache then holds those blocks
-(their hashes carry each window's digest) and the hidden-state cache their latents; the turn's
-response, whose prompt begins with the same tokens and items, hits them and computes only the
-tail window and the answer. Nothing in the engine is held between windows: a request that is
+``max_tokens`` 1, prefill-only (wire ``Submit.prefill_only``), its output dropped. vLLM's prefix
+cache then holds those blocks (their hashes carry each window's digest) and the hidden-state cache
+their latents; the turn's response, whose prompt begins with the same tokens and items, hits them
+and computes only the tail window and the answer. When the session's answers are spoken, the
+talker listens too: the request also runs thinker -> talker, whose hand-off builds the talker
+prompt of the user turns so far (``TalkerPrompt.listening_rows``: the first rows of the answer's
+talker prompt, bitwise, from the thinker rows the hidden-state cache serves the answer) and the
+talker prefills it (one code, dropped; no decoder). Without it the talker prefilled the whole new
+turn (about 13 rows per second of speech) after the thinker's first token, on the way to the first
+audio. Nothing in the engine is held between windows: a request that is
 abandoned leaves only evictable cached blocks that no other prompt can match.
 
 Bounds: at most one listening request per session at a time (a window that completes meanwhile is
@@ -192,6 +198,10 @@ class Listener:
             return False
         turn = Item("user", parts)
         c = s.config
+        # The talker listens too when the answer will be spoken and the pipeline's speaker is a
+        # talker (it has a prompt; a decoder reading the thinker directly has none).
+        talker = c.output_modalities[0] == "audio" and pipeline.topology.speaker_prefills
+        modalities = ("text", "audio") if talker else ("text",)
         items = list(s.conversation.items) + [turn]
         prompt = await s.bounds.fit(items, c.instructions, c.max_output_tokens, c.truncation)
         waited = time.monotonic()
@@ -215,7 +225,8 @@ class Listener:
             self._handle = handle = await pipeline.submit(
                 ids,
                 max_tokens=1,
-                modalities=("text",),
+                modalities=modalities,
+                prefill_only=True,
                 media=prompt.media,
                 received_at=time.monotonic(),
                 session_id=s.id,
