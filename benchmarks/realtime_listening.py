@@ -12,6 +12,8 @@ commit -> first ``response.output_audio.delta`` (end of speech to first audio), 
 timelines (omni_cache/timeline.py) are kept there and each cell also gets a per-stage breakdown
 of its responses' way to the first audio (``stage_breakdown``: from the server taking the
 response to its first audio coming back; listening requests have no audio and are left out).
+Every side's server is up at once and the cells alternate sides (``--rounds``: the order flipped
+each round), so on a shared host both sides of a cell meet about the same load.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.realtime_listening --json out.json
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -208,6 +211,21 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
     }
 
 
+def log_cell(cell: dict[str, Any]) -> None:
+    harness.log(
+        f"listening {cell['side']} {cell['seconds']:g} s x {cell['sessions']}: "
+        f"p50 {cell['first_audio_p50_ms']:.0f} ms, "
+        f"p90 {cell['first_audio_p90_ms']:.0f} ms "
+        f"(first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
+        f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
+        f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, load {cell['load_average'][0]:.1f}, "
+        f"listening {cell['listening']}"
+    )
+    if cell["stage_breakdown"]:
+        bd = cell["stage_breakdown"]["ms"]
+        harness.log("  p50/p90 ms: " + ", ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in bd.items() if v))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="stage_configs/qwen3_omni.yaml")
@@ -226,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--timeline", default=None, help="keep request timelines here; per-stage breakdown per cell")
-    p.add_argument("--rounds", type=int, default=1, help="run the whole grid of every side this many times")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the grid this many times (sides alternate per cell, flipped every round)",
+    )
     args = p.parse_args(argv)
     if args.timeline:
         from omni_cache.timeline import TIMELINE_DIR_ENV
@@ -235,29 +258,30 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[TIMELINE_DIR_ENV] = str(Path(args.timeline).resolve())
     result: dict[str, Any] = {"args": vars(args), "cells": []}
     tmp = Path(tempfile.mkdtemp(prefix="listen_bench_"))
-    for side in args.sides:
-        cfg = side_config(args.config, tmp / f"{side}.yaml", side == "on", args.talker_max_tokens)
-        with ManagedServer(cfg, prefix_cache=True, tag=f"listen-{side}", checkpoint_dir=args.checkpoint_dir) as srv:
+    with contextlib.ExitStack() as stack:
+        # Every side's server is up at once and the cells alternate sides (the order flipped every
+        # round): on a host shared with other work, the sides of one cell run minutes apart at
+        # most, under the same load, instead of one side's grid after the other's.
+        servers = {}
+        for side in args.sides:
+            cfg = side_config(args.config, tmp / f"{side}.yaml", side == "on", args.talker_max_tokens)
+            srv = stack.enter_context(
+                ManagedServer(cfg, prefix_cache=True, tag=f"listen-{side}", checkpoint_dir=args.checkpoint_dir)
+            )
             harness.log(f"listening {side}: ready after {srv.startup_s:.0f} s; warm-up")
             model = srv.server.orchestrator.served_model_name
             asyncio.run(one_session(srv.url, model, seconds=9.0, turns=1, max_tokens=args.max_tokens, seed=99_999))
-            cells = [(r, seconds, n) for r in range(args.rounds) for seconds in args.seconds for n in args.sessions]
-            for rnd, seconds, n in cells:
-                cell = run_cell(srv, seconds, n, args, seed=int(seconds * 100) + n + 10_000 * rnd)
-                cell["side"], cell["round"] = side, rnd
-                result["cells"].append(cell)
-                harness.log(
-                    f"listening {side} {seconds:g} s x {n}: p50 {cell['first_audio_p50_ms']:.0f} ms, "
-                    f"p90 {cell['first_audio_p90_ms']:.0f} ms "
-                    f"(first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
-                    f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
-                    f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, listening {cell['listening']}"
-                )
-                if cell["stage_breakdown"]:
-                    bd = cell["stage_breakdown"]["ms"]
-                    harness.log("  p50/p90 ms: " + ", ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in bd.items() if v))
-                if args.json:
-                    Path(args.json).write_text(json.dumps(result, indent=1))
+            servers[side] = srv
+        for rnd in range(args.rounds):
+            for seconds in args.seconds:
+                for n in args.sessions:
+                    for side in args.sides if rnd % 2 == 0 else args.sides[::-1]:
+                        cell = run_cell(servers[side], seconds, n, args, seed=int(seconds * 100) + n + 10_000 * rnd)
+                        cell["side"], cell["round"] = side, rnd
+                        result["cells"].append(cell)
+                        log_cell(cell)
+                        if args.json:
+                            Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
