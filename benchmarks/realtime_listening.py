@@ -211,6 +211,37 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
     }
 
 
+def summary_table(result: dict[str, Any]) -> str:
+    """Markdown: per turn length x sessions, first audio and first text p50 / p90 (ms) per side,
+    every round's turns pooled, and the host's load average (1 min) over the cells."""
+    pooled: dict[tuple, dict[str, list]] = {}
+    for c in result["cells"]:
+        d = pooled.setdefault((c["seconds"], c["sessions"], c["side"]), {"fa": [], "ft": [], "load": [], "hit": []})
+        d["fa"] += [r["first_audio_s"] for r in c["rows"] if r["first_audio_s"] is not None]
+        d["ft"] += [r["first_text_s"] for r in c["rows"] if r.get("first_text_s") is not None]
+        d["load"].append(c["load_average"][0])
+        d["hit"].append(c["cached_share"])
+    sides = list(dict.fromkeys(c["side"] for c in result["cells"]))
+
+    def ms(xs: list[float]) -> str:
+        return f"{1000 * percentile(xs, 50):.0f} / {1000 * percentile(xs, 90):.0f}" if xs else "-"
+
+    head = "| turn | sessions | n |" + "".join(f" first audio {s} |" for s in sides)
+    head += "".join(f" first text {s} |" for s in sides) + " thinker cached share " + " / ".join(sides) + " | load |"
+    lines = [head, "|" + "---|" * (5 + 2 * len(sides))]
+    for seconds, n in dict.fromkeys((k[0], k[1]) for k in pooled):
+        cells = [pooled[(seconds, n, s)] for s in sides if (seconds, n, s) in pooled]
+        if len(cells) != len(sides):
+            continue
+        loads = [x for c in cells for x in c["load"]]
+        row = f"| {seconds:g} s | {n} | {len(cells[0]['fa'])} |"
+        row += "".join(f" {ms(c['fa'])} |" for c in cells) + "".join(f" {ms(c['ft'])} |" for c in cells)
+        row += " " + " / ".join(f"{np.mean(c['hit']):.2f}" for c in cells)
+        row += f" | {min(loads):.1f}-{max(loads):.1f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def log_cell(cell: dict[str, Any]) -> None:
     harness.log(
         f"listening {cell['side']} {cell['seconds']:g} s x {cell['sessions']}: "
@@ -243,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--summarize", default=None, help="print the table of a --json result and stop")
     p.add_argument("--timeline", default=None, help="keep request timelines here; per-stage breakdown per cell")
     p.add_argument(
         "--rounds",
@@ -251,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         help="run the grid this many times (sides alternate per cell, flipped every round)",
     )
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summary_table(json.loads(Path(args.summarize).read_text())))
+        return 0
     if args.timeline:
         from omni_cache.timeline import TIMELINE_DIR_ENV
 

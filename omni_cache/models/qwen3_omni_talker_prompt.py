@@ -184,7 +184,7 @@ class TalkerPrompt:
 
         Row k depends only on thinker row k and on its rank among the text (or media) rows
         (:data:`PROJECTION_BLOCK`), so the rows of a prompt that ends inside a user turn (a
-        listening request, :meth:`listening_rows`) are bitwise the first rows of the turn's
+        listening request's talker prompt) are bitwise the first rows of the turn's
         whole prompt, given bitwise equal thinker rows: the talker's prefix cache, which hashes
         its prompt embeddings, then hits them."""
         user = self.user_positions(token_ids)
@@ -199,12 +199,6 @@ class TalkerPrompt:
             rows[media] = _blockwise(self.hidden_projection, accept[index[media]].to(dtype))
         return rows
 
-    def listening_rows(self, prompt_token_ids: list[int], embeds: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
-        """The talker prompt of a prefill-only request whose thinker prompt ends inside the
-        user's turn (no assistant turn yet): the user turns' rows only, which are the first rows
-        of the talker prompt the turn's answer will have (:meth:`user_rows`)."""
-        return self.user_rows(prompt_token_ids, embeds, accept)
-
     def listening_positions(
         self,
         prompt_token_ids: list[int],
@@ -212,7 +206,8 @@ class TalkerPrompt:
         video_grids: list[list[int]] | None = None,
         video_seconds_per_grid: list[float] | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """M-RoPE positions of :meth:`listening_rows`: the first positions of the answer's
+        """M-RoPE positions of a listening request's talker prompt (:meth:`user_rows` of a thinker
+        prompt that ends inside the user's turn): the first positions of the answer's
         talker prompt (a media item's positions depend only on what precedes it)."""
         user = [prompt_token_ids[i] for i in self.user_positions(prompt_token_ids)]
         return talker_positions(user, self.vision, image_grids, video_grids, video_seconds_per_grid)
@@ -365,7 +360,7 @@ def _listening_job(
     if embeds.shape[0] < n:
         raise ValueError(f"the thinker sent {embeds.shape[0]} prompt rows of {n}")
     state["started"] = True
-    rows = prompt.listening_rows(list(up.prompt_token_ids), embeds, accept)
+    rows = prompt.user_rows(list(up.prompt_token_ids), embeds, accept)
     if rows.shape[0] == 0:
         raise ValueError("a prefill-only talker request needs a user turn in the prompt")
     positions, delta = prompt.listening_positions(

@@ -11,7 +11,7 @@ cache then holds those blocks (their hashes carry each window's digest) and the 
 their latents; the turn's response, whose prompt begins with the same tokens and items, hits them
 and computes only the tail window and the answer. When the session's answers are spoken, the
 talker listens too: the request also runs thinker -> talker, whose hand-off builds the talker
-prompt of the user turns so far (``TalkerPrompt.listening_rows``: the first rows of the answer's
+prompt of the user turns so far (``TalkerPrompt.user_rows``: the first rows of the answer's
 talker prompt, bitwise, from the thinker rows the hidden-state cache serves the answer) and the
 talker prefills it (one code, dropped; no decoder). Without it the talker prefilled the whole new
 turn (about 13 rows per second of speech) after the thinker's first token, on the way to the first
