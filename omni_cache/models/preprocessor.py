@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 #: What audio inputs are resampled to when the model does not say (Whisper-style encoders).
 DEFAULT_AUDIO_INPUT_RATE = 16000
@@ -62,3 +63,15 @@ def video_sampler(model_dir: str | Path) -> str:
     name = config.get("video_processor_type") if isinstance(config, dict) else None
     backend = get_video_loader_backend_for_processor(name) if isinstance(name, str) else None
     return backend if backend in (QWEN2_VL, QWEN3_VL) else QWEN2_VL
+
+
+def audio_pieces(model_dir: str | Path, tokenizer: Any) -> tuple[int, int] | None:
+    """(:func:`audio_window_samples`, the tokenizer's audio placeholder id): a realtime turn's
+    audio is cut into items of that many samples, their placeholders side by side; None when the
+    model has no such window or the tokenizer names no audio token (the turn is kept whole)."""
+    window = audio_window_samples(model_dir)
+    token = getattr(tokenizer, "audio_token", None)
+    placeholder = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+    if window is None or not isinstance(placeholder, int) or placeholder < 0:
+        return None
+    return window, placeholder

@@ -45,7 +45,7 @@ from omni_cache.models.preprocessor import (
     DEFAULT_AUDIO_INPUT_RATE,
     QWEN2_VL,
     audio_input_rate,
-    audio_window_samples,
+    audio_pieces,
     video_sampler,
 )
 from omni_cache.models.voices import DEFAULT_VOICE, checkpoint_voices
@@ -148,8 +148,7 @@ class Orchestrator:
         self.codec = TextCodec(tokenizer)
         #: The rate the entry model's audio inputs are resampled to (its feature extractor's).
         self.audio_input_rate = DEFAULT_AUDIO_INPUT_RATE
-        #: The thinker's audio encoder window in samples and its audio placeholder token: a
-        #: realtime turn's audio is cut into items of that many samples (None: kept whole).
+        #: The entry model's audio encoder window (samples) and placeholder id: realtime turns are cut so.
         self.audio_window_samples: int | None = None
         self.audio_placeholder_id: int | None = None
         self.video_sampler = QWEN2_VL  # vLLM's video loader for the entry model (set at start)
@@ -266,11 +265,9 @@ class Orchestrator:
         path = resolve_model(self.topology.entry, self.config)
         self.codec.load(path)
         self.audio_input_rate = audio_input_rate(path)
-        window = audio_window_samples(path)
-        token = getattr(self.codec.tokenizer, "audio_token", None)
-        placeholder = self.codec.tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
-        if window is not None and isinstance(placeholder, int) and placeholder >= 0:
-            self.audio_window_samples, self.audio_placeholder_id = window, placeholder
+        pieces = audio_pieces(path, self.codec.tokenizer)
+        if pieces is not None:
+            self.audio_window_samples, self.audio_placeholder_id = pieces
         self.video_sampler = video_sampler(path)
         self.voices = checkpoint_voices(path)
 
@@ -351,8 +348,7 @@ class Orchestrator:
         the server's bounds, taken before its body was read (None: here). ``stream``: its client
         plays it as it comes (stages pace its audio: docs/pacing.md). ``voice``: the speaker of
         its spoken answer, one of :attr:`voices` ("" or ``default``: the checkpoint's default).
-        ``prefill_only``: the stages only take its prompt into their prefix caches (wire
-        ``Submit.prefill_only``; with "audio", the talker's too and no decoder)."""
+        ``prefill_only``: its stages only prefill its prompt (wire ``Submit.prefill_only``)."""
         ticket = ticket or self.admission.enter()
         try:
             admitted = self.admission.check(
