@@ -11,7 +11,7 @@ openai SDK's realtime client. One server for the module (in this process: the li
 
 Server VAD with listening (barge-in over an answer, then a long turn listened to) is not here: Silero
 splits benchmarks/speech_clips.py's 9.5 s synthetic speech into turns shorter than a window even
-with silence_duration_ms 1500 (ISSUE51_NOTES.md); the session rules (no listening while the
+with silence_duration_ms 1500 (benchmarks/results/issue51/NOTES.md); the session rules (no listening while the
 session's answer is in flight, a speech start forgetting the pieces) are in
 tests/test_realtime_listening.py.
 """
