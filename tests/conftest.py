@@ -36,8 +36,8 @@ def qwen3_omni_server(tmp_path_factory):
     code2wav in their own processes, no start-up warm-up) served in this process as model
     ``q3shared``, started by the first module that asks (tests/test_qwen3_omni_streaming.py in
     file order) and kept for the next (tests/test_realtime_e2e.py): one start of its three
-    engines, not two. Stopped right after the last test that uses it, not at the end of the run
-    (its processes hold a few GiB)."""
+    engines, not two (per xdist worker that runs one of them). In one process it is stopped right
+    after the last test that uses it, not at the end of the run (its processes hold a few GiB)."""
     from served_config import QWEN3_OMNI_SHARED, served, write_pipeline_config  # (imported by its users only)
 
     path = write_pipeline_config(tmp_path_factory.mktemp("qwen3_omni_shared"), QWEN3_OMNI_SHARED, "qwen3_omni.yaml")
@@ -49,6 +49,11 @@ def qwen3_omni_server(tmp_path_factory):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under pytest-xdist (`make test`) a worker runs the files it is given in no fixed order:
+        # the last user in file order may run before another user on the same worker, and the
+        # server would be gone for it. There the server lives until the worker ends.
+        return
     for item in items:
         for name in ("qwen3_omni_server",):
             if name in getattr(item, "fixturenames", ()):
