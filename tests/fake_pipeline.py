@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sys
 import tempfile
 import uuid
@@ -155,3 +156,28 @@ def fake_pipeline_config(directory: Path, name: str, **thinker: object) -> Path:
     path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def open_stream_without_reading(srv: ServerThread, tokens: int) -> socket.socket:
+    """A streamed spoken answer of ``tokens`` tokens asked for over a socket whose receive window
+    is 4 KiB, and never read: a client that stops reading."""
+    body = json.dumps(
+        {
+            "model": srv.orchestrator.served_model_name,
+            "max_tokens": tokens,
+            "stream": True,
+            "modalities": ["text", "audio"],
+            "audio": {"format": "pcm16", "voice": "default"},
+            "messages": [{"role": "user", "content": "x" * tokens}],
+        }
+    ).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+    sock.connect((host, int(port)))
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock

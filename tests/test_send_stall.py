@@ -11,15 +11,13 @@ thinker answers with its prompt's bytes, the fake decoder sends 240 float32 samp
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import time
 import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, make_orchestrator, write_config
+from fake_pipeline import API_KEY, make_orchestrator, open_stream_without_reading, write_config
 
 from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
@@ -62,37 +60,13 @@ def _metric(srv, name: str, **labels: str) -> float:
     )
 
 
-def _open_stream_without_reading(srv) -> socket.socket:
-    """A streamed spoken answer asked for over a socket whose receive window is 4 KiB."""
-    body = json.dumps(
-        {
-            "model": srv.orchestrator.served_model_name,
-            "max_tokens": ANSWER_TOKENS,
-            "stream": True,
-            "modalities": ["text", "audio"],
-            "audio": {"format": "pcm16", "voice": "default"},
-            "messages": [{"role": "user", "content": "x" * ANSWER_TOKENS}],
-        }
-    ).encode()
-    host, port = srv.url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
-    sock.connect((host, int(port)))
-    sock.sendall(
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    return sock
-
-
 def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
     orch = srv.orchestrator
     stalled = "omni_cache_slow_clients_disconnected_total"
     cuts, pauses = _metric(srv, stalled, bound="max_send_stall_s"), _metric(srv, "omni_cache_stream_write_pauses_total")
     records = Records()
     logging.getLogger("uvicorn.error").addHandler(records)
-    sock = _open_stream_without_reading(srv)
+    sock = open_stream_without_reading(srv, ANSWER_TOKENS)
     try:
         # The request ends one way or the other: cut (the fix) or answered whole (before it).
         end = time.monotonic() + 120

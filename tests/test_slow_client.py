@@ -9,15 +9,13 @@ thinker answers with its prompt's bytes, the fake decoder sends 240 float32 samp
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import time
 import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, make_orchestrator, write_config
+from fake_pipeline import API_KEY, make_orchestrator, open_stream_without_reading, write_config
 
 from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.http_protocol import UNFINISHED
@@ -49,30 +47,6 @@ def _slow_clients(srv) -> float:
     return sum(v for n, _, v in parse_metrics(r.text) if n == "omni_cache_slow_clients_disconnected_total")
 
 
-def _open_stream_without_reading(srv) -> socket.socket:
-    """A streamed spoken answer asked for over a socket whose receive window is 4 KiB."""
-    body = json.dumps(
-        {
-            "model": srv.orchestrator.served_model_name,
-            "max_tokens": ANSWER_TOKENS,
-            "stream": True,
-            "modalities": ["text", "audio"],
-            "audio": {"format": "pcm16", "voice": "default"},
-            "messages": [{"role": "user", "content": "x" * ANSWER_TOKENS}],
-        }
-    ).encode()
-    host, port = srv.url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
-    sock.connect((host, int(port)))
-    sock.sendall(
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    return sock
-
-
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -88,7 +62,7 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_request_freed(srv):
     records = _Records()
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addHandler(records)
-    sock = _open_stream_without_reading(srv)
+    sock = open_stream_without_reading(srv, ANSWER_TOKENS)
     try:
         end = time.monotonic() + 60
         while _slow_clients(srv) == before:
