@@ -28,12 +28,11 @@ serve: setup
 	.venv/bin/omni-serve --stage-config $(CONFIG)
 
 # Lint and format check first (rules in pyproject.toml's [tool.ruff]): a finding, or a file
-# `ruff format` would change, fails the run before any test. The suite runs in two pytest-xdist
-# workers, each taking a whole test file at a time (its module fixtures start once): most tests
-# wait on stage processes part of the time, so two keep both cores of a 2-core machine busy.
-# PYTEST_ARGS='-n 0' runs it in one process. The ten slowest tests are listed at the end of every
-# run (the suite's budget is 20 minutes on a 2-core machine).
+# `ruff format` would change, fails the run before any test. The ten slowest tests are listed at
+# the end of every run (the suite's budget is 20 minutes on a 2-core machine). One process: two
+# pytest-xdist workers (PYTEST_ARGS='-n 2 --dist loadfile', docs/quickstart.md) are faster but
+# peak past 23 GiB of memory when the Ray test runs beside another engine test.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -ra --durations=10 -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=10 $(PYTEST_ARGS)

@@ -14,7 +14,16 @@ import yaml
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 
-@pytest.fixture(scope="session")
+def shared_scope(fixture_name, config) -> str:
+    """One process (``-n 0``): a shared server lives for the session, started by the first module
+    that asks and stopped after its last user. Under pytest-xdist (``make test``) each module that
+    asks starts its own, stopped at the module's end: a worker runs files in no fixed order, and a
+    server kept for the worker's rest held 2-4 GiB idle on each worker while the Ray test started
+    its cluster beside them (the host ran out of memory)."""
+    return "module" if os.environ.get("PYTEST_XDIST_WORKER") else "session"
+
+
+@pytest.fixture(scope=shared_scope)
 def qwen3_5_server(tmp_path_factory):
     """omni-serve on stage_configs/qwen3_5.yaml (tests/qwen3_5_served.py), started by the first
     module that asks (tests/test_qwen3_5_thinker.py in file order) and kept for the next
@@ -30,14 +39,14 @@ _RELEASE: dict[str, object] = {}
 _LAST_USER: dict[str, str] = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=shared_scope)
 def qwen3_omni_server(tmp_path_factory):
     """The shipped Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker, talker and
     code2wav in their own processes, no start-up warm-up) served in this process as model
     ``q3shared``, started by the first module that asks (tests/test_qwen3_omni_streaming.py in
     file order) and kept for the next (tests/test_realtime_e2e.py): one start of its three
-    engines, not two (per xdist worker that runs one of them). In one process it is stopped right
-    after the last test that uses it, not at the end of the run (its processes hold a few GiB)."""
+    engines, not two. In one process it is stopped right after the last test that uses it, not at
+    the end of the run (its processes hold a few GiB); under pytest-xdist see shared_scope."""
     from served_config import QWEN3_OMNI_SHARED, served, write_pipeline_config  # (imported by its users only)
 
     path = write_pipeline_config(tmp_path_factory.mktemp("qwen3_omni_shared"), QWEN3_OMNI_SHARED, "qwen3_omni.yaml")
@@ -50,10 +59,8 @@ def qwen3_omni_server(tmp_path_factory):
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Under pytest-xdist (`make test`) a worker runs the files it is given in no fixed order:
-        # the last user in file order may run before another user on the same worker, and the
-        # server would be gone for it. There the server lives until the worker ends.
-        return
+        engine_files_first(items)
+        return  # shared servers are module-scoped there (shared_scope): each ends with its module
     for item in items:
         for name in ("qwen3_omni_server",):
             if name in getattr(item, "fixturenames", ()):
@@ -66,3 +73,16 @@ def pytest_runtest_teardown(item, nextitem):
         srv = _RELEASE.pop(name, None) if item.nodeid == nodeid else None
         if srv is not None:
             srv.stop()  # (stopping again at the end of the session does nothing more)
+
+
+def engine_files_first(items) -> None:
+    """Under pytest-xdist, the files that start vLLM engines (the ``vllm`` marker: 20-170 s each)
+    before the others (most under a few seconds), each file's tests in their order: workers take
+    files in this order, so the short ones fill in at the end instead of one long file running
+    alone after the other worker has finished."""
+    engines = {module_of(item) for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: module_of(item) not in engines)  # stable: order within each kept
+
+
+def module_of(item) -> str:
+    return item.nodeid.split("::")[0]
