@@ -6,6 +6,7 @@ import os
 
 import pytest
 import yaml
+from xdist.scheduler import LoadScopeScheduling
 
 # A Ray call made by a test process that has not joined a cluster fails instead of starting a
 # local cluster of its own (Ray's auto-init): the tests join theirs explicitly, and a stray call
@@ -14,23 +15,47 @@ import yaml
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 
-def shared_scope(fixture_name, config) -> str:
-    """One process (``-n 0``): a shared server lives for the session, started by the first module
-    that asks and stopped after its last user. Under pytest-xdist (``make test``) each module that
-    asks starts its own, stopped at the module's end: a worker runs files in no fixed order, and a
-    server kept for the worker's rest held 2-4 GiB idle on each worker while the Ray test started
-    its cluster beside them (the host ran out of memory)."""
-    return "module" if os.environ.get("PYTEST_XDIST_WORKER") else "session"
+#: The test files that use each shared server, in the order they run. Under pytest-xdist
+#: (``--dist loadfile``) each fixture's files are one unit of work, run by one worker in this order
+#: (see pytest_xdist_make_scheduler): the server starts once and is stopped after its last user in
+#: both modes. A file that uses a shared server and is not listed here is a collection error.
+SHARED_SERVER_FILES = {
+    "qwen3_5_server": ("tests/test_qwen3_5_thinker.py", "tests/test_vllm_conformance.py"),
+    "qwen3_omni_server": ("tests/test_qwen3_omni_streaming.py", "tests/test_realtime_e2e.py"),
+}
+SHARED_GROUP = {path: fixture for fixture, paths in SHARED_SERVER_FILES.items() for path in paths}
 
 
-@pytest.fixture(scope=shared_scope)
+class SharedServerScheduling(LoadScopeScheduling):
+    """pytest-xdist's file-at-a-time scheduling (``--dist loadfile``) with the files that share a
+    server as one unit, and the units in collection order (engine files first: see
+    engine_files_first) rather than by their number of tests. xdist's own ``--dist loadgroup``
+    would group them too, but 3.8 marks the groups through ``item._nodeid``, which pytest 9.2 no
+    longer reads."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::")[0]
+        return SHARED_GROUP.get(path, path)
+
+    def schedule(self) -> None:
+        self.config.option.loadscopereorder = False
+        super().schedule()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return SharedServerScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_server(tmp_path_factory):
     """omni-serve on stage_configs/qwen3_5.yaml (tests/qwen3_5_served.py), started by the first
     module that asks (tests/test_qwen3_5_thinker.py in file order) and kept for the next
-    (tests/test_vllm_conformance.py): one engine start, not two. Idle in between."""
+    (tests/test_vllm_conformance.py): one engine start, not two. Stopped after its last user."""
     from qwen3_5_served import served_qwen3_5  # (imported by the modules that use it only)
 
     with served_qwen3_5(tmp_path_factory.mktemp("qwen3_5_shared")) as shared:
+        _RELEASE["qwen3_5_server"] = shared.server
         yield shared
 
 
@@ -39,14 +64,14 @@ _RELEASE: dict[str, object] = {}
 _LAST_USER: dict[str, str] = {}
 
 
-@pytest.fixture(scope=shared_scope)
+@pytest.fixture(scope="session")
 def qwen3_omni_server(tmp_path_factory):
     """The shipped Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker, talker and
     code2wav in their own processes, no start-up warm-up) served in this process as model
     ``q3shared``, started by the first module that asks (tests/test_qwen3_omni_streaming.py in
     file order) and kept for the next (tests/test_realtime_e2e.py): one start of its three
-    engines, not two. In one process it is stopped right after the last test that uses it, not at
-    the end of the run (its processes hold a few GiB); under pytest-xdist see shared_scope."""
+    engines, not two. Stopped right after the last test of its files, not at the end of the run
+    (its processes hold a few GiB)."""
     from served_config import QWEN3_OMNI_SHARED, served, write_pipeline_config  # (imported by its users only)
 
     path = write_pipeline_config(tmp_path_factory.mktemp("qwen3_omni_shared"), QWEN3_OMNI_SHARED, "qwen3_omni.yaml")
@@ -60,10 +85,13 @@ def qwen3_omni_server(tmp_path_factory):
 def pytest_collection_modifyitems(items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         engine_files_first(items)
-        return  # shared servers are module-scoped there (shared_scope): each ends with its module
     for item in items:
-        for name in ("qwen3_omni_server",):
-            if name in getattr(item, "fixturenames", ()):
+        for name, files in SHARED_SERVER_FILES.items():
+            if name in getattr(item, "fixturenames", ()) and module_of(item) not in files:
+                raise pytest.UsageError(
+                    f"{module_of(item)} uses the shared {name}: add it to tests/conftest.py's SHARED_SERVER_FILES"
+                )
+            if module_of(item) in files:  # (a test may ask for it by request.getfixturevalue)
                 _LAST_USER[name] = item.nodeid
 
 
