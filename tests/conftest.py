@@ -21,7 +21,11 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 #: both modes. A file that uses a shared server and is not listed here is a collection error.
 SHARED_SERVER_FILES = {
     "qwen3_5_server": ("tests/test_qwen3_5_thinker.py", "tests/test_vllm_conformance.py"),
-    "qwen3_omni_server": ("tests/test_qwen3_omni_streaming.py", "tests/test_realtime_e2e.py"),
+    "qwen3_omni_server": (
+        "tests/test_qwen3_omni_streaming.py",
+        "tests/test_realtime_e2e.py",
+        "tests/test_realtime_listening_e2e.py",
+    ),
 }
 SHARED_GROUP = {path: fixture for fixture, paths in SHARED_SERVER_FILES.items() for path in paths}
 
@@ -69,8 +73,8 @@ def qwen3_omni_server(tmp_path_factory):
     """The shipped Qwen3-Omni pipeline (stage_configs/qwen3_omni.yaml: thinker, talker and
     code2wav in their own processes, no start-up warm-up) served in this process as model
     ``q3shared``, started by the first module that asks (tests/test_qwen3_omni_streaming.py in
-    file order) and kept for the next (tests/test_realtime_e2e.py): one start of its three
-    engines, not two. Stopped right after the last test of its files, not at the end of the run
+    file order) and kept for the others in SHARED_SERVER_FILES: one start of its three engines, not
+    three. Stopped right after the last test of its files, not at the end of the run
     (its processes hold a few GiB)."""
     from served_config import QWEN3_OMNI_SHARED, served, write_pipeline_config  # (imported by its users only)
 

@@ -1,7 +1,8 @@
 """Listening while the user speaks (issue 51) on the real tiny Qwen3-Omni pipeline
 (stage_configs/qwen3_omni.yaml: thinker, talker, code2wav; vLLM engines; real ZMQ), through the
-openai SDK's realtime client. One server for the module (in this process: the listener's counters,
-``listening.TOTALS``, are read directly).
+openai SDK's realtime client. The server is tests/conftest.py's shared one (in this process: the
+listener's counters, ``listening.TOTALS``, are read directly); each test compares against a fresh
+session on it, so what earlier modules left in its caches changes nothing asserted here.
 
 * A 10 s turn: its first 8 s window is prefilled while it is spoken; the response's
   ``cached_tokens`` covers it (every full block up to the window's end).
@@ -21,31 +22,23 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from served_config import write_pipeline_config
+from served_config import QWEN3_OMNI_SHARED
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import turn_clip
-from omni_cache.config import load_config
-from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.realtime import listening
-from omni_cache.serving.server import ServerThread
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "rt_listen"
+MODEL = QWEN3_OMNI_SHARED
 MAX_TOKENS = 8
 BLOCK = 32  # the thinker's block size in qwen3_omni.yaml
 WINDOW_TOKENS = 104  # 8 s of audio in the thinker's prompt
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), MODEL, "qwen3_omni.yaml")
-    orch = Orchestrator(load_config(path), echo_stage_logs=False)
-    srv = ServerThread(orch).start()
-    srv.wait_ready(600)
-    yield srv
-    srv.stop()
+def server(qwen3_omni_server):
+    return qwen3_omni_server
 
 
 def run(coro):
