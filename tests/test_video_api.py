@@ -1,6 +1,9 @@
 """Video through the HTTP API with the official `openai` client, on the shipped Qwen3-Omni pipeline
 (stage_configs/qwen3_omni.yaml: tiny checkpoint, thinker -> talker -> code2wav, real stage
-processes, ZMQ and HTTP), with small ``server.media`` video limits so that each is reachable.
+processes, ZMQ and HTTP), with small ``server.media`` video limits so that each is reachable,
+and the talker capped at TALKER_CODES codes an answer (the tiny checkpoint's random talker never
+writes its end of speech: uncapped, every spoken answer was the shipped 1,024 codes, 82 s of
+audio, ~8 s of CPU). Where only token counts are asserted, the answer is text alone.
 
 What a client sees: a video (with its sound track, ``use_audio_in_video`` by default, and without)
 is answered with text and speech, streamed and not; the same video again is a prefix hit past
@@ -34,6 +37,10 @@ LIMITS = {
 }
 
 
+#: Codes of one spoken answer (the talker's ``sampling.max_tokens``): 5.12 s of audio, more than
+#: the stages' pacing lead (3 s), four decoder windows of 16 codes.
+TALKER_CODES = 64
+
 #: Decoded media all requests in flight may hold: a 2 s clip of 96x64 reserves ~0.2 MB.
 MEDIA_BOUND = 1_000_000
 
@@ -45,6 +52,8 @@ def pipeline_config(tmp, *, prefix_cache: bool = True) -> dict:
     data["server"].setdefault("media", {}).update(LIMITS)
     data["server"]["max_media_bytes_in_flight"] = MEDIA_BOUND
     for stage in data["stages"]:
+        if stage["name"] == "talker":
+            stage["sampling"]["max_tokens"] = TALKER_CODES
         if not prefix_cache and stage["name"] in ("thinker", "talker"):
             stage["prefix_cache"] = False
     return data
@@ -78,19 +87,27 @@ def text(t: str) -> dict:
 
 
 def speak(client, parts: list[dict], use_audio_in_video: bool | None = None, **kwargs):
+    """A spoken answer (text and wav) of 6 tokens."""
+    return ask(
+        client,
+        parts,
+        use_audio_in_video,
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+        **kwargs,
+    )
+
+
+def ask(client, parts: list[dict], use_audio_in_video: bool | None = None, **kwargs):
+    """A text answer of 6 tokens (where only token counts are asserted: the thinker alone, no
+    talker and decoder run)."""
     extra = (
         {}
         if use_audio_in_video is None
         else {"extra_body": {"mm_processor_kwargs": {"use_audio_in_video": use_audio_in_video}}}
     )
     return client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": parts}],
-        max_tokens=6,
-        modalities=["text", "audio"],
-        audio={"voice": "default", "format": "wav"},
-        **extra,
-        **kwargs,
+        model=NAME, messages=[{"role": "user", "content": parts}], max_tokens=6, **extra, **kwargs
     )
 
 
@@ -106,7 +123,7 @@ def test_a_video_is_answered_with_text_and_speech(client, with_sound):
     choice = with_video.choices[0]
     assert with_video.usage.completion_tokens == 6
     assert choice.message.audio is not None and len(base64.b64decode(choice.message.audio.data)) > 44
-    without = speak(client, [text("What happens?")])
+    without = ask(client, [text("What happens?")])
     # The placeholder grew into the video's tokens: 4 frames of at least 131,072 pixels each
     # (the processor's per-frame minimum) in temporal pairs, 2 x 280 tokens, plus the track's.
     assert with_video.usage.prompt_tokens >= without.usage.prompt_tokens + 280
@@ -158,7 +175,7 @@ def test_the_same_video_again_hits_every_cache_and_equals_the_cache_off_answer(c
         metric(server, "vllm:prefix_cache_hits_total", "talker"),
     )
     second = speak(client, parts)
-    without = speak(client, [text(CONTEXT + "What moves first?")])
+    without = ask(client, [text(CONTEXT + "What moves first?")])
     # "<|im_start|>user\n" is 6 tokens; then the video's expansion (its tokens, its track's).
     video_end = 6 + second.usage.prompt_tokens - without.usage.prompt_tokens
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -244,7 +261,7 @@ def test_a_video_decoding_past_the_media_bound_is_refused_before_it_is_decoded(s
     )
     assert r.status_code == 413, r.text
     assert "server.max_media_bytes_in_flight" in r.json()["error"]["message"]
-    assert speak(client, [clip(6), text("and this one?")]).usage.completion_tokens == 6
+    assert ask(client, [clip(6), text("and this one?")]).usage.completion_tokens == 6
 
 
 def test_use_audio_in_video_that_cannot_be_honoured_is_a_400(server, client):
@@ -263,7 +280,7 @@ def test_use_audio_in_video_that_cannot_be_honoured_is_a_400(server, client):
     assert err["param"] == "mm_processor_kwargs.use_audio_in_video" and "no sound track" in err["message"]
     # By default the same video's frames go alone; with the track switched off, a video that has
     # one is answered from its frames only (fewer prompt tokens).
-    assert speak(client, [clip(4, audio=False), text("hi")]).usage.completion_tokens == 6
-    with_track = speak(client, [clip(5), text("hi")])
-    frames_only = speak(client, [clip(5), text("hi")], use_audio_in_video=False)
+    assert ask(client, [clip(4, audio=False), text("hi")]).usage.completion_tokens == 6
+    with_track = ask(client, [clip(5), text("hi")])
+    frames_only = ask(client, [clip(5), text("hi")], use_audio_in_video=False)
     assert frames_only.usage.prompt_tokens < with_track.usage.prompt_tokens
