@@ -150,18 +150,31 @@ def _stored_states(stage, rid: str, columns: list[int]) -> dict[tuple[int, int],
 
 
 def _recurrent_reference(prompt: list[int], positions: set[int]) -> dict[tuple[int, int], list[torch.Tensor]]:
-    """transformers' Qwen3-Next in float32, fed one token at a time (its recurrent GDN path)."""
+    """transformers' Qwen3-Next in float32, fed one token at a time (its recurrent GDN path).
+
+    Up to 3B (1,920 with B = 640) single-token forward passes of a tiny model: on one thread. With
+    the vLLM engines of this process (which bind torch's OpenMP threads) two threads meet at a
+    barrier every op; on a loaded 2-core host this test took 380 s on two threads, 27 s on one (per
+    token: 116-300 ms on two threads, 17-28 ms on one, load 5-8). vLLM replaces
+    torch.set_num_threads with a no-op after its thread binding, hence torch._C's; the count is
+    restored for the engines."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(ensure_checkpoint("thinker-hybrid")), dtype=torch.float32).eval()
     out, cache = {}, None
-    with torch.no_grad():
-        for i in range(max(positions)):
-            cache = model(torch.tensor([[prompt[i]]]), past_key_values=cache, use_cache=True).past_key_values
-            if i + 1 in positions:
-                for index, layer in enumerate(cache.layers):
-                    if getattr(layer, "recurrent_states", None):
-                        out[(index, i + 1)] = [layer.conv_states[0][0].clone(), layer.recurrent_states[0][0].clone()]
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for i in range(max(positions)):
+                cache = model(torch.tensor([[prompt[i]]]), past_key_values=cache, use_cache=True).past_key_values
+                if i + 1 in positions:
+                    for index, layer in enumerate(cache.layers):
+                        if getattr(layer, "recurrent_states", None):
+                            state = [layer.conv_states[0][0].clone(), layer.recurrent_states[0][0].clone()]
+                            out[(index, i + 1)] = state
+    finally:
+        torch._C.set_num_threads(threads)
     return out
 
 
