@@ -39,7 +39,8 @@ MIB = 1 << 20
 #: The flood's limits: 4 images of at most 2048 x 2048 per request (48 MiB decoded, the most one
 #: request may carry), two such requests' worth of decoded media in flight, 8 requests in flight.
 MAX_ITEMS, SIDE = 4, 2048
-REQUEST_MEDIA = MAX_ITEMS * SIDE * SIDE * 3
+IMAGE = SIDE * SIDE * 3  # one image's decoded bytes (12 MiB)
+REQUEST_MEDIA = MAX_ITEMS * IMAGE
 MAX_MEDIA_IN_FLIGHT = 2 * REQUEST_MEDIA
 MAX_IN_FLIGHT = 8
 CLIENTS = 16
@@ -160,6 +161,33 @@ def write_config(directory: Path, **server: object) -> Path:
     return path
 
 
+#: The flood's server (the limits above) with server.max_body_bytes_in_flight at 4 MiB: shared by
+#: the flood (its 16 bodies of ~90 KiB never come near it) and the test of that bound.
+FLOOD_SERVER = {"max_body_bytes_in_flight": 4 * MIB}
+#: One server for the count bound (two places; a 3 s deadline ends the requests that hang) and
+#: for media that can never fit: two images (24 MiB) pass server.max_message_bytes but not
+#: server.max_media_bytes_in_flight, three pass neither and the message bound is checked first,
+#: one fits both.
+BOUNDED_SERVER = {
+    "max_requests_in_flight": 2,
+    "request_timeout_s": 3,
+    "max_media_bytes_in_flight": 2 * IMAGE - 1,
+    "max_message_bytes": 3 * IMAGE - 1,
+}
+
+
+@pytest.fixture(scope="module")
+def flood_srv() -> Iterator[ServerThread]:
+    with fake_server(**FLOOD_SERVER) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def bounded_srv() -> Iterator[ServerThread]:
+    with fake_server(**BOUNDED_SERVER) as srv:
+        yield srv
+
+
 @contextlib.contextmanager
 def fake_server(**server: object) -> Iterator[ServerThread]:
     path = write_config(Path(tempfile.mkdtemp(prefix="oca")), **server)
@@ -214,64 +242,67 @@ def wait_idle(srv: ServerThread, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory():
+def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory(flood_srv):
     """16 clients post the most decoded media a request may carry, at once: the server takes what
     its bounds allow, refuses the rest with 429 + Retry-After + an OpenAI error body, keeps its
     RSS within RSS_GROWTH_LIMIT and answers /health throughout; then it is idle again and
     serves."""
-    with fake_server() as srv:
-        bodies = [media_body(srv, colour=c) for c in range(CLIENTS)]
-        # warm up: the path the flood takes, once (thread pools, PIL, the decoder's first call)
-        assert httpx.post(srv.url + "/v1/chat/completions", json=bodies[0], timeout=60).status_code == 200
-        wait_idle(srv)
-        health: list[int] = []
-        done = threading.Event()
+    srv = flood_srv
+    # One body for every client: the decoded-item cache is off (decoded_cache_bytes: 0), so
+    # each request decodes its own 48 MiB all the same, and the client encodes 4 PNGs, not 64.
+    bodies = [media_body(srv, colour=0)] * CLIENTS
+    # warm up: the path the flood takes, once (thread pools, PIL, the decoder's first call);
+    # one token: how long it is answered does not change that path
+    warm = {**bodies[0], "max_tokens": 1}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=warm, timeout=60).status_code == 200
+    wait_idle(srv)
+    health: list[int] = []
+    done = threading.Event()
 
-        def watch_health() -> None:
-            while not done.is_set():
-                health.append(httpx.get(srv.url + "/health", timeout=30).status_code)
-                time.sleep(0.05)
+    def watch_health() -> None:
+        while not done.is_set():
+            health.append(httpx.get(srv.url + "/health", timeout=30).status_code)
+            time.sleep(0.05)
 
-        start = threading.Barrier(CLIENTS)
+    start = threading.Barrier(CLIENTS)
 
-        def post(body: dict) -> httpx.Response:
-            start.wait()
-            return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+    def post(body: dict) -> httpx.Response:
+        start.wait()
+        return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
 
-        reset_peak_rss()
-        before = rss_bytes("VmRSS")
-        watcher = threading.Thread(target=watch_health)
-        watcher.start()
-        try:
-            with ThreadPoolExecutor(CLIENTS) as pool:
-                responses = list(pool.map(post, bodies))
-        finally:
-            done.set()
-            watcher.join()
-        growth = rss_bytes("VmHWM") - before
+    reset_peak_rss()
+    before = rss_bytes("VmRSS")
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            responses = list(pool.map(post, bodies))
+    finally:
+        done.set()
+        watcher.join()
+    growth = rss_bytes("VmHWM") - before
 
-        codes = sorted(r.status_code for r in responses)
-        assert set(codes) <= {200, 429}, [(r.status_code, r.text[:200]) for r in responses]
-        refused = [r for r in responses if r.status_code == 429]
-        assert len(refused) >= CLIENTS - MAX_IN_FLIGHT, codes  # the count bound alone refuses these
-        assert codes.count(200) >= 1
-        for r in refused:
-            assert r.headers["retry-after"] == str(RETRY_AFTER_S)
-            err = r.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"}
-            assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
-            assert (
-                "server.max_requests_in_flight" in err["message"]
-                or "server.max_media_bytes_in_flight" in err["message"]
-            ), err
-        assert any(
-            "server.max_media_bytes_in_flight" in r.json()["error"]["message"] for r in refused
-        )  # places were free, media room was not
-        assert growth < RSS_GROWTH_LIMIT, f"RSS grew by {growth / MIB:.0f} MiB"
-        assert health and set(health) == {200}, health
-        wait_idle(srv)  # every place and byte given back
-        r = httpx.post(srv.url + "/v1/chat/completions", json=bodies[1], timeout=60)
-        assert r.status_code == 200, r.text
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 429}, [(r.status_code, r.text[:200]) for r in responses]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(refused) >= CLIENTS - MAX_IN_FLIGHT, codes  # the count bound alone refuses these
+    assert codes.count(200) >= 1
+    for r in refused:
+        assert r.headers["retry-after"] == str(RETRY_AFTER_S)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+        assert (
+            "server.max_requests_in_flight" in err["message"] or "server.max_media_bytes_in_flight" in err["message"]
+        ), err
+    assert any(
+        "server.max_media_bytes_in_flight" in r.json()["error"]["message"] for r in refused
+    )  # places were free, media room was not
+    assert growth < RSS_GROWTH_LIMIT, f"RSS grew by {growth / MIB:.0f} MiB"
+    assert health and set(health) == {200}, health
+    wait_idle(srv)  # every place and byte given back
+    r = httpx.post(srv.url + "/v1/chat/completions", json=warm, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 #: The video flood: 6 clients, a 640 x 360 video each (2 s at 8 fps: 4 frames sampled at 2 fps,
@@ -353,65 +384,67 @@ def test_a_flood_of_videos_is_held_to_the_media_bound_before_decoding():
         wait_idle(srv)  # and every reserved byte was given back
 
 
-def test_the_count_bound_refuses_before_reading_and_the_sdk_sees_a_rate_limit():
+def test_the_count_bound_refuses_before_reading_and_the_sdk_sees_a_rate_limit(bounded_srv):
     """With every place taken by requests that do not end, a new one is refused at once, body
     unread (even one over the body limit), and the openai SDK raises its RateLimitError with the
     server's message and Retry-After; a request refused for what it asks gives its place back."""
-    with fake_server(max_requests_in_flight=2, request_timeout_s=5) as srv:
-        model = srv.orchestrator.served_model_name
-        bounds = srv.orchestrator.admission.bounds
-        # refused with 400 after it took its place: the place is given back
-        bad = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}
-        assert httpx.post(srv.url + "/v1/chat/completions", json=bad, timeout=30).status_code == 400
-        assert bounds.requests == 0
-        hang = {"model": model, "messages": [{"role": "user", "content": "HANG"}]}
-        with ThreadPoolExecutor(2) as pool:
-            hung = [pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=hang, timeout=60) for _ in range(2)]
-            end = time.monotonic() + 30
-            while srv.orchestrator.in_flight < 2:
-                assert time.monotonic() < end
-                time.sleep(0.02)
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-            with pytest.raises(openai.RateLimitError) as info:
-                client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
-            assert info.value.status_code == 429
-            assert info.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
-            assert "server.max_requests_in_flight" in info.value.message
-            # over the body limit too: still the 429, the body was never read
-            huge = b'{"model": "' + model.encode() + b'", "messages": [' + b" " * (8 * MIB) + b"]}"
-            r = httpx.post(
-                srv.url + "/v1/chat/completions", content=huge, timeout=30, headers={"Content-Type": "application/json"}
-            )
-            assert r.status_code == 429, r.text
-            assert [f.result().status_code for f in hung] == [504, 504]  # their deadline
-        assert bounds.requests == 0
-        ok = {"model": model, "messages": [{"role": "user", "content": "after"}], "max_tokens": 3}
-        assert httpx.post(srv.url + "/v1/chat/completions", json=ok, timeout=30).status_code == 200
-
-
-def test_media_that_can_never_fit_are_a_413_and_the_body_limit_holds_while_reading():
-    with fake_server(max_media_bytes_in_flight=REQUEST_MEDIA - 1) as srv:
-        r = httpx.post(srv.url + "/v1/chat/completions", json=media_body(srv, 1), timeout=60)
-        assert r.status_code == 413, r.text
-        assert "server.max_media_bytes_in_flight" in r.json()["error"]["message"]
-        three = media_body(srv, 2, items=MAX_ITEMS - 1)  # fits
-        assert httpx.post(srv.url + "/v1/chat/completions", json=three, timeout=60).status_code == 200
-
-        def chunks():  # no Content-Length: refused once past the limit, not after all of it
-            yield b'{"model": "m", "messages": [{"role": "user", "content": "'
-            for _ in range(64):
-                yield b"x" * MIB
-            yield b'"}]}'
-
+    srv = bounded_srv
+    model = srv.orchestrator.served_model_name
+    bounds = srv.orchestrator.admission.bounds
+    # refused with 400 after it took its place: the place is given back
+    bad = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=bad, timeout=30).status_code == 400
+    assert bounds.requests == 0
+    hang = {"model": model, "messages": [{"role": "user", "content": "HANG"}]}
+    with ThreadPoolExecutor(2) as pool:
+        hung = [pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=hang, timeout=60) for _ in range(2)]
+        end = time.monotonic() + 30
+        while srv.orchestrator.in_flight < 2:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+        assert info.value.status_code == 429
+        assert info.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
+        assert "server.max_requests_in_flight" in info.value.message
+        # over the body limit too: still the 429, the body was never read
+        huge = b'{"model": "' + model.encode() + b'", "messages": [' + b" " * (8 * MIB) + b"]}"
         r = httpx.post(
-            srv.url + "/v1/chat/completions", content=chunks(), timeout=60, headers={"Content-Type": "application/json"}
+            srv.url + "/v1/chat/completions", content=huge, timeout=30, headers={"Content-Type": "application/json"}
         )
-        assert r.status_code == 413 and "server.max_body_bytes" in r.json()["error"]["message"]
-        wait_idle(srv)
-    with fake_server(max_message_bytes=REQUEST_MEDIA - 1) as srv:
-        r = httpx.post(srv.url + "/v1/chat/completions", json=media_body(srv, 3), timeout=60)
-        assert r.status_code == 413 and "server.max_message_bytes" in r.json()["error"]["message"]
-        wait_idle(srv)
+        assert r.status_code == 429, r.text
+        assert [f.result().status_code for f in hung] == [504, 504]  # their deadline
+    assert bounds.requests == 0
+    ok = {"model": model, "messages": [{"role": "user", "content": "after"}], "max_tokens": 3}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=ok, timeout=30).status_code == 200
+
+
+def test_media_that_can_never_fit_are_a_413_and_the_body_limit_holds_while_reading(bounded_srv):
+    """BOUNDED_SERVER: two images never fit server.max_media_bytes_in_flight (413, not 429), one
+    is answered, three never fit server.max_message_bytes; a body past server.max_body_bytes is
+    refused while it is read."""
+    srv = bounded_srv
+    r = httpx.post(srv.url + "/v1/chat/completions", json=media_body(srv, 1, items=2), timeout=60)
+    assert r.status_code == 413, r.text
+    assert "server.max_media_bytes_in_flight" in r.json()["error"]["message"]
+    one = {**media_body(srv, 2, items=1), "max_tokens": 1}  # fits
+    assert httpx.post(srv.url + "/v1/chat/completions", json=one, timeout=60).status_code == 200
+
+    def chunks():  # no Content-Length: refused once past the limit, not after all of it
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        for _ in range(64):
+            yield b"x" * MIB
+        yield b'"}]}'
+
+    r = httpx.post(
+        srv.url + "/v1/chat/completions", content=chunks(), timeout=60, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 413 and "server.max_body_bytes" in r.json()["error"]["message"]
+    wait_idle(srv)
+    r = httpx.post(srv.url + "/v1/chat/completions", json=media_body(srv, 3, items=3), timeout=60)
+    assert r.status_code == 413 and "server.max_message_bytes" in r.json()["error"]["message"]
+    wait_idle(srv)
 
 
 def test_the_python_api_waits_for_room_instead_of_failing(tmp_path: Path):
@@ -439,41 +472,41 @@ def test_the_python_api_waits_for_room_instead_of_failing(tmp_path: Path):
         assert pipe.orchestrator.admission.bounds.requests == 0
 
 
-def test_bodies_being_read_are_bounded_and_their_bytes_given_back_once_submitted():
+def test_bodies_being_read_are_bounded_and_their_bytes_given_back_once_submitted(flood_srv):
     """server.max_body_bytes_in_flight: while one body of 3 MiB is being read (its client has not
     sent the rest), another declaring 2 MiB does not fit in 4 MiB and gets 429 before it is read;
     once the first was submitted its bytes are free (it keeps no body while it is answered)."""
-    with fake_server(max_body_bytes=4 * MIB, max_body_bytes_in_flight=4 * MIB) as srv:
-        model = srv.orchestrator.served_model_name
-        bounds = srv.orchestrator.admission.bounds
-        go_on = threading.Event()
-        head = b'{"model": "' + model.encode() + b'", "max_tokens": 3, "messages": [{"role": '
-        padding = b" " * (3 * MIB)
+    srv = flood_srv  # (server.max_body_bytes: 4 MiB, write_config's)
+    model = srv.orchestrator.served_model_name
+    bounds = srv.orchestrator.admission.bounds
+    go_on = threading.Event()
+    head = b'{"model": "' + model.encode() + b'", "max_tokens": 3, "messages": [{"role": '
+    padding = b" " * (3 * MIB)
 
-        def slow_body():
-            yield head + padding  # JSON allows whitespace between tokens
-            go_on.wait(60)
-            yield b'"user", "content": "slow"}]}'
+    def slow_body():
+        yield head + padding  # JSON allows whitespace between tokens
+        go_on.wait(60)
+        yield b'"user", "content": "slow"}]}'
 
-        with ThreadPoolExecutor(1) as pool:
-            slow = pool.submit(
-                httpx.post,
-                srv.url + "/v1/chat/completions",
-                content=slow_body(),
-                headers={"Content-Type": "application/json"},
-                timeout=60,
-            )
-            end = time.monotonic() + 30
-            while bounds.body_bytes < 3 * MIB:
-                assert time.monotonic() < end, bounds.body_bytes
-                time.sleep(0.02)
-            other = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "x" * (2 * MIB)}]}
-            r = httpx.post(srv.url + "/v1/chat/completions", json=other, timeout=30)
-            assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER_S), r.text
-            assert "server.max_body_bytes_in_flight" in r.json()["error"]["message"]
-            go_on.set()
-            assert slow.result().status_code == 200
-        wait_idle(srv)
-        assert bounds.body_bytes == 0
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(
+            httpx.post,
+            srv.url + "/v1/chat/completions",
+            content=slow_body(),
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
+        end = time.monotonic() + 30
+        while bounds.body_bytes < 3 * MIB:
+            assert time.monotonic() < end, bounds.body_bytes
+            time.sleep(0.02)
+        other = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "x" * (2 * MIB)}]}
         r = httpx.post(srv.url + "/v1/chat/completions", json=other, timeout=30)
-        assert r.status_code == 400, r.text  # fits now; only too long for the context (4096)
+        assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER_S), r.text
+        assert "server.max_body_bytes_in_flight" in r.json()["error"]["message"]
+        go_on.set()
+        assert slow.result().status_code == 200
+    wait_idle(srv)
+    assert bounds.body_bytes == 0
+    r = httpx.post(srv.url + "/v1/chat/completions", json=other, timeout=30)
+    assert r.status_code == 400, r.text  # fits now; only too long for the context (4096)

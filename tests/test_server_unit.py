@@ -333,8 +333,9 @@ def test_over_long_prompt_message_names_the_lengths(srv, http):
 
 
 def test_max_tokens_past_the_context_is_clamped_as_vllm_does(srv, http):
-    """A prompt that fits with max_tokens that do not: vLLM lowers max_tokens to what is left."""
-    content = "y" * 400
+    """A prompt that fits with max_tokens that do not: vLLM lowers max_tokens to what is left
+    (25 tokens here: the fake thinker answers one per TOKEN_DELAY_S)."""
+    content = "y" * 480
     r = http.post("/v1/chat/completions", json=chat(srv, content, max_tokens=200))
     assert r.status_code == 200, r.text
     prompt_len = len(f"user: {content}\n")
@@ -606,7 +607,7 @@ def test_python_pipeline_api():
     [
         # fails fast: start() does not wait for the 60 s timeout when a stage exits
         ('{FAKE_EXIT_AT_START: "3"}', 60, "exited before it was ready (exit code 3)"),
-        ('{FAKE_START_DELAY: "60"}', 4, "not ready after 4 s"),
+        ('{FAKE_START_DELAY: "60"}', 2, "not ready after 2 s"),
     ],
 )
 def test_stage_that_does_not_come_up_is_named(env, timeout, needle):
