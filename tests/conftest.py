@@ -46,6 +46,19 @@ class SharedServerScheduling(LoadScopeScheduling):
         super().schedule()
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, torch in each worker computes on one thread: two workers share the
+    host's two cores with the stage processes (which the shipped configs give one thread each),
+    and a vLLM engine or reference model run in a worker on two threads spent most of its time
+    in OpenMP's waits under that load (a single-token reference pass took 116-300 ms on two
+    threads, 17-28 ms on one, at load 7-13). Set before any engine starts: vLLM's CPU worker
+    disables ``torch.set_num_threads`` once it has started one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     return SharedServerScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
