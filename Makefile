@@ -29,10 +29,10 @@ serve: setup
 
 # Lint and format check first (rules in pyproject.toml's [tool.ruff]): a finding, or a file
 # `ruff format` would change, fails the run before any test. The ten slowest tests are listed at
-# the end of every run (the suite's budget is 20 minutes on a 2-core machine). One process: two
-# pytest-xdist workers (PYTEST_ARGS='-n 2 --dist loadfile', docs/quickstart.md) are faster but
-# peak past 23 GiB of memory when the Ray test runs beside another engine test.
+# the end of every run (the suite's budget is 20 minutes on a 2-core machine). Two pytest-xdist
+# workers, a test file each at a time (the files that share a server go to one worker together:
+# tests/conftest.py); PYTEST_ARGS='-n 0' runs it in this one process (docs/quickstart.md).
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -ra --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=10 -n 2 --dist loadfile $(PYTEST_ARGS)

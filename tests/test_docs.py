@@ -341,6 +341,13 @@ def test_quickstart_setup_is_what_the_makefile_does():
     assert any(r.startswith("mkdocs-material==") for r in installed)
 
 
+def test_quickstart_test_command_is_what_the_makefile_runs():
+    makefile = (ROOT / "Makefile").read_text()
+    pytest_line = re.search(r"^test: setup\n(?:\t.*\n)*?\t\$\(PY\) -m (pytest .*?) \$\(PYTEST_ARGS\)$", makefile, re.M)
+    assert pytest_line, "make test's pytest line"
+    assert f"`.venv/bin/python -m {pytest_line.group(1)}`" in " ".join(QUICKSTART.split())
+
+
 def _pyproject_extras() -> dict[str, list[str]]:
     import tomllib
 
