@@ -345,6 +345,12 @@ def test_replacing_a_watched_connection_again_and_again_keeps_it_watched(thinker
 
         old = connected()
         sup.watch_connection(thinker.name, old)
+        # The first connection is made before the stage first goes away (a message goes through
+        # it): on a loaded host the I/O thread may not have connected yet when the listener
+        # closes, and a connect that never succeeded closes nothing: it is refused, which keeps
+        # a stage from coming up but does not take an announced one down (the heartbeat does).
+        await old.send(b"first")
+        assert await stage.recv() == b"first"
         sup.on_announcement(StageReady(stage=thinker.name, pid=1, incarnation="0"))
         try:
             for i in range(1, 61):
