@@ -242,6 +242,32 @@ def wait_idle(srv: ServerThread, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def post_at_once(srv, bodies: list[dict], sample, every_s: float) -> list[httpx.Response]:
+    """Every body posted to the chat API at the same moment, each from a thread of its own, while
+    ``sample()`` runs every ``every_s`` in another thread; the responses, in order."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            sample()
+            time.sleep(every_s)
+
+    start = threading.Barrier(len(bodies))
+
+    def post(body: dict) -> httpx.Response:
+        start.wait()
+        return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(post, bodies))
+    finally:
+        done.set()
+        watcher.join()
+
+
 def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory(flood_srv):
     """16 clients post the most decoded media a request may carry, at once: the server takes what
     its bounds allow, refuses the rest with 429 + Retry-After + an OpenAI error body, keeps its
@@ -257,29 +283,11 @@ def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory(fl
     assert httpx.post(srv.url + "/v1/chat/completions", json=warm, timeout=60).status_code == 200
     wait_idle(srv)
     health: list[int] = []
-    done = threading.Event()
-
-    def watch_health() -> None:
-        while not done.is_set():
-            health.append(httpx.get(srv.url + "/health", timeout=30).status_code)
-            time.sleep(0.05)
-
-    start = threading.Barrier(CLIENTS)
-
-    def post(body: dict) -> httpx.Response:
-        start.wait()
-        return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
-
     reset_peak_rss()
     before = rss_bytes("VmRSS")
-    watcher = threading.Thread(target=watch_health)
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(CLIENTS) as pool:
-            responses = list(pool.map(post, bodies))
-    finally:
-        done.set()
-        watcher.join()
+    responses = post_at_once(
+        srv, bodies, lambda: health.append(httpx.get(srv.url + "/health", timeout=30).status_code), every_s=0.05
+    )
     growth = rss_bytes("VmHWM") - before
 
     codes = sorted(r.status_code for r in responses)
@@ -351,27 +359,7 @@ def test_a_flood_of_videos_is_held_to_the_media_bound_before_decoding():
             for c in range(VIDEO_CLIENTS)
         ]
         held: list[int] = []
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                held.append(bounds.media_bytes)
-                time.sleep(0.002)
-
-        start = threading.Barrier(VIDEO_CLIENTS)
-
-        def post(body: dict) -> httpx.Response:
-            start.wait()
-            return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            with ThreadPoolExecutor(VIDEO_CLIENTS) as pool:
-                responses = list(pool.map(post, bodies))
-        finally:
-            done.set()
-            watcher.join()
+        responses = post_at_once(srv, bodies, lambda: held.append(bounds.media_bytes), every_s=0.002)
         codes = [r.status_code for r in responses]
         assert set(codes) <= {200, 429} and codes.count(200) >= 1 and codes.count(429) >= 1, codes
         assert all(
