@@ -38,7 +38,7 @@ class SharedServerScheduling(LoadScopeScheduling):
     longer reads."""
 
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::")[0]
+        path = file_of(nodeid)
         return SHARED_GROUP.get(path, path)
 
     def schedule(self) -> None:
@@ -130,4 +130,8 @@ def engine_files_first(items) -> None:
 
 
 def module_of(item) -> str:
-    return item.nodeid.split("::")[0]
+    return file_of(item.nodeid)
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
