@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import sys
 import tempfile
@@ -181,3 +182,14 @@ def open_stream_without_reading(srv: ServerThread, tokens: int) -> socket.socket
         + body
     )
     return sock
+
+
+class Records(logging.Handler):
+    """The messages of the log records a logger hands it (added with ``addHandler``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

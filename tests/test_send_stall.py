@@ -17,7 +17,7 @@ import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, make_orchestrator, open_stream_without_reading, write_config
+from fake_pipeline import API_KEY, Records, make_orchestrator, open_stream_without_reading, write_config
 
 from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
@@ -25,15 +25,6 @@ from omni_cache.serving.server import ServerThread
 
 ANSWER_TOKENS = 20000  # 40 s at 2 ms a token: the stall bound (1 s) comes long before its end
 OUTBOX = 1 << 30  # more than the whole answer: only the stall bound can cut it
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")

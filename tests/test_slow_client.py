@@ -15,7 +15,7 @@ import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, make_orchestrator, open_stream_without_reading, write_config
+from fake_pipeline import API_KEY, Records, make_orchestrator, open_stream_without_reading, write_config
 
 from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.http_protocol import UNFINISHED
@@ -47,19 +47,10 @@ def _slow_clients(srv) -> float:
     return sum(v for n, _, v in parse_metrics(r.text) if n == "omni_cache_slow_clients_disconnected_total")
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_a_client_that_stops_reading_is_disconnected_and_its_request_freed(srv):
     orch = srv.orchestrator
     before = _slow_clients(srv)
-    records = _Records()
+    records = Records()
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addHandler(records)
     sock = open_stream_without_reading(srv, ANSWER_TOKENS)
