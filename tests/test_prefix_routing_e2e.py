@@ -11,6 +11,7 @@ first request (omni_cache/runtime/routing/media_layouts.py)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -63,6 +64,25 @@ def delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
+@contextlib.contextmanager
+def in_flight(client: openai.OpenAI, model: str, content, max_tokens: int):
+    """A streamed request held in flight: routed, prefilled (its first token read) and still
+    decoding (``ignore_eos``, ``max_tokens`` it will not reach before the block ends), so a
+    request sent inside the block meets a replica with one request on it, however slow the host;
+    leaving the block closes the stream (the server aborts the request; its prompt's blocks stay
+    cached)."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    with stream:
+        next(c for c in stream if c.choices and c.choices[0].delta.content)
+        yield
+
+
 def prefix(letter: str) -> str:
     return f"{letter} " * 300  # 600 bytes: ~18 full blocks of the byte-level prompt
 
@@ -78,13 +98,11 @@ def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(se
         if key is not None:
             cached[key] = r.usage.prompt_tokens_details.cached_tokens
 
-    # Two prefixes nobody holds, at once: least loaded puts them on different replicas.
+    # Two prefixes nobody holds, the second sent while the first is in flight: least loaded puts
+    # them on different replicas.
     before = decisions(server)
-    threads = [threading.Thread(target=ask, args=(prefix(x) + "first?", None, 24)) for x in "PQ"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    with in_flight(client, NAME, prefix("P") + "first?", max_tokens=1300):  # within max_model_len
+        ask(prefix("Q") + "first?")
     assert delta(before, decisions(server)) == {("0", "least_loaded"): 1, ("1", "least_loaded"): 1}
 
     # Both idle now: a load tie would send both follow-ups to replica 0; each goes where its
@@ -168,12 +186,13 @@ def media_server(tmp_path_factory):
 
 
 def test_a_repeated_image_or_video_goes_to_the_replica_that_holds_it(media_server):
-    """Two images nobody holds, at once: least loaded puts them on different replicas. Each image
-    again, with another question: to the replica that holds it (``prefix_hit``), served from its
-    cache past the image. The image opens the prompt (after 3 template tokens), so every block the
-    router matched carries the image's key: a hit decision means the orchestrator's hashes of the
-    image's blocks are the ones that replica's engine reported. Then a video with its sound track
-    (one interleaved run, keyed by vLLM with the request's processor kwargs), the same."""
+    """Two images nobody holds, the second sent while the first is in flight: least loaded puts
+    them on different replicas. Each image again, with another question: to the replica that
+    holds it (``prefix_hit``), served from its cache past the image. The image opens the prompt
+    (after 3 template tokens), so every block the router matched carries the image's key: a hit
+    decision means the orchestrator's hashes of the image's blocks are the ones that replica's
+    engine reported. Then a video with its sound track (one interleaved run, keyed by vLLM with
+    the request's processor kwargs), the same."""
     client = openai.OpenAI(base_url=media_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     cached: dict[str, int] = {}
 
@@ -187,11 +206,8 @@ def test_a_repeated_image_or_video_goes_to_the_replica_that_holds_it(media_serve
 
     images = {k: {"type": "image_url", "image_url": {"url": png_data_url(128, 96, seed=i)}} for i, k in enumerate("XY")}
     before = decisions(media_server)
-    threads = [threading.Thread(target=ask, args=(images[k], QUESTION + "first?", k, 24)) for k in "XY"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    with in_flight(client, MEDIA_NAME, [images["X"], {"type": "text", "text": QUESTION + "first?"}], max_tokens=4096):
+        ask(images["Y"], QUESTION + "first?", "Y")
     assert delta(before, decisions(media_server)) == {("0", "least_loaded"): 1, ("1", "least_loaded"): 1}
     assert len(media_server.orchestrator.routes.media_layouts) == 2  # both replicas reported theirs
 
