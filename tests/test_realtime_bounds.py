@@ -32,6 +32,7 @@ from websockets.exceptions import ConnectionClosed
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import speech
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.request_path.admission import InFlightBounds, MediaHold
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.runtime.request_path.results import RequestError
@@ -435,6 +436,50 @@ def test_bad_events_are_errors_naming_the_problem_and_the_session_goes_on(small)
     assert answer.done.response.status in ("completed", "incomplete")
     assert closed.rcvd is not None and closed.rcvd.code == 1009  # message too big: never read whole
     wait_until(lambda: len(small.app.state.realtime_sessions) == 0)
+
+
+def read_holds(server) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+    [value] = [v for n, _, v in parse_metrics(text) if n == "omni_cache_realtime_read_holds_total"]
+    return value
+
+
+def test_a_connection_is_read_within_its_budget_and_the_session_goes_on(small):
+    """``max_read_bytes_per_s`` (1 MiB/s by default) after a burst of ``max_event_bytes``: an
+    event of nearly the burst is read at once (no hold); three oversized ones after it are read
+    no faster than the budget (each still answered ``event_too_large``), the holds are counted
+    in /metrics, and the session answers afterwards."""
+    rate = 1024 * 1024
+    near = json.dumps({"type": "x", "pad": "A" * (EVENT_BYTES - 100)})
+    oversized = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * EVENT_BYTES})
+
+    async def go():
+        async with connect(small.url, model(small), API_KEY) as conn:
+            s = Session(conn)
+            await s.open()
+            before = await asyncio.to_thread(read_holds, small)
+            await conn.send_raw(near)
+            first = await next_event(conn)
+            after_burst = await asyncio.to_thread(read_holds, small)
+            start = time.monotonic()
+            codes = []
+            for _ in range(3):
+                await conn.send_raw(oversized)
+                codes.append((await next_event(conn)).error.code)
+            took = time.monotonic() - start
+            held = await asyncio.to_thread(read_holds, small)
+            await s.say("still there?")
+            answer, _ = await s.answer()
+        return before, first, after_burst, codes, took, held, answer
+
+    before, first, after_burst, codes, took, held, answer = run(go())
+    assert first.type == "error" and first.error.code != "event_too_large", first  # read, parsed
+    assert after_burst == before  # the burst went at full speed
+    assert codes == ["event_too_large"] * 3
+    # 3 oversized events on top of a burst spent: at least (3 x size - what refilled) at the rate.
+    assert took >= 0.9 * 3 * len(oversized) / rate - 1.0, took
+    assert held > before
+    assert answer.done.response.status in ("completed", "incomplete")
 
 
 # ---- images ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import OPEN
 from websockets.uri import parse_uri
 
-from omni_cache.serving.realtime.ws_protocol import BoundedServerProtocol, Skipped
+from omni_cache.serving.realtime.ws_protocol import BoundedServerProtocol, ReadBudget, Skipped
 
 EVENT, MESSAGE = 1000, 5000
 CHUNK = 300  # bytes per network read
@@ -86,3 +86,15 @@ def test_a_message_over_the_message_limit_closes_with_1009_from_its_header():
 def test_a_protocol_error_in_a_skipped_frame_closes_with_1002(frames):
     server, _, _ = feed(wire(*frames))
     assert server.close_sent is not None and server.close_sent.code == 1002
+
+
+def test_the_read_budget_lets_a_burst_through_then_the_rate():
+    now = [0.0]
+    budget = ReadBudget(rate=100.0, burst=1000.0, clock=lambda: now[0])
+    assert budget.spend(1000) == 0.0  # the whole burst at once
+    assert budget.spend(50) == pytest.approx(0.5)  # 50 bytes over: half a second at 100 B/s
+    now[0] = 0.5
+    assert budget.spend(0) == 0.0  # refilled to zero
+    now[0] = 100.0
+    assert budget.spend(1000) == 0.0  # refills to the burst, no further
+    assert budget.spend(1) == pytest.approx(0.01)

@@ -93,6 +93,12 @@ class RealtimeConfig(ConfigStruct, kw_only=True):
     #: arrives and answered with ``event_too_large`` (an append of up to 15 MiB, which OpenAI's
     #: API accepts, gets that error, not a closed connection).
     max_message_bytes: PositiveInt = 16 * 1024 * 1024
+    #: Bytes a session's connection reads per second on average, with a burst of
+    #: ``max_event_bytes`` at full speed: past it the server stops reading that socket until the
+    #: budget refills, and the client waits in TCP flow control. 1 MiB/s is 16 times real-time
+    #: 24 kHz pcm16 audio in base64 (64 kB/s); a whole 60 s buffer in one append, or a 3 MiB
+    #: image, goes at once. A client replaying a recording faster than that is slowed to it.
+    max_read_bytes_per_s: PositiveInt = 1024 * 1024
     #: The thinker listens while the user speaks: each complete audio-encoder window of a turn
     #: (8 s for Qwen3-Omni) is prefilled as it arrives, so at the turn's end only the last window
     #: and the answer remain (omni_cache/serving/realtime/listening.py). Off: the turn's audio is

@@ -431,7 +431,7 @@ class Orchestrator:
         if req is not None:
             self.ends.drop_slow_client(req, bound, message)
         else:  # already answered: its handler still closes the connection
-            self.metrics.slow_client(bound)
+            self.metrics.clients.slow_client(bound)
 
     def abort_threadsafe(self, request_id: str, reason: str = "aborted") -> None:
         """`abort` from any thread, run on the orchestrator's loop (unknown or finished: ignored)."""

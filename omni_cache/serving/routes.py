@@ -365,7 +365,7 @@ class _RequestStream(StreamingResponse):
         self._metrics = orch.metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watch = SendWatch(transport_of(scope), self._max_stall_s, self._metrics.stream_write_paused)
+        watch = SendWatch(transport_of(scope), self._max_stall_s, self._metrics.clients.stream_write_paused)
         response = asyncio.ensure_future(super().__call__(scope, receive, watch.send(send)))
         overflowed = asyncio.ensure_future(self._handle.overflowed.wait())
         stalled = asyncio.ensure_future(watch.stalled())

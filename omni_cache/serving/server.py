@@ -48,6 +48,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from omni_cache.config.addresses import RunDirError
+from omni_cache.runtime.metrics.prometheus import OrchestratorMetrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.auth import API_KEY_ENV
 from omni_cache.serving.chat_output import parser_class
@@ -71,15 +72,20 @@ WS_DEFLATE = False
 __all__ = ["ServerThread", "create_app", "protocol_options", "serve"]
 
 
-def protocol_options(config: Any) -> dict[str, Any]:
+def protocol_options(config: Any, metrics: OrchestratorMetrics | None = None) -> dict[str, Any]:
     """uvicorn's protocol settings for a pipeline ``config``: HTTP whose requests see their
     connection (:mod:`omni_cache.serving.http_protocol`: streamed answers watch their client's
     TCP acknowledgements); WebSockets through the bounded protocol
-    (:mod:`omni_cache.serving.realtime.ws_protocol`), its largest message, no deflate."""
+    (:mod:`omni_cache.serving.realtime.ws_protocol`), its largest message and read budget
+    (counted in ``metrics``), no deflate."""
     realtime = config.server.realtime
     return {
         "http": HttpProtocol,
-        "ws": bounded_ws_protocol(realtime.max_event_bytes),
+        "ws": bounded_ws_protocol(
+            realtime.max_event_bytes,
+            realtime.max_read_bytes_per_s,
+            on_read_held=None if metrics is None else metrics.clients.realtime_read_held,
+        ),
         "ws_per_message_deflate": WS_DEFLATE,
         "ws_max_size": realtime.max_message_bytes,
     }
@@ -217,7 +223,7 @@ def serve(config: Any, args: Any) -> int:
         lifespan="on",
         log_level=getattr(args, "log_level", "info") or "info",
         timeout_graceful_shutdown=5,
-        **protocol_options(config),
+        **protocol_options(config, orch.metrics),
     )
     server = uvicorn.Server(uv_config)
     holder["server"] = server
@@ -259,7 +265,7 @@ class ServerThread:
                 lifespan="on",
                 log_level=log_level,
                 timeout_graceful_shutdown=2,
-                **protocol_options(orch.config),
+                **protocol_options(orch.config, orch.metrics),
             )
         )
         self._host = host

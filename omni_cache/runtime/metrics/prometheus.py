@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_cache.runtime.metrics.client_cuts import ClientCuts
 from omni_cache.runtime.metrics.loop_lag import LAG_BUCKETS
 from omni_cache.runtime.metrics.pacing_metrics import is_pacing_key, pacing_families
 
@@ -233,10 +234,8 @@ class OrchestratorMetrics:
         #: (stage, replica) -> requests resumed elsewhere because that replica died
         self.resumed: dict[tuple[str, int], int] = {}
         self.requests_ok = 0
-        #: bound (server.max_outbox_bytes / max_send_stall_s) -> streaming clients cut past it.
-        self.slow_clients: dict[str, int] = {}
-        #: Times a streamed answer's writes waited for a client that took nothing (send_watch.py).
-        self.stream_write_pauses = 0
+        #: Clients cut, writes that waited, reads held (client_cuts.py).
+        self.clients = ClientCuts()
         self.requests_failed: dict[int, int] = {}
         # Set by render() for the collector to read: a scrape is one synchronous call.
         self._scrape: tuple[Mapping[str, StageSnapshot], int, RoutingSnapshot, dict[str, float]] | None = None
@@ -285,12 +284,6 @@ class OrchestratorMetrics:
     def request_resumed(self, stage: str, replica: int) -> None:
         """A request moved to live replicas because replica ``replica`` of ``stage`` died."""
         self.resumed[(stage, replica)] = self.resumed.get((stage, replica), 0) + 1
-
-    def slow_client(self, bound: str = "max_outbox_bytes") -> None:
-        self.slow_clients[bound] = self.slow_clients.get(bound, 0) + 1
-
-    def stream_write_paused(self) -> None:
-        self.stream_write_pauses += 1
 
     def request_done(self, status: int | None) -> None:
         if status is None:
@@ -367,17 +360,7 @@ class OrchestratorMetrics:
         yield GaugeMetricFamily(
             "omni_cache_requests_in_flight", "Requests accepted and not yet answered.", value=in_flight
         )
-        slow = CounterMetricFamily(
-            "omni_cache_slow_clients_disconnected",
-            "Streamed requests whose client was past server.max_outbox_bytes or max_send_stall_s "
-            "(bound): disconnected, the request aborted and what waited freed.",
-            labels=["bound"],
-        )
-        for bound in ("max_outbox_bytes", "max_send_stall_s"):
-            slow.add_metric([bound], self.slow_clients.get(bound, 0))
-        yield slow
-        help_ = "Times a streamed answer's writes waited for a client that took nothing for 0.5 s."
-        yield CounterMetricFamily("omni_cache_stream_write_pauses", help_, value=self.stream_write_pauses)
+        yield from self.clients.families()
         answered = CounterMetricFamily("omni_cache_requests", "Requests answered, by outcome.", labels=["outcome"])
         answered.add_metric(["ok"], self.requests_ok)
         for status, n in sorted(self.requests_failed.items()):

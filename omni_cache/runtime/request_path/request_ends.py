@@ -105,7 +105,7 @@ class RequestEnds:
         dropped now, the request aborted on its stages, and its handler closes the connection
         (the queue's ``overflowed``). Counted apart, by bound, not as a failed request."""
         req.queue.drop()
-        self.metrics.slow_client(bound)
+        self.metrics.clients.slow_client(bound)
         self.fail(
             req,
             499,
