@@ -15,6 +15,12 @@ response to its first audio coming back; listening requests have no audio and ar
 Every side's server is up at once and the cells alternate sides (``--rounds``: the order flipped
 each round), so on a shared host both sides of a cell meet about the same load.
 
+``--bystander S`` adds one more session to each cell, starting 3 s in, that says turns of ``S``
+seconds one after another for as long as the cell's first turn is being spoken (until 1 s before
+its end): its first audio (``bystander`` in the cell) is another session's answer while the cell's
+sessions speak, which listening loads (with ``--stagger 0`` they all speak at once, and no answer
+of theirs runs meanwhile). ``--sessions 0`` gives the bystander alone.
+
     PYTHONPATH=. .venv/bin/python -m benchmarks.realtime_listening --json out.json
 """
 
@@ -109,6 +115,13 @@ async def one_session(
     return out
 
 
+async def bystander(url: str, model: str, *, seconds: float, until_s: float, max_tokens: int, seed: int) -> list[dict]:
+    """Turns of ``seconds`` from 3 s on, one after another, each started while it can end (its
+    speech) before ``until_s`` (from now): :func:`one_session`'s rows."""
+    turns = max(1, int((until_s - 3.0) / (seconds + 0.5)))
+    return await one_session(url, model, seconds=seconds, turns=turns, max_tokens=max_tokens, seed=seed, delay_s=3.0)
+
+
 def _cpu(pids: dict[str, int | None]) -> dict[str, float]:
     import psutil
 
@@ -168,7 +181,16 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
     t0 = time.monotonic()
 
     async def go():
+        extra = []
+        if args.bystander:
+            until = seconds - 1.0
+            extra.append(
+                bystander(
+                    srv.url, model, seconds=args.bystander, until_s=until, max_tokens=args.max_tokens, seed=seed + 777
+                )
+            )
         return await asyncio.gather(
+            *extra,
             *(
                 one_session(
                     srv.url,
@@ -180,17 +202,19 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
                     delay_s=args.stagger * i * seconds / sessions,
                 )
                 for i in range(sessions)
-            )
+            ),
         )
 
     results = asyncio.run(go())
+    by_rows = results.pop(0) if args.bystander else None
     wall = time.monotonic() - t0
     breakdown = stage_breakdown(args.timeline, t0, t0 + wall) if args.timeline else None
     after = _cpu(srv.stage_pids())
     rows = [t for s in results for t in s]
     fa = [r["first_audio_s"] for r in rows if r["first_audio_s"] is not None]
     ft = [r["first_text_s"] for r in rows if r.get("first_text_s") is not None]
-    speech_s = seconds * args.turns * sessions
+    # Seconds of speech the cell's sessions said (the bystander's, when it is alone).
+    speech_s = seconds * args.turns * sessions or args.bystander * len(by_rows or []) or 1.0
     cpu = {k: after[k] - before.get(k, 0.0) for k in after}
     return {
         "seconds": seconds,
@@ -208,6 +232,7 @@ def run_cell(srv: ManagedServer, seconds: float, sessions: int, args: argparse.N
         "listening": {k: v - stats0[k] for k, v in asdict(listening.TOTALS).items()},
         "stage_breakdown": breakdown,
         "rows": rows,
+        "bystander": by_rows,
     }
 
 
@@ -239,19 +264,36 @@ def summary_table(result: dict[str, Any]) -> str:
         row += " " + " / ".join(f"{np.mean(c['hit']):.2f}" for c in cells)
         row += f" | {min(loads):.1f}-{max(loads):.1f} |"
         lines.append(row)
+    by: dict[tuple, list[float]] = {}
+    for c in result["cells"]:
+        if c.get("bystander"):
+            key = (c["seconds"], c["sessions"], c["side"])
+            by.setdefault(key, []).extend(r["first_audio_s"] for r in c["bystander"] if r["first_audio_s"] is not None)
+    if by:
+        lines += ["", "| speakers | bystander n |" + "".join(f" bystander first audio {s} |" for s in sides)]
+        lines.append("|" + "---|" * (2 + len(sides)))
+        for seconds, n in dict.fromkeys((k[0], k[1]) for k in by):
+            xs = [by.get((seconds, n, s), []) for s in sides]
+            lines.append(f"| {n} x {seconds:g} s | {len(xs[0])} |" + "".join(f" {ms(x)} |" for x in xs))
     return "\n".join(lines)
 
 
 def log_cell(cell: dict[str, Any]) -> None:
     harness.log(
         f"listening {cell['side']} {cell['seconds']:g} s x {cell['sessions']}: "
-        f"p50 {cell['first_audio_p50_ms']:.0f} ms, "
-        f"p90 {cell['first_audio_p90_ms']:.0f} ms "
+        f"p50 {cell['first_audio_p50_ms'] or 0:.0f} ms, "
+        f"p90 {cell['first_audio_p90_ms'] or 0:.0f} ms "
         f"(first text p50 {cell['first_text_p50_ms'] or 0:.0f} / "
         f"p90 {cell['first_text_p90_ms'] or 0:.0f} ms), cached {cell['cached_share']:.2f}, "
         f"cpu {cell['stage_cpu_s_per_speech_s']:.3f} s/s, load {cell['load_average'][0]:.1f}, "
         f"listening {cell['listening']}"
     )
+    if cell.get("bystander"):
+        fa = [r["first_audio_s"] for r in cell["bystander"] if r["first_audio_s"] is not None]
+        harness.log(
+            f"  bystander: {len(fa)} turns, first audio p50 {1000 * percentile(fa, 50):.0f} ms, "
+            f"p90 {1000 * percentile(fa, 90):.0f} ms"
+        )
     if cell["stage_breakdown"]:
         bd = cell["stage_breakdown"]["ms"]
         harness.log("  p50/p90 ms: " + ", ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in bd.items() if v))
@@ -271,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="session i starts i x this x turn length / sessions later (0: in lock-step, every turn ends at once)",
+    )
+    p.add_argument(
+        "--bystander",
+        type=float,
+        default=0.0,
+        help="one more session saying turns of this many seconds while the cell's first turn is spoken",
     )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--json", default=None)

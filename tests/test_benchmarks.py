@@ -1259,3 +1259,25 @@ def test_soak_pause_schedule_takes_the_stages_in_turn_while_the_run_lasts():
     assert soak.pause_schedule(31, 300, ["decoder"])[-1] == (1800, "decoder")
     assert soak.pause_schedule(4, 300, ["thinker"]) == []
     assert soak.pause_schedule(30, 300, []) == []
+
+
+def test_the_listening_summary_pools_the_bystanders_turns_per_side():
+    from benchmarks.realtime_listening import summary_table
+
+    def cell(side: str, sessions: int, rnd: int, by_ms: list[float]) -> dict:
+        row = {"first_audio_s": 0.1, "first_text_s": 0.05, "cached_tokens": 1, "input_tokens": 2}
+        return {
+            "seconds": 30.0,
+            "sessions": sessions,
+            "side": side,
+            "round": rnd,
+            "rows": [row] * sessions,
+            "load_average": (0.5, 0.5, 0.5),
+            "cached_share": 0.5,
+            "bystander": [{"first_audio_s": ms / 1000} for ms in by_ms],
+        }
+
+    cells = [cell("on", 8, 0, [10, 20]), cell("off", 8, 0, [50]), cell("on", 8, 1, [30]), cell("off", 8, 1, [60])]
+    table = summary_table({"cells": cells}).split("\n")
+    at = table.index("| speakers | bystander n | bystander first audio on | bystander first audio off |")
+    assert table[at + 2] == "| 8 x 30 s | 3 | 20 / 28 | 55 / 59 |"  # both rounds pooled per side
