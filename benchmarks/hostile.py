@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         from omni_cache.serving import server
 
-        server.bounded_ws_protocol = lambda max_event_bytes: WebSocketsSansIOProtocol
+        server.bounded_ws_protocol = lambda *args, **kwargs: WebSocketsSansIOProtocol
 
     answer = 20000
     path = write_config(
