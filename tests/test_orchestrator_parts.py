@@ -115,6 +115,8 @@ def test_a_prefill_only_request_passes_the_entry_stage_and_a_talker_only(config)
         ([], {}, 400, "empty"),
         ([1, -1], {}, 400, "non-negative"),
         ([1, True], {}, 400, "non-negative"),
+        ([1, 2.0], {}, 400, "non-negative"),
+        ([-3, 1], {}, 400, "non-negative"),
         ([1], {"modalities": ["video"]}, 400, "unknown modality 'video'"),
         ([1], {"max_tokens": 0}, 400, "max_tokens must be at least 1"),
         ([1] * 500, {"max_tokens": 13}, 400, "maximum context length is 512 tokens; the prompt has 500"),
@@ -124,6 +126,11 @@ def test_what_the_request_asks_is_refused_with_400(config, prompt, kwargs, statu
     with pytest.raises(RequestError) as info:
         admission_of(config).check(prompt, **kwargs)
     assert info.value.status == status and needle in info.value.message, info.value
+
+
+def test_prompt_ids_of_numpy_integers_are_taken_as_python_ints(config):
+    ids = admission_of(config).check([np.int64(5), 7, np.uint16(9)]).prompt_token_ids
+    assert ids == [5, 7, 9] and {type(t) for t in ids} == {int}
 
 
 def test_the_context_length_the_entry_stage_reported_wins(config):
