@@ -142,6 +142,7 @@ def paced(pipe):
             assert time.monotonic() - t_sent < 300, "the seventh got no first audio"
             time.sleep(0.02)
         at_first_audio = counters(pipe)
+        six_streaming = not six.done()  # their answers still being played out to their clients
         [seventh] = arriving.result()
         late_s = one_first_audio(pipe, mid_first_audio)
         after_seventh = counters(pipe)
@@ -151,6 +152,7 @@ def paced(pipe):
         "before": before,
         "mid": mid,
         "at_first_audio": at_first_audio,
+        "six_streaming": six_streaming,
         "after_seventh": after_seventh,
         "unloaded_s": unloaded_s,
         "late_s": late_s,
@@ -162,9 +164,12 @@ def test_a_request_arriving_while_six_stream_gets_its_first_audio_first(paced):
     before, mid, after = paced["before"], paced["mid"], paced["after_seventh"]
     seventh = paced["results"][-1]
     assert seventh.audio is not None and seventh.audio.size > 0
-    # The six still spoke when it got its first audio (the seventh and at least one of them in the
-    # talker), so what follows is not vacuous ...
-    assert paced["at_first_audio"]["talker"]["queue_depth"] >= 2, "the six had ended"
+    # The six still spoke when it got its first audio, so what follows is not vacuous: at least
+    # one of them still in the talker beside it, or (on a loaded machine, where the talker can
+    # finish their codes before the seventh's first audio) their answers still being played out
+    # through the paced decoder ...
+    talker_depth = paced["at_first_audio"]["talker"]["queue_depth"]
+    assert talker_depth >= 2 or paced["six_streaming"], "the six had ended"
     # ... the talker held some of them (an answer counts once, when it first yields: on a
     # contended machine the six may already have yielded to one another before the seventh came,
     # so the count is taken over the whole run) ...
