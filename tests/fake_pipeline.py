@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from omni_cache.config import load_config
+from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.orchestrator import Orchestrator
 from omni_cache.serving.server import ServerThread
 
@@ -116,6 +118,15 @@ def fake_server(prefix: str, decoder_env: str = "{}") -> Iterator[ServerThread]:
     """A pipeline of fake stages behind a ready HTTP server (API key API_KEY), stopped on exit."""
     with serve_config(write_config(f"{prefix}_{uuid.uuid4().hex[:8]}", decoder_env)) as server:
         yield server
+
+
+def metric(srv: ServerThread, name: str, **labels: str) -> float:
+    """Sample ``name`` of the server's /metrics, summed over the samples whose labels include
+    ``labels``."""
+    r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    return sum(
+        v for n, got, v in parse_metrics(r.text) if n == name and all(got.get(k) == x for k, x in labels.items())
+    )
 
 
 def sse_events(lines):

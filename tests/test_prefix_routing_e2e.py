@@ -91,10 +91,8 @@ def test_requests_follow_the_replica_holding_their_prefix_until_it_is_evicted(se
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     cached: dict[str, int] = {}
 
-    def ask(content: str, key: str | None = None, max_tokens: int = 4) -> None:
-        r = client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": content}], max_tokens=max_tokens
-        )
+    def ask(content: str, key: str | None = None) -> None:
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}], max_tokens=4)
         if key is not None:
             cached[key] = r.usage.prompt_tokens_details.cached_tokens
 
@@ -196,10 +194,10 @@ def test_a_repeated_image_or_video_goes_to_the_replica_that_holds_it(media_serve
     client = openai.OpenAI(base_url=media_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     cached: dict[str, int] = {}
 
-    def ask(part: dict, question: str, key: str, max_tokens: int = 2) -> None:
+    def ask(part: dict, question: str, key: str) -> None:
         r = client.chat.completions.create(
             model=MEDIA_NAME,
-            max_tokens=max_tokens,
+            max_tokens=2,
             messages=[{"role": "user", "content": [part, {"type": "text", "text": question}]}],
         )
         cached[key] = r.usage.prompt_tokens_details.cached_tokens

@@ -26,13 +26,12 @@ import uuid
 import httpx
 import numpy as np
 import pytest
-from fake_pipeline import API_KEY, serve_config, write_config
+from fake_pipeline import API_KEY, metric, serve_config, write_config
 from media_samples import flat_png_data_url
 from websockets.exceptions import ConnectionClosed
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import speech
-from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.runtime.request_path.admission import InFlightBounds, MediaHold
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.runtime.request_path.results import RequestError
@@ -439,9 +438,7 @@ def test_bad_events_are_errors_naming_the_problem_and_the_session_goes_on(small)
 
 
 def read_holds(server) -> float:
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
-    [value] = [v for n, _, v in parse_metrics(text) if n == "omni_cache_realtime_read_holds_total"]
-    return value
+    return metric(server, "omni_cache_realtime_read_holds_total")
 
 
 def test_a_connection_is_read_within_its_budget_and_the_session_goes_on(small):

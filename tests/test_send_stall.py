@@ -17,9 +17,8 @@ import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, Records, make_orchestrator, open_stream_without_reading, write_config
+from fake_pipeline import API_KEY, Records, make_orchestrator, metric, open_stream_without_reading, write_config
 
-from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
 from omni_cache.serving.server import ServerThread
 
@@ -44,17 +43,10 @@ def srv():
         server.stop()
 
 
-def _metric(srv, name: str, **labels: str) -> float:
-    r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
-    return sum(
-        v for n, got, v in parse_metrics(r.text) if n == name and all(got.get(k) == x for k, x in labels.items())
-    )
-
-
 def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
     orch = srv.orchestrator
     stalled = "omni_cache_slow_clients_disconnected_total"
-    cuts, pauses = _metric(srv, stalled, bound="max_send_stall_s"), _metric(srv, "omni_cache_stream_write_pauses_total")
+    cuts, pauses = metric(srv, stalled, bound="max_send_stall_s"), metric(srv, "omni_cache_stream_write_pauses_total")
     records = Records()
     logging.getLogger("uvicorn.error").addHandler(records)
     sock = open_stream_without_reading(srv, ANSWER_TOKENS)
@@ -75,8 +67,8 @@ def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
         sock.close()
         logging.getLogger("uvicorn.error").removeHandler(records)
     assert b"data: [DONE]" not in received, "the client that took nothing was kept to the end of its answer"
-    assert _metric(srv, stalled, bound="max_send_stall_s") == cuts + 1
-    assert _metric(srv, "omni_cache_stream_write_pauses_total") >= pauses + 1  # its writes waited first
+    assert metric(srv, stalled, bound="max_send_stall_s") == cuts + 1
+    assert metric(srv, "omni_cache_stream_write_pauses_total") >= pauses + 1  # its writes waited first
     assert UNFINISHED not in records.messages  # the cut is expected: no ERROR line for it
     # Another client, reading, is served to the end.
     r = httpx.post(

@@ -15,9 +15,8 @@ import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, Records, make_orchestrator, open_stream_without_reading, write_config
+from fake_pipeline import API_KEY, Records, make_orchestrator, metric, open_stream_without_reading, write_config
 
-from omni_cache.runtime.metrics.prometheus import parse_metrics
 from omni_cache.serving.http_protocol import UNFINISHED
 from omni_cache.serving.server import ServerThread
 
@@ -43,8 +42,7 @@ def srv():
 
 
 def _slow_clients(srv) -> float:
-    r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
-    return sum(v for n, _, v in parse_metrics(r.text) if n == "omni_cache_slow_clients_disconnected_total")
+    return metric(srv, "omni_cache_slow_clients_disconnected_total")
 
 
 def test_a_client_that_stops_reading_is_disconnected_and_its_request_freed(srv):
