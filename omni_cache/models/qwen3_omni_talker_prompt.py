@@ -32,7 +32,6 @@ and reads such a video (vision_start followed by audio_start) as an audio item.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,24 +40,13 @@ import torch
 from omni_cache.cache.latent_rows import layer_name, merged_name
 from omni_cache.models.handoff_jobs import FeedJob, GenerateJob, HandoffContext, RowStream, Upstream, codec_logits_args
 from omni_cache.models.talker_positions import VisionTokens, talker_positions
+from omni_cache.models.talker_projection import Projection, ProjectionMemo
 
 #: How many thinker rows of the assistant turn the talker prompt takes (the rest is its text).
 ASSISTANT_PROMPT_ROWS = 4
 #: Talker prompt rows after the user turns: 3 role rows, 4 tts_pad, tts_bos, the first text row.
 ASSISTANT_ROWS = 9
 DEFAULT_SPEAKER = "ethan"
-
-
-@dataclass
-class _Projection:
-    fc1_weight: torch.Tensor
-    fc1_bias: torch.Tensor
-    fc2_weight: torch.Tensor
-    fc2_bias: torch.Tensor
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.linear(rows.to(self.fc1_weight.dtype), self.fc1_weight, self.fc1_bias)
-        return torch.nn.functional.linear(torch.nn.functional.silu(x), self.fc2_weight, self.fc2_bias)
 
 
 class EmbeddingRows:
@@ -105,6 +93,8 @@ class TalkerPrompt:
         self.talker_vocab_size = talker["text_config"]["vocab_size"]
         self.text_projection = _projection(tensors, "talker.text_projection", dtype)
         self.hidden_projection = _projection(tensors, "talker.hidden_projection", dtype)
+        # A session's every request projects its user turns so far: reuse what was projected.
+        self._text_memo, self._media_memo = ProjectionMemo(self.text_projection), ProjectionMemo(self.hidden_projection)
         #: token ids -> the thinker's input embedding rows (its tap 0 at text positions).
         self.embedding_rows = embedding_rows
         tts = embedding_rows([config["tts_bos_token_id"], config["tts_eos_token_id"], config["tts_pad_token_id"]])
@@ -183,10 +173,12 @@ class TalkerPrompt:
         """The talker rows of the user turns among the positions of ``token_ids`` [n, hidden].
 
         Row k depends only on thinker row k and on its rank among the text (or media) rows
-        (:data:`PROJECTION_BLOCK`), so the rows of a prompt that ends inside a user turn (a
-        listening request's talker prompt) are bitwise the first rows of the turn's
-        whole prompt, given bitwise equal thinker rows: the talker's prefix cache, which hashes
-        its prompt embeddings, then hits them."""
+        (``talker_projection.PROJECTION_BLOCK``), so the rows of a prompt that ends inside a user
+        turn (a listening request's talker prompt) are bitwise the first rows of the turn's whole
+        prompt, given bitwise equal thinker rows: the talker's prefix cache, which hashes its
+        prompt embeddings, then hits them. Whole blocks a recent call projected from bitwise the
+        same thinker rows are taken from it (``ProjectionMemo``): a session's every request has
+        its conversation's user turns so far."""
         user = self.user_positions(token_ids)
         media = torch.tensor([token_ids[i] in self.media_ids for i in user], dtype=torch.bool)
         dtype = self.tts_pad.dtype
@@ -194,9 +186,9 @@ class TalkerPrompt:
         # Text rows through text_projection, media rows through hidden_projection, each projected
         # only where it is used (an image prompt is mostly media rows).
         rows = torch.empty(len(user), self.tts_pad.shape[-1], dtype=dtype)
-        rows[~media] = _blockwise(self.text_projection, embeds[index[~media]].to(dtype))
+        rows[~media] = self._text_memo(embeds[index[~media]].to(dtype))
         if bool(media.any()):
-            rows[media] = _blockwise(self.hidden_projection, accept[index[media]].to(dtype))
+            rows[media] = self._media_memo(accept[index[media]].to(dtype))
         return rows
 
     def listening_positions(
@@ -239,27 +231,9 @@ class TalkerPrompt:
         return self.text_projection(embeds.to(self.tts_pad.dtype))
 
 
-#: Rows projected per matrix product. A row's projection must not depend on how many rows are
-#: projected with it (a matrix product's rounding can change with its shape): two prompts that
-#: share a prefix must get bitwise equal talker rows there, or the talker's prefix cache (which
-#: hashes its prompt embeddings) misses. Fixed-size blocks from row 0 give that.
-PROJECTION_BLOCK = 32
-
-
-def _blockwise(project: _Projection, rows: torch.Tensor) -> torch.Tensor:
-    if rows.shape[0] == 0:
-        return rows.new_zeros(0, project.fc2_weight.shape[0])
-    pad = -rows.shape[0] % PROJECTION_BLOCK
-    padded = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
-    blocks = padded.reshape(-1, PROJECTION_BLOCK, rows.shape[1])
-    # One batched product over [blocks, PROJECTION_BLOCK, dim]: every block is its own
-    # PROJECTION_BLOCK-row product, in a single call.
-    return project(blocks).reshape(-1, project.fc2_weight.shape[0])[: rows.shape[0]]
-
-
-def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> _Projection:
+def _projection(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> Projection:
     try:
-        return _Projection(
+        return Projection(
             *(
                 tensors[f"{prefix}.{n}"].to(dtype)
                 for n in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")

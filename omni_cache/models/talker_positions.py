@@ -51,6 +51,10 @@ def talker_positions(
         raise ValueError("the talker prompt has image tokens but the thinker sent no image grids")
     if len(seconds) != len(video_grids):
         raise ValueError(f"{len(video_grids)} video grids but {len(seconds)} seconds per grid")
+    if vision.vision_start_id not in ids:
+        # Text and audio only (a voice conversation): plain positions, built without the walk
+        # below, whose per-token cost grew a long session's hand-off.
+        return torch.arange(len(ids), dtype=torch.long).expand(3, -1).contiguous(), 0
     columns: list[list[int]] = []
     nxt, i, seen = 0, 0, {vision.image_id: 0, vision.video_id: 0}
     while i < len(ids):
