@@ -65,7 +65,9 @@ class ProjectionMemo:
     Only whole blocks of a kept call are reused: its last, partial block was projected beside zero
     padding, which a longer call has real rows in place of. Entries are kept most recently used
     last; a call that extends an entry's rows replaces it, so a session speaking turn after turn
-    holds one entry. Not thread-safe: a stage's hand-off runs on its runner's one thread."""
+    holds one entry. The memo keeps the rows tensor it is given (no copy: a session's rows are
+    megabytes, and copying them cost as much as comparing them): pass rows nobody changes after.
+    Not thread-safe: a stage's hand-off runs on its runner's one thread."""
 
     def __init__(self, projection: Projection, max_rows: int = MEMO_ROWS, max_entries: int = MEMO_ENTRIES) -> None:
         self.projection = projection
@@ -112,7 +114,7 @@ class ProjectionMemo:
     def _keep(self, bits: torch.Tensor, out: torch.Tensor) -> None:
         if bits.shape[0] < PROJECTION_BLOCK or bits.shape[0] > self.max_rows:
             return  # nothing whole to reuse, or more than the memo holds
-        self._entries.append((bits.clone(), out))
+        self._entries.append((bits, out))
         while len(self._entries) > self.max_entries or self.held_rows > self.max_rows:
             del self._entries[0]
 
