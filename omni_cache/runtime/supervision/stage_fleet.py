@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -136,24 +136,8 @@ class StageFleet:
 
     async def receive(self, handle: Callable[[Any, dict[str, Any]], None]) -> None:
         """Pass every message the stages send to the inbox to ``handle`` (message, tensors), until
-        the inbox is closed or the task is cancelled; one message ``handle`` fails on is logged
-        and the loop goes on."""
-        while True:
-            try:
-                item = await self.links.recv()
-            except zmq.ZMQError as e:
-                if self.links.closed:
-                    return
-                logger.warning("orchestrator inbox: %s", e)
-                await asyncio.sleep(0.05)
-                continue
-            if item is None:
-                continue  # a message that did not validate (transport.py logged it)
-            msg, tensors = item
-            try:
-                handle(msg, tensors)
-            except Exception:  # noqa: BLE001 -- one bad message must not stop the loop
-                logger.exception("error handling %s from a stage", type(msg).__name__)
+        the inbox is closed or the task is cancelled (:func:`pump`)."""
+        await pump(self.links.recv, handle, lambda: self.links.closed)
 
     # ---- shutdown --------------------------------------------------------------------------------
 
@@ -178,3 +162,33 @@ class StageFleet:
         process group, then SIGKILL after ``grace``."""
         self.supervisor.kill_all_sync(grace)
         self.placement.close()
+
+
+async def pump(
+    recv: Callable[[], Awaitable[tuple[Any, dict[str, Any]] | None]],
+    handle: Callable[[Any, dict[str, Any]], None],
+    closed: Callable[[], bool],
+) -> None:
+    """``handle`` every message ``recv`` gives (None: one the transport dropped), until a receive
+    fails with the inbox ``closed``; a message ``handle`` fails on is logged and the loop goes on.
+
+    The loop gets a turn after every message: a receive with messages waiting completes without
+    one (pyzmq's future is done at once), so a burst of stage outputs (every stream's step at
+    once: 30 streaming answers are 30 messages) would otherwise run back to back ahead of every
+    HTTP request that arrived meanwhile, /health included."""
+    while True:
+        try:
+            item = await recv()
+        except zmq.ZMQError as e:
+            if closed():
+                return
+            logger.warning("orchestrator inbox: %s", e)
+            await asyncio.sleep(0.05)
+            continue
+        if item is not None:  # None: a message that did not validate (transport.py logged it)
+            msg, tensors = item
+            try:
+                handle(msg, tensors)
+            except Exception:  # noqa: BLE001 -- one bad message must not stop the loop
+                logger.exception("error handling %s from a stage", type(msg).__name__)
+        await asyncio.sleep(0)
