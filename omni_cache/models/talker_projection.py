@@ -73,8 +73,8 @@ class ProjectionMemo:
         self.projection = projection
         self.max_rows, self.max_entries = max_rows, max_entries
         self._entries: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows as integers, projected)
-        #: Rows projected and rows reused, over the memo's life (what the tests and a profile read).
-        self.rows_projected = self.rows_reused = 0
+        #: Rows taken from kept calls over the memo's life (what the tests read).
+        self.rows_reused = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,7 +89,6 @@ class ProjectionMemo:
         reused = blocks * PROJECTION_BLOCK
         tail = self.projection.blockwise(rows[reused:])
         out = tail if used is None else torch.cat([self._entries[used][1][:reused], tail])
-        self.rows_projected += rows.shape[0] - reused
         self.rows_reused += reused
         if used is not None and reused == self._entries[used][0].shape[0] // PROJECTION_BLOCK * PROJECTION_BLOCK:
             del self._entries[used]  # the new call covers the entry's whole blocks: it takes its place
