@@ -194,6 +194,23 @@ def test_json_shape_is_the_same_in_any_chunks(monkeypatch):
     for chunk in (1, 2, 3, 7):
         monkeypatch.setattr(json_body, "_CHUNK", chunk)
         assert [json_shape(t) for t in texts] == whole
+    monkeypatch.setattr(json_body, "_FIRST_CHUNK", 1)  # chunks of 1, 2, 4, 8, 8, ... bytes
+    monkeypatch.setattr(json_body, "_CHUNK", 8)
+    assert [json_shape(t) for t in texts] == whole
+
+
+def test_a_bounded_scan_stops_past_its_bound():
+    """Past a bound the scan stops after its chunk: 4 MiB of ``[`` is refused from its first
+    64 KiB, its depth reported as a lower bound; a text within the bounds is read to its end."""
+    deep = json_shape(b"[" * (4 << 20), max_depth=MAX_JSON_DEPTH)
+    assert not deep.complete and deep.depth == 64 * 1024
+    many = json_shape(b"[" + b"1," * (1 << 20) + b"1]", max_values=1000)
+    assert not many.complete and 1000 < many.values < 1 << 20
+    within = b'{"a": [' + b"1," * 100_000 + b'1], "b": "' + b"[" * 100_000 + b'"}'
+    assert json_shape(within, max_depth=MAX_JSON_DEPTH, max_values=200_002) == json_shape(within)
+    assert json_shape(within).complete
+    with pytest.raises(BodyError, match="the JSON event nests at least 65536 levels deep; at most 64 are read"):
+        parse_json(b"[" * (2 << 20), what="event")
 
 
 def test_json_shape_by_runs_outside_strings_is_the_scan_of_every_byte(monkeypatch):

@@ -400,7 +400,7 @@ def test_bad_events_are_errors_naming_the_problem_and_the_session_goes_on(small)
     """Before: 200,000 brackets were an ``internal_error`` (RecursionError) and nothing bounded an
     event below uvicorn's 16 MiB."""
     bad = [
-        ("[" * 200_000 + "]" * 200_000, "invalid_json", "nests 200000 levels deep; at most 64"),
+        ("[" * 200_000 + "]" * 200_000, "invalid_json", "nests at least 65536 levels deep; at most 64"),
         ('{"type": "x", "a": [' + ",".join(["0"] * 150_000) + "]}", "invalid_json", "at most 100000 are read"),
         (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * EVENT_BYTES}), "event_too_large", "max_event"),
         ("{nope", "invalid_json", "not valid JSON"),

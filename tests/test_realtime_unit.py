@@ -237,7 +237,7 @@ def test_deep_large_and_many_valued_events_are_errors_naming_the_problem():
     """Checked before anything is parsed: before, 200,000 brackets raised RecursionError (an
     ``internal_error``) and nothing bounded an event's size or values."""
     for raw, max_bytes, code, needle in [
-        ("[" * 200_000 + "]" * 200_000, None, "invalid_json", "nests 200000 levels deep; at most 64"),
+        ("[" * 200_000 + "]" * 200_000, None, "invalid_json", "nests at least 65536 levels deep; at most 64"),
         ('{"type": "x", "a": [' + ",".join(["0"] * 100_001) + "]}", None, "invalid_json", "at most 100000"),
         ('{"type": "input_audio_buffer.append", "audio": "' + "A" * 2000 + '"}', 1000, "event_too_large", "max_event"),
         ("é" * 600, 1000, "event_too_large", "the event is 1200 bytes"),  # counted in bytes, not characters
