@@ -17,6 +17,9 @@ audio yet first, then least slack). A request held back stays in
 `running` and keeps its slot: vLLM skips it this step (`next_decode_eligible_step`, the hook vLLM's
 own schedulers use to skip a running request), so no new request is admitted past `max_num_seqs`.
 
+Both also skip, the same way, the requests whose streaming client has stopped taking its answer
+(scheduler/client_hold.py) until it takes again.
+
 Both also turn on hybrid block states where the engine supports them (scheduler/mamba_block_states.py):
 a recurrent-state checkpoint at every block boundary a prefill chunk crosses.
 """
@@ -30,7 +33,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from scheduler import mamba_block_states, pacing, streamed_rows
+from scheduler import client_hold, mamba_block_states, pacing, streamed_rows
 
 
 @dataclass
@@ -121,20 +124,23 @@ class OmniSchedulerMixin:
         running list is put in pacing's order first."""
         running, waiting = list(self.running), list(self.waiting)  # type: ignore[attr-defined]
         starved = {id(r) for r in running + waiting if streamed_rows.is_starved(r)}
+        # Held for its client (scheduler/client_hold.py): out of this step, and no due work that
+        # others yield to (its client is not waiting for it).
+        client_held = {id(r) for r in running + waiting if client_hold.is_held(r)}
         yielding: set[int] = set()
         if self.pacer is not None:
             # A waiting request can run only if a slot is free: with none, it is not due work
             # that the running answers could yield to (they would sit out for nothing). A
             # starved one (blocked) is due work if its answer is due (Pacer.hold).
             candidates = running + waiting if self._free_slots() > 0 else running
-            runnable = [(r, pacing.of(r)) for r in candidates if id(r) not in starved]
-            blocked = [pacing.of(r) for r in running + waiting if id(r) in starved]
+            runnable = [(r, pacing.of(r)) for r in candidates if id(r) not in starved | client_held]
+            blocked = [pacing.of(r) for r in running + waiting if id(r) in starved - client_held]
             yielding = {id(r) for r in self.pacer.hold(runnable, now, blocked)}
             if self.pacer.policy.enabled:
                 self.running[:] = self.pacer.order(  # type: ignore[attr-defined]
                     running, pacing.of, lambda r: r.num_output_tokens > 0, now
                 )
-        out = starved | yielding
+        out = starved | yielding | client_held
         return (
             [r for r in self.running if id(r) in out],  # type: ignore[attr-defined]
             [r for r in waiting if id(r) in out],

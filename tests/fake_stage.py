@@ -45,6 +45,7 @@ from omni_cache.config.replicas import stage_replicas
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
+    Hold,
     Shutdown,
     StageError,
     StageOutput,
@@ -93,6 +94,8 @@ class FakeStage:
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
         self.spoken: dict[str, str] = {}  # decoder: request -> the text it was given
         self.aborted: set[str] = set()
+        #: Requests held for their client (wire Hold): set again when it takes the answer again.
+        self.held: dict[str, asyncio.Event] = {}
         #: The last SEEN_PROMPTS prompts, for the prefix-cache counters (a real engine forgets too).
         self.seen: collections.deque[np.ndarray] = collections.deque(maxlen=SEEN_PROMPTS)
         self.delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.01"))
@@ -105,6 +108,8 @@ class FakeStage:
                 "prefix_cache_queried_tokens",
                 "prefix_cache_hit_tokens",
                 "latent_rows_served",
+                "client_holds",
+                "tokens_sent",  # the fake thinker's tokens, as sent
             )
         }
 
@@ -143,7 +148,7 @@ class FakeStage:
                 self.counters["requests"] += 1
                 task = asyncio.create_task(self.think(msg))
                 self.tasks[msg.request_id] = task
-                task.add_done_callback(lambda _t, rid=msg.request_id: self.tasks.pop(rid, None))
+                task.add_done_callback(lambda _t, rid=msg.request_id: self._ended(rid))
             elif isinstance(msg, StageOutput):
                 await self.decode(msg)
             elif isinstance(msg, Abort):
@@ -151,6 +156,8 @@ class FakeStage:
                 task = self.tasks.pop(msg.request_id, None)
                 if task is not None:
                     task.cancel()
+            elif isinstance(msg, Hold):
+                self.hold(msg)
             elif isinstance(msg, StatsQuery):
                 self.counters["queue_depth"] = float(len(self.tasks) + len(self.decoding))
                 await self.orch.send(
@@ -158,6 +165,20 @@ class FakeStage:
                 )
             elif isinstance(msg, Shutdown):
                 return
+
+    def _ended(self, request_id: str) -> None:
+        self.tasks.pop(request_id, None)
+        self.held.pop(request_id, None)
+
+    def hold(self, msg: Hold) -> None:
+        """As a real stage: a thinker request held for its client writes nothing until let go."""
+        if msg.request_id not in self.tasks:
+            return
+        if msg.held and msg.request_id not in self.held:
+            self.counters["client_holds"] += 1
+            self.held[msg.request_id] = asyncio.Event()
+        elif not msg.held and (going := self.held.pop(msg.request_id, None)) is not None:
+            going.set()
 
     def _cached(self, prompt: list[int]) -> int:
         """The prompt's longest common prefix with a recent one, in whole blocks. Compared with
@@ -222,6 +243,8 @@ class FakeStage:
 
         for i, (toks, last) in enumerate(out_msgs()):
             await asyncio.sleep(SLOW_FIRST_TOKEN_S if i == 0 and b"SLOWSTART" in raw else self.delay)
+            if (held := self.held.get(rid)) is not None:
+                await held.wait()
             new = toks[len(tail) :] if i == 0 else toks  # vLLM's text covers new tokens only
             text = decoder.decode(bytes(new), final=last and flush_at_end)
             msg = StageOutput(
@@ -241,6 +264,7 @@ class FakeStage:
                 tensors = {"hidden": torch.full((1, 4), float(pos))}
                 msg.latent_start = pos
             await self.orch.send(msg, tensors)
+            self.counters["tokens_sent"] += len(new)
             if audio:
                 fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text, finished=last)
                 if i == 0:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from thinker_harness import Result
+from thinker_harness import Result, run
 from thinker_pair import HYBRID, Thinker, assert_bitwise, tokens
 
 pytestmark = pytest.mark.vllm
@@ -175,3 +175,33 @@ def test_a_request_whose_rows_fail_to_assemble_fails_alone(thinker, monkeypatch)
     assert len(good.token_ids) == 4
     assert all(rows.shape[0] == 48 + 4 - 1 for rows in good.latents.values())
     assert stage.scheduler.get_request_counts() == (0, 0)
+
+
+def test_a_request_held_for_its_client_makes_no_step_and_goes_on_unchanged(thinker):
+    """A request whose streaming client takes nothing is held (LLMStage.hold; wire Hold,
+    scheduler/client_hold.py): the engine steps without it while another request runs; let go,
+    it finishes with the tokens and rows a request never held has (cache off, one at a time)."""
+    from vllm import SamplingParams
+
+    rng = random.Random(9)
+    prompt, other = tokens(rng, thinker.block + 5), tokens(rng, 12)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    stage = thinker.on
+    stage.add("held", {"prompt_token_ids": prompt}, params)
+    got = Result()
+    for out in stage.step():  # its prefill and first token
+        assert out.request_id == "held"
+        got.token_ids += out.token_ids
+        got.chunks.append((out.latent_start, out.latents))
+    stage.hold("held", True)
+    stage.add("other", {"prompt_token_ids": other}, params)
+    while stage.has_work():
+        assert all(out.request_id == "other" for out in stage.step()), "a held request made a step"
+    stage.hold("held", False)
+    while stage.has_work():
+        for out in stage.step():
+            got.token_ids += out.token_ids
+            got.chunks.append((out.latent_start, out.latents))
+    ref = run(thinker.off, {"ref": prompt}, max_tokens=6)["ref"]
+    assert got.token_ids == ref.token_ids
+    thinker.close_to_off(got, ref, "held and let go")

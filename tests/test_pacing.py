@@ -318,6 +318,26 @@ def test_running_requests_go_by_least_slack(make_scheduler):
     assert [r.request_id for r in sched.running] == ["tight", "comfortable"]
 
 
+def test_a_request_held_for_its_client_sits_out_and_goes_on_where_it_was(make_scheduler):
+    """A request whose streaming client takes nothing (scheduler/client_hold.py) sits out the
+    steps, keeps its slot, and is no due work (others do not yield to it, a stage with only it
+    waits instead of stepping); let go, it runs again."""
+    from scheduler import client_hold
+
+    sched, pacer = make_scheduler(PacingPolicy(LEAD))
+    sched.start("ahead", far_ahead(pacer))
+    held = sched.start("held", just_started(pacer, ahead=0.0))
+    assert sched.step() == {"held"}  # due: the answer far ahead yields to it
+    client_hold.set_held(held, True)
+    assert sched.step() == {"ahead"}  # the answer far ahead does not yield to the held one
+    assert held in sched.running
+    client_hold.set_held(sched.sched.requests["ahead"], True)
+    assert not sched.sched.has_runnable_requests() and sched.step() == set()
+    client_hold.set_held(held, False)
+    tokens = held.num_output_tokens
+    assert sched.step() == {"held"} and held.num_output_tokens == tokens + 1
+
+
 # ---- the decoder stage's batcher ----------------------------------------------------------------
 
 
@@ -411,6 +431,20 @@ def test_decoder_has_no_work_while_every_answer_is_beyond_max_lead(decoder):
     assert not runner.has_work()
     runner.requests["a"].clock.started_at -= 2.5  # 0.5 s ahead
     assert runner.has_work()
+
+
+def test_decoder_holds_the_windows_of_an_answer_whose_client_takes_nothing(decoder):
+    runner, inbox = decoder
+    for rid in ("held", "other"):
+        stream_codes(runner, rid, seq=0, n=40)
+    runner.hold("held", True)
+    assert emitted_in_next_step(runner, inbox) == {"other"}
+    stream_codes(runner, "held", seq=1, n=40)  # its codes still arrive
+    runner.requests["other"].jobs.clear()
+    assert not runner.has_work()
+    runner.hold("held", False)
+    assert runner.has_work() and emitted_in_next_step(runner, inbox) == {"held"}
+    assert runner.counters()["client_holds"] == 1
 
 
 def test_decoder_keeps_no_clock_for_an_answer_not_streamed(decoder):

@@ -11,6 +11,7 @@ thinker answers with its prompt's bytes, the fake decoder sends 240 float32 samp
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -84,6 +85,64 @@ def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
         timeout=60,
     )
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+
+
+@pytest.fixture(scope="module")
+def patient():
+    """A server whose stall bound (60 s) leaves a paused client time to read again."""
+    path = write_config(
+        f"hold_{uuid.uuid4().hex[:8]}",
+        token_delay_s=0.002,
+        max_model_len=2 * HELD_TOKENS + 200,
+        timeout_s=120,
+        server_extra=f", max_outbox_bytes: {OUTBOX}, max_send_stall_s: 60",
+    )
+    server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+HELD_TOKENS = 3000  # 6 s at 2 ms a token; its writes wait within the first second
+
+
+def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it_reads_again(patient):
+    """While a streaming client takes nothing, the stages hold its request (wire Hold,
+    scheduler/client_hold.py): the thinker writes no token for it, where before it wrote the
+    whole answer into the server's queue. When the client reads again the answer goes on from
+    where it stopped, to its end: every token, then ``[DONE]``."""
+    holds = "omni_cache_stage_client_holds_total"
+    sent = "omni_cache_stage_tokens_sent"
+    before = metric(patient, holds, stage="thinker")
+    sock = open_stream_without_reading(patient, HELD_TOKENS)
+    try:
+        end = time.monotonic() + 60
+        while metric(patient, holds, stage="thinker") < before + 1:
+            assert time.monotonic() < end, "the paused client's request was never held"
+            time.sleep(0.05)
+        # Held: two scrapes of the thinker's counter 0.5 s apart (250 tokens' time) see the same.
+        first = metric(patient, sent, stage="thinker")
+        time.sleep(0.5)
+        assert metric(patient, sent, stage="thinker") == first, "the thinker wrote tokens for a held request"
+        received = bytearray()
+        sock.settimeout(60)
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+            if received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # the last chunk (chunked encoding)
+                break
+    finally:
+        sock.close()
+    text = "".join(
+        event["choices"][0]["delta"].get("content") or ""
+        for line in received.split(b"\n")
+        if line.startswith(b"data: {") and b'"choices":[{' in line
+        for event in [json.loads(line[6:])]
+        if event.get("choices")
+    )
+    # The echo thinker's answer: its templated prompt's first max_tokens bytes, one token each.
+    assert b"data: [DONE]" in received and len(text) == HELD_TOKENS and text.endswith("x" * 100)
 
 
 def test_the_filter_keeps_other_unfinished_responses():

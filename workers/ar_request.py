@@ -53,6 +53,7 @@ class ARRequest:
     voice: str = ""  # Submit.voice (or the upstream's StreamStart.voice), forwarded likewise
     clock: PlaybackClock | None = None  # a paced answer's playback as this stage emits it
     prefill_only: bool = False  # Submit.prefill_only (or the StreamStart's), forwarded likewise
+    held: bool = False  # its streaming client takes nothing now (wire Hold; scheduler/client_hold.py)
 
 
 def sampling_params(sampling: EngineSampling) -> Any:

@@ -103,6 +103,7 @@ class ARRunner(StageRunner):
         # vLLM's vllm:prompt_tokens / vllm:generation_tokens, summed over this stage's engine requests.
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.client_holds = 0  # requests held for their client (hold), counted once per pause
 
     # ---- input -----------------------------------------------------------------------------
     def accept(self, msg: Submit | StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -291,6 +292,8 @@ class ARRunner(StageRunner):
         self.llm.add(
             vllm_id, prompt, params, streamed=streamed, positions=job.positions, clock=req.clock, spoken=spoken
         )
+        if req.held:  # its client stopped taking the answer before this job began
+            self.llm.hold(vllm_id, True)
         self.timeline.mark(req.request_id, "job")
         req.active, req.active_job = vllm_id, job
         self.by_job[vllm_id] = req.request_id
@@ -435,6 +438,16 @@ class ARRunner(StageRunner):
         )
 
     # ---- control ---------------------------------------------------------------------------
+    def hold(self, request_id: str, held: bool) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if held and not req.held:
+            self.client_holds += 1
+        req.held = held
+        if req.active is not None:
+            self.llm.hold(req.active, held)
+
     def drop(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None and req.active is not None:
@@ -453,6 +466,7 @@ class ARRunner(StageRunner):
             **self.warmup.counters(),
             "num_requests_running": running,
             "num_requests_waiting": waiting,
+            "client_holds": self.client_holds,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
         }

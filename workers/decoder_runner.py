@@ -55,6 +55,7 @@ class _DecodeRequest:
     frames: LatentBuffer | None = None  # the talker's code frames, one row [num_quantizers] per code
     clock: PlaybackClock | None = None  # a streamed answer's playback as this stage emits it
     seed: int = 0  # the request's sampling seed (0: none given), copied onto its windows
+    held: bool = False  # its streaming client takes nothing now (wire Hold; scheduler/client_hold.py)
 
 
 class DecoderRunner(StageRunner):
@@ -78,6 +79,7 @@ class DecoderRunner(StageRunner):
         self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
         self.pacer = stage_pacer(stage)
+        self.client_holds = 0  # requests held for their client (hold), counted once per pause
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):
@@ -189,10 +191,10 @@ class DecoderRunner(StageRunner):
         """The requests whose next window may run now, in the order they go, and the batch size.
         With pacing on: no answer far ahead while another is due (one waiting for codes too:
         Pacer.hold), by least slack, and ahead-of-time work ahead_batch_size windows a batch."""
-        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs]
+        ready = [(rid, req) for rid, req in self.requests.items() if req.jobs and not req.held]
         if self.pacer is None:
             return ready, self.args.max_batch_size
-        waiting = [req.clock for req in self.requests.values() if not req.jobs]
+        waiting = [req.clock for req in self.requests.values() if not req.jobs and not req.held]
         held = set(self.pacer.hold([(rid, req.clock) for rid, req in ready], now, waiting))
         ready = [(rid, req) for rid, req in ready if rid not in held]
         if not self.pacer.policy.enabled:
@@ -242,8 +244,22 @@ class DecoderRunner(StageRunner):
         if job.last:
             del self.requests[request_id]
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Its windows wait while its client takes nothing (scheduler/client_hold.py); its codes
+        keep arriving and are decoded in order once it goes on."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if held and not req.held:
+            self.client_holds += 1
+        req.held = held
+
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
-        return {**super().counters(), **(self.pacer.stats.counters() if self.pacer is not None else {})}
+        return {
+            **super().counters(),
+            **(self.pacer.stats.counters() if self.pacer is not None else {}),
+            "client_holds": self.client_holds,
+        }

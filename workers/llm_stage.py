@@ -237,6 +237,16 @@ class LLMStage:
             raise ValueError(f"request {request_id!r} takes no streamed rows")
         stream.add(rows, done)
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Hold a running request out of the steps while its client takes nothing (or let it go
+        on): scheduler/client_hold.py. An unknown request is ignored (it ended meanwhile)."""
+        from scheduler import client_hold
+
+        tracked = self._tracked.get(request_id)
+        request = self.scheduler.requests.get(tracked.internal_id) if tracked else None
+        if request is not None:
+            client_hold.set_held(request, held)
+
     def abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:

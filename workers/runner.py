@@ -122,6 +122,11 @@ class StageRunner:
     def drop(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Hold the request's work while its streaming client takes nothing, or let it go on
+        (wire Hold; scheduler/client_hold.py). An unknown request is ignored."""
+        raise NotImplementedError
+
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
         """Forget the request, and drop whatever of it still arrives from upstream (also when

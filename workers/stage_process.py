@@ -36,6 +36,7 @@ from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
     BlockSnapshotQuery,
+    Hold,
     Shutdown,
     StageOutput,
     StageStats,
@@ -263,6 +264,8 @@ class StageProcess:
         elif isinstance(msg, Abort):
             # The request is forgotten here even when this raises (StageRunner.abort).
             self._outside_requests("handling an Abort", lambda: self.runner.abort(msg.request_id))
+        elif isinstance(msg, Hold):
+            self._outside_requests("handling a Hold", lambda: self.runner.hold(msg.request_id, msg.held))
         else:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 

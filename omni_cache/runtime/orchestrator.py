@@ -96,16 +96,15 @@ DEADLINE_CHECK_INTERVAL_S = 0.1
 class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
-    ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the
-    copy, and the addresses it leaves unset are sockets in a directory of this server's
+    ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the copy,
+    and the addresses it leaves unset are sockets in a directory of this server's
     (:mod:`omni_cache.config.addresses`); every stage process is started with that copy
-    (:mod:`omni_cache.runtime.supervision.placement`).
-    ``tokenizer``: anything with ``apply_chat_template`` (default: the entry stage's).
-    ``stage_argv``: the command of a stage process before its arguments (default
-    ``[python, -m, workers]``). ``external_stages``: stages started by hand elsewhere, added to
-    those the config marks ``external`` (not spawned; watched through their announcements and
-    connections). ``control_addr``: the inbox's address (default: ``server.control_address``, else a socket in
-    this server's directory).
+    (:mod:`omni_cache.runtime.supervision.placement`). ``tokenizer``: anything with
+    ``apply_chat_template`` (default: the entry stage's). ``stage_argv``: the command of a stage
+    process before its arguments (default ``[python, -m, workers]``). ``external_stages``: stages
+    started by hand elsewhere, added to those the config marks ``external`` (not spawned; watched
+    through their announcements and connections). ``control_addr``: the inbox's address (default:
+    ``server.control_address``, else a socket in this server's directory).
     """
 
     def __init__(
@@ -193,10 +192,8 @@ class Orchestrator:
             hand_to_entry=self._hand_to_entry,
             spawn=self._spawn,
         )
-        # The server's own heap: see omni_cache/heap_trim.py (trimmed from the deadline loop).
-        # Only a process of its own (omni-serve: manage_heap) has its malloc thresholds changed and
-        # its heap trimmed; a caller's process (the Python API, a notebook's ServerThread) keeps its
-        # own allocator settings.
+        # The server's own heap (omni_cache/heap_trim.py, trimmed from the deadline loop): only a process of
+        # its own (omni-serve: manage_heap); a caller's (the Python API, a notebook's) keeps its allocator.
         self.heap = HeapTrimmer(manage=manage_heap)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -424,9 +421,13 @@ class Orchestrator:
         if req is not None:
             self.ends.fail(req, STATUS_CLIENT_CLOSED, reason, count=False)
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Its streaming client takes nothing (``held``) or again: scheduler/client_hold.py."""
+        if (req := self.requests.find(request_id)) is not None:
+            self.ends.hold_on_stages(req, held)
+
     def drop_slow_client(self, request_id: str, bound: str, message: str) -> None:
-        """A streaming client past one of its bounds (``bound``, a ``server`` key): its request
-        ends as a slow client's (request_ends.py), counted by bound."""
+        """A streaming client past ``bound`` (a ``server`` key): ends as a slow client's, counted."""
         req = self.requests.find(request_id)
         if req is not None:
             self.ends.drop_slow_client(req, bound, message)

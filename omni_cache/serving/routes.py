@@ -355,8 +355,9 @@ class _RequestStream(StreamingResponse):
     request (with its place among those in flight) would then live until its stages finished.
 
     Its client's connection is watched (:mod:`omni_cache.serving.send_watch`): the writes wait
-    while the client takes nothing, and past ``server.max_send_stall_s`` of that it is dropped
-    as a slow client, as past ``server.max_outbox_bytes``."""
+    (and its stages hold its work) while the client takes nothing, and past
+    ``server.max_send_stall_s`` of that it is dropped as a slow client, as past
+    ``server.max_outbox_bytes``."""
 
     def __init__(self, handle: RequestHandle, orch: Orchestrator, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -365,7 +366,7 @@ class _RequestStream(StreamingResponse):
         self._metrics = orch.metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watch = SendWatch(transport_of(scope), self._max_stall_s, self._metrics.clients.stream_write_paused)
+        watch = SendWatch(transport_of(scope), self._max_stall_s, self._paused, lambda: self._handle.hold(False))
         response = asyncio.ensure_future(super().__call__(scope, receive, watch.send(send)))
         overflowed = asyncio.ensure_future(self._handle.overflowed.wait())
         stalled = asyncio.ensure_future(watch.stalled())
@@ -387,6 +388,12 @@ class _RequestStream(StreamingResponse):
             await cancel_and_wait(response, overflowed, stalled)
             if not self._handle.done:
                 self._handle.abort("the client disconnected from the stream")
+
+    def _paused(self) -> None:
+        """Its client took nothing for a while: the writes wait, and so does the answer's work at
+        the stages (scheduler/client_hold.py) until it takes again or is cut."""
+        self._metrics.clients.stream_write_paused()
+        self._handle.hold(True)
 
 
 async def _complete(

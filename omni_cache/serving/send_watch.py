@@ -12,7 +12,9 @@ stop moving while bytes wait in its send queue (``SIOCOUTQ``). Every :data:`PAUS
 reads both; an interval in which bytes waited from its start to its end and none was acknowledged
 is stalled. After one stalled interval the stream's writes wait (:attr:`SendWatch.taking` is
 clear), so the answer waits unencoded in its request's queue, counted against
-``server.max_outbox_bytes``; they go on as soon as the client takes a byte. After
+``server.max_outbox_bytes``, and the request's stages hold its work (scheduler/client_hold.py):
+nothing more is generated for a client that takes nothing. Both go on as soon as the client takes
+a byte. After
 ``server.max_send_stall_s`` of stalled intervals in a row :meth:`SendWatch.stalled` returns and the
 client is disconnected as a slow client. A socket that is not TCP (a Unix socket) is never stalled:
 the byte bound alone holds there."""
@@ -51,14 +53,19 @@ def acked_and_waiting(sock: Any) -> tuple[int, int] | None:
 
 class SendWatch:
     """One streamed response's client, watched through its connection's ``transport``;
-    ``on_pause`` is called each time its writes start to wait."""
+    ``on_pause`` is called each time its writes start to wait, ``on_resume`` each time they go on
+    (the client took bytes again)."""
 
     def __init__(
-        self, transport: asyncio.Transport | None, max_stall_s: float, on_pause: Callable[[], None] = lambda: None
+        self,
+        transport: asyncio.Transport | None,
+        max_stall_s: float,
+        on_pause: Callable[[], None] = lambda: None,
+        on_resume: Callable[[], None] = lambda: None,
     ) -> None:
         self.transport = transport
         self.max_stall_s = max_stall_s
-        self.on_pause = on_pause
+        self.on_pause, self.on_resume = on_pause, on_resume
         #: Set while the client takes what is sent (or nothing waits); clear while it stalls.
         self.taking = asyncio.Event()
         self.taking.set()
@@ -92,10 +99,15 @@ class SendWatch:
                     return  # the writes stay stopped: the client is disconnected next
             else:
                 since = None
-                self.taking.set()
+                self._go_on()
             last, at = now, t
-        self.taking.set()
+        self._go_on()
         await asyncio.Event().wait()
+
+    def _go_on(self) -> None:
+        if not self.taking.is_set():
+            self.taking.set()
+            self.on_resume()
 
     def send(self, send: Any) -> Any:
         """``send`` (ASGI) that waits while the client takes nothing."""

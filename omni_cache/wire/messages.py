@@ -268,10 +268,19 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
     request_id: RequestId
 
 
+class Hold(msgspec.Struct, tag="hold", kw_only=True):
+    """Orchestrator -> stages: the request's streaming client has taken none of its answer for a
+    while (``held``) or takes it again: a held request's work waits where it is
+    (scheduler/client_hold.py)."""
+
+    request_id: RequestId
+    held: bool
+
+
 #: The version of these messages' shapes, in every StageReady: raised when a message changes so
 #: that processes of different code would misread each other (msgspec fills a missing field with
 #: its default and drops an unknown one, silently).
-PROTOCOL_VERSION = 2  # 2: BlockEvents.seq, BlockSnapshotQuery
+PROTOCOL_VERSION = 3  # 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
@@ -378,6 +387,7 @@ Message = (
     | StageOutput
     | StageError
     | Abort
+    | Hold
     | StageReady
     | StatsQuery
     | StageStats
@@ -391,6 +401,7 @@ MESSAGE_TYPES = (
     StageOutput,
     StageError,
     Abort,
+    Hold,
     StageReady,
     StatsQuery,
     StageStats,

@@ -177,6 +177,13 @@ STAGE_METRICS: dict[str, StageMetric] = {
         "Requests the stage holds: running, waiting, or waiting for upstream input.",
         False,
     ),
+    "client_holds": StageMetric(
+        "omni_cache_stage_client_holds",
+        "counter",
+        "Requests held out of the stage's steps because their streaming client stopped taking the answer "
+        "(each pause counts once; since the stage's last start).",
+        False,
+    ),
     "latent_rows_served": StageMetric(
         "omni_cache_latent_rows_served", "counter", "Latent rows served from the hidden-state prefix cache.", False
     ),

@@ -20,7 +20,7 @@ from omni_cache.runtime.request_path.output_assembly import OutputAssembler
 from omni_cache.runtime.request_path.requests import Request, RequestTable
 from omni_cache.runtime.request_path.results import Failed, RequestError
 from omni_cache.runtime.supervision.stage_fleet import StageFleet
-from omni_cache.wire.messages import Abort
+from omni_cache.wire.messages import Abort, Hold
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ class RequestEnds:
             sp = self.fleet.supervisor.stages.get(self.serving(req, name))
             if name != skip and name not in req.finished and sp is not None and sp.up:
                 self._spawn(self.fleet.send(sp.name, Abort(request_id=req.wire_id), timeout=1.0))
+
+    def hold_on_stages(self, req: Request, held: bool) -> None:
+        """Tell every live replica still running ``req`` to hold its work while its client takes
+        nothing (``held``), or to go on (wire Hold)."""
+        for name in req.participants:
+            sp = self.fleet.supervisor.stages.get(self.serving(req, name))
+            if name not in req.finished and sp is not None and sp.up:
+                self._spawn(self.fleet.send(sp.name, Hold(request_id=req.wire_id, held=held), timeout=1.0))
 
     def fail_expired(self, now: float) -> None:
         """Fail (504) every request whose deadline passed, naming the stages it still waits for."""

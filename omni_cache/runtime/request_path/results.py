@@ -123,6 +123,9 @@ class HandleOwner(Protocol):
     def drop_slow_client(self, request_id: str, bound: str, message: str) -> None:
         """End the request as a slow client's, past ``bound``."""
 
+    def hold(self, request_id: str, held: bool) -> None:
+        """Hold the request's work at its stages while its client takes nothing, or go on."""
+
 
 class RequestHandle:
     """The client side of one accepted request: its events (streaming) or its result."""
@@ -205,6 +208,12 @@ class RequestHandle:
         what waits for it is dropped and :attr:`overflowed` is set (loop thread only)."""
         self._orch.drop_slow_client(self.request_id, bound, message)
         self._req.queue.drop()  # answered already: what waits goes all the same
+
+    def hold(self, held: bool) -> None:
+        """Its client takes nothing now (``held``) or takes again: the stages hold its work or go
+        on (scheduler/client_hold.py; loop thread only)."""
+        if not self._terminal:
+            self._orch.hold(self.request_id, held)
 
     def abort(self, reason: str = "aborted by the client") -> None:
         """Forget the request and tell the stages to drop it (idempotent; loop thread only)."""
