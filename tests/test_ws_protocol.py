@@ -7,13 +7,16 @@ as websockets reads them."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
 from websockets.protocol import OPEN
 from websockets.uri import parse_uri
 
-from omni_cache.serving.realtime.ws_protocol import BoundedServerProtocol, ReadBudget, Skipped
+from omni_cache.serving.realtime import ws_protocol
+from omni_cache.serving.realtime.ws_protocol import BoundedServerProtocol, Masked, ReadBudget, Skipped
 
 EVENT, MESSAGE = 1000, 5000
 CHUNK = 300  # bytes per network read
@@ -41,6 +44,27 @@ def feed(data: bytes) -> tuple[BoundedServerProtocol, list[Frame], int]:
 def test_frames_within_the_limit_are_read_as_sent():
     _, frames, _ = feed(wire(Frame(Opcode.TEXT, b"a" * EVENT), Frame(Opcode.BINARY, b"b" * 10)))
     assert [(f.opcode, bytes(f.data)) for f in frames] == [(Opcode.TEXT, b"a" * EVENT), (Opcode.BINARY, b"b" * 10)]
+
+
+def test_a_large_one_frame_text_message_is_handed_over_still_masked(monkeypatch):
+    """A one-frame text message over OFF_LOOP_TEXT_BYTES is not unmasked on the loop: its
+    payload is Masked, which the event parser's thread unmasks to what was sent (any length, so
+    any tail past the 8-byte words); fragmented, binary and small messages are read as before."""
+    monkeypatch.setattr(ws_protocol, "OFF_LOOP_TEXT_BYTES", 100)
+    rng = random.Random(3)
+    texts = [bytes(rng.randrange(256) for _ in range(n)) for n in (101, 107, 999)]
+    _, frames, _ = feed(
+        wire(
+            *(Frame(Opcode.TEXT, t) for t in texts),
+            Frame(Opcode.TEXT, b"small"),
+            Frame(Opcode.BINARY, b"b" * 500),
+            Frame(Opcode.TEXT, b"c" * 300, fin=False),
+            Frame(Opcode.CONT, b"d" * 300),
+        )
+    )
+    assert all(isinstance(f.data, Masked) for f in frames[:3])
+    assert [f.data.unmask() for f in frames[:3]] == texts and [len(f.data) for f in frames[:3]] == [101, 107, 999]
+    assert [bytes(f.data) for f in frames[3:]] == [b"small", b"b" * 500, b"c" * 300, b"d" * 300]
 
 
 def test_a_message_over_the_event_limit_is_dropped_as_it_arrives_and_the_next_is_read():

@@ -84,8 +84,9 @@ class RealtimeConfig(ConfigStruct, kw_only=True):
     #: (code ``event_too_large``) and dropped, and the session goes on; its bytes are dropped as
     #: they arrive, never assembled. 4 MiB holds an ``input_audio_buffer.append`` of the whole
     #: input buffer (60 s of 24 kHz pcm16: 3.84 MB in base64) or an image of 3 MiB. Each event up
-    #: to it is unmasked on the event loop and parsed (holding the GIL) on a thread, a few ms per
-    #: MiB on a slow core: the bound on one event's pause to everyone else.
+    #: to it is read on the event loop (~0.1 ms per MiB) and unmasked and parsed (holding the GIL
+    #: for ``json.loads``) on a thread, a few ms per MiB on a slow core: the bound on one event's
+    #: pause to everyone else.
     max_event_bytes: PositiveInt = 4 * 1024 * 1024
     #: Largest WebSocket message the server takes at all (uvicorn's ``ws_max_size``; 16 MiB, as
     #: there): a larger one ends the connection (close code 1009, message too big) from its

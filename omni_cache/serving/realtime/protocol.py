@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from omni_cache.json_body import MAX_JSON_DEPTH, BodyError, parse_json
+from omni_cache.serving.realtime.ws_protocol import Masked
 
 __all__ = [
     "CLIENT_EVENTS",
@@ -83,18 +84,20 @@ OFF_LOOP_BYTES = 64 * 1024
 _PARSE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="realtime-parse")
 
 
-async def parse_client_event_async(raw: str | bytes, max_bytes: int) -> tuple[BaseModel, str | None]:
+async def parse_client_event_async(raw: str | bytes | Masked, max_bytes: int) -> tuple[BaseModel, str | None]:
     """:func:`parse_client_event`, on the parser's threads when ``raw`` is large."""
     if len(raw) <= OFF_LOOP_BYTES:
         return parse_client_event(raw, max_bytes)
     return await asyncio.get_running_loop().run_in_executor(_PARSE_THREADS, parse_client_event, raw, max_bytes)
 
 
-def parse_client_event(raw: str | bytes, max_bytes: int | None = None) -> tuple[BaseModel, str | None]:
+def parse_client_event(raw: str | bytes | Masked, max_bytes: int | None = None) -> tuple[BaseModel, str | None]:
     """``(the SDK model of the event, its event_id)``; EventError naming the field otherwise
     (or the problem: larger than ``max_bytes``, too deep, too many values, not JSON)."""
     if max_bytes is not None and len(raw) > max_bytes:  # a str's length never exceeds its UTF-8 size
         raise event_too_large(len(raw), max_bytes)
+    if isinstance(raw, Masked):  # a large event as it arrived (ws_protocol): unmasked here, off the loop
+        raw = raw.unmask()
     encoded = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if max_bytes is not None and len(encoded) > max_bytes:
         raise event_too_large(len(encoded), max_bytes)

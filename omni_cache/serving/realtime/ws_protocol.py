@@ -14,7 +14,10 @@ one uvicorn picks) with two changes that keep a large message off the event loop
 - A text message larger than :data:`OFF_LOOP_TEXT_BYTES` is handed over as its UTF-8 bytes
   (``bytes``, with :data:`TEXT_FRAME` true) instead of a ``str``: it is decoded by the event
   parser on its own threads, not on the loop. Invalid UTF-8 there is an ``error`` event
-  (``invalid_json``), not a close 1007.
+  (``invalid_json``), not a close 1007. Sent as one frame (as clients send them) and with no
+  extension negotiated, it is not even unmasked on the loop: its payload is handed over still
+  masked (:class:`Masked`) and the parser's thread unmasks it (numpy, without the GIL). Unmasking
+  2 MiB took 0.7 ms of the loop's 1.2 ms for the whole message.
 
 - Each connection reads at most ``server.realtime.max_read_bytes_per_s`` on average (a
   :class:`ReadBudget`: that rate, with a burst of ``max_event_bytes``): past it the server stops
@@ -34,6 +37,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidMessage, PayloadTooBig, ProtocolError
 from websockets.frames import Frame, Opcode
@@ -46,6 +50,7 @@ __all__ = [
     "SKIPPED_BYTES",
     "TEXT_FRAME",
     "BoundedServerProtocol",
+    "Masked",
     "ReadBudget",
     "bounded_ws_protocol",
 ]
@@ -58,6 +63,29 @@ TEXT_FRAME = "omni_cache.text_frame"
 OFF_LOOP_TEXT_BYTES = 64 * 1024
 
 _DATA = (Opcode.CONT, Opcode.TEXT, Opcode.BINARY)
+
+
+class Masked:
+    """The payload of a one-frame text message as it arrived, still masked with ``mask`` (held,
+    not copied: a fresh copy of a few MiB costs the loop its page faults)."""
+
+    __slots__ = ("mask", "payload")
+
+    def __init__(self, payload: bytes | bytearray, mask: bytes) -> None:
+        self.payload, self.mask = payload, mask
+
+    def __len__(self) -> int:
+        return len(self.payload)
+
+    def unmask(self) -> bytes:
+        """The payload (RFC 6455 5.3: every byte XOR the mask's byte at its index mod 4)."""
+        data = np.frombuffer(self.payload, np.uint8)
+        out = np.empty(len(data), np.uint8)
+        whole = len(data) - len(data) % 8
+        key = np.frombuffer(self.mask * 2, np.uint64)[0]
+        np.bitwise_xor(data[:whole].view(np.uint64), key, out=out[:whole].view(np.uint64))
+        out[whole:] = data[whole:] ^ np.frombuffer(self.mask * 2, np.uint8)[: len(data) - whole]
+        return out.tobytes()
 
 
 class Skipped(bytes):
@@ -111,6 +139,16 @@ class BoundedServerProtocol(ServerProtocol):
                 ):
                     yield from self._skip(opcode, bool(head[0] & 0x80), bool(head[1] & 0x80), header, length)
                     continue
+                if (
+                    opcode is Opcode.TEXT
+                    and head[0] & 0xF0 == 0x80  # FIN, no RSV bit
+                    and head[1] & 0x80  # masked, as a client's frames must be
+                    and length > OFF_LOOP_TEXT_BYTES
+                    and not self.extensions
+                    and self.cur_size is None
+                ):
+                    yield from self._masked_text(header, length)
+                    continue
                 max_size = None if self.max_size is None else self.max_size - (self.cur_size or 0)
                 frame = yield from Frame.parse(
                     self.reader.read_exact, mask=True, max_size=max_size, extensions=self.extensions
@@ -134,6 +172,12 @@ class BoundedServerProtocol(ServerProtocol):
             self.parser_exc = exc
         yield
         raise AssertionError("parse() shouldn't step after error")
+
+    def _masked_text(self, header: int, length: int) -> Generator[None]:
+        """Read a one-frame text message without unmasking it: its payload is :class:`Masked`."""
+        prefix = yield from self.reader.read_exact(header + 4)
+        payload = yield from self.reader.read_exact(length)
+        self.recv_frame(Frame(Opcode.TEXT, Masked(payload, bytes(prefix[header:])), fin=True))  # type: ignore[arg-type]
 
     def _peek(self, n: int) -> Generator[None, None, bytes]:
         """The next ``n`` bytes, left in the buffer."""
@@ -265,7 +309,8 @@ def bounded_ws_protocol(
                 message: dict[str, Any] = {"type": "websocket.receive", "text": None, "bytes": None}
                 message[SKIPPED_BYTES] = skipped.size
             elif self.curr_msg_data_type == "text" and sum(len(f) for f in frames) > OFF_LOOP_TEXT_BYTES:
-                message = {"type": "websocket.receive", "text": None, "bytes": b"".join(frames), TEXT_FRAME: True}
+                data = frames[0] if len(frames) == 1 else b"".join(frames)  # one Masked frame stays so
+                message = {"type": "websocket.receive", "text": None, "bytes": data, TEXT_FRAME: True}
             else:
                 self.frames = frames
                 super().send_receive_event_to_app()
