@@ -18,30 +18,32 @@ import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, Records, make_orchestrator, metric, open_stream_without_reading, write_config
+from fake_pipeline import API_KEY, Records, metric, open_stream_without_reading, serve_config, write_config
 
 from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
-from omni_cache.serving.server import ServerThread
 
 ANSWER_TOKENS = 20000  # 40 s at 2 ms a token: the stall bound (1 s) comes long before its end
 OUTBOX = 1 << 30  # more than the whole answer: only the stall bound can cut it
+HELD_TOKENS = 3000  # 6 s at 2 ms a token; its writes wait within the first second
+
+
+def stall_server(max_send_stall_s: float, answer_tokens: int):
+    """A fake pipeline writing a token every 2 ms, cutting silent clients past ``max_send_stall_s``."""
+    return serve_config(
+        write_config(
+            f"stall_{uuid.uuid4().hex[:8]}",
+            token_delay_s=0.002,
+            max_model_len=2 * answer_tokens + 200,  # the prompt is as long as the answer
+            timeout_s=120,
+            server_extra=f", max_outbox_bytes: {OUTBOX}, max_send_stall_s: {max_send_stall_s}",
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def srv():
-    path = write_config(
-        f"stall_{uuid.uuid4().hex[:8]}",
-        token_delay_s=0.002,
-        max_model_len=2 * ANSWER_TOKENS + 200,  # the prompt is as long as the answer
-        timeout_s=120,
-        server_extra=f", max_outbox_bytes: {OUTBOX}, max_send_stall_s: 1",
-    )
-    server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
-    try:
-        server.wait_ready(60)
+    with stall_server(1, ANSWER_TOKENS) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
@@ -90,22 +92,8 @@ def test_a_client_that_takes_nothing_is_cut_by_the_stall_bound(srv):
 @pytest.fixture(scope="module")
 def patient():
     """A server whose stall bound (60 s) leaves a paused client time to read again."""
-    path = write_config(
-        f"hold_{uuid.uuid4().hex[:8]}",
-        token_delay_s=0.002,
-        max_model_len=2 * HELD_TOKENS + 200,
-        timeout_s=120,
-        server_extra=f", max_outbox_bytes: {OUTBOX}, max_send_stall_s: 60",
-    )
-    server = ServerThread(make_orchestrator(path), api_key=API_KEY).start()
-    try:
-        server.wait_ready(60)
+    with stall_server(60, HELD_TOKENS) as server:
         yield server
-    finally:
-        server.stop()
-
-
-HELD_TOKENS = 3000  # 6 s at 2 ms a token; its writes wait within the first second
 
 
 def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it_reads_again(patient):

@@ -103,7 +103,6 @@ class ARRunner(StageRunner):
         # vLLM's vllm:prompt_tokens / vllm:generation_tokens, summed over this stage's engine requests.
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.client_holds = 0  # requests held for their client (hold), counted once per pause
 
     # ---- input -----------------------------------------------------------------------------
     def accept(self, msg: Submit | StageOutput, tensors: dict[str, torch.Tensor]) -> None:
@@ -438,15 +437,9 @@ class ARRunner(StageRunner):
         )
 
     # ---- control ---------------------------------------------------------------------------
-    def hold(self, request_id: str, held: bool) -> None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return
-        if held and not req.held:
-            self.client_holds += 1
-        req.held = held
-        if req.active is not None:
-            self.llm.hold(req.active, held)
+    def held_changed(self, req: ARRequest) -> None:
+        if req.active is not None:  # a job that starts later is held from its start (_start)
+            self.llm.hold(req.active, req.held)
 
     def drop(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -466,7 +459,6 @@ class ARRunner(StageRunner):
             **self.warmup.counters(),
             "num_requests_running": running,
             "num_requests_waiting": waiting,
-            "client_holds": self.client_holds,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
         }

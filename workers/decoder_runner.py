@@ -79,7 +79,6 @@ class DecoderRunner(StageRunner):
         self.requests: OrderedDict[str, _DecodeRequest] = OrderedDict()
         self.max_model_len = 0
         self.pacer = stage_pacer(stage)
-        self.client_holds = 0  # requests held for their client (hold), counted once per pause
 
     def accept(self, msg: StageOutput, tensors: dict[str, torch.Tensor]) -> None:
         if not isinstance(msg, StageOutput):
@@ -244,22 +243,8 @@ class DecoderRunner(StageRunner):
         if job.last:
             del self.requests[request_id]
 
-    def hold(self, request_id: str, held: bool) -> None:
-        """Its windows wait while its client takes nothing (scheduler/client_hold.py); its codes
-        keep arriving and are decoded in order once it goes on."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return
-        if held and not req.held:
-            self.client_holds += 1
-        req.held = held
-
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
-        return {
-            **super().counters(),
-            **(self.pacer.stats.counters() if self.pacer is not None else {}),
-            "client_holds": self.client_holds,
-        }
+        return {**super().counters(), **(self.pacer.stats.counters() if self.pacer is not None else {})}

@@ -99,8 +99,8 @@ def stage_pacer(stage: StageConfig) -> Pacer | None:
 
 class StageRunner:
     """Base of the runners: subclasses keep their in-flight requests in `requests` (values with a
-    `deadline` attribute: ``time.monotonic()``, 0 = none; :func:`deadline_in`) and implement `drop`
-    (forget one request and stop its work in the model)."""
+    `deadline` attribute: ``time.monotonic()``, 0 = none, :func:`deadline_in`; and a `held` flag,
+    :meth:`hold`) and implement `drop` (forget one request and stop its work in the model)."""
 
     def __init__(
         self, stage: StageConfig, outbox: Any, *, tombstone_ttl_s: float, timeline: Timeline | None = None
@@ -112,6 +112,7 @@ class StageRunner:
         self.requests: dict[str, Any] = {}
         self.errors = 0
         self.expired = 0
+        self.client_holds = 0  # requests held for their client (hold), counted once per pause
         self.total_requests = 0
         # request id -> monotonic time after which the tombstone is forgotten. By then its
         # upstream stages have dropped the request too (they honour the same deadline).
@@ -124,8 +125,19 @@ class StageRunner:
 
     def hold(self, request_id: str, held: bool) -> None:
         """Hold the request's work while its streaming client takes nothing, or let it go on
-        (wire Hold; scheduler/client_hold.py). An unknown request is ignored."""
-        raise NotImplementedError
+        (wire Hold; scheduler/client_hold.py): its ``held`` is set and :meth:`held_changed`
+        called. An unknown request (ended meanwhile) is ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if held and not req.held:
+            self.client_holds += 1
+        req.held = held
+        self.held_changed(req)
+
+    def held_changed(self, req: Any) -> None:
+        """A request's ``held`` changed: a runner whose own scheduling reads it needs nothing more
+        (the decoder's); one that runs a vLLM engine tells its scheduler (ARRunner)."""
 
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
@@ -216,6 +228,7 @@ class StageRunner:
             "errors": self.errors,
             "queue_depth": len(self.requests),
             "expired": self.expired,
+            "client_holds": self.client_holds,
         }
 
     def close(self) -> None:
