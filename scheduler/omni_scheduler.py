@@ -133,8 +133,9 @@ class OmniSchedulerMixin:
             # that the running answers could yield to (they would sit out for nothing). A
             # starved one (blocked) is due work if its answer is due (Pacer.hold).
             candidates = running + waiting if self._free_slots() > 0 else running
-            runnable = [(r, pacing.of(r)) for r in candidates if id(r) not in starved | client_held]
-            blocked = [pacing.of(r) for r in running + waiting if id(r) in starved - client_held]
+            sitting_out, blocking = starved | client_held, starved - client_held
+            runnable = [(r, pacing.of(r)) for r in candidates if id(r) not in sitting_out]
+            blocked = [pacing.of(r) for r in running + waiting if id(r) in blocking]
             yielding = {id(r) for r in self.pacer.hold(runnable, now, blocked)}
             if self.pacer.policy.enabled:
                 self.running[:] = self.pacer.order(  # type: ignore[attr-defined]

@@ -56,18 +56,19 @@ class RequestEnds:
 
     def abort_on_stages(self, req: Request, *, skip: str | None = None) -> None:
         """Tell every live replica still running ``req``'s current attempt to drop it."""
-        for name in req.participants:
-            sp = self.fleet.supervisor.stages.get(self.serving(req, name))
-            if name != skip and name not in req.finished and sp is not None and sp.up:
-                self._spawn(self.fleet.send(sp.name, Abort(request_id=req.wire_id), timeout=1.0))
+        self._tell_stages(req, Abort(request_id=req.wire_id), skip=skip)
 
     def hold_on_stages(self, req: Request, held: bool) -> None:
         """Tell every live replica still running ``req`` to hold its work while its client takes
         nothing (``held``), or to go on (wire Hold)."""
+        self._tell_stages(req, Hold(request_id=req.wire_id, held=held))
+
+    def _tell_stages(self, req: Request, msg: Any, *, skip: str | None = None) -> None:
+        """Send ``msg`` to every live replica still running ``req`` (but stage ``skip``)."""
         for name in req.participants:
             sp = self.fleet.supervisor.stages.get(self.serving(req, name))
-            if name not in req.finished and sp is not None and sp.up:
-                self._spawn(self.fleet.send(sp.name, Hold(request_id=req.wire_id, held=held), timeout=1.0))
+            if name != skip and name not in req.finished and sp is not None and sp.up:
+                self._spawn(self.fleet.send(sp.name, msg, timeout=1.0))
 
     def fail_expired(self, now: float) -> None:
         """Fail (504) every request whose deadline passed, naming the stages it still waits for."""
