@@ -9,7 +9,8 @@ its blocks and its place, and goes on exactly where it stopped when the client t
 client that stopped reading had its whole answer generated, sent to the server, encoded and
 queued until ``server.max_send_stall_s`` cut it: under benchmarks/hostile.py's 16 silent readers,
 the largest share of the server's work. A held request still ends at its deadline, at the stall
-bound, or when its client goes.
+bound, or when its client goes. A hold is a lease (``Hold.lease_s``, workers/runner.py
+``lapse_holds``): not said again in time, it lapses and the request goes on.
 
 The flag hangs on vLLM's ``Request`` (attribute ``client_held``), so vLLM's lifecycle frees it.
 """

@@ -94,8 +94,10 @@ class FakeStage:
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
         self.spoken: dict[str, str] = {}  # decoder: request -> the text it was given
         self.aborted: set[str] = set()
-        #: Requests held for their client (wire Hold): set again when it takes the answer again.
+        #: Requests held for their client (wire Hold): set again when it takes the answer again,
+        #: or when the hold's lease lapses (the timer, replaced by each renewal).
         self.held: dict[str, asyncio.Event] = {}
+        self.leases: dict[str, asyncio.TimerHandle] = {}
         #: The last SEEN_PROMPTS prompts, for the prefix-cache counters (a real engine forgets too).
         self.seen: collections.deque[np.ndarray] = collections.deque(maxlen=SEEN_PROMPTS)
         self.delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.01"))
@@ -109,6 +111,7 @@ class FakeStage:
                 "prefix_cache_hit_tokens",
                 "latent_rows_served",
                 "client_holds",
+                "client_hold_lapses",
                 "tokens_sent",  # the fake thinker's tokens, as sent
             )
         }
@@ -169,15 +172,29 @@ class FakeStage:
     def _ended(self, request_id: str) -> None:
         self.tasks.pop(request_id, None)
         self.held.pop(request_id, None)
+        if (lease := self.leases.pop(request_id, None)) is not None:
+            lease.cancel()
 
     def hold(self, msg: Hold) -> None:
-        """As a real stage: a thinker request held for its client writes nothing until let go."""
-        if msg.request_id not in self.tasks:
+        """As a real stage (workers/runner.py): a thinker request held for its client writes
+        nothing until let go, or until its lease lapses without being said again."""
+        rid = msg.request_id
+        if rid not in self.tasks:
             return
-        if msg.held and msg.request_id not in self.held:
+        if (lease := self.leases.pop(rid, None)) is not None:
+            lease.cancel()
+        if msg.held and msg.lease_s > 0:
+            self.leases[rid] = asyncio.get_running_loop().call_later(msg.lease_s, self._let_go, rid, True)
+        if msg.held and rid not in self.held:
             self.counters["client_holds"] += 1
-            self.held[msg.request_id] = asyncio.Event()
-        elif not msg.held and (going := self.held.pop(msg.request_id, None)) is not None:
+            self.held[rid] = asyncio.Event()
+        elif not msg.held:
+            self._let_go(rid, False)
+
+    def _let_go(self, rid: str, lapsed: bool) -> None:
+        self.leases.pop(rid, None)
+        if (going := self.held.pop(rid, None)) is not None:
+            self.counters["client_hold_lapses"] += lapsed
             going.set()
 
     def _cached(self, prompt: list[int]) -> int:

@@ -447,6 +447,26 @@ def test_decoder_holds_the_windows_of_an_answer_whose_client_takes_nothing(decod
     assert runner.counters()["client_holds"] == 1
 
 
+def test_a_hold_not_said_again_within_its_lease_lapses(decoder):
+    """A hold is a lease (wire Hold.lease_s): renewed, it lasts; not renewed (the orchestrator's
+    "go on" was lost), the request goes on once it passes, counted as a lapse."""
+    runner, inbox = decoder
+    stream_codes(runner, "held", seq=0, n=40)
+    t0 = time.monotonic()
+    runner.hold("held", True, lease_s=3.0)
+    runner.expire(t0 + 2.0)
+    assert runner.requests["held"].held
+    runner.hold("held", True, lease_s=10.0)  # said again: lasts from now, past the first lease
+    runner.expire(t0 + 5.0)
+    assert runner.requests["held"].held and not runner.has_work()
+    runner.expire(time.monotonic() + 10.0)
+    assert not runner.requests["held"].held and emitted_in_next_step(runner, inbox) == {"held"}
+    assert runner.counters()["client_holds"] == 1 and runner.counters()["client_hold_lapses"] == 1
+    runner.hold("held", True)  # no lease (an in-process caller): held until told otherwise
+    runner.expire(time.monotonic() + 3600.0)
+    assert runner.requests["held"].held and runner.counters()["client_hold_lapses"] == 1
+
+
 def test_decoder_keeps_no_clock_for_an_answer_not_streamed(decoder):
     runner, inbox = decoder
     stream_codes(runner, "whole", seq=0, n=20, stream=False)

@@ -299,3 +299,58 @@ def test_the_tool_parser_reads_the_tokenizer_under_its_lock_off_the_loop():
     assert seen == [(False, True)]  # a worker thread, holding the tokenizer's lock
     assert asyncio.run(parse_locked(orch, SimpleNamespace(parser=None), parse, 8)) == 8
     assert seen[1] == (True, False)  # no tool parser: nothing reads the tokenizer, no hop
+
+
+class _Fleet:
+    """What RequestEnds reads of the stage fleet: replica names, which are up, and the sends
+    (recorded, not made)."""
+
+    def __init__(self, down: set[str] = frozenset()) -> None:
+        self.sent: list[tuple[str, object]] = []
+        names = {(s, i): f"{s}.{i}" for s in ("thinker", "talker") for i in (0, 1)}
+        self.name_of = lambda stage, index: names.get((stage, index))
+        self.supervisor = type(
+            "Supervisor",
+            (),
+            {"stages": {n: type("Up", (), {"name": n, "up": n not in down})() for n in names.values()}},
+        )()
+
+    async def send(self, name: str, msg: object, timeout: float) -> None:
+        self.sent.append((name, msg))
+
+
+def test_a_hold_is_said_again_to_the_replicas_now_serving_the_request():
+    """While its client takes nothing a hold is renewed every HOLD_RENEW_S, to the replicas the
+    request's current attempt runs on, by its current wire id: a request resumed on another
+    replica (its first died) is held there too. Once let go, it is not renewed."""
+    from omni_cache.runtime.request_path.request_ends import HOLD_LEASE_S, HOLD_RENEW_S, RequestEnds
+    from omni_cache.runtime.request_path.requests import RequestTable, new_request
+    from omni_cache.wire.messages import Hold
+
+    table, fleet, spawned = RequestTable(), _Fleet(down={"thinker.0"}), []
+    ends = RequestEnds(table, fleet=fleet, admission=None, outputs=None, metrics=None, spawn=spawned.append)
+    req = new_request(
+        [1, 2, 3], ("text",), ("thinker", "talker"), received_at=None, timeout=60, return_latents=False, ticket=None
+    )
+    table.add(req)
+
+    def said() -> list[tuple[str, Hold]]:
+        for coro in spawned:
+            asyncio.run(coro)
+        spawned.clear()
+        out, fleet.sent[:] = list(fleet.sent), []
+        return out
+
+    ends.hold_on_stages(req, True, now=100.0)
+    assert said() == [("talker.0", Hold(request_id=req.request_id, held=True, lease_s=HOLD_LEASE_S))]
+    ends.renew_holds(100.0 + HOLD_RENEW_S / 2)
+    assert said() == []  # not due yet
+    req.attempt, req.route = 1, {"thinker": 1, "talker": 1}  # resumed: thinker.0 died
+    table.rekey(req, req.request_id)
+    ends.renew_holds(100.0 + HOLD_RENEW_S)
+    renewal = Hold(request_id=f"{req.request_id}.r1", held=True, lease_s=HOLD_LEASE_S)
+    assert said() == [("thinker.1", renewal), ("talker.1", renewal)]
+    ends.hold_on_stages(req, False, now=102.0)
+    assert [m.held for _, m in said()] == [False, False]
+    ends.renew_holds(200.0)
+    assert said() == []

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from fake_pipeline import API_KEY, Records, metric, open_stream_without_reading, serve_config, write_config
 
+from omni_cache.runtime.request_path import request_ends
 from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
 
 ANSWER_TOKENS = 20000  # 40 s at 2 ms a token: the stall bound (1 s) comes long before its end
@@ -114,12 +115,7 @@ def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it
         first = metric(patient, sent, stage="thinker")
         time.sleep(0.5)
         assert metric(patient, sent, stage="thinker") == first, "the thinker wrote tokens for a held request"
-        received = bytearray()
-        sock.settimeout(60)
-        while chunk := sock.recv(1 << 20):
-            received += chunk
-            if received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # the last chunk (chunked encoding)
-                break
+        received = read_to_the_end(sock)
     finally:
         sock.close()
     text = "".join(
@@ -131,6 +127,51 @@ def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it
     )
     # The echo thinker's answer: its templated prompt's first max_tokens bytes, one token each.
     assert b"data: [DONE]" in received and len(text) == HELD_TOKENS and text.endswith("x" * 100)
+
+
+def read_to_the_end(sock) -> bytearray:
+    received = bytearray()
+    sock.settimeout(60)
+    while chunk := sock.recv(1 << 20):
+        received += chunk
+        if received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # the last chunk (chunked encoding)
+            break
+    return received
+
+
+def test_a_hold_lasts_while_it_is_renewed_and_a_lost_go_on_lapses(patient, monkeypatch):
+    """A hold is a lease the orchestrator renews while its client takes nothing: the request stays
+    held past the lease. When the client reads again and the "go on" is lost on the way (here
+    dropped on purpose), the hold lapses at the stage within the lease and the client gets its
+    whole answer, where before the request stayed held until its deadline."""
+    monkeypatch.setattr(request_ends, "HOLD_LEASE_S", 1.0)
+    monkeypatch.setattr(request_ends, "HOLD_RENEW_S", 0.3)
+    ends = patient.orchestrator.ends
+    tell = ends.hold_on_stages
+
+    def lose_go_on(req, held, now=None):
+        if held:
+            return tell(req, held, now)
+        req.client_held = False  # the orchestrator knows; its message to the stages is lost
+
+    monkeypatch.setattr(ends, "hold_on_stages", lose_go_on)
+    holds, lapses = "omni_cache_stage_client_holds_total", "omni_cache_stage_client_hold_lapses_total"
+    sent = "omni_cache_stage_tokens_sent"
+    before, lapsed = metric(patient, holds, stage="thinker"), metric(patient, lapses, stage="thinker")
+    sock = open_stream_without_reading(patient, HELD_TOKENS)
+    try:
+        end = time.monotonic() + 60
+        while metric(patient, holds, stage="thinker") < before + 1:
+            assert time.monotonic() < end, "the paused client's request was never held"
+            time.sleep(0.05)
+        first = metric(patient, sent, stage="thinker")
+        time.sleep(2.0)  # twice the lease: only renewals keep it held
+        assert metric(patient, sent, stage="thinker") == first, "the hold lapsed while its client took nothing"
+        received = read_to_the_end(sock)
+    finally:
+        sock.close()
+    assert b"data: [DONE]" in received, received[-300:]
+    assert metric(patient, lapses, stage="thinker") == lapsed + 1
 
 
 def test_the_filter_keeps_other_unfinished_responses():

@@ -113,6 +113,9 @@ class StageRunner:
         self.errors = 0
         self.expired = 0
         self.client_holds = 0  # requests held for their client (hold), counted once per pause
+        #: request id -> when its hold lapses unless said again (wire Hold.lease_s)
+        self.hold_leases: dict[str, float] = {}
+        self.hold_lapses = 0
         self.total_requests = 0
         # request id -> monotonic time after which the tombstone is forgotten. By then its
         # upstream stages have dropped the request too (they honour the same deadline).
@@ -123,17 +126,38 @@ class StageRunner:
     def drop(self, request_id: str) -> None:
         raise NotImplementedError
 
-    def hold(self, request_id: str, held: bool) -> None:
+    def hold(self, request_id: str, held: bool, lease_s: float = 0.0) -> None:
         """Hold the request's work while its streaming client takes nothing, or let it go on
         (wire Hold; scheduler/client_hold.py): its ``held`` is set and :meth:`held_changed`
-        called. An unknown request (ended meanwhile) is ignored."""
+        called. A hold with a ``lease_s`` lapses that long after it was last said
+        (:meth:`lapse_holds`); 0: until told otherwise. An unknown request (ended meanwhile) is
+        ignored."""
         req = self.requests.get(request_id)
         if req is None:
             return
-        if held and not req.held:
+        if held and lease_s > 0:
+            self.hold_leases[request_id] = time.monotonic() + lease_s
+        else:
+            self.hold_leases.pop(request_id, None)
+        if held == req.held:
+            return  # a renewal
+        if held:
             self.client_holds += 1
         req.held = held
         self.held_changed(req)
+
+    def lapse_holds(self, now: float) -> None:
+        """Let go the requests whose hold was not said again within its lease: the "go on" was
+        lost, or the orchestrator stopped saying it for another reason; the request goes on."""
+        for request_id, until in list(self.hold_leases.items()):
+            if until > now:
+                continue
+            del self.hold_leases[request_id]
+            if (req := self.requests.get(request_id)) is not None and req.held:
+                logger.info("stage %s: request %s's client hold lapsed, it goes on", self.stage.name, request_id)
+                self.hold_lapses += 1
+                req.held = False
+                self.held_changed(req)
 
     def held_changed(self, req: Any) -> None:
         """A request's ``held`` changed: a runner whose own scheduling reads it needs nothing more
@@ -188,7 +212,8 @@ class StageRunner:
 
     def expire(self, now: float | None = None) -> None:
         """Drop the requests past their deadline (the orchestrator answers their clients 504; this
-        keeps a stage from working on, or holding, a request nobody waits for)."""
+        keeps a stage from working on, or holding, a request nobody waits for), and let go the
+        client holds past their lease."""
         now = time.monotonic() if now is None else now
         late = [rid for rid, r in self.requests.items() if 0 < r.deadline <= now - DEADLINE_GRACE_S]
         for request_id in late:
@@ -197,6 +222,7 @@ class StageRunner:
             self.fail(request_id, DeadlineExpired(f"deadline passed in stage {self.stage.name!r}"))
         while self.tombstones and next(iter(self.tombstones.values())) <= now:
             self.tombstones.popitem(last=False)
+        self.lapse_holds(now)
 
     def is_dead(self, msg: Submit | StageOutput) -> bool:
         """Whether input for a request this stage does not hold must be dropped: it ended here
@@ -229,6 +255,7 @@ class StageRunner:
             "queue_depth": len(self.requests),
             "expired": self.expired,
             "client_holds": self.client_holds,
+            "client_hold_lapses": self.hold_lapses,
         }
 
     def close(self) -> None:

@@ -265,7 +265,7 @@ class StageProcess:
             # The request is forgotten here even when this raises (StageRunner.abort).
             self._outside_requests("handling an Abort", lambda: self.runner.abort(msg.request_id))
         elif isinstance(msg, Hold):
-            self._outside_requests("handling a Hold", lambda: self.runner.hold(msg.request_id, msg.held))
+            self._outside_requests("handling a Hold", lambda: self.runner.hold(msg.request_id, msg.held, msg.lease_s))
         else:
             logger.warning("stage %s: ignoring unexpected %s", self.stage.name, type(msg).__name__)
 

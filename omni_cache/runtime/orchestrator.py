@@ -447,7 +447,7 @@ class Orchestrator:
             await asyncio.sleep(DEADLINE_CHECK_INTERVAL_S)
             now = time.monotonic()
             try:
-                self.ends.fail_expired(now)
+                self.ends.housekeeping(now)  # deadlines, client holds' renewals
             except Exception:  # noqa: BLE001
                 logger.exception("orchestrator: deadline check failed")
             if self.heap.due(now):  # in a thread: malloc_trim takes milliseconds, with the GIL free

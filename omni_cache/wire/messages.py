@@ -275,12 +275,16 @@ class Hold(msgspec.Struct, tag="hold", kw_only=True):
 
     request_id: RequestId
     held: bool
+    #: How long a stage holds it (held only; 0: until told otherwise). The orchestrator says it
+    #: again while its client takes nothing (omni_cache/runtime/request_path/request_ends.py) and
+    #: a hold not said again lapses: a lost "go on" keeps a request held at most this long.
+    lease_s: float = 0.0
 
 
 #: The version of these messages' shapes, in every StageReady: raised when a message changes so
 #: that processes of different code would misread each other (msgspec fills a missing field with
 #: its default and drops an unknown one, silently).
-PROTOCOL_VERSION = 3  # 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold
+PROTOCOL_VERSION = 4  # 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold; 4: Hold.lease_s
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):

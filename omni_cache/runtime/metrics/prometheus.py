@@ -184,6 +184,12 @@ STAGE_METRICS: dict[str, StageMetric] = {
         "(each pause counts once; since the stage's last start).",
         False,
     ),
+    "client_hold_lapses": StageMetric(
+        "omni_cache_stage_client_hold_lapses",
+        "counter",
+        "Client holds that lapsed because the orchestrator did not renew them (a lost message): the request went on.",
+        False,
+    ),
     "latent_rows_served": StageMetric(
         "omni_cache_latent_rows_served", "counter", "Latent rows served from the hidden-state prefix cache.", False
     ),

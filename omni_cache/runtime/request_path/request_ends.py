@@ -6,11 +6,19 @@ the request needs finished (:class:`~omni_cache.runtime.request_path.output_asse
 handling its output -> 500, deadline -> 504, shutdown -> 503, client gone -> 499). Either way the
 request leaves the in-flight table at once; a failed one is aborted on the live replicas that
 still run its current attempt, so they stop spending steps on it.
+
+It also tells the stages when a streaming client takes nothing (wire ``Hold``,
+scheduler/client_hold.py). A hold is a lease: said again every :data:`HOLD_RENEW_S` while the
+client stays paused, it lapses at the stage :data:`HOLD_LEASE_S` after it was last said. So a
+"go on" lost on the way (a stage whose inbox stayed full past the send timeout) holds the request
+at most that long, not until its deadline; and a request resumed on another replica (its replica
+died) is held there too at the next renewal.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +32,12 @@ from omni_cache.wire.messages import Abort, Hold
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RequestEnds"]
+__all__ = ["HOLD_LEASE_S", "HOLD_RENEW_S", "RequestEnds"]
+
+#: How long a stage holds a request for its paused client unless told again, and how often the
+#: orchestrator tells it again: three renewals per lease, so one or two lost ones do not let it go.
+HOLD_LEASE_S = 3.0
+HOLD_RENEW_S = 1.0
 
 
 class RequestEnds:
@@ -58,10 +71,24 @@ class RequestEnds:
         """Tell every live replica still running ``req``'s current attempt to drop it."""
         self._tell_stages(req, Abort(request_id=req.wire_id), skip=skip)
 
-    def hold_on_stages(self, req: Request, held: bool) -> None:
+    def hold_on_stages(self, req: Request, held: bool, now: float | None = None) -> None:
         """Tell every live replica still running ``req`` to hold its work while its client takes
-        nothing (``held``), or to go on (wire Hold)."""
-        self._tell_stages(req, Hold(request_id=req.wire_id, held=held))
+        nothing (``held``: for :data:`HOLD_LEASE_S`), or to go on (wire Hold)."""
+        req.client_held = held
+        req.hold_told_at = time.monotonic() if now is None else now
+        lease = HOLD_LEASE_S if held else 0.0
+        self._tell_stages(req, Hold(request_id=req.wire_id, held=held, lease_s=lease))
+
+    def renew_holds(self, now: float) -> None:
+        """Say every hold again that was last said :data:`HOLD_RENEW_S` ago or more."""
+        for req in self.requests.all():
+            if req.client_held and now - req.hold_told_at >= HOLD_RENEW_S:
+                self.hold_on_stages(req, True, now)
+
+    def housekeeping(self, now: float) -> None:
+        """The orchestrator's periodic part: deadlines passed, holds renewed."""
+        self.fail_expired(now)
+        self.renew_holds(now)
 
     def _tell_stages(self, req: Request, msg: Any, *, skip: str | None = None) -> None:
         """Send ``msg`` to every live replica still running ``req`` (but stage ``skip``)."""

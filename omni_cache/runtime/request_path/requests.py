@@ -98,6 +98,9 @@ class Request:
     #: Its share of the server's bounds (omni_cache.runtime.request_path.admission.Ticket), given back when
     #: it is answered.
     ticket: Any = None
+    #: Its streaming client takes nothing now (wire Hold), and when the stages were last told so.
+    client_held: bool = False
+    hold_told_at: float = 0.0
 
     @property
     def wire_id(self) -> str:
