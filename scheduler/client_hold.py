@@ -1,8 +1,9 @@
 """A streamed answer whose client has stopped taking it sits out the steps until the client takes again.
 
-The server watches each streamed chat answer's connection (omni_cache/serving/send_watch.py): when
-its client has taken none of what was sent for a pause while bytes waited, the answer's writes
-wait, and the orchestrator tells the request's stages (wire ``Hold``). Each stage then skips the
+The server watches each streamed chat answer's connection, and a realtime session's while a
+response streams (omni_cache/serving/send_watch.py): when its client has taken none of what was
+sent for a pause while bytes waited, a chat answer's writes wait, and the orchestrator tells the
+request's stages (wire ``Hold``). Each stage then skips the
 request as it skips one short of a streamed row (scheduler/streamed_rows.py): it keeps its slot,
 its blocks and its place, and goes on exactly where it stopped when the client takes bytes again
 (``Hold`` with ``held`` false), so what it writes does not depend on the pause. Without this, a

@@ -25,11 +25,11 @@ from benchmarks.speech_clips import silence, speech
 
 
 @contextlib.contextmanager
-def fake_server(token_delay_s: float, realtime: str = "{}"):
+def fake_server(token_delay_s: float, realtime: str = "{}", max_model_len: int = 2048):
     path = write_config(
         f"rt_{uuid.uuid4().hex[:8]}",
         token_delay_s=token_delay_s,
-        max_model_len=2048,
+        max_model_len=max_model_len,
         timeout_s=60,
         server_extra=f", realtime: {realtime}",
     )
@@ -393,3 +393,70 @@ def test_a_client_that_vanishes_mid_answer_frees_everything(slow):
 
     run(go())
     wait_until(lambda: len(slow.app.state.realtime_sessions) == 0 and orch.in_flight == 0)
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """Tokens 2 ms apart: a long spoken answer fills a silent client's socket within a second."""
+    with fake_server(0.002, max_model_len=8192) as s:
+        yield s
+
+
+def test_a_client_that_stops_reading_has_its_response_held_and_gets_all_of_it(quick):
+    """A realtime client that takes none of a streaming response (its socket's window is full)
+    has the response held at its stages, as a chat stream's is (scheduler/client_hold.py): the
+    thinker writes no token for it; reading again, the client gets every event to response.done."""
+    import json
+    import socket
+
+    from fake_pipeline import metric
+    from websockets.sync.client import connect as connect_sync
+
+    holds, sent, tokens = "omni_cache_stage_client_holds_total", "omni_cache_stage_tokens_sent", 3000
+    before = metric(quick, holds, stage="thinker")
+    host, port = quick.url.split("//")[1].split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+    sock.connect((host, int(port)))
+    ws = connect_sync(
+        f"ws://{host}:{port}/v1/realtime?model={model(quick)}",
+        sock=sock,
+        additional_headers={"Authorization": f"Bearer {API_KEY}"},
+        max_queue=(2, 1),  # the client library stops reading its socket past 2 waiting messages
+        max_size=None,
+        ping_interval=None,  # its pong would wait behind what it does not read
+    )
+    try:
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+        ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "turn_detection": None}}))
+        text = "x" * tokens
+        ws.send(
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+                }
+            )
+        )
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": tokens}}))
+        end = time.monotonic() + 60
+        while metric(quick, holds, stage="thinker") < before + 1:
+            assert time.monotonic() < end, "the silent client's response was never held"
+            time.sleep(0.05)
+        first = metric(quick, sent, stage="thinker")
+        time.sleep(0.5)  # 250 tokens' time
+        assert metric(quick, sent, stage="thinker") == first, "the thinker wrote tokens for a held response"
+        transcript, done = "", None
+        while done is None:
+            event = json.loads(ws.recv(timeout=60))
+            assert event["type"] != "error", event
+            if event["type"] == "response.output_audio_transcript.delta":
+                transcript += event["delta"]
+            elif event["type"] == "response.done":
+                done = event
+    finally:
+        ws.close()
+    # Every token of the answer (the echo is longer: it ends at max_output_tokens).
+    assert done["response"]["status"] == "incomplete", done
+    assert done["response"]["status_details"]["reason"] == "max_output_tokens"
+    assert transcript == echo(f"user: {text}\n", tokens)

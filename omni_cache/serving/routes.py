@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -246,6 +247,10 @@ async def realtime(websocket: WebSocket) -> None:
         state.realtime_sessions,
         served_model=state.served_model_name,
         images=_realtime_images(orch, state),
+        # The connection is watched while a response streams: a client that takes none of it
+        # has the response held at its stages (scheduler/client_hold.py), as a chat stream's is.
+        # No stall cut here: server.realtime.max_outbox_bytes bounds what waits.
+        watch=lambda on_pause, on_resume: SendWatch(transport_of(websocket.scope), math.inf, on_pause, on_resume),
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
@@ -144,8 +145,11 @@ async def serve_realtime(
     *,
     served_model: str,
     images: ImageSource | None = None,
+    watch: Callable[[Callable[[], None], Callable[[], None]], Any] | None = None,
 ) -> None:
-    """Run one connection's session until the client leaves or a limit ends it."""
+    """Run one connection's session until the client leaves or a limit ends it. ``watch``:
+    makes a watch of the client's connection (``watch(on_pause, on_resume)``, a
+    :class:`~omni_cache.serving.send_watch.SendWatch`); None: responses are never held."""
     await websocket.accept()
     model = websocket.query_params.get("model")
     refusal = None
@@ -177,7 +181,7 @@ async def serve_realtime(
         outbox.send(error_event(refusal[0], None))
         await _close(websocket, outbox, refusal[1], refusal[0].code or "")
         return
-    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model, images=images)
+    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model, images=images, watch=watch)
     registry.sessions[session.id] = session
     try:
         try:

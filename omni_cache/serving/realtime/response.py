@@ -14,6 +14,7 @@ but these closing events (status ``cancelled``); the pipeline request is aborted
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -29,6 +30,7 @@ from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResample
 from omni_cache.serving.realtime.conversation import Item
 from omni_cache.serving.realtime.conversation_bounds import Prompt
 from omni_cache.serving.realtime.protocol import make_event, new_id
+from omni_cache.tasks import cancel_and_wait
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
@@ -64,8 +66,13 @@ class ResponseRun:
         received_at: float,
         session_id: str,
         on_prompt: Callable[[list[Item]], None] = lambda dropped: None,
+        watch: Callable[[Callable[[], None], Callable[[], None]], Any] | None = None,
     ) -> None:
         self.id = new_id("resp")
+        # The client's connection, watched while this response streams: a client that takes
+        # none of it has its request held at the stages until it takes again.
+        self._watch = watch
+        self._client_held = False
         self.session_id = session_id
         self.pipeline, self.send, self.item, self.options = pipeline, send, item, options
         # The session's prompt of the conversation (truncated to the thinker's limits), and what
@@ -130,6 +137,11 @@ class ResponseRun:
                 part=self._part(),
             )
         )
+        watching = (
+            asyncio.ensure_future(self._watch(lambda: self._hold(True), lambda: self._hold(False)).stalled())
+            if self._watch is not None
+            else None
+        )
         try:
             await self._stream()
         except RequestError as e:  # refused (context length, a stage down) or failed in a stage
@@ -138,6 +150,7 @@ class ResponseRun:
             logger.exception("realtime response %s failed", self.id)
             self.status, self.error = "failed", RequestError(500, f"{type(e).__name__}: {e}")
         finally:
+            await cancel_and_wait(watching)
             if self.handle is not None and not self.handle.done:
                 self.handle.abort("the realtime session stopped waiting")
             if self._starting:
@@ -169,6 +182,8 @@ class ResponseRun:
         )
         if self.reason is not None:
             self.handle.abort(f"realtime response cancelled ({self.reason})")
+        elif self._client_held:  # its client stopped taking events before the request existed
+            self.handle.hold(True)
         listening.answer_starting(self.pipeline)  # listening requests wait for its first delta
         self._starting = True
         async for ev in self.handle.events():
@@ -184,6 +199,13 @@ class ResponseRun:
                 self._on_completed(ev)
             elif isinstance(ev, Failed):
                 raise ev.error
+
+    def _hold(self, held: bool) -> None:
+        """Its client takes none of the events sent (``held``) or takes again: the request's
+        stages hold its work meanwhile (scheduler/client_hold.py)."""
+        self._client_held = held
+        if self.handle is not None and not self.handle.done:
+            self.handle.hold(held)
 
     def _settled(self) -> None:
         self._starting = False

@@ -49,8 +49,11 @@ class RealtimeSession:
         limits: RealtimeConfig,
         served_model: str,
         images: client_items.ImageSource | None = None,
+        watch: Callable[[Callable[[], None], Callable[[], None]], Any] | None = None,
     ) -> None:
         self.id = new_id("sess")
+        # Watches the client's connection while a response streams (connection.serve_realtime).
+        self.watch = watch
         self.pipeline, self.send = pipeline, send
         self.served_model = served_model
         # How input_image parts are read and decoded (server.media's limits, the server's
@@ -402,6 +405,7 @@ class RealtimeSession:
             received_at=time.monotonic(),
             session_id=self.id,
             on_prompt=self._drop,
+            watch=self.watch,
         )
         self._response_task = asyncio.create_task(self._run(run), name=f"realtime-{run.id}")
 
