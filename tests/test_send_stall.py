@@ -26,6 +26,7 @@ from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilte
 ANSWER_TOKENS = 20000  # 40 s at 2 ms a token: the stall bound (1 s) comes long before its end
 OUTBOX = 1 << 30  # more than the whole answer: only the stall bound can cut it
 HELD_TOKENS = 3000  # 6 s at 2 ms a token; its writes wait within the first second
+HOLDS, SENT = "omni_cache_stage_client_holds_total", "omni_cache_stage_tokens_sent"
 
 
 def stall_server(max_send_stall_s: float, answer_tokens: int):
@@ -102,19 +103,13 @@ def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it
     scheduler/client_hold.py): the thinker writes no token for it, where before it wrote the
     whole answer into the server's queue. When the client reads again the answer goes on from
     where it stopped, to its end: every token, then ``[DONE]``."""
-    holds = "omni_cache_stage_client_holds_total"
-    sent = "omni_cache_stage_tokens_sent"
-    before = metric(patient, holds, stage="thinker")
+    before = metric(patient, HOLDS, stage="thinker")
     sock = open_stream_without_reading(patient, HELD_TOKENS)
     try:
-        end = time.monotonic() + 60
-        while metric(patient, holds, stage="thinker") < before + 1:
-            assert time.monotonic() < end, "the paused client's request was never held"
-            time.sleep(0.05)
         # Held: two scrapes of the thinker's counter 0.5 s apart (250 tokens' time) see the same.
-        first = metric(patient, sent, stage="thinker")
+        first = wait_until_held(patient, before)
         time.sleep(0.5)
-        assert metric(patient, sent, stage="thinker") == first, "the thinker wrote tokens for a held request"
+        assert metric(patient, SENT, stage="thinker") == first, "the thinker wrote tokens for a held request"
         received = read_to_the_end(sock)
     finally:
         sock.close()
@@ -127,6 +122,16 @@ def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it
     )
     # The echo thinker's answer: its templated prompt's first max_tokens bytes, one token each.
     assert b"data: [DONE]" in received and len(text) == HELD_TOKENS and text.endswith("x" * 100)
+
+
+def wait_until_held(srv, before: float) -> float:
+    """Wait until the thinker has counted one more client hold than ``before``; the tokens it had
+    sent by then."""
+    end = time.monotonic() + 60
+    while metric(srv, HOLDS, stage="thinker") < before + 1:
+        assert time.monotonic() < end, "the paused client's request was never held"
+        time.sleep(0.05)
+    return metric(srv, SENT, stage="thinker")
 
 
 def read_to_the_end(sock) -> bytearray:
@@ -155,18 +160,13 @@ def test_a_hold_lasts_while_it_is_renewed_and_a_lost_go_on_lapses(patient, monke
         req.client_held = False  # the orchestrator knows; its message to the stages is lost
 
     monkeypatch.setattr(ends, "hold_on_stages", lose_go_on)
-    holds, lapses = "omni_cache_stage_client_holds_total", "omni_cache_stage_client_hold_lapses_total"
-    sent = "omni_cache_stage_tokens_sent"
-    before, lapsed = metric(patient, holds, stage="thinker"), metric(patient, lapses, stage="thinker")
+    lapses = "omni_cache_stage_client_hold_lapses_total"
+    before, lapsed = metric(patient, HOLDS, stage="thinker"), metric(patient, lapses, stage="thinker")
     sock = open_stream_without_reading(patient, HELD_TOKENS)
     try:
-        end = time.monotonic() + 60
-        while metric(patient, holds, stage="thinker") < before + 1:
-            assert time.monotonic() < end, "the paused client's request was never held"
-            time.sleep(0.05)
-        first = metric(patient, sent, stage="thinker")
+        first = wait_until_held(patient, before)
         time.sleep(2.0)  # twice the lease: only renewals keep it held
-        assert metric(patient, sent, stage="thinker") == first, "the hold lapsed while its client took nothing"
+        assert metric(patient, SENT, stage="thinker") == first, "the hold lapsed while its client took nothing"
         received = read_to_the_end(sock)
     finally:
         sock.close()
