@@ -306,14 +306,15 @@ class _Fleet:
     (recorded, not made)."""
 
     def __init__(self, down: set[str] = frozenset()) -> None:
+        from types import SimpleNamespace
+
         self.sent: list[tuple[str, object]] = []
-        names = {(s, i): f"{s}.{i}" for s in ("thinker", "talker") for i in (0, 1)}
-        self.name_of = lambda stage, index: names.get((stage, index))
-        self.supervisor = type(
-            "Supervisor",
-            (),
-            {"stages": {n: type("Up", (), {"name": n, "up": n not in down})() for n in names.values()}},
-        )()
+        self.names = {(s, i): f"{s}.{i}" for s in ("thinker", "talker") for i in (0, 1)}
+        replicas = {n: SimpleNamespace(name=n, up=n not in down) for n in self.names.values()}
+        self.supervisor = SimpleNamespace(stages=replicas)
+
+    def name_of(self, stage: str, index: int) -> str | None:
+        return self.names.get((stage, index))
 
     async def send(self, name: str, msg: object, timeout: float) -> None:
         self.sent.append((name, msg))
