@@ -156,8 +156,7 @@ class StageRunner:
             if (req := self.requests.get(request_id)) is not None and req.held:
                 logger.info("stage %s: request %s's client hold lapsed, it goes on", self.stage.name, request_id)
                 self.hold_lapses += 1
-                req.held = False
-                self.held_changed(req)
+                self.hold(request_id, False)
 
     def held_changed(self, req: Any) -> None:
         """A request's ``held`` changed: a runner whose own scheduling reads it needs nothing more

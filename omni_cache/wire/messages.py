@@ -278,7 +278,7 @@ class Hold(msgspec.Struct, tag="hold", kw_only=True):
     #: How long a stage holds it (held only; 0: until told otherwise). The orchestrator says it
     #: again while its client takes nothing (omni_cache/runtime/request_path/request_ends.py) and
     #: a hold not said again lapses: a lost "go on" keeps a request held at most this long.
-    lease_s: float = 0.0
+    lease_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 #: The version of these messages' shapes, in every StageReady: raised when a message changes so
