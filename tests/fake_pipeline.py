@@ -10,6 +10,7 @@ import logging
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,6 +128,20 @@ def metric(srv: ServerThread, name: str, **labels: str) -> float:
     return sum(
         v for n, got, v in parse_metrics(r.text) if n == name and all(got.get(k) == x for k, x in labels.items())
     )
+
+
+#: The stage counters a client hold shows in (scheduler/client_hold.py; the fake thinker's tokens).
+HOLDS, SENT = "omni_cache_stage_client_holds_total", "omni_cache_stage_tokens_sent"
+
+
+def wait_until_held(srv: ServerThread, before: float) -> float:
+    """Wait until the thinker has counted one more client hold than ``before``; the tokens it had
+    sent by then."""
+    end = time.monotonic() + 60
+    while metric(srv, HOLDS, stage="thinker") < before + 1:
+        assert time.monotonic() < end, "the paused client's request was never held"
+        time.sleep(0.05)
+    return metric(srv, SENT, stage="thinker")
 
 
 def sse_events(lines):

@@ -18,7 +18,17 @@ import uuid
 
 import httpx
 import pytest
-from fake_pipeline import API_KEY, Records, metric, open_stream_without_reading, serve_config, write_config
+from fake_pipeline import (
+    API_KEY,
+    HOLDS,
+    SENT,
+    Records,
+    metric,
+    open_stream_without_reading,
+    serve_config,
+    wait_until_held,
+    write_config,
+)
 
 from omni_cache.runtime.request_path import request_ends
 from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilter
@@ -26,7 +36,6 @@ from omni_cache.serving.http_protocol import UNFINISHED, UnfinishedResponseFilte
 ANSWER_TOKENS = 20000  # 40 s at 2 ms a token: the stall bound (1 s) comes long before its end
 OUTBOX = 1 << 30  # more than the whole answer: only the stall bound can cut it
 HELD_TOKENS = 3000  # 6 s at 2 ms a token; its writes wait within the first second
-HOLDS, SENT = "omni_cache_stage_client_holds_total", "omni_cache_stage_tokens_sent"
 
 
 def stall_server(max_send_stall_s: float, answer_tokens: int):
@@ -122,16 +131,6 @@ def test_a_client_that_stops_reading_holds_its_answer_and_gets_all_of_it_when_it
     )
     # The echo thinker's answer: its templated prompt's first max_tokens bytes, one token each.
     assert b"data: [DONE]" in received and len(text) == HELD_TOKENS and text.endswith("x" * 100)
-
-
-def wait_until_held(srv, before: float) -> float:
-    """Wait until the thinker has counted one more client hold than ``before``; the tokens it had
-    sent by then."""
-    end = time.monotonic() + 60
-    while metric(srv, HOLDS, stage="thinker") < before + 1:
-        assert time.monotonic() < end, "the paused client's request was never held"
-        time.sleep(0.05)
-    return metric(srv, SENT, stage="thinker")
 
 
 def read_to_the_end(sock) -> bytearray:
