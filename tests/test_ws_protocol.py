@@ -67,6 +67,27 @@ def test_a_large_one_frame_text_message_is_handed_over_still_masked(monkeypatch)
     assert [bytes(f.data) for f in frames[3:]] == [b"small", b"b" * 500, b"c" * 300, b"d" * 300]
 
 
+def test_a_large_text_message_goes_past_the_readers_buffer_in_reads_of_any_size(monkeypatch):
+    """A Masked payload is the network reads' own bytes: the reader's buffer holds at most the
+    read a frame starts in (not the payload as it grows), for reads of any size, down to one
+    byte, and frames that begin inside a read are parsed from where the payload ended."""
+    monkeypatch.setattr(ws_protocol, "OFF_LOOP_TEXT_BYTES", 100)
+    rng = random.Random(5)
+    texts = [bytes(rng.randrange(256) for _ in range(n)) for n in (101, 2000, 333, 4999)]
+    data = wire(*(Frame(Opcode.TEXT, t) for t in texts), Frame(Opcode.TEXT, b"small"))
+    for sizes in ([CHUNK], [1], [7, 1, 450, 2, 1999], [len(data)]):
+        server = BoundedServerProtocol(max_size=MESSAGE, max_event_bytes=MESSAGE, state=OPEN)
+        frames, held, i, k = [], 0, 0, 0
+        while i < len(data):
+            n = sizes[k % len(sizes)]
+            server.receive_data(data[i : i + n])
+            held, i, k = max(held, len(server.reader.buffer)), i + n, k + 1
+            frames += [e for e in server.events_received() if isinstance(e, Frame)]
+        assert [f.data.unmask() for f in frames[:4]] == texts, sizes
+        assert bytes(frames[4].data) == b"small" and server.parser_exc is None
+        assert held <= max(sizes) + 14, (sizes, held)  # a read, and a frame header and mask
+
+
 def test_a_message_over_the_event_limit_is_dropped_as_it_arrives_and_the_next_is_read():
     server, frames, held = feed(wire(Frame(Opcode.TEXT, b"x" * (EVENT + 1)), Frame(Opcode.TEXT, b"next")))
     assert held <= CHUNK  # never assembled
