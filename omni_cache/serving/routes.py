@@ -189,6 +189,9 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
     state = request.app.state
     server = orch.config.server
     body = await read_body(request, server.max_body_bytes, reserve=ticket.hold_body, timeout=server.body_timeout_s)
+    # Parsing, templating and tokenizing run on asyncio's default executor. Threads of their own
+    # taking the smallest request first were measured against it (benchmarks/results/hostile.md,
+    # 2026-11-30): a short request's wait behind long ones did not change, so there is one pool.
     chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name, orch.voices)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
