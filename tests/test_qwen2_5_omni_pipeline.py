@@ -7,10 +7,12 @@ The pipeline's text tokens and talker codes (`return_latents`: ``talker.token_id
 reference's for text, a multi-turn chat, an audio clip, an image, a video and a video with its sound
 track, each asked twice: the second time the thinker's prefix cache covers the medium (and the
 talker's own prefix cache hits). The talker receives its inputs through a recording hand-off
-(tests/downstream_probe.py): on the hit, its prompt embeddings and every streamed row are bitwise
-the ones it received when the thinker computed every row (the first, cold, request: the hidden-state
-cache served the hit's rows), and bitwise those of the same pipeline with prefix caching off, which
-also equals the reference. The waveform must match within WAVE_ATOL and WAVE_RMS.
+(tests/downstream_probe.py): on the hit, the prompt embeddings of the positions the thinker's
+prefix cache covered are bitwise the ones it received when the thinker computed every row (the
+first, cold, request: the hidden-state cache served the hit's rows), the rows the hit computed
+within FRESH_ATOL of the cold ones (check_hit_rows_equal_cold_rows says why), and for a text and an
+image prompt all of them bitwise those of the same pipeline with prefix caching off, which also
+equals the reference. The waveform must match within WAVE_ATOL and WAVE_RMS.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ TALKER_STEPS = 40  # the talker's sampling.max_tokens (random weights rarely say
 # the decoder's measured streaming bounds (omni_cache/models/qwen2_5_omni_token2wav.py); a whole
 # window equals the reference to 1e-6 (tests/test_qwen2_5_omni_token2wav.py).
 WAVE_ATOL, WAVE_RMS = STREAM_MAX_ABS, STREAM_RMS
+FRESH_ATOL = 1e-5  # rows a hit computes itself against the cold request's (check_hit_rows_equal_cold_rows)
 
 PROMPTS = {
     "text": [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}],
@@ -173,13 +176,20 @@ def check_against_reference(got, want_text, want_codes, want_wav, model) -> None
     assert float(np.sqrt(np.mean((got.audio - want_wav) ** 2))) <= WAVE_RMS
 
 
-def check_hit_rows_equal_cold_rows(probe_dir: Path, prompt: list[int]) -> None:
-    """The talker's inputs of the hit (second request) bitwise those of the cold one (first)."""
+def check_hit_rows_equal_cold_rows(probe_dir: Path, prompt: list[int], cached: int) -> None:
+    """The talker's inputs of the hit (second request) against the cold one's (first): the rows
+    of the prompt's first ``cached`` positions, which the hidden-state cache served, bitwise; the
+    rows the hit computed itself (the rest of its prompt, its answer's) within FRESH_ATOL. vLLM's
+    CPU attention gives a position a result that depends on how its prompt was split into cached
+    and computed parts on some CPUs (AMD EPYC Zen 3: up to 2e-6 after a video prompt's hit), not
+    on others (Zen 5: bitwise); that is vLLM's prefix caching, not the mirror."""
     recorded = talker_inputs(probe_dir)[tuple(prompt)]
-    assert len(recorded) >= 2
+    assert len(recorded) >= 2 and cached > 0
     cold, hit = recorded[0], recorded[-1]
-    assert torch.equal(hit["prompt_embeds"], cold["prompt_embeds"])
-    assert torch.equal(hit["rows"], cold["rows"])
+    assert torch.equal(hit["prompt_embeds"][:cached], cold["prompt_embeds"][:cached])
+    for key in ("prompt_embeds", "rows"):
+        assert hit[key].shape == cold[key].shape
+        assert float((hit[key] - cold[key]).abs().max()) <= FRESH_ATOL, key
 
 
 @pytest.mark.parametrize("kind", sorted(PROMPTS))
@@ -194,7 +204,7 @@ def test_text_prompts_equal_the_reference_cold_and_on_a_hit(pipeline, reference_
             assert got.cached_tokens.get("thinker", 0) > 0
     after = pipeline.stats()
     assert after["talker"]["prefix_cache_hit_tokens"] > before["talker"]["prefix_cache_hit_tokens"]
-    check_hit_rows_equal_cold_rows(probe_dir, token_ids)
+    check_hit_rows_equal_cold_rows(probe_dir, token_ids, got.cached_tokens["thinker"])
 
 
 @pytest.mark.parametrize("kind", ["audio", "image", "video", "video+audio"])
@@ -214,7 +224,7 @@ def test_media_prompts_equal_the_reference_cold_and_on_a_hit_past_the_medium(
         check_against_reference(got, *want, reference_model)
         if attempt:
             assert got.cached_tokens.get("thinker", 0) > media_end
-    check_hit_rows_equal_cold_rows(probe_dir, expanded)
+    check_hit_rows_equal_cold_rows(probe_dir, expanded, got.cached_tokens["thinker"])
 
 
 def test_a_speaker_changes_the_speech_and_the_reference_agrees(pipeline, reference_model):

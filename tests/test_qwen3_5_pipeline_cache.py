@@ -20,11 +20,15 @@ branches inside prompts and past images), in batches of 4 sent to both pipelines
 - every row the talker received is bitwise what the thinker sent, and on a hit the served rows
   are bitwise the rows an earlier request sent downstream for that prefix.
 
-Bitwise against cache off, measured first (2-core AMD EPYC, vLLM 0.32's CPU path): every row the
+Against cache off, measured first (2-core AMD EPYC Zen 5, vLLM 0.32's CPU path): every row the
 talker received with the cache on, served rows and the rows computed after a resumed recurrent
-state alike, is bitwise the cache-off pipeline's row for the same request (100 of 100 requests,
-hits and misses), so that is what is asserted. This holds for rows a prefill computed, which are
-all the rows here (no prompt holds an earlier answer). Rows an earlier turn's decode steps computed
+state alike, was bitwise the cache-off pipeline's row for the same request (100 of 100 requests,
+hits and misses). On a Zen 3 one row of one request was not (row 258 of a hit that served 128: a
+row the hit computed itself; vLLM's CPU kernels there give a position a result that depends on
+how its prompt was split), so what is asserted is every row within HYBRID_ROW_RTOL of cache off,
+and the served rows bitwise an earlier request's (test_served_rows_are_an_earlier_requests). This
+is about rows a prefill computed, which are all the rows here (no prompt holds an earlier
+answer). Rows an earlier turn's decode steps computed
 (multi-turn) are served bitwise as that turn sent them, but a cache-off prefill of the same tokens
 differs from them in bfloat16 within HYBRID_ROW_RTOL (tests/test_qwen3_5_block_states.py,
 test_multi_turn).
@@ -44,6 +48,7 @@ import torch
 import yaml
 from downstream_probe import PROBE_DIR_ENV, received
 from media_samples import png_data_url
+from thinker_pair import HYBRID_ROW_RTOL
 
 from omni_cache.config import load_config
 from omni_cache.pipeline import Pipeline
@@ -326,16 +331,18 @@ def test_block_state_hits_happened_through_images_and_the_pool_evicted(requests,
     assert evicted, "no request hit less than an earlier one made possible: the pool never evicted"
 
 
-def test_the_talker_received_what_the_thinker_sent_bitwise_cache_off(requests):
+def test_the_talker_received_what_the_thinker_sent_and_cache_off_agrees(requests):
     for i, r in enumerate(requests):
         rows = r.num_rows
         for name in NAMES:
             got = r.received_on[name]
             assert got.shape == (rows, HIDDEN), (i, name, got.shape)
             assert got.equal(r.on.latents[name]), f"request {i}/{name}: received != what the thinker sent"
-            assert got.equal(r.received_off[name]), (
-                f"request {i}/{name} (hit {r.hit}): rows {differing(got, r.received_off[name])} "
-                "differ from the cache-off pipeline's"
+            off = r.received_off[name]
+            rel = (got.float() - off.float()).norm(dim=1) / off.float().norm(dim=1).clamp_min(1e-6)
+            assert float(rel.max()) <= HYBRID_ROW_RTOL, (
+                f"request {i}/{name} (hit {r.hit}): rows {differing(got, off)} differ from the cache-off "
+                f"pipeline's by up to {float(rel.max()):.2e}"
             )
 
 
