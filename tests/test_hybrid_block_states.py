@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 from thinker_harness import NAMES, close, comparable_rows, make_stage, run
-from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
+from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise, row_errors
 
 from omni_cache.tiny.checkpoints import ensure_checkpoint
 
@@ -46,7 +46,7 @@ class Hybrid:
         rows = comparable_rows(on, off, rid, HYBRID_TIE_MARGIN)
         for name in NAMES:
             a, b = on.latents[name][check_from:rows].float(), off.latents[name][check_from:rows].float()
-            rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
+            rel = row_errors(a, b)
             assert float(rel.max()) <= HYBRID_ROW_RTOL, (
                 f"{rid}/{name}: row {check_from + int(rel.argmax())} differs from the cache-off "
                 f"engine by {float(rel.max()):.2e}"
@@ -230,9 +230,7 @@ def test_chunks_ending_mid_block_keep_the_right_states(hybrid):
             assert on.num_cached_tokens == depth, f"hit {on.num_cached_tokens}, best {depth}"
             assert_bitwise(on.latents, first.latents, depth, f"branch at {depth} vs first")
             rows = comparable_rows(on, off, f"at{depth}", HYBRID_TIE_MARGIN)
-            rel = (on.latents["hidden"][:rows].float() - off.latents["hidden"][:rows].float()).norm(
-                dim=1
-            ) / off.latents["hidden"][:rows].float().norm(dim=1)
+            rel = row_errors(on.latents["hidden"][:rows], off.latents["hidden"][:rows])
             assert float(rel.max()) <= HYBRID_ROW_RTOL, f"branch at {depth}: row error {float(rel.max()):.2e}"
     finally:
         close(stage)
@@ -263,8 +261,7 @@ def test_finer_hits_with_prefix_match_unit(hybrid):
                 gained += on.num_cached_tokens - block_best
                 assert_bitwise(on.latents, previous.latents, on.num_cached_tokens, f"turn {turn}")
             rows = comparable_rows(on, off, f"t{turn}", HYBRID_TIE_MARGIN)
-            a, b = (r.latents["hidden"][on.num_cached_tokens : rows].float() for r in (on, off))
-            rel = (a - b).norm(dim=1) / b.norm(dim=1)
+            rel = row_errors(*(r.latents["hidden"][on.num_cached_tokens : rows] for r in (on, off)))
             assert float(rel.max()) <= HYBRID_ROW_RTOL, f"turn {turn}: row error {float(rel.max()):.2e}"
             previous, previous_prompt = on, prompt
         assert gained > 0, "prefix_match_unit gave no hit beyond the block boundaries"
@@ -289,7 +286,9 @@ def test_async_scheduling_keeps_block_states(hybrid):
             assert_bitwise(got[rid].latents, first[source].latents, 2 * B, f"{rid} vs {source}")
             off = run(hybrid.off, {rid: branches[rid]}, 4)[rid]
             rows = comparable_rows(got[rid], off, rid, HYBRID_TIE_MARGIN)
-            a, b = got[rid].latents["hidden"][:rows].float(), off.latents["hidden"][:rows].float()
-            assert float(((a - b).norm(dim=1) / b.norm(dim=1)).max()) <= HYBRID_ROW_RTOL
+            assert (
+                float(row_errors(got[rid].latents["hidden"][:rows], off.latents["hidden"][:rows]).max())
+                <= HYBRID_ROW_RTOL
+            )
     finally:
         close(stage)

@@ -34,6 +34,7 @@ import torch
 from media_samples import clip_b64, png_data_url
 from PIL import Image
 from thinker_harness import Result, close, comparable_rows, run
+from thinker_pair import row_errors
 
 from omni_cache.serving.media import MediaDecoder
 from omni_cache.tiny.checkpoints import ensure_checkpoint
@@ -177,8 +178,7 @@ def test_media_prefix_hits_and_serves_the_right_rows(kind, engines, embeddings, 
     for what, x_on, x_off in (("first", a_on, a_off), ("second", b_on, b_off)):
         n = comparable_rows(x_on, x_off, f"{kind}/{what}", TIE_MARGIN)
         for name in x_on.latents:
-            a, b = x_on.latents[name][:n].float(), x_off.latents[name][:n].float()
-            rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
+            rel = row_errors(x_on.latents[name][:n], x_off.latents[name][:n])
             assert float(rel.max()) <= ROW_RTOL, (
                 f"{kind}/{what}/{name}: row {int(rel.argmax())} off the cache-off engine by {float(rel.max()):.2e}"
             )

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from thinker_harness import NAMES, TAP, Result, close, comparable_rows, run
-from thinker_pair import HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise
+from thinker_pair import HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise, row_errors
 
 from omni_cache.runtime.routing.block_hashes import prompt_block_hashes
 from omni_cache.runtime.routing.prefix_index import PrefixIndex
@@ -133,8 +133,7 @@ def common_rows(a: Result, b: Result) -> int:
 def close_to_off(on: Result, off: Result, what: str, check_from: int = 0) -> None:
     rows = comparable_rows(on, off, what, HYBRID_TIE_MARGIN)
     for name in NAMES:
-        a, b = on.latents[name][check_from:rows].float(), off.latents[name][check_from:rows].float()
-        rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
+        rel = row_errors(on.latents[name][check_from:rows], off.latents[name][check_from:rows])
         assert float(rel.max()) <= HYBRID_ROW_RTOL, (
             f"{what}/{name}: row {check_from + int(rel.argmax())} differs from the cache-off engine "
             f"by {float(rel.max()):.2e}"

@@ -48,7 +48,7 @@ import torch
 import yaml
 from downstream_probe import PROBE_DIR_ENV, received
 from media_samples import png_data_url
-from thinker_pair import HYBRID_ROW_RTOL
+from thinker_pair import HYBRID_ROW_RTOL, row_errors
 
 from omni_cache.config import load_config
 from omni_cache.pipeline import Pipeline
@@ -339,7 +339,7 @@ def test_the_talker_received_what_the_thinker_sent_and_cache_off_agrees(requests
             assert got.shape == (rows, HIDDEN), (i, name, got.shape)
             assert got.equal(r.on.latents[name]), f"request {i}/{name}: received != what the thinker sent"
             off = r.received_off[name]
-            rel = (got.float() - off.float()).norm(dim=1) / off.float().norm(dim=1).clamp_min(1e-6)
+            rel = row_errors(got, off)
             assert float(rel.max()) <= HYBRID_ROW_RTOL, (
                 f"request {i}/{name} (hit {r.hit}): rows {differing(got, off)} differ from the cache-off "
                 f"pipeline's by up to {float(rel.max()):.2e}"

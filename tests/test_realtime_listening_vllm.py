@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from thinker_harness import close, comparable_rows, run
+from thinker_pair import row_errors
 
 from benchmarks.chunked_audio_exactness import chunk_bounds, speech_audio
 from omni_cache.tiny.checkpoints import ensure_checkpoint
@@ -127,8 +128,7 @@ def test_a_listened_turn_hits_and_answers_as_the_whole_turn(engines):
     assert t_on.token_ids == t_off.token_ids
     n = comparable_rows(t_on, t_off, "listened turn", TIE_MARGIN)
     for name in t_on.latents:
-        a, b = t_on.latents[name][:n].float(), t_off.latents[name][:n].float()
-        rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
+        rel = row_errors(t_on.latents[name][:n], t_off.latents[name][:n])
         assert float(rel.max()) <= ROW_RTOL, f"{name}: row {int(rel.argmax())} off by {float(rel.max()):.2e}"
     # The served rows are bitwise the cache-off engine's too (float32; held on this project's
     # 2-core x86 hosts, where the listening prefix and the whole prompt run the same kernels).

@@ -22,7 +22,7 @@ def assert_close(on: Result, off: Result, what: str, tol: float, tie: float) -> 
     for name in NAMES:
         a, b = on.latents[name][:rows].float(), off.latents[name][:rows].float()
         assert a.shape == b.shape, f"{what}/{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-        rel = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
+        rel = row_errors(a, b)
         bad = rel > tol
         assert not bad.any(), (
             f"{what}/{name}: {int(bad.sum())} rows differ from the cache-off recompute beyond "
@@ -31,6 +31,13 @@ def assert_close(on: Result, off: Result, what: str, tol: float, tie: float) -> 
         )
         worst = max(worst, float(rel.max()))
     return worst
+
+
+def row_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each row's relative error against the reference ``b``: ``|a - b| / |b|`` over the row, in
+    float32 (a zero reference row counts as norm 1e-6)."""
+    a, b = a.float(), b.float()
+    return (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-6)
 
 
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rows: int, what: str) -> None:
