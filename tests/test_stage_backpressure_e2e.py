@@ -1,7 +1,7 @@
 """A downstream stage that stops reading does not stop its upstream, on the real Qwen3-Omni
 pipeline (tiny checkpoint, real vLLM engines, ZMQ, HTTP).
 
-The decoder is SIGSTOPped under spoken answers, with a heartbeat timeout long enough (60 s) that
+The decoder is SIGSTOPped under spoken answers, with a heartbeat timeout long enough (120 s) that
 it is not replaced during the test: the talker's queue to it fills (zmq's high-water mark). A send
 to a full queue waits at most a quarter of the heartbeat timeout (workers/outbox.py), then the
 request it carried fails with a 503 naming the stage that stopped reading, and every later send to
@@ -22,10 +22,16 @@ import pytest
 from spoken_streams import WAIT_S, Stream, answers_again, qwen3_omni_server, spoken, wait_until_no_stage_holds_anything
 from sse_client import read_events
 
+from workers.outbox import send_timeout_s
+
 pytestmark = pytest.mark.vllm
 
 NAME = "q3press"
-HEARTBEAT_TIMEOUT_S = 60.0  # the stopped decoder is not replaced while the test runs
+# The stopped decoder is not replaced while the test runs. With 60 s (a send then gave up after 15
+# s) the talker of a 2-vCPU AMD EPYC Zen 3 (family 25 model 1), where vLLM's CPU steps are 3-4x
+# slower than on a Zen 5, had not filled its queue to the decoder 45 s after the stop.
+HEARTBEAT_TIMEOUT_S = 120.0
+SEND_TIMEOUT_S = send_timeout_s(HEARTBEAT_TIMEOUT_S)  # how long the talker's send waits for room
 CONCURRENT = 8  # spoken answers in flight when the decoder stops
 LONG_ANSWER = 1024  # thinker tokens: the talker speaks them, one code step each
 MAX_STREAMS = 64  # spoken answers sent at most while the talker's queue fills
@@ -62,7 +68,8 @@ def test_a_downstream_stage_that_stops_reading_does_not_stop_its_upstream(server
         # the talker: the same, one stage up).
         errors = [s.error["message"] for s in streams if stopped_reading(s)]
         assert any(
-            e.startswith("stage 'talker': SendTimeout: stage 'decoder' took no message for 15 s") for e in errors
+            e.startswith(f"stage 'talker': SendTimeout: stage 'decoder' took no message for {SEND_TIMEOUT_S:g} s")
+            for e in errors
         ), errors
         # The decoder stays stopped. Text-only requests (thinker only) are answered ...
         for n in range(2):
