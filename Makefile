@@ -24,7 +24,14 @@ $(STAMP): pyproject.toml
 	print('omni_cache env ready: vllm', vllm.__version__, 'torchvision', torchvision.__version__)"
 	@touch $(STAMP)
 
+# Bytecode for this project's own packages (pip compiles the installed ones, not an editable
+# install's): where PYTHONDONTWRITEBYTECODE is set, as on these machines, every stage process
+# otherwise compiles ~29,000 lines again (2.5 s of a 15 s start on a 2-vCPU AMD EPYC Zen 3).
+# Python checks each file's timestamp, so an edited file is compiled afresh.
+BYTECODE := $(PY) -m compileall -q omni_cache workers scheduler benchmarks
+
 serve: setup
+	@$(BYTECODE)
 	.venv/bin/omni-serve --stage-config $(CONFIG)
 
 # Lint and format check first (rules in pyproject.toml's [tool.ruff]): a finding, or a file
@@ -35,4 +42,5 @@ serve: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	@$(BYTECODE)
 	$(PY) -m pytest -ra --durations=10 -n 2 --dist loadfile $(PYTEST_ARGS)

@@ -332,7 +332,9 @@ def test_quickstart_setup_is_what_the_makefile_does():
     removed = re.search(r"pip uninstall -y -q ([\w ]+?) 2>", makefile).group(1).split()
     assert removed and all(f"`{name}`" in QUICKSTART for name in removed), removed
     config = re.search(r"^CONFIG \?= (\S+)$", makefile, re.M).group(1)
-    assert re.search(r"^serve: setup\n\t\.venv/bin/omni-serve --stage-config \$\(CONFIG\)$", makefile, re.M)
+    assert re.search(r"^serve: setup\n(?:\t.*\n)*?\t\.venv/bin/omni-serve --stage-config \$\(CONFIG\)$", makefile, re.M)
+    bytecode = re.search(r"^BYTECODE := \$\(PY\) -m (compileall) ", makefile, re.M)
+    assert bytecode and f"`python -m {bytecode.group(1)}`" in QUICKSTART
     assert f"`.venv/bin/omni-serve --stage-config {config}`" in QUICKSTART
     # mkdocs comes from the extras make setup installs
     declared = _pyproject_extras()
