@@ -18,8 +18,8 @@ import random
 
 import pytest
 import torch
-from thinker_harness import NAMES, close, comparable_rows, make_stage, run
-from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise, row_errors
+from thinker_harness import close, comparable_rows, make_stage, run
+from thinker_pair import HYBRID, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, assert_bitwise, assert_close, row_errors
 
 from omni_cache.tiny.checkpoints import ensure_checkpoint
 
@@ -43,14 +43,7 @@ class Hybrid:
         the cache-off engine."""
         on = run(self.on, {rid: prompt}, max_tokens)[rid]
         off = run(self.off, {rid: prompt}, max_tokens)[rid]
-        rows = comparable_rows(on, off, rid, HYBRID_TIE_MARGIN)
-        for name in NAMES:
-            a, b = on.latents[name][check_from:rows].float(), off.latents[name][check_from:rows].float()
-            rel = row_errors(a, b)
-            assert float(rel.max()) <= HYBRID_ROW_RTOL, (
-                f"{rid}/{name}: row {check_from + int(rel.argmax())} differs from the cache-off "
-                f"engine by {float(rel.max()):.2e}"
-            )
+        assert_close(on, off, rid, HYBRID_ROW_RTOL, HYBRID_TIE_MARGIN, check_from)
         return on
 
 
