@@ -196,14 +196,15 @@ class ServerProcess:
                 self._ready.set()
 
     def stage_pids(self) -> dict[str, int | None]:
-        """Stage name -> pid, from the server's child processes (``python -m workers --stage X``)."""
+        """Stage name -> pid, from the server's descendants (``python -m workers --stage X``; a
+        forked stage is its forker's child, titled so)."""
         import psutil
 
         out: dict[str, int | None] = {}
         with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(self.pid).children():
+            for child in psutil.Process(self.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    argv = child.cmdline()
+                    argv = " ".join(child.cmdline()).split()  # a forked stage's title is one string
                     if "--stage" in argv:
                         out[argv[argv.index("--stage") + 1]] = child.pid
         return dict(sorted(out.items()))

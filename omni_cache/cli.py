@@ -307,8 +307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("config OK", flush=True)
         return EXIT_OK
 
+    from omni_cache.runtime.supervision.stage_forker import prestart
+
+    forkers = prestart(config)  # they import vLLM while the server module below does
     server = importlib.import_module(SERVER_MODULE)
-    result = server.serve(config, args)
+    result = server.serve(config, args, forkers)
     return int(result) if isinstance(result, int) else EXIT_OK
 
 

@@ -270,8 +270,9 @@ def test_every_stage_starts_with_one_serialized_config_not_the_file(config, tmp_
         runners = placement.runners("ipc:///tmp/x/orchestrator.sock")
         # The file the server was started from changes; the stages' config does not.
         (tmp_path / "pipeline.yaml").write_text("name: edited\n")
-        (stage, _, argv, env), (_, _, external, _) = runners
+        (stage, _, runner, env), (_, _, external, _) = runners
         assert stage.name == "thinker" and external is None  # the decoder is started by hand
+        argv = runner.argv  # forked (server.stage_launch: fork) as this command would run
         path = Path(argv[argv.index("--stage-config") + 1])
         assert str(path.parent) == placement.run_dir  # beside the server's own sockets
         assert path.read_text() == placement.config_text

@@ -42,6 +42,7 @@ def server(tmp_path_factory):
     yield srv
     # A stage between a death and its restart has no pid: nothing of it to wait for.
     pids = [p for p in orch.stage_pids().values() if p is not None]
+    pids += list({psutil.Process(p).ppid() for p in pids})  # and their forker
     srv.stop()
     # After shutdown no process of the pipeline is left.
     deadline = time.monotonic() + 30
@@ -231,6 +232,44 @@ def test_killed_stage_fails_in_flight_request_and_recovers(client, server):
         max_tokens=6,
         modalities=["text", "audio"],
         audio={"voice": "default", "format": "wav"},
+    )
+    assert r.choices[0].message.audio.data
+
+
+def _forker_of(pids) -> psutil.Process:
+    """The one process every stage in ``pids`` was forked from (server.stage_launch: fork)."""
+    parents = {psutil.Process(pid).ppid() for pid in pids}
+    assert len(parents) == 1, f"stages forked from several processes: {parents}"
+    return psutil.Process(parents.pop())
+
+
+def test_stages_are_forked_and_come_back_when_their_forker_dies(client, server):
+    """The stages are forked from one forker (it imported vLLM once), each in its own process
+    group and titled as the command it stands for. kill -9 of the forker takes its stages with
+    it (the kernel's parent-death signal); the supervisor restarts them through a new forker and
+    the pipeline answers again."""
+    orch = server.orchestrator
+    pids = orch.stage_pids()
+    forker = _forker_of(pids.values())
+    assert forker.ppid() == os.getpid() and "workers.forker" in forker.cmdline(), forker.cmdline()
+    for name, pid in pids.items():
+        argv = " ".join(psutil.Process(pid).cmdline()).split()  # a title is one string
+        assert argv[argv.index("--stage") + 1] == name, argv
+        assert os.getpgid(pid) == pid  # its own group: a signal to it reaches its helpers too
+    forker.kill()
+    deadline = time.monotonic() + 60
+    while any(map(_running, pids.values())):
+        assert time.monotonic() < deadline, "stages outlived their forker"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 300
+    while httpx.get(server.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "the stages did not come back"
+        time.sleep(0.1)
+    after = orch.stage_pids()
+    assert not set(after.values()) & set(pids.values())
+    assert _forker_of(after.values()).pid != forker.pid
+    r = client.chat.completions.create(
+        model="e2e", messages=[{"role": "user", "content": "after"}], max_tokens=4, modalities=["text", "audio"]
     )
     assert r.choices[0].message.audio.data
 

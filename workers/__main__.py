@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(stage.env)
     if args.orchestrator is None:
         args.orchestrator = config.server.control_address
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
 
     from workers.stage_process import serve_stage
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
+def die_with_parent(parent_pid: int | None) -> None:
     """Ask Linux to SIGTERM us when the parent exits, so a crashed server leaves no orphans."""
     if not parent_pid or not sys.platform.startswith("linux"):
         return

@@ -197,3 +197,9 @@ class ServerConfig(ConfigStruct, kw_only=True):
     #: by the stage's ``ray`` resources, at its node's IP and a port its actor picks. None (the
     #: default): stages are spawned on this machine. ``omni-serve --ray-address`` overrides it.
     ray_address: str | None = None
+    #: How the stages spawned on this machine start: "fork" (from a process that imported vLLM
+    #: once and forks each stage process: omni_cache/runtime/supervision/stage_forker.py; a
+    #: 2-core host saves 15-20 s of CPU per stage process, restarts included) or "spawn" (each a
+    #: fresh ``python -m workers``). Stages started by hand or placed by Ray are not affected,
+    #: nor a custom stage command.
+    stage_launch: Literal["fork", "spawn"] = "fork"

@@ -96,16 +96,15 @@ DEADLINE_CHECK_INTERVAL_S = 0.1
 class Orchestrator:
     """Runs a pipeline's stage processes and routes requests through them (one asyncio loop).
 
-    ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the copy,
-    and the addresses it leaves unset are sockets in a directory of this server's
-    (:mod:`omni_cache.config.addresses`); every stage process is started with that copy
-    (:mod:`omni_cache.runtime.supervision.placement`). ``tokenizer``: anything with
-    ``apply_chat_template`` (default: the entry stage's). ``stage_argv``: the command of a stage
-    process before its arguments (default ``[python, -m, workers]``). ``external_stages``: stages
-    started by hand elsewhere, added to those the config marks ``external`` (not spawned; watched
-    through their announcements and connections). ``control_addr``: the inbox's address (default:
-    ``server.control_address``, else a socket in this server's directory).
-    """
+    ``config`` is copied, never changed: ``checkpoint_dir`` / ``prefix_cache=False`` apply to the copy, and the
+    addresses it leaves unset are sockets in a directory of this server's (:mod:`omni_cache.config.addresses`);
+    every stage process is started with that copy (:mod:`omni_cache.runtime.supervision.placement`).
+    ``tokenizer``: anything with ``apply_chat_template`` (default: the entry stage's). ``stage_argv``: the
+    command of a stage process before its arguments (default ``[python, -m, workers]``). ``external_stages``:
+    stages started by hand elsewhere, added to those the config marks ``external`` (not spawned; watched through
+    their announcements and connections). ``control_addr``: the inbox's address (default:
+    ``server.control_address``, else a socket in this server's directory). ``stage_forkers``: those omni-serve
+    started as it loaded (:mod:`~omni_cache.runtime.supervision.stage_forker`; closed here)."""
 
     def __init__(
         self,
@@ -121,9 +120,9 @@ class Orchestrator:
         control_addr: str | None = None,
         shutdown_grace_s: float = SHUTDOWN_GRACE_S,
         manage_heap: bool = False,
+        stage_forkers: Any = None,
     ) -> None:
-        # Stages started by hand need the addresses the config spells out: checked before the
-        # server chooses the others (sockets in a directory of its own).
+        # Stages started by hand need the addresses the config spells out: checked before the server picks the rest.
         external = external_stages_of(config, external_stages)
         run_dir = new_run_dir(config)
         self.config = config = with_default_addresses(
@@ -141,6 +140,7 @@ class Orchestrator:
             echo_stage_logs=echo_stage_logs,
             start_timeout_s=(DEFAULT_START_TIMEOUT_S if start_timeout_s is None else float(start_timeout_s)),
             shutdown_grace_s=shutdown_grace_s,
+            forkers=stage_forkers,
         )
         #: The stage processes (read only: the fleet's).
         self.supervisor = self.fleet.supervisor

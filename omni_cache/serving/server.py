@@ -183,8 +183,9 @@ def _bound_port(server: Any, default: int) -> int:
     return default
 
 
-def serve(config: Any, args: Any) -> int:
+def serve(config: Any, args: Any, stage_forkers: Any = None) -> int:
     """Run ``omni-serve`` until SIGINT/SIGTERM: start the stages, serve HTTP, stop everything.
+    ``stage_forkers``: the stage forkers started for ``config`` (the orchestrator closes them).
 
     Returns 0 after a clean shutdown, 1 when the pipeline did not start.
     """
@@ -197,8 +198,11 @@ def serve(config: Any, args: Any) -> int:
             manage_heap=True,  # omni-serve's process is the server's own
             checkpoint_dir=getattr(args, "checkpoint_dir", None),
             prefix_cache=not getattr(args, "no_prefix_cache", False),
+            stage_forkers=stage_forkers,
         )
     except RunDirError as e:
+        if stage_forkers is not None:
+            stage_forkers.close()
         print(f"omni-serve: {e}", file=sys.stderr, flush=True)
         return 1
     host, port = config.server.host, config.server.port

@@ -27,7 +27,8 @@ from omni_cache.config.errors import IssueCollector
 from omni_cache.config.overrides import config_text
 from omni_cache.config.replicas import Replica, replica_name, stage_replicas
 from omni_cache.config.stage_addresses import check_hand_started
-from omni_cache.runtime.supervision.process_runner import ProcessRunner, default_stage_argv
+from omni_cache.runtime.supervision.process_runner import ProcessRunner, default_stage_argv, spawned_stage_env
+from omni_cache.runtime.supervision.stage_forker import ForkedRunner, StageForkers
 from omni_cache.wire.stage_auth import new_secret
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,18 @@ class StagePlacement:
     """``config``: the effective config (this object fills in Ray-placed replicas' addresses);
     ``run_dir``: this server's directory (its default sockets, the stages' config file);
     ``stage_argv``: the command of a stage process before its arguments; ``external``: the stages
-    started by hand."""
+    started by hand; ``forkers``: stage forkers already started for this config
+    (:func:`~omni_cache.runtime.supervision.stage_forker.prestart`; this object closes them), None:
+    its own, started when a stage first needs one."""
 
     def __init__(
-        self, config: PipelineConfig, *, run_dir: str, stage_argv: Sequence[str] | None, external: set[str]
+        self,
+        config: PipelineConfig,
+        *,
+        run_dir: str,
+        stage_argv: Sequence[str] | None,
+        external: set[str],
+        forkers: StageForkers | None = None,
     ) -> None:
         self._config = config
         self.run_dir = run_dir
@@ -76,6 +85,14 @@ class StagePlacement:
         makes_key = self.uses_ray and not external and server.stage_auth_key_file is None
         self.run_secret = new_secret() if makes_key and not server.allow_unauthenticated_stages else None
         self._ray_connected = False  # we joined the cluster (close() leaves it)
+        #: Where spawned stages are forked from (``server.stage_launch: fork``, the default command).
+        self._forkers = forkers if forkers is not None else StageForkers()
+
+    @property
+    def _forks(self) -> bool:
+        """Whether stages spawned here are forked from a forker: only the default command (a
+        custom ``stage_argv`` is run as given)."""
+        return self._config.server.stage_launch == "fork" and self._stage_argv == default_stage_argv()
 
     @property
     def uses_ray(self) -> bool:
@@ -123,7 +140,10 @@ class StagePlacement:
                     runner, env = self._ray_runner(replica, args), dict(stage.env)
                 else:
                     runner = [*self._stage_argv, "--stage-config", config_path, *args, "--parent-pid", str(os.getpid())]
-                    env = {**os.environ, **stage.env, "PYTHONUNBUFFERED": "1"}
+                    env = spawned_stage_env(stage.env, self._forkers.base_env if self._forks else None)
+                    if self._forks:
+                        forked_args = runner[len(self._stage_argv) :]
+                        runner = ForkedRunner(self._forkers, runner, forked_args, env, replica.name)
                 out.append((stage, replica, runner, env))
         return out
 
@@ -169,7 +189,9 @@ class StagePlacement:
     # ---- closing ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the Ray cluster (its actors end) and remove the run directory (blocking)."""
+        """Leave the Ray cluster (its actors end), end the stage forkers and remove the run
+        directory (blocking)."""
+        self._forkers.close()
         if self._ray is not None:
             from omni_cache.runtime.supervision import ray_placement
 

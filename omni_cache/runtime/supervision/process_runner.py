@@ -15,8 +15,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
+
+
+def spawned_stage_env(stage_env: dict[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a stage process started on this machine: ``base`` (default: this
+    process's), the stage's ``env:`` over it, output unbuffered (it is read line by line)."""
+    return {**(os.environ if base is None else base), **stage_env, "PYTHONUNBUFFERED": "1"}
 
 
 def default_stage_argv() -> list[str]:

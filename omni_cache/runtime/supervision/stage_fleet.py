@@ -24,6 +24,7 @@ from omni_cache.config.addresses import control_address
 from omni_cache.config.identity import pipeline_hash
 from omni_cache.config.replicas import Replica
 from omni_cache.runtime.supervision.placement import StagePlacement
+from omni_cache.runtime.supervision.stage_forker import StageForkers
 from omni_cache.runtime.supervision.stage_links import StageLinks
 from omni_cache.runtime.supervision.supervisor import StageEvents, StageSupervisor
 from omni_cache.wire.ipc_claims import IpcClaims
@@ -50,6 +51,7 @@ class StageFleet:
         echo_stage_logs: bool,
         start_timeout_s: float,
         shutdown_grace_s: float,
+        forkers: StageForkers | None = None,
     ) -> None:
         self._config = config
         self._events = events
@@ -57,7 +59,9 @@ class StageFleet:
         self._start_timeout_s = start_timeout_s
         self._grace = shutdown_grace_s
         self.control_address = control_addr or control_address(config) or ""  # "": Ray's node IP
-        self.placement = StagePlacement(config, run_dir=run_dir, stage_argv=stage_argv, external=external)
+        self.placement = StagePlacement(
+            config, run_dir=run_dir, stage_argv=stage_argv, external=external, forkers=forkers
+        )
         self.supervisor = StageSupervisor(
             self,
             heartbeat_timeout_s=config.server.heartbeat_timeout_s,
