@@ -230,7 +230,7 @@ class Forker:
             code = main(args)
             exit_without_teardown(code)
         except SystemExit as e:  # argparse's errors and --help
-            code = e.code if isinstance(e.code, int) else 1
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         except BaseException:  # noqa: BLE001 -- reported on the stage's output, as a fresh process would
             traceback.print_exc()
         finally:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -91,8 +92,9 @@ class StagePlacement:
     @property
     def _forks(self) -> bool:
         """Whether stages spawned here are forked from a forker: only the default command (a
-        custom ``stage_argv`` is run as given)."""
-        return self._config.server.stage_launch == "fork" and self._stage_argv == default_stage_argv()
+        custom ``stage_argv`` is run as given), only on Linux (the forker's parent-death signal)."""
+        default = self._stage_argv == default_stage_argv()
+        return self._config.server.stage_launch == "fork" and default and sys.platform.startswith("linux")
 
     @property
     def uses_ray(self) -> bool:

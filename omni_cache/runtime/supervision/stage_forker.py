@@ -197,6 +197,8 @@ def prestart(config: PipelineConfig) -> StageForkers | None:
     local = [s for s in config.stages if not s.external]
     if server.stage_launch != "fork" or server.ray_address is not None or not local:
         return None
+    if not sys.platform.startswith("linux"):
+        return None
     forkers = StageForkers()
     for stage in local:
         forkers.forker_for(spawned_stage_env(stage.env, forkers.base_env))
