@@ -310,8 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omni_cache.runtime.supervision.stage_forker import prestart
 
     forkers = prestart(config)  # they import vLLM while the server module below does
-    server = importlib.import_module(SERVER_MODULE)
-    result = server.serve(config, args, forkers)
+    try:
+        server = importlib.import_module(SERVER_MODULE)
+        result = server.serve(config, args, forkers)
+    finally:
+        if forkers is not None:
+            forkers.close()
     return int(result) if isinstance(result, int) else EXIT_OK
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shared_forkers import shared_forkers
+
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
 
@@ -25,7 +27,7 @@ stages:
     final_output: text
     engine_args: {{max_model_len: 4096}}
 """)
-    o = Orchestrator(load_config(path), tokenizer=object(), echo_stage_logs=False)
+    o = Orchestrator(load_config(path), tokenizer=object(), echo_stage_logs=False, stage_forkers=shared_forkers())
     o.supervisor.up_replicas = lambda stage: [0, 1]  # type: ignore[method-assign]
     for i in (0, 1):
         o.routes.prefix_index.apply(i, stored=[], removed=[], block_size=block_size)

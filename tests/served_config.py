@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
@@ -30,7 +31,7 @@ def served(
 ) -> Iterator[ServerThread]:
     path = directory / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(without_warmup(data)))
-    orch = Orchestrator(load_config(path), echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False, stage_forkers=shared_forkers())
     srv = ServerThread(orch, api_key=api_key).start()
     try:
         srv.wait_ready(ready_timeout_s)

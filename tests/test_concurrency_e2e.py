@@ -25,6 +25,7 @@ import torch
 import yaml
 import zmq
 from served_config import without_warmup
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.runtime.metrics.prometheus import parse_metrics
@@ -59,7 +60,7 @@ def server(tmp_path_factory):
             stage["sampling"]["max_tokens"] = TALKER_MAX_CODES
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
-    orch = Orchestrator(load_config(path), echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False, stage_forkers=shared_forkers())
     srv = ServerThread(orch, api_key="test-key").start()
     srv.wait_ready(600)
     yield srv

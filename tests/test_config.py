@@ -727,8 +727,8 @@ def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     seen = {}
     fake = types.ModuleType("omni_cache_test_fake_server")
 
-    def serve(config, args):
-        seen["config"], seen["args"] = config, args
+    def serve(config, args, stage_forkers):
+        seen["config"], seen["args"], seen["forkers"] = config, args, stage_forkers.started
         return 0
 
     fake.serve = serve
@@ -737,6 +737,9 @@ def test_cli_calls_server(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     assert cli.main(["--stage-config", str(TINY), "--log-level", "WARNING"]) == 0
     assert seen["config"].name == "tiny_omni"
     assert seen["args"].stage_config == str(TINY) and seen["args"].log_level == "warning"
+    # The stages' forker was started before the server module loaded, and ended after it returned.
+    [forker] = seen["forkers"]  # the three stages' environments differ only in VLLM_CPU_KVCACHE_SPACE
+    assert forker.proc.poll() is not None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from media_samples import clip_b64, png_data_url
 from served_config import write_pipeline_config
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.runtime.orchestrator import Orchestrator
@@ -30,7 +31,7 @@ CONTEXT = "Please look at this carefully; every question about it repeats this s
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_pipeline_config(tmp_path_factory.mktemp("cfg"), "mm", "qwen3_omni_thinker.yaml")
-    orch = Orchestrator(load_config(path), echo_stage_logs=False)
+    orch = Orchestrator(load_config(path), echo_stage_logs=False, stage_forkers=shared_forkers())
     srv = ServerThread(orch).start()
     srv.wait_ready(600)
     yield srv

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.models.qwen3_omni_code2wav import CHUNKED_ATOL
@@ -71,7 +72,7 @@ def pipe(tmp_path_factory):
             stage["sampling"]["max_tokens"] = TALKER_STEPS
     path = tmp_path_factory.mktemp("cfg") / "qwen3_omni_paced.yaml"
     path.write_text(yaml.safe_dump(data))
-    with Pipeline(load_config(path)).start() as p:
+    with Pipeline(load_config(path), stage_forkers=shared_forkers()).start() as p:
         yield p
 
 
@@ -168,12 +169,15 @@ def test_a_request_arriving_while_six_stream_gets_its_first_audio_first(paced):
     # one of them still in the talker beside it, or (on a loaded machine, where the talker can
     # finish their codes before the seventh's first audio) their answers still being played out
     # through the paced decoder ...
-    talker_depth = paced["at_first_audio"]["talker"]["queue_depth"]
-    assert talker_depth >= 2 or paced["six_streaming"], "the six had ended"
-    # ... the talker held some of them (an answer counts once, when it first yields: on a
-    # contended machine the six may already have yielded to one another before the seventh came,
-    # so the count is taken over the whole run) ...
-    assert delta(after, before, "talker", "paced_requests") >= 1
+    in_talker = paced["at_first_audio"]["talker"]["queue_depth"] >= 2
+    assert in_talker or paced["six_streaming"], "the six had ended"
+    # ... where they were still in the talker beside it, the talker held some of them (an answer
+    # counts once, when it first yields: on a contended machine the six may already have yielded
+    # to one another before the seventh came, so the count is taken over the whole run). Where
+    # the talker had finished their codes before the seventh reached it (the two-worker suite on
+    # a 2-core Zen 3: paced_requests 0 there), it had nothing to hold: the checks below remain ...
+    if in_talker:
+        assert delta(after, before, "talker", "paced_requests") >= 1
     # ... and no stage ran its first-audio work beside an answer more than its lead ahead.
     for stage in STAGES:
         assert delta(after, mid, stage, "first_audio_shared_steps") == 0, stage

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from served_config import system_prompt, write_pipeline_config
+from shared_forkers import shared_forkers
 
 pytestmark = pytest.mark.vllm
 
@@ -20,7 +21,9 @@ def test_python_api_cache_on_off_same_text_and_audio(tmp_path):
     results = {}
     for cache in (True, False):
         path = write_pipeline_config(tmp_path, f"api_{'on' if cache else 'off'}")
-        with Pipeline.from_config(path, prefix_cache=cache, echo_stage_logs=False) as pipe:
+        with Pipeline.from_config(
+            path, prefix_cache=cache, echo_stage_logs=False, stage_forkers=shared_forkers()
+        ) as pipe:
             first = pipe.generate(prompts[:1], max_tokens=12, return_latents=True)
             second = pipe.generate(prompts, max_tokens=12, return_latents=True)
         results[cache] = first + second

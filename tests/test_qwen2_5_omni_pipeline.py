@@ -29,6 +29,7 @@ import yaml
 from downstream_probe import PROBE_DIR_ENV, talker_inputs
 from media_samples import clip_b64, png_data_url, video_data_url
 from served_config import without_warmup
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.models.qwen2_5_omni_token2wav import STREAM_MAX_ABS, STREAM_RMS
@@ -98,7 +99,7 @@ def start_pipeline(checkpoint, probe_dir, tmp_path_factory, name: str, prefix_ca
             stage["env"][PROBE_DIR_ENV] = str(probe_dir)
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
-    return Pipeline(load_config(path)).start()
+    return Pipeline(load_config(path), stage_forkers=shared_forkers()).start()
 
 
 @pytest.fixture(scope="module")

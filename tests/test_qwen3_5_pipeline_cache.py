@@ -48,6 +48,7 @@ import torch
 import yaml
 from downstream_probe import PROBE_DIR_ENV, received
 from media_samples import png_data_url
+from shared_forkers import shared_forkers
 from thinker_pair import HYBRID_ROW_RTOL, row_errors
 
 from omni_cache.config import load_config
@@ -145,7 +146,9 @@ class Run:
         name = "q35down-on" if cache else "q35down-off"
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(stage_config(name, talker, self.probe)))
-        self.pipe = Pipeline(load_config(path), prefix_cache=cache, echo_stage_logs=False)
+        self.pipe = Pipeline(
+            load_config(path), prefix_cache=cache, echo_stage_logs=False, stage_forkers=shared_forkers()
+        )
         self.results = []
 
     def ask(self, batch: list[tuple[list[int], list]]) -> None:

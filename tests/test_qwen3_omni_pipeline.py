@@ -20,6 +20,7 @@ import torch
 import yaml
 from media_samples import clip_b64, png_data_url
 from served_config import without_warmup
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.pipeline import Pipeline
@@ -75,7 +76,7 @@ def pipeline(checkpoint, tmp_path_factory):
             stage["sampling"]["max_tokens"] = TALKER_STEPS
     path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
-    with Pipeline(load_config(path)).start() as pipe:
+    with Pipeline(load_config(path), stage_forkers=shared_forkers()).start() as pipe:
         yield pipe
 
 

@@ -147,18 +147,34 @@ def test_a_forked_stage_is_its_own_group_and_its_death_by_signal_is_reported(for
     assert runner.describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
 
 
-def test_closing_the_forkers_takes_their_stages_with_them(tmp_path):
-    pool = StageForkers()
-    output = Output()
-    runner = _runner(pool, _decoder_args(tmp_path))
+def test_idle_forkers_beyond_the_bound_end_and_closing_takes_the_stages_along(tmp_path):
+    """A pool that keeps no idle forker (as a test session's does with two) ends one when
+    another starts, but never while a stage of it runs; closing the pool ends the rest, and the
+    stages still running go with their forker."""
+    pool = StageForkers(keep_idle=0)
+    (tmp_path / "b").mkdir()
+    first, second = _runner(pool, _decoder_args(tmp_path)), _runner(pool, _decoder_args(tmp_path / "b"))
+    env = spawned_stage_env({"OMP_NUM_THREADS": "1"}, pool.base_env)  # what _runner gives them
+    other_env = spawned_stage_env({"OMP_NUM_THREADS": "2"}, pool.base_env)  # another forker's
     try:
-        runner.start(output)
+        output = Output()
+        first.start(output)
         output.wait_for("stage decoder ready", 600)
-        pid = runner.pid
+        forker = pool.forker_for(env)
+        pool.forker_for(other_env)
+        assert forker.alive and forker.proc.poll() is None  # busy: kept
+        first.signal(signal.SIGKILL)
+        assert first.wait(60)
+        pool.forker_for(other_env)  # now idle, and none is kept: it ends
+        assert forker.proc.wait(60) is not None
+        output = Output()
+        second.start(output)  # a new forker for the first environment
+        output.wait_for("stage decoder ready", 600)
+        pid = second.pid
     finally:
         pool.close()
-    assert runner.wait(60), "the stage outlived its forker"
-    assert "forker process ended" in runner.describe_exit(runner.poll())
+    assert second.wait(60), "the stage outlived its forker"
+    assert "forker process ended" in second.describe_exit(second.poll())
     deadline = time.monotonic() + 30
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from served_config import without_warmup
+from shared_forkers import shared_forkers
 
 from omni_cache.config import load_config
 from omni_cache.pipeline import Pipeline
@@ -56,7 +57,7 @@ def pipe(tmp_path_factory):
         stage["address"] = f"ipc:///tmp/omni_cache/{name}/{stage['name']}.sock"
     path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
     path.write_text(yaml.safe_dump(without_warmup(data)))  # (no test of first use here)
-    with Pipeline(load_config(path)).start() as p:
+    with Pipeline(load_config(path), stage_forkers=shared_forkers()).start() as p:
         yield p
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from served_config import write_pipeline_config
+from shared_forkers import shared_forkers
 
 from benchmarks.chunked_audio_exactness import chunk_bounds, speech_audio
 from omni_cache.config import load_config
@@ -42,7 +43,11 @@ MAX_TOKENS = 8
 def pipes(tmp_path_factory):
     on_cfg = write_pipeline_config(tmp_path_factory.mktemp("on"), "talker_listen_on", "qwen3_omni.yaml")
     off_cfg = write_pipeline_config(tmp_path_factory.mktemp("off"), "talker_listen_off", "qwen3_omni.yaml")
-    with Pipeline(load_config(on_cfg)) as on, Pipeline(load_config(off_cfg), prefix_cache=False) as off:
+    forkers = shared_forkers()
+    with (
+        Pipeline(load_config(on_cfg), stage_forkers=forkers) as on,
+        Pipeline(load_config(off_cfg), prefix_cache=False, stage_forkers=forkers) as off,
+    ):
         yield on, off
 
 

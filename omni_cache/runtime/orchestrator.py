@@ -103,8 +103,8 @@ class Orchestrator:
     command of a stage process before its arguments (default ``[python, -m, workers]``). ``external_stages``:
     stages started by hand elsewhere, added to those the config marks ``external`` (not spawned; watched through
     their announcements and connections). ``control_addr``: the inbox's address (default:
-    ``server.control_address``, else a socket in this server's directory). ``stage_forkers``: those omni-serve
-    started as it loaded (:mod:`~omni_cache.runtime.supervision.stage_forker`; closed here)."""
+    ``server.control_address``, else a socket in this server's directory). ``stage_forkers``: the caller's (it
+    closes them): omni-serve's, started as it loaded (:mod:`~omni_cache.runtime.supervision.stage_forker`)."""
 
     def __init__(
         self,

@@ -185,7 +185,7 @@ def _bound_port(server: Any, default: int) -> int:
 
 def serve(config: Any, args: Any, stage_forkers: Any = None) -> int:
     """Run ``omni-serve`` until SIGINT/SIGTERM: start the stages, serve HTTP, stop everything.
-    ``stage_forkers``: the stage forkers started for ``config`` (the orchestrator closes them).
+    ``stage_forkers``: the stage forkers started for ``config`` (the caller closes them).
 
     Returns 0 after a clean shutdown, 1 when the pipeline did not start.
     """
@@ -201,8 +201,6 @@ def serve(config: Any, args: Any, stage_forkers: Any = None) -> int:
             stage_forkers=stage_forkers,
         )
     except RunDirError as e:
-        if stage_forkers is not None:
-            stage_forkers.close()
         print(f"omni-serve: {e}", file=sys.stderr, flush=True)
         return 1
     host, port = config.server.host, config.server.port

@@ -39,9 +39,9 @@ class StagePlacement:
     """``config``: the effective config (this object fills in Ray-placed replicas' addresses);
     ``run_dir``: this server's directory (its default sockets, the stages' config file);
     ``stage_argv``: the command of a stage process before its arguments; ``external``: the stages
-    started by hand; ``forkers``: stage forkers already started for this config
-    (:func:`~omni_cache.runtime.supervision.stage_forker.prestart`; this object closes them), None:
-    its own, started when a stage first needs one."""
+    started by hand; ``forkers``: the caller's stage forkers (it closes them: ``omni-serve``'s,
+    started as it loaded, :func:`~omni_cache.runtime.supervision.stage_forker.prestart`), None:
+    its own, started when a stage first needs one and closed with this object."""
 
     def __init__(
         self,
@@ -88,6 +88,7 @@ class StagePlacement:
         self._ray_connected = False  # we joined the cluster (close() leaves it)
         #: Where spawned stages are forked from (``server.stage_launch: fork``, the default command).
         self._forkers = forkers if forkers is not None else StageForkers()
+        self._owns_forkers = forkers is None
 
     @property
     def _forks(self) -> bool:
@@ -193,7 +194,8 @@ class StagePlacement:
     def close(self) -> None:
         """Leave the Ray cluster (its actors end), end the stage forkers and remove the run
         directory (blocking)."""
-        self._forkers.close()
+        if self._owns_forkers:
+            self._forkers.close()
         if self._ray is not None:
             from omni_cache.runtime.supervision import ray_placement
 

@@ -76,6 +76,12 @@ class StageForker:
     def alive(self) -> bool:
         return self.exit_code is None
 
+    @property
+    def idle(self) -> bool:
+        """No stage of it runs or waits to be forked."""
+        with self._lock:
+            return not self._pending and not self._children
+
     def fork(self, runner: ForkedRunner, args: list[str], env: Mapping[str, str], output: int) -> None:
         """Ask for a child running ``python -m workers ARGS`` with ``env``, its output written to
         ``output`` (a pipe's write end; the caller closes its copy). Its pid reaches
@@ -89,10 +95,14 @@ class StageForker:
             socket.send_fds(self._socket, [message], [output])
             self._pending[request_id] = runner
 
-    def close(self) -> None:
-        """End the forker (its remaining children get SIGTERM from the kernel as it goes)."""
+    def retire(self) -> None:
+        """Ask the forker to end, without waiting for it (it reads our end as closed)."""
         with contextlib.suppress(OSError):
             self._socket.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """End the forker (its remaining children get SIGTERM from the kernel as it goes)."""
+        self.retire()
         try:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
@@ -160,9 +170,13 @@ class StageForker:
 
 class StageForkers:
     """The server's forkers, one per import-time environment (:func:`import_env_key`), each
-    started when a stage first needs it."""
+    started when a stage first needs it. ``keep_idle``: how many forkers with no stage to serve
+    are kept when another is started (the least recently used go first); None: all of them (a
+    server's forkers are all needed again when one of its stages restarts). A process that runs
+    pipelines of changing environments one after another (a test session) bounds them so."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_idle: int | None = None) -> None:
+        self.keep_idle = keep_idle
         #: What forked stages' environments start from: this process's as the pool was made.
         #: Later imports here change it (cv2 extends LD_LIBRARY_PATH, vLLM sets its own
         #: variables): a forker's imports make those changes for its children themselves
@@ -175,10 +189,22 @@ class StageForkers:
     def forker_for(self, env: Mapping[str, str]) -> StageForker:
         key = import_env_key(env)
         with self._lock:
-            forker = self._forkers.get(key)
+            forker = self._forkers.pop(key, None)  # put back last: the most recently used
             if forker is None or not forker.alive:
-                forker = self._forkers[key] = StageForker(env)
-            return forker
+                forker = StageForker(env)
+            self._forkers[key] = forker
+            idle = [k for k, f in self._forkers.items() if k != key and f.idle]
+            spare = len(idle) - self.keep_idle if self.keep_idle is not None else 0
+            retired = [self._forkers.pop(k) for k in idle[: max(0, spare)]]
+        for old in retired:
+            old.retire()
+        return forker
+
+    @property
+    def started(self) -> list[StageForker]:
+        """The forkers started and not retired, the most recently used last."""
+        with self._lock:
+            return list(self._forkers.values())
 
     def close(self) -> None:
         with self._lock:
