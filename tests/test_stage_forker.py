@@ -86,10 +86,29 @@ def test_the_default_command_is_forked_unless_the_config_says_spawn(tmp_path, la
 
 
 @pytest.fixture(scope="module")
-def forkers():
+def forkers(tmp_path_factory):
+    """A pool whose forker was started, and served a first fork, from a thread that has ended
+    since (as a pipeline's event loop does while the process goes on with others): the forker
+    must outlive that thread; the tests below fork through it."""
     pool = StageForkers()
+    missing = tmp_path_factory.mktemp("forker") / "missing.yaml"
+
+    def first_fork() -> None:
+        runner = _runner(pool, ["--stage-config", str(missing), "--stage", "decoder"])
+        runner.start(lambda line: None)
+        assert runner.wait(600)  # the forker has imported everything and forked once
+
+    started = threading.Thread(target=first_fork)
+    started.start()
+    started.join()
+    [first] = pool.started
     yield pool
+    assert pool.started == [first] and first.alive  # the ended thread's forker served every test
     pool.close()
+
+
+def _stage_env(pool: StageForkers) -> dict[str, str]:
+    return spawned_stage_env({"OMP_NUM_THREADS": "1"}, pool.base_env)
 
 
 class Output:
@@ -110,8 +129,7 @@ class Output:
 
 
 def _runner(forkers: StageForkers, args: list[str], name: str = "decoder") -> ForkedRunner:
-    env = spawned_stage_env({"OMP_NUM_THREADS": "1"}, forkers.base_env)
-    return ForkedRunner(forkers, [*STAGE_COMMAND, *args], args, env, name)
+    return ForkedRunner(forkers, [*STAGE_COMMAND, *args], args, _stage_env(forkers), name)
 
 
 def _decoder_args(tmp_path: Path) -> list[str]:
@@ -154,7 +172,7 @@ def test_idle_forkers_beyond_the_bound_end_and_closing_takes_the_stages_along(tm
     pool = StageForkers(keep_idle=0)
     (tmp_path / "b").mkdir()
     first, second = _runner(pool, _decoder_args(tmp_path)), _runner(pool, _decoder_args(tmp_path / "b"))
-    env = spawned_stage_env({"OMP_NUM_THREADS": "1"}, pool.base_env)  # what _runner gives them
+    env = _stage_env(pool)  # what _runner gives them
     other_env = spawned_stage_env({"OMP_NUM_THREADS": "2"}, pool.base_env)  # another forker's
     try:
         output = Output()

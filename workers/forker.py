@@ -19,8 +19,9 @@ Messages are JSON datagrams on a ``SOCK_SEQPACKET`` socket, one per message:
   negative for a signal).
 
 The forker stays single-threaded (a fork copies only the calling thread: a lock another thread
-held would stay locked in the child) and ends when its server's end of the socket closes or
-its server dies; its children, who get SIGTERM when it goes (``PR_SET_PDEATHSIG``), go with it.
+held would stay locked in the child) and ends when its server's end of the socket closes: the
+server closed it, or the server's process ended. Its children, who get SIGTERM when it goes
+(``PR_SET_PDEATHSIG``), go with it.
 """
 
 from __future__ import annotations
@@ -84,11 +85,14 @@ MAX_MESSAGE = 1 << 20  # a request: the stage's arguments and environment
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.forker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--control-fd", type=int, required=True, help="the server's socket (inherited)")
-    parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is no longer our parent")
+    parser.add_argument("--parent-pid", type=int, required=True, help="exit at once if this is no longer our parent")
     args = parser.parse_args(argv)
-    from workers.__main__ import die_with_parent
-
-    die_with_parent(args.parent_pid)
+    # No parent-death signal here: the kernel sends it when the *thread* that started us ends,
+    # and a server starts its forkers from whichever thread launches a stage first (a pipeline's
+    # event loop, which may end while the process and its other pipelines go on). The server's
+    # end of the socket closes when its process does: that ends us (serve() reads it as closed).
+    if os.getppid() != args.parent_pid:
+        return 0
     control = socket.socket(fileno=args.control_fd)
     before = dict(os.environ)
     preload()

@@ -57,6 +57,7 @@ class StageForker:
         self._pending: dict[int, ForkedRunner] = {}  # request id -> runner waiting for its pid
         self._children: dict[int, ForkedRunner] = {}  # pid -> runner of a live child
         self.exit_code: int | None = None  # set once the forker is gone
+        self._broken = False  # a send failed: gone, though its end may not have been read yet
         try:
             self.proc = subprocess.Popen(
                 [*FORKER_ARGV, "--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())],
@@ -74,7 +75,7 @@ class StageForker:
 
     @property
     def alive(self) -> bool:
-        return self.exit_code is None
+        return self.exit_code is None and not self._broken
 
     @property
     def idle(self) -> bool:
@@ -92,7 +93,11 @@ class StageForker:
             request_id = self._next_id
             self._next_id += 1
             message = json.dumps({"id": request_id, "args": args, "env": dict(env)}).encode()
-            socket.send_fds(self._socket, [message], [output])
+            try:
+                socket.send_fds(self._socket, [message], [output])
+            except OSError:
+                self._broken = True
+                raise
             self._pending[request_id] = runner
 
     def retire(self) -> None:
@@ -144,6 +149,8 @@ class StageForker:
             orphans = list(self._pending.values()) + list(self._children.items())
             self._pending.clear()
             self._children.clear()
+        with contextlib.suppress(OSError):
+            self._socket.close()
         why = f"its forker process ended ({exit_words(code)})"
         for item in orphans:
             if isinstance(item, tuple):
@@ -166,6 +173,7 @@ class StageForker:
                 runner.echo(line)
             if not waiting:
                 logger.warning("stage forker: %s", line)
+        self.proc.stdout.close()
 
 
 class StageForkers:
@@ -259,9 +267,13 @@ class ForkedRunner:
             target=self._read_output, args=(read_end,), name=f"omni-cache-log-{self.name}", daemon=True
         ).start()
         try:
-            self._forkers.forker_for(self._env).fork(self, self._args, self._env, write_end)
-        except OSError as e:
-            self.ended(1, f"could not be forked: {e}")
+            for attempt in range(2):  # a forker that died unnoticed is replaced, once
+                try:
+                    self._forkers.forker_for(self._env).fork(self, self._args, self._env, write_end)
+                    break
+                except OSError as e:
+                    if attempt:
+                        self.ended(1, f"could not be forked: {e}")
         finally:
             os.close(write_end)
 
