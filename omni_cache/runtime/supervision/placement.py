@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from omni_cache.config.overrides import config_text
 from omni_cache.config.replicas import Replica, replica_name, stage_replicas
 from omni_cache.config.stage_addresses import check_hand_started
 from omni_cache.runtime.supervision.process_runner import ProcessRunner, default_stage_argv, spawned_stage_env
-from omni_cache.runtime.supervision.stage_forker import ForkedRunner, StageForkers
+from omni_cache.runtime.supervision.stage_forker import ForkedRunner, StageForkers, forks_here
 from omni_cache.wire.stage_auth import new_secret
 
 logger = logging.getLogger(__name__)
@@ -92,10 +91,9 @@ class StagePlacement:
 
     @property
     def _forks(self) -> bool:
-        """Whether stages spawned here are forked from a forker: only the default command (a
-        custom ``stage_argv`` is run as given), only on Linux (the forker's parent-death signal)."""
-        default = self._stage_argv == default_stage_argv()
-        return self._config.server.stage_launch == "fork" and default and sys.platform.startswith("linux")
+        """Whether stages spawned here are forked from a forker (:func:`forks_here`): only the
+        default command (a custom ``stage_argv`` is run as given)."""
+        return forks_here(self._config) and self._stage_argv == default_stage_argv()
 
     @property
     def uses_ray(self) -> bool:

@@ -222,16 +222,19 @@ class StageForkers:
             forker.close()
 
 
+def forks_here(config: PipelineConfig) -> bool:
+    """Whether ``config``'s stages spawned on this host are forked: ``stage_launch: fork``, on
+    Linux (macOS's system libraries are not safe to fork once loaded; other hosts spawn)."""
+    return config.server.stage_launch == "fork" and sys.platform.startswith("linux")
+
+
 def prestart(config: PipelineConfig) -> StageForkers | None:
     """The forkers the stages of ``config`` spawned here will need, started now: they import
     vLLM while the caller imports its own (``omni-serve``'s web front end also loads vLLM, for
     its chat templates: on two cores the two run side by side). None when the config forks no
     stage (``stage_launch: spawn``, Ray, every stage external)."""
-    server = config.server
     local = [s for s in config.stages if not s.external]
-    if server.stage_launch != "fork" or server.ray_address is not None or not local:
-        return None
-    if not sys.platform.startswith("linux"):
+    if not forks_here(config) or config.server.ray_address is not None or not local:
         return None
     forkers = StageForkers()
     for stage in local:
