@@ -15,13 +15,14 @@ import pytest
 from fake_pipeline import make_orchestrator, write_config
 
 from benchmarks.speech_clips import pcm16, silence, speech
-from omni_cache.config.server_schema import RealtimeConfig
+from omni_cache.config.server_schema import RealtimeConfig, ThreadsConfig
 from omni_cache.serving.realtime import vad
 from omni_cache.serving.realtime.audio_codecs import PCM, StreamResampler
 from omni_cache.serving.realtime.input_worker import InputAudioWorker, InputStream, decode_appends
 from omni_cache.serving.realtime.protocol import EventError, parse_client_event
 from omni_cache.serving.realtime.session import RealtimeSession
 from omni_cache.serving.realtime.vad_batch import BatchScorer
+from omni_cache.thread_pools import ThreadPools
 
 CHUNK = 960  # 40 ms at 24 kHz, as a real-time client sends it
 
@@ -37,6 +38,14 @@ class RecordingScorer(BatchScorer):
     def score(self, work):
         self.calls.append((threading.get_ident(), sum(1 for _, w in work if len(w))))
         return super().score(work)
+
+
+@pytest.fixture
+def threads():
+    """A server's worker threads, as the app makes them (omni_cache/thread_pools.py)."""
+    pools = ThreadPools(ThreadsConfig())
+    yield pools
+    pools.close()
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +167,7 @@ def client_event(**event) -> object:
     return parse_client_event(json.dumps(event))[0]
 
 
-def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
+def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch, threads):
     from omni_cache.serving.realtime import input_worker
 
     worker = InputAudioWorker(scorer=model)
@@ -167,7 +176,7 @@ def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
     sent: list = []
 
     async def go():
-        session = RealtimeSession(pipeline(), sent.append, limits=RealtimeConfig(), served_model="m")
+        session = RealtimeSession(pipeline(), sent.append, limits=RealtimeConfig(), served_model="m", threads=threads)
         await session.open()
         await session.handle(
             client_event(
@@ -217,9 +226,11 @@ def test_append_hands_bytes_over_and_events_come_in_order(model, monkeypatch):
     assert model.calls and worker_thread_id(model) != threading.get_ident()
 
 
-def test_a_full_buffer_refuses_the_append_at_once():
+def test_a_full_buffer_refuses_the_append_at_once(threads):
     async def go():
-        session = RealtimeSession(pipeline(), lambda e: None, limits=RealtimeConfig(max_buffer_s=1.0), served_model="m")
+        session = RealtimeSession(
+            pipeline(), lambda e: None, limits=RealtimeConfig(max_buffer_s=1.0), served_model="m", threads=threads
+        )
         await session.open()
         await session.handle(
             client_event(

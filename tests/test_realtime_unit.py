@@ -20,6 +20,7 @@ import pytest
 import soundfile
 
 from benchmarks.speech_clips import silence, speech
+from omni_cache.config.server_schema import ThreadsConfig
 from omni_cache.pcm import pcm16, to_int16
 from omni_cache.serving.realtime import audio_codecs as ac
 from omni_cache.serving.realtime import protocol
@@ -35,6 +36,7 @@ from omni_cache.serving.realtime.protocol import (
 from omni_cache.serving.realtime.session_config import SessionConfig, TurnDetection, describe, updated
 from omni_cache.serving.realtime.vad import SpeechDetector, load_model
 from omni_cache.serving.realtime.vad_batch import BatchScorer
+from omni_cache.thread_pools import ThreadPools
 
 # ---- audio formats -----------------------------------------------------------------------------
 
@@ -250,6 +252,7 @@ def test_deep_large_and_many_valued_events_are_errors_naming_the_problem():
 def test_large_events_are_parsed_off_the_event_loop():
     small = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"})
     large = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * OFF_LOOP_BYTES})
+    pools = ThreadPools(ThreadsConfig())
 
     async def thread_of(raw):
         threads = []
@@ -257,11 +260,14 @@ def test_large_events_are_parsed_off_the_event_loop():
         with mock.patch.object(
             protocol, "parse_client_event", lambda *a: threads.append(threading.current_thread()) or real(*a)
         ):
-            await parse_client_event_async(raw, 1 << 20)
+            await parse_client_event_async(raw, 1 << 20, pools.realtime_events)
         return threads[0]
 
-    assert asyncio.run(thread_of(small)) is threading.main_thread()
-    assert asyncio.run(thread_of(large)).name.startswith("realtime-parse")
+    try:
+        assert asyncio.run(thread_of(small)) is threading.main_thread()
+        assert asyncio.run(thread_of(large)).name.startswith("omni-realtime_events")
+    finally:
+        pools.close()
 
 
 def session_of(**session):
@@ -536,6 +542,7 @@ def test_an_internal_error_names_the_event_not_the_exception():
 
     class Session:
         id = "sess_1"
+        threads = ThreadPools(ThreadsConfig())  # large events only: none is started here
 
         async def handle(self, event):
             raise RuntimeError("/srv/secret/path exploded")
@@ -548,6 +555,7 @@ def test_an_internal_error_names_the_event_not_the_exception():
 
     outbox = Outbox()
     asyncio.run(handle_event(json.dumps({"type": "response.cancel", "event_id": "ev_9"}), Session(), outbox, 1 << 20))
+    Session.threads.close()
     (event,) = outbox.sent
     assert event.error.code == "internal_error" and event.error.event_id == "ev_9"
     assert "secret" not in event.error.message and "sess_1" in event.error.message

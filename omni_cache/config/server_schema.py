@@ -111,6 +111,25 @@ class RealtimeConfig(ConfigStruct, kw_only=True):
     max_listening_requests: PositiveInt = 8
 
 
+class ThreadsConfig(ConfigStruct, kw_only=True):
+    """The server's worker threads, one pool per kind of work (omni_cache/thread_pools.py):
+    a flood of one kind waits in its own pool's queue and never takes another's threads. None ->
+    sized from the host's CPUs."""
+
+    #: Parsing chat bodies, templating and tokenizing prompts, the tool parser, counting a
+    #: realtime conversation's tokens. None -> min(32, CPUs + 4), asyncio's own default.
+    request: PositiveInt | None = None
+    #: Reading, inflating and decoding images, clips and videos (chat requests' parts and
+    #: realtime sessions' items). None -> min(16, max(2, CPUs)).
+    media: PositiveInt | None = None
+    #: Encoding whole (non-streamed) answers to JSON: a spoken one carries its audio as base64.
+    #: None -> min(8, max(2, CPUs // 2)).
+    response: PositiveInt | None = None
+    #: Parsing realtime client events larger than 64 KiB (smaller ones are parsed on the event
+    #: loop in microseconds). None -> 2.
+    realtime_events: PositiveInt | None = None
+
+
 class ServerConfig(ConfigStruct, kw_only=True):
     """The HTTP front end (OpenAI-style API) of the orchestrator."""
 
@@ -184,6 +203,8 @@ class ServerConfig(ConfigStruct, kw_only=True):
     media: MediaConfig = field(default_factory=MediaConfig)
     #: Limits of the realtime voice sessions (``/v1/realtime``).
     realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
+    #: The server's worker threads per kind of work (request, media, response, realtime_events).
+    threads: ThreadsConfig = field(default_factory=ThreadsConfig)
     #: Which replica of a stage (``replicas: N``) serves a request: "round_robin" (in turn),
     #: "least_loaded" (fewest of the orchestrator's requests in flight on it, ties to the lowest
     #: index) or "prefix" (the thinker replica whose prefix cache holds the longest prefix of the

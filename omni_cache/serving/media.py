@@ -40,6 +40,7 @@ and prefix-cache keys use the UUID). Clients cannot set it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -47,9 +48,9 @@ import io
 import threading
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -150,6 +151,10 @@ class MediaDecoder:
     #: http(s) URLs' bodies, downloaded on the event loop by :meth:`fetch_all` before
     #: :meth:`read_all` reads them in a worker thread.
     fetched: dict[str, bytes] = field(default_factory=dict)
+    #: Runs a compressed download's inflating off the event loop (``await off_loop(fn, *args)``:
+    #: the server's media threads, omni_cache/thread_pools.py); None: asyncio's default
+    #: executor.
+    off_loop: Callable[..., Awaitable[Any]] | None = None
 
     def read_all(self, parts: Sequence[MediaPart]) -> list[EncodedItem]:
         """A request's media parts read and checked from their headers, in order (nothing
@@ -416,7 +421,9 @@ class MediaDecoder:
         """``{url: (param, part, limit)}``: the http(s) ones not fetched yet, downloaded at once."""
         remote = {url: how for url, how in urls.items() if is_remote(url) and url not in self.fetched}
         try:
-            self.fetched.update(await media_fetch.fetch_all(remote, self.limits, self._too_large))
+            self.fetched.update(
+                await media_fetch.fetch_all(remote, self.limits, self._too_large, self.off_loop or asyncio.to_thread)
+            )
         except media_fetch.FetchError as e:
             raise MediaError(str(e), e.param) from None
 

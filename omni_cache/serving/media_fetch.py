@@ -20,7 +20,8 @@ import asyncio
 import ssl
 import urllib.parse
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
@@ -61,11 +62,15 @@ def check_host(url: str, param: str, part: str, limits: MediaConfig) -> None:
 
 
 async def fetch_all(
-    urls: dict[str, tuple[str, str, int]], limits: MediaConfig, too_large: Callable[[int], str]
+    urls: dict[str, tuple[str, str, int]],
+    limits: MediaConfig,
+    too_large: Callable[[int], str],
+    off_loop: Callable[..., Awaitable[Any]] = asyncio.to_thread,
 ) -> dict[str, bytes]:
     """``{url: (param, part, limit)}`` -> ``{url: body}``, downloaded at once; the first failure
-    raises and the other downloads are cancelled (nothing keeps running for a refused request)."""
-    tasks = {asyncio.ensure_future(fetch(url, *how, limits, too_large)): url for url, how in urls.items()}
+    raises and the other downloads are cancelled (nothing keeps running for a refused request).
+    ``off_loop(fn, *args)`` runs a compressed body's inflating (the server's media threads)."""
+    tasks = {asyncio.ensure_future(fetch(url, *how, limits, too_large, off_loop)): url for url, how in urls.items()}
     if not tasks:
         return {}
     try:
@@ -78,7 +83,13 @@ async def fetch_all(
 
 
 async def fetch(
-    url: str, param: str, part: str, limit: int, limits: MediaConfig, too_large: Callable[[int], str]
+    url: str,
+    param: str,
+    part: str,
+    limit: int,
+    limits: MediaConfig,
+    too_large: Callable[[int], str],
+    off_loop: Callable[..., Awaitable[Any]] = asyncio.to_thread,
 ) -> bytes:
     """The body at an allowed http(s) ``url``, within ``fetch_timeout_s`` for all of it and
     ``limit`` bytes on the wire and inflated; FetchError naming ``param`` otherwise."""
@@ -96,7 +107,7 @@ async def fetch(
         raise FetchError(f"{part} could not be fetched ({type(e).__name__}: {e})", param) from None
     if encoding in ("", "identity"):
         return raw
-    inflated = await asyncio.to_thread(inflate_bounded, raw, encoding, limit, param)
+    inflated = await off_loop(inflate_bounded, raw, encoding, limit, param)
     if inflated is None:
         raise FetchError(too_large(limit) + f" once its {encoding} body is inflated", param)
     return inflated

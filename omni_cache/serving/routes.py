@@ -42,6 +42,7 @@ from omni_cache.serving.realtime.connection import CLOSE_POLICY, serve_realtime
 from omni_cache.serving.realtime.protocol import EventError
 from omni_cache.serving.send_watch import SendWatch
 from omni_cache.tasks import cancel_and_wait
+from omni_cache.thread_pools import ThreadPools
 
 __all__ = ["AUDIO_TTL_S", "router"]
 
@@ -162,7 +163,7 @@ async def chat_completions(request: Request):
         ticket.release()  # refused (or the client went away) before it was accepted
         raise
     if a.chat.body.stream:
-        return _stream(a.handle, a.chat, orch, a.writer, a.answer_id)
+        return _stream(a.handle, a.chat, orch, a.writer, a.answer_id, request.app.state.threads)
     return await _complete(a.handle, a.chat, orch, request, a.writer, a.answer_id)
 
 
@@ -189,19 +190,21 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
     state = request.app.state
     server = orch.config.server
     body = await read_body(request, server.max_body_bytes, reserve=ticket.hold_body, timeout=server.body_timeout_s)
-    # Parsing, templating and tokenizing run on asyncio's default executor. Threads of their own
-    # taking the smallest request first were measured against it (benchmarks/results/hostile.md,
-    # 2026-11-30): a short request's wait behind long ones did not change, so there is one pool.
-    chat = await asyncio.to_thread(parse_chat_request, body, state.served_model_name, orch.voices)
+    # Parsing, templating and tokenizing run on the request threads, media on the media threads
+    # (thread_pools.py): slow decodes do not hold up the parsing of other requests. Within a
+    # pool, arrival order: the smallest request first was measured against it and changed nothing
+    # (benchmarks/results/hostile.md, 2026-11-30).
+    threads: ThreadPools = state.threads
+    chat = await threads.request(parse_chat_request, body, state.served_model_name, orch.voices)
     del body  # parsed: what is left of it lives in `chat`
     if orch.codec.tokenizer is None:
         raise APIError(
             503, "the pipeline is still starting: " + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items())
         )
-    prompt = await asyncio.to_thread(rendered_prompt, orch, chat, state.tool_parser)
+    prompt = await threads.request(rendered_prompt, orch, chat, state.tool_parser)
     # vLLM's tool parser reads the tokenizer's vocabulary (tens of ms for a real one): off the
     # loop, behind the tokenizer's lock. It adjusts chat.body: before sampling.
-    parser = await asyncio.to_thread(orch.codec.call_locked, tool_parser, orch, chat, state.tool_parser)
+    parser = await threads.request(orch.codec.call_locked, tool_parser, orch, chat, state.tool_parser)
     req = chat.body
     sampling = engine_sampling(
         req,
@@ -209,7 +212,7 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
         max_model_len=orch.admission.max_model_len or _UNBOUNDED,
         defaults=orch.admission.default_sampling(),
     )
-    media = await _decoded_media(chat, orch, ticket, state.media_cache)
+    media = await _decoded_media(chat, orch, ticket, state.media_cache, threads)
     handle = await orch.submit(
         prompt,
         sampling=sampling,
@@ -249,6 +252,7 @@ async def realtime(websocket: WebSocket) -> None:
         orch.config.server.realtime,
         state.realtime_sessions,
         served_model=state.served_model_name,
+        threads=state.threads,
         images=_realtime_images(orch, state),
         # The connection is watched while a response streams: a client that takes none of it
         # has the response held at its stages (scheduler/client_hold.py), as a chat stream's is.
@@ -260,7 +264,12 @@ async def realtime(websocket: WebSocket) -> None:
 def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
     """A session's input_image parts read with the chat API's limits and decoded-item cache:
     checked from the header first, decoded once the session made room (realtime/client_items.py)."""
-    decoder = MediaDecoder(orch.config.server.media, audio_sample_rate=orch.audio_input_rate, cache=state.media_cache)
+    decoder = MediaDecoder(
+        orch.config.server.media,
+        audio_sample_rate=orch.audio_input_rate,
+        cache=state.media_cache,
+        off_loop=state.threads.media,
+    )
 
     def event_error(e: MediaError, param: str) -> EventError:
         return EventError(str(e), param=e.param or param, code="invalid_value")
@@ -286,11 +295,13 @@ def _realtime_images(orch: Orchestrator, state: Any) -> ImageSource:
     return ImageSource(read, decode, decoder.limits.max_items, fetch, decoder.fetched.clear)
 
 
-async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, cache: DecodedCache) -> list[MediaItem]:
+async def _decoded_media(
+    chat: ChatRequest, orch: Orchestrator, ticket: Ticket, cache: DecodedCache, threads: ThreadPools
+) -> list[MediaItem]:
     """The request's images and clips, each checked against ``server.media`` from its header,
     their decoded size reserved on ``ticket`` (413 / 429, omni_cache/runtime/request_path/admission.py), then
-    decoded; reading and decoding run off the event loop (milliseconds to seconds). A bad item is
-    a 400 naming its part."""
+    decoded; reading, inflating and decoding run on the media threads (milliseconds to seconds).
+    A bad item is a 400 naming its part."""
     if not chat.media:
         return []
     decoder = MediaDecoder(
@@ -299,22 +310,25 @@ async def _decoded_media(chat: ChatRequest, orch: Orchestrator, ticket: Ticket, 
         cache=cache,
         use_audio_in_video=_use_audio_in_video(chat),
         video_sampler=orch.video_sampler,
+        off_loop=threads.media,
     )
     try:
         await decoder.fetch_all(chat.media)  # http(s) URLs, awaited here: no thread waits on a download
-        encoded = await asyncio.to_thread(decoder.read_all, chat.media)
+        encoded = await threads.media(decoder.read_all, chat.media)
         orch.admission.hold_media(ticket, [item.decoded_bytes for item in encoded])
-        return await asyncio.to_thread(decoder.decode_all, encoded)
+        return await threads.media(decoder.decode_all, encoded)
     except MediaError as e:
         raise APIError(400, str(e), param=e.param) from None
 
 
-async def parse_locked(orch: Orchestrator, writer: ChoiceWriter, fn: Callable[..., Any], *args: Any) -> Any:
+async def parse_locked(
+    threads: ThreadPools, orch: Orchestrator, writer: ChoiceWriter, fn: Callable[..., Any], *args: Any
+) -> Any:
     """``fn(*args)``, a ChoiceWriter call: with a tool parser (it reads the tokenizer) under the
-    tokenizer's lock in a worker thread; without one, here (nothing else reads the tokenizer)."""
+    tokenizer's lock on a request thread; without one, here (nothing else reads the tokenizer)."""
     if writer.parser is None:
         return fn(*args)
-    return await asyncio.to_thread(orch.codec.call_locked, fn, *args)
+    return await threads.request(orch.codec.call_locked, fn, *args)
 
 
 def _use_audio_in_video(chat: ChatRequest) -> bool | None:
@@ -323,7 +337,12 @@ def _use_audio_in_video(chat: ChatRequest) -> bool | None:
 
 
 def _stream(
-    handle: RequestHandle, chat: ChatRequest, orch: Orchestrator, writer: ChoiceWriter, answer_id: str
+    handle: RequestHandle,
+    chat: ChatRequest,
+    orch: Orchestrator,
+    writer: ChoiceWriter,
+    answer_id: str,
+    threads: ThreadPools,
 ) -> StreamingResponse:
     """The answer as SSE chunks (:mod:`omni_cache.serving.chat_stream`)."""
     req = chat.body
@@ -349,7 +368,7 @@ def _stream(
             entry_stage=orch.topology.entry.name,
             options=options,
             error_body=lambda e: APIError.from_request_error(e).body(),
-            parse=lambda fn, *args: parse_locked(orch, writer, fn, *args),
+            parse=lambda fn, *args: parse_locked(threads, orch, writer, fn, *args),
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -416,7 +435,9 @@ async def _complete(
     done = answer.completed
     # The tool parser reads the tokenizer the worker threads tokenize with: under its lock, in a
     # thread (the lock may be held for a long prompt's tokenizing; the loop does not wait for it).
+    threads: ThreadPools = request.app.state.threads
     choice = await parse_locked(
+        threads,
         orch,
         writer,
         writer.choice,
@@ -428,7 +449,7 @@ async def _complete(
     )
 
     def body() -> bytes:
-        """The response's JSON; in a worker thread: encoding, base64 and rendering a whole
+        """The response's JSON; on a response thread: encoding, base64 and rendering a whole
         answer's audio take milliseconds per second of it."""
         if chat.wants_audio:
             data = encode_audio(answer.samples(), answer.sample_rate or orch.audio_sample_rate, chat.audio_format)
@@ -449,4 +470,4 @@ async def _complete(
         )
         return JSONResponse(response.model_dump()).body
 
-    return Response(await asyncio.to_thread(body), media_type="application/json")
+    return Response(await threads.response(body), media_type="application/json")

@@ -60,6 +60,7 @@ from omni_cache.serving.realtime.connection import SessionRegistry
 from omni_cache.serving.realtime.ws_protocol import bounded_ws_protocol
 from omni_cache.serving.routes import router
 from omni_cache.tasks import cancel_and_wait
+from omni_cache.thread_pools import ThreadPools
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ def create_app(
     app.state.api_key = api_key
     app.state.startup_error = None
     app.state.media_cache = DecodedCache(orch.config.server.media.decoded_cache_bytes)
+    app.state.threads = ThreadPools(orch.config.server.threads)  # shut down with the app (lifespan)
     try:
         app.state.tool_parser = parser_class(orch.config.server.tool_call_parser, orch.served_model_name)
     except TypeError as e:
@@ -168,6 +170,7 @@ def _lifespan(
             await cancel_and_wait(task)  # None or done: nothing to cancel
             if manage_lifecycle:
                 await orch.close()
+            app.state.threads.close()
 
     return lifespan
 

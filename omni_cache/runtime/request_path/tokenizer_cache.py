@@ -3,8 +3,8 @@
 A BPE model of HF ``tokenizers`` remembers every word it has split (the pre-tokenized word -> its
 symbols) in a cache of 10,000 words by default; entries are never evicted: once it is full, new
 words are simply not added. In ``tokenizers`` 0.23 that cache is per thread (a thread-local map in
-``BPE::tokenize_with_cache``), and the server tokenizes from the threads of its event loop's
-default executor (``asyncio.to_thread``; ``min(32, CPUs + 4)`` of them), so each of those threads
+``BPE::tokenize_with_cache``), and the server tokenizes from its request threads
+(``server.threads.request``: ``min(32, CPUs + 4)`` of them by default), so each of those threads
 fills a cache of its own. An entry costs tens of bytes per character of its word (a vector of
 symbols) plus the key. The server process tokenizes every prompt, so its heap grew with every new
 word until every thread's cache was full: under the soak's random-text prompts (~25 new words

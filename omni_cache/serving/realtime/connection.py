@@ -35,6 +35,7 @@ from omni_cache.serving.realtime.protocol import (
 )
 from omni_cache.serving.realtime.session import RealtimeSession
 from omni_cache.serving.realtime.ws_protocol import SKIPPED_BYTES
+from omni_cache.thread_pools import ThreadPools
 
 logger = logging.getLogger("omni_cache.serving.realtime")
 
@@ -144,10 +145,12 @@ async def serve_realtime(
     registry: SessionRegistry,
     *,
     served_model: str,
+    threads: ThreadPools,
     images: ImageSource | None = None,
     watch: Callable[[Callable[[], None], Callable[[], None]], Any] | None = None,
 ) -> None:
-    """Run one connection's session until the client leaves or a limit ends it. ``watch``:
+    """Run one connection's session until the client leaves or a limit ends it. ``threads``: the
+    server's worker threads (media items, token counts, large events). ``watch``:
     makes a watch of the client's connection (``watch(on_pause, on_resume)``, a
     :class:`~omni_cache.serving.send_watch.SendWatch`); None: responses are never held."""
     await websocket.accept()
@@ -181,7 +184,9 @@ async def serve_realtime(
         outbox.send(error_event(refusal[0], None))
         await _close(websocket, outbox, refusal[1], refusal[0].code or "")
         return
-    session = RealtimeSession(orch, outbox.send, limits=limits, served_model=served_model, images=images, watch=watch)
+    session = RealtimeSession(
+        orch, outbox.send, limits=limits, served_model=served_model, threads=threads, images=images, watch=watch
+    )
     registry.sessions[session.id] = session
     try:
         try:
@@ -278,7 +283,7 @@ async def handle_event(raw: str | bytes, session: RealtimeSession, outbox: Event
     """One client event parsed and carried out; every failure an ``error`` event, the session goes on."""
     event_id = None
     try:
-        event, event_id = await parse_client_event_async(raw, max_bytes)
+        event, event_id = await parse_client_event_async(raw, max_bytes, session.threads.realtime_events)
         await session.handle(event)
     except EventError as e:
         outbox.send(error_event(e, e.event_id or event_id))

@@ -19,7 +19,7 @@ Prompts: before each response the conversation is fitted to the thinker's limits
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +55,18 @@ class Prompt:
 class ConversationBounds:
     """One session's share of the server's bounds and the thinker's limits on its prompts."""
 
-    def __init__(self, pipeline: Any, max_items: int, max_sessions: int, rate: int, max_buffer_s: float) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        max_items: int,
+        max_sessions: int,
+        rate: int,
+        max_buffer_s: float,
+        off_loop: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    ) -> None:
         self.pipeline = pipeline
+        #: Runs the prompt's tokenizing off the event loop (the server's request threads).
+        self.off_loop = off_loop
         self.max_items = max_items
         admission = pipeline.admission
         self.hold = MediaHold(admission.bounds, admission.bounds.max_media_bytes // max_sessions)
@@ -184,9 +194,9 @@ class ConversationBounds:
     async def fit(self, items: list[Item], instructions: str, max_tokens: int | None, truncation: Truncation) -> Prompt:
         """The prompt of a response to ``items`` (the conversation when it was asked for):
         with truncation on, its oldest turns dropped until it is within the thinker's limits
-        (:mod:`.truncation`). The prompt is tokenized off the event loop."""
+        (:mod:`.truncation`). The prompt is tokenized off the event loop (:attr:`off_loop`)."""
         tokenize = self.pipeline.tokenize_messages
-        counts, base = await asyncio.to_thread(_count, items, instructions, tokenize)
+        counts, base = await self.off_loop(_count, items, instructions, tokenize)
         limits = self.limits(max_tokens, truncation)
         extra = [sum(self.media_tokens.of(m) - 1 for m in i.media) for i in items]
         audio = [sum(m.kind == AUDIO for m in i.media) for i in items]
@@ -205,7 +215,7 @@ class ConversationBounds:
         cut = (first_cut(cuts, over, truncation.retention_ratio) or 0) if truncation.enabled else 0
         while True:
             messages, media = render(items[cut:], instructions)
-            ids = await asyncio.to_thread(tokenize, messages)
+            ids = await self.off_loop(tokenize, messages)
             ids = expand_audio_runs(ids, audio_runs(items[cut:]), self.audio_placeholder)
             estimate = len(ids) - len(media) + sum(self.media_tokens.of(m) for m in media)
             later = [c for c in cuts if c > cut]

@@ -9,18 +9,17 @@ same SDK's models (:func:`wire`) so what the SDK parses is what it documents.
 A client event's JSON is read by the chat bodies' bounded parser (:mod:`omni_cache.json_body`):
 its size, nesting and number of values are checked before it is parsed, so a deep, huge or
 many-valued event is an ``error`` naming the problem, never a ``RecursionError`` or a stall. Events
-over :data:`OFF_LOOP_BYTES` are scanned, parsed and validated on this module's own two threads
-(:func:`parse_client_event_async`): every session and HTTP request shares the event loop, and
-sessions sending large events wait for each other there, not for the chat requests' threads.
+over :data:`OFF_LOOP_BYTES` are scanned, parsed and validated on the server's realtime-event threads
+(:func:`parse_client_event_async`, ``server.threads.realtime_events``): every session and HTTP
+request shares the event loop, and sessions sending large events wait for each other there, not
+for the chat requests' threads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import typing
 import uuid
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -81,14 +80,15 @@ MAX_EVENT_VALUES = 100_000
 #: Events larger than this (bytes) are parsed off the event loop; smaller ones take microseconds.
 OFF_LOOP_BYTES = 64 * 1024
 
-_PARSE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="realtime-parse")
 
-
-async def parse_client_event_async(raw: str | bytes | Masked, max_bytes: int) -> tuple[BaseModel, str | None]:
-    """:func:`parse_client_event`, on the parser's threads when ``raw`` is large."""
+async def parse_client_event_async(
+    raw: str | bytes | Masked, max_bytes: int, off_loop: Callable[..., Awaitable[Any]]
+) -> tuple[BaseModel, str | None]:
+    """:func:`parse_client_event`, through ``off_loop(fn, *args)`` (the server's realtime-event
+    threads) when ``raw`` is large."""
     if len(raw) <= OFF_LOOP_BYTES:
         return parse_client_event(raw, max_bytes)
-    return await asyncio.get_running_loop().run_in_executor(_PARSE_THREADS, parse_client_event, raw, max_bytes)
+    return await off_loop(parse_client_event, raw, max_bytes)
 
 
 def parse_client_event(raw: str | bytes | Masked, max_bytes: int | None = None) -> tuple[BaseModel, str | None]:

@@ -33,6 +33,7 @@ from omni_cache.serving.realtime.protocol import EventError, error_event, make_e
 from omni_cache.serving.realtime.response import ResponseOptions, ResponseRun
 from omni_cache.serving.realtime.session_config import SessionConfig
 from omni_cache.tasks import wait_ended
+from omni_cache.thread_pools import ThreadPools
 
 __all__ = ["MIN_COMMIT_MS", "RealtimeSession"]
 
@@ -48,6 +49,7 @@ class RealtimeSession:
         *,
         limits: RealtimeConfig,
         served_model: str,
+        threads: ThreadPools,
         images: client_items.ImageSource | None = None,
         watch: Callable[[Callable[[], None], Callable[[], None]], Any] | None = None,
     ) -> None:
@@ -55,6 +57,9 @@ class RealtimeSession:
         # Watches the client's connection while a response streams (connection.serve_realtime).
         self.watch = watch
         self.pipeline, self.send = pipeline, send
+        # The server's worker threads: client items read and decoded on its media threads, a
+        # prompt's tokens counted on its request threads, large events parsed on its own.
+        self.threads = threads
         self.served_model = served_model
         # How input_image parts are read and decoded (server.media's limits, the server's
         # decoded-item cache); None: images are refused.
@@ -65,7 +70,7 @@ class RealtimeSession:
         self.conversation = Conversation(limits.max_items)
         # Its share of the server's memory bound and the thinker's limits (truncation).
         self.bounds = ConversationBounds(
-            pipeline, limits.max_items, limits.max_sessions, self.rate, limits.max_buffer_s
+            pipeline, limits.max_items, limits.max_sessions, self.rate, limits.max_buffer_s, threads.request
         )
         # Input audio is decoded, resampled and scored for speech on the input worker's thread.
         self.audio_in = input_worker.InputStream(
@@ -268,13 +273,13 @@ class RealtimeSession:
         if self.images is not None:  # its image URLs downloaded here, on the loop, not in the thread
             await self.images.fetch(client_items.image_urls(event.item))
         try:
-            pending = await asyncio.to_thread(client_items.read, event.item, fmt, self.rate, self.images)
+            pending = await self.threads.media(client_items.read, event.item, fmt, self.rate, self.images)
         finally:
             if self.images is not None:
                 self.images.forget()
         dropped = self._room(pending.nbytes)
         try:
-            item = await asyncio.to_thread(client_items.decode, pending, fmt, self.rate, self.images)
+            item = await self.threads.media(client_items.decode, pending, fmt, self.rate, self.images)
         except BaseException:
             self.bounds.done(self.conversation)  # the room is given back; nothing was dropped
             raise
