@@ -26,11 +26,16 @@ def inject(ctx: zmq.Context, address: str, codec: Codec, auth: StageAuth | None,
         auth.secure(sock, bind=False)
     sock.connect(address)
     try:
-        sock.send_multipart(
-            codec.encode(
-                Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"), sampling=EngineSampling(max_tokens=4))
-            )
+        message = codec.encode(
+            Submit(request_id=request_id, prompt_token_ids=list(b"INJECTED"), sampling=EngineSampling(max_tokens=4))
         )
+        try:
+            # Never blocking: a refused handshake can drop the connection's pipe between two
+            # frames, and a PUSH socket without one waits for a peer forever (the suite hung
+            # here once, in a two-worker run).
+            sock.send_multipart(message, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # nothing to queue it on: the stage already turned the connection away
         done = {
             zmq.EVENT_HANDSHAKE_SUCCEEDED,
             zmq.EVENT_HANDSHAKE_FAILED_AUTH,
