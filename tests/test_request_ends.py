@@ -283,22 +283,30 @@ def test_the_tool_parser_reads_the_tokenizer_under_its_lock_off_the_loop():
     import threading
     from types import SimpleNamespace
 
+    from omni_cache.config.server_schema import ThreadsConfig
     from omni_cache.runtime.request_path.text_codec import TextCodec
     from omni_cache.serving.routes import parse_locked
+    from omni_cache.thread_pools import ThreadPools
 
     codec = TextCodec.__new__(TextCodec)
     codec._lock = threading.Lock()
     orch = SimpleNamespace(codec=codec)
+    threads = ThreadPools(ThreadsConfig())
     seen = []
 
     def parse(x):
-        seen.append((threading.current_thread() is threading.main_thread(), codec._lock.locked()))
+        seen.append((threading.current_thread().name, codec._lock.locked()))
         return x
 
-    assert asyncio.run(parse_locked(orch, SimpleNamespace(parser=object()), parse, 7)) == 7
-    assert seen == [(False, True)]  # a worker thread, holding the tokenizer's lock
-    assert asyncio.run(parse_locked(orch, SimpleNamespace(parser=None), parse, 8)) == 8
-    assert seen[1] == (True, False)  # no tool parser: nothing reads the tokenizer, no hop
+    try:
+        assert asyncio.run(parse_locked(threads, orch, SimpleNamespace(parser=object()), parse, 7)) == 7
+        assert asyncio.run(parse_locked(threads, orch, SimpleNamespace(parser=None), parse, 8)) == 8
+    finally:
+        threads.close()
+    # A request thread, holding the tokenizer's lock; then, without a tool parser, nothing reads
+    # the tokenizer: no hop off the loop.
+    assert seen[0][0].startswith("omni-request_") and seen[0][1]
+    assert seen[1] == (threading.main_thread().name, False)
 
 
 class _Fleet:
