@@ -147,9 +147,12 @@ def test_past_its_step_timeout_a_held_stage_is_hung_and_restarted(server, holds)
         time.sleep(0.2)
     answers_again(server)
     after = stage_metrics(server)
-    for name in (
-        "omni_cache_stage_restarts_total",
-        "omni_cache_stage_hangs_total",
-        "omni_cache_stage_long_steps_total",
-    ):
+    for name in ("omni_cache_stage_restarts_total", "omni_cache_stage_hangs_total"):
         assert metric(after, name, "decoder") - metric(before, name, "decoder") == 1, name
+    # The held step counted as long; under a loaded host another step of the decoder may be too
+    # (the suite saw 2), so at least the one.
+    assert (
+        metric(after, "omni_cache_stage_long_steps_total", "decoder")
+        - metric(before, "omni_cache_stage_long_steps_total", "decoder")
+        >= 1
+    )
