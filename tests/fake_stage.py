@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import codecs
 import collections
+import hashlib
 import os
 import threading
 import time
@@ -98,8 +99,9 @@ class FakeStage:
         #: or when the hold's lease lapses (the timer, replaced by each renewal).
         self.held: dict[str, asyncio.Event] = {}
         self.leases: dict[str, asyncio.TimerHandle] = {}
-        #: The last SEEN_PROMPTS prompts, for the prefix-cache counters (a real engine forgets too).
-        self.seen: collections.deque[np.ndarray] = collections.deque(maxlen=SEEN_PROMPTS)
+        #: The last SEEN_PROMPTS distinct prompts by their bytes' digest, for the prefix-cache
+        #: counters (a real engine forgets too; it also holds a repeated prompt's blocks once).
+        self.seen: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self.delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.01"))
         self.counters = {
             k: 0.0
@@ -199,17 +201,23 @@ class FakeStage:
 
     def _cached(self, prompt: list[int]) -> int:
         """The prompt's longest common prefix with a recent one, in whole blocks. Compared with
-        numpy over a bounded history: a Python loop over every prompt ever seen blocked this
-        stage's loop for seconds under benchmarks/hostile.py (16 prompts of 20,000 tokens every
-        few seconds, each compared with all before it), and with it every other request's first
-        text: a tail of the fake, not of the server."""
+        numpy over a bounded history of distinct prompts, a repeated one found by its digest
+        alone: a Python loop over every prompt ever seen blocked this stage's loop for seconds
+        under benchmarks/hostile.py (16 prompts of 20,000 tokens every few seconds), and so did
+        comparing each of them with the 256 copies of itself before it (~0.1 s a batch on a Zen
+        3); with it every other request's first text: a tail of the fake, not of the server."""
         new = np.asarray(prompt, dtype=np.int64)
-        best = 0
-        for old in self.seen:
-            m = min(len(old), len(new))
-            differ = np.flatnonzero(old[:m] != new[:m])
-            best = max(best, int(differ[0]) if len(differ) else m)
-        self.seen.append(new)
+        digest = hashlib.blake2b(new.tobytes(), digest_size=16).digest()
+        best = len(new) if digest in self.seen else 0
+        if not best:
+            for old in self.seen.values():
+                m = min(len(old), len(new))
+                differ = np.flatnonzero(old[:m] != new[:m])
+                best = max(best, int(differ[0]) if len(differ) else m)
+        self.seen[digest] = new
+        self.seen.move_to_end(digest)
+        while len(self.seen) > SEEN_PROMPTS:
+            self.seen.popitem(last=False)
         return min(best // BLOCK * BLOCK, max(0, len(prompt) - 1))
 
     async def think(self, sub: Submit) -> None:
