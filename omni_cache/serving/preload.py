@@ -45,13 +45,19 @@ REQUEST_PATH_MODULES = (
     "vllm.sampling_params",
 )
 
+#: Modules that libraries of the request path import on their own first use, on the event loop:
+#: anyio's asyncio back end (starlette's first streamed response opens an anyio task group: ~40
+#: ms on a 2-vCPU Zen 3) and httpcore (httpx's first client, for the first media URL: ~50 ms).
+#: Found by tests/test_first_use_imports.py, which records what a fresh server imports on its loop.
+LIBRARY_FIRST_USE_MODULES = ("anyio._backends._asyncio", "httpcore")
+
 
 def preload() -> list[str]:
-    """Import :data:`REQUEST_PATH_MODULES` and register Pillow's image plugins (its first
-    ``Image.open`` would); returns the modules that failed to import (logged, not raised: the
-    request that needs one reports the error as before)."""
+    """Import :data:`REQUEST_PATH_MODULES` and :data:`LIBRARY_FIRST_USE_MODULES`, and register
+    Pillow's image plugins (its first ``Image.open`` would); returns the modules that failed to
+    import (logged, not raised: the request that needs one reports the error as before)."""
     failed = []
-    for name in REQUEST_PATH_MODULES:
+    for name in REQUEST_PATH_MODULES + LIBRARY_FIRST_USE_MODULES:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - a missing optional module fails its request later
