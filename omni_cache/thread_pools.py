@@ -12,8 +12,9 @@ What runs off the event loop in the server is of four kinds, each with a pool of
 With one shared pool (asyncio's default executor: min(32, CPUs + 4) threads, 6 on a 2-core
 host), six slow decodes held every thread and a text-only request waited behind them to have its
 body parsed. Here a flood of one kind queues in its own pool and the others keep their threads.
-The orchestrator's own off-loop work (routing hashes, detokenizing, heap trims) stays on asyncio's
-default executor, which the server no longer fills.
+Their threads are started while the server starts (:meth:`ThreadPools.start_threads`), not on
+the event loop by the first requests. The orchestrator's own off-loop work (routing hashes,
+detokenizing, heap trims) stays on asyncio's default executor, which the server no longer fills.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextvars
 import functools
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -54,6 +56,7 @@ class ThreadPools:
         self._pools = {
             kind: ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"omni-{kind}") for kind, n in self.sizes.items()
         }
+        self._barriers: dict[str, threading.Barrier] = {}  # start_threads'
 
     async def request(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._run("request", fn, args)
@@ -71,7 +74,21 @@ class ThreadPools:
         call = functools.partial(contextvars.copy_context().run, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._pools[kind], call)
 
+    def start_threads(self, timeout: float = 60.0) -> None:
+        """Start every pool's threads now (blocking: the server calls it from a thread while its
+        stages start). A pool starts a thread when work finds none idle, and the submitter waits
+        for the new thread to run: on the event loop, in a fresh server's first burst of
+        requests, each start waited for the GIL and a CPU (stalls of several ms on a busy 2-vCPU
+        host). Each pool is given as many jobs as it has threads, all waiting for one another."""
+        for kind, pool in self._pools.items():
+            barrier = self._barriers[kind] = threading.Barrier(self.sizes[kind])
+            for job in [pool.submit(barrier.wait, timeout) for _ in range(self.sizes[kind])]:
+                job.result()
+
     def close(self) -> None:
-        """Stop taking work; what waits in a queue is cancelled, what runs finishes on its own."""
+        """Stop taking work; what waits in a queue is cancelled, what runs finishes on its own
+        (a start_threads still waiting is let go at once)."""
+        for barrier in self._barriers.values():
+            barrier.abort()
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)

@@ -96,3 +96,37 @@ def test_slow_media_decodes_do_not_hold_up_a_text_request(monkeypatch):
                 gate.set()
             answered = [f.result() for f in waiting]
     assert [r.status_code for r in answered] == [200] * held, [r.text for r in answered if r.status_code != 200]
+
+
+def test_start_threads_starts_every_pools_threads_before_any_work():
+    pools = ThreadPools(ThreadsConfig(request=3, media=2, response=1, realtime_events=2))
+    try:
+        pools.start_threads()
+        names = [t.name for t in threading.enumerate()]
+        started = {kind: sum(name.startswith(f"omni-{kind}_") for name in names) for kind in KINDS}
+        assert started == pools.sizes
+
+        async def where() -> str:
+            return await pools.request(lambda: threading.current_thread().name)
+
+        assert asyncio.run(where()).startswith("omni-request_")  # they take work as before
+    finally:
+        pools.close()
+
+
+def test_closing_lets_a_start_that_still_waits_go_at_once():
+    pools = ThreadPools(ThreadsConfig(request=2))
+    held = threading.Event()
+    holder = threading.Thread(target=asyncio.run, args=(pools.request(held.wait, 30),), daemon=True)
+    holder.start()  # one of the two threads busy: the start's second job finds no thread
+    starting = threading.Thread(target=pools.start_threads, kwargs={"timeout": 30}, daemon=True)
+    starting.start()
+    try:
+        while sum(t.name.startswith("omni-request_") for t in threading.enumerate()) < 2:
+            held.wait(0.01)  # (a poll: the start's first job has its thread once there are two)
+        pools.close()
+        starting.join(10)
+        assert not starting.is_alive(), "close() did not let the waiting start go"
+    finally:
+        held.set()
+        holder.join(10)

@@ -142,9 +142,11 @@ def _lifespan(
 
     async def boot(app: FastAPI) -> None:
         imports = asyncio.create_task(asyncio.to_thread(preload), name="omni-cache-preload")
+        threads = asyncio.create_task(asyncio.to_thread(app.state.threads.start_threads), name="omni-cache-threads")
         try:
             await orch.start()
             await imports  # long done: the stages take seconds to start
+            await threads
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001
