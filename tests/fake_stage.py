@@ -19,6 +19,9 @@ tests/test_server_unit.py:
   With ``return_latents`` it sends a "hidden" tensor [prompt + output tokens, 4].
 * ``FAKE_SAMPLE_RATE`` is the sample rate the "decoder" reports (default 24000).
 * ``FAKE_START_DELAY`` (s) delays StageReady; ``FAKE_EXIT_AT_START=N`` exits with N at start.
+* With ``OMNI_CACHE_TIMELINE_DIR`` set (omni_cache/timeline.py) it marks a request's ``input``
+  (its Submit, or a decoder's first upstream output), ``out0`` (its first output, as sent) and
+  a decoder's ``audio_out``, in a file named for its stage, as the real stages do.
 * other stages (a "decoder"): 240 samples (10 ms at 24 kHz) of a sine per upstream token, sent to
   the orchestrator as an "audio" frame; a finished header once upstream finished.
 """
@@ -43,6 +46,7 @@ from omni_cache.config import load_config
 from omni_cache.config.addresses import control_address
 from omni_cache.config.identity import pipeline_hash
 from omni_cache.config.replicas import stage_replicas
+from omni_cache.timeline import Timeline
 from omni_cache.wire.messages import (
     MESSAGE_TYPES,
     Abort,
@@ -91,6 +95,7 @@ class FakeStage:
         self.orch = AsyncSender(self.ctx, orchestrator, codec, auth=self.auth)
         self.down = [AsyncSender(self.ctx, d.address, codec, auth=self.auth) for d in config.downstream(stage.name)]
         self.orchestrator, self.codec = orchestrator, codec
+        self.timeline = Timeline(self.name)
         self.tasks: dict[str, asyncio.Task] = {}
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
         self.spoken: dict[str, str] = {}  # decoder: request -> the text it was given
@@ -149,6 +154,8 @@ class FakeStage:
             if item is None:
                 continue
             msg, tensors = item
+            if isinstance(msg, (Submit, StageOutput)):
+                self.timeline.mark(msg.request_id, "input")
             if isinstance(msg, Submit):
                 self.counters["requests"] += 1
                 task = asyncio.create_task(self.think(msg))
@@ -288,6 +295,7 @@ class FakeStage:
                 pos = len(prompt) + i
                 tensors = {"hidden": torch.full((1, 4), float(pos))}
                 msg.latent_start = pos
+            self.timeline.mark(rid, "out0")  # (only the first is written)
             await self.orch.send(msg, tensors)
             self.counters["tokens_sent"] += len(new)
             if audio:
@@ -310,6 +318,7 @@ class FakeStage:
         for tok in up.token_ids:
             t = np.arange(SAMPLES_PER_TOKEN, dtype=np.float32) / SAMPLE_RATE
             wave = 0.5 * np.sin(2 * np.pi * (200 + 4 * tok) * t).astype(np.float32)
+            self.timeline.mark(rid, "audio_out")  # (only the first is written)
             await self.orch.send(
                 StageOutput(request_id=rid, stage=self.name, seq=seq, sample_rate=SAMPLE_RATE),
                 {"audio": torch.from_numpy(wave)},
