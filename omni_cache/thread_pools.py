@@ -2,8 +2,8 @@
 
 What runs off the event loop in the server is of four kinds, each with a pool of its own:
 
-- ``request``: parsing a chat body, templating and tokenizing its prompt, the tool parser,
-  counting a realtime conversation's tokens;
+- ``request``: parsing a chat body, templating and tokenizing its prompt, the tool parser, its
+  sampling (vLLM's checks and ``to_sampling_params``), counting a realtime conversation's tokens;
 - ``media``: reading, inflating and decoding images, clips and videos (milliseconds to seconds
   each: a video's frames);
 - ``response``: encoding a whole (non-streamed) answer to JSON, a spoken one's audio as base64;

@@ -202,16 +202,8 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
             503, "the pipeline is still starting: " + ", ".join(f"{n} ({why})" for n, why in orch.not_ready().items())
         )
     prompt = await threads.request(rendered_prompt, orch, chat, state.tool_parser)
-    # vLLM's tool parser reads the tokenizer's vocabulary (tens of ms for a real one): off the
-    # loop, behind the tokenizer's lock. It adjusts chat.body: before sampling.
-    parser = await threads.request(orch.codec.call_locked, tool_parser, orch, chat, state.tool_parser)
+    parser, sampling = await threads.request(_parser_and_sampling, orch, chat, state.tool_parser, len(prompt))
     req = chat.body
-    sampling = engine_sampling(
-        req,
-        prompt_len=len(prompt),
-        max_model_len=orch.admission.max_model_len or _UNBOUNDED,
-        defaults=orch.admission.default_sampling(),
-    )
     media = await _decoded_media(chat, orch, ticket, state.media_cache, threads)
     handle = await orch.submit(
         prompt,
@@ -235,6 +227,21 @@ async def _read_and_submit(request: Request, orch: Orchestrator, ticket: Ticket,
 
 #: The context length used before the entry stage reported one (vLLM then still checks its own).
 _UNBOUNDED = 2**31
+
+
+def _parser_and_sampling(orch: Orchestrator, chat: ChatRequest, parser_class: Any, prompt_len: int) -> tuple[Any, Any]:
+    """The request's tool parser and its sampling for the thinker (on a request thread). vLLM's
+    tool parser reads the tokenizer's vocabulary (tens of ms for a real one): behind the
+    tokenizer's lock; it adjusts ``chat.body``, so it comes first. The sampling (vLLM's checks and
+    ``to_sampling_params``: ~0.4 ms) is done here too rather than on the event loop."""
+    parser = orch.codec.call_locked(tool_parser, orch, chat, parser_class)
+    sampling = engine_sampling(
+        chat.body,
+        prompt_len=prompt_len,
+        max_model_len=orch.admission.max_model_len or _UNBOUNDED,
+        defaults=orch.admission.default_sampling(),
+    )
+    return parser, sampling
 
 
 @router.websocket("/v1/realtime")
