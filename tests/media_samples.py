@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import io
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import soundfile as sf
@@ -97,3 +101,27 @@ def video_bytes(
 
 def video_data_url(**kwargs) -> str:
     return "data:video/mp4;base64," + base64.b64encode(video_bytes(**kwargs)).decode()
+
+
+@contextlib.contextmanager
+def served_file(data: bytes, content_type: str, name: str) -> Iterator[str]:
+    """An http server on 127.0.0.1 answering every GET with ``data`` as ``content_type`` (no
+    Content-Length: its size shows only while reading); yields the URL of ``name`` on it (a media
+    URL for the server's allowed hosts)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/{name}"
+    finally:
+        server.shutdown()

@@ -15,47 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import http.server
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import numpy as np
-from media_samples import clip_b64, png_data_url
+from media_samples import clip_b64, png_data_url, served_file
 
 from benchmarks.realtime_client import append_audio, connect, next_event, read_answer
 from benchmarks.speech_clips import speech
 
 HELPER = Path(__file__).with_name("first_use_server.py")
 LOOP_THREAD = "omni-cache-http"
-
-
-@contextlib.contextmanager
-def image_host():
-    """An http server on 127.0.0.1 answering every GET with a PNG; yields its URL."""
-    png = base64.b64decode(png_data_url(32, 24, seed=3).split(",", 1)[1])
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(png)))
-            self.end_headers()
-            self.wfile.write(png)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/cat.png"
-    finally:
-        server.shutdown()
 
 
 def chat_requests(model: str, image_url: str) -> list[dict]:
@@ -112,7 +85,11 @@ def test_the_first_request_of_each_kind_imports_nothing_on_the_event_loop():
         url, model, key = ready["url"], ready["model"], ready["api_key"]
         headers = {"Authorization": f"Bearer {key}"}
         statuses = []
-        with image_host() as image_url, httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        png = base64.b64decode(png_data_url(32, 24, seed=3).split(",", 1)[1])
+        with (
+            served_file(png, "image/png", "cat.png") as image_url,
+            httpx.Client(base_url=url, headers=headers, timeout=60) as http,
+        ):
             for path in ("/health", "/v1/models", "/metrics"):
                 statuses.append(http.get(path).status_code)
             for body in chat_requests(model, image_url):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from media_samples import video_bytes
+from media_samples import served_file, video_bytes
 
 from omni_cache.config import load_config
 from omni_cache.config.errors import ConfigError
@@ -231,25 +231,9 @@ def test_min_frames_above_max_frames_is_a_config_error(tmp_path):
 
 @pytest.fixture
 def video_host():
-    import http.server
-    import threading
-
     data = video_bytes(seed=3)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Type", "video/mp4")
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/clip.mp4", data
-    server.shutdown()
+    with served_file(data, "video/mp4", "clip.mp4") as url:
+        yield url, data
 
 
 def test_a_video_url_is_fetched_from_an_allowed_host_within_max_video_bytes(video_host):
