@@ -25,7 +25,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -79,11 +79,17 @@ class ThreadPools:
         stages start). A pool starts a thread when work finds none idle, and the submitter waits
         for the new thread to run: on the event loop, in a fresh server's first burst of
         requests, each start waited for the GIL and a CPU (stalls of several ms on a busy 2-vCPU
-        host). Each pool is given as many jobs as it has threads, all waiting for one another."""
-        for kind, pool in self._pools.items():
-            barrier = self._barriers[kind] = threading.Barrier(self.sizes[kind])
-            for job in [pool.submit(barrier.wait, timeout) for _ in range(self.sizes[kind])]:
-                job.result()
+        host). Each pool is given as many jobs as it has threads, all waiting for one another.
+        Best effort: past ``timeout`` (a host too busy to run them) or once closed it returns, and
+        the threads not yet started start on first use as they would have; it never fails the
+        server's start."""
+        try:
+            for kind, pool in self._pools.items():
+                barrier = self._barriers[kind] = threading.Barrier(self.sizes[kind])
+                for job in [pool.submit(barrier.wait, timeout) for _ in range(self.sizes[kind])]:
+                    job.result()
+        except (threading.BrokenBarrierError, RuntimeError, CancelledError):  # timed out; closed
+            return
 
     def close(self) -> None:
         """Stop taking work; what waits in a queue is cancelled, what runs finishes on its own

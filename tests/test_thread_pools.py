@@ -130,3 +130,22 @@ def test_closing_lets_a_start_that_still_waits_go_at_once():
     finally:
         held.set()
         holder.join(10)
+
+
+def test_a_start_that_times_out_returns_and_work_still_runs():
+    pools = ThreadPools(ThreadsConfig(request=2))
+    held = threading.Event()
+    holder = threading.Thread(target=asyncio.run, args=(pools.request(held.wait, 30),), daemon=True)
+    holder.start()  # one of the two threads busy for the whole start: its barrier cannot fill
+    try:
+        pools.start_threads(timeout=0.5)  # returns: the server's start does not fail on it
+        held.set()
+        holder.join(10)
+
+        async def where() -> str:
+            return await pools.request(lambda: threading.current_thread().name)
+
+        assert asyncio.run(where()).startswith("omni-request_")
+    finally:
+        held.set()
+        pools.close()
