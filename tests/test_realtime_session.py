@@ -402,49 +402,95 @@ def quick():
         yield s
 
 
+class PausedClient:
+    """A realtime client on one thread over a socket with a 4 KiB receive window: between its
+    reads nothing takes the server's bytes (a threaded client would go on reading into its
+    queue), and when it reads it takes whatever the window holds at once and answers the server's
+    keepalive pings as soon as it reads them. (websockets' threaded client, paused by its
+    ``max_queue``, hands each message between two threads; on a CPU shared with other work that
+    took so long that the server's keepalive ping, queued behind the held response, timed out.)"""
+
+    def __init__(self, url: str) -> None:
+        import socket
+
+        from websockets.client import ClientProtocol
+        from websockets.uri import parse_uri
+
+        uri = parse_uri(url)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+        self.sock.connect((uri.host, uri.port))
+        self.protocol = ClientProtocol(uri, max_size=None)
+        request = self.protocol.connect()
+        request.headers["Authorization"] = f"Bearer {API_KEY}"
+        self.protocol.send_request(request)
+        self._flush()
+        self.pending: list[dict] = []
+
+    def _flush(self) -> None:
+        self.sock.sendall(b"".join(self.protocol.data_to_send()))
+
+    def send(self, event: dict) -> None:
+        import json
+
+        self.protocol.send_text(json.dumps(event).encode())
+        self._flush()
+
+    def recv(self, timeout: float) -> dict:
+        """The next event the server sent; reads the socket only when none is waiting."""
+        import json
+
+        from websockets.frames import Frame, Opcode
+
+        end = time.monotonic() + timeout
+        while not self.pending:
+            for event in self.protocol.events_received():
+                if isinstance(event, Frame) and event.opcode is Opcode.TEXT:
+                    assert event.fin, "the server fragments no event"
+                    self.pending.append(json.loads(event.data))
+            self._flush()  # pongs to the pings just read
+            if self.pending:
+                break
+            assert self.protocol.handshake_exc is None, self.protocol.handshake_exc
+            assert self.protocol.close_rcvd is None, f"the server closed: {self.protocol.close_rcvd}"
+            self.sock.settimeout(max(end - time.monotonic(), 0.001))
+            data = self.sock.recv(1 << 16)
+            if data:
+                self.protocol.receive_data(data)
+            else:
+                self.protocol.receive_eof()
+        return self.pending.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def test_a_client_that_stops_reading_has_its_response_held_and_gets_all_of_it(quick):
     """A realtime client that takes none of a streaming response (its socket's window is full)
     has the response held at its stages, as a chat stream's is (scheduler/client_hold.py): the
     thinker writes no token for it; reading again, the client gets every event to response.done."""
-    import json
-    import socket
-
     from fake_pipeline import HOLDS, SENT, metric, wait_until_held
-    from websockets.sync.client import connect as connect_sync
 
     tokens = 3000
     before = metric(quick, HOLDS, stage="thinker")
-    host, port = quick.url.split("//")[1].split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
-    sock.connect((host, int(port)))
-    ws = connect_sync(
-        f"ws://{host}:{port}/v1/realtime?model={model(quick)}",
-        sock=sock,
-        additional_headers={"Authorization": f"Bearer {API_KEY}"},
-        max_queue=(2, 1),  # the client library stops reading its socket past 2 waiting messages
-        max_size=None,
-        ping_interval=None,  # its pong would wait behind what it does not read
-    )
+    ws = PausedClient(f"{quick.url.replace('http', 'ws', 1)}/v1/realtime?model={model(quick)}")
     try:
-        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
-        ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "turn_detection": None}}))
+        assert ws.recv(timeout=30)["type"] == "session.created"
+        ws.send({"type": "session.update", "session": {"type": "realtime", "turn_detection": None}})
         text = "x" * tokens
         ws.send(
-            json.dumps(
-                {
-                    "type": "conversation.item.create",
-                    "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
-                }
-            )
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+            }
         )
-        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": tokens}}))
+        ws.send({"type": "response.create", "response": {"max_output_tokens": tokens}})
         first = wait_until_held(quick, before)
         time.sleep(0.5)  # 250 tokens' time
         assert metric(quick, SENT, stage="thinker") == first, "the thinker wrote tokens for a held response"
         transcript, done = "", None
         while done is None:
-            event = json.loads(ws.recv(timeout=60))
+            event = ws.recv(timeout=60)
             assert event["type"] != "error", event
             if event["type"] == "response.output_audio_transcript.delta":
                 transcript += event["delta"]

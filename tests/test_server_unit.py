@@ -12,6 +12,7 @@ import io
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -563,9 +564,21 @@ def test_client_that_goes_away_aborts_its_request(srv, http):
         _wait_ended(ended, each, 1)
         assert ended[0] == (499, "the client disconnected from the stream"), ended
         _wait_idle(srv, http, timeout=30.0)  # the thinker dropped it (else it holds it an hour)
-        # A non-streamed request whose client stops waiting (disconnects are polled every 0.5 s).
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/chat/completions", json=chat(srv, "STALL h" + "h" * 120, max_tokens=100), timeout=0.3)
+        # A non-streamed request whose client hangs up once the request is in flight (disconnects
+        # are polled every 0.5 s). By hand on a socket: a client-side timeout could fire before the
+        # server had the request, on a busy CPU.
+        data = json.dumps(chat(srv, "STALL h" + "h" * 120, max_tokens=100)).encode()
+        host, port = srv.url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+            end = time.monotonic() + 30
+            while orch.in_flight == 0:
+                assert time.monotonic() < end, "the request never reached the pipeline"
+                time.sleep(0.02)
         _wait_ended(ended, each, 2)
         assert ended[1] == (499, "the client disconnected"), ended
         _wait_idle(srv, http, timeout=30.0)
