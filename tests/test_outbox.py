@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import zmq
 
 from omni_cache.wire.messages import MESSAGE_TYPES, StageOutput, StreamStart
@@ -115,3 +116,72 @@ def test_a_stream_start_and_a_delta_arrive_as_their_own_types():
     assert got.sampling.max_tokens == 4
     got, _ = codec.decode(codec.encode(delta))
     assert type(got) is StageOutput and got == delta
+
+
+def drain(receiver: Receiver, wait_ms: int = 300) -> list:
+    return [m for m, _ in iter(lambda: receiver.recv(timeout_ms=wait_ms), None)]
+
+
+def plain(rid: str, seq: int) -> StageOutput:
+    return StageOutput(request_id=rid, stage="thinker", seq=seq, token_ids=[seq], text=str(seq))
+
+
+def test_one_steps_outputs_go_to_the_orchestrator_as_one_message_before_anything_downstream(tmp_path):
+    """Within ``one_step`` the outputs without tensors wait and leave as one StageOutputs in
+    their order; an output with tensors, or any other message, first sends what waits (the order
+    per request is kept); what goes downstream leaves after the orchestrator's, so the
+    orchestrator has every output before a downstream stage can answer it. Outside a step each
+    message goes at once, as before."""
+    ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
+    orch = Receiver(ctx, f"ipc://{tmp_path}/orch.sock", codec)
+    talker = Receiver(ctx, f"ipc://{tmp_path}/talker.sock", codec)
+    outbox = Outbox(ctx, codec, {"talker": [f"ipc://{tmp_path}/talker.sock"]}, f"ipc://{tmp_path}/orch.sock")
+    failed = []
+    try:
+        with outbox.one_step(lambda rid, exc: failed.append(rid)):
+            outbox.to_orchestrator(plain("a", 1))
+            outbox.to_downstream(out("a", 0))
+            outbox.to_orchestrator(plain("b", 1))
+            assert orch.recv(timeout_ms=200) is None and talker.recv(timeout_ms=50) is None  # all wait
+            outbox.to_orchestrator(plain("c", 1), {"hidden": torch.zeros(1, 4)})  # sends a and b first
+            outbox.to_orchestrator(plain("d", 1))
+        got = drain(orch)
+        assert [type(m).__name__ for m in got] == ["StageOutputs", "StageOutput", "StageOutput"]
+        assert [(o.request_id, o.seq) for o in got[0].outputs] == [("a", 1), ("b", 1)]
+        assert [m.request_id for m in got[1:]] == ["c", "d"]  # d alone: a step of one output
+        assert [(m.request_id, m.seq) for m in drain(talker)] == [("a", 0)]
+        outbox.to_orchestrator(plain("e", 1))  # outside a step: at once
+        assert orch.recv(timeout_ms=5000)[0].request_id == "e"
+        assert failed == []
+    finally:
+        outbox.close()
+        orch.close()
+        talker.close()
+        ctx.term()
+
+
+def test_a_request_forgotten_within_the_step_sends_nothing_downstream_and_a_failed_send_fails_its_requests(tmp_path):
+    """A request that fails during the step (``forget``) has none of its waiting messages sent
+    downstream; a downstream peer that stopped reading fails, at the step's end, the request whose
+    message could not go, through the callback (the runner's ``fail``), and only that one."""
+    ctx, codec = zmq.Context(), Codec(MESSAGE_TYPES)
+    address = f"ipc://{tmp_path}/talker.sock"
+    talker = Receiver(ctx, address, codec)
+    outbox = Outbox(ctx, codec, {"talker": [address]}, None, send_timeout_s=0.2)
+    failed = []
+    try:
+        with outbox.one_step(lambda rid, exc: failed.append((rid, type(exc).__name__))):
+            outbox.to_downstream(out("a", 0))
+            outbox.to_downstream(out("b", 0))
+            outbox.forget("a")
+        assert [m.request_id for m in drain(talker)] == ["b"]
+        assert failed == []
+        # Nobody reads from here on: zmq's queues (1,000 messages at each end) fill.
+        with outbox.one_step(lambda rid, exc: failed.append((rid, type(exc).__name__))):
+            for i in range(1, 5000):
+                outbox.to_downstream(out("b", i))
+        assert failed == [("b", "SendTimeout")]  # its stream is broken: the rest of it is not sent
+    finally:
+        outbox.close()
+        talker.close()
+        ctx.term()

@@ -302,6 +302,11 @@ class ARRunner(StageRunner):
         return self.llm.has_work()
 
     def step(self) -> None:
+        # The step's outputs leave together at its end (workers/outbox.py).
+        with self.outbox.one_step(self.fail):
+            self._step_outputs()
+
+    def _step_outputs(self) -> None:
         for out in self.llm.step():
             request_id = self.by_job.get(out.request_id)
             req = self.requests.get(request_id) if request_id else None

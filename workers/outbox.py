@@ -18,19 +18,28 @@ fills its queue, and a send then waits at most ``send_timeout_s`` for room befor
 :class:`SendTimeout` (the caller fails the request the message carried); while that peer's queue
 stays full, later sends to it fail at once instead of waiting again, so the stage goes on serving
 the requests that do not need that peer.
+
+An engine step's outputs travel together (:meth:`Outbox.one_step`): those for the orchestrator
+that carry no tensors go as one ``StageOutputs`` message at the step's end, as vLLM's engine core
+sends a step's outputs, instead of one message per streaming request per step, each a receive and
+a decode on the server's event loop. What goes downstream in the step waits with them and goes
+right after, so the orchestrator still hears of an output before a downstream stage can answer it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from omni_cache.wire.messages import StageOutput, StreamStart
-from omni_cache.wire.transport import Codec, Sender, SendTimeout
+from omni_cache.wire.messages import MAX_STEP_OUTPUTS, StageOutput, StageOutputs, StreamStart
+from omni_cache.wire.transport import Codec, MessageTooLarge, Sender, SendTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +156,16 @@ class Peer:
         self.sender.close()
 
 
+@dataclass
+class StepSends:
+    """What one engine step has sent so far (:meth:`Outbox.one_step`); ``failed(request_id, exc)``
+    fails a request whose message could not go."""
+
+    failed: Callable[[str, BaseException], None]
+    outputs: list[StageOutput] = field(default_factory=list)  # to the orchestrator, no tensors
+    downstream: list[tuple[StageOutput, dict[str, torch.Tensor] | None]] = field(default_factory=list)
+
+
 class Outbox:
     """``downstream``: each downstream stage's replica addresses, by replica index.
     ``send_timeout_s``: how long a send waits for room in a full queue (None: as long as it
@@ -182,11 +201,56 @@ class Outbox:
             if self.orchestrator_sender is not None
             else None
         )
+        self._step: StepSends | None = None  # within one_step
+
+    @contextlib.contextmanager
+    def one_step(self, failed: Callable[[str, BaseException], None]) -> Iterator[None]:
+        """Within it (one engine step), outputs to the orchestrator without tensors and messages
+        downstream wait; at its end the outputs go as one message, then the downstream messages
+        in the order they were made. A send that fails there fails its requests through
+        ``failed(request_id, exc)`` (the runner's ``fail``), as it would have failed the request
+        sending it."""
+        step = self._step = StepSends(failed)
+        try:
+            yield
+        finally:
+            self._step = None
+            self._send_outputs(step)
+            for msg, tensors in step.downstream:
+                try:
+                    self._send_downstream(msg, tensors)
+                except Exception as exc:  # noqa: BLE001 -- SendTimeout and the like: that request fails
+                    step.failed(msg.request_id, exc)
 
     def to_orchestrator(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Raises SendTimeout when the orchestrator's queue stays full."""
-        if self.orchestrator is not None:
-            self.orchestrator.send(msg, tensors)
+        """Raises SendTimeout when the orchestrator's queue stays full (outside a step; within
+        one, a waiting output's failure fails its request at the step's end)."""
+        if self.orchestrator is None:
+            return
+        if self._step is not None:
+            if type(msg) is StageOutput and not tensors:
+                self._step.outputs.append(msg)
+                return
+            self._send_outputs(self._step)  # what the step made before this goes first
+        self.orchestrator.send(msg, tensors)
+
+    def _send_outputs(self, step: StepSends) -> None:
+        outputs, step.outputs = step.outputs, []
+        if self.orchestrator is None or not outputs:
+            return
+        for i in range(0, len(outputs), MAX_STEP_OUTPUTS):
+            part = outputs[i : i + MAX_STEP_OUTPUTS]
+            try:
+                self.orchestrator.send(part[0] if len(part) == 1 else StageOutputs(stage=part[0].stage, outputs=part))
+            except MessageTooLarge:  # together past max_message_bytes: each alone (one may still be)
+                for out in part:
+                    try:
+                        self.orchestrator.send(out)
+                    except Exception as exc:  # noqa: BLE001 -- that request fails
+                        step.failed(out.request_id, exc)
+            except Exception as exc:  # noqa: BLE001 -- SendTimeout: every request of the message fails
+                for request_id in dict.fromkeys(out.request_id for out in part):
+                    step.failed(request_id, exc)
 
     def to_downstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Send to every downstream stage: a StreamStart to the replica its ``route`` names, the
@@ -197,6 +261,13 @@ class Outbox:
             count = self._replicas.get(name)
             if count is not None and not 0 <= index < count:
                 raise ValueError(f"route names replica {index} of stage {name!r}, which has {count}")
+        if self._step is not None:
+            self._step.downstream.append((msg, tensors))
+            return
+        self._send_downstream(msg, tensors)
+
+    def _send_downstream(self, msg: StageOutput, tensors: dict[str, torch.Tensor] | None) -> None:
+        route = msg.route if isinstance(msg, StreamStart) else None
         for peer in self.peers:
             if route is not None and peer.replica != route.get(peer.name, 0):
                 continue
@@ -204,6 +275,8 @@ class Outbox:
 
     def forget(self, request_id: str) -> None:
         """The request ended here early: nothing more of it goes downstream."""
+        if self._step is not None:
+            self._step.downstream = [(m, t) for m, t in self._step.downstream if m.request_id != request_id]
         for peer in self.peers:
             peer.streams.discard(request_id)
 

@@ -1,6 +1,7 @@
 """What the stages send, each message to the part of the orchestrator it concerns.
 
-:class:`StageMessages` is the receive loop's dispatch: every ``StageOutput``, ``StageError`` and
+:class:`StageMessages` is the receive loop's dispatch: every ``StageOutput``, ``StageOutputs``
+(one engine step's outputs, each handled as a ``StageOutput`` in turn), ``StageError`` and
 ``StageStats`` says its stage is alive; an output goes to routing (what the replica now holds) and
 to output assembly, and completes its request when it was the last one needed; an error fails its
 request with the stage's status; ``StageReady`` goes to the supervisor, ``BlockEvents`` to
@@ -30,6 +31,7 @@ from omni_cache.wire.messages import (
     BlockSnapshotQuery,
     StageError,
     StageOutput,
+    StageOutputs,
     StageReady,
     StageStats,
 )
@@ -71,10 +73,13 @@ class StageMessages:
     def on_message(self, msg: Any, tensors: dict[str, Any]) -> None:
         """One message from a stage (the receive loop's dispatch)."""
         supervisor = self.fleet.supervisor
-        if isinstance(msg, (StageOutput, StageError, StageStats)):
+        if isinstance(msg, (StageOutput, StageOutputs, StageError, StageStats)):
             supervisor.heard_from(msg.stage)  # any message says the stage is alive, not only beats
         if isinstance(msg, StageOutput):
             self._on_output(msg, tensors)
+        elif isinstance(msg, StageOutputs):  # one step's outputs without tensors
+            for output in msg.outputs:
+                self._on_output(output, {})
         elif isinstance(msg, StageError):
             self._on_error(msg)
         elif isinstance(msg, StageReady):

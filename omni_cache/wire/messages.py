@@ -250,6 +250,21 @@ class StreamStart(StageOutput, tag="start", kw_only=True):
         return cls(**msgspec.structs.asdict(first), **once)
 
 
+#: Most outputs in one StageOutputs: a step of the largest batch vLLM schedules (max_num_seqs)
+#: fits many times over.
+MAX_STEP_OUTPUTS = 4096
+
+
+class StageOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """Stage -> orchestrator: the outputs of one engine step that carry no tensors, in the order
+    the stage made them, as one message (workers/outbox.py). A step of many streaming requests
+    is otherwise as many messages, each one a receive and a decode on the server's event loop,
+    which every client waits behind (vLLM's engine core sends a step's outputs together too)."""
+
+    stage: StageName
+    outputs: Annotated[list[StageOutput], Meta(max_length=MAX_STEP_OUTPUTS)]
+
+
 class StageError(msgspec.Struct, tag="error", kw_only=True):
     """Any process -> orchestrator: request `request_id` failed in `stage`."""
 
@@ -284,7 +299,7 @@ class Hold(msgspec.Struct, tag="hold", kw_only=True):
 #: The version of these messages' shapes, in every StageReady: raised when a message changes so
 #: that processes of different code would misread each other (msgspec fills a missing field with
 #: its default and drops an unknown one, silently).
-PROTOCOL_VERSION = 4  # 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold; 4: Hold.lease_s
+PROTOCOL_VERSION = 5  # 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold; 4: Hold.lease_s; 5: StageOutputs
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):
@@ -389,6 +404,7 @@ Message = (
     Submit
     | StreamStart
     | StageOutput
+    | StageOutputs
     | StageError
     | Abort
     | Hold
@@ -403,6 +419,7 @@ MESSAGE_TYPES = (
     Submit,
     StreamStart,
     StageOutput,
+    StageOutputs,
     StageError,
     Abort,
     Hold,
