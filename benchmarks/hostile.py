@@ -8,7 +8,11 @@ this process, real stage processes and ZMQ, an echo thinker and a fake decoder, 
 is measured is the server's own work. Its limits are the defaults but for an allowed image host
 (127.0.0.1) and ``server.max_outbox_bytes`` of 1 MiB; the fake thinker writes a token every
 ``--token-delay`` seconds (0.02: 50 tokens/s, about a real thinker's pace on these hosts; each
-token of a spoken answer carries 10 ms of audio). A silent reader is cut once the sockets and the
+token of a spoken answer carries 10 ms of audio) and sends every stream's token of one step in one
+message, as a real stage sends an engine step's outputs (workers/outbox.py); the fake decoder sends
+one audio message per ``--decoder-window`` tokens (16: Qwen3-Omni's decoder sends one per 16 codes,
+``chunk_size`` in stage_configs/qwen3_omni.yaml; 1, one per token, was this benchmark's default up to
+the nineteenth session's results). A silent reader is cut once the sockets and the
 outbox hold its answer (~5 MiB: ~100 s at that pace), so an attacked phase lasts until then. The attacks and probes are
 ``benchmarks/hostile_clients.py``'s, each in a process of its own
 (they would compete for this process's GIL): per round an idle phase (the probes alone) and an
@@ -99,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     answer = 20000
     path = write_config(
         f"hostile_{uuid.uuid4().hex[:8]}",
+        f'{{FAKE_DECODER_WINDOW: "{args.decoder_window}"}}',
         token_delay_s=args.token_delay,
         max_model_len=2 * answer + 200,
         timeout_s=600,
@@ -163,6 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ws": "uvicorn's own (unbounded)" if args.unbounded_ws else "ws_protocol (bounded)",
         "servers": variants(args),
         "token_delay_s": args.token_delay,
+        "decoder_window": args.decoder_window,
         "attacker_nice": args.attacker_nice,
         "server_cpus": args.server_cpus,
         "attacker_cpus": args.attacker_cpus,
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--token-delay", type=float, default=0.02, help="the fake thinker's seconds per token (50 tokens/s)"
     )
+    ap.add_argument("--decoder-window", type=int, default=16, help="the fake decoder's tokens per audio message")
     ap.add_argument(
         "--no-manage-heap",
         dest="manage_heap",
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"Machine: {result['machine']}. WebSocket layer: {result['ws']}. "
                 f"Server per round (now / as before send_watch and the gzip trailer check): "
                 f"{result['servers']}. Fake thinker: "
-                f"{result['token_delay_s']:g} s per token. Attackers at nice {result['attacker_nice']}. "
+                f"{result['token_delay_s']:g} s per token, decoder audio every "
+                f"{result['decoder_window']} tokens. Attackers at nice {result['attacker_nice']}. "
                 f"CPUs: server, stages and probes {result['server_cpus'] or 'any'}, attackers "
                 f"{result['attacker_cpus'] or 'any'}. "
                 f"manage_heap (gc.freeze after start-up): {result['manage_heap']}. "

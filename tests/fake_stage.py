@@ -4,8 +4,10 @@ Started by the orchestrator exactly like ``python -m workers`` (same arguments),
 tests/test_server_unit.py:
 
 * entry stage (an "echo thinker"): answers a Submit with the prompt's byte tokens (ids < 256),
-  one StageOutput per token (``FAKE_TOKEN_DELAY`` seconds apart), the last one with
-  ``finished=True``; "prefix cache": the longest common prefix with any earlier prompt, rounded
+  one StageOutput per token, the last one with ``finished=True``: the first ``FAKE_TOKEN_DELAY``
+  seconds after the Submit, the next ones on steps of one clock (a step every
+  ``FAKE_TOKEN_DELAY``), every request's output of a step sent with the others as one
+  StageOutputs, as a real stage sends an engine step's (workers/outbox.py); "prefix cache": the longest common prefix with any earlier prompt, rounded
   down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for
   (the first in a StreamStart, as workers/ar_runner.py opens a stream).
   Prompts containing ``HANG`` never finish; ``STALL`` stops after 2 tokens unless the request
@@ -23,7 +25,8 @@ tests/test_server_unit.py:
   (its Submit, or a decoder's first upstream output), ``out0`` (its first output, as sent) and
   a decoder's ``audio_out``, in a file named for its stage, as the real stages do.
 * other stages (a "decoder"): 240 samples (10 ms at 24 kHz) of a sine per upstream token, sent to
-  the orchestrator as an "audio" frame; a finished header once upstream finished.
+  the orchestrator as an "audio" frame every ``FAKE_DECODER_WINDOW`` tokens (default 1) and at
+  the end; a finished header once upstream finished.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from omni_cache.wire.messages import (
     Shutdown,
     StageError,
     StageOutput,
+    StageOutputs,
     StageStats,
     StatsQuery,
     StreamStart,
@@ -64,6 +68,7 @@ from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 from workers.announcer import Announcer
 
 SAMPLE_RATE = int(os.environ.get("FAKE_SAMPLE_RATE", "24000"))  # what the "decoder" claims
+WINDOW = int(os.environ.get("FAKE_DECODER_WINDOW", "1"))  # upstream tokens per audio message
 SAMPLES_PER_TOKEN = 240
 BLOCK = 4
 SEEN_PROMPTS = 256  # prompts the prefix-cache counters remember
@@ -99,6 +104,12 @@ class FakeStage:
         self.tasks: dict[str, asyncio.Task] = {}
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
         self.spoken: dict[str, str] = {}  # decoder: request -> the text it was given
+        self.pending_audio: dict[str, list[np.ndarray]] = {}  # decoder: request -> a window's waves
+        #: This step's outputs to the orchestrator (no tensors) and forwards downstream, sent
+        #: together by one flush as a real stage sends an engine step's (workers/outbox.py).
+        self.step_out: list[tuple[StageOutput, dict | None]] = []
+        self.step_fwd: list[StageOutput] = []
+        self.flushing = False
         self.aborted: set[str] = set()
         #: Requests held for their client (wire Hold): set again when it takes the answer again,
         #: or when the hold's lease lapses (the timer, replaced by each renewal).
@@ -274,7 +285,10 @@ class FakeStage:
                 yield (tail + [t] if i == 0 else [t]), i == len(out) - 1 and not stall
 
         for i, (toks, last) in enumerate(out_msgs()):
-            await asyncio.sleep(SLOW_FIRST_TOKEN_S if i == 0 and b"SLOWSTART" in raw else self.delay)
+            # The first token a whole delay after the Submit (its prefill); the next ones on steps
+            # of one clock, so every request's token of a step goes in that step's message.
+            first = SLOW_FIRST_TOKEN_S if b"SLOWSTART" in raw else self.delay
+            await asyncio.sleep(first if i == 0 else self._to_next_step())
             if (held := self.held.get(rid)) is not None:
                 await held.wait()
             new = toks[len(tail) :] if i == 0 else toks  # vLLM's text covers new tokens only
@@ -296,17 +310,48 @@ class FakeStage:
                 tensors = {"hidden": torch.full((1, 4), float(pos))}
                 msg.latent_start = pos
             self.timeline.mark(rid, "out0")  # (only the first is written)
-            await self.orch.send(msg, tensors)
+            self.step_out.append((msg, tensors))
             self.counters["tokens_sent"] += len(new)
             if audio:
                 fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text, finished=last)
                 if i == 0:
                     fwd = StreamStart.opening(fwd, modalities=list(sub.modalities), sampling=sub.sampling)
-                for d in self.down:
-                    await d.send(fwd)
+                self.step_fwd.append(fwd)
+            self._end_of_step()
             seq += 1
         if stall:
             await asyncio.sleep(3600)
+
+    def _to_next_step(self) -> float:
+        """Seconds to the next step of this stage's clock (a step every FAKE_TOKEN_DELAY)."""
+        return self.delay - time.monotonic() % self.delay if self.delay > 0 else 0.0
+
+    def _end_of_step(self) -> None:
+        """The step's outputs go once every request woken at this step has made its own (they
+        run in this turn of the loop; the flush runs in the next)."""
+        if not self.flushing:
+            self.flushing = True
+            asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        """Send the step's outputs: the orchestrator's first, those without tensors in one
+        StageOutputs when there are several (the orchestrator hears of a token before the
+        decoder's audio of it can reach it, as from a real stage), then the forwards downstream."""
+        try:
+            while self.step_out or self.step_fwd:
+                outs, fwds = self.step_out, self.step_fwd
+                self.step_out, self.step_fwd = [], []
+                plain = [m for m, t in outs if not t]
+                if len(plain) > 1:
+                    await self.orch.send(StageOutputs(stage=self.name, outputs=plain))
+                for m, t in outs:
+                    if t or len(plain) == 1:
+                        await self.orch.send(m, t)
+                for fwd in fwds:
+                    for d in self.down:
+                        await d.send(fwd)
+        finally:
+            self.flushing = False
 
     async def decode(self, up: StageOutput) -> None:
         rid = up.request_id
@@ -315,9 +360,13 @@ class FakeStage:
         seq = self.decoding.setdefault(rid, 0)
         # What it was given to speak, reported with its last output (the answer's transcript).
         self.spoken[rid] = self.spoken.get(rid, "") + up.text
+        pend = self.pending_audio.setdefault(rid, [])
         for tok in up.token_ids:
             t = np.arange(SAMPLES_PER_TOKEN, dtype=np.float32) / SAMPLE_RATE
-            wave = 0.5 * np.sin(2 * np.pi * (200 + 4 * tok) * t).astype(np.float32)
+            pend.append(0.5 * np.sin(2 * np.pi * (200 + 4 * tok) * t).astype(np.float32))
+        if pend and (len(pend) >= WINDOW or up.finished):
+            wave = np.concatenate(pend)
+            pend.clear()
             self.timeline.mark(rid, "audio_out")  # (only the first is written)
             await self.orch.send(
                 StageOutput(request_id=rid, stage=self.name, seq=seq, sample_rate=SAMPLE_RATE),
@@ -327,6 +376,7 @@ class FakeStage:
         self.decoding[rid] = seq
         if up.finished:
             self.decoding.pop(rid, None)
+            self.pending_audio.pop(rid, None)
             self.counters["requests"] += 1
             await self.orch.send(
                 StageOutput(
