@@ -7,9 +7,10 @@ tests/test_server_unit.py:
   one StageOutput per token, the last one with ``finished=True``: the first ``FAKE_TOKEN_DELAY``
   seconds after the Submit, the next ones on steps of one clock (a step every
   ``FAKE_TOKEN_DELAY``), every request's output of a step sent with the others as one
-  StageOutputs, as a real stage sends an engine step's (workers/outbox.py); "prefix cache": the longest common prefix with any earlier prompt, rounded
-  down to blocks of 4. Forwards every token to its downstream stages when "audio" is asked for
-  (the first in a StreamStart, as workers/ar_runner.py opens a stream).
+  StageOutputs, as a real stage sends an engine step's (workers/outbox.py); "prefix cache": the
+  longest common prefix with any earlier prompt, rounded down to blocks of 4. Forwards every token
+  to its downstream stages when "audio" is asked for (the first in a StreamStart, as
+  workers/ar_runner.py opens a stream).
   Prompts containing ``HANG`` never finish; ``STALL`` stops after 2 tokens unless the request
   was resumed (``Submit.resumed_tokens``: the answer goes on after the tokens the prompt ends
   with, which the first output carries again, as workers/ar_runner.py sends them);
