@@ -106,11 +106,11 @@ class FakeStage:
         self.decoding: dict[str, int] = {}  # decoder: request -> seq
         self.spoken: dict[str, str] = {}  # decoder: request -> the text it was given
         self.pending_audio: dict[str, list[np.ndarray]] = {}  # decoder: request -> a window's waves
-        #: This step's outputs to the orchestrator (no tensors) and forwards downstream, sent
-        #: together by one flush as a real stage sends an engine step's (workers/outbox.py).
+        #: This step's outputs to the orchestrator, sent together as a real stage sends an engine
+        #: step's (workers/outbox.py), and the future set once they are sent.
         self.step_out: list[tuple[StageOutput, dict | None]] = []
-        self.step_fwd: list[StageOutput] = []
-        self.flushing = False
+        self.step_sent: asyncio.Future | None = None
+        self.flushes: set[asyncio.Task] = set()  # (the loop keeps only weak references to tasks)
         self.aborted: set[str] = set()
         #: Requests held for their client (wire Hold): set again when it takes the answer again,
         #: or when the hold's lease lapses (the timer, replaced by each renewal).
@@ -311,14 +311,14 @@ class FakeStage:
                 tensors = {"hidden": torch.full((1, 4), float(pos))}
                 msg.latent_start = pos
             self.timeline.mark(rid, "out0")  # (only the first is written)
-            self.step_out.append((msg, tensors))
+            await self._in_this_step(msg, tensors)
             self.counters["tokens_sent"] += len(new)
-            if audio:
+            if audio:  # after the orchestrator has it, as from a real stage; a full decoder holds this request only
                 fwd = StageOutput(request_id=rid, stage=self.name, seq=seq, token_ids=toks, text=text, finished=last)
                 if i == 0:
                     fwd = StreamStart.opening(fwd, modalities=list(sub.modalities), sampling=sub.sampling)
-                self.step_fwd.append(fwd)
-            self._end_of_step()
+                for d in self.down:
+                    await d.send(fwd)
             seq += 1
         if stall:
             await asyncio.sleep(3600)
@@ -327,32 +327,35 @@ class FakeStage:
         """Seconds to the next step of this stage's clock (a step every FAKE_TOKEN_DELAY)."""
         return self.delay - time.monotonic() % self.delay if self.delay > 0 else 0.0
 
-    def _end_of_step(self) -> None:
-        """The step's outputs go once every request woken at this step has made its own (they
-        run in this turn of the loop; the flush runs in the next)."""
-        if not self.flushing:
-            self.flushing = True
-            asyncio.ensure_future(self._flush())
+    def _in_this_step(self, msg: StageOutput, tensors: dict | None) -> asyncio.Future:
+        """Queue ``msg`` with this step's outputs; done once they are sent. They go once every
+        request woken at this step has queued its own (those run in this turn of the loop; the
+        flush in the next)."""
+        self.step_out.append((msg, tensors))
+        if self.step_sent is None:
+            self.step_sent = asyncio.get_running_loop().create_future()
+            task = asyncio.ensure_future(self._flush())
+            self.flushes.add(task)
+            task.add_done_callback(self.flushes.discard)
+        # Shielded: an aborted request's task, cancelled while it waits, must not cancel the
+        # future every other request of the step waits on.
+        return asyncio.shield(self.step_sent)
 
     async def _flush(self) -> None:
-        """Send the step's outputs: the orchestrator's first, those without tensors in one
-        StageOutputs when there are several (the orchestrator hears of a token before the
-        decoder's audio of it can reach it, as from a real stage), then the forwards downstream."""
+        """Send a step's outputs to the orchestrator: those without tensors in one StageOutputs
+        when there are several, each with tensors alone."""
+        outs, sent = self.step_out, self.step_sent
+        self.step_out, self.step_sent = [], None
         try:
-            while self.step_out or self.step_fwd:
-                outs, fwds = self.step_out, self.step_fwd
-                self.step_out, self.step_fwd = [], []
-                plain = [m for m, t in outs if not t]
-                if len(plain) > 1:
-                    await self.orch.send(StageOutputs(stage=self.name, outputs=plain))
-                for m, t in outs:
-                    if t or len(plain) == 1:
-                        await self.orch.send(m, t)
-                for fwd in fwds:
-                    for d in self.down:
-                        await d.send(fwd)
+            plain = [m for m, t in outs if not t]
+            if len(plain) > 1:
+                await self.orch.send(StageOutputs(stage=self.name, outputs=plain))
+            for m, t in outs:
+                if t or len(plain) == 1:
+                    await self.orch.send(m, t)
         finally:
-            self.flushing = False
+            if not sent.done():
+                sent.set_result(None)
 
     async def decode(self, up: StageOutput) -> None:
         rid = up.request_id
