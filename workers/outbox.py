@@ -158,8 +158,8 @@ class Peer:
 
 @dataclass
 class StepSends:
-    """What one engine step has sent so far (:meth:`Outbox.one_step`); ``failed(request_id, exc)``
-    fails a request whose message could not go."""
+    """What one engine step has waiting to be sent at its end (:meth:`Outbox.one_step`);
+    ``failed(request_id, exc)`` fails a request whose message could not go."""
 
     failed: Callable[[str, BaseException], None]
     outputs: list[StageOutput] = field(default_factory=list)  # to the orchestrator, no tensors
