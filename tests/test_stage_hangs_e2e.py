@@ -1,9 +1,9 @@
 """A stage that hangs, on the real Qwen3-Omni pipeline (tiny checkpoint, real vLLM engines, ZMQ,
 HTTP): SIGSTOP the thinker, then the talker, then the decoder, each under 4 spoken answers
 streaming. The stopped process neither exits nor closes a connection; only its heartbeats tell
-(omni_cache/runtime/supervision/hang_watch.py). Each time: every stream ends within
-``server.heartbeat_timeout_s`` + 5 s (those the stopped stage held with a 503 naming it), /health
-reports the stage not ready, the stopped process is replaced while it stays stopped (SIGKILL
+(omni_cache/runtime/supervision/hang_watch.py). Each time: every stream ends (those the stopped
+stage held with a 503 naming it), /health reports the stage not ready while it is down, the
+stopped process is replaced while it stays stopped (SIGKILL
 reaches a stopped process), nothing of the failed requests stays in the other stages, and the
 next spoken request is answered.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -36,6 +37,38 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class HealthLog:
+    """Polls /health from a thread of its own and keeps what it said about one stage: the test
+    must see the stage reported down while it is, and a quick replacement (the stage back before
+    the last stream ended, when a stream the stage had finished goes on with the thinker's long
+    answer) would hide that from a check made after the streams."""
+
+    def __init__(self, server, stage: str) -> None:
+        self.url, self.stage = server.url + "/health", stage
+        self.seen: list[str] = []  # each distinct 503 reason given for the stage, in order
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    health = client.get(self.url)
+                    if health.status_code == 503:
+                        why = health.json()["stages"].get(self.stage, "")
+                        if why and (not self.seen or self.seen[-1] != why):
+                            self.seen.append(why)
+                self.stop.wait(0.1)
+
+    def reported_hung(self) -> bool:
+        return any("hung (" in why or "stopped answering (" in why for why in self.seen)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
 
 
 def stop_under_answers(server, stage: str) -> tuple[list[Stream], float, int]:
@@ -66,6 +99,7 @@ def stop_under_answers(server, stage: str) -> tuple[list[Stream], float, int]:
 def test_a_stopped_stage_is_noticed_and_replaced(server, stage):
     orch = server.orchestrator
     pid = orch.stage_pids()[stage]
+    health = HealthLog(server, stage)
     try:
         streams, stopped_at, pid = stop_under_answers(server, stage)
         # Every stream ended (stop_under_answers waited for it), those the stage held with a 503
@@ -90,13 +124,10 @@ def test_a_stopped_stage_is_noticed_and_replaced(server, stage):
                     f"SendTimeout: stage {stage!r} took no message for" in message and "stopped reading" in message
                 )
                 assert hung or not_reading, message
-        # /health says so (the streams may have ended sooner, failed by the stage's upstream).
-        while True:
-            health = httpx.get(server.url + "/health", timeout=30)
-            why = health.json()["stages"].get(stage, "") if health.status_code == 503 else ""
-            if "hung (" in why or "stopped answering (" in why:
-                break
-            assert time.monotonic() - stopped_at <= WAIT_S, health.text
+        # /health says so, while it is down (the streams may have ended sooner, failed by the
+        # stage's upstream, or later, when the stage was already back).
+        while not health.reported_hung():
+            assert time.monotonic() - stopped_at <= WAIT_S, health.seen
             time.sleep(0.1)
         # Replaced while it stays stopped: nobody sent it SIGCONT.
         deadline = time.monotonic() + WAIT_S
@@ -107,5 +138,6 @@ def test_a_stopped_stage_is_noticed_and_replaced(server, stage):
         answers_again(server)
         wait_until_no_stage_holds_anything(server)
     finally:
+        health.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # a failed test leaves no stopped process behind
