@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from omni_cache.runtime.request_path.prompt_ids import PromptIds, prompt_ids
 from omni_cache.runtime.request_path.tokenizer_cache import load_tokenizer
 
 T = TypeVar("T")
@@ -57,9 +58,10 @@ class TextCodec:
         *,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    ) -> PromptIds:
         """Chat messages -> prompt token ids through the chat template, given ``tools`` and the
-        template's other arguments (default: only the generation prompt added)."""
+        template's other arguments (default: only the generation prompt added); checked here, on
+        the caller's worker thread, so admission does not check them on the event loop."""
         if self.tokenizer is None:
             raise RuntimeError("the tokenizer is not loaded yet (start() has not run)")
         kwargs = {"add_generation_prompt": True} if template_kwargs is None else dict(template_kwargs)
@@ -71,7 +73,7 @@ class TextCodec:
             out = out.tolist()
         if out and isinstance(out[0], (list, tuple)):
             out = out[0]
-        return [int(t) for t in out]
+        return prompt_ids([int(t) for t in out])
 
     def decode_token(self, token_id: int) -> str:
         """One token's text, special tokens included (a log-probability's token); on the

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_cache.runtime.request_path.admission import MediaHold
+from omni_cache.runtime.request_path.prompt_ids import PromptIds, prompt_ids
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.runtime.request_path.results import RequestError
 from omni_cache.serving.realtime.conversation import Conversation, Item, audio_runs, expand_audio_runs, render
@@ -215,8 +216,7 @@ class ConversationBounds:
         cut = (first_cut(cuts, over, truncation.retention_ratio) or 0) if truncation.enabled else 0
         while True:
             messages, media = render(items[cut:], instructions)
-            ids = await self.off_loop(tokenize, messages)
-            ids = expand_audio_runs(ids, audio_runs(items[cut:]), self.audio_placeholder)
+            ids = await self.off_loop(_tokenized, tokenize, messages, audio_runs(items[cut:]), self.audio_placeholder)
             estimate = len(ids) - len(media) + sum(self.media_tokens.of(m) for m in media)
             later = [c for c in cuts if c > cut]
             # The per-item counts assumed the template adds each message's tokens: the whole
@@ -233,6 +233,14 @@ class ConversationBounds:
 
 def _past(value: int, limit: int | None, scale: float) -> bool:
     return limit is not None and value > scale * limit
+
+
+def _tokenized(
+    tokenize: Callable[[Any], list[int]], messages: Any, runs: list[int], placeholder: int | None
+) -> PromptIds:
+    """The prompt's ids with its audio runs expanded, checked (on a worker thread: both walk every
+    id, milliseconds for a long conversation)."""
+    return prompt_ids(expand_audio_runs(tokenize(messages), runs, placeholder))
 
 
 def _count(
