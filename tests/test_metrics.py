@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -169,31 +166,3 @@ def test_a_model_name_set_after_observations_makes_vllms_histograms_again_with_i
         ("vllm:time_to_first_token_seconds_count", (("model_name", "served"), ("stage", "thinker"))): 1,
         ("omni_cache_time_to_first_audio_seconds_count", (("stage", "decoder"),)): 1,
     }
-
-
-def test_the_event_loops_scrape_is_written_on_a_worker_thread_and_reads_the_counters_when_asked():
-    m = OrchestratorMetrics(["thinker", "decoder"])
-    m.observe(TTFT, "thinker", 0.02)
-    stages = {"thinker": StageSnapshot(up=True, counters=dict(VLLM_STAGE), fresh=True)}
-    writers = []
-    exposition = m.exposition
-
-    def recording(families):
-        writers.append(threading.current_thread())
-        m.request_done(None)  # counted after the families were read: not in this scrape
-        return exposition(families)
-
-    m.exposition = recording
-
-    async def scrape():
-        return await m.render_off_loop(stages, in_flight=1), threading.current_thread()
-
-    text, loop_thread = asyncio.run(scrape())
-    assert writers and writers[0] is not loop_thread
-    samples = {(n, tuple(sorted(lab.items()))): v for n, lab, v in parse_metrics(text)}
-    assert samples[("omni_cache_requests_total", (("outcome", "ok"),))] == 0
-    assert samples[("vllm:time_to_first_token_seconds_count", (("stage", "thinker"),))] == 1
-    # The same text render() writes, once the counter the writer added is counted there too.
-    del m.exposition
-    assert parse_metrics(m.render(stages, in_flight=1))[:5] == parse_metrics(text)[:5]
-    assert ("omni_cache_requests_total", {"outcome": "ok"}, 1.0) in parse_metrics(m.render(stages, in_flight=1))

@@ -483,7 +483,7 @@ class Orchestrator:
 
     async def render_metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        return await self.metrics.render_off_loop(
+        return self.metrics.render(
             await self.stage_stats(), self.in_flight, routing=self.routes.snapshot(), heap=self.heap.counters()
         )
 

@@ -33,8 +33,6 @@ notebooks), so nothing goes into the process-global default registry.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,16 +61,53 @@ __all__ = [
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM 0.32's bucket bounds (vllm/v1/metrics/buckets.py), so quantiles compare with a vLLM server's.
-# fmt: off
 TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
-    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
-# fmt: on
 
 
 class LatencyMetric(NamedTuple):
@@ -215,9 +250,10 @@ class OrchestratorMetrics:
         #: Clients cut, writes that waited, reads held (client_cuts.py).
         self.clients = ClientCuts()
         self.requests_failed: dict[int, int] = {}
-        #: The histograms (prometheus_client's, safe to read from any thread); the rest of a
-        #: scrape is read from this object's counters on the event loop (:meth:`families`).
+        # Set by render() for the collector to read: a scrape is one synchronous call.
+        self._scrape: tuple[Mapping[str, StageSnapshot], int, RoutingSnapshot, dict[str, float]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
         #: How late the server's event loop woke a probe (omni_cache/runtime/metrics/loop_lag.py).
         self.loop_lag = Histogram(
             "omni_cache_event_loop_lag_seconds",
@@ -277,28 +313,13 @@ class OrchestratorMetrics:
     ) -> str:
         """The exposition text of one scrape. ``stages``: replica name (or stage name) -> its
         snapshot; ``heap``: the server process's HeapTrimmer counters."""
-        return self.exposition(list(self._collect(stages, in_flight, routing, heap)))
+        self._scrape = (stages, in_flight, routing or RoutingSnapshot(), dict(heap or {}))
+        try:
+            return generate_latest(self.registry).decode("utf-8")
+        finally:
+            self._scrape = None
 
-    async def render_off_loop(
-        self,
-        stages: Mapping[str, StageSnapshot],
-        in_flight: int,
-        routing: RoutingSnapshot | None = None,
-        heap: Mapping[str, float] | None = None,
-    ) -> str:
-        """:meth:`render` for the event loop: the counters (which the loop changes) are read
-        here, the text is written on a worker thread. Writing it (~180 lines) took 3-6 ms on a
-        2-vCPU Zen 3 guest, and every other request on the loop waited: a client polling
-        /metrics once a second showed in /health's p99 (benchmarks/results/hostile.md)."""
-        families = list(self._collect(stages, in_flight, routing, heap))
-        return await asyncio.to_thread(self.exposition, families)
-
-    def exposition(self, families: list[Metric]) -> str:
-        """The text of ``families`` (read by :meth:`_collect`), then the histograms' (any thread:
-        prometheus_client's metrics lock what they hold)."""
-        return generate_latest(_Scrape(families, self.registry)).decode("utf-8")
-
-    # ---- a scrape's families ---------------------------------------------------------------------
+    # ---- prometheus_client collector -----------------------------------------------------------
 
     def _labels(self, vllm: bool) -> list[str]:
         return ["stage", "model_name"] if vllm and self.model_name else ["stage"]
@@ -312,15 +333,11 @@ class OrchestratorMetrics:
     def _replica_values(self, key: str, snap: StageSnapshot, vllm: bool) -> list[str]:
         return [*self._values(snap.stage or key, vllm), str(snap.replica)]
 
-    def _collect(
-        self,
-        stages: Mapping[str, StageSnapshot],
-        in_flight: int,
-        routing: RoutingSnapshot | None,
-        heap: Mapping[str, float] | None,
-    ) -> Iterator[Metric]:
-        """Every family of a scrape but the histograms (on the thread that changes the counters)."""
-        names, routing, heap = list(stages), routing or RoutingSnapshot(), dict(heap or {})
+    def collect(self) -> Iterator[Metric]:
+        if self._scrape is None:  # registered, but not inside render()
+            return
+        stages, in_flight, routing, heap = self._scrape
+        names = list(stages)
         yield from self._stage_state(stages, names)
         yield from self._stage_counters(stages, names)
         yield from pacing_families(
@@ -460,17 +477,6 @@ class OrchestratorMetrics:
                 if key in stages[s].counters:
                     fam.add_metric(self._replica_values(s, stages[s], False), float(stages[s].counters[key]))
             yield fam
-
-
-@dataclass(frozen=True)
-class _Scrape:
-    """What ``generate_latest`` reads: the families read on the loop, then the histograms."""
-
-    families: list[Metric]
-    registry: CollectorRegistry
-
-    def collect(self) -> Iterator[Metric]:
-        return itertools.chain(self.families, self.registry.collect())
 
 
 def per_replica(family: Any, name: str, help_text: str, values: Mapping[tuple[str, int], float]) -> Metric:
