@@ -39,6 +39,10 @@ import torch
 import zmq
 import zmq.asyncio
 
+# pyzmq imports this on the first zero-copy send of a frame past its copy threshold: on the
+# server's event loop, during some first request (tests/test_first_use_imports.py); imported here.
+import zmq.utils.garbage  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
