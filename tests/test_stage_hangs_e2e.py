@@ -3,9 +3,8 @@ HTTP): SIGSTOP the thinker, then the talker, then the decoder, each under 4 spok
 streaming. The stopped process neither exits nor closes a connection; only its heartbeats tell
 (omni_cache/runtime/supervision/hang_watch.py). Each time: every stream ends (those the stopped
 stage held with a 503 naming it), /health reports the stage not ready while it is down, the
-stopped process is replaced while it stays stopped (SIGKILL
-reaches a stopped process), nothing of the failed requests stays in the other stages, and the
-next spoken request is answered.
+stopped process is replaced while it stays stopped (SIGKILL reaches a stopped process), nothing
+of the failed requests stays in the other stages, and the next spoken request is answered.
 """
 
 from __future__ import annotations
