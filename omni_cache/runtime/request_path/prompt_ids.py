@@ -28,13 +28,13 @@ def prompt_ids(ids: Sequence[int]) -> PromptIds:
     PromptIds is returned as it is, unchecked again."""
     if type(ids) is PromptIds:
         return ids
-    ids = list(ids)
-    # A tokenizer's list of plain ints (the common case) is checked by C-level passes (~1.4 ms
+    checked = PromptIds(ids)  # the one copy: the caller's list may change afterwards
+    # A tokenizer's list of plain ints (the common case) is checked by C-level passes (~0.8 ms
     # for 20,000 ids; the per-id checks below take ~2.4 ms).
-    if set(map(type, ids)) == {int}:  # bool is a subclass of int, not of type int: not here
-        if min(ids) < 0:
+    if set(map(type, checked)) == {int}:  # bool is a subclass of int, not of type int: not here
+        if min(checked) < 0:
             raise RequestError(400, "prompt token ids must be non-negative integers")
-        return PromptIds(ids)
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return checked
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in checked):
         raise RequestError(400, "prompt token ids must be non-negative integers")
-    return PromptIds(int(t) for t in ids)
+    return PromptIds(int(t) for t in checked)
