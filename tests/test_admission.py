@@ -246,11 +246,15 @@ def post_at_once(srv, bodies: list[dict], sample, every_s: float) -> list[httpx.
     """Every body posted to the chat API at the same moment, each from a thread of its own, while
     ``sample()`` runs every ``every_s`` in another thread; the responses, in order."""
     done = threading.Event()
+    failed: list[BaseException] = []
 
     def watch() -> None:
-        while not done.is_set():
-            sample()
-            time.sleep(every_s)
+        try:
+            while not done.is_set():
+                sample()
+                time.sleep(every_s)
+        except BaseException as exc:  # re-raised below: a thread's exception alone fails no test
+            failed.append(exc)
 
     start = threading.Barrier(len(bodies))
 
@@ -262,10 +266,13 @@ def post_at_once(srv, bodies: list[dict], sample, every_s: float) -> list[httpx.
     watcher.start()
     try:
         with ThreadPoolExecutor(len(bodies)) as pool:
-            return list(pool.map(post, bodies))
+            responses = list(pool.map(post, bodies))
     finally:
         done.set()
         watcher.join()
+    if failed:  # e.g. a /health that timed out: the samples taken before it would pass the test
+        raise failed[0]
+    return responses
 
 
 def test_a_flood_of_maximal_media_gets_429s_past_the_bounds_in_bounded_memory(flood_srv):

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import math
+import mmap
 import os
 import random
 
@@ -265,7 +266,8 @@ def test_driver_text_only_requests_like_vllm_bench_serve():
     transport, seen = _fake_server()
     _, sessions = build_workload("shared-prefix", Sizes(num_requests=2, shared_tokens=100, unique_tokens=30), 0)
     _, samples = _run_driver(transport, sessions, concurrency=1, audio=False)
-    assert all(s.ok for s in samples)
+    # One request per session, each sent: all() over no samples or bodies would pass.
+    assert len(samples) == len(seen) == 2 and all(s.ok for s in samples)
     assert all(b["modalities"] == ["text"] and "audio" not in b for b in seen)
     seen.clear()
     _, samples = _run_driver(transport, sessions, concurrency=1, audio=False, one_message=True)
@@ -1130,10 +1132,16 @@ def test_monitor_counts_cpu_per_named_process():
         t = _time.process_time()
         while _time.process_time() - t < 0.2:
             pass
+        # First touches of fresh anonymous pages: minor faults the count must see (a count of
+        # 0 here, or a wrong /proc field, fails; ">= 0" alone could not).
+        pages = mmap.mmap(-1, 8 << 20)
+        for i in range(0, len(pages), mmap.PAGESIZE):
+            pages[i] = 1
         res = mon.end()
+        pages.close()
     assert res["cpu_s_by_process"]["me"] >= 0.15
     assert 0 <= res["system_cpu_s_by_process"]["me"] <= res["cpu_s_by_process"]["me"]
-    assert res["minor_faults_by_process"]["me"] >= 0 and res["major_faults_by_process"]["me"] >= 0
+    assert res["minor_faults_by_process"]["me"] > 0 and res["major_faults_by_process"]["me"] >= 0
     assert res["rss_mib_by_process"]["me"] > 10
     assert res["stage_cpu_s"] == res["cpu_s_by_process"]["me"]  # not the server: a stage
 

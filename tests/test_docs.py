@@ -327,7 +327,9 @@ def test_quickstart_setup_is_what_the_makefile_does():
     makefile = (ROOT / "Makefile").read_text()
     extras = re.search(r"-e '\.\[([a-z,]+)\]'", makefile).group(1)
     assert f"extras `{extras}`" in QUICKSTART
-    for pin in re.findall(r"'((?:torch|torchvision)==[^']+)'", makefile):
+    pins = re.findall(r"'((?:torch|torchvision)==[^']+)'", makefile)
+    assert [pin.split("==")[0] for pin in pins] == ["torch", "torchvision"], pins  # else the loop checks nothing
+    for pin in pins:
         assert f"`{pin}`" in QUICKSTART, pin
     removed = re.search(r"pip uninstall -y -q ([\w ]+?) 2>", makefile).group(1).split()
     assert removed and all(f"`{name}`" in QUICKSTART for name in removed), removed

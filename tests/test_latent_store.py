@@ -239,6 +239,7 @@ def test_gather_to_cpu_and_empty(device, storage, kw, store_factory):
     assert all(t.device.type == "cpu" for t in got.values())
     assert_rows_equal(got, {n: t[2:8].cpu() for n, t in lat.items()})
     empty = store.gather(torch.empty(0, dtype=torch.int64))
+    assert set(empty) == set(SPECS)  # every name, so the shapes below are all checked
     assert all(t.shape == (0, SPECS[n][0]) for n, t in empty.items())
     store.write(torch.empty(0, dtype=torch.int64, device=device), {n: t[:0] for n, t in lat.items()})
 

@@ -96,6 +96,7 @@ def test_talker_positions_equal_the_reference_rope_index(hf, talker, kind):
 def test_speaker_row_and_codec_specials_are_the_references(hf, talker):
     model, _ = hf
     rows = torch.randn(5, model.config.thinker_config.text_config.hidden_size)
+    assert sorted(talker.speakers) == ["Chelsie", "Ethan"]  # the loop checks each (none loaded: nothing)
     for name in talker.speakers:
         prompt = talker.prompt(rows, name)
         embed = model.thinker.get_input_embeddings()

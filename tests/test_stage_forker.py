@@ -93,14 +93,17 @@ def forkers(tmp_path_factory):
     pool = StageForkers()
     missing = tmp_path_factory.mktemp("forker") / "missing.yaml"
 
+    ended: list[bool] = []  # checked here: an assert in the thread would fail no test
+
     def first_fork() -> None:
         runner = _runner(pool, ["--stage-config", str(missing), "--stage", "decoder"])
         runner.start(lambda line: None)
-        assert runner.wait(600)  # the forker has imported everything and forked once
+        ended.append(runner.wait(600))
 
     started = threading.Thread(target=first_fork)
     started.start()
     started.join()
+    assert ended == [True]  # the forker has imported everything and forked once
     [first] = pool.started
     yield pool
     assert pool.started == [first] and first.alive  # the ended thread's forker served every test

@@ -145,7 +145,8 @@ def test_encode_is_zero_copy_for_contiguous_tensors(dtype_name):
     base = _random(dtype, (4, 1000), torch.Generator().manual_seed(1))
     tensors = {"whole": base, "row": base[1], "scalar": base[2, 3].clone()}  # "row" has a storage offset
     frames = CODEC.encode(Hello("z"), tensors)
-    for frame, tensor in zip(frames[1:], tensors.values()):
+    # strict: a frame per tensor (fewer frames would leave tensors unchecked)
+    for frame, tensor in zip(frames[1:], tensors.values(), strict=True):
         assert _address_of(frame) == tensor.data_ptr()
         assert frame.nbytes == tensor.numel() * tensor.element_size()
 
