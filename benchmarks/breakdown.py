@@ -39,11 +39,15 @@ _TO_FIRST_TOKEN: tuple[tuple[str, str, str], ...] = (
 )
 
 #: (segment, from point, to point) on the way to the first audio. A point is "process.event";
-#: "client.sent", "client.first_text" and "client.first_audio" are the client's, and
-#: "thinker.out*" is the thinker output the talker started on (the last sent before its job).
+#: "client.sent", "client.first_text" and "client.first_audio" are the client's;
+#: "thinker.out*" is the thinker output whose hand-off made the talker's job and "talker.input*"
+#: when the talker's runner took that output up (:func:`talker_start`). Between the two: the
+#: transport and the talker's inbox (a step it was running); after it, the hand-off's own work
+#: (the talker's prompt) and vLLM taking the request.
 AUDIO_SEGMENTS: tuple[tuple[str, str, str], ...] = _TO_FIRST_TOKEN + (
     ("thinker: first steps", "thinker.first_token", "thinker.out*"),
-    ("hand-off -> talker job", "thinker.out*", "talker.job"),
+    ("-> talker", "thinker.out*", "talker.input*"),
+    ("talker: hand-off", "talker.input*", "talker.job"),
     ("talker: queued", "talker.job", "talker.scheduled"),
     ("talker: prefill", "talker.scheduled", "talker.first_token"),
     ("talker: -> first codes sent", "talker.first_token", "talker.codes_out"),
@@ -74,12 +78,26 @@ def _points(sample: Mapping[str, Any], timeline: Mapping[str, Mapping[str, float
         points["client.first_text"] = sent + sample["ttft_s"]
     if sample.get("ttfa_s") is not None:
         points["client.first_audio"] = sent + sample["ttfa_s"]
-    job = points.get("talker.job")
-    outs = [t for k, t in points.items() if k.startswith("thinker.out") and k[11:].isdigit()]
-    before = [t for t in outs if job is not None and t <= job]
-    if before:
-        points["thinker.out*"] = max(before)
+    talker_start(points)
     return points
+
+
+def talker_start(points: dict[str, float]) -> None:
+    """Adds "thinker.out*" and "talker.input*" to one request's points: the thinker output k whose
+    hand-off made the talker's job, and when the talker took it up. The talker marks
+    ``input{k}`` as it takes up output k (workers/ar_runner.py, the first few), so k is the last
+    one it took up before its job; not the last the thinker had sent by then, which counted the
+    thinker outputs sent while the talker was still busy with an earlier one as the thinker's
+    time. Neither point is added when the talker's marks do not say."""
+    job = points.get("talker.job")
+    taken = [
+        int(k[12:])
+        for k, t in points.items()
+        if k.startswith("talker.input") and k[12:].isdigit() and job is not None and t <= job
+    ]
+    if taken and f"thinker.out{max(taken)}" in points:
+        points["thinker.out*"] = points[f"thinker.out{max(taken)}"]
+        points["talker.input*"] = points[f"talker.input{max(taken)}"]
 
 
 def request_segments(

@@ -41,7 +41,7 @@ import numpy as np
 import yaml
 
 from benchmarks import harness
-from benchmarks.breakdown import AUDIO_SEGMENTS
+from benchmarks.breakdown import AUDIO_SEGMENTS, talker_start
 from benchmarks.realtime_client import connect, next_event, read_answer
 from benchmarks.report import percentile
 from benchmarks.side_processes import ManagedServer
@@ -152,11 +152,7 @@ def stage_breakdown(directory: str, t0: float, t1: float) -> dict[str, Any]:
         start = points.get("server.received")
         if start is None or not t0 <= start <= t1 or "server.audio_in" not in points:
             continue
-        outs = [t for k, t in points.items() if k.startswith("thinker.out") and k[11:].isdigit()]
-        job = points.get("talker.job")
-        before = [t for t in outs if job is not None and t <= job]
-        if before:
-            points["thinker.out*"] = max(before)
+        talker_start(points)
         seg = {n: points[b] - points[a] for n, a, b in SERVER_SIDE_SEGMENTS if a in points and b in points}
         if len(seg) == len(SERVER_SIDE_SEGMENTS):
             seg["total"] = points["server.audio_in"] - start

@@ -1162,6 +1162,9 @@ def _timeline(t0: float) -> dict:
         },
         "talker": {
             "input": t0 + 0.103,
+            "input0": t0 + 0.103,
+            "input1": t0 + 0.121,
+            "input2": t0 + 0.141,
             "job": t0 + 0.125,
             "scheduled": t0 + 0.127,
             "first_token": t0 + 0.180,
@@ -1183,9 +1186,24 @@ def test_breakdown_segments_add_up_to_ttfa_and_ttft():
     sample = {"ok": True, "sent_at": t0, "ttfa_s": 0.305, "ttft_s": 0.112, "response_id": "chatcmpl-abc"}
     seg = request_segments(sample, _timeline(t0))
     assert sum(seg.values()) == pytest.approx(0.305)
-    # The talker started on the thinker output sent last before its job (out1, not out2).
+    # The talker's job came of the last thinker output it took up before it (out1, not out2).
     assert seg["thinker: first steps"] == pytest.approx(0.020)
-    assert seg["hand-off -> talker job"] == pytest.approx(0.005)
+    assert seg["-> talker"] == pytest.approx(0.001)
+    assert seg["talker: hand-off"] == pytest.approx(0.004)
+    # Output 1 sent while the talker was still on output 0, whose hand-off made the job: the
+    # thinker's part ends at output 0, the rest is the talker's.
+    busy = _timeline(t0)
+    busy["talker"].update(input1=t0 + 0.126, input2=t0 + 0.142)
+    seg = request_segments(sample, busy)
+    assert sum(seg.values()) == pytest.approx(0.305)
+    assert seg["thinker: first steps"] == pytest.approx(0.001)
+    assert seg["-> talker"] == pytest.approx(0.002)
+    assert seg["talker: hand-off"] == pytest.approx(0.022)
+    # Without the talker's input marks the split is not known: the request is left out.
+    unmarked = _timeline(t0)
+    for k in ("input0", "input1", "input2"):
+        del unmarked["talker"][k]
+    assert request_segments(sample, unmarked) is None
     assert seg["decoder: first window"] == pytest.approx(0.087)
     text = request_segments(sample, _timeline(t0), TEXT_SEGMENTS)
     assert sum(text.values()) == pytest.approx(0.112)
