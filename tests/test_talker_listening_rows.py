@@ -83,3 +83,37 @@ def test_a_row_depends_on_its_own_thinker_row_only(prompt):
     b = prompt.user_rows(ids, embeds, other)
     n = len(prompt.user_positions(ids[:listened]))
     assert torch.equal(a[:n], b[:n]) and not torch.equal(a[n:], b[n:])
+
+
+def user_positions_by_walk(prompt: TalkerPrompt, ids: list[int]) -> list[int]:
+    """The definition of the user turns' positions, token by token: from a `<|im_start|>` followed
+    by the user role up to the next `<|im_start|>`."""
+    out, in_user = [], False
+    for i, tok in enumerate(ids):
+        if tok == T["<|im_start|>"]:
+            in_user = i + 1 < len(ids) and ids[i + 1] == T["user"]
+        if in_user:
+            out.append(i)
+    return out
+
+
+def test_the_user_turns_positions_are_found_at_once_as_by_a_walk(prompt):
+    """``TalkerPrompt.user_positions`` (computed on the whole prompt at once) gives the positions
+    the definition gives, whatever the turns: none, a prompt ending in a turn's `<|im_start|>`, a
+    user turn first or last, empty turns back to back."""
+    ids, listened, _ = conversation()
+    s, u, a = T["<|im_start|>"], T["user"], T["assistant"]
+    cases = [
+        ids,
+        ids[:listened],
+        [],
+        [*b"no turn at all"],
+        [s],
+        [s, u],
+        [*b"xy", s, u, *b"hi", s],
+        [s, u, s, u, s, a, *b"ok", s, u, *b"again"],
+        [s, a, *b"ok", s],
+    ]
+    for case in cases:
+        assert prompt.user_positions(case) == user_positions_by_walk(prompt, case), case
+    assert len(prompt.user_positions(ids)) > AUDIO_ROWS
