@@ -386,3 +386,14 @@ def test_the_layer_check_finds_an_upward_import(tmp_path: Path):
         "omni_cache/runtime/metrics/prometheus.py: omni_cache.runtime.routing",
         "omni_cache/runtime/metrics/prometheus.py: omni_cache.runtime.routing.route_planner",
     ]
+
+
+def test_the_import_graph_holds_the_imports_the_product_has():
+    """The cycle checks above read product_imports(); a graph that missed imports would pass them
+    all. Edges of each kind it must find: a plain ``from pkg.module import name``, a module
+    imported from its package (``from pkg import module``), an import inside a function."""
+    graph = product_imports()
+    assert "omni_cache.models.handoff_jobs" in graph["omni_cache.models.qwen3_omni_talker_prompt"]
+    assert "omni_cache.serving.video" in graph["omni_cache.serving.media"]  # from its package, only
+    assert "scheduler.streamed_rows" in graph["workers.ar_runner"]  # imported inside _start
+    assert sum(map(len, graph.values())) > len(graph)  # more edges than modules, not a few
