@@ -90,11 +90,9 @@ def talker_start(points: dict[str, float]) -> None:
     thinker outputs sent while the talker was still busy with an earlier one as the thinker's
     time. Neither point is added when the talker's marks do not say."""
     job = points.get("talker.job")
-    taken = [
-        int(k[12:])
-        for k, t in points.items()
-        if k.startswith("talker.input") and k[12:].isdigit() and job is not None and t <= job
-    ]
+    if job is None:
+        return
+    taken = [int(k[12:]) for k, t in points.items() if k.startswith("talker.input") and k[12:].isdigit() and t <= job]
     if taken and f"thinker.out{max(taken)}" in points:
         points["thinker.out*"] = points[f"thinker.out{max(taken)}"]
         points["talker.input*"] = points[f"talker.input{max(taken)}"]

@@ -85,7 +85,7 @@ def test_a_row_depends_on_its_own_thinker_row_only(prompt):
     assert torch.equal(a[:n], b[:n]) and not torch.equal(a[n:], b[n:])
 
 
-def user_positions_by_walk(prompt: TalkerPrompt, ids: list[int]) -> list[int]:
+def user_positions_by_walk(ids: list[int]) -> list[int]:
     """The definition of the user turns' positions, token by token: from a `<|im_start|>` followed
     by the user role up to the next `<|im_start|>`."""
     out, in_user = [], False
@@ -115,5 +115,5 @@ def test_the_user_turns_positions_are_found_at_once_as_by_a_walk(prompt):
         [s, a, *b"ok", s],
     ]
     for case in cases:
-        assert prompt.user_positions(case) == user_positions_by_walk(prompt, case), case
+        assert prompt.user_positions(case) == user_positions_by_walk(case), case
     assert len(prompt.user_positions(ids)) > AUDIO_ROWS

@@ -79,8 +79,10 @@ class TalkerPrompt:
         self.accept_hidden_layer = int(talker["accept_hidden_layer"])
         self.im_start_id = config["im_start_token_id"]
         self.user_id, self.assistant_id = config["user_token_id"], config["assistant_token_id"]
-        self.media_ids = {thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")}
-        self._media_id_tensor = torch.tensor(sorted(self.media_ids), dtype=torch.long)
+        #: The image, audio and video placeholder ids (a tensor: user_rows tests them with isin).
+        self.media_ids = torch.tensor(
+            sorted({thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")}), dtype=torch.long
+        )
         self.vision = VisionTokens(
             image_id=thinker["image_token_id"],
             video_id=thinker["video_token_id"],
@@ -193,7 +195,7 @@ class TalkerPrompt:
         its conversation's user turns so far."""
         ids = torch.tensor(token_ids, dtype=torch.long)
         index = self.user_index(ids)
-        media = torch.isin(ids[index], self._media_id_tensor)
+        media = torch.isin(ids[index], self.media_ids)
         dtype = self.tts_pad.dtype
         # Text rows through text_projection, media rows through hidden_projection, each projected
         # only where it is used (an image prompt is mostly media rows). index_select and
