@@ -1,12 +1,14 @@
-"""A fresh server of fake stages in a process of its own that records every module imported after
-it is ready, with the thread that imported it (tests/test_first_use_imports.py runs it).
+"""A fresh server of fake stages in a process of its own that records every module imported and
+every pydantic model built after it is ready, with the thread that did it
+(tests/test_first_use_imports.py runs it).
 
     python tests/first_use_server.py
 
 Prints one JSON line when ready (``url``, ``model``), then waits for a line on stdin and prints
 the imports as a JSON list of ``{"module", "thread", "by"}`` (``by``: the importing frames, the
-innermost last). The server's event loop runs on the thread ``omni-cache-http`` (ServerThread).
-Its own process, so that what the test's clients import is not counted, nor hides the server's.
+innermost last; a model's build is listed as the module ``pydantic model <its class>``). The
+server's event loop runs on the thread ``omni-cache-http`` (ServerThread). Its own process, so
+that what the test's clients import is not counted, nor hides the server's.
 """
 
 from __future__ import annotations
@@ -36,20 +38,39 @@ class ImportRecorder:
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
         if self.armed and name not in sys.modules:
-            frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
-            self.seen.append(
-                {
-                    "module": name,
-                    "thread": threading.current_thread().name,
-                    "by": [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]],
-                }
-            )
+            self.note(name)
         return None
+
+    def note(self, what: str) -> None:
+        frames = [f for f in traceback.extract_stack()[:-2] if "importlib" not in f.filename]
+        self.seen.append(
+            {
+                "module": what,
+                "thread": threading.current_thread().name,
+                "by": [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]],
+            }
+        )
+
+    def watch_model_builds(self) -> None:
+        """Note each deferred pydantic model built while armed: pydantic builds one on its first
+        use through ``model_rebuild`` (the OpenAI SDK defers its models' builds)."""
+        from pydantic import BaseModel
+
+        rebuild = BaseModel.model_rebuild.__func__
+        recorder = self
+
+        def noted(cls: type, *args: object, **kwargs: object) -> object:
+            if recorder.armed and not cls.__pydantic_complete__:
+                recorder.note(f"pydantic model {cls.__module__}.{cls.__qualname__}")
+            return rebuild(cls, *args, **kwargs)
+
+        BaseModel.model_rebuild = classmethod(noted)
 
 
 def main() -> int:
     recorder = ImportRecorder()
     sys.meta_path.insert(0, recorder)
+    recorder.watch_model_builds()
     path = write_config(
         f"first_use_{uuid.uuid4().hex[:8]}",
         token_delay_s=0.002,

@@ -46,11 +46,32 @@ def test_preload_imports_them_all_in_a_fresh_interpreter():
         "import sys; from omni_cache.serving.preload import preload, REQUEST_PATH_MODULES, LIBRARY_FIRST_USE_MODULES; "
         "failed = preload(); "
         "missing = [m for m in REQUEST_PATH_MODULES + LIBRARY_FIRST_USE_MODULES if m not in sys.modules]; "
-        "from PIL import Image; print(failed, missing, Image._initialized)"
+        "from PIL import Image; from openai.types.realtime import SessionCreatedEvent; "
+        "print(failed, missing, Image._initialized, SessionCreatedEvent.__pydantic_complete__)"
     )
     out = (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
         .stdout.strip()
         .splitlines()[-1]
     )
-    assert out == "[] [] 2", out
+    # ... and the SDK's models are built (the SDK defers that to their first use)
+    assert out == "[] [] 2 True", out
+
+
+def test_deferred_models_of_the_named_packages_are_built_and_no_others():
+    code = (
+        "from openai.types.realtime import SessionCreatedEvent, ConversationItemAdded; "
+        "from openai.types.responses import Response; "
+        "from omni_cache.serving.preload import build_deferred_models; "
+        "before = [SessionCreatedEvent.__pydantic_complete__, ConversationItemAdded.__pydantic_complete__]; "
+        "n = build_deferred_models(); again = build_deferred_models(); "
+        "print(before, n > 100, again, SessionCreatedEvent.__pydantic_complete__, "
+        "ConversationItemAdded.__pydantic_complete__, Response.__pydantic_complete__)"
+    )
+    out = (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    # Deferred by the SDK, then built, once; the Responses API's models (not served) are left alone.
+    assert out == "[False, False] True 0 True True False", out

@@ -7,6 +7,11 @@ instead: measured ~90 ms for the first chat request and ~60 ms more for the firs
 2-core AMD EPYC (benchmarks.first_request), enough to make a fresh server's first answer twice as
 slow as its second. :func:`preload` imports them in a thread while the stages start, which takes
 longer anyway.
+
+It also builds the OpenAI SDK's pydantic models that the request path validates and sends: the SDK
+defers each model's build to its first use (``defer_build``, its ``DEFER_PYDANTIC_BUILD``), so a
+fresh server's first realtime session built the classes of its events on the event loop, a stall
+of up to 53 ms on a 2-vCPU Zen 4 (benchmarks.hostile_lag) that every other client waited out.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ REQUEST_PATH_MODULES = (
 #: Found by tests/test_first_use_imports.py, which records what a fresh server imports on its loop.
 LIBRARY_FIRST_USE_MODULES = ("anyio._backends._asyncio", "httpcore")
 
+#: Packages whose pydantic models are built at start-up rather than on first use: the SDK's
+#: realtime events and items, the chat API's audio, and the shared types they hold (~220 models,
+#: ~60 ms and ~3 MiB).
+DEFERRED_MODEL_PACKAGES = ("openai.types.realtime", "openai.types.chat", "openai.types.shared")
+
 
 def preload() -> list[str]:
     """Import :data:`REQUEST_PATH_MODULES` and :data:`LIBRARY_FIRST_USE_MODULES`, and register
@@ -67,4 +77,23 @@ def preload() -> list[str]:
         from PIL import Image
 
         Image.init()
+    build_deferred_models()
     return failed
+
+
+def build_deferred_models(packages: tuple[str, ...] = DEFERRED_MODEL_PACKAGES) -> int:
+    """Build every imported pydantic model of ``packages`` whose build was deferred; returns how
+    many were built. A model that cannot be built yet (a name it refers to is not defined) is left
+    to its first use, as before."""
+    from pydantic import BaseModel
+
+    built, seen, stack = 0, set(), [BaseModel]
+    while stack:
+        for cls in stack.pop().__subclasses__():
+            if cls in seen:
+                continue
+            seen.add(cls)
+            stack.append(cls)
+            if cls.__module__.startswith(packages) and not cls.__pydantic_complete__:
+                built += cls.model_rebuild(raise_errors=False) is not False
+    return built
