@@ -261,6 +261,14 @@ def test_stages_are_forked_and_come_back_when_their_forker_dies(client, server):
     while any(map(_running, pids.values())):
         assert time.monotonic() < deadline, "stages outlived their forker"
         time.sleep(0.1)
+    # The server learns of their end on its own loop (their connections closing, the
+    # supervisor's next check of the exits), which on a loaded machine can come after this test
+    # saw them gone: until then /health may still say 200, and stage_pids() gives the dead pids
+    # (seen on a quiet machine). Wait until it has seen every one of them go.
+    deadline = time.monotonic() + 60
+    while set(orch.stage_pids().values()) & set(pids.values()):
+        assert time.monotonic() < deadline, "the server never saw its stages die"
+        time.sleep(0.1)
     deadline = time.monotonic() + 300
     while httpx.get(server.url + "/health").status_code != 200:
         assert time.monotonic() < deadline, "the stages did not come back"
