@@ -17,6 +17,7 @@ from omni_cache.runtime.request_path.admission import InFlightBounds
 from omni_cache.runtime.request_path.results import Completed, RequestError
 from omni_cache.serving.realtime import listening
 from omni_cache.serving.realtime.conversation import (
+    MIN_PIECE_SAMPLES,
     Item,
     ItemPart,
     audio_item,
@@ -59,6 +60,23 @@ def test_a_turn_is_cut_at_the_encoder_window_and_the_pieces_join_into_one_clip()
     # Without a window (or a short turn) the turn stays one clip.
     assert len(audio_parts(samples, RATE, None)) == 1
     assert len(audio_parts(clip(0.5), RATE, WINDOW)) == 1
+
+
+def test_a_last_piece_too_short_for_the_feature_extractor_stays_with_the_one_before():
+    # Whisper's feature extractor (n_fft 400) fails on an item of n_fft // 2 samples or fewer: a
+    # turn of whole windows and a few samples more once failed its response.
+    def samples(n: int) -> np.ndarray:
+        return np.random.default_rng(n).uniform(-0.5, 0.5, n).astype(np.float32)
+
+    for extra in (1, 200, MIN_PIECE_SAMPLES - 1):
+        turn = samples(2 * WINDOW + extra)
+        parts = audio_parts(turn, RATE, WINDOW)
+        assert [len(p.media.array) for p in parts] == [WINDOW, WINDOW + extra]
+        np.testing.assert_array_equal(np.concatenate([p.media.array for p in parts]), turn)
+    lengths = [len(p.media.array) for p in audio_parts(samples(2 * WINDOW + MIN_PIECE_SAMPLES), RATE, WINDOW)]
+    assert lengths == [WINDOW, WINDOW, MIN_PIECE_SAMPLES]
+    # A turn of one window and a few samples stays one clip.
+    assert len(audio_parts(samples(WINDOW + 5), RATE, WINDOW)) == 1
 
 
 def test_each_piece_gets_its_own_placeholder_side_by_side():
@@ -335,3 +353,21 @@ def test_a_session_that_speaks_its_answers_has_the_talker_listen_too():
         await listener.close()
 
     asyncio.run(go())
+
+
+def test_every_piece_of_a_turn_a_few_samples_past_a_window_passes_the_models_processor():
+    # The oracle is the checkpoint's own processor (transformers', which vLLM applies to each
+    # audio item): it refused a last piece of n_fft // 2 samples or fewer.
+    from transformers import AutoProcessor
+
+    from omni_cache.models.preprocessor import audio_pieces
+    from omni_cache.tiny.checkpoints import ensure_checkpoint
+
+    path = ensure_checkpoint("qwen3-omni")
+    processor = AutoProcessor.from_pretrained(path)
+    window, _ = audio_pieces(path, processor.tokenizer)
+    for extra in (100, 200, MIN_PIECE_SAMPLES):
+        turn = np.random.default_rng(extra).uniform(-0.5, 0.5, window + extra).astype(np.float32)
+        for part in audio_parts(turn, RATE, window):
+            out = processor(text="<|audio_pad|>", audio=[part.media.array], return_tensors="pt")
+            assert out["feature_attention_mask"].sum() > 0
