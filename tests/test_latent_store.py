@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -352,9 +353,17 @@ def test_pipeline_gather_waits_only_for_the_writes_it_needs(store_factory):
     gates[0].ev.set()
     got = store.gather(torch.arange(0, 16))  # needs entry 0 only
     assert_rows_equal(got, lat_a)
+    waits = store.stats["gather_waits"]  # (the first gather may have waited for entry 0's copy)
     result = {}
     t = threading.Thread(target=lambda: result.update(store.gather(torch.arange(16, 32))))
     t.start()
+    # The gather counts its wait as it starts waiting. Until it has (a thread slow to start on a
+    # loaded machine), entry 1's copy stays held: released sooner, its rows would be in before
+    # the gather looked, and it would not wait at all.
+    deadline = time.monotonic() + 30
+    while store.stats["gather_waits"] == waits:
+        assert time.monotonic() < deadline, "the gather of rows still in flight never waited"
+        time.sleep(0.01)
     t.join(timeout=0.3)
     assert t.is_alive(), "gather of rows still in flight must wait for their copy"
     gates[1].ev.set()
