@@ -363,12 +363,11 @@ def stream_codes(runner, rid: str, seq: int, n: int, stream: bool = True) -> Non
 
 
 def emitted_in_next_step(runner, inbox) -> set[str]:
-    """The requests whose audio the next step sends."""
+    """The requests whose audio the next step sends (all of it received: sent_so_far)."""
+    from decoder_harness import sent_so_far
+
     runner.step()
-    out = set()
-    while (got := inbox.recv(timeout_ms=200)) is not None:
-        out.add(got[0].request_id)
-    return out
+    return {msg.request_id for msg, _ in sent_so_far(runner)}
 
 
 def test_decoder_serves_the_due_answer_while_answers_far_ahead_wait(decoder):
