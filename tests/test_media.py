@@ -105,6 +105,14 @@ def test_bad_audio_is_refused_with_a_reason(data, fmt, words):
         MediaDecoder().audio(data, fmt, "p")
 
 
+def test_a_clip_shorter_than_the_feature_extractor_takes_is_refused():
+    dec = MediaDecoder(audio_sample_rate=16000)
+    for seconds, rate in ((0.005, 16000), (0.0125, 16000), (0.024, 44100)):
+        with pytest.raises(MediaError, match="ms long; at least 25 ms are accepted"):
+            dec.audio(clip_b64(seconds, rate), "wav", "p")
+    assert dec.audio(clip_b64(0.025, 16000), "wav", "p").array.shape == (400,)
+
+
 def test_audio_duration_limit():
     with pytest.raises(MediaError, match="max_audio_seconds"):
         MediaDecoder(MediaConfig(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")

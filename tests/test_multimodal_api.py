@@ -146,8 +146,14 @@ def test_the_same_image_again_is_a_prefix_hit_without_the_encoder(client, server
             "messages.0.content.0.video_url.url",
             "video could not be read",
         ),
+        (  # 5 ms: the stage's processor failed on it, its 400 a dump of the array
+            {"type": "input_audio", "input_audio": {"data": clip_b64(0.005, 16000), "format": "wav"}},
+            400,
+            "messages.0.content.0.input_audio",
+            "is 5.0 ms long; at least 25 ms",
+        ),
     ],
-    ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video"],
+    ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video", "short-audio"],
 )
 def test_bad_media_is_a_400_and_the_server_keeps_serving(server, client, part, status, param, words):
     r = httpx.post(

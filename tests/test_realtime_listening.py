@@ -360,12 +360,16 @@ def test_every_piece_of_a_turn_a_few_samples_past_a_window_passes_the_models_pro
     # audio item): it refused a last piece of n_fft // 2 samples or fewer.
     from transformers import AutoProcessor
 
-    from omni_cache.models.preprocessor import audio_pieces
+    from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, audio_pieces
     from omni_cache.tiny.checkpoints import ensure_checkpoint
 
     path = ensure_checkpoint("qwen3-omni")
     processor = AutoProcessor.from_pretrained(path)
     window, _ = audio_pieces(path, processor.tokenizer)
+    # The bound is the processor's own: half an n_fft fails it (what MIN_AUDIO_SAMPLES guards).
+    with pytest.raises(RuntimeError, match="Padding size"):
+        processor(text="<|audio_pad|>", audio=[np.zeros(MIN_AUDIO_SAMPLES // 2, np.float32)], return_tensors="pt")
+    assert MIN_PIECE_SAMPLES == MIN_AUDIO_SAMPLES
     for extra in (100, 200, MIN_PIECE_SAMPLES):
         turn = np.random.default_rng(extra).uniform(-0.5, 0.5, window + extra).astype(np.float32)
         for part in audio_parts(turn, RATE, window):

@@ -248,6 +248,17 @@ def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
         ),
         ({"type": "input_audio_buffer.commit"}, None),
         ({"type": "response.cancel"}, None),
+        (  # 1 ms of the session's 24 kHz pcm16: shorter than the feature extractor takes
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_audio", "audio": base64.b64encode(bytes(48)).decode()}],
+                },
+            },
+            "item.content.0.audio",
+        ),
         ({"type": "no.such.event"}, "type"),
     ]
 
@@ -275,6 +286,7 @@ def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
     assert errors[-2].error.code == "invalid_json" and errors[-1].error.code == "invalid_event"
     assert errors[5].error.code == "input_audio_buffer_commit_empty"
     assert errors[6].error.code == "response_cancel_not_active"
+    assert errors[7].error.code == "invalid_value" and "at least 25 ms" in errors[7].error.message
     assert answer.done.response.status == "completed"
     assert answer.transcript == echo("user: still on\n", 16)
 

@@ -265,3 +265,15 @@ def test_the_benchmarks_video_workload_sends_one_readable_video_to_all():
     items = decoder.decode_all(decoder.read_all([video_part]))
     assert [(i.kind, i.in_video) for i in items] == [(VIDEO, False), (AUDIO, True)]
     assert items[0].array.shape == (4, 64, 96, 3)
+
+
+def test_a_sound_track_shorter_than_the_feature_extractor_takes_is_refused(monkeypatch):
+    # AAC (media_samples' tracks) holds at least a 1,024-sample frame: a shorter track, as another
+    # codec can hold, stands in by the decoded track cut to 10 ms.
+    decode_track = video.decode_track
+    monkeypatch.setattr(video, "decode_track", lambda *a: decode_track(*a)[:160])
+    decoder = MediaDecoder(MediaConfig(), audio_sample_rate=16000)
+    encoded = decoder.read_all([part(video_bytes(frames=8, fps=8, audio_s=1.0))])
+    with pytest.raises(MediaError, match="the video's sound track is 10.0 ms long; at least 25 ms") as e:
+        decoder.decode_all(encoded)
+    assert e.value.param == encoded[0].param

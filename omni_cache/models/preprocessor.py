@@ -8,6 +8,19 @@ from typing import Any
 
 #: What audio inputs are resampled to when the model does not say (Whisper-style encoders).
 DEFAULT_AUDIO_INPUT_RATE = 16000
+#: The shortest clip (samples at the input rate) the omni models' audio feature extractor takes.
+#: Whisper's (Qwen2.5-Omni's and Qwen3-Omni's: ``n_fft`` 400 at 16 kHz) reflect-pads ``n_fft //
+#: 2`` samples on each side of a clip and fails on one no longer than that, deep in the thinker's
+#: processor; the server asks for one ``n_fft`` (25 ms) and refuses a shorter clip up front.
+MIN_AUDIO_SAMPLES = 400
+
+
+def too_short(what: str, samples: int, rate: int) -> str:
+    """The error for a clip of ``samples`` at ``rate`` shorter than :data:`MIN_AUDIO_SAMPLES`."""
+    return (
+        f"{what} is {samples * 1000 / rate:.1f} ms long; at least {MIN_AUDIO_SAMPLES * 1000 / rate:g} ms "
+        "are accepted (the model's audio feature extractor takes no shorter clip)"
+    )
 
 
 def audio_input_rate(model_dir: str | Path) -> int:

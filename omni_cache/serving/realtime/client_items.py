@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, too_short
 from omni_cache.runtime.request_path.requests import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item, ItemPart, SpokenText, audio_item
@@ -160,7 +161,10 @@ def decode_clip(fmt: AudioFormat, data: str, param: str, rate: int) -> np.ndarra
         samples = fmt.decode(raw)
     except ValueError as e:
         raise EventError(str(e), param=param, code="invalid_value") from None
-    return StreamResampler(fmt.rate, rate)(samples, last=True)
+    clip = StreamResampler(fmt.rate, rate)(samples, last=True)
+    if len(clip) < MIN_AUDIO_SAMPLES:
+        raise EventError(too_short("audio", len(clip), rate), param=param, code="invalid_value")
+    return clip
 
 
 def _check_media_count(content: list[Any], images: ImageSource | None) -> None:

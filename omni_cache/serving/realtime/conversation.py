@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.serving.realtime.protocol import EventError, new_id
 
@@ -171,13 +172,12 @@ def audio_item(samples: np.ndarray, rate: int) -> MediaItem:
     return MediaItem(AUDIO, samples, rate, h.hexdigest())
 
 
-#: The shortest last piece a turn's audio is cut into (samples). Qwen3-Omni's feature extractor
-#: (Whisper's, ``n_fft`` 400) reflect-pads ``n_fft // 2`` samples on each side of an item, which
-#: needs more samples than that: a turn of 8 s and up to 12.5 ms (at 16 kHz) failed the thinker's
-#: processor on its last piece. A last piece shorter than one ``n_fft`` is kept with the piece
-#: before it (that window, if it was listened to as a piece of its own, is encoded again at the
-#: turn's end: about one long turn in 300).
-MIN_PIECE_SAMPLES = 400
+#: The shortest last piece a turn's audio is cut into (samples): the feature extractor fails on
+#: a clip of ``n_fft // 2`` samples or fewer (``models.preprocessor.MIN_AUDIO_SAMPLES``), and a
+#: turn of 8 s and up to 12.5 ms (at 16 kHz) failed its response on its last piece. A shorter
+#: last piece is kept with the piece before it (that window, if it was listened to as a piece of
+#: its own, is encoded again at the turn's end: about one long turn in 300).
+MIN_PIECE_SAMPLES = MIN_AUDIO_SAMPLES
 
 
 def audio_parts(samples: np.ndarray, rate: int, window: int | None) -> list[ItemPart]:
