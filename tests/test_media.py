@@ -113,6 +113,23 @@ def test_a_clip_shorter_than_the_feature_extractor_takes_is_refused():
     assert dec.audio(clip_b64(0.025, 16000), "wav", "p").array.shape == (400,)
 
 
+def test_an_image_thinner_than_the_image_processor_takes_is_refused_by_its_own_rule():
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    for w, h in ((1, 200), (1, 201), (3, 600), (601, 3), (28, 5600), (28, 5601), (40, 30)):
+        try:
+            smart_resize(h, w)  # the peer: Qwen-VL's processors resize every image through it
+            refused_by_peer = False
+        except ValueError:
+            refused_by_peer = True
+        if not refused_by_peer:
+            assert MediaDecoder().image(png_data_url(w, h), "p").array.shape == (h, w, 3)
+            continue
+        with pytest.raises(MediaError, match=f"image is {w}x{h} pixels, one side .* at most 200") as e:
+            MediaDecoder().image(png_data_url(w, h), "p")
+        assert e.value.param == "p"
+
+
 def test_audio_duration_limit():
     with pytest.raises(MediaError, match="max_audio_seconds"):
         MediaDecoder(MediaConfig(max_audio_seconds=0.1)).audio(clip_b64(0.5), "wav", "p")

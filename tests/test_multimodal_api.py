@@ -152,8 +152,14 @@ def test_the_same_image_again_is_a_prefix_hit_without_the_encoder(client, server
             "messages.0.content.0.input_audio",
             "is 5.0 ms long; at least 25 ms",
         ),
+        (  # the stage's processor refused it with no param and the image's repr
+            {"type": "image_url", "image_url": {"url": png_data_url(1, 300)}},
+            400,
+            "messages.0.content.0.image_url.url",
+            "one side 300 times the other; at most 200",
+        ),
     ],
-    ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video", "short-audio"],
+    ids=["corrupt-image", "file-url", "remote-url", "no-url", "flac", "bad-base64", "video", "short-audio", "thin"],
 )
 def test_bad_media_is_a_400_and_the_server_keeps_serving(server, client, part, status, param, words):
     r = httpx.post(

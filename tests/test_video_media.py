@@ -277,3 +277,10 @@ def test_a_sound_track_shorter_than_the_feature_extractor_takes_is_refused(monke
     with pytest.raises(MediaError, match="the video's sound track is 10.0 ms long; at least 25 ms") as e:
         decoder.decode_all(encoded)
     assert e.value.param == encoded[0].param
+
+
+def test_a_video_thinner_than_the_video_processor_takes_is_refused_from_its_header():
+    with pytest.raises(MediaError, match="video is 404x2 pixels, one side 202 times the other") as e:
+        MediaDecoder().read_all([part(video_bytes(frames=4, w=404, h=2))])
+    assert e.value.param == "messages.0.content.0.video_url.url"
+    assert MediaDecoder().read_all([part(video_bytes(frames=4, w=400, h=2))])[0].kind == VIDEO

@@ -15,6 +15,23 @@ DEFAULT_AUDIO_INPUT_RATE = 16000
 MIN_AUDIO_SAMPLES = 400
 
 
+#: The most one side of an image (or a video's frames) may be times the other: the Qwen-VL image
+#: and video processors (``smart_resize``, Qwen2.5-Omni's, Qwen3-Omni's and Qwen3.5's) refuse a
+#: longer, thinner one deep in the thinker's processor; the server refuses it up front.
+MAX_ASPECT_RATIO = 200
+
+
+def too_thin(what: str, width: int, height: int) -> str | None:
+    """The error for a picture beyond :data:`MAX_ASPECT_RATIO`, or None."""
+    ratio = max(width, height) / max(1, min(width, height))
+    if ratio <= MAX_ASPECT_RATIO:
+        return None
+    return (
+        f"{what} is {width}x{height} pixels, one side {ratio:.0f} times the other; at most "
+        f"{MAX_ASPECT_RATIO} is accepted (the model's image processor takes no thinner picture)"
+    )
+
+
 def too_short(what: str, samples: int, rate: int) -> str:
     """The error for a clip of ``samples`` at ``rate`` shorter than :data:`MIN_AUDIO_SAMPLES`."""
     return (

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omni_cache.config.server_schema import MediaConfig
-from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, QWEN2_VL, too_short
+from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, QWEN2_VL, too_short, too_thin
 from omni_cache.runtime.request_path.requests import AUDIO, IMAGE, VIDEO, MediaItem
 from omni_cache.serving import media_fetch, video
 from omni_cache.serving.media_fetch import is_remote
@@ -221,6 +221,8 @@ class MediaDecoder:
             frames = len(video.sampled_indices(header, self.limits, self.video_sampler))
         except video.VideoProblem as e:
             raise MediaError(str(e), param) from None
+        if thin := too_thin("video", header.width, header.height):
+            raise MediaError(thin, param)
         lim = self.limits
         sampling = f"{lim.video_fps:g}:{lim.video_min_frames}:{lim.video_max_frames}:{self.video_sampler}"
         digest = _digest(VIDEO, 0, data, sampling)
@@ -270,6 +272,8 @@ class MediaDecoder:
                 "pixels are accepted (server.media.max_image_pixels)",
                 param,
             )
+        if thin := too_thin("image", w, h):
+            raise MediaError(thin, param)
         return EncodedItem(IMAGE, data, param, _digest(IMAGE, 0, data), w * h * 3)
 
     def read_audio(self, data_b64: str, fmt: str, param: str) -> EncodedItem:
