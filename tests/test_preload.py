@@ -41,6 +41,12 @@ def test_the_scan_sees_imports_inside_functions_only():
     assert lazy_imports(src) == {"x.y", "z"}
 
 
+def last_line_of(code: str) -> str:
+    """The last line ``code`` prints in a fresh interpreter (nothing imported before it)."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    return run.stdout.strip().splitlines()[-1]
+
+
 def test_preload_imports_them_all_in_a_fresh_interpreter():
     code = (
         "import sys; from omni_cache.serving.preload import preload, REQUEST_PATH_MODULES, LIBRARY_FIRST_USE_MODULES; "
@@ -49,11 +55,7 @@ def test_preload_imports_them_all_in_a_fresh_interpreter():
         "from PIL import Image; from openai.types.realtime import SessionCreatedEvent; "
         "print(failed, missing, Image._initialized, SessionCreatedEvent.__pydantic_complete__)"
     )
-    out = (
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    out = last_line_of(code)
     # ... and the SDK's models are built (the SDK defers that to their first use)
     assert out == "[] [] 2 True", out
 
@@ -68,10 +70,6 @@ def test_deferred_models_of_the_named_packages_are_built_and_no_others():
         "print(before, n > 100, again, SessionCreatedEvent.__pydantic_complete__, "
         "ConversationItemAdded.__pydantic_complete__, Response.__pydantic_complete__)"
     )
-    out = (
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    out = last_line_of(code)
     # Deferred by the SDK, then built, once; the Responses API's models (not served) are left alone.
     assert out == "[False, False] True 0 True True False", out
