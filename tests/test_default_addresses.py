@@ -163,7 +163,7 @@ def test_two_pipelines_from_one_config_run_side_by_side(tmp_path: Path):
         [two] = second.generate("second pipeline", max_tokens=6, modalities=("text", "audio"))
         assert (one.text, two.text) == (echo("first pipeline", 6), echo("second pipeline", 6))
         assert one.audio.size and two.audio.size  # through each one's own decoder
-        assert first.stats()["thinker"]["requests"] == 1 == second.stats()["thinker"]["requests"]
+        assert first.stats(timeout=30)["thinker"]["requests"] == 1 == second.stats(timeout=30)["thinker"]["requests"]
     assert not any(d.exists() for d in dirs)  # each server removed its own directory
 
 

@@ -197,13 +197,13 @@ def check_hit_rows_equal_cold_rows(probe_dir: Path, prompt: list[int], cached: i
 def test_text_prompts_equal_the_reference_cold_and_on_a_hit(pipeline, reference_model, probe_dir, kind):
     token_ids = pipeline.tokenize(PROMPTS[kind])
     want = ref.reference(reference_model, token_ids, thinker_tokens=THINKER_TOKENS, talker_steps=TALKER_STEPS)
-    before = pipeline.stats()
+    before = pipeline.stats(timeout=30)
     for attempt in range(2):
         [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
         check_against_reference(got, *want, reference_model)
         if attempt:
             assert got.cached_tokens.get("thinker", 0) > 0
-    after = pipeline.stats()
+    after = pipeline.stats(timeout=30)
     assert after["talker"]["prefix_cache_hit_tokens"] > before["talker"]["prefix_cache_hit_tokens"]
     check_hit_rows_equal_cold_rows(probe_dir, token_ids, got.cached_tokens["thinker"])
 

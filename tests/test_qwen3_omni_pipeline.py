@@ -249,13 +249,13 @@ def test_an_image_prompt_equals_the_reference_also_on_a_hit(pipeline, reference_
 def test_prefix_hits_and_batching_keep_the_codes(pipeline, reference_model):
     token_ids = pipeline.tokenize(PROMPTS["text"])
     _, want_codes, _ = reference(reference_model, token_ids)
-    before = pipeline.stats()
+    before = pipeline.stats(timeout=30)
     # The same prompt three more times, all at once: prefix hits in thinker and talker, batched.
     results = pipeline.generate([token_ids] * 3, max_tokens=THINKER_TOKENS, return_latents=True)
     for r in results:
         assert torch.equal(r.latents["talker.codes"], want_codes)
         assert r.cached_tokens.get("thinker", 0) > 0
-    after = pipeline.stats()
+    after = pipeline.stats(timeout=30)
     hits = after["talker"]["prefix_cache_hit_tokens"] - before["talker"]["prefix_cache_hit_tokens"]
     assert hits > 0, "the talker's own prefix cache never hit on a repeated prompt"
 
@@ -271,11 +271,11 @@ def test_a_prompt_extending_an_earlier_one_equals_the_reference(pipeline, refere
         }
     ]  # over two KV blocks
     [one] = pipeline.generate([pipeline.tokenize(first)], max_tokens=THINKER_TOKENS)
-    before = pipeline.stats()
+    before = pipeline.stats(timeout=30)
     second = first + [{"role": "assistant", "content": one.text}, {"role": "user", "content": "And of the sky?"}]
     token_ids = pipeline.tokenize(second)
     [got] = pipeline.generate([token_ids], max_tokens=THINKER_TOKENS, return_latents=True)
-    after = pipeline.stats()
+    after = pipeline.stats(timeout=30)
     want_text, want_codes, want_wav = reference(reference_model, token_ids)
     eos = reference_model.config.im_end_token_id
     assert got.cached_tokens.get("thinker", 0) > 0

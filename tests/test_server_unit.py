@@ -610,7 +610,7 @@ def test_python_pipeline_api():
         again = pipe.generate("hello there", max_tokens=2, modalities=("text",))
         assert again[0].audio is None and again[0].latents == {}
         assert again[0].cached_tokens["thinker"] > 0
-        stats = pipe.stats()
+        stats = pipe.stats(timeout=30)
         assert stats["thinker"]["requests"] == 4 and stats["thinker"]["prefix_cache_hit_tokens"] > 0
     assert_gone(pids)
 
