@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES
 from omni_cache.runtime.request_path.admission import InFlightBounds
 from omni_cache.runtime.request_path.results import Completed, RequestError
 from omni_cache.serving.realtime import listening
 from omni_cache.serving.realtime.conversation import (
-    MIN_PIECE_SAMPLES,
     Item,
     ItemPart,
     audio_item,
@@ -68,13 +68,13 @@ def test_a_last_piece_too_short_for_the_feature_extractor_stays_with_the_one_bef
     def samples(n: int) -> np.ndarray:
         return np.random.default_rng(n).uniform(-0.5, 0.5, n).astype(np.float32)
 
-    for extra in (1, 200, MIN_PIECE_SAMPLES - 1):
+    for extra in (1, 200, MIN_AUDIO_SAMPLES - 1):
         turn = samples(2 * WINDOW + extra)
         parts = audio_parts(turn, RATE, WINDOW)
         assert [len(p.media.array) for p in parts] == [WINDOW, WINDOW + extra]
         np.testing.assert_array_equal(np.concatenate([p.media.array for p in parts]), turn)
-    lengths = [len(p.media.array) for p in audio_parts(samples(2 * WINDOW + MIN_PIECE_SAMPLES), RATE, WINDOW)]
-    assert lengths == [WINDOW, WINDOW, MIN_PIECE_SAMPLES]
+    lengths = [len(p.media.array) for p in audio_parts(samples(2 * WINDOW + MIN_AUDIO_SAMPLES), RATE, WINDOW)]
+    assert lengths == [WINDOW, WINDOW, MIN_AUDIO_SAMPLES]
     # A turn of one window and a few samples stays one clip.
     assert len(audio_parts(samples(WINDOW + 5), RATE, WINDOW)) == 1
 
@@ -360,7 +360,7 @@ def test_every_piece_of_a_turn_a_few_samples_past_a_window_passes_the_models_pro
     # audio item): it refused a last piece of n_fft // 2 samples or fewer.
     from transformers import AutoProcessor
 
-    from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, audio_pieces
+    from omni_cache.models.preprocessor import audio_pieces
     from omni_cache.tiny.checkpoints import ensure_checkpoint
 
     path = ensure_checkpoint("qwen3-omni")
@@ -369,8 +369,7 @@ def test_every_piece_of_a_turn_a_few_samples_past_a_window_passes_the_models_pro
     # The bound is the processor's own: half an n_fft fails it (what MIN_AUDIO_SAMPLES guards).
     with pytest.raises(RuntimeError, match="Padding size"):
         processor(text="<|audio_pad|>", audio=[np.zeros(MIN_AUDIO_SAMPLES // 2, np.float32)], return_tensors="pt")
-    assert MIN_PIECE_SAMPLES == MIN_AUDIO_SAMPLES
-    for extra in (100, 200, MIN_PIECE_SAMPLES):
+    for extra in (100, 200, MIN_AUDIO_SAMPLES):
         turn = np.random.default_rng(extra).uniform(-0.5, 0.5, window + extra).astype(np.float32)
         for part in audio_parts(turn, RATE, window):
             out = processor(text="<|audio_pad|>", audio=[part.media.array], return_tensors="pt")

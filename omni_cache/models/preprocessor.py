@@ -32,8 +32,11 @@ def too_thin(what: str, width: int, height: int) -> str | None:
     )
 
 
-def too_short(what: str, samples: int, rate: int) -> str:
-    """The error for a clip of ``samples`` at ``rate`` shorter than :data:`MIN_AUDIO_SAMPLES`."""
+def too_short(what: str, samples: int, rate: int) -> str | None:
+    """The error for a clip of ``samples`` at ``rate`` shorter than :data:`MIN_AUDIO_SAMPLES`, or
+    None."""
+    if samples >= MIN_AUDIO_SAMPLES:
+        return None
     return (
         f"{what} is {samples * 1000 / rate:.1f} ms long; at least {MIN_AUDIO_SAMPLES * 1000 / rate:g} ms "
         "are accepted (the model's audio feature extractor takes no shorter clip)"

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omni_cache.config.server_schema import MediaConfig
-from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, QWEN2_VL, too_short, too_thin
+from omni_cache.models.preprocessor import QWEN2_VL, too_short, too_thin
 from omni_cache.runtime.request_path.requests import AUDIO, IMAGE, VIDEO, MediaItem
 from omni_cache.serving import media_fetch, video
 from omni_cache.serving.media_fetch import is_remote
@@ -301,8 +301,8 @@ class MediaDecoder:
                 param,
             )
         samples = -(-info.frames * self.audio_sample_rate // info.samplerate)  # at the target rate
-        if samples < MIN_AUDIO_SAMPLES:
-            raise MediaError(too_short("audio", samples, self.audio_sample_rate), param)
+        if short := too_short("audio", samples, self.audio_sample_rate):
+            raise MediaError(short, param)
         return EncodedItem(AUDIO, data, param, _digest(AUDIO, self.audio_sample_rate, data), samples * 4, fmt)
 
     def _decode(self, item: EncodedItem) -> MediaItem:
@@ -332,8 +332,8 @@ class MediaDecoder:
             track = video.decode_track(item.data, item.header, self.audio_sample_rate)
         except video.VideoProblem as e:
             raise MediaError(str(e), item.param) from None
-        if len(track) < MIN_AUDIO_SAMPLES:
-            raise MediaError(too_short("the video's sound track", len(track), self.audio_sample_rate), item.param)
+        if short := too_short("the video's sound track", len(track), self.audio_sample_rate):
+            raise MediaError(short, item.param)
         return MediaItem(AUDIO, track, self.audio_sample_rate, in_video=True)
 
     def _decode_image(self, item: EncodedItem) -> MediaItem:

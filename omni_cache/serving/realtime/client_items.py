@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_cache.models.preprocessor import MIN_AUDIO_SAMPLES, too_short
+from omni_cache.models.preprocessor import too_short
 from omni_cache.runtime.request_path.requests import MediaItem
 from omni_cache.serving.realtime.audio_codecs import AudioFormat, StreamResampler
 from omni_cache.serving.realtime.conversation import Item, ItemPart, SpokenText, audio_item
@@ -162,8 +162,8 @@ def decode_clip(fmt: AudioFormat, data: str, param: str, rate: int) -> np.ndarra
     except ValueError as e:
         raise EventError(str(e), param=param, code="invalid_value") from None
     clip = StreamResampler(fmt.rate, rate)(samples, last=True)
-    if len(clip) < MIN_AUDIO_SAMPLES:
-        raise EventError(too_short("audio", len(clip), rate), param=param, code="invalid_value")
+    if short := too_short("audio", len(clip), rate):
+        raise EventError(short, param=param, code="invalid_value")
     return clip
 
 

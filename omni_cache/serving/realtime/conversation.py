@@ -172,26 +172,22 @@ def audio_item(samples: np.ndarray, rate: int) -> MediaItem:
     return MediaItem(AUDIO, samples, rate, h.hexdigest())
 
 
-#: The shortest last piece a turn's audio is cut into (samples): the feature extractor fails on
-#: a clip of ``n_fft // 2`` samples or fewer (``models.preprocessor.MIN_AUDIO_SAMPLES``), and a
-#: turn of 8 s and up to 12.5 ms (at 16 kHz) failed its response on its last piece. A shorter
-#: last piece is kept with the piece before it (that window, if it was listened to as a piece of
-#: its own, is encoded again at the turn's end: about one long turn in 300).
-MIN_PIECE_SAMPLES = MIN_AUDIO_SAMPLES
-
-
 def audio_parts(samples: np.ndarray, rate: int, window: int | None) -> list[ItemPart]:
     """A user turn's audio as the prompt holds it: one clip, or (``window``: the thinker's audio
     encoder window in samples) the clip cut every ``window`` samples, each piece its own item
-    (its own digest) and the pieces after the first joined to it; a last piece shorter than
-    :data:`MIN_PIECE_SAMPLES` stays with the one before. The thinker sees the same token ids
-    either way and encodes each window as the whole clip's (issue 51): the pieces of a turn
-    prefilled while it was spoken (:mod:`.listening`) are the turn's first items."""
+    (its own digest) and the pieces after the first joined to it. The thinker sees the same
+    token ids either way and encodes each window as the whole clip's (issue 51): the pieces of a
+    turn prefilled while it was spoken (:mod:`.listening`) are the turn's first items.
+
+    A last piece shorter than ``MIN_AUDIO_SAMPLES`` stays with the one before: the feature
+    extractor fails on a clip of ``n_fft // 2`` samples or fewer, and a turn of 8 s and up to
+    12.5 ms (at 16 kHz) failed its response on its last piece. That window, if it was listened
+    to as a piece of its own, is encoded again at the turn's end (about one long turn in 300)."""
     samples = np.ascontiguousarray(samples, dtype=np.float32)
-    if not window or len(samples) < window + MIN_PIECE_SAMPLES:
+    if not window or len(samples) < window + MIN_AUDIO_SAMPLES:
         return [ItemPart("input_audio", media=audio_item(samples, rate))]
     cuts = list(range(0, len(samples), window))
-    if len(samples) - cuts[-1] < MIN_PIECE_SAMPLES:
+    if len(samples) - cuts[-1] < MIN_AUDIO_SAMPLES:
         cuts.pop()
     ends = cuts[1:] + [len(samples)]
     return [
