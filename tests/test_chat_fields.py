@@ -9,6 +9,9 @@
   the wire struct rebuilt into vLLM's ``SamplingParams`` in the stage equals the server's, and a
   ``SamplingParams`` field that does not travel is refused unless it holds vLLM's default.
 * docs/api.md names every field.
+* A content part that is not one this server takes, or whose fields have the wrong types, is a
+  400 naming the part (``messages.0.content.1.image_url.url``), never pydantic's list of every
+  part type it tried nor a 500 from the decoders; a bare string part is text, as vLLM reads it.
 
 Pure unit tests: vLLM's classes, no engine.
 """
@@ -240,3 +243,35 @@ def test_refusal_reads_only_fields_the_client_set():
 
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     assert refusal(req, {}, wants_audio=True) is None
+
+
+@pytest.mark.parametrize(
+    "role, part, param, needle",
+    [
+        # pydantic checks an OpenAI message's parts only as they are read: its errors listed
+        # every part type tried ("7 validation errors for ValidatorIterator"), param None.
+        ("user", {"type": "input_text", "text": "x"}, "messages.0.content.0.type", "'input_text' is not supported"),
+        ("user", {"type": "image_url", "image_url": {"url": 5}}, "messages.0.content.0.image_url.url", "string"),
+        ("user", {"type": "text"}, "messages.0.content.0.text", "Field required"),
+        ("user", 1, "messages.0.content.0", "must be an object"),
+        ("tool", {"type": "input_text", "text": "x"}, "messages.0.content.0.type", "'input_text' is not supported"),
+        # A message vLLM reads as its own (a key OpenAI's messages lack): these reached the
+        # media decoders and were 500s ("'int' object has no attribute 'decode'").
+        ("user+", {"type": "image_url", "image_url": {"url": 5}}, "messages.0.content.0.image_url.url", "string"),
+        ("user+", {"type": "video_url", "video_url": {"url": 5}}, "messages.0.content.0.video_url.url", "string"),
+        ("user+", {"type": "input_audio", "input_audio": {"data": 1}}, "messages.0.content.0.input_audio.data", "str"),
+    ],
+)
+def test_a_bad_content_part_is_a_400_naming_it(role, part, param, needle):
+    message = {"role": role.rstrip("+"), "content": [part]}
+    if role.endswith("+"):
+        message["tool_call_id"] = "call_1"
+    err = refused(messages=[message])
+    assert err.param == param and needle in err.message, (err.param, err.message)
+    assert "ValidatorIterator" not in err.message and "pydantic" not in err.message
+
+
+def test_a_bare_string_part_is_text_as_vllm_reads_it():
+    """Before, ``'str' object has no attribute 'get'``: a 500."""
+    chat = parse_chat_request(body(messages=[{"role": "user", "content": ["a", {"type": "text", "text": "b"}]}]), MODEL)
+    assert chat.messages[0]["content"] == "ab"

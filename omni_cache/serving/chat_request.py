@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -207,11 +208,11 @@ def _modalities(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(["text", *value]))
 
 
-#: Content-part type -> (the field that carries it, the media kind).
+#: Content-part type -> (the field that carries it, the media kind, its keys that are strings).
 MEDIA_PARTS = {
-    "image_url": ("image_url", "image"),
-    "input_audio": ("input_audio", "audio"),
-    "video_url": ("video_url", "video"),
+    "image_url": ("image_url", "image", ("url", "detail")),
+    "input_audio": ("input_audio", "audio", ("data", "format")),
+    "video_url": ("video_url", "video", ("url",)),
 }
 SUPPORTED_PARTS = ("text", *MEDIA_PARTS)
 
@@ -226,24 +227,7 @@ def _message_dict(i: int, m: dict[str, Any], media: list[MediaPart]) -> dict[str
     if content is None or isinstance(content, str):
         content = content or ""
     else:
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(content):
-            param = f"messages.{i}.content.{j}"
-            kind = part.get("type")
-            if kind == "text":
-                parts.append({"type": "text", "text": part.get("text") or ""})
-            elif kind in MEDIA_PARTS:
-                field_name, media_kind = MEDIA_PARTS[kind]
-                if not isinstance(part.get(field_name), dict):
-                    raise APIError(400, f"a {kind} content part needs {field_name!r}", param=f"{param}.{field_name}")
-                media.append(MediaPart(media_kind, part, param))
-                parts.append({"type": media_kind})
-            else:
-                raise APIError(
-                    400,
-                    f"content part type {kind!r} is not supported (supported: {', '.join(SUPPORTED_PARTS)})",
-                    param=param + ".type",
-                )
+        parts = [_content_part(f"messages.{i}.content.{j}", part, media) for j, part in _read_parts(i, content)]
         if all(p["type"] == "text" for p in parts):
             joiner = "\n" if m["role"] == "tool" else ""
             content = joiner.join(p["text"] for p in parts)
@@ -256,6 +240,88 @@ def _message_dict(i: int, m: dict[str, Any], media: list[MediaPart]) -> dict[str
     if m.get("tool_calls"):
         d["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
     return d
+
+
+def _read_parts(i: int, content: Any) -> Iterator[tuple[int, Any]]:
+    """Message ``i``'s content parts with their indices. vLLM's request model types an OpenAI
+    message's content as an ``Iterable`` of parts, which pydantic checks only as it is read: a
+    part that none of the part types takes raises its ValidationError here, whose text lists
+    every type it tried with their class names and no field the client could look for. It is
+    a 400 naming the part instead (:func:`_refused_part`)."""
+    import pydantic
+
+    parts = iter(content)
+    for j in itertools.count():
+        try:
+            part = next(parts)
+        except StopIteration:
+            return
+        except pydantic.ValidationError as e:
+            raise _refused_part(i, e.errors(include_url=False)) from None
+        yield j, part
+
+
+def _refused_part(i: int, errors: list[Any]) -> APIError:
+    """The 400 for a content part pydantic refused (``errors``: its error list, each ``loc``
+    the part's index, then the part type tried when there were several, then the field): what
+    is wrong with it as the part type its ``type`` names, else that its type is not taken."""
+    j = errors[0]["loc"][0] if errors and errors[0]["loc"] else 0
+    param = f"messages.{i}.content.{j}"
+    fields = [_field_of(err["loc"][1:]) for err in errors]
+    # Part types the part's "type" did not match: their other errors say nothing about it.
+    other_types = {kind for (kind, field) in fields if field == ("type",)}
+    for err, (kind, field) in zip(errors, fields, strict=True):
+        if kind in other_types:
+            continue
+        if not field:
+            return APIError(400, 'a content part must be an object with a "type"', param=param)
+        name = ".".join(str(f) for f in field)
+        return APIError(400, f"content part {name}: {err['msg']}", param=f"{param}.{name}")
+    kind = next((err["input"] for err in errors if err["type"] == "literal_error"), None)
+    return APIError(
+        400,
+        f"content part type {kind!r} is not supported (supported: {', '.join(SUPPORTED_PARTS)})",
+        param=param + ".type",
+    )
+
+
+def _field_of(loc: tuple[Any, ...]) -> tuple[str | None, tuple[Any, ...]]:
+    """(the part type tried, the field) of a content part error's location past the index: the
+    part types are class names (``ChatCompletionContentPartImageParam``), fields lower case."""
+    if loc and isinstance(loc[0], str) and loc[0][:1].isupper():
+        return loc[0], tuple(loc[1:])
+    return None, tuple(loc)
+
+
+def _content_part(param: str, part: Any, media: list[MediaPart]) -> dict[str, Any]:
+    """One content part as the chat template takes it (its media to ``media``); a 400 naming
+    what is wrong with it. A bare string is a text part, as vLLM reads one."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if not isinstance(part, dict):
+        raise APIError(400, 'a content part must be an object with a "type"', param=param)
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if text is not None and not isinstance(text, str):
+            raise APIError(400, "a text content part's text must be a string", param=f"{param}.text")
+        return {"type": "text", "text": text or ""}
+    if kind not in MEDIA_PARTS:
+        raise APIError(
+            400,
+            f"content part type {kind!r} is not supported (supported: {', '.join(SUPPORTED_PARTS)})",
+            param=param + ".type",
+        )
+    field_name, media_kind, strings = MEDIA_PARTS[kind]
+    value = part.get(field_name)
+    if not isinstance(value, dict):
+        raise APIError(400, f"a {kind} content part needs {field_name!r}", param=f"{param}.{field_name}")
+    # The decoders read these as text: another type would fail there, not as the client's error.
+    for key in strings:
+        if value.get(key) is not None and not isinstance(value[key], str):
+            raise APIError(400, f"{field_name}.{key} must be a string", param=f"{param}.{field_name}.{key}")
+    media.append(MediaPart(media_kind, part, param))
+    return {"type": media_kind}
 
 
 def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
