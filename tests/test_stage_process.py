@@ -1,9 +1,10 @@
 """The stage loop itself (workers/stage_process.py) over real ZMQ, with a scripted runner in
 place of a model: a failure outside any request (a stats query, an Abort, the housekeeping) is
 counted and the loop goes on; a step failure fails what the stage holds and only repeated ones
-end the process; a bad request fails alone; a downstream stage that stops reading fails the
-requests whose output it would not take, and the loop goes on serving the others; the heartbeats
-say whether the loop moves.
+end the process; a bad request fails alone (logged without a traceback when it is the
+request's fault, vLLM's ``VLLMClientError`` included); a downstream stage that stops reading
+fails the requests whose output it would not take, and the loop goes on serving the others; the
+heartbeats say whether the loop moves.
 
 The runner is the real :class:`workers.runner.StageRunner` (its request table, guard, failure and
 deadline handling) with a model of a few lines: each step sends one token of every request it
@@ -342,3 +343,37 @@ def test_the_heartbeats_say_whether_the_loop_moves(stage):
     assert stage.answer("a") == [0, 1, 2]
     moving = stage.expect(StageReady, lambda b: b.stalled_s < 0.5)
     assert moving.stalled_s < later.stalled_s
+
+
+class _Outbox:
+    """What a runner sends, kept (the runner's outbox without ZMQ)."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def to_orchestrator(self, msg) -> None:
+        self.sent.append(msg)
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def test_a_request_vllm_refuses_as_the_clients_fault_is_logged_without_a_traceback(caplog):
+    """vLLM files a request's own faults as VLLMClientError, which is no ValueError: each such
+    request (a response_format schema that does not compile) logged three chained tracebacks."""
+    from vllm.exceptions import VLLMValidationError
+
+    config = load_config(ROOT / "stage_configs" / "tiny_omni.yaml")
+    outbox = _Outbox()
+    runner = ScriptedRunner(config.stage("thinker"), outbox)
+    causes = {
+        "client": VLLMValidationError("Grammar error: Invalid type: nosuchtype"),
+        "bad": ValueError("request bad is malformed"),
+        "server": RuntimeError("the engine broke"),
+    }
+    with caplog.at_level("WARNING", logger="workers.runner"):
+        for rid, exc in causes.items():
+            runner.guarded(rid, lambda exc=exc: (_ for _ in ()).throw(exc))
+    traced = {r.getMessage().split()[3]: bool(r.exc_info) for r in caplog.records}
+    assert traced == {"client": False, "bad": False, "server": True}
+    assert [(m.request_id, m.status) for m in outbox.sent] == [("client", 400), ("bad", 400), ("server", 500)]

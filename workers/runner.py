@@ -201,7 +201,9 @@ class StageRunner:
                 request_id,
                 type(exc).__name__,
                 exc,
-                exc_info=not isinstance(exc, (ValueError, SendTimeout)),
+                # The request's own fault (vLLM's VLLMClientError, e.g. a grammar that does not
+                # compile, is no ValueError) or a stuck peer: one line, no traceback per request.
+                exc_info=not (is_client_error(exc) or isinstance(exc, SendTimeout)),
             )
             self.fail(request_id, exc)
 
