@@ -105,6 +105,28 @@ def test_bad_audio_is_refused_with_a_reason(data, fmt, words):
         MediaDecoder().audio(data, fmt, "p")
 
 
+def _wav_with_no_channels() -> str:
+    """A WAV file whose header says it has no channels (what libsndfile refuses by name)."""
+    data = bytearray(base64.b64decode(clip_b64(0.1, 16000)))
+    data[22:24] = (0).to_bytes(2, "little")  # fmt chunk: NumChannels
+    return base64.b64encode(bytes(data)).decode()
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (base64.b64encode(b"RIFF" + bytes(40)).decode(), "(Format not recognised.)"),
+        (_wav_with_no_channels(), "(Channel count is zero.)"),
+    ],
+)
+def test_audio_libsndfile_cannot_open_is_refused_in_its_words_without_the_servers_buffer(data, reason):
+    """libsndfile's message begins with the file it opened: here the server's in-memory buffer,
+    which reached the client as "Error opening <_io.BytesIO object at 0x7fea38341a30>: ..."."""
+    with pytest.raises(MediaError) as e:
+        MediaDecoder().audio(data, "wav", "p")
+    assert str(e.value) == f"audio could not be decoded as wav {reason}"
+
+
 def test_a_clip_shorter_than_the_feature_extractor_takes_is_refused():
     dec = MediaDecoder(audio_sample_rate=16000)
     for seconds, rate in ((0.005, 16000), (0.0125, 16000), (0.024, 44100)):

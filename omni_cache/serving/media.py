@@ -288,7 +288,7 @@ class MediaDecoder:
         try:
             info = sf.info(io.BytesIO(data))
         except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
-            raise MediaError(f"audio could not be decoded as {fmt} ({e})", param) from None
+            raise MediaError(_undecodable_audio(fmt, e), param) from None
         if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
             raise MediaError(
                 f"audio sample rate {info.samplerate} Hz is outside {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz", param
@@ -356,7 +356,7 @@ class MediaDecoder:
         try:
             samples, rate = sf.read(io.BytesIO(item.data), dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
-            raise MediaError(f"audio could not be decoded as {fmt} ({e})", param) from None
+            raise MediaError(_undecodable_audio(fmt, e), param) from None
         if samples.shape[0] == 0:
             raise MediaError("audio has no samples", param)
         mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
@@ -467,3 +467,11 @@ def _digest(kind: str, rate: int, data: bytes, sampling: str = "") -> str:
     h = hashlib.sha256(f"{kind}:{rate}:{sampling}:".encode() if sampling else f"{kind}:{rate}:".encode())
     h.update(data)
     return h.hexdigest()
+
+
+def _undecodable_audio(fmt: str, e: Exception) -> str:
+    """Why a clip could not be read, in libsndfile's words: its error's text begins with the file
+    it opened, here an in-memory buffer's repr ("Error opening <_io.BytesIO object at 0x7f...>:"),
+    an address of the server's that tells the client nothing."""
+    why = getattr(e, "error_string", None) or str(e)
+    return f"audio could not be decoded as {fmt} ({why})"
