@@ -247,8 +247,7 @@ def _read_parts(i: int, content: Any) -> Iterator[tuple[int, Any]]:
     message's content as an ``Iterable`` of parts, which pydantic checks only as it is read: a
     part that none of the part types takes raises its ValidationError here, whose text lists
     every type it tried with their class names and no field the client could look for. It is
-    a 400 naming the part instead (:func:`_refused_part`), but for a bare string: text, as vLLM
-    reads one (where the message validated as vLLM's own, the string arrives as it is)."""
+    a 400 naming the part instead (:func:`_refused_part`)."""
     import pydantic
 
     parts = iter(content)
@@ -258,10 +257,7 @@ def _read_parts(i: int, content: Any) -> Iterator[tuple[int, Any]]:
         except StopIteration:
             return
         except pydantic.ValidationError as e:
-            errors = e.errors(include_url=False)
-            part = errors[0]["input"]
-            if not (isinstance(part, str) and all(not _field_of(err["loc"][1:])[1] for err in errors)):
-                raise _refused_part(i, errors) from None
+            raise _refused_part(i, e.errors(include_url=False)) from None
         yield j, part
 
 
