@@ -254,6 +254,7 @@ def test_refusal_reads_only_fields_the_client_set():
         ("user", {"type": "image_url", "image_url": {"url": 5}}, "messages.0.content.0.image_url.url", "string"),
         ("user", {"type": "text"}, "messages.0.content.0.text", "Field required"),
         ("user", 1, "messages.0.content.0", "must be an object"),
+        ("user", "x", "messages.0.content.0", "must be an object"),  # strings alone: 400 as in vLLM
         ("tool", {"type": "input_text", "text": "x"}, "messages.0.content.0.type", "'input_text' is not supported"),
         # A message vLLM reads as its own (a key OpenAI's messages lack): these reached the
         # media decoders and were 500s ("'int' object has no attribute 'decode'").
@@ -275,3 +276,11 @@ def test_a_bare_string_part_is_text_as_vllm_reads_it():
     """Before, ``'str' object has no attribute 'get'``: a 500."""
     chat = parse_chat_request(body(messages=[{"role": "user", "content": ["a", {"type": "text", "text": "b"}]}]), MODEL)
     assert chat.messages[0]["content"] == "ab"
+
+
+def test_content_that_is_an_object_is_a_400():
+    """pydantic reads an object as the ``Iterable`` of parts OpenAI's message types declare: its
+    keys, each a string, so strings alone in a list stay refused (the body fuzz's
+    ``"content": {"a": 1}``), as vLLM refuses them when it reads them."""
+    err = refused(messages=[{"role": "user", "content": {"a": 1}}])
+    assert err.param == "messages.0.content.0" and "must be an object" in err.message
