@@ -7,6 +7,8 @@
   leaves, also when the client is gone before the response's first byte (Starlette then never
   starts the response's generator).
 * The event loop's lag is in /metrics, and a loop held by blocking work shows in it.
+* A request vLLM's engine ends with finish_reason "error" fails in its stage (a 500, as
+  ``vllm serve`` answers it), never as an answer of what it sampled last.
 * omni_cache/tasks.py: tasks ended without swallowing the caller's own cancellation.
 
 The server runs fake stages (tests/fake_stage.py: real processes, real ZMQ, no model)."""
@@ -363,3 +365,25 @@ def test_a_hold_is_said_again_to_the_replicas_now_serving_the_request():
     assert [m.held for _, m in said()] == [False, False]
     ends.renew_holds(200.0)
     assert said() == []
+
+
+def test_a_request_the_engine_ends_with_an_error_fails_alone():
+    """A response_format schema xgrammar compiles but then rejects its own token (``{"$ref":
+    "#"}``) made vLLM end the request with finish_reason "error": the client got a 200 whose
+    content was that token ("\\u0000") with finish_reason "error" (``vllm serve``: a 500)."""
+    from types import SimpleNamespace
+
+    from vllm.exceptions import GenerationError
+
+    from workers.llm_stage import ENGINE_ERROR, LLMStage
+
+    def output(rid: str, reason: str) -> SimpleNamespace:
+        completion = SimpleNamespace(finish_reason=reason, token_ids=[0], text="\0", stop_reason=None, logprobs=None)
+        return SimpleNamespace(request_id=rid, outputs=[completion], finished=True)
+
+    stage = LLMStage.__new__(LLMStage)  # the engine's outputs are all step() reads here
+    stage.engine = SimpleNamespace(step=lambda: [output("bad", "error")])
+    stage._tracked = {"bad": SimpleNamespace(num_prompt_tokens=10)}
+    [out] = stage.step()
+    assert isinstance(out.error, GenerationError) and str(out.error) == ENGINE_ERROR
+    assert not out.finished and out.token_ids == [] and out.text == ""

@@ -27,6 +27,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
+#: Why a request vLLM's engine ended with finish_reason "error" failed (its log says more).
+ENGINE_ERROR = "the engine ended the request with an error (vLLM's finish_reason \"error\"; the stage's log says why)"
+
+
 @dataclass
 class StepOutput:
     """What one engine step produced for one request."""
@@ -295,6 +299,13 @@ class LLMStage:
         """What one request's engine output means for the stage: its new tokens, latents and
         codes."""
         completion = out.outputs[0]
+        if completion.finish_reason == "error":
+            # vLLM's engine ended the request itself (its grammar rejected a token it had
+            # allowed, an encoder cache mismatch, ...): what it sampled last is no answer, and
+            # `vllm serve` answers the request as a 500, not as text with finish_reason "error".
+            from vllm.exceptions import GenerationError
+
+            raise GenerationError(ENGINE_ERROR)
         tracked.num_prompt_tokens = len(out.prompt_token_ids or ()) or tracked.num_prompt_tokens
         if out.prompt_token_ids is None and out.prompt_embeds is not None:
             tracked.num_prompt_tokens = out.prompt_embeds.shape[0]
