@@ -291,6 +291,40 @@ def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
     assert answer.transcript == echo("user: still on\n", 16)
 
 
+def test_a_lone_surrogate_is_refused_and_the_session_still_answers(srv):
+    """JSON can escape half a surrogate pair, which is no character: such text is refused with an
+    error naming it. Before, the item was added and then its ``conversation.item.added`` failed
+    to serialize (an ``internal_error``; every later response failed in the tokenizer), and a
+    response whose metadata held one never ended: its ``response.created`` failed the same way,
+    and every later ``response.create`` was ``conversation_already_has_active_response``."""
+
+    async def go():
+        async with connect(srv.url, model(srv), API_KEY) as conn:
+            await opened(conn)
+            errors = []
+            await conn.send_raw(
+                '{"type": "conversation.item.create", "event_id": "ev_1", "item": {"type": "message", '
+                '"role": "user", "content": [{"type": "input_text", "text": "hi \\ud800"}]}}'
+            )
+            errors.append(await next_event(conn, timeout=30))
+            await say(conn, "still on")
+            await conn.send_raw(
+                '{"type": "response.create", "event_id": "ev_2", "response": {"metadata": {"k": "\\udfff"}}}'
+            )
+            errors.append(await next_event(conn, timeout=30))
+            await conn.response.create()
+            return errors, await read_answer(conn, timeout=60)
+
+    errors, answer = run(go())
+    assert [(e.type, e.error.param, e.error.event_id) for e in errors] == [
+        ("error", "item.content.0.text", "ev_1"),
+        ("error", "response.metadata.k", "ev_2"),
+    ]
+    assert all(e.error.code == "invalid_value" for e in errors)
+    assert answer.done.response.status == "completed"
+    assert answer.transcript == echo("user: still on\n", 16)  # nothing of the refused item
+
+
 def test_a_wrong_key_or_model_is_refused(srv):
     async def wrong_key():
         async with connect(srv.url, model(srv), "wrong"):

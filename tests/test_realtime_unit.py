@@ -235,6 +235,120 @@ def test_not_json_and_not_an_object():
         parse_client_event("[1]")
 
 
+def test_an_event_without_a_string_type_says_so_in_jsons_words():
+    """Before, ``{}`` was "unknown event type None" (Python's word) and a long type was echoed whole."""
+    for raw, needle in [
+        ("{}", "the event has no 'type'"),
+        ('{"type": null}', "'type' must be a string, not null"),
+        ('{"type": ["x"]}', "'type' must be a string, not an array"),
+        ('{"type": "' + "x" * 5000 + '"}', '"' + "x" * 64 + '"...'),
+    ]:
+        with pytest.raises(EventError) as e:
+            parse_client_event(raw)
+        assert needle in e.value.message and e.value.param == "type"
+        assert "None" not in e.value.message and "x" * 65 not in e.value.message
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (
+            '{"type": "conversation.item.create", "event_id": "ev_1", "item": {"type": "message", '
+            '"role": "user", "content": [{"type": "input_text", "text": "hi \\ud800"}]}}',
+            "item.content.0.text",
+        ),
+        (
+            '{"type": "session.update", "event_id": "ev_1", "session": {"type": "realtime", '
+            '"instructions": "\\udfff\\ud800"}}',
+            "session.instructions",
+        ),
+        (
+            '{"type": "response.create", "event_id": "ev_1", "response": {"metadata": {"k": "\\udc00"}}}',
+            "response.metadata.k",
+        ),
+        (
+            '{"type": "response.create", "event_id": "ev_1", "response": {"metadata": {"k\\ud800": "v"}}}',
+            "response.metadata.k\\ud800",
+        ),
+        # The same half pair written as UTF-8 bytes: json reads bytes with "surrogatepass".
+        (
+            b'{"type": "session.update", "event_id": "ev_1", "session": {"type": "realtime", '
+            b'"instructions": "\xed\xa0\x80"}}',
+            "session.instructions",
+        ),
+        ('{"type": "input_audio_buffer.clear", "event_id": "\\ud800"}', "event_id"),
+    ],
+    ids=["item-text", "instructions", "metadata-value", "metadata-key", "utf8-bytes", "event-id"],
+)
+def test_a_lone_surrogate_is_an_error_naming_its_field(raw, param):
+    """Before, the event was carried out and the server event echoing the text failed to serialize:
+    an ``internal_error`` after the item was added (every later response then failed in the
+    tokenizer), or a response that never ended (its ``response.created`` carried the metadata)."""
+    with pytest.raises(EventError) as e:
+        parse_client_event(raw)
+    assert e.value.param == param and e.value.code == "invalid_value"
+    assert "lone UTF-16 surrogate" in e.value.message
+    assert e.value.event_id == (None if param == "event_id" else "ev_1")
+    # What the client is sent can be written as JSON.
+    protocol.wire(protocol.error_event(e.value, e.value.event_id))
+
+
+def test_surrogate_pairs_and_other_characters_are_taken():
+    text = "\U0001f389 \u00e9 \ud55c \u0000"
+    for ascii_only in (True, False):  # escaped (the emoji as a surrogate pair) and as UTF-8 bytes
+        raw = json.dumps(
+            {"type": "session.update", "session": {"type": "realtime", "instructions": text}}, ensure_ascii=ascii_only
+        )
+        event, _ = parse_client_event(raw.encode())
+        assert event.session.instructions == text
+
+
+@pytest.mark.parametrize(
+    "event, param, wanted, unwanted",
+    [
+        (
+            {"type": "conversation.item.create", "item": {"type": "foo", "role": "user", "content": []}},
+            "item.type",
+            ["'message'", "'function_call'"],
+            ["'system'", "'user'"],
+        ),
+        (
+            {"type": "conversation.item.create", "item": {"type": "message", "role": "developer", "content": []}},
+            "item.role",
+            ["'assistant'", "'system'", "'user'"],
+            ["'function_call'", "'message'"],
+        ),
+        (
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"format": {"type": "audio/mp3"}}}},
+            },
+            "session.audio.input.format.type",
+            ["'audio/pcm'", "'audio/pcma'", "'audio/pcmu'"],
+            ["'transcription'"],
+        ),
+        (
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "nope"}}}},
+            },
+            "session.audio.input.turn_detection.type",
+            ["'server_vad'", "'semantic_vad'"],
+            ["'transcription'"],
+        ),
+    ],
+    ids=["item-type", "item-role", "format-type", "turn-detection-type"],
+)
+def test_a_wrong_type_or_role_names_that_field_and_only_its_values(event, param, wanted, unwanted):
+    """Before, ``type: "foo"`` was blamed on ``item.role`` with item types and message roles in one
+    list, and a bad audio format listed the transcription session's ``'transcription'``."""
+    with pytest.raises(EventError) as e:
+        parse_client_event(json.dumps(event))
+    assert e.value.param == param, e.value.message
+    assert all(w in e.value.message for w in wanted), e.value.message
+    assert not any(u in e.value.message for u in unwanted), e.value.message
+
+
 def test_deep_large_and_many_valued_events_are_errors_naming_the_problem():
     """Checked before anything is parsed: before, 200,000 brackets raised RecursionError (an
     ``internal_error``) and nothing bounded an event's size or values."""

@@ -17,6 +17,7 @@ for the chat requests' threads.
 
 from __future__ import annotations
 
+import json
 import typing
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "EventError",
     "error_event",
     "event_too_large",
+    "lone_surrogate",
     "make_event",
     "new_id",
     "parse_client_event",
@@ -107,14 +109,23 @@ def parse_client_event(raw: str | bytes | Masked, max_bytes: int | None = None) 
         raise EventError(str(e), code="invalid_json") from None
     if not isinstance(data, dict):
         raise EventError("an event must be a JSON object", code="invalid_event")
-    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    # Only an escape or a byte past ASCII (UTF-8, or UTF-16/32 that json detects) can hold one.
+    bad = lone_surrogate(data) if b"\\u" in encoded or not encoded.isascii() else None
+    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) and bad != "event_id" else None
+    if bad is not None:
+        err = EventError(
+            f"{bad}: the text holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not in a pair), "
+            "which is no Unicode character; send the character itself or its surrogate pair",
+            param=bad,
+            code="invalid_value",
+        )
+        err.event_id = event_id
+        raise err
     kind = data.get("type")
     cls = CLIENT_EVENTS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise EventError(
-            f"unknown event type {kind!r} (supported: {', '.join(sorted(CLIENT_EVENTS))})",
-            param="type",
-            code="invalid_value",
+            f"{_type_problem(data)} (supported: {', '.join(sorted(CLIENT_EVENTS))})", param="type", code="invalid_value"
         )
     try:
         return cls.model_validate(data), event_id
@@ -122,6 +133,55 @@ def parse_client_event(raw: str | bytes | Masked, max_bytes: int | None = None) 
         err = validation_error(e)
         err.event_id = event_id
         raise err from None
+
+
+def _type_problem(data: dict[str, Any]) -> str:
+    """What is wrong with an event's ``type``, in JSON's words (not Python's ``None``), a long
+    value cut short."""
+    if "type" not in data:
+        return "the event has no 'type'"
+    kind = data["type"]
+    if not isinstance(kind, str):
+        return f"'type' must be a string, not {_JSON_TYPES.get(type(kind), 'a number')}"
+    shown = json.dumps(kind[:64]) + ("..." if len(kind) > 64 else "")
+    return f"unknown event type {shown}"
+
+
+#: What a JSON value that is not a string is called in messages.
+_JSON_TYPES = {type(None): "null", bool: "a boolean", list: "an array", dict: "an object"}
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in ``value`` holding a lone surrogate, None
+    when there is none.
+
+    JSON lets a string escape half a surrogate pair (``"\\ud800"``) and Python's json reader
+    keeps it (and decodes bytes with ``surrogatepass``), but such a string cannot be written as
+    UTF-8: echoed in a server event it failed the event's serialization (an ``internal_error``),
+    and kept in the conversation it failed every later response's tokenization."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else path or "event"
+    if isinstance(value, dict):
+        for key, member in value.items():
+            name = key if _encodes(key) else key.encode("utf-8", "backslashreplace").decode("ascii")
+            where = f"{path}.{name}" if path else name
+            if name is not key:
+                return where
+            if (found := lone_surrogate(member, where)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, member in enumerate(value):
+            if (found := lone_surrogate(member, f"{path}.{i}" if path else str(i))) is not None:
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def event_too_large(size: int, max_bytes: int) -> EventError:
@@ -142,18 +202,45 @@ def validation_error(e: ValidationError) -> EventError:
     errors = e.errors()
     by_member: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for err in errors:
-        members = tuple(str(p) for p in err["loc"] if _is_member(p))
-        by_member.setdefault(members, []).append(err)
+        by_member.setdefault(_members(err), []).append(err)
     meant = [errs for errs in by_member.values() if not any(_discriminator_mismatch(x) for x in errs)]
-    err = meant[0][0] if meant else errors[0]
-    loc = [p for p in err["loc"] if not _is_member(p)]
-    param = ".".join(str(p) for p in loc) or None
     if meant or len(by_member) <= 1:
-        message = f"{param or 'event'}: {err['msg']}"
-    else:  # no member's discriminator matched: say which values there are
-        wanted = sorted({str(x["ctx"]["expected"]) for x in errors if _discriminator_mismatch(x) and "ctx" in x})
-        message = f"{param}: expected one of {', '.join(wanted)}" if wanted else f"{param}: {err['msg']}"
+        err = meant[0][0] if meant else errors[0]
+        param = _field_path(err) or None
+        return EventError(f"{param or 'event'}: {err['msg']}", param=param, code="invalid_value")
+    # No member's discriminator matched: name the one that is wrong and the values it takes.
+    closest = _closest_mismatches([x for x in errors if _discriminator_mismatch(x)])
+    param = _field_path(closest[0])
+    wanted = sorted({str(x["ctx"]["expected"]) for x in closest if "ctx" in x})
+    message = f"{param}: expected one of {', '.join(wanted)}" if wanted else f"{param}: {closest[0]['msg']}"
     return EventError(message, param=param, code="invalid_value")
+
+
+def _field_path(err: dict[str, Any]) -> str:
+    return ".".join(str(p) for p in err["loc"] if not _is_member(p))
+
+
+def _closest_mismatches(mismatches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The discriminator mismatches that say what the client got wrong, all at one field.
+
+    The members that got furthest into the event are the ones meant (an audio format's
+    ``type`` inside a realtime session, not the transcription session's ``session.type``);
+    among those, a member whose ``type`` matched says the ``role`` is wrong (``role:
+    "developer"`` in a message: the message roles), else the ``type`` is (``type: "foo"``:
+    every item type, not the roles of the message members)."""
+    depth = max(len(_field_path(x).split(".")) for x in mismatches)
+    deepest = [x for x in mismatches if len(_field_path(x).split(".")) == depth]
+    fields: dict[tuple[str, ...], set[str]] = {}
+    for x in deepest:
+        fields.setdefault(_members(x), set()).add(x["loc"][-1])
+    typed = {m for m, names in fields.items() if "type" not in names}
+    if typed:
+        return [x for x in deepest if _members(x) in typed]
+    return [x for x in deepest if x["loc"][-1] == "type"]
+
+
+def _members(err: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(str(p) for p in err["loc"] if _is_member(p))
 
 
 #: How pydantic names the members of a union that are not models (``int``, ``literal['inf']``).
