@@ -442,7 +442,12 @@ class MediaDecoder:
 
 
 def _undecodable_image(e: Exception) -> str:
-    return f"image could not be decoded ({type(e).__name__}: {e}); send PNG, JPEG, WebP, GIF or BMP"
+    from PIL import UnidentifiedImageError
+
+    # PIL's UnidentifiedImageError names the file it read, here an in-memory buffer's repr
+    # ("<_io.BytesIO object at 0x7f...>"): an address of the server's, no use to the client.
+    why = "no image format was recognised" if isinstance(e, UnidentifiedImageError) else f"{type(e).__name__}: {e}"
+    return f"image could not be decoded ({why}); send PNG, JPEG, WebP, GIF or BMP"
 
 
 def _b64decode_sliced(text: str) -> bytes:
