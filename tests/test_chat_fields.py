@@ -129,6 +129,12 @@ def test_a_field_that_is_not_vllms_is_refused_by_name(name):
             "new assistant turn",
         ),
         ({"include_reasoning": False}, "include_reasoning", "reasoning parser"),
+        # An audio key OpenAI's audio object lacks was taken and ignored.
+        (
+            {"modalities": ["text", "audio"], "audio": {"voice": "default", "speed": 2}},
+            "audio.speed",
+            "{voice, format}",
+        ),
         ({"mm_processor_kwargs": {"fps": 4}}, "mm_processor_kwargs", "use_audio_in_video"),
         ({"mm_processor_kwargs": {"use_audio_in_video": "yes"}}, "mm_processor_kwargs", "true|false"),
     ],

@@ -177,6 +177,12 @@ def parse_chat_request(raw: bytes, served_model: str, voices: tuple[str, ...] = 
     audio = {} if audio is None else audio  # [] or "" is no audio object either
     if not isinstance(audio, dict):
         raise APIError(400, "audio must be an object {voice, format}", param="audio")
+    # OpenAI's audio object has these two keys: another (a "speed") would be taken and ignored.
+    unknown = next((key for key in audio if key not in ("voice", "format")), None)
+    if unknown is not None:
+        raise APIError(
+            400, f"audio.{unknown} is not supported: the audio object is {{voice, format}}", param=f"audio.{unknown}"
+        )
     audio_format = audio.get("format") or (STREAM_FORMAT if req.stream else "wav")
     voice = audio.get("voice")
     if voice is not None and (not isinstance(voice, str) or voice.lower() not in voices):
