@@ -14,7 +14,9 @@ tests/test_server_unit.py:
   Prompts containing ``HANG`` never finish; ``STALL`` stops after 2 tokens unless the request
   was resumed (``Submit.resumed_tokens``: the answer goes on after the tokens the prompt ends
   with, which the first output carries again, as workers/ar_runner.py sends them);
-  ``FAIL`` answers a StageError (status 500);
+  ``FAIL`` answers a StageError (status 500); ``REFUSE`` the StageError a real stage's runner
+  makes of a check vLLM files with a parameter (workers/runner.py ``error_message``: 400, param
+  ``top_logprobs``);
   ``SLOWSTART`` delays the first token by ``SLOW_FIRST_TOKEN_S``; ``UTF8BAD`` answers with
   ``UTF8BAD_ANSWER`` (invalid and incomplete UTF-8), decoded like vLLM's incremental detokenizer:
   bytes held back while incomplete (empty text), U+FFFD for invalid ones, and a sequence still
@@ -67,6 +69,7 @@ from omni_cache.wire.messages import (
 from omni_cache.wire.stage_auth import load_stage_auth
 from omni_cache.wire.transport import AsyncReceiver, AsyncSender, Codec
 from workers.announcer import Announcer
+from workers.runner import error_message
 
 SAMPLE_RATE = int(os.environ.get("FAKE_SAMPLE_RATE", "24000"))  # what the "decoder" claims
 WINDOW = int(os.environ.get("FAKE_DECODER_WINDOW", "1"))  # upstream tokens per audio message
@@ -75,6 +78,14 @@ BLOCK = 4
 SEEN_PROMPTS = 256  # prompts the prefix-cache counters remember
 SLOW_FIRST_TOKEN_S = 0.5
 UTF8BAD_ANSWER = b"\xe2\x82 ok \xff\xfe end \xf0\x9f\x98"
+
+
+class Refused(ValueError):
+    """A request check's failure naming the field at fault, as vLLM's VLLMValidationError does."""
+
+    def __init__(self, message: str, *, parameter: str) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -256,6 +267,9 @@ class FakeStage:
             await self.orch.send(
                 StageError(request_id=rid, stage=self.name, message="fake failure requested", status=500)
             )
+            return
+        if b"REFUSE" in raw:
+            await self.orch.send(error_message(self.name, rid, Refused("fake refusal", parameter="top_logprobs")))
             return
         if b"HANG" in raw:
             await asyncio.sleep(3600)

@@ -370,6 +370,16 @@ def test_stage_error_is_reported(srv, http):
     assert "thinker" in r.json()["error"]["message"] and "fake failure" in r.json()["error"]["message"]
 
 
+def test_a_stage_refusal_names_the_field_vllm_named(srv, http):
+    """A check in the stage that names its field (vLLM's VLLMValidationError.parameter, e.g.
+    ``allowed_token_ids`` out of the vocabulary) reached the client with ``param`` null, where
+    `vllm serve` names it."""
+    r = http.post("/v1/chat/completions", json=chat(srv, "please REFUSE"))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["type"]) == ("top_logprobs", "BadRequestError") and "fake refusal" in err["message"]
+
+
 def test_deadline_gives_504(srv, http):
     t0 = time.monotonic()
     r = http.post("/v1/chat/completions", json=chat(srv, "HANG forever"))

@@ -377,3 +377,16 @@ def test_a_request_vllm_refuses_as_the_clients_fault_is_logged_without_a_traceba
     traced = {r.getMessage().split()[3]: bool(r.exc_info) for r in caplog.records}
     assert traced == {"client": False, "bad": False, "server": True}
     assert [(m.request_id, m.status) for m in outbox.sent] == [("client", 400), ("bad", 400), ("server", 500)]
+
+
+def test_a_stage_error_names_the_field_vllms_check_named():
+    from vllm.exceptions import VLLMValidationError
+
+    from workers.runner import error_message
+
+    refused = VLLMValidationError("allowed_token_ids contains out-of-vocab token id!", parameter="allowed_token_ids")
+    err = error_message("thinker", "r", refused)
+    assert (err.status, err.param) == (400, "allowed_token_ids")
+    assert error_message("thinker", "r", ValueError("bad")).param is None
+    too_long = VLLMValidationError("x", parameter="p" * 1000)  # past the wire's bound: not sent
+    assert error_message("thinker", "r", too_long).param is None

@@ -23,7 +23,7 @@ from typing import Any
 
 from omni_cache.config import StageConfig
 from omni_cache.timeline import Timeline
-from omni_cache.wire.messages import MAX_ERROR_MESSAGE, StageError, StageOutput, StreamStart, Submit
+from omni_cache.wire.messages import MAX_ERROR_MESSAGE, MAX_ERROR_PARAM, StageError, StageOutput, StreamStart, Submit
 from omni_cache.wire.transport import SendTimeout
 from scheduler.pacing import Pacer, PacingPolicy
 
@@ -86,7 +86,12 @@ def error_message(stage: str, request_id: str, exc: BaseException) -> StageError
     message = f"{type(exc).__name__}: {exc}"
     if len(message) > MAX_ERROR_MESSAGE:  # longer would not decode (the wire bounds it)
         message = message[: MAX_ERROR_MESSAGE - 3] + "..."
-    return StageError(request_id=request_id, stage=stage, message=message, status=status)
+    # The field vLLM's check named (VLLMValidationError.parameter: "allowed_token_ids"), the
+    # error's param as `vllm serve` answers it.
+    param = getattr(exc, "parameter", None)
+    if not isinstance(param, str) or len(param) > MAX_ERROR_PARAM:
+        param = None
+    return StageError(request_id=request_id, stage=stage, message=message, status=status, param=param)
 
 
 def stage_pacer(stage: StageConfig) -> Pacer | None:

@@ -137,4 +137,4 @@ class StageMessages:
             logger.info("stage %s: error for unknown request %s: %s", msg.stage, msg.request_id, msg.message)
             return
         status = msg.status if 400 <= msg.status <= 599 else 500
-        self.ends.fail(req, status, f"stage {msg.stage!r}: {msg.message}", stage=msg.stage)
+        self.ends.fail(req, status, f"stage {msg.stage!r}: {msg.message}", stage=msg.stage, param=msg.param)

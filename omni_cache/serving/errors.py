@@ -74,7 +74,7 @@ class APIError(Exception):
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> APIError:
-        return cls(e.status, e.message, retry_after=e.retry_after)
+        return cls(e.status, e.message, param=e.param, retry_after=e.retry_after)
 
     @classmethod
     def from_vllm(cls, exc: Exception) -> APIError:

@@ -56,6 +56,8 @@ from omni_cache.wire.sampling import EngineSampling
 MAX_SAMPLE_RATE = 384_000
 #: The longest StageError message; a stage cuts a longer one (workers/runner.py).
 MAX_ERROR_MESSAGE = 8192
+#: The longest StageError param (a request field's name); a longer one is not sent.
+MAX_ERROR_PARAM = 256
 #: The longest modality or multimodal identifier a MediaSpan carries (a stage sends no layout
 #: with a longer one: the output carrying it would not decode).
 MAX_MEDIA_NAME = 512
@@ -274,6 +276,9 @@ class StageError(msgspec.Struct, tag="error", kw_only=True):
     # The HTTP status the client should see; one that is not an error status reaches the client
     # as 500 (the orchestrator's rule), so the request still ends with this error.
     status: Annotated[int, Meta(ge=100, le=599)] = 500
+    # The request field at fault, as vLLM names it (``VLLMValidationError.parameter``): the
+    # error body's ``param``, as `vllm serve` gives it.
+    param: Annotated[str, Meta(max_length=MAX_ERROR_PARAM)] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
@@ -299,7 +304,8 @@ class Hold(msgspec.Struct, tag="hold", kw_only=True):
 #: The version of these messages' shapes, in every StageReady: raised when a message changes so
 #: that processes of different code would misread each other (msgspec fills a missing field with
 #: its default and drops an unknown one, silently).
-PROTOCOL_VERSION = 5  # 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold; 4: Hold.lease_s; 5: StageOutputs
+#: 2: BlockEvents.seq, BlockSnapshotQuery; 3: Hold; 4: Hold.lease_s; 5: StageOutputs; 6: StageError.param.
+PROTOCOL_VERSION = 6
 
 
 class StageReady(msgspec.Struct, tag="ready", kw_only=True):

@@ -118,15 +118,17 @@ class RequestEnds:
         stage: str | None = None,
         abort: bool = True,
         count: bool = True,
+        param: str | None = None,
     ) -> None:
         """End ``req`` with ``Failed`` (once; later calls do nothing). ``stage``: the stage to blame
         (metrics, the error's ``stage``; not told to abort); ``abort``: tell the replicas still
-        running it; ``count``: in the requests' status counts (not for a client that left)."""
+        running it; ``count``: in the requests' status counts (not for a client that left);
+        ``param``: the request field at fault (the error body's ``param``)."""
         if req.done:
             return
         req.done = True
         self.requests.answered(req)
-        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id)))
+        req.queue.put_nowait(Failed(RequestError(status, message, stage=stage, request_id=req.request_id, param=param)))
         if count:
             self.metrics.request_done(status)
             if stage is not None:

@@ -27,6 +27,7 @@ class RequestError(Exception):
         stage: str | None = None,
         request_id: str | None = None,
         retry_after: int | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -34,6 +35,8 @@ class RequestError(Exception):
         self.stage = stage
         self.request_id = request_id
         self.retry_after = retry_after
+        #: The request field at fault, where the stage's check named one (the body's ``param``).
+        self.param = param
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.message!r}, stage={self.stage!r})"
