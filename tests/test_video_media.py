@@ -284,3 +284,15 @@ def test_a_video_thinner_than_the_video_processor_takes_is_refused_from_its_head
         MediaDecoder().read_all([part(video_bytes(frames=4, w=404, h=2))])
     assert e.value.param == "messages.0.content.0.video_url.url"
     assert MediaDecoder().read_all([part(video_bytes(frames=4, w=400, h=2))])[0].kind == VIDEO
+
+
+def test_a_file_ffmpeg_cannot_read_is_refused_in_ffmpegs_words_alone():
+    """FFmpeg's error text carries its errno and the file it read, the server's buffer: the
+    client read "(InvalidDataError: [Errno 1094995529] Invalid data found when processing
+    input: '<none>')"."""
+    with pytest.raises(video.VideoProblem) as e:
+        video.probe(b"this is a text file, not a video at all\n" * 20, MediaConfig())
+    assert str(e.value) == (
+        "video could not be read (InvalidDataError: Invalid data found when processing input); "
+        "send an MP4, WebM, MKV, MOV or AVI file"
+    )

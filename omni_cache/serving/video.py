@@ -69,9 +69,7 @@ def probe(data: bytes, limits: MediaConfig) -> VideoHeader:
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError, OSError) as e:
-        raise VideoProblem(
-            f"video could not be read ({type(e).__name__}: {e}); send an MP4, WebM, MKV, MOV or AVI file"
-        ) from None
+        raise VideoProblem(f"video could not be read ({_why(e)}); send an MP4, WebM, MKV, MOV or AVI file") from None
     with container:
         if not container.streams.video:
             raise VideoProblem("the file has no video stream (send audio as an input_audio part)")
@@ -174,7 +172,7 @@ def decode_frames(data: bytes, header: VideoHeader, limits: MediaConfig, sampler
         frames, _ = _backend(sampler).load_bytes(data, fps=limits.video_fps, backend="opencv", **_sampling(limits))
     except Exception as e:  # noqa: BLE001 - a crafted stream fails anywhere in the loader
         # (a corrupt file made vLLM's sampler divide by the zero frames it found): a 400, not a 500
-        raise VideoProblem(f"video stream is corrupt: it could not be decoded ({type(e).__name__}: {e})") from None
+        raise VideoProblem(f"video stream is corrupt: it could not be decoded ({_why(e)})") from None
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[0] != expected or frames.shape[-1] != 3:
         raise VideoProblem(
@@ -198,7 +196,7 @@ def decode_track(data: bytes, header: VideoHeader, rate: int) -> np.ndarray:
             io.BytesIO(data), sr=None, mono=True, max_duration_s=(header.audio_s or 0) + 1.0
         )
     except (ValueError, RuntimeError, OSError) as e:
-        raise VideoProblem(f"video's sound track could not be decoded ({type(e).__name__}: {e})") from None
+        raise VideoProblem(f"video's sound track could not be decoded ({_why(e)})") from None
     if samples.size == 0:
         raise VideoProblem("video's sound track has no samples")
     if int(native) != rate:
@@ -217,3 +215,10 @@ def decoded_bytes(header: VideoHeader, num_frames: int, audio_rate: int, with_au
     frames = num_frames * header.width * header.height * 3
     track = _track_samples(header, audio_rate) * 4 if with_audio else 0
     return frames + track
+
+
+def _why(e: Exception) -> str:
+    """An exception as a client reads it. FFmpeg's errors (PyAV's ``FFmpegError``) write their
+    errno and the file they read, here ``'<none>'`` for the server's buffer: "[Errno 1094995529]
+    Invalid data found when processing input: '<none>'"; their ``strerror`` is the reason."""
+    return f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
