@@ -97,3 +97,17 @@ def test_residual_codes_sample_as_the_reference_only_when_the_talker_samples():
     rows = torch.stack([pick(logits.clone()) for _ in range(30)])
     assert (rows[:, 0] == 63).all()  # the greedy request keeps the argmax
     assert len(set(rows[:, 1].tolist())) > 1
+
+
+def test_a_placeholder_typed_as_text_is_a_text_position():
+    """A user's text "look <|image_pad|>" with a spoken answer: the thinker (vLLM) took the
+    token as text, the talker refused the request ("the talker prompt has image tokens but the
+    thinker sent no image grids", a 400 for plain text). A placeholder after its vision_start
+    still needs its grid."""
+    from omni_cache.models.talker_positions import VisionTokens, talker_positions
+
+    vision = VisionTokens(image_id=5, video_id=6, vision_start_id=4)
+    positions, delta = talker_positions([1, 2, 5, 3], vision, [])
+    assert positions.tolist() == [[0, 1, 2, 3]] * 3 and delta == 0
+    with pytest.raises(ValueError, match="more images than the 0 grids"):
+        talker_positions([1, 4, 5, 3], vision, [])

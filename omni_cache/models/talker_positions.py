@@ -47,8 +47,9 @@ def talker_positions(
     """The M-RoPE positions [3, len(ids)] of a prompt and its decode delta (the positions of later
     steps are their index plus it)."""
     video_grids, seconds = video_grids or [], video_seconds_per_grid or []
-    if vision.image_id in ids and not image_grids:
-        raise ValueError("the talker prompt has image tokens but the thinker sent no image grids")
+    # An image's tokens follow its vision_start (the walk below checks each has its grid): one
+    # without, a placeholder the client typed as text ("<|image_pad|>"), is a text position, as
+    # the thinker's engine placed it (vLLM positions media by its items, not by token ids).
     if len(seconds) != len(video_grids):
         raise ValueError(f"{len(video_grids)} video grids but {len(seconds)} seconds per grid")
     if vision.vision_start_id not in ids:
