@@ -259,7 +259,13 @@ def test_bad_events_are_answered_with_errors_and_the_session_goes_on(srv):
             },
             "item.content.0.audio",
         ),
-        ({"type": "no.such.event"}, "type"),
+        # The beta API's fields: refused, not dropped (before: applied as nothing, no error).
+        (
+            {"type": "session.update", "session": {"type": "realtime", "input_audio_format": "g711_ulaw"}},
+            "session.input_audio_format",
+        ),
+        ({"type": "response.create", "response": {"modalities": ["text"]}}, "response.modalities"),
+        ({"type": "no.such.event"}, "type"),  # last: its event_id is not read
     ]
 
     async def go():
@@ -522,7 +528,10 @@ def test_a_client_that_stops_reading_has_its_response_held_and_gets_all_of_it(qu
     ws = PausedClient(f"{quick.url.replace('http', 'ws', 1)}/v1/realtime?model={model(quick)}")
     try:
         assert ws.recv(timeout=30)["type"] == "session.created"
-        ws.send({"type": "session.update", "session": {"type": "realtime", "turn_detection": None}})
+        # (The GA place: the beta API's top-level "turn_detection" was ignored here, now refused.)
+        ws.send(
+            {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}}
+        )
         text = "x" * tokens
         ws.send(
             {

@@ -454,6 +454,28 @@ def test_session_update_refuses_what_is_not_served(session, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize(
+    "session, param, ga",
+    [
+        ({"input_audio_format": "g711_ulaw"}, "session.input_audio_format", "session.audio.input.format"),
+        ({"modalities": ["text"]}, "session.modalities", "session.output_modalities"),
+        ({"turn_detection": None}, "session.turn_detection", "session.audio.input.turn_detection"),
+        ({"voice": "alloy"}, "session.voice", "session.audio.output.voice"),
+        ({"temperature": 0.6}, "session.temperature", "no such field"),
+    ],
+    ids=["input-format", "modalities", "turn-detection", "voice", "temperature"],
+)
+def test_a_beta_api_field_is_refused_naming_its_ga_place(session, param, ga):
+    """Before, the SDK's model kept it as an unknown extra and the update was answered
+    ``session.updated`` with nothing of it applied (G.711 audio read as PCM, VAD left on)."""
+    with pytest.raises(EventError) as e:
+        updated(SessionConfig(), session_of(instructions="x", **session), "m")
+    assert (e.value.param, e.value.code) == (param, "unknown_parameter") and ga in e.value.message
+    # What the server itself sends back (id, object) is not refused: a client may echo it.
+    echoed = describe(SessionConfig(), "m", "sess_1").model_dump(exclude_unset=True)
+    assert updated(SessionConfig(), session_of(**{k: v for k, v in echoed.items() if k != "type"}), "m")
+
+
 def test_described_session_is_what_the_sdk_parses():
     from openai.types.realtime import SessionCreatedEvent
 

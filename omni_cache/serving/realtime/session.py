@@ -356,6 +356,7 @@ class RealtimeSession:
         modality, max_tokens, instructions = c.output_modalities[0], c.max_output_tokens, c.instructions
         fmt, metadata, voice = c.output_format, None, c.voice
         if params is not None:
+            session_config.refuse_beta_fields(params, "response")
             session_config.refuse_tools_and_prompts(params, "response")
             refuse_unsupported(
                 [

@@ -24,6 +24,7 @@ from omni_cache.serving.realtime.truncation import Truncation
 from omni_cache.serving.realtime.truncation import parse as parse_truncation
 
 __all__ = [
+    "BETA_FIELDS",
     "MAX_OUTPUT_TOKENS",
     "SessionConfig",
     "TurnDetection",
@@ -32,6 +33,7 @@ __all__ = [
     "describe",
     "max_output_tokens",
     "output_modalities",
+    "refuse_beta_fields",
     "refuse_tools_and_prompts",
     "updated",
     "voice",
@@ -85,6 +87,7 @@ def updated(
         )
     s = session
     given = s.model_fields_set
+    refuse_beta_fields(s, "session")
     refuse_tools_and_prompts(s, "session")
     refuse_unsupported(
         [
@@ -111,6 +114,37 @@ def updated(
     if s.audio is not None:
         out = _audio_updated(out, s.audio, voices)
     return out
+
+
+#: The beta Realtime API's session and response fields -> their GA place (None: none). The SDK's
+#: models keep a field they do not define without a word, so a beta client's update was answered
+#: ``session.updated`` with none of it applied (its G.711 audio then read as PCM, VAD left on).
+BETA_FIELDS = {
+    "modalities": "output_modalities",
+    "voice": "audio.output.voice",
+    "speed": "audio.output.speed",
+    "input_audio_format": "audio.input.format",
+    "output_audio_format": "audio.output.format",
+    "turn_detection": "audio.input.turn_detection",
+    "input_audio_transcription": "audio.input.transcription",
+    "input_audio_noise_reduction": "audio.input.noise_reduction",
+    "max_response_output_tokens": "max_output_tokens",
+    "temperature": None,
+}
+
+
+def refuse_beta_fields(obj: Any, prefix: str) -> None:
+    """EventError (``unknown_parameter``) for a field of the beta API in a session or response,
+    naming where the GA API this server speaks has it."""
+    extra = obj.model_extra or {}
+    for name, ga in BETA_FIELDS.items():
+        if name in extra:
+            where = f"set {prefix}.{ga} instead" if ga else "the GA API has no such field"
+            raise EventError(
+                f"{prefix}.{name} is a field of the beta Realtime API; this server speaks the GA API: {where}",
+                param=f"{prefix}.{name}",
+                code="unknown_parameter",
+            )
 
 
 def refuse_tools_and_prompts(obj: Any, prefix: str) -> None:
