@@ -1,7 +1,8 @@
 """The Qwen3-Omni pipeline through the HTTP API, streaming: audio reaches the client while the
 thinker is still writing; a client that hangs up, an abort and a stage killed mid-answer each leave
 nothing of the request in any stage (the talker's rows and codebook history included: they live on
-vLLM's request objects), and the pipeline answers again afterwards."""
+vLLM's request objects), and the pipeline answers again afterwards. A prompt too long for the
+context is refused from its length in characters, before it is tokenized."""
 
 from __future__ import annotations
 
@@ -109,6 +110,17 @@ def until_first_audio(stream) -> dict:
         if "audio" in kinds(event):
             return event  # the talker is mid-answer
     raise AssertionError("the answer ended before any audio arrived")
+
+
+def test_a_prompt_past_the_context_in_characters_is_refused_before_tokenizing(server):
+    """2 MB of text: tokenizing it took ~4 s holding the tokenizer's lock (20 MB: ~40 s, every
+    other prompt waiting), only for admission to refuse its token count."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "word " * 400_000}], "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input_text" and "2000" in error["message"] and "characters" in error["message"]
+    answers_again(server)
 
 
 def test_a_client_that_hangs_up_leaves_nothing_in_the_stages(server):

@@ -294,6 +294,30 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
     assert "response.output_text.done" in answer.types
 
 
+def test_a_turn_past_the_context_in_characters_fails_its_response_and_is_truncated_away(server):
+    """A 1 MB text turn is refused from its length before it is tokenized (the response fails
+    naming it); the next turn's truncation drops it like any turn over the context."""
+
+    async def go():
+        async with connect(server.url, MODEL) as conn:
+            await opened(conn, **MANUAL)
+            answers = []
+            for text in ("word " * 200_000, "Hello?"):
+                await conn.conversation.item.create(
+                    item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+                )
+                await next_event(conn), await next_event(conn)
+                await conn.response.create(response={"output_modalities": ["text"]})
+                answers.append(await read_answer(conn))
+            return answers
+
+    too_long, after = run(go())
+    response = too_long.done.response
+    assert response.status == "failed", response
+    assert "1000" in response.status_details.error.message and "characters" in response.status_details.error.message
+    assert after.done.response.status in ("completed", "incomplete") and after.text
+
+
 def test_a_client_gone_mid_answer_leaves_nothing_in_the_server(server):
     orch = server.orchestrator
 

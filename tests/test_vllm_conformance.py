@@ -641,6 +641,7 @@ BAD = {
     "no messages": {"messages": []},
     "unknown role content": {"messages": [{"role": "user", "content": 5}]},
     "unknown model": {"model": "no-such-model"},
+    "prompt past the context in characters": {"messages": [{"role": "user", "content": "word " * 400_000}]},
 }
 
 

@@ -215,9 +215,9 @@ class Orchestrator:
         return self._started
 
     def tokenize_messages(self, messages: Sequence[Mapping[str, Any]], **template: Any) -> list[int]:
-        """Chat messages -> prompt token ids through the thinker's chat template (thread-safe);
-        ``template``: its ``tools`` and ``template_kwargs`` (omni_cache/runtime/request_path/text_codec.py)."""
-        return self.codec.tokenize_messages(messages, **template)
+        """Chat messages -> prompt token ids through the thinker's chat template (thread-safe); a text
+        too long for the context is refused untokenized (omni_cache/runtime/request_path/text_codec.py)."""
+        return self.codec.tokenize_messages(messages, max_tokens=self.admission.max_model_len, **template)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.codec.detokenize(token_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_cache.runtime.request_path.results import RequestError
 from omni_cache.serving.chat_request import ChatRequest
 from omni_cache.serving.errors import APIError
 
@@ -24,6 +25,8 @@ def rendered_prompt(orch: Any, chat: ChatRequest, parser_class: Any) -> list[int
     kwargs = _template_kwargs(req, orch.codec.tokenizer)
     try:
         return orch.tokenize_messages(chat.messages, tools=tools, template_kwargs=kwargs)
+    except RequestError as e:  # too long for the model's context (text_codec.PromptTooLong)
+        raise APIError.from_request_error(e) from None
     except Exception as e:  # noqa: BLE001 -- a chat template may raise on odd conversations
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
 

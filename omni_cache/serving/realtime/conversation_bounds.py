@@ -27,6 +27,7 @@ from omni_cache.runtime.request_path.admission import MediaHold
 from omni_cache.runtime.request_path.prompt_ids import PromptIds, prompt_ids
 from omni_cache.runtime.request_path.requests import AUDIO, MediaItem
 from omni_cache.runtime.request_path.results import RequestError
+from omni_cache.runtime.request_path.text_codec import PromptTooLong
 from omni_cache.serving.realtime.conversation import Conversation, Item, audio_runs, expand_audio_runs, render
 from omni_cache.serving.realtime.protocol import EventError
 from omni_cache.serving.realtime.truncation import (
@@ -257,6 +258,16 @@ def _count(
         rendered = item.message()
         message = rendered[0] if rendered is not None else None
         if item.counted is None or item.counted[0] != message:
-            item.counted = (message, 0 if message is None else len(tokenize([message])) - generation)
+            item.counted = (message, 0 if message is None else _tokens(tokenize, message, generation))
         counts.append(item.counted[1])
     return counts, base
+
+
+def _tokens(tokenize: Callable[[list[dict[str, Any]]], list[int]], message: dict[str, Any], generation: int) -> int:
+    """One message's prompt tokens (less the template's ``generation`` tail); one too long to
+    tokenize counts as more than the context holds, so truncation drops it like any other turn
+    over the limit."""
+    try:
+        return len(tokenize([message])) - generation
+    except PromptTooLong as e:
+        return e.tokens_at_least
